@@ -1,0 +1,342 @@
+"""Configuration: defaults in one place, one validation pass that reports every error at once.
+
+The file is TOML. Each top-level table is a section below (a frozen dataclass); every key has a
+default, so the agent runs with no file at all. ``docs/configuration.md`` documents every key.
+
+To add a section: write a frozen dataclass whose fields carry defaults (and optionally
+``metadata={"check": fn}`` where ``fn(value) -> str | None`` returns an error message), add it to
+:class:`Config`, and put cross-field rules in :func:`_cross_checks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PATH = Path("/etc/gce-watchdog/config.toml")
+EX_CONFIG = 78  # sysexits.h: configuration error
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from a number or a string like ``"500ms"``, ``"30s"``, ``"10m"``, ``"2h"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a duration, got {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        if m:
+            return float(m.group(1)) * _UNITS[m.group(2)]
+    raise ValueError(f"expected a duration like 30, '30s', '10m' or '2h', got {value!r}")
+
+
+class Duration(float):
+    """Marker type: a float number of seconds that may be written as '30s', '10m', ..."""
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: float) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _at_least_one(v: int) -> str | None:
+    return None if v >= 1 else "must be >= 1"
+
+
+def _host_port_list(v: list[str]) -> str | None:
+    bad = [t for t in v if _split_host_port(t) is None]
+    return f"not host:port: {', '.join(map(repr, bad))}" if bad else None
+
+
+def _split_host_port(t: str) -> tuple[str, int] | None:
+    host, sep, port = t.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def split_host_port(t: str) -> tuple[str, int]:
+    hp = _split_host_port(t)
+    if hp is None:
+        raise ValueError(f"not host:port: {t!r}")
+    return hp
+
+
+def _abs_path(v: str) -> str | None:
+    return None if v.startswith("/") else "must be an absolute path"
+
+
+def _one_of(*choices: str) -> Callable[[str], str | None]:
+    def check(v: str) -> str | None:
+        return None if v in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def _http_url(v: str) -> str | None:
+    ok = re.match(r"^https?://[^/\s]+(/\S*)?$", v)
+    return None if ok else "must be an http:// or https:// URL"
+
+
+def _argv(v: list[str]) -> str | None:
+    return None if v and all(v) else "must be a non-empty list of non-empty strings (an argv)"
+
+
+def _check(fn: Callable[[Any], str | None], doc: str = "") -> dict[str, Any]:
+    return {"check": fn, "doc": doc}
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    interval: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    probe_timeout: Duration = field(default=Duration(5.0), metadata=_check(_positive))
+    threshold: int = field(default=10, metadata=_check(_at_least_one))
+    heartbeat_every: int = field(default=10, metadata=_check(_at_least_one))
+    state_dir: str = field(default="/var/lib/gce-watchdog", metadata=_check(_abs_path))
+    run_dir: str = field(default="/run/gce-watchdog", metadata=_check(_abs_path))
+    boot_id_path: str = field(
+        default="/proc/sys/kernel/random/boot_id", metadata=_check(_abs_path)
+    )
+    action: str = field(
+        default="poweroff", metadata=_check(_one_of("poweroff", "stop", "delete", "dry-run"))
+    )
+    boot_grace: Duration = field(default=Duration(0.0), metadata=_check(_non_negative))
+
+
+@dataclass(frozen=True)
+class MetadataSection:
+    url: str = field(
+        default="http://169.254.169.254/computeMetadata/v1/instance/id",
+        metadata=_check(_http_url),
+    )
+
+
+@dataclass(frozen=True)
+class EgressSection:
+    targets: list[str] = field(
+        default_factory=lambda: ["www.google.com:443", "one.one.one.one:443"],
+        metadata=_check(_host_port_list),
+    )
+    dns_servers: list[str] = field(default_factory=list)  # empty: the system's resolv.conf
+    dns_timeout: Duration = field(default=Duration(2.0), metadata=_check(_positive))
+
+
+@dataclass(frozen=True)
+class SerialSection:
+    device: str = field(default="/dev/ttyS0", metadata=_check(_abs_path))
+    fallback_file: str = field(
+        default="/var/log/gce-watchdog/serial.log", metadata=_check(_abs_path)
+    )
+    queue_size: int = field(default=256, metadata=_check(_at_least_one))
+    sync_timeout: Duration = field(default=Duration(5.0), metadata=_check(_positive))
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentSection = field(default_factory=AgentSection)
+    metadata: MetadataSection = field(default_factory=MetadataSection)
+    egress: EgressSection = field(default_factory=EgressSection)
+    serial: SerialSection = field(default_factory=SerialSection)
+
+
+@dataclass(frozen=True)
+class ConfigError:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+
+class InvalidConfig(Exception):
+    def __init__(self, errors: list[ConfigError], source: str = "") -> None:
+        self.errors = errors
+        self.source = source
+        head = f"{source}: " if source else ""
+        super().__init__(
+            f"{head}{len(errors)} configuration error(s):\n"
+            + "\n".join(f"  - {e}" for e in errors)
+        )
+
+
+def _suggest(key: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(tp: Any) -> str:
+    if tp is Duration:
+        return "duration (seconds or '30s')"
+    if typing.get_origin(tp) is list:
+        return "list of strings"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any) -> Any:
+    """Return the value as type tp, or raise ValueError with a message."""
+    if tp is Duration:
+        return Duration(parse_duration(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(tp) is list:
+        if isinstance(value, list) and all(isinstance(x, str) for x in value):
+            return list(value)
+    elif isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        for arg in typing.get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+            try:
+                return _coerce(arg, value)
+            except ValueError:
+                continue
+    raise ValueError(f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build_section(cls: type, name: str, raw: Any, errors: list[ConfigError]) -> Any:
+    if not isinstance(raw, dict):
+        errors.append(ConfigError(name, f"must be a table, got {type(raw).__name__}"))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = f"{name}.{key}"
+        if key not in fields:
+            errors.append(ConfigError(path, "unknown key" + _suggest(key, list(fields))))
+            continue
+        try:
+            v = _coerce(hints[key], value)
+        except ValueError as e:
+            errors.append(ConfigError(path, str(e)))
+            continue
+        check = fields[key].metadata.get("check")
+        msg = check(v) if check else None
+        if msg:
+            errors.append(ConfigError(path, msg))
+            continue
+        kwargs[key] = v
+    return cls(**kwargs)
+
+
+def _cross_checks(cfg: Config) -> list[ConfigError]:
+    errs: list[ConfigError] = []
+    a = cfg.agent
+    if a.probe_timeout >= a.interval:
+        errs.append(
+            ConfigError(
+                "agent.probe_timeout",
+                f"must be less than agent.interval ({a.probe_timeout:g}s >= {a.interval:g}s): "
+                "a tick must finish before the next one is due",
+            )
+        )
+    if cfg.egress.dns_timeout >= a.probe_timeout:
+        errs.append(
+            ConfigError(
+                "egress.dns_timeout",
+                f"must be less than agent.probe_timeout ({cfg.egress.dns_timeout:g}s >= "
+                f"{a.probe_timeout:g}s): the egress probe resolves, then connects, in one timeout",
+            )
+        )
+    if not cfg.egress.targets:
+        errs.append(ConfigError("egress.targets", "needs at least one host:port"))
+    for hook in _EXTRA_CHECKS:
+        errs.extend(hook(cfg))
+    return errs
+
+
+# Sections added later register cross-field checks here (kept as data, run in one pass).
+_EXTRA_CHECKS: list[Callable[[Config], list[ConfigError]]] = []
+
+
+def register_check(fn: Callable[[Config], list[ConfigError]]) -> None:
+    _EXTRA_CHECKS.append(fn)
+
+
+def from_dict(raw: dict[str, Any], source: str = "") -> Config:
+    """Build a Config from parsed TOML; raises InvalidConfig listing every error found."""
+    errors: list[ConfigError] = []
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in sections:
+            errors.append(ConfigError(name, "unknown section" + _suggest(name, list(sections))))
+            continue
+        kwargs[name] = _build_section(hints[name], name, value, errors)
+    cfg = Config(**kwargs)
+    if not errors:
+        errors = _cross_checks(cfg)
+    else:
+        errors.extend(e for e in _cross_checks(cfg) if e not in errors)
+    if errors:
+        raise InvalidConfig(errors, source)
+    return cfg
+
+
+def load(path: str | Path | None = None) -> Config:
+    """Load the config file; a missing default file means all defaults.
+
+    An explicitly named file that does not exist is an error (a typo must not silently run the
+    defaults).
+    """
+    explicit = path is not None
+    p = Path(path) if path is not None else DEFAULT_PATH
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        if explicit:
+            raise InvalidConfig([ConfigError(str(p), "file not found")]) from None
+        return Config()
+    except OSError as e:
+        raise InvalidConfig([ConfigError(str(p), f"cannot read: {e.strerror}")]) from None
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise InvalidConfig([ConfigError(str(p), f"not valid TOML: {e}")]) from None
+    return from_dict(raw, str(p))
+
+
+def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of cfg with some keys changed, e.g. ``replace(cfg, agent={"interval": 1.0})``."""
+    out: dict[str, Any] = {}
+    for name, changes in sections.items():
+        out[name] = dataclasses.replace(getattr(cfg, name), **changes)
+    return dataclasses.replace(cfg, **out)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def digest(cfg: Config) -> str:
+    """Short, stable digest of the effective config (reported in the `start` line)."""
+    import hashlib
+    import json
+
+    blob = json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
