@@ -147,11 +147,36 @@ class SerialSection:
 
 
 @dataclass(frozen=True)
+class MemorySection:
+    """Memory watch (docs/memory-watch.md). Reports only, unless on_climb opts into an action."""
+
+    enabled: bool = True
+    period: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    # Samples taken during the first `warmup` after start are not judged (model load, caches).
+    warmup: Duration = field(default=Duration(300.0), metadata=_check(_non_negative))
+    # The team's pass band: at least 30 samples after warm-up, range < band_gib.
+    window: int = field(default=30, metadata=_check(lambda v: None if v >= 30 else "must be >= 30"))
+    # Samples kept per gauge (sliding window judged each period): 240 x 30 s = 2 h of history.
+    max_window: int = field(default=240, metadata=_check(_at_least_one))
+    band_gib: float = field(default=1.0, metadata=_check(_positive))
+    alpha: float = field(
+        default=0.01, metadata=_check(lambda v: None if 0 < v < 0.5 else "must be in (0, 0.5)")
+    )
+    gpu: bool = True
+    # At most one compact `mem` line per serial_every (0: none); the console is shared and slow.
+    serial_every: Duration = field(default=Duration(600.0), metadata=_check(_non_negative))
+    on_climb: str = field(default="report", metadata=_check(_one_of("report", "command")))
+    climb_command: list[str] = field(default_factory=list)
+    climb_command_timeout: Duration = field(default=Duration(60.0), metadata=_check(_positive))
+
+
+@dataclass(frozen=True)
 class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     metadata: MetadataSection = field(default_factory=MetadataSection)
     egress: EgressSection = field(default_factory=EgressSection)
     serial: SerialSection = field(default_factory=SerialSection)
+    memory: MemorySection = field(default_factory=MemorySection)
 
 
 @dataclass(frozen=True)
@@ -275,6 +300,25 @@ _EXTRA_CHECKS: list[Callable[[Config], list[ConfigError]]] = []
 
 def register_check(fn: Callable[[Config], list[ConfigError]]) -> None:
     _EXTRA_CHECKS.append(fn)
+
+
+def _memory_checks(cfg: Config) -> list[ConfigError]:
+    m = cfg.memory
+    errs: list[ConfigError] = []
+    if m.max_window < m.window:
+        errs.append(
+            ConfigError(
+                "memory.max_window", f"must be >= memory.window ({m.max_window} < {m.window})"
+            )
+        )
+    if m.on_climb == "command" and _argv(m.climb_command):
+        errs.append(
+            ConfigError("memory.climb_command", "on_climb = 'command' needs an argv list here")
+        )
+    return errs
+
+
+register_check(_memory_checks)
 
 
 def from_dict(raw: dict[str, Any], source: str = "") -> Config:
