@@ -171,12 +171,83 @@ class MemorySection:
 
 
 @dataclass(frozen=True)
+class ActionsSection:
+    """The shutdown action chain (docs/actions.md). The action itself is ``agent.action``."""
+
+    # Two polls of a 30 s poller plus 15 s of margin: the poller reads the verdict while RUNNING.
+    linger: Duration = field(default=Duration(75.0), metadata=_check(_non_negative))
+    # The verdict line is repeated this often during the linger (and systemd is pinged).
+    repeat_every: Duration = field(default=Duration(5.0), metadata=_check(_positive))
+    api_base: str = field(
+        default="https://compute.googleapis.com/compute/v1", metadata=_check(_http_url)
+    )
+    # One API request (connect + read). google-auth's default is 120 s; a wedged VM waits it all.
+    api_timeout: Duration = field(default=Duration(10.0), metadata=_check(_positive))
+    api_attempts: int = field(default=3, metadata=_check(_at_least_one))
+    # Hard bound on the whole API step (token + every attempt + waits between them).
+    api_deadline: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    poweroff_cmd: list[str] = field(
+        default_factory=lambda: ["systemctl", "poweroff"], metadata=_check(_argv)
+    )
+    # A graceful poweroff stops every unit (systemd's default stop timeout is 90 s) before the
+    # machine goes off; still up after this long means it is stuck: force it.
+    poweroff_wait: Duration = field(default=Duration(120.0), metadata=_check(_positive))
+    force_cmd: list[str] = field(
+        default_factory=lambda: ["systemctl", "poweroff", "--force"], metadata=_check(_argv)
+    )
+    force_wait: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    # Each command's own bound (systemctl's D-Bus timeout is 25 s).
+    command_timeout: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    # Kernel last resort, tried in order: reboot(2) POWER_OFF, then 'o' to /proc/sysrq-trigger.
+    kernel: list[str] = field(
+        default_factory=lambda: ["reboot", "sysrq"],
+        metadata=_check(
+            lambda v: None
+            if all(m in ("reboot", "sysrq") for m in v)
+            else "each entry must be 'reboot' or 'sysrq' ([] disables the kernel step)"
+        ),
+    )
+    sysrq_path: str = field(default="/proc/sysrq-trigger", metadata=_check(_abs_path))
+
+
+@dataclass(frozen=True)
+class WatchSection:
+    """Metadata watcher: instance identity cache, disarm attribute, preemption/maintenance."""
+
+    enabled: bool = True
+    # Metadata server root; empty: derived from metadata.url (up to /computeMetadata/v1/).
+    metadata_root: str = field(
+        default="", metadata=_check(lambda v: None if not v else _http_url(v))
+    )
+    disarm_attribute: str = field(
+        default="gce-watchdog-disarm",
+        metadata=_check(
+            lambda v: None
+            if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", v)
+            else "must be a metadata key: letters, digits, '-' and '_'"
+        ),
+    )
+    # A metadata disarm last confirmed longer ago than this (metadata unreachable) expires.
+    disarm_hold: Duration = field(default=Duration(7200.0), metadata=_check(_positive))
+    # How often instance identity and the disarm attribute are re-read while healthy.
+    refresh: Duration = field(default=Duration(60.0), metadata=_check(_positive))
+    # timeout_sec of the wait-for-change long polls (the client waits 10 s longer).
+    poll_timeout: Duration = field(
+        default=Duration(60.0),
+        metadata=_check(lambda v: None if 1 <= v <= 3600 else "must be between 1s and 1h"),
+    )
+    request_timeout: Duration = field(default=Duration(3.0), metadata=_check(_positive))
+
+
+@dataclass(frozen=True)
 class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     metadata: MetadataSection = field(default_factory=MetadataSection)
     egress: EgressSection = field(default_factory=EgressSection)
     serial: SerialSection = field(default_factory=SerialSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    actions: ActionsSection = field(default_factory=ActionsSection)
+    watch: WatchSection = field(default_factory=WatchSection)
 
 
 @dataclass(frozen=True)
@@ -319,6 +390,39 @@ def _memory_checks(cfg: Config) -> list[ConfigError]:
 
 
 register_check(_memory_checks)
+
+
+def _actions_checks(cfg: Config) -> list[ConfigError]:
+    a = cfg.actions
+    errs: list[ConfigError] = []
+    if a.repeat_every > 30:
+        errs.append(
+            ConfigError(
+                "actions.repeat_every",
+                f"must be at most 30s ({a.repeat_every:g}s): it also paces the systemd watchdog "
+                "pings during the linger",
+            )
+        )
+    if a.api_timeout > a.api_deadline:
+        errs.append(
+            ConfigError(
+                "actions.api_timeout",
+                f"must not exceed actions.api_deadline ({a.api_timeout:g}s > "
+                f"{a.api_deadline:g}s): one request could never finish within the step",
+            )
+        )
+    w = cfg.watch
+    if w.request_timeout >= w.refresh:
+        errs.append(
+            ConfigError(
+                "watch.request_timeout",
+                f"must be less than watch.refresh ({w.request_timeout:g}s >= {w.refresh:g}s)",
+            )
+        )
+    return errs
+
+
+register_check(_actions_checks)
 
 
 def from_dict(raw: dict[str, Any], source: str = "") -> Config:
