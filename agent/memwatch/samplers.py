@@ -1,0 +1,185 @@
+"""Reading memory gauges: host memory through psutil, GPU memory through NVML.
+
+Gauges are plain ``dict[str, int]`` of bytes, named:
+
+- ``host_total``, ``host_used``, ``host_available``, ``swap_total``, ``swap_used``
+- ``tree_rss``: resident set of one process and all its descendants (``memwatch --pid``)
+- ``gpu<i>_used``, ``gpu<i>_total`` for each NVML device index ``i``
+
+Samplers never raise on a read: a gauge that cannot be read this time is absent from the dict.
+The GPU sampler turns "no GPU here" into one reason string (:attr:`GpuSampler.reason`), not an error
+per sample. ``pynvml`` (package ``nvidia-ml-py``, extra ``gpu``) is imported only when opened.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+
+def host_gauges(psutil_mod: Any = None) -> dict[str, int]:
+    """Host memory and swap in bytes (``used`` as psutil counts it: without page cache)."""
+    ps = psutil_mod or importlib.import_module("psutil")
+    out: dict[str, int] = {}
+    try:
+        vm = ps.virtual_memory()
+        out.update(host_total=vm.total, host_used=vm.used, host_available=vm.available)
+    except (OSError, RuntimeError):
+        pass
+    try:
+        sw = ps.swap_memory()
+        out.update(swap_total=sw.total, swap_used=sw.used)
+    except (OSError, RuntimeError):
+        pass
+    return out
+
+
+def tree_rss(pid: int, psutil_mod: Any = None) -> int | None:
+    """RSS of ``pid`` plus every descendant (recursive); None when ``pid`` is gone or hidden.
+
+    A descendant that exits between listing and reading is skipped. Shared pages are counted once
+    per process (RSS semantics): the number over-states a tree that shares memory, but its trend is
+    what the detector judges.
+    """
+    ps = psutil_mod or importlib.import_module("psutil")
+    try:
+        root = ps.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+        total = root.memory_info().rss
+    except (ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
+        return None
+    for p in procs[1:]:
+        try:
+            total += p.memory_info().rss
+        except (ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
+            continue
+    return int(total)
+
+
+@dataclass(frozen=True)
+class TopProcess:
+    pid: int
+    name: str
+    rss: int
+
+
+def top_processes(n: int = 3, psutil_mod: Any = None) -> list[TopProcess]:
+    """The ``n`` processes with the largest resident set (one bounded pass over /proc)."""
+    ps = psutil_mod or importlib.import_module("psutil")
+    found: list[TopProcess] = []
+    for p in ps.process_iter(["pid", "name", "memory_info"]):
+        mi = p.info.get("memory_info")
+        if mi is None:
+            continue
+        found.append(TopProcess(int(p.info["pid"]), str(p.info.get("name") or "?"), int(mi.rss)))
+    found.sort(key=lambda t: t.rss, reverse=True)
+    return found[:n]
+
+
+class GpuSampler:
+    """Per-GPU used/total memory through NVML.
+
+    ``open()`` returns True when GPU gauges will be available; otherwise :attr:`reason` says why
+    (package missing, driver not loaded, no device) in one line. Tests pass a fake module with
+    NVML's function names as ``nvml``; production imports ``pynvml`` lazily.
+    """
+
+    def __init__(
+        self,
+        nvml: Any = None,
+        importer: Callable[[str], ModuleType] = importlib.import_module,
+    ) -> None:
+        self._nvml: Any = nvml
+        self._importer = importer
+        self._handles: list[Any] = []
+        self._opened = False
+        self.reason = "not opened"
+        self.names: list[str] = []
+        self.totals: dict[int, int] = {}
+        self.read_errors = 0  # per-device reads that failed since open
+        self.last_error = ""
+
+    @property
+    def count(self) -> int:
+        return len(self._handles)
+
+    def open(self) -> bool:
+        if self._opened:
+            return bool(self._handles)
+        self._opened = True
+        if self._nvml is None:
+            try:
+                self._nvml = self._importer("pynvml")
+            except ImportError:
+                self.reason = "nvidia-ml-py not installed (pip install 'gce-watchdog[gpu]')"
+                return False
+        nv = self._nvml
+        try:
+            nv.nvmlInit()
+        except Exception as e:  # NVMLError subclasses: library not found, driver not loaded
+            self.reason = f"NVML init failed: {_nvml_text(e)}"
+            return False
+        try:
+            n = int(nv.nvmlDeviceGetCount())
+            handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+        except Exception as e:
+            self.reason = f"NVML device enumeration failed: {_nvml_text(e)}"
+            self._shutdown()
+            return False
+        if not handles:
+            self.reason = "NVML loaded but reports no GPU"
+            self._shutdown()
+            return False
+        self._handles = handles
+        self.names = [_device_name(nv, h) for h in handles]
+        self.reason = f"{n} GPU(s) via NVML"
+        return True
+
+    def sample(self) -> dict[str, int]:
+        """``gpu<i>_used`` / ``gpu<i>_total`` for each device that answered this time."""
+        out: dict[str, int] = {}
+        nv = self._nvml
+        for i, h in enumerate(self._handles):
+            try:
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                used, total = int(mem.used), int(mem.total)
+            except Exception as e:  # a lost GPU ("fallen off the bus") must not stop the host
+                self.read_errors += 1
+                self.last_error = f"gpu{i}: {_nvml_text(e)}"
+                continue
+            out[f"gpu{i}_used"] = used
+            out[f"gpu{i}_total"] = total
+            self.totals[i] = total
+        return out
+
+    def close(self) -> None:
+        if self._handles:
+            self._shutdown()
+        self._handles = []
+
+    def _shutdown(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except Exception:  # best effort at the edge: nothing to do about a failed shutdown
+            return
+
+
+def _nvml_text(e: BaseException) -> str:
+    # pynvml's NVMLError.__str__ calls into the library, which may itself be missing.
+    try:
+        text = str(e)
+    except Exception:
+        text = ""
+    return text or type(e).__name__
+
+
+def _device_name(nv: Any, h: Any) -> str:
+    try:
+        name = nv.nvmlDeviceGetName(h)
+    except Exception:
+        return "?"
+    # nvidia-ml-py < 11.515 returns bytes, later versions str.
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
