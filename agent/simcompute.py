@@ -1,0 +1,448 @@
+"""A fake Compute Engine API: a real HTTP server on 127.0.0.1 with the real serial-port semantics.
+
+Used by the poller's tests, the e2e test, the benchmarks and the action-chain tests. It serves the
+few ``compute/v1`` calls this project makes, under ``/compute/v1`` like the real service::
+
+    GET    /compute/v1/projects/{p}/zones/{z}/instances/{name}/serialPort?port=1&start=N
+    GET    /compute/v1/projects/{p}/zones/{z}/instances/{name}
+    DELETE /compute/v1/projects/{p}/zones/{z}/instances/{name}?requestId=UUID
+    POST   /compute/v1/projects/{p}/zones/{z}/instances/{name}/stop?requestId=UUID
+
+Semantics copied from the API reference of ``instances.getSerialPortOutput``:
+
+- only the most recent ``window`` bytes (1 MiB by default) are kept; a ``start`` that refers to
+  discarded output is moved to the oldest byte still held, and that adjusted value is returned
+  as ``start``;
+- a negative ``start`` means "the most recent ``-start`` bytes", bounded by the retained window;
+- ``next`` is the offset to pass as ``start`` on the following call;
+- int64 fields (``start``, ``next``, ``id``) are JSON strings, as in every Compute API response.
+
+Where the reference is silent the fake chooses: a ``start`` beyond the end returns no contents
+with ``start = next = end`` (a reader sees ``next`` below its offset, i.e. a reset buffer).
+
+Every request needs ``Authorization: Bearer <token>`` with an accepted token (401 otherwise).
+Tests can make an endpoint hang (sleep past the client's timeout), refuse (403) or rate-limit
+(429 with reason ``rateLimitExceeded`` in the error body, as GCE does) for the next N calls.
+``delete`` and ``stop`` honour ``requestId``: the same id returns the same operation and does
+not act twice.
+
+Usage::
+
+    with FakeComputeAPI(token="t") as api:
+        api.add_instance("vm-1", spot=True)
+        api.append_serial("vm-1", b"hello\\n")
+        client = ComputeClient(credentials=..., api_base=api.base_url)
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import re
+import threading
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+DEFAULT_WINDOW = 1024 * 1024  # the API keeps "the most recent 1 MB" of serial output
+DEFAULT_HANG_S = 30.0  # longer than any client read timeout a test would use
+
+_PATH_RE = re.compile(
+    r"^/compute/v1/projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)"
+    r"(?P<rest>/serialPort|/stop)?$"
+)
+
+
+class Fault(enum.Enum):
+    """What an endpoint does instead of answering normally."""
+
+    HANG = "hang"  # sleep hang_s before answering (the client's read timeout fires first)
+    REFUSE = "refuse"  # 403 forbidden
+    RATE_LIMIT = "rate_limit"  # 429 with reason rateLimitExceeded
+    SERVER_ERROR = "server_error"  # 503 backendError
+
+
+ENDPOINTS = ("serial", "get", "delete", "stop")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request as the server saw it."""
+
+    method: str
+    endpoint: str  # serial | get | delete | stop | unknown
+    path: str
+    query: dict[str, str]
+    authorized: bool
+    status: int
+
+
+@dataclass
+class FakeInstance:
+    name: str
+    project: str
+    zone: str
+    id: str
+    status: str = "RUNNING"
+    spot: bool = False
+    termination_action: str = "STOP"
+    deleted: bool = False
+    total: int = 0  # bytes ever written to serial port 1
+    retained: bytearray = field(default_factory=bytearray)
+
+
+@dataclass
+class _FaultPlan:
+    fault: Fault
+    remaining: int  # calls left to affect; -1 = every call until cleared
+
+
+class FakeComputeAPI:
+    """A threaded HTTP server pretending to be ``compute.googleapis.com``; a context manager."""
+
+    def __init__(
+        self,
+        token: str | list[str] = "test-token",  # noqa: S107 (a fake server's test token)
+        window: int = DEFAULT_WINDOW,
+        hang_s: float = DEFAULT_HANG_S,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.tokens = {token} if isinstance(token, str) else set(token)
+        self.window = window
+        self.hang_s = hang_s
+        self.host = host
+        self.calls: list[Call] = []
+        self.operations: dict[str, dict[str, Any]] = {}  # requestId -> operation
+        self._instances: dict[tuple[str, str, str], FakeInstance] = {}
+        self._faults: dict[str, _FaultPlan] = {}
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._ids = itertools.count(4_000_000_000_000_000_001)
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> FakeComputeAPI:
+        handler = _make_handler(self)
+        self._server = ThreadingHTTPServer((self.host, 0), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closing.set()  # wakes any hanging handler
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = None
+
+    def __enter__(self) -> FakeComputeAPI:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None, "server not started"
+        return int(self._server.server_address[1])
+
+    @property
+    def base_url(self) -> str:
+        """What a client uses in place of https://compute.googleapis.com/compute/v1."""
+        return f"http://{self.host}:{self.port}/compute/v1"
+
+    # -- test controls ----------------------------------------------------------------------
+
+    def add_instance(
+        self,
+        name: str,
+        project: str = "test-project",
+        zone: str = "us-central1-a",
+        status: str = "RUNNING",
+        spot: bool = False,
+        termination_action: str = "STOP",
+        instance_id: str | None = None,
+    ) -> FakeInstance:
+        inst = FakeInstance(
+            name=name,
+            project=project,
+            zone=zone,
+            id=instance_id or str(next(self._ids)),
+            status=status,
+            spot=spot,
+            termination_action=termination_action,
+        )
+        with self._lock:
+            self._instances[(project, zone, name)] = inst
+        return inst
+
+    def instance(self, name: str) -> FakeInstance:
+        """The instance with this name (in any project/zone); KeyError if none."""
+        with self._lock:
+            for (_, _, n), inst in self._instances.items():
+                if n == name:
+                    return inst
+        raise KeyError(name)
+
+    def append_serial(self, name: str, data: bytes) -> None:
+        """Write bytes to the instance's serial port 1, dropping what falls out of the window."""
+        inst = self.instance(name)
+        with self._lock:
+            inst.total += len(data)
+            inst.retained += data
+            excess = len(inst.retained) - self.window
+            if excess > 0:
+                del inst.retained[:excess]
+
+    def reset_serial(self, name: str) -> None:
+        """Empty the port as if the instance were recreated (offsets restart at 0)."""
+        inst = self.instance(name)
+        with self._lock:
+            inst.total = 0
+            inst.retained = bytearray()
+
+    def set_status(self, name: str, status: str) -> None:
+        inst = self.instance(name)
+        with self._lock:
+            inst.status = status
+
+    def set_fault(self, endpoint: str, fault: Fault | None, count: int = -1) -> None:
+        """Make the next ``count`` calls to ``endpoint`` (or all, -1) fail; None clears it."""
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint!r}; one of {ENDPOINTS}")
+        with self._lock:
+            if fault is None:
+                self._faults.pop(endpoint, None)
+            else:
+                self._faults[endpoint] = _FaultPlan(fault, count)
+
+    def calls_to(self, endpoint: str) -> list[Call]:
+        with self._lock:
+            return [c for c in self.calls if c.endpoint == endpoint]
+
+    # -- request handling (called from server threads) --------------------------------------
+
+    def _take_fault(self, endpoint: str) -> Fault | None:
+        with self._lock:
+            plan = self._faults.get(endpoint)
+            if plan is None:
+                return None
+            if plan.remaining > 0:
+                plan.remaining -= 1
+                if plan.remaining == 0:
+                    del self._faults[endpoint]
+            return plan.fault
+
+    def _handle(
+        self, method: str, raw_path: str, auth: str | None
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        parts = urlsplit(raw_path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+        m = _PATH_RE.match(parts.path)
+        rest = m.group("rest") if m else None
+        endpoint = "unknown"
+        if m:
+            endpoint = {None: "get" if method == "GET" else "delete", "/serialPort": "serial"}.get(
+                rest, "stop"
+            )
+            if (endpoint, method) not in {
+                ("get", "GET"),
+                ("delete", "DELETE"),
+                ("serial", "GET"),
+                ("stop", "POST"),
+            }:
+                endpoint = "unknown"
+        token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
+        authorized = token in self.tokens
+        status, body, headers = self._dispatch(method, endpoint, m, query, authorized)
+        with self._lock:
+            self.calls.append(Call(method, endpoint, parts.path, query, authorized, status))
+        return status, body, headers
+
+    def _dispatch(
+        self,
+        method: str,
+        endpoint: str,
+        m: re.Match[str] | None,
+        query: dict[str, str],
+        authorized: bool,
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        if not authorized:
+            return (
+                401,
+                _error(401, "Request is missing required authentication credential.", "required"),
+                {"WWW-Authenticate": 'Bearer realm="https://accounts.google.com/"'},
+            )
+        if m is None or endpoint == "unknown":
+            return 404, _error(404, "The requested URL was not found.", "notFound"), {}
+        fault = self._take_fault(endpoint)
+        if fault is Fault.HANG:
+            self._closing.wait(self.hang_s)
+        elif fault is Fault.REFUSE:
+            return 403, _error(403, "Required permission denied.", "forbidden"), {}
+        elif fault is Fault.RATE_LIMIT:
+            return (
+                429,
+                _error(
+                    429,
+                    "Rate Limit Exceeded",
+                    "rateLimitExceeded",
+                    domain="usageLimits",
+                ),
+                {"Retry-After": "1"},
+            )
+        elif fault is Fault.SERVER_ERROR:
+            return 503, _error(503, "Backend Error", "backendError"), {}
+        project, zone, name = m.group("project"), m.group("zone"), m.group("name")
+        with self._lock:
+            inst = self._instances.get((project, zone, name))
+            if endpoint in ("delete", "stop"):
+                rid = query.get("requestId")
+                if rid:
+                    try:
+                        uuid.UUID(rid)
+                    except ValueError:
+                        bad = "Invalid value for field 'requestId'"
+                        return 400, _error(400, bad, "invalid"), {}
+                    if rid in self.operations:
+                        return 200, self.operations[rid], {}
+            if inst is None or inst.deleted:
+                what = f"projects/{project}/zones/{zone}/instances/{name}"
+                return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+            if endpoint == "get":
+                return 200, _instance_json(inst), {}
+            if endpoint == "serial":
+                return self._serial(inst, query)
+            op = _operation(inst, endpoint)
+            if endpoint == "delete":
+                inst.deleted = True
+                inst.status = "TERMINATED"
+            else:
+                inst.status = "TERMINATED"
+            if query.get("requestId"):
+                self.operations[query["requestId"]] = op
+            return 200, op, {}
+
+    def _serial(
+        self, inst: FakeInstance, query: dict[str, str]
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        try:
+            port = int(query.get("port", "1"))
+            start = int(query.get("start", "0"))
+        except ValueError:
+            return 400, _error(400, "Invalid value for 'port' or 'start'", "invalid"), {}
+        if not 1 <= port <= 4:
+            return 400, _error(400, f"Invalid value for field 'port': '{port}'", "invalid"), {}
+        total = inst.total if port == 1 else 0
+        data = bytes(inst.retained) if port == 1 else b""
+        oldest = total - len(data)
+        if start < 0:
+            s = max(total + start, oldest)
+        elif start > total:
+            s = total
+        else:
+            s = max(start, oldest)
+        contents = data[s - oldest :]
+        base = f"projects/{inst.project}/zones/{inst.zone}/instances/{inst.name}"
+        return (
+            200,
+            {
+                "kind": "compute#serialPortOutput",
+                "contents": contents.decode("utf-8", errors="replace"),
+                "start": str(s),
+                "next": str(total),
+                "selfLink": f"https://www.googleapis.com/compute/v1/{base}/serialPort",
+            },
+            {},
+        )
+
+
+def _error(code: int, message: str, reason: str, domain: str = "global") -> dict[str, Any]:
+    return {
+        "error": {
+            "code": code,
+            "message": message,
+            "errors": [{"message": message, "domain": domain, "reason": reason}],
+        }
+    }
+
+
+def _instance_json(inst: FakeInstance) -> dict[str, Any]:
+    base = f"projects/{inst.project}/zones/{inst.zone}"
+    return {
+        "kind": "compute#instance",
+        "id": inst.id,
+        "name": inst.name,
+        "status": inst.status,
+        "zone": f"https://www.googleapis.com/compute/v1/{base}",
+        "selfLink": f"https://www.googleapis.com/compute/v1/{base}/instances/{inst.name}",
+        "scheduling": {
+            "provisioningModel": "SPOT" if inst.spot else "STANDARD",
+            "preemptible": inst.spot,
+            "instanceTerminationAction": inst.termination_action,
+        },
+    }
+
+
+def _operation(inst: FakeInstance, kind: str) -> dict[str, Any]:
+    base = f"projects/{inst.project}/zones/{inst.zone}"
+    op_id = uuid.uuid4().int % 10**19
+    return {
+        "kind": "compute#operation",
+        "id": str(op_id),
+        "name": f"operation-{op_id}",
+        "operationType": kind,
+        "status": "DONE",
+        "progress": 100,
+        "targetId": inst.id,
+        "targetLink": f"https://www.googleapis.com/compute/v1/{base}/instances/{inst.name}",
+        "zone": f"https://www.googleapis.com/compute/v1/{base}",
+    }
+
+
+def _make_handler(api: FakeComputeAPI) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _serve(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length:
+                self.rfile.read(length)  # stop takes an empty body; drain what was sent
+            status, body, headers = api._handle(
+                method, self.path, self.headers.get("Authorization")
+            )
+            blob = json.dumps(body).encode()
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json; charset=UTF-8")
+                self.send_header("Content-Length", str(len(blob)))
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(blob)
+            except OSError:
+                pass  # the client gave up (hang fault): nothing to answer
+
+        def do_GET(self) -> None:
+            self._serve("GET")
+
+        def do_DELETE(self) -> None:
+            self._serve("DELETE")
+
+        def do_POST(self) -> None:
+            self._serve("POST")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # tests read api.calls instead
+
+    return Handler
