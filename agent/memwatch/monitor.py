@@ -38,6 +38,9 @@ TopReader = Callable[[], list[TopProcess]]
 # (argv, extra environment, timeout seconds) -> exit code, or a short error token
 CommandRunner = Callable[[Sequence[str], Mapping[str, str], float], "int | str"]
 
+# A climb is over only after this many consecutive periods without one: a leak whose test statistic
+# wobbles around the significance level must not write a climb/ok pair every period.
+OK_AFTER = 3
 # Worst case of the fixed part of a line: marker, boot, a 10-digit seq, timestamp, event name,
 # the " #crc" suffix and separators. Used to split `mem` lines with many GPUs (a2-megagpu-16g).
 _LINE_OVERHEAD = 6 + 1 + 8 + 1 + 10 + 1 + 24 + 1 + 3 + 10
@@ -105,6 +108,7 @@ class MemoryMonitor:
         )
         self._hist: dict[str, deque[tuple[float, float]]] = {}
         self._verdicts: dict[str, Verdict] = {}
+        self._climbing: dict[str, int] = {}  # gauge -> periods without a climb since it climbed
         self._latest: Mapping[str, int] = MappingProxyType({})
         self._started_at: float | None = None
         self._last_mem: float | None = None
@@ -203,9 +207,8 @@ class MemoryMonitor:
             if judge:
                 hist.append((now, float(gauges[gauge])))
             v = detect(hist, self.params, capacity=gauges.get(cap_gauge))
-            prev = self._verdicts.get(name)
             self._verdicts[name] = verdicts[name] = v
-            self._transition(name, prev, v)
+            self._transition(name, v)
         self._maybe_mem_line(now, gauges)
         return verdicts
 
@@ -217,36 +220,46 @@ class MemoryMonitor:
                 out[dev] = (key, f"{dev}_total")
         return out
 
-    def _transition(self, name: str, prev: Verdict | None, v: Verdict) -> None:
-        was = prev is not None and prev.status is Status.CLIMB
-        if v.status is Status.CLIMB and not was:
-            fields: dict[str, object] = {
-                "g": name,
-                "slope": f"{v.slope_gib_per_min:.3f}",
-                "rng": _gib(v.range_bytes),
-                "cur": _gib(v.last_bytes),
-                "cap": _gib(v.capacity_bytes) if v.capacity_bytes else "-",
-                "eta": "-" if v.seconds_to_full is None else int(v.seconds_to_full),
-                "n": v.samples,
-                "p": f"{v.p_value:.1e}",
-            }
-            if name == "host":
-                top = self._top_field()
-                if top:
-                    fields["top"] = top
-            text = (
-                f"{name} memory climbing {v.slope_gib_per_min:.3f} GiB/min, "
-                f"{_eta_text(v.seconds_to_full)}"
-            )
-            self.emitter.emit("memory_climb", fields, text)
-            if self.cfg.on_climb == "command":
-                self._act(name, v)
-        elif was and v.status is not Status.CLIMB and v.status is not Status.NOT_ENOUGH_DATA:
+    def _transition(self, name: str, v: Verdict) -> None:
+        quiet = self._climbing.get(name)
+        if v.status is Status.CLIMB:
+            self._climbing[name] = 0
+            if quiet is None:
+                self._climb_line(name, v)
+            return
+        if quiet is None or v.status is Status.NOT_ENOUGH_DATA:
+            return
+        self._climbing[name] = quiet + 1
+        if quiet + 1 >= OK_AFTER:
+            del self._climbing[name]
             self.emitter.emit(
                 "memory_ok",
                 {"g": name, "st": str(v.status), "rng": _gib(v.range_bytes), "n": v.samples},
                 f"{name} memory no longer climbing ({v.status})",
             )
+
+    def _climb_line(self, name: str, v: Verdict) -> None:
+        fields: dict[str, object] = {
+            "g": name,
+            "slope": f"{v.slope_gib_per_min:.3f}",
+            "rng": _gib(v.range_bytes),
+            "cur": _gib(v.last_bytes),
+            "cap": _gib(v.capacity_bytes) if v.capacity_bytes else "-",
+            "eta": "-" if v.seconds_to_full is None else int(v.seconds_to_full),
+            "n": v.samples,
+            "p": f"{v.p_value:.1e}",
+        }
+        if name == "host":
+            top = self._top_field()
+            if top:
+                fields["top"] = top
+        text = (
+            f"{name} memory climbing {v.slope_gib_per_min:.3f} GiB/min, "
+            f"{_eta_text(v.seconds_to_full)}"
+        )
+        self.emitter.emit("memory_climb", fields, text)
+        if self.cfg.on_climb == "command":
+            self._act(name, v)
 
     def _act(self, name: str, v: Verdict) -> None:
         env = {
@@ -295,7 +308,7 @@ class MemoryMonitor:
         top = self._top_field()
         if top:
             head.append(("top", top))
-        climbing = [n for n, v in self._verdicts.items() if v.status is Status.CLIMB]
+        climbing = sorted(self._climbing)
         if climbing:
             head.append(("climb", ",".join(climbing)))
         gpus = [
