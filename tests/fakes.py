@@ -1,0 +1,78 @@
+"""Hand-written fakes for the agent's edges (no mock.patch anywhere)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from agent.ladder import Verdict
+from agent.probes import ProbeResult, TickResult
+
+
+class FakeClock:
+    """Monotonic and wall time that only move when the code under test waits."""
+
+    def __init__(self, start: float = 1000.0, wall0: float = 1_796_000_000.0) -> None:
+        self.t = start
+        self.wall0 = wall0 - start
+        self.waits: list[float] = []
+        self.on_advance: list[Callable[[float], None]] = []
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self.t + self.wall0
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+        for cb in self.on_advance:
+            cb(self.t)
+
+    def wait(self, seconds: float, stop: threading.Event) -> bool:
+        self.waits.append(seconds)
+        if stop.is_set():
+            return True
+        self.advance(max(seconds, 0.0))
+        return stop.is_set()
+
+
+@dataclass
+class FakeNotifier:
+    watchdog_interval: float = 0.0
+    messages: list[tuple[str, ...]] = field(default_factory=list)
+
+    def notify(self, *assignments: str) -> bool:
+        self.messages.append(assignments)
+        return True
+
+
+def result(md: str, eg: str, reason: str = "", dns: str = "ok") -> TickResult:
+    """A tick result from verdict names ("ok", "fail", "unknown")."""
+
+    def pr(v: str) -> ProbeResult:
+        verdict = Verdict(v)
+        why = "ok" if verdict is Verdict.OK else (reason or ("timeout" if v == "fail" else "x"))
+        return ProbeResult(verdict, why, 5)
+
+    return TickResult(pr(md), pr(eg), dns)
+
+
+class ScriptedProber:
+    """Returns scripted tick results in order (the last one repeats); can advance a clock to
+    model probe latency."""
+
+    def __init__(self, script: list[TickResult], clock: FakeClock | None = None,
+                 latency: float = 0.0) -> None:
+        self.script = list(script)
+        self.calls = 0
+        self.clock = clock
+        self.latency = latency
+
+    def __call__(self) -> TickResult:
+        r = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        if self.clock is not None and self.latency:
+            self.clock.advance(self.latency)
+        return r

@@ -1,0 +1,198 @@
+"""The daemon end to end with a fake clock and fake edges, and as a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fakes import FakeClock, FakeNotifier, ScriptedProber, result
+
+from agent import config as cfgmod
+from agent.daemon import Agent, Deps, LadderStore
+from agent.protocol import decode_all
+from agent.serial import Emitter, MemorySink
+from agent.simgce import SimGCE
+from agent.state import SeqAllocator
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make(tmp_path: Path, script: list, boot: str = "b1", clock: FakeClock | None = None,
+         latency: float = 0.0, notifier: FakeNotifier | None = None, **agent_kw: object):
+    clock = clock or FakeClock()
+    sink = MemorySink()
+    shutdowns: list[tuple[str, int, int]] = []
+    cfg = cfgmod.replace(cfgmod.Config(), agent={"interval": 30.0, "probe_timeout": 5.0,
+                                                 "heartbeat_every": 3, **agent_kw})
+    deps = Deps(
+        emitter=Emitter(sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall),
+        prober=ScriptedProber(script, clock, latency),
+        clock=clock,
+        notifier=notifier or FakeNotifier(),
+        store=LadderStore(tmp_path / "ladder.json", boot),
+        on_shutdown=lambda *a: shutdowns.append(a),
+    )
+    return Agent(cfg, deps), sink, shutdowns, clock
+
+
+def events(sink: MemorySink) -> list:
+    evs, stats = decode_all("\n".join(sink.lines).encode() + b"\n")
+    assert stats.rejected == 0
+    return evs
+
+
+def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
+    script = [result("ok", "ok")] * 3 + [result("fail", "fail")] * 15
+    agent, sink, shutdowns, _ = make(tmp_path, script)
+    agent.run(threading.Event(), max_ticks=18)
+    assert shutdowns == [("ladder", 10, 10)]
+    evs = events(sink)
+    texts = [e.text for e in evs if e.event == "tick"]
+    assert texts[:10] == [f"BOTH reachability probes FAILED ({i}/10)" for i in range(1, 11)]
+    assert evs[0].event == "start" and evs[-1].event == "stop"
+    assert [e.seq for e in evs] == list(range(len(evs)))  # contiguous
+
+
+def test_nine_tick_outage_recovers_without_shutdown(tmp_path: Path) -> None:
+    script = [result("fail", "fail")] * 9 + [result("fail", "ok")] + [result("ok", "ok")] * 5
+    agent, sink, shutdowns, _ = make(tmp_path, script)
+    agent.run(threading.Event(), max_ticks=15)
+    assert shutdowns == []
+    rec = [e for e in events(sink) if e.event == "recovered"]
+    assert len(rec) == 1 and rec[0].get("from") == "9"
+
+
+def test_heartbeat_every_k_healthy_ticks_and_no_tick_noise(tmp_path: Path) -> None:
+    agent, sink, _, _ = make(tmp_path, [result("ok", "ok")])
+    agent.run(threading.Event(), max_ticks=9)
+    names = [e.event for e in events(sink)]
+    assert names == ["start", "heartbeat", "heartbeat", "heartbeat", "stop"]
+
+
+def test_schedule_is_a_fixed_grid_and_slow_ticks_skip_slots(tmp_path: Path) -> None:
+    notifier = FakeNotifier()
+    agent, _, _, clock = make(tmp_path, [result("ok", "ok")], latency=2.0, notifier=notifier)
+    t0 = clock.monotonic()
+    agent.run(threading.Event(), max_ticks=4)
+    # each tick took 2 s; ticks start at t0, t0+30, t0+60, t0+90 (no drift)
+    assert clock.monotonic() - t0 == pytest.approx(92.0)
+    assert notifier.messages[0][0] == "READY=1"
+    assert sum(1 for m in notifier.messages if m[0] == "WATCHDOG=1") == 4
+    slow, _, _, _ = make(tmp_path / "s", [result("ok", "ok")], latency=45.0)
+    (tmp_path / "s").mkdir(exist_ok=True)
+    slow.run(threading.Event(), max_ticks=3)
+    assert slow.overruns == 2  # the 30 s slots that a 45 s tick ran over were skipped
+
+
+def test_watchdog_pinged_between_long_ticks(tmp_path: Path) -> None:
+    notifier = FakeNotifier(watchdog_interval=20.0)  # WatchdogSec=20s < interval 30 s
+    agent, _, _, _ = make(tmp_path, [result("ok", "ok")], notifier=notifier)
+    agent.run(threading.Event(), max_ticks=3)
+    pings = sum(1 for m in notifier.messages if m[0] == "WATCHDOG=1")
+    assert pings >= 3 + 2 * 2  # one per tick plus at least two in each 30 s wait
+
+
+def test_restart_continues_the_ladder_within_a_boot(tmp_path: Path) -> None:
+    fail = [result("fail", "fail")]
+    a1, _, s1, _ = make(tmp_path, fail)
+    a1.run(threading.Event(), max_ticks=5)
+    assert s1 == [] and a1.state.rung == 5
+    a2, sink2, s2, _ = make(tmp_path, fail)  # same boot: continues at 5
+    a2.run(threading.Event(), max_ticks=6)
+    assert s2 == [("ladder", 10, 10)]
+    assert events(sink2)[0].get("rung") == "5/10"
+    a3, _, s3, _ = make(tmp_path, fail, boot="b2")  # new boot: starts at 0
+    a3.run(threading.Event(), max_ticks=5)
+    assert s3 == [] and a3.state.rung == 5
+
+
+def test_corrupt_state_file_starts_at_zero(tmp_path: Path) -> None:
+    (tmp_path / "ladder.json").write_text("{not json")
+    assert LadderStore(tmp_path / "ladder.json", "b1").load(10).rung == 0
+
+
+def test_boot_grace_reports_but_does_not_climb(tmp_path: Path) -> None:
+    agent, sink, shutdowns, _ = make(tmp_path, [result("fail", "fail")], boot_grace=300.0)
+    agent.d.uptime = lambda: 10.0
+    agent.run(threading.Event(), max_ticks=12)
+    assert shutdowns == [] and agent.state.rung == 0
+    assert any("boot grace" in e.text for e in events(sink))
+
+
+# -- a real process ----------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, sim: SimGCE, **agent: object) -> Path:
+    assert sim.tcp is not None
+    extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in agent.items())
+    p = tmp_path / "config.toml"
+    p.write_text(f"""
+[agent]
+interval = 0.4
+probe_timeout = 0.2
+threshold = 3
+heartbeat_every = 1
+state_dir = "{tmp_path}/state"
+run_dir = "{tmp_path}/run"
+action = "dry-run"
+{extra}
+[metadata]
+url = "{sim.metadata.url}"
+[egress]
+targets = ["127.0.0.1:{sim.tcp.port}"]
+dns_timeout = 0.1
+[serial]
+device = "{tmp_path}/ttyS0"
+""")
+    return p
+
+
+def _wait_for(pred, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _events(path: Path) -> list:
+    return decode_all(path.read_bytes())[0] if path.exists() else []
+
+
+def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
+    with SimGCE() as sim:
+        cfg = _config(tmp_path, sim)
+        serial = tmp_path / "ttyS0"
+        cmd = [sys.executable, "-m", "agent", "run", "--config", str(cfg)]
+        p = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        try:
+            assert _wait_for(lambda: any(e.event == "heartbeat" for e in _events(serial)))
+            second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
+            assert second.returncode == 75 and "refusing to run a second ladder" in second.stderr
+            sim.outage(True)
+            assert _wait_for(lambda: any(e.event == "shutdown" for e in _events(serial)))
+            sim.outage(False)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(15) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+            if p.stderr:
+                p.stderr.close()
+    evs = _events(serial)
+    names = [e.event for e in evs]
+    assert names.count("shutdown") == 1 and names[-1] == "stop"
+    assert evs[-1].get("reason") == "sigterm"
+    climbs = [e.get("rung") for e in evs if e.event == "tick" and "FAILED (" in e.text]
+    assert climbs[:3] == ["1/3", "2/3", "3/3"]
+    assert [e.seq for e in evs] == list(range(len(evs)))
+    assert evs[1].event == "heartbeat" and evs[1].get("ph") == "unknown"
+    assert os.path.exists(tmp_path / "state" / "ladder.json")

@@ -1,0 +1,101 @@
+"""The serial writer against real files and a pty nobody reads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from fakes import FakeClock, FakeNotifier, ScriptedProber, result
+
+from agent import config as cfgmod
+from agent.daemon import Agent, Deps, LadderStore
+from agent.protocol import decode_all
+from agent.serial import Emitter, SerialPort
+from agent.state import SeqAllocator
+
+
+def test_lines_reach_a_file_in_order_and_decode(tmp_path: Path) -> None:
+    f = tmp_path / "ttyS0"
+    with SerialPort(str(f)) as port:
+        em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+        for i in range(50):
+            em.emit("heartbeat", {"i": i})
+        assert em.emit("exit", {"rc": 0}, sync=True).seq == 50
+        # the sync line is on disk when emit returns
+        evs, stats = decode_all(f.read_bytes())
+        assert [e.seq for e in evs] == list(range(51)) and stats.rejected == 0
+
+
+def test_missing_device_falls_back_to_file(tmp_path: Path) -> None:
+    port = SerialPort(str(tmp_path / "no" / "such" / "dir" / "tty"), str(tmp_path / "fb.log"))
+    port.device = "/proc/nonexistent/ttyS9"  # a path that cannot be created
+    with port:
+        assert port.target.endswith("fb.log") and port.open_error
+        assert port.write_line("x", sync=True)
+    assert (tmp_path / "fb.log").read_text() == "x\n"
+
+
+def test_seq_is_shared_between_writers_and_restarts_per_boot(tmp_path: Path) -> None:
+    a, b = SeqAllocator(tmp_path, "aaaaaaaa"), SeqAllocator(tmp_path, "aaaaaaaa")
+    got = [a.next(), b.next(), a.next()]
+    assert got == [0, 1, 2]
+    assert SeqAllocator(tmp_path, "bbbbbbbb").next() == 0  # new boot
+
+
+def _stalled_pty() -> tuple[int, int, str]:
+    master, slave = os.openpty()
+    path = os.ttyname(slave)
+    os.set_blocking(slave, False)
+    try:  # fill the pty until the kernel refuses more: every later write blocks
+        while True:
+            os.write(slave, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    # keep the slave open: closing the last slave fd would let the kernel flush the buffer
+    return master, slave, path
+
+
+def test_stalled_pty_never_stalls_the_ladder(tmp_path: Path) -> None:
+    master, slave, path = _stalled_pty()
+    port = SerialPort(path, queue_size=4, sync_timeout=0.2).open()
+    try:
+        assert port.target == path
+        clock = FakeClock()
+        fired: list[int] = []
+        cfg = cfgmod.replace(cfgmod.Config(), agent={"interval": 1.0, "probe_timeout": 0.5,
+                                                     "state_dir": str(tmp_path)})
+        deps = Deps(
+            emitter=Emitter(port, SeqAllocator(tmp_path, "cafecafe"), "cafecafe", clock.wall),
+            prober=ScriptedProber([result("fail", "fail")]),
+            clock=clock,
+            notifier=FakeNotifier(),
+            store=LadderStore(tmp_path / "ladder.json", "boot"),
+            on_shutdown=lambda reason, rung, thr: fired.append(agent.ticks),
+        )
+        agent = Agent(cfg, deps)
+        t0 = time.monotonic()
+        agent.run(threading.Event(), max_ticks=30)
+        took = time.monotonic() - t0
+        assert fired == [10]  # on time, although nothing is read from the port
+        assert port.dropped > 0  # and the loss is counted, to be reported later
+        assert took < 5.0  # only the bounded sync waits (start, stop) cost real time
+    finally:
+        port.close(timeout=0.2)
+        os.close(master)
+        os.close(slave)
+
+
+def test_dropped_count_is_reported_in_later_lines(tmp_path: Path) -> None:
+    master, slave, path = _stalled_pty()
+    port = SerialPort(path, queue_size=1, sync_timeout=0.1).open()
+    try:
+        em = Emitter(port, SeqAllocator(tmp_path, "cafecafe"), "cafecafe")
+        for _ in range(10):
+            em.emit("tick", {"n": 1})
+        assert port.dropped >= 8
+    finally:
+        port.close(timeout=0.2)
+        os.close(master)
+        os.close(slave)
