@@ -1,0 +1,288 @@
+"""Decoding realistic serial logs: real GCE console output, our lines, and real damage."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent.poller.synth import (
+    KERNEL_MSG,
+    Writer,
+    corpus_dir,
+    corpus_files,
+    corpus_lines,
+    crlf,
+    realistic_dump,
+    splice,
+    truncate,
+    with_nuls,
+)
+from agent.poller.timeline import Timeline, parse_bytes
+from agent.poller.verdict import InstanceState, Policy, VerdictKind, decide
+from agent.protocol import Event, decode_all, decode_line, encode
+
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "serial-corpus"
+needs_corpus = pytest.mark.skipif(
+    corpus_dir() is None, reason=f"serial corpus not found at {CORPUS}"
+)
+
+
+def _file_lines(name: str) -> list[bytes]:
+    d = corpus_dir()
+    assert d is not None
+    return (d / name).read_bytes().splitlines(keepends=True)
+
+
+def _weave(console: list[bytes], inserts: dict[int, bytes]) -> bytes:
+    """Console lines with our (possibly damaged) bytes inserted after the given line numbers."""
+    out = bytearray()
+    for i, ln in enumerate(console):
+        out += ln
+        if i in inserts:
+            out += inserts[i]
+    return bytes(out)
+
+
+@needs_corpus
+def test_nothing_in_the_real_corpus_decodes_as_ours() -> None:
+    files = corpus_files()
+    assert len(files) >= 5
+    for p in files:
+        events, stats = decode_all(p.read_bytes())
+        assert events == [], p.name
+        assert stats.rejected == 0, p.name  # the marker never appears in real output
+        assert stats.lines > 0
+
+
+def _scenario_one_boot_with_damage() -> tuple[bytes, list[Event], Writer]:
+    """A Debian 11 boot (CRLF, ANSI) with our lines, five of them damaged."""
+    console = _file_lines("debian11-uefi-boot-startup-script-ops-agent.log")
+    w = Writer(boot="aaaa0001")
+    keep: list[Event] = []
+
+    def ok(line: bytes) -> bytes:
+        keep.append(w.written[-1])
+        return line
+
+    ins = {
+        40: ok(crlf(w.line("phase", {"ph": "bootstrap"}, step_ms=1000))),
+        300: ok(w.line("start", {"v": "0.1.0", "inst": "-", "cfg": "abc123", "pid": 812})),
+        # a kernel message spliced into the middle: rejected, counted
+        400: splice(w.line("heartbeat", {"rung": "0/10", "ph": "bootstrap", "ticks": 10})),
+        # NUL bytes in front: only the part from the marker matters
+        600: ok(with_nuls(w.line("phase", {"ph": "workload"}))),
+        # the VM died mid-write; the next console output lands on the same line
+        800: truncate(w.line("tick", {"rung": "1/10", "md": "fail", "eg": "fail"})).rstrip(b"\n"),
+        # intact, then a kernel message glued after it before the newline: accepted
+        1000: ok(w.line("tick", {"rung": "2/10", "md": "fail", "eg": "fail"}).rstrip(b"\n")
+                 + KERNEL_MSG + b"\r\n"),
+        1100: ok(crlf(w.line("tick", {"rung": "3/10", "md": "fail", "eg": "fail"},
+                             "BOTH reachability probes FAILED (3/10)"))),
+    }
+    dup = w.line("tick", {"rung": "4/10", "md": "fail", "eg": "fail"})
+    keep.append(w.written[-1])
+    ins[1200] = dup
+    ins[1201] = b"Nov 17 04:05:01 debian gce-watchdog[812]: " + dup  # journald copy: seen once
+    ins[1300] = b"\x00" * 16 + b"\xff\xfe garbage GCEWD1 not a line\r\n"  # marker, no line
+    ins[1500] = ok(w.line("shutdown", {"reason": "ladder", "rung": "10/10", "action": "poweroff"},
+                          "10/10: shutting down"))
+    return _weave(console, ins), keep, w
+
+
+@needs_corpus
+def test_realistic_log_with_damage_exact_events_and_verdict() -> None:
+    data, expected, w = _scenario_one_boot_with_damage()
+    tl = parse_bytes(data)
+    assert tl.events == expected
+    assert [e.event for e in tl.events] == [
+        "phase", "start", "phase", "tick", "tick", "tick", "shutdown"
+    ]
+    assert tl.rejected == 3  # spliced, truncated, bare marker
+    assert tl.duplicates == 1
+    assert tl.lost_lines == 2  # the spliced heartbeat and the truncated tick
+    assert [(g.after, g.next) for g in tl.seq_gaps] == [(1, 3), (3, 5)]
+    v = decide(tl.events, InstanceState("TERMINATED"), w.ts_ms / 1000, Policy())
+    assert v.kind is VerdictKind.SELF_SHUTDOWN and v.failover
+    assert v.boot == "aaaa0001"
+    assert "reason=ladder" in v.evidence[0]
+
+
+@needs_corpus
+def test_reboot_in_the_middle_only_latest_boot_decides() -> None:
+    first = _file_lines("debian11-uefi-boot-ssh-restart-killed-oslogin.log")
+    second = _file_lines("bigip-ve-centos7-cloud-init-reboot.log")
+    w = Writer(boot="aaaa0001")
+    a = {
+        50: w.line("phase", {"ph": "workload"}),
+        900: w.line("shutdown", {"reason": "ladder", "rung": "10/10"}),
+    }
+    w.reboot("bbbb0002")
+    b = {
+        30: w.line("start", {"v": "0.1.0"}),
+        60: w.line("phase", {"ph": "bootstrap"}),
+        # the reboot cuts a line: the second boot's first line glues onto it
+        200: w.line("setup_failed", {"step": "fetch_uv", "reason": "dns", "rc": 6}),
+    }
+    data = _weave(first, a) + _weave(second, b)
+    tl = parse_bytes(data)
+    assert [(e.boot, e.seq, e.event) for e in tl.events] == [
+        ("aaaa0001", 0, "phase"),
+        ("aaaa0001", 1, "shutdown"),
+        ("bbbb0002", 0, "start"),
+        ("bbbb0002", 1, "phase"),
+        ("bbbb0002", 2, "setup_failed"),
+    ]
+    assert list(tl.boots) == ["aaaa0001", "bbbb0002"]
+    assert tl.latest_boot == "bbbb0002"
+    # the earlier boot's ladder shutdown does not count: the job is broken, no failover
+    v = decide(tl.events, InstanceState("TERMINATED"), w.ts_ms / 1000, Policy())
+    assert v.kind is VerdictKind.SETUP_FAILED and not v.failover
+    assert v.boot == "bbbb0002"
+
+
+@needs_corpus
+def test_silent_workload_is_a_wedge_only_after_the_drain_timeout() -> None:
+    console = _file_lines("debian11-workbench-notebook-boot-ok.log")
+    w = Writer(boot="cccc0003")
+    ins = {
+        100: w.line("start", {"v": "0.1.0"}),
+        200: w.line("phase", {"ph": "workload"}),
+        300: w.line("heartbeat", {"rung": "0/10", "ph": "workload", "ticks": 10}),
+    }
+    tl = parse_bytes(_weave(console, ins))
+    last = tl.events[-1].ts_ms / 1000
+    running = InstanceState("RUNNING")
+    assert decide(tl.events, running, last + 60, Policy()).kind is VerdictKind.HEALTHY
+    assert decide(tl.events, running, last + 900, Policy()).kind is VerdictKind.HEALTHY
+    v = decide(tl.events, running, last + 901, Policy())
+    assert v.kind is VerdictKind.SUSPECTED_WEDGE and v.failover
+
+
+@needs_corpus
+def test_realistic_dump_builder_is_decoded_exactly() -> None:
+    data, expected = realistic_dump(256 * 1024)
+    assert 256 * 1024 - 300 < len(data) <= 256 * 1024
+    events, stats = decode_all(data)
+    assert events == expected
+    assert len(expected) > 100
+    assert stats.rejected <= 1  # at most the line cut by the size limit
+
+
+# -- chunk boundaries -------------------------------------------------------------------------
+
+
+def _small_realistic() -> tuple[bytes, list[Event]]:
+    lines = corpus_lines()[:400] if corpus_dir() else [b"[    0.0] kernel line\r\n"] * 400
+    w = Writer(boot="dddd0004", step_ms=1000)
+    ins = {i: w.line("tick", {"rung": f"{i % 10}/10", "ph": "workload"}) for i in range(0, 400, 9)}
+    ins[126] = splice(ins[126])
+    data = _weave([ln if ln.endswith(b"\n") else ln + b"\n" for ln in lines], ins)
+    return data, parse_bytes(data).events
+
+
+_SMALL = _small_realistic()
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(min_value=0, max_value=len(_SMALL[0])), max_size=60))
+def test_events_identical_whatever_the_chunk_boundaries(cuts: list[int]) -> None:
+    data, expected = _SMALL
+    bounds = [0, *sorted(cuts), len(data)]
+    tl = Timeline()
+    got: list[Event] = []
+    for a, b in itertools.pairwise(bounds):
+        got += tl.feed(data[a:b])
+    got += tl.finish()
+    assert got == expected
+    assert tl.rejected == 1
+
+
+# -- fuzz ------------------------------------------------------------------------------------
+
+
+def _valid_lines(rng: random.Random, n: int) -> list[str]:
+    w = Writer(boot="eeee0005", step_ms=1234)
+    names = ["tick", "heartbeat", "phase", "exit", "shutdown", "start", "preempted", "x_custom"]
+    out = []
+    for _ in range(n):
+        fields = {f"k{j}": rng.choice(["fail", "ok", "3/10", "a.b:c", "-", "12345"])
+                  for j in range(rng.randint(0, 5))}
+        text = rng.choice(["", "BOTH reachability probes FAILED (3/10)", "done"])
+        out.append(encode(w.event(rng.choice(names), fields, text)))
+    return out
+
+
+def _mutate(rng: random.Random, line: bytes, pool: list[bytes]) -> bytes:
+    b = bytearray(line)
+    op = rng.randrange(9)
+    if op == 0 and b:  # flip one bit
+        i = rng.randrange(len(b))
+        b[i] ^= 1 << rng.randrange(8)
+    elif op == 1 and b:  # delete a byte
+        del b[rng.randrange(len(b))]
+    elif op == 2:  # insert a random byte
+        b.insert(rng.randrange(len(b) + 1), rng.randrange(256))
+    elif op == 3:  # truncate
+        del b[rng.randrange(len(b) + 1):]
+    elif op == 4:  # splice a kernel message
+        i = rng.randrange(len(b) + 1)
+        b[i:i] = KERNEL_MSG
+    elif op == 5:  # two lines glued, one cut
+        other = rng.choice(pool)
+        b = b[: rng.randrange(len(b) + 1)] + bytearray(other[rng.randrange(len(other)):])
+    elif op == 6:  # replace a byte with a structural one
+        if b:
+            b[rng.randrange(len(b))] = rng.choice(b" #|=\r\x00\n")
+    elif op == 7:  # random bytes with the marker inside
+        junk = bytearray(rng.randbytes(rng.randrange(0, 120)))
+        junk[rng.randrange(len(junk) + 1):0] = b"GCEWD1 "
+        b = junk
+    else:  # pure random bytes
+        b = bytearray(rng.randbytes(rng.randrange(0, 220)))
+    return bytes(b)
+
+
+def test_fuzz_decoder_no_exception_no_false_event() -> None:
+    rng = random.Random(20261130)
+    originals = _valid_lines(rng, 500)
+    pool = [s.encode() for s in originals]
+    known = set(originals)
+    n = 100_000
+    accepted = rejected = 0
+    t0 = time.monotonic()
+    for _ in range(n):
+        raw = _mutate(rng, rng.choice(pool), pool)
+        if rng.random() < 0.3:  # sometimes mutate twice
+            raw = _mutate(rng, raw, pool)
+        res = decode_line(raw)
+        if isinstance(res, Event):
+            line = encode(res)
+            # an event is accepted only when it is exactly one that was encoded, present whole
+            assert line in known, raw
+            assert line.encode() in raw, raw
+            accepted += 1
+        elif res is not None:
+            rejected += 1
+    elapsed = time.monotonic() - t0
+    assert accepted > 500 and rejected > 10_000  # the mix exercises both paths
+    assert elapsed < 30, f"fuzz took {elapsed:.1f}s"
+
+
+def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
+    rng = random.Random(7)
+    originals = _valid_lines(rng, 200)
+    pool = [s.encode() for s in originals]
+    blob = b"".join(
+        (_mutate(rng, rng.choice(pool), pool) if rng.random() < 0.5 else rng.choice(pool))
+        + rng.choice([b"\n", b"\r\n", b"", b"\x00"])
+        for _ in range(5000)
+    )
+    events, _ = decode_all(blob)
+    known = set(originals)
+    assert events and all(encode(e) in known for e in events)
