@@ -208,6 +208,8 @@ class ActionsSection:
         ),
     )
     sysrq_path: str = field(default="/proc/sysrq-trigger", metadata=_check(_abs_path))
+    # The self-action a dry run (agent.action = "dry-run") reports it would have taken.
+    dry_run_op: str = field(default="delete", metadata=_check(_one_of("delete", "stop", "none")))
 
 
 @dataclass(frozen=True)
