@@ -16,7 +16,15 @@ from agent import __version__
 
 # Feature modules that add subcommands. Each has `register(sub: argparse._SubParsersAction)`,
 # and each parser it adds sets `func=handler(args) -> int`.
-MODULES: tuple[str, ...] = ("agent.commands", "agent.daemon", "agent.poller.cli")
+MODULES: tuple[str, ...] = (
+    "agent.commands",
+    "agent.daemon",
+    "agent.faults",
+    "agent.fetch",
+    "agent.phases",
+    "agent.poller.cli",
+    "agent.memwatch.cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
