@@ -44,8 +44,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # The interpreter the agent runs under: the project's venv when present, else this one.
-PY = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else (
-    sys.executable
+PY = (
+    str(REPO / ".venv" / "bin" / "python")
+    if (REPO / ".venv" / "bin" / "python").exists()
+    else (sys.executable)
 )
 
 VM_ADDR = "192.0.2.2"
@@ -67,7 +69,9 @@ class NetnsError(RuntimeError):
     """A namespace command failed; the message carries the argv and its stderr."""
 
 
-def _ip(*args: str, check: bool = True, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess[str]:
+def _ip(
+    *args: str, check: bool = True, timeout: float = CMD_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout, check=False)
     if check and r.returncode != 0:
         raise NetnsError(f"ip {' '.join(args)}: rc={r.returncode}: {r.stderr.strip()}")
@@ -264,9 +268,7 @@ class Topology:
             cwd=str(REPO),
         )
         if check and r.returncode != 0:
-            raise NetnsError(
-                f"{' '.join(argv)} in {ns}: rc={r.returncode}\n{r.stdout}\n{r.stderr}"
-            )
+            raise NetnsError(f"{' '.join(argv)} in {ns}: rc={r.returncode}\n{r.stdout}\n{r.stderr}")
         return r
 
     def popen_in(self, ns: str, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
