@@ -658,6 +658,8 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
     """Download req.url to req.output under the retry policy; never raises FetchError."""
     import tenacity
 
+    from agent.phases import fit_text
+
     policy = deps.policy or RetryPolicy(deadline=req.deadline)
     resolver = deps.resolver or DnsResolver(req.dns_servers)
     clock = deps.clock
@@ -710,7 +712,7 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
             supp = limit.take_suppressed()
             if supp:
                 fields["supp"] = supp
-            deps.emitter.emit("fetch", fields, exc.message)
+            deps.emitter.emit("fetch", fields, fit_text("fetch", fields, exc.message))
 
     retrying = tenacity.Retrying(
         stop=stop,
@@ -754,7 +756,7 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
         supp = limit.take_suppressed()
         if supp:
             fields["supp"] = supp
-        deps.emitter.emit("fetch", fields, message, sync=True)
+        deps.emitter.emit("fetch", fields, fit_text("fetch", fields, message), sync=True)
     return FetchResult(rc, n, elapsed, message, nbytes)
 
 

@@ -61,6 +61,22 @@ class _Confirming:
         return self.sink.dropped
 
 
+def fit_text(event: str, fields: dict[str, object], text: str) -> str:
+    """The text, shortened (with "...") so the line stays within protocol.MAX_LINE.
+
+    make_event would drop a too-long text altogether; for a failure reason the first 60 characters
+    are worth much more than nothing. Sized for the widest seq and boot a line can carry.
+    """
+    from agent import protocol
+
+    clean = protocol.sanitize_text(text)
+    probe = protocol.make_event(event, "f" * 8, 10**12, 0, fields)
+    room = protocol.MAX_LINE - len(protocol.encode(probe)) - len(" | ")
+    if len(clean) <= room:
+        return clean
+    return clean[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
+
+
 def open_best_effort(cfg: Config) -> tuple[Emitter, SerialPort | None]:
     """An emitter on the configured port (device, else fallback file).
 
@@ -110,7 +126,7 @@ def emit_terminal(
             )
     emitter, port = opened or open_best_effort(cfg)
     try:
-        emitter.emit(event, fields, text, sync=True)
+        emitter.emit(event, fields, fit_text(event, fields, text), sync=True)
     finally:
         if port is not None:
             port.close()
@@ -277,7 +293,7 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
     fields: dict[str, object] = {
         "step": sanitize_value(step, 32),
-        "reason": sanitize_value(reason, 48),
+        "reason": sanitize_value(reason, 32),
         "rc": "-" if args.exit_code is None else args.exit_code,
     }
     emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
