@@ -499,9 +499,7 @@ class ActionChain:
                 f"gave up after {tries} attempts, last error: {result.detail}",
             )
         else:
-            self._line(
-                res, op, "fail", extra, f"instances.{op} refused: {result.detail}".strip()
-            )
+            self._line(res, op, "fail", extra, f"instances.{op} refused: {result.detail}".strip())
 
     def _api_attempts(
         self, op: str, inst: InstanceInfo, rid: str, policy: RetryPolicy, t0: float
@@ -566,9 +564,7 @@ class ActionChain:
             self._line(res, step, "dry_run", {"argv": ",".join(argv)}, text)
         if a.kernel:
             how = "+".join(a.kernel)
-            self._line(
-                res, "kernel", "dry_run", {"how": how}, f"dry-run: would power off by {how}"
-            )
+            self._line(res, "kernel", "dry_run", {"how": how}, f"dry-run: would power off by {how}")
 
 
 def _verdict_text(reason: str, r: str) -> str:
