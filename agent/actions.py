@@ -288,7 +288,7 @@ class ActionChain:
         self,
         cfg: cfgmod.Config,
         emitter: Emitter,
-        keepalive: Callable[[], None],
+        keepalive: Callable[[], object],
         runner: Runner = run_command,
         clock: ChainClock | None = None,
         api: ComputeApi | None = None,
