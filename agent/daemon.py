@@ -341,34 +341,6 @@ class InstanceIdCache:
                 atomic_write(self.path, (r.detail + "\n").encode())
 
 
-def dry_run_shutdown(emitter: Emitter, action: str) -> ShutdownHook:
-    """Minimal shutdown hook: the `shutdown` line, then (dry-run) what would be done.
-
-    The full chain (linger, Compute API self-action, poweroff escalation) is agent.actions.
-    """
-
-    def hook(reason: str, rung: int, threshold: int) -> None:
-        emitter.emit(
-            "shutdown",
-            {
-                "reason": reason,
-                "rung": f"{rung}/{threshold}",
-                "action": action,
-                "chain": "poweroff",
-            },
-            f"shutting down: BOTH reachability probes FAILED ({rung}/{threshold})",
-            sync=True,
-        )
-        emitter.emit(
-            "action",
-            {"step": "poweroff", "status": "dry_run"},
-            "dry-run: would run systemctl poweroff",
-            sync=True,
-        )
-
-    return hook
-
-
 class AgentLock:
     """One ladder per VM: an exclusive flock in the run directory."""
 
@@ -394,23 +366,36 @@ class AgentLock:
 
 def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
     """The real edges for a config. Returns the agent and the prober (to close)."""
+    from agent.actions import ActionChain
+    from agent.memwatch.monitor import MemoryMonitor
+    from agent.metawatch import MetadataWatcher
     from agent.probes import build_prober
 
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
     ids = InstanceIdCache(Path(a.state_dir) / "instance-id")
     prober = build_prober(cfg)
+    watcher = MetadataWatcher(cfg, emitter)
+
+    def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
+        notifier.notify("WATCHDOG=1", "STATUS=shutdown chain running")
+
+    chain = ActionChain(cfg, emitter, keepalive=keepalive, instance=lambda: watcher.instance)
+    services: list[Service] = [watcher]
+    if cfg.memory.enabled:
+        services.append(MemoryMonitor(cfg, emitter))
     deps = Deps(
         emitter=emitter,
         prober=prober.tick,
         clock=RealClock(),
         notifier=notifier,
         store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
-        on_shutdown=dry_run_shutdown(emitter, a.action),
+        on_shutdown=chain.execute,
         uptime=read_uptime,
         phase=lambda: read_phase(a.state_dir),
         instance_id=ids,
         on_metadata_ok=ids.learn if cfg.metadata.url.endswith("/instance/id") else lambda r: None,
+        services=services,
     )
     return Agent(cfg, deps), prober
 

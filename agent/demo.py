@@ -76,6 +76,10 @@ url = "{sim.metadata.url}"
 targets = ["127.0.0.1:{sim.tcp.port}"]
 dns_timeout = "0.2s"
 
+[actions]
+linger = "3s"        # production: 75 s, so a 30 s poller reads the verdict twice
+repeat_every = "1s"
+
 [serial]
 device = "{d}/ttyS0"
 fallback_file = "{d}/serial-fallback.log"
@@ -145,9 +149,8 @@ def scenario_wedge(d: Path) -> Path:
             w.until(lambda e: e.event == "heartbeat" and int(e.get("ticks") or 0) >= 3, 15)
             print(f"  {BOLD}-- outage starts: metadata server hangs, 443 refused --{RESET}")
             sim.outage(True)
-            got = w.until(lambda e: e.event == "action", 20 + 12 * TICK)
-            time.sleep(0.3)
-            w.poll()
+            # the chain: shutdown line, linger (3 s here), then each step, in dry-run
+            got = w.until(lambda e: e.event == "action" and e.get("step") == "kernel", 40)
         finally:
             stop_agent(p)
             w.poll()
