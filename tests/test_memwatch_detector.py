@@ -175,18 +175,19 @@ _n = st.integers(min_value=P.warmup + P.window, max_value=160)
 @given(
     n=_n,
     base=st.integers(min_value=0, max_value=2**40),
-    step=st.integers(min_value=1, max_value=8),
+    scale=st.floats(min_value=1.0, max_value=50.0),
     data=st.data(),
 )
 def test_steady_strictly_increasing_out_of_band_is_climb(
-    n: int, base: int, step: int, data: st.DataObject
+    n: int, base: int, scale: float, data: st.DataObject
 ) -> None:
-    # Increments vary by at most 8x: a steady climb, not a step disguised by tiny slopes.
-    unit = P.band / (P.window - 1)  # the window alone already spans the band
-    incs = data.draw(st.lists(st.integers(1, 8), min_size=n - 1, max_size=n - 1))
+    # "Steady": increments within a factor of 2 of each other. A strictly increasing series whose
+    # rise sits in a few samples is a step (or unstable), by design: see docs/memory-watch.md.
+    unit = P.band / (P.window - 1) / 2 * scale
+    incs = data.draw(st.lists(st.floats(1.0, 2.0), min_size=n - 1, max_size=n - 1))
     values = [float(base)]
     for k in incs:
-        values.append(values[-1] + k * unit / 8 * step)
+        values.append(values[-1] + k * unit)
     if values[-1] - values[P.warmup] <= P.band:
         return
     assert detect(_series(values), P).status is Status.CLIMB

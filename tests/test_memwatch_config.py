@@ -1,0 +1,62 @@
+"""The [memory] config section: defaults, per-key checks, cross-field checks, all at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent import config as cfgmod
+
+
+def test_defaults_report_only() -> None:
+    m = cfgmod.Config().memory
+    assert m.enabled and m.gpu
+    assert (m.period, m.warmup, m.window, m.max_window) == (30.0, 300.0, 30, 240)
+    assert (m.band_gib, m.alpha, m.serial_every) == (1.0, 0.01, 600.0)
+    assert m.on_climb == "report" and m.climb_command == []
+
+
+def test_durations_and_values_parse() -> None:
+    cfg = cfgmod.from_dict(
+        {
+            "memory": {
+                "period": "10s",
+                "warmup": "2m",
+                "window": 60,
+                "max_window": 360,
+                "band_gib": 0.5,
+                "on_climb": "command",
+                "climb_command": ["/usr/local/bin/dump-mem", "--all"],
+            }
+        }
+    )
+    assert cfg.memory.period == 10.0 and cfg.memory.warmup == 120.0
+    assert cfg.memory.climb_command == ["/usr/local/bin/dump-mem", "--all"]
+
+
+def test_every_error_at_once() -> None:
+    with pytest.raises(cfgmod.InvalidConfig) as ei:
+        cfgmod.from_dict(
+            {
+                "memory": {
+                    "window": 12,
+                    "alpha": 0.9,
+                    "band_gib": 0,
+                    "on_climb": "reboot",
+                    "perod": "30s",
+                }
+            }
+        )
+    text = str(ei.value)
+    assert "memory.window: must be >= 30" in text
+    assert "memory.alpha: must be in (0, 0.5)" in text
+    assert "memory.band_gib: must be > 0" in text
+    assert "memory.on_climb: must be one of report, command" in text
+    assert "did you mean 'period'" in text
+
+
+def test_cross_checks() -> None:
+    with pytest.raises(cfgmod.InvalidConfig) as ei:
+        cfgmod.from_dict({"memory": {"window": 60, "max_window": 40, "on_climb": "command"}})
+    text = str(ei.value)
+    assert "memory.max_window: must be >= memory.window (40 < 60)" in text
+    assert "memory.climb_command: on_climb = 'command' needs an argv list" in text
