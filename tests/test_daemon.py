@@ -147,6 +147,8 @@ url = "{sim.metadata.url}"
 [egress]
 targets = ["127.0.0.1:{sim.tcp.port}"]
 dns_timeout = 0.1
+[actions]
+linger = 0
 [serial]
 device = "{tmp_path}/ttyS0"
 """)
