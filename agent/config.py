@@ -241,6 +241,27 @@ class WatchSection:
     request_timeout: Duration = field(default=Duration(3.0), metadata=_check(_positive))
 
 
+def _prom_file(v: str) -> str | None:
+    ok = re.fullmatch(r"[A-Za-z0-9_.-]{1,96}\.prom", v) and not v.startswith(".")
+    return None if ok else "must be a plain file name ending in .prom (node_exporter reads *.prom)"
+
+
+@dataclass(frozen=True)
+class MetricsSection:
+    """Prometheus textfile metrics (docs/report.md), rewritten atomically after every tick.
+
+    On by default but written only where ``directory`` already exists (node_exporter's textfile
+    collector is installed): the agent never creates another package's directory.
+    """
+
+    enabled: bool = True
+    # Debian/Ubuntu prometheus-node-exporter's --collector.textfile.directory default.
+    directory: str = field(
+        default="/var/lib/prometheus/node-exporter", metadata=_check(_abs_path)
+    )
+    filename: str = field(default="gce_watchdog.prom", metadata=_check(_prom_file))
+
+
 @dataclass(frozen=True)
 class Config:
     agent: AgentSection = field(default_factory=AgentSection)
@@ -250,6 +271,7 @@ class Config:
     memory: MemorySection = field(default_factory=MemorySection)
     actions: ActionsSection = field(default_factory=ActionsSection)
     watch: WatchSection = field(default_factory=WatchSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
 
 @dataclass(frozen=True)
