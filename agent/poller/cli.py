@@ -76,6 +76,12 @@ def register(sub: Any) -> None:
         help="read a bearer token from this file instead of application default credentials",
     )
     p.add_argument("--reap", action="store_true", help="delete an instance after its failover")
+    p.add_argument(
+        "--api-attempts",
+        type=int,
+        default=5,
+        help="attempts per API call on rate limits and transient errors (default 5)",
+    )
     p.add_argument("--drain-timeout", default="15m", help="silence that means a wedge (15m)")
     p.set_defaults(func=cmd_poll)
 
@@ -241,6 +247,8 @@ def cmd_poll(args: argparse.Namespace) -> int:
         policy = _policy(args)
     except ValueError as exc:
         errs.append(str(exc))
+    if args.api_attempts < 1:
+        errs.append("--api-attempts must be >= 1")
     if args.max_polls < 0:
         errs.append("--max-polls must be >= 0")
     if errs:
@@ -264,12 +272,19 @@ def _credentials(args: argparse.Namespace) -> Any:
 def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
     from agent.poller.ledger import Ledger
     from agent.poller.poller import Poller
-    from agent.poller.reader import DEFAULT_API_BASE, AuthError, ComputeClient, CursorStore
+    from agent.poller.reader import (
+        DEFAULT_API_BASE,
+        AuthError,
+        ComputeClient,
+        CursorStore,
+        RetryPolicy,
+    )
 
     state = _state_home() / "gce-watchdog"
     try:
         creds = _credentials(args)
-        client = ComputeClient.create(creds, args.api_base or DEFAULT_API_BASE)
+        retry = RetryPolicy(attempts=args.api_attempts)
+        client = ComputeClient.create(creds, args.api_base or DEFAULT_API_BASE, retry=retry)
     except (OSError, ValueError) as e:
         print(f"gce-watchdog poll: --access-token-file: {e}", file=sys.stderr)
         return EX_NOPERM

@@ -1,0 +1,142 @@
+"""``gce-watchdog parse`` and ``gce-watchdog poll`` end to end (fake Compute API over HTTP)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.cli import main
+from agent.poller.synth import Writer, splice
+from agent.simcompute import FakeComputeAPI, Fault
+
+P, Z = "test-project", "us-central1-a"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def dump() -> tuple[bytes, Writer]:
+    w = Writer(boot="aaaa0001")
+    data = (
+        b"[    0.000000] Linux version 5.10.0-26-cloud-amd64\r\n"
+        + w.line("phase", {"ph": "workload"})
+        + splice(w.line("tick", {"rung": "1/10", "md": "fail", "eg": "fail"}))
+        + b"Nov 17 04:03:47 debian systemd[1]: Started ssh.service\r\n"
+        + w.line("shutdown", {"reason": "ladder", "rung": "10/10"}, "10/10: shutting down")
+    )
+    return data, w
+
+
+def test_parse_text_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data, _ = dump()
+    f = tmp_path / "serial.log"
+    f.write_bytes(data)
+    assert main(["parse", str(f), "--now", "last"]) == 0
+    out = capsys.readouterr().out
+    assert "aaaa0001  seq 0..2  2 lines  lost 1" in out
+    assert "shutdown reason=ladder rung=10/10 | 10/10: shutting down" in out
+    assert "rejected: 1 (checksum 1)" in out
+    assert "boot aaaa0001: after seq 0 came 2 (1 lost)" in out
+    assert "verdict: self_shutdown (FAILOVER)" in out
+
+
+def test_parse_json_from_stdin_in_a_real_process() -> None:
+    data, _ = dump()
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "parse", "-", "--json", "--status", "RUNNING",
+         "--now", "2025-11-30T05:00:00Z"],
+        input=data, capture_output=True, cwd=REPO, timeout=60, check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert [e["event"] for e in doc["events"]] == ["phase", "shutdown"]
+    assert doc["rejected"] == 1 and doc["lost_lines"] == 1
+    assert doc["verdict"]["kind"] == "self_shutdown" and doc["verdict"]["failover"] is True
+    assert doc["bytes"] == len(data)
+
+
+def test_parse_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["parse", str(tmp_path / "missing.log")]) == 66
+    assert "cannot read" in capsys.readouterr().err
+    f = tmp_path / "x.log"
+    f.write_bytes(b"")
+    assert main(["parse", str(f), "--now", "yesterday"]) == 2
+    assert main(["parse", str(f), "--drain-timeout", "soon"]) == 2
+    assert main(["parse", str(f), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"]["kind"] == "unknown"
+
+
+@pytest.fixture
+def api() -> Iterator[FakeComputeAPI]:
+    with FakeComputeAPI(token="tok") as a:
+        a.add_instance("vm-1", project=P, zone=Z)
+        a.add_instance("vm-2", project=P, zone=Z)
+        yield a
+
+
+def poll_args(api: FakeComputeAPI, tmp_path: Path, *extra: str) -> list[str]:
+    tok = tmp_path / "token"
+    if not tok.exists():
+        tok.write_text("tok\n")
+    return [
+        "poll", "--project", P, "--zone", Z, "--api-base", api.base_url,
+        "--access-token-file", str(tok), "--ledger", str(tmp_path / "ledger.sqlite"),
+        "--cursor-dir", str(tmp_path / "cursors"), "--json", *extra,
+    ]
+
+
+def outputs(capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str, object]]:
+    return {d["instance"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+
+
+def test_poll_once_failover_exactly_once_and_reap(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data, _ = dump()
+    api.append_serial("vm-1", data)
+    healthy = Writer(boot="bbbb0002")
+    healthy.ts_ms = int(time.time() * 1000)
+    api.append_serial("vm-2", healthy.line("phase", {"ph": "workload"}))
+    assert main(poll_args(api, tmp_path, "--once", "--reap", "vm-1", "vm-2")) == 0
+    out = outputs(capsys)
+    assert out["vm-1"]["verdict"] == "self_shutdown" and out["vm-1"]["action"] == "failover"
+    assert out["vm-1"]["reaped"] and out["vm-2"]["verdict"] == "healthy"
+    assert out["vm-2"]["action"] == "none"
+    # a second run (a new process would behave the same: everything is on disk)
+    assert main(poll_args(api, tmp_path, "--once", "--reap", "vm-1")) == 0
+    again = outputs(capsys)["vm-1"]
+    assert again["action"] == "already_decided" and again["status"] == "MISSING"
+    assert again["decision"]["token"] == out["vm-1"]["decision"]["token"]  # type: ignore[index]
+    assert len(api.calls_to("delete")) == 1
+
+
+def test_poll_exit_codes(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(poll_args(api, tmp_path, "--once", "Bad_Name")) == 2
+    assert "not a valid instance name" in capsys.readouterr().err
+    assert main(poll_args(api, tmp_path, "--interval", "0s", "vm-1")) == 2
+    assert main(poll_args(api, tmp_path, "--once", "--api-attempts", "0", "vm-1")) == 2
+    api.set_fault("serial", Fault.SERVER_ERROR, count=1)
+    assert main(poll_args(api, tmp_path, "--once", "--api-attempts", "1", "vm-1")) == 69
+    err = outputs(capsys)["vm-1"]["error"]
+    assert "gave up after 1 attempts" in err and "HTTP 503" in err  # type: ignore[operator]
+    (tmp_path / "token").write_text("wrong\n")
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 77
+    assert "credentials" in capsys.readouterr().err
+    (tmp_path / "token").write_text("")
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 77
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_poll_interval_loop_is_bounded_by_max_polls(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(poll_args(api, tmp_path, "--interval", "10ms", "--max-polls", "3", "vm-1")) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert len(api.calls_to("serial")) == 3
