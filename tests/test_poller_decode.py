@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 from pathlib import Path
@@ -286,3 +287,19 @@ def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
     events, _ = decode_all(blob)
     known = set(originals)
     assert events and all(encode(e) in known for e in events)
+
+
+@needs_corpus
+def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r" / "decode.json"
+    assert mod.main([str(out), "--size", "65536", "--repeats", "1"]) == 0
+    res = json.loads(out.read_text())
+    assert res["bytes"] == 65536 and res["grep_count"] == res["marker_lines"] > 0
+    assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0
