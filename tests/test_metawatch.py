@@ -1,0 +1,280 @@
+"""Metadata watcher (agent/metawatch.py) against the simulated metadata server (real HTTP)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agent import config as cfgmod
+from agent import protocol
+from agent.metawatch import (
+    InstanceInfo,
+    MdResponse,
+    MetadataClient,
+    MetadataError,
+    MetadataWatcher,
+    load_instance_cache,
+    metadata_root,
+    parse_disarm_value,
+)
+from agent.serial import Emitter, MemorySink
+from agent.simgce import FakeMetadataServer
+from agent.simgce import InstanceInfo as SimInfo
+from agent.state import SeqAllocator
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll with a bounded deadline (never a bare sleep waiting for the code under test)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+class RecordingClient(MetadataClient):
+    """The real client, recording what it asked for (the fake server logs only paths)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.asked: list[tuple[str, dict[str, str], float]] = []
+
+    def get(self, path: str, params: dict[str, str] | None, timeout: float) -> MdResponse:
+        self.asked.append((path, dict(params or {}), timeout))
+        return super().get(path, params, timeout)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def md() -> Iterator[FakeMetadataServer]:
+    info = SimInfo(project="sim-project", zone="europe-west4-b", name="vm-7", id="77")
+    with FakeMetadataServer(info=info) as srv:
+        yield srv
+
+
+def make(
+    tmp: Path, md: FakeMetadataServer, clock: Clock | None = None, **watch: object
+) -> tuple[MetadataWatcher, MemorySink, RecordingClient]:
+    w = {"poll_timeout": "2s", "refresh": "0.5s", "request_timeout": "0.4s"}
+    w.update({k: str(v) if not isinstance(v, bool) else v for k, v in watch.items()})  # type: ignore[misc]
+    cfg = cfgmod.from_dict(
+        {"agent": {"state_dir": str(tmp)}, "metadata": {"url": md.url}, "watch": w}
+    )
+    sink = MemorySink()
+    em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de")
+    client = RecordingClient(metadata_root(cfg))
+    return MetadataWatcher(cfg, em, clock=clock or Clock(), client=client), sink, client
+
+
+def events(sink: MemorySink) -> list[protocol.Event]:
+    out = []
+    for line in list(sink.lines):
+        ev = protocol.decode_line(line)
+        assert isinstance(ev, protocol.Event)
+        out.append(ev)
+    return out
+
+
+def test_metadata_root_from_the_probe_url() -> None:
+    cfg = cfgmod.Config()
+    assert metadata_root(cfg) == "http://169.254.169.254/computeMetadata/v1/"
+    c2 = cfgmod.from_dict({"metadata": {"url": "http://127.0.0.1:8080/other"}})
+    assert metadata_root(c2) == "http://127.0.0.1:8080/computeMetadata/v1/"
+    c3 = cfgmod.from_dict({"watch": {"metadata_root": "http://10.0.0.1/computeMetadata/v1"}})
+    assert metadata_root(c3) == "http://10.0.0.1/computeMetadata/v1/"
+
+
+@pytest.mark.parametrize(
+    ("value", "disarmed"),
+    [("true", True), ("TRUE\n", True), ("1", True), ("yes", True), ("false", False), ("", False)],
+)
+def test_parse_disarm_value(value: str, disarmed: bool) -> None:
+    assert parse_disarm_value(value) is disarmed
+
+
+def test_identity_is_read_and_cached(tmp_path: Path, md: FakeMetadataServer) -> None:
+    w, _, _ = make(tmp_path, md)
+    assert w.refresh_once()
+    want = InstanceInfo("sim-project", "europe-west4-b", "vm-7", "77")
+    assert w.instance == want
+    assert load_instance_cache(tmp_path) == want
+
+
+def test_cache_serves_a_restart_while_metadata_is_down(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    w, _, _ = make(tmp_path, md)
+    assert w.refresh_once()
+    md.set_mode("refuse")
+    w2, _, _ = make(tmp_path, md)
+    w2.start()
+    try:
+        assert w2.instance == InstanceInfo("sim-project", "europe-west4-b", "vm-7", "77")
+        assert not w2.refresh_once()
+        assert w2.instance is not None  # a failed refresh keeps what was known
+    finally:
+        w2.stop()
+
+
+def test_a_server_without_the_flavor_header_is_not_believed(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    md.set_mode("bad_flavor")
+    w, _, _ = make(tmp_path, md)
+    assert not w.refresh_once()
+    assert w.instance is None
+    assert load_instance_cache(tmp_path) is None
+
+
+def test_disarm_attribute_set_removed_and_aging_out(tmp_path: Path, md: FakeMetadataServer) -> None:
+    clock = Clock()
+    w, _, _ = make(tmp_path, md, clock=clock, disarm_hold="1h")
+    assert w.refresh_once() and not w.disarm_requested
+    md.set_attribute("gce-watchdog-disarm", "true")
+    assert w.refresh_once() and w.disarm_requested
+    md.set_attribute("gce-watchdog-disarm", None)
+    assert w.refresh_once() and not w.disarm_requested
+    md.set_attribute("gce-watchdog-disarm", "true")
+    assert w.refresh_once() and w.disarm_requested
+    # The metadata server goes away: the last answer holds for disarm_hold, then expires.
+    md.set_mode("refuse")
+    assert not w.refresh_once()
+    clock.t += 3599
+    assert w.disarm_requested
+    clock.t += 2
+    assert not w.disarm_requested
+
+
+def test_preemption_notice_is_written_at_once_through_a_long_poll(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    w, sink, client = make(tmp_path, md, poll_timeout="30s")
+    w.start()
+    try:
+        # Wait until a wait-for-change poll on instance/preempted is in flight.
+        assert wait_for(
+            lambda: any(
+                p == "instance/preempted" and q.get("wait_for_change") == "true"
+                for p, q, _ in client.asked
+            )
+        )
+        t0 = time.monotonic()
+        md.set_preempted(True)
+        assert wait_for(lambda: any(e.event == "preempted" for e in events(sink)))
+        latency = time.monotonic() - t0
+    finally:
+        w.stop()
+    assert latency < 1.0, latency  # GCE gives ~30 s; the notice must not wait for a refresh
+    pre = [e for e in events(sink) if e.event == "preempted"]
+    assert len(pre) == 1
+    assert pre[0].get("src") == "metadata"
+    assert w.preempted
+    poll = next(
+        (q, t) for p, q, t in client.asked if p == "instance/preempted" and q.get("wait_for_change")
+    )
+    q, t = poll
+    assert q["timeout_sec"] == "30" and q["last_etag"]
+    assert t == pytest.approx(40.0)  # the client waits longer than the server
+
+
+def test_maintenance_events_are_reported(tmp_path: Path, md: FakeMetadataServer) -> None:
+    w, sink, client = make(tmp_path, md)
+    w.start()
+    try:
+        assert wait_for(
+            lambda: any(
+                p == "instance/maintenance-event" and q.get("wait_for_change")
+                for p, q, _ in client.asked
+            )
+        )
+        md.set_maintenance("MIGRATE_ON_HOST_MAINTENANCE")
+        assert wait_for(lambda: any(e.event == "maintenance" for e in events(sink)))
+        md.set_maintenance("NONE")
+        assert wait_for(lambda: len([e for e in events(sink) if e.event == "maintenance"]) == 2)
+    finally:
+        w.stop()
+    m = [e for e in events(sink) if e.event == "maintenance"]
+    assert [(e.get("event"), e.get("was")) for e in m] == [
+        ("MIGRATE_ON_HOST_MAINTENANCE", "NONE"),
+        ("NONE", "MIGRATE_ON_HOST_MAINTENANCE"),
+    ]
+    assert not any(e.event == "preempted" for e in events(sink))
+
+
+def test_a_hanging_metadata_server_never_blocks_the_reader(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    w, _, _ = make(tmp_path, md, request_timeout="0.4s", poll_timeout="30s")
+    assert w.refresh_once()
+    md.set_mode("hang")
+    w.start()
+    try:
+        assert wait_for(lambda: md.count("/instance/id") >= 2)  # the refresh thread is stuck
+        t0 = time.monotonic()
+        for _ in range(1000):
+            _ = (w.instance, w.disarm_requested, w.preempted)
+        assert time.monotonic() - t0 < 0.5  # what the tick reads never waits on the network
+    finally:
+        w.stop(timeout=5.0)
+        md.set_mode("ok")
+    assert w.instance is not None
+
+
+def test_stop_cuts_long_polls_in_flight(tmp_path: Path, md: FakeMetadataServer) -> None:
+    w, _, client = make(tmp_path, md, poll_timeout="30s")
+    w.start()
+    try:
+        assert wait_for(lambda: sum(1 for _, q, _ in client.asked if q.get("wait_for_change")) >= 2)
+    finally:
+        t1 = time.monotonic()
+        w.stop(timeout=10.0)
+        stopped_in = time.monotonic() - t1
+    # Both 30 s long polls are cut (socket shutdown), not waited out.
+    assert stopped_in < 1.5, stopped_in
+    assert not w._threads
+
+
+class SameEtagClient:
+    """A server that ignores wait_for_change and answers at once with the same ETag."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def get(self, path: str, params: dict[str, str] | None, timeout: float) -> MdResponse:
+        with self.lock:
+            self.calls += 1
+        if path.startswith("instance/preempted"):
+            return MdResponse(200, "FALSE", "e1")
+        raise MetadataError("not served here")
+
+    def abort(self) -> None:
+        pass
+
+
+def test_a_server_ignoring_wait_for_change_is_not_hammered(tmp_path: Path) -> None:
+    cfg = cfgmod.from_dict({"agent": {"state_dir": str(tmp_path)}})
+    sink = MemorySink()
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+    client = SameEtagClient()
+    w = MetadataWatcher(cfg, em, client=client)  # type: ignore[arg-type]
+    t = threading.Thread(target=w._watch, args=("instance/preempted", w._on_pre), daemon=True)
+    t.start()
+    stop_at = time.monotonic() + 1.5
+    wait_for(lambda: time.monotonic() >= stop_at, timeout=2.0)
+    w._stop.set()
+    t.join(3)
+    assert not t.is_alive()
+    assert client.calls <= 3  # one read + at most one poll per MIN_POLL_GAP_S (1 s)
