@@ -11,18 +11,16 @@ Exit codes (also in docs/poller.md):
 74  ``poll``: the ledger or cursor directory cannot be opened or written (EX_IOERR)
 77  ``poll``: no credentials, or the API rejected them (EX_NOPERM)
 ==  =====================================================================================
+
+Heavy modules (google-auth, sqlite3, json) are imported inside the handlers: ``agent.cli`` imports
+this module on every ``gce-watchdog`` start.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import sqlite3
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +114,9 @@ def _policy(args: argparse.Namespace) -> Any:
 
 
 def cmd_parse(args: argparse.Namespace) -> int:
+    import json
+    import time
+
     from agent.poller.timeline import Timeline
     from agent.poller.verdict import InstanceState, decide
     from agent.protocol import format_ts, parse_ts
@@ -270,6 +271,10 @@ def _credentials(args: argparse.Namespace) -> Any:
 
 
 def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
+    import signal
+    import sqlite3
+    import threading
+
     from agent.poller.ledger import Ledger
     from agent.poller.poller import Poller
     from agent.poller.reader import (
@@ -337,6 +342,8 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
 
 def _print_outcome(out: Any, as_json: bool) -> None:
     if as_json:
+        import json
+
         print(json.dumps(out.to_json(), sort_keys=True), flush=True)
         return
     if out.error:

@@ -129,7 +129,8 @@ def _describe(kind: VerdictKind, ev: Event) -> str:
             f"{f.get('rung', '?')}): the job is not running anywhere"
         )
     if kind is VerdictKind.PREEMPTED:
-        return f"the agent saw a preemption notice (kind {f.get('kind', '?')})"
+        detail = " ".join(f"{k}={v}" for k, v in ev.fields) or "no details"
+        return f"the agent saw a preemption notice ({detail})"
     if ev.event == "phase":
         return "the job reported phase done"
     if kind is VerdictKind.WORKLOAD_OK:
