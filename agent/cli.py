@@ -24,6 +24,7 @@ MODULES: tuple[str, ...] = (
     "agent.phases",
     "agent.poller.cli",
     "agent.memwatch.cli",
+    "agent.report.cli",
     "agent.disarm",
 )
 
