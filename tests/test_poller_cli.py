@@ -128,6 +128,10 @@ def test_poll_exit_codes(
     (tmp_path / "token").write_text("wrong\n")
     assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 77
     assert "credentials" in capsys.readouterr().err
+    bad_ledger = [*poll_args(api, tmp_path, "--once", "vm-1"), "--ledger", "/proc/nope/l.db"]
+    (tmp_path / "token").write_text("tok\n")
+    assert main(bad_ledger) == 74
+    assert "cannot open the ledger" in capsys.readouterr().err
     (tmp_path / "token").write_text("")
     assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 77
     assert "is empty" in capsys.readouterr().err
