@@ -5,8 +5,8 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
-# Packages the tests use for real parts: network namespaces, iptables, systemd-analyze.
-APT_TEST := iptables iproute2 systemd procps
+# Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck.
+APT_TEST := iptables iproute2 systemd procps shellcheck
 
 .PHONY: demo test lint venv apt-test install bench e2e clean
 

@@ -1,0 +1,543 @@
+#!/bin/bash
+# gce-watchdog start-up script: put it in the `startup-script` metadata key (or bake it into an
+# image and point `startup-script-url` at it). It runs as root at every boot and is safe to run
+# again: see docs/bootstrap.md for the steps, the metadata attributes and the exit codes.
+#
+# Steps: phase bootstrap -> wait for DNS -> install the agent (baked /opt/gce-watchdog, else a
+# wheel or wheelhouse URL, else the package index) -> install and start the systemd unit ->
+# operator bootstrap steps -> phase workload + the workload under `gce-watchdog exec` -> phase done.
+# Any failure: a `setup_failed` line (step, reason, rc), drained, then the failure action
+# (default: power off).
+#
+# Every line written to the serial port is a protocol v1 line (docs/serial-protocol.md), also
+# before the agent is installed: EMITTER_PY below is the one encoder besides agent/protocol.py,
+# and tests/test_startup_script.py checks that agent.protocol decodes what it writes.
+#
+# `startup-script.sh emit EVENT [key=value ...] [-- text]` writes one line and exits (for
+# bootstrap steps that run before the agent exists).
+set -Eeuo pipefail
+umask 022
+
+# ---- paths and knobs: every one can be overridden from the environment (tests use a temp root)
+ROOT="${GCEWD_ROOT:-}"
+PREFIX="${GCEWD_PREFIX:-$ROOT/opt/gce-watchdog}"
+STATE_DIR="${GCEWD_STATE_DIR:-$ROOT/var/lib/gce-watchdog}"
+SERIAL="${GCEWD_SERIAL:-$ROOT/dev/ttyS0}"
+SERIAL_FALLBACK="${GCEWD_SERIAL_FALLBACK:-$ROOT/var/log/gce-watchdog/serial.log}"
+CONFIG="${GCEWD_CONFIG:-$ROOT/etc/gce-watchdog/config.toml}"
+BOOTSTRAP_DIR="${GCEWD_BOOTSTRAP_DIR:-$ROOT/etc/gce-watchdog/bootstrap.d}"
+CACHE_DIR="${GCEWD_CACHE_DIR:-$ROOT/var/cache/gce-watchdog}"
+METADATA_URL="${GCEWD_METADATA_URL:-http://169.254.169.254/computeMetadata/v1}"
+BOOT_ID_PATH="${GCEWD_BOOT_ID_PATH:-/proc/sys/kernel/random/boot_id}"
+SYSTEMD_RUN_DIR="${GCEWD_SYSTEMD_RUN_DIR:-/run/systemd/system}"
+PYTHON="${GCEWD_PYTHON:-python3}"
+# The failure action runs as "$ACTION_CMD <action>" (systemctl poweroff / systemctl reboot).
+ACTION_CMD="${GCEWD_ACTION_CMD:-systemctl}"
+# Deadlines in seconds. DNS: a fresh Spot VM's resolver is normally up within a minute; five
+# leave room for a slow one without hiding a broken VPC for long.
+DNS_DEADLINE="${GCEWD_DNS_DEADLINE:-300}"
+DOWNLOAD_DEADLINE="${GCEWD_DOWNLOAD_DEADLINE:-600}"   # per download, across all its retries
+METADATA_DEADLINE="${GCEWD_METADATA_DEADLINE:-120}"   # the metadata server is local: 2 min
+STEP_TIMEOUT="${GCEWD_STEP_TIMEOUT:-3600}"            # one operator bootstrap step
+SERIAL_EVERY=60   # at most one `fetch out=retry` line per minute per download
+
+AGENT="$PREFIX/bin/gce-watchdog"
+STEP=init
+CFG_ARGS=()
+
+log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
+
+# ---- the pre-agent emitter ----------------------------------------------------------------------
+# Same wire format as agent/protocol.py, same seq file ("<boot8> <next>\n" under flock) as
+# agent/state.py's SeqAllocator, same port semantics as agent/serial.py (one write, then tcdrain
+# on a tty or fsync on a file; the fallback file when the device cannot be opened).
+read -r -d '' EMITTER_PY <<'PY' || true
+import fcntl, os, re, stat, sys, termios, time, zlib
+def main(argv):
+    event, rest = argv[0], argv[1:]
+    text = ""
+    if "--" in rest:
+        i = rest.index("--")
+        text, rest = " ".join(rest[i + 1:]), rest[:i]
+    bad = re.compile(r"[^A-Za-z0-9._:/@,+%~()<>\[\]-]")
+    fields, phase = [], None
+    for kv in rest:
+        k, _, v = kv.partition("=")
+        limit = 32 if k in ("reason", "step") else 64
+        v = bad.sub("_", v)[:limit] or "-"
+        fields.append(k + "=" + v)
+        if event == "phase" and k == "ph":
+            phase = v
+    if event == "setup_failed":
+        phase = "setup_failed"
+    text = re.sub(r"[^\x20-\x22\x24-\x7e]", "_", text)[:100].strip()
+    try:
+        with open(os.environ["GCEWD_BOOT_ID_PATH"]) as f:
+            raw = f.read().strip().replace("-", "").lower()
+    except OSError:
+        raw = ""
+    if not raw or any(c not in "0123456789abcdef" for c in raw):
+        raw = "0" * 32
+    boot = (raw + "0" * 8)[:8]
+    state = os.environ["GCEWD_STATE_DIR"]
+    seq = 0
+    try:
+        os.makedirs(state, exist_ok=True)
+        fd = os.open(os.path.join(state, "seq"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            old = os.pread(fd, 64, 0).decode("ascii", "replace").split()
+            if len(old) == 2 and old[0] == boot and old[1].isdigit():
+                seq = int(old[1])
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, ("%s %d\n" % (boot, seq + 1)).encode(), 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        sys.stderr.write("emit: seq file unusable (%s), numbering from 0\n" % e)
+    ms = int(time.time() * 1000)
+    ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + ".%03dZ" % (ms % 1000)
+    body = " ".join(["GCEWD1", boot, str(seq), ts, event] + fields)
+    room = 200 - len(body) - len(" | ") - len(" #00000000")
+    if len(text) > room:
+        text = text[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
+    if text:
+        body += " | " + text
+    line = "%s #%08x" % (body, zlib.crc32(body.encode()) & 0xFFFFFFFF)
+    if phase is not None:
+        try:
+            tmp = os.path.join(state, ".phase.%d.tmp" % os.getpid())
+            with open(tmp, "w") as f:
+                f.write(phase + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(state, "phase"))
+        except OSError as e:
+            sys.stderr.write("emit: cannot record phase: %s\n" % e)
+    data = (line + "\n").encode("ascii", "replace")
+    for path in (os.environ["GCEWD_SERIAL"], os.environ["GCEWD_SERIAL_FALLBACK"]):
+        try:
+            flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC | os.O_APPEND
+            try:
+                is_chr = stat.S_ISCHR(os.stat(path).st_mode)
+            except FileNotFoundError:
+                is_chr = False
+            if is_chr:
+                fd = os.open(path, flags | os.O_NONBLOCK)
+                os.set_blocking(fd, True)
+            else:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                fd = os.open(path, flags | os.O_CREAT, 0o640)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                if os.isatty(fd):
+                    termios.tcdrain(fd)
+                else:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            break
+        except OSError as e:
+            sys.stderr.write("emit: %s: %s\n" % (path, e))
+    sys.stderr.write(line + "\n")
+main(sys.argv[1:])
+PY
+
+# emit EVENT [key=value ...] [-- text]: one protocol line, synchronously. Never fails the caller.
+emit() {
+	GCEWD_STATE_DIR="$STATE_DIR" GCEWD_SERIAL="$SERIAL" GCEWD_SERIAL_FALLBACK="$SERIAL_FALLBACK" \
+		GCEWD_BOOT_ID_PATH="$BOOT_ID_PATH" "$PYTHON" -c "$EMITTER_PY" "$@" ||
+		log "could not write a serial line: $*"
+}
+
+have_agent() { [[ -x $AGENT ]] && "$AGENT" --version >/dev/null 2>&1; }
+
+# phase NAME: through the agent when it is installed (it also records the phase), else directly.
+phase() {
+	if have_agent && "$AGENT" phase "${CFG_ARGS[@]}" "$1"; then
+		return 0
+	fi
+	emit phase "ph=$1"
+}
+
+step_done() { # NAME STATUS STARTED_AT [text...]
+	local name=$1 st=$2 t0=$3
+	shift 3
+	emit bootstrap_step "step=$name" "st=$st" "dur=$((SECONDS - t0))" -- "$@"
+}
+
+failure_action() {
+	local action="${GCEWD_FAILURE_ACTION:-${MD_FAILURE_ACTION:-poweroff}}"
+	case "$action" in
+	none) log "failure action: none, the VM stays up" ;;
+	poweroff | reboot)
+		log "failure action: $ACTION_CMD $action"
+		"$ACTION_CMD" "$action" || log "failure action '$ACTION_CMD $action' failed: rc=$?"
+		;;
+	*)
+		log "unknown failure action '$action' (want poweroff, reboot or none): powering off"
+		"$ACTION_CMD" poweroff || log "failure action '$ACTION_CMD poweroff' failed: rc=$?"
+		;;
+	esac
+}
+
+# fail STEP REASON [RC]: the setup_failed line (drained before we go on), the failure action, exit.
+fail() {
+	trap - ERR
+	set +e
+	local step=$1 reason=$2 rc=${3:-1}
+	((rc != 0)) || rc=1
+	log "FAILED at step $step (rc=$rc): $reason"
+	if ! { have_agent && "$AGENT" setup-failed "${CFG_ARGS[@]}" --step "$step" \
+		--reason "$reason" --exit-code "$rc"; }; then
+		emit setup_failed "step=$step" "reason=$reason" "rc=$rc" -- "$reason"
+	fi
+	failure_action
+	exit "$rc"
+}
+
+on_error() { # an unexpected failure under set -e
+	local rc=$1 line=$2 cmd=$3
+	fail "$STEP" "line $line: ${cmd:0:80}" "$rc"
+}
+
+# ---- network helpers ---------------------------------------------------------------------------
+url_host() { # URL -> host (brackets of an IPv6 literal removed)
+	local re='^[a-zA-Z][a-zA-Z0-9+.-]*://(\[([^]]+)\]|([^/:?#]+))'
+	[[ $1 =~ $re ]] || return 1
+	printf '%s\n' "${BASH_REMATCH[2]}${BASH_REMATCH[3]}"
+}
+
+# wait_dns NAME SECONDS: until NAME resolves through the system resolver (nsswitch: /etc/hosts,
+# then DNS), at most SECONDS. One look-up is bounded by 5 s (the guest agent's spacing).
+wait_dns() {
+	local name=$1 end=$((SECONDS + $2)) n=0 left
+	while :; do
+		n=$((n + 1))
+		left=$((end - SECONDS))
+		((left > 0)) || return 1
+		if timeout "$((left < 5 ? left : 5))" getent ahosts "$name" >/dev/null 2>&1; then
+			((n == 1)) || log "DNS: $name resolves after $n look-ups"
+			return 0
+		fi
+		((n > 1)) || log "DNS: $name does not resolve yet, waiting up to $2 s"
+		sleep "$(((end - SECONDS) < 2 ? 1 : 2))"
+	done
+}
+
+# backoff ATTEMPT LEFT: exponential (1, 2, 4 ... 30 s), minus up to half as jitter, and never
+# more than the time left minus a second (the last attempt starts before the deadline).
+backoff() {
+	local b=$((1 << ($1 < 5 ? $1 - 1 : 5)))
+	((b <= 30)) || b=30
+	b=$((b - RANDOM % (b / 2 + 1)))
+	((b >= 1)) || b=1
+	((b < $2 - 1)) || b=$(($2 - 1))
+	((b >= 0)) || b=0
+	printf '%s\n' "$b"
+}
+
+FETCH_RC=0
+FETCH_REASON=""
+# download URL OUT [SHA256]: curl with its own retries (--retry-all-errors) inside an outer loop
+# that first waits for the host to resolve; until DOWNLOAD_DEADLINE. Writes fetch lines (the
+# first failure, then one per SERIAL_EVERY s, always the outcome). Sets FETCH_RC/FETCH_REASON:
+# 0 ok, 69 refused (HTTP 4xx), 65 checksum mismatch, 75 gave up at the deadline.
+download() {
+	local url=$1 out=$2 sha=${3:-} host t0=$SECONDS end att=0 rc code left last_line=-1 supp=0
+	local err="" part="$2.part.$$" wait
+	end=$((SECONDS + DOWNLOAD_DEADLINE))
+	host=$(url_host "$url") || {
+		FETCH_RC=64 FETCH_REASON="not a URL: $url"
+		return 1
+	}
+	mkdir -p "$(dirname "$out")"
+	while :; do
+		att=$((att + 1))
+		left=$((end - SECONDS))
+		if ((left <= 0)); then
+			FETCH_RC=75
+			FETCH_REASON="gave up after $((att - 1)) attempts in $((SECONDS - t0))s, last error: $err"
+			break
+		fi
+		if ! wait_dns "$host" "$((left < 5 ? left : 5))"; then
+			err="dns: $host does not resolve"
+		else
+			left=$((end - SECONDS))
+			((left > 0)) || left=1
+			rc=0
+			code=$(curl -sS -L --retry 5 --retry-all-errors --retry-max-time "$left" \
+				--connect-timeout 10 --max-time "$left" -o "$part" -w '%{http_code}' \
+				"$url") || rc=$?
+			if ((rc == 0)) && [[ $code == 2* ]]; then
+				if [[ -n $sha ]] && ! echo "${sha,,}  $part" | sha256sum -c --status -; then
+					rm -f "$part"
+					FETCH_RC=65 FETCH_REASON="sha256 mismatch for $url"
+					break
+				fi
+				mv -f "$part" "$out"
+				FETCH_RC=0 FETCH_REASON="$url in $((SECONDS - t0))s after $att attempt(s)"
+				break
+			fi
+			rm -f "$part"
+			if ((rc == 0)) && [[ $code == 4* && $code != 408 && $code != 429 ]]; then
+				FETCH_RC=69 FETCH_REASON="HTTP $code for $url"
+				break
+			fi
+			err="curl rc=$rc http=$code"
+		fi
+		left=$((end - SECONDS))
+		wait=$(backoff "$att" "$left")
+		log "download $url: attempt $att failed ($err); retrying in ${wait}s"
+		if ((last_line < 0 || SECONDS - last_line >= SERIAL_EVERY)); then
+			emit fetch out=retry "att=$att" "host=${host:0:40}" "err=${err%%:*}" \
+				"wait=$((wait * 1000))ms" "supp=$supp" -- "$err"
+			last_line=$SECONDS supp=0
+		else
+			supp=$((supp + 1))
+		fi
+		sleep "$wait"
+	done
+	rm -f "$part"
+	local out_word=ok
+	case $FETCH_RC in 0) ;; 65) out_word=checksum ;; 69) out_word=refused ;; *) out_word=gave_up ;; esac
+	emit fetch "out=$out_word" "att=$att" "host=${host:0:40}" "dst=$(basename "$out")" \
+		"rc=$FETCH_RC" "dur=$((SECONDS - t0))" "supp=$supp" -- "$FETCH_REASON"
+	((FETCH_RC == 0))
+}
+
+# md_get KEY VAR [DEFAULT]: the instance attribute KEY into variable VAR (DEFAULT when the
+# attribute does not exist). The metadata server is local and needs no DNS; not getting an answer
+# within METADATA_DEADLINE fails the start-up (step metadata).
+md_get() {
+	local key=$1 var=$2 code rc=0 tmp
+	printf -v "$var" '%s' "${3:-}"
+	tmp=$(mktemp)
+	code=$(curl -sS --retry 20 --retry-all-errors --retry-max-time "$METADATA_DEADLINE" \
+		--connect-timeout 5 --max-time 30 -H 'Metadata-Flavor: Google' -o "$tmp" \
+		-w '%{http_code}' "$METADATA_URL/instance/attributes/$key") || rc=$?
+	if ((rc == 0)) && [[ $code == 200 ]]; then
+		printf -v "$var" '%s' "$(<"$tmp")"
+	fi
+	rm -f "$tmp"
+	if ((rc != 0)) || [[ $code != 200 && $code != 404 ]]; then
+		fail metadata "cannot read attribute $key from $METADATA_URL (curl rc=$rc, http=$code)" 75
+	fi
+}
+
+# json_argvs JSON KIND DIR: validate a JSON argv (KIND=argv) or a list of argvs (KIND=steps) and
+# write each argv NUL-separated to DIR/0, DIR/1, ...; a message on stderr and rc 1 when invalid.
+json_argvs() {
+	"$PYTHON" - "$@" <<'PY'
+import json, os, sys
+raw, kind, out = sys.argv[1], sys.argv[2], sys.argv[3]
+def argv_ok(a):
+    return isinstance(a, list) and a and all(isinstance(x, str) and x and "\0" not in x for x in a)
+try:
+    v = json.loads(raw)
+except ValueError as e:
+    sys.exit("not valid JSON: %s" % e)
+lists = [v] if kind == "argv" else v
+if not isinstance(lists, list) or not all(argv_ok(a) for a in lists):
+    want = "a JSON list of strings" if kind == "argv" else "a JSON list of lists of strings"
+    sys.exit("must be %s (an argv, never a shell string)" % want)
+for i, a in enumerate(lists):
+    with open(os.path.join(out, "%03d" % i), "wb") as f:
+        f.write(b"\0".join(x.encode() for x in a) + b"\0")
+PY
+}
+
+# ---- steps -------------------------------------------------------------------------------------
+install_agent() {
+	STEP=install
+	local t0=$SECONDS src file
+	local -a how
+	src="${WHEEL_URL:-index:${PIP_SPEC}}"
+	if have_agent && [[ -f $PREFIX/.baked ]]; then
+		step_done install ok "$t0" "baked into the image at $PREFIX"
+		return 0
+	fi
+	if have_agent && [[ -f $PREFIX/.installed-from && "$(<"$PREFIX/.installed-from")" == "$src" ]]; then
+		step_done install ok "$t0" "already installed from $src"
+		return 0
+	fi
+	rm -f "$PREFIX/.installed-from"
+	if [[ -n $WHEEL_URL ]]; then # download first: a bad URL fails before anything is changed
+		file="$CACHE_DIR/$(basename "${WHEEL_URL%%\?*}")"
+		download "$WHEEL_URL" "$file" "$WHEEL_SHA256" || fail install "$FETCH_REASON" "$FETCH_RC"
+	fi
+	"$PYTHON" -m venv --clear "$PREFIX" >&2 || fail install "cannot create a venv at $PREFIX" $?
+	local pip=("$PREFIX/bin/python" -m pip install --disable-pip-version-check --no-input -q)
+	if [[ -n $WHEEL_URL ]]; then
+		case "$file" in
+		*.whl) how=(--retries 10 "$file") ;;
+		*.tar.gz | *.tgz | *.tar)
+			rm -rf "$CACHE_DIR/wheelhouse"
+			mkdir -p "$CACHE_DIR/wheelhouse"
+			tar -xf "$file" -C "$CACHE_DIR/wheelhouse" || fail install "cannot unpack $file" $?
+			how=(--no-index --find-links "$CACHE_DIR/wheelhouse")
+			while IFS= read -r -d '' d; do how+=(--find-links "$d"); done \
+				< <(find "$CACHE_DIR/wheelhouse" -mindepth 1 -type d -print0)
+			how+=(gce-watchdog)
+			;;
+		*) fail install "gce-watchdog-wheel-url must end in .whl, .tar.gz, .tgz or .tar" 64 ;;
+		esac
+		"${pip[@]}" "${how[@]}" >&2 || fail install "pip install from $WHEEL_URL failed" $?
+	else
+		# From the package index: pip retries each request itself; this loop waits out DNS.
+		local end=$((SECONDS + DOWNLOAD_DEADLINE)) att=0 rc=1
+		while ((SECONDS < end)); do
+			att=$((att + 1))
+			wait_dns "${INDEX_HOST}" "$((end - SECONDS))" || break
+			rc=0
+			"${pip[@]}" --retries 5 --timeout 30 "$PIP_SPEC" >&2 || rc=$?
+			((rc != 0)) || break
+			sleep "$(backoff "$att" "$((end - SECONDS))")"
+		done
+		((rc == 0)) || fail install "pip install $PIP_SPEC failed after $att attempts" "$rc"
+	fi
+	have_agent || fail install "$AGENT does not run after the install" 1
+	printf '%s' "$src" >"$PREFIX/.installed-from"
+	step_done install ok "$t0" "installed from $src"
+}
+
+install_unit() {
+	STEP=unit
+	local t0=$SECONDS
+	if [[ ! -d $SYSTEMD_RUN_DIR ]] || ! command -v systemctl >/dev/null; then
+		step_done unit skip "$t0" "systemd is not running"
+		return 0
+	fi
+	if ! "$AGENT" install --help >/dev/null 2>&1; then
+		step_done unit skip "$t0" "this agent has no install command"
+		return 0
+	fi
+	"$AGENT" install "${CFG_ARGS[@]}" >&2 || fail unit "gce-watchdog install failed" $?
+	step_done unit ok "$t0" "systemd unit installed and started"
+}
+
+run_steps() { # DIR LABEL: every argv file in DIR, in order, as a bootstrap step
+	local dir=$1 label=$2 f argv rc t0 name
+	for f in "$dir"/*; do
+		[[ -f $f ]] || continue
+		mapfile -d '' -t argv <"$f"
+		name="$label$(basename "$f")"
+		STEP="bootstrap:$name"
+		t0=$SECONDS
+		log "bootstrap step $name: ${argv[*]}"
+		rc=0
+		timeout "$STEP_TIMEOUT" "${argv[@]}" >&2 9>&- || rc=$?
+		if ((rc == 124)); then
+			fail "bootstrap:$name" "timed out after ${STEP_TIMEOUT}s: ${argv[0]}" 124
+		elif ((rc != 0)); then
+			fail "bootstrap:$name" "${argv[0]} exited with $rc" "$rc"
+		fi
+		step_done "bootstrap:$name" ok "$t0"
+	done
+}
+
+run_bootstrap() {
+	STEP=bootstrap
+	local tmp f n=0
+	tmp=$(mktemp -d)
+	export PATH="$PREFIX/bin:$PATH" GCEWD_STATE_DIR="$STATE_DIR" GCEWD_CONFIG="$CONFIG"
+	# 1. files baked into the image: executables in BOOTSTRAP_DIR, in name order (run-parts
+	#    rules: no dotfiles, no editor backups or package manager leftovers).
+	mkdir -p "$tmp/dir"
+	if [[ -d $BOOTSTRAP_DIR ]]; then
+		for f in "$BOOTSTRAP_DIR"/*; do
+			case "$(basename "$f")" in .* | *~ | *.dpkg-* | *.rpm* | *.disabled) continue ;; esac
+			[[ -f $f && -x $f ]] || continue
+			printf '%s\0' "$f" >"$tmp/dir/$(basename "$f")"
+			n=$((n + 1))
+		done
+	fi
+	run_steps "$tmp/dir" ""
+	# 2. the gce-watchdog-bootstrap attribute: a JSON list of argvs, e.g.
+	#    [["apt-get", "install", "-y", "git"], ["/opt/job/setup", "--fast"]]
+	STEP=bootstrap
+	mkdir -p "$tmp/md"
+	if [[ -n $MD_BOOTSTRAP ]]; then
+		local msg
+		msg=$(json_argvs "$MD_BOOTSTRAP" steps "$tmp/md" 2>&1) ||
+			fail bootstrap "gce-watchdog-bootstrap: $msg" 64
+		n=$((n + $(find "$tmp/md" -type f | wc -l)))
+	fi
+	run_steps "$tmp/md" "md"
+	rm -rf "$tmp"
+	STEP=bootstrap
+	((n > 0)) || log "no bootstrap steps"
+}
+
+main() {
+	if [[ ${1:-} == emit ]]; then
+		shift
+		emit "$@"
+		return 0
+	fi
+	trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
+	mkdir -p "$STATE_DIR"
+	# One start-up at a time (the runner, and an operator re-running it by hand).
+	exec 9>>"$STATE_DIR/startup.lock"
+	if ! flock -n 9; then
+		log "another start-up script run holds $STATE_DIR/startup.lock; leaving it alone"
+		return 0
+	fi
+	if [[ -f $CONFIG ]]; then CFG_ARGS=(--config "$CONFIG"); fi
+
+	STEP=bootstrap
+	phase bootstrap
+	log "bootstrap: prefix=$PREFIX state=$STATE_DIR metadata=$METADATA_URL"
+
+	STEP=metadata
+	md_get gce-watchdog-failure-action MD_FAILURE_ACTION
+	md_get gce-watchdog-wheel-url WHEEL_URL
+	md_get gce-watchdog-wheel-sha256 WHEEL_SHA256
+	md_get gce-watchdog-pip-spec PIP_SPEC gce-watchdog
+	md_get gce-watchdog-bootstrap MD_BOOTSTRAP
+	md_get gce-watchdog-workload MD_WORKLOAD
+	md_get gce-watchdog-dns-name MD_DNS_NAME
+	md_get gce-watchdog-done-action DONE_ACTION none
+	DONE_ACTION="${GCEWD_DONE_ACTION:-$DONE_ACTION}"
+	INDEX_HOST=$(url_host "${PIP_INDEX_URL:-https://pypi.org/simple}") || INDEX_HOST=pypi.org
+
+	STEP=dns
+	local t0=$SECONDS dns_name
+	dns_name="${GCEWD_DNS_NAME:-${MD_DNS_NAME:-}}"
+	if [[ -z $dns_name ]]; then
+		if [[ -n $WHEEL_URL ]]; then dns_name=$(url_host "$WHEEL_URL") || dns_name=""; fi
+		[[ -n $dns_name ]] || dns_name=$INDEX_HOST
+	fi
+	wait_dns "$dns_name" "$DNS_DEADLINE" ||
+		fail dns "$dns_name did not resolve within ${DNS_DEADLINE}s" 75
+	step_done dns ok "$t0" "$dns_name resolves"
+
+	install_agent
+	install_unit
+	run_bootstrap
+
+	STEP=workload
+	if [[ -z $MD_WORKLOAD ]]; then
+		step_done workload skip "$SECONDS" "no gce-watchdog-workload attribute; run the job under gce-watchdog exec"
+		return 0
+	fi
+	local wdir msg rc=0
+	wdir=$(mktemp -d)
+	msg=$(json_argvs "$MD_WORKLOAD" argv "$wdir" 2>&1) || fail workload "gce-watchdog-workload: $msg" 64
+	mapfile -d '' -t WORKLOAD <"$wdir/000"
+	rm -rf "$wdir"
+	trap - ERR
+	# From here on the job runs: its failure is an `exit` line (the job's result), not setup_failed.
+	"$AGENT" exec "${CFG_ARGS[@]}" -- "${WORKLOAD[@]}" 9>&- || rc=$?
+	phase "done"
+	case "${DONE_ACTION:-none}" in
+	none) ;;
+	poweroff | reboot) "$ACTION_CMD" "$DONE_ACTION" || log "done action failed: rc=$?" ;;
+	*) log "unknown gce-watchdog-done-action '$DONE_ACTION' (want none, poweroff or reboot)" ;;
+	esac
+	return "$rc"
+}
+
+main "$@"

@@ -1,0 +1,408 @@
+"""The real start-up script, end to end, against a temporary root and local servers
+(agent.simgce's metadata and file servers): phases, setup_failed, the pre-agent emitter."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent import protocol
+from agent.serial import Emitter, MemorySink
+from agent.simgce import FakeMetadataServer, StaticFileServer
+from agent.state import SeqAllocator, read_boot_id, read_phase, short_boot
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "startup" / "startup-script.sh"
+BAKE = REPO / "startup" / "bake-image.sh"
+BOOT_ID = "5f1e2d3c-0000-4000-8000-0123456789ab"
+PY = sys.executable
+
+
+def test_shellcheck_clean() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (make apt-test installs it)")
+    p = subprocess.run(
+        ["shellcheck", "--shell=bash", str(SCRIPT), str(BAKE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@dataclass
+class Vm:
+    """A temporary root the script runs against, with its env and a metadata server."""
+
+    root: Path
+    mds: FakeMetadataServer
+    env: dict[str, str]
+
+    @property
+    def serial(self) -> Path:
+        return self.root / "serial.log"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "var/lib/gce-watchdog"
+
+    @property
+    def actions(self) -> list[str]:
+        p = self.root / "actions.log"
+        return p.read_text().split() if p.exists() else []
+
+    def events(self) -> list[protocol.Event]:
+        if not self.serial.exists():
+            return []
+        events, stats = protocol.decode_all(self.serial.read_bytes())
+        assert stats.rejected == 0, "every line the script writes must decode"
+        return events
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(SCRIPT), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def bake(self) -> None:
+        """The agent 'baked into the image': this checkout's agent behind PREFIX/bin."""
+        prefix = self.root / "opt/gce-watchdog"
+        (prefix / "bin").mkdir(parents=True)
+        shim = prefix / "bin/gce-watchdog"
+        shim.write_text(f'#!/bin/sh\nexec "{PY}" -m agent "$@"\n')
+        shim.chmod(0o755)
+        (prefix / ".baked").write_text("gce-watchdog test\n")
+
+
+@pytest.fixture
+def vm(tmp_path: Path) -> Iterator[Vm]:
+    root = tmp_path / "root"
+    root.mkdir()
+    boot = root / "boot_id"
+    boot.write_text(BOOT_ID + "\n")
+    state = root / "var/lib/gce-watchdog"
+    cfg = root / "etc/gce-watchdog/config.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text(
+        f'[agent]\nstate_dir = "{state}"\nboot_id_path = "{boot}"\n'
+        f'[serial]\ndevice = "{root}/serial.log"\nfallback_file = "{root}/fallback.log"\n'
+    )
+    recorder = root / "action-cmd"
+    recorder.write_text(f'#!/bin/sh\necho "$@" >> "{root}/actions.log"\n')
+    recorder.chmod(0o755)
+    mds = FakeMetadataServer().start()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "GCEWD_ROOT": str(root),
+        "GCEWD_SERIAL": str(root / "serial.log"),
+        "GCEWD_SERIAL_FALLBACK": str(root / "fallback.log"),
+        "GCEWD_BOOT_ID_PATH": str(boot),
+        "GCEWD_METADATA_URL": f"{mds.base}/computeMetadata/v1",
+        "GCEWD_DNS_NAME": "localhost",
+        "GCEWD_SYSTEMD_RUN_DIR": str(root / "run/systemd/system"),  # absent: no systemd
+        "GCEWD_ACTION_CMD": str(recorder),
+        "GCEWD_METADATA_DEADLINE": "3",
+    }
+    try:
+        yield Vm(root, mds, env)
+    finally:
+        mds.stop()
+
+
+def _phases(events: list[protocol.Event]) -> list[str]:
+    return [e.get("ph") or "" for e in events if e.event == "phase"]
+
+
+def _assert_consecutive(events: list[protocol.Event]) -> None:
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # no line lost or duplicated
+
+
+def test_success_path_bootstrap_workload_done(vm: Vm) -> None:
+    vm.bake()
+    marker = vm.root / "bootstrap-ran"
+    bdir = vm.root / "etc/gce-watchdog/bootstrap.d"
+    bdir.mkdir(parents=True)
+    (bdir / "10-first").write_text(f"#!/bin/sh\necho first >> {marker}\n")
+    (bdir / "10-first").chmod(0o755)
+    (bdir / "20-notes.txt~").write_text("an editor backup: skipped\n")
+    steps = [[PY, "-c", f"open({str(marker)!r}, 'a').write('second\\n')"]]
+    args_out = vm.root / "workload-args.json"
+    dump = f"import json, sys; json.dump(sys.argv[1:], open({str(args_out)!r}, 'w'))"
+    workload = [PY, "-c", dump, "two words", "$(touch pwned)", "*"]
+    vm.mds.set_attribute("gce-watchdog-bootstrap", json.dumps(steps))
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps(workload))
+
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    evs = vm.events()
+    assert _phases(evs) == ["bootstrap", "workload", "done"]
+    assert [e.event for e in evs if e.event in ("setup_failed",)] == []
+    names = [e.event for e in evs]
+    assert names.index("exit") == names.index("phase", names.index("exit") - 1) + 1
+    ex = next(e for e in evs if e.event == "exit")
+    assert (ex.get("rc"), ex.get("sig")) == ("0", "-")
+    st = {e.get("step"): e.get("st") for e in evs if e.event == "bootstrap_step"}
+    assert st == {"dns": "ok", "install": "ok", "unit": "skip",
+                  "bootstrap:10-first": "ok", "bootstrap:md000": "ok"}  # fmt: skip
+    assert marker.read_text() == "first\nsecond\n"  # directory steps first, then metadata
+    # The argv reached the workload untouched: no shell ever saw it.
+    assert json.loads(args_out.read_text()) == ["two words", "$(touch pwned)", "*"]
+    assert not (vm.root / "pwned").exists() and not Path("pwned").exists()
+    _assert_consecutive(evs)
+    assert {e.boot for e in evs} == {short_boot(read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"]))}
+    assert read_phase(vm.state) == "done"
+    assert vm.actions == []  # no failure action on success
+
+    # Safe to run again (the next boot, or an operator by hand): same outcome, numbering goes on.
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    evs2 = vm.events()
+    assert _phases(evs2) == ["bootstrap", "workload", "done"] * 2
+    _assert_consecutive(evs2)
+
+
+def test_failing_bootstrap_step_is_setup_failed_with_that_step(vm: Vm) -> None:
+    vm.bake()
+    steps = [[PY, "-c", "pass"], [PY, "-c", "raise SystemExit(3)"], [PY, "-c", "pass"]]
+    vm.mds.set_attribute("gce-watchdog-bootstrap", json.dumps(steps))
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
+    p = vm.run()
+    assert p.returncode == 3
+    evs = vm.events()
+    (sf,) = [e for e in evs if e.event == "setup_failed"]
+    assert (sf.get("step"), sf.get("rc")) == ("bootstrap:md001", "3")
+    assert "exited with 3" in sf.text
+    assert evs[-1] is sf  # nothing after the terminal line: no workload, no third step
+    assert _phases(evs) == ["bootstrap"]
+    assert read_phase(vm.state) == "setup_failed"
+    assert vm.actions == ["poweroff"]  # the default failure action, after the line
+
+
+def test_failure_action_from_metadata_and_env(vm: Vm) -> None:
+    vm.bake()
+    vm.mds.set_attribute("gce-watchdog-bootstrap", json.dumps([["/bin/false"]]))
+    vm.mds.set_attribute("gce-watchdog-failure-action", "reboot")
+    assert vm.run().returncode == 1
+    assert vm.actions == ["reboot"]
+    vm.env["GCEWD_FAILURE_ACTION"] = "none"
+    assert vm.run().returncode == 1
+    assert vm.actions == ["reboot"]  # none: the VM stays up for inspection
+
+
+def test_dns_that_never_resolves_fails_the_dns_step(vm: Vm) -> None:
+    vm.bake()
+    vm.env["GCEWD_DNS_NAME"] = "gcewd-no-such-host.invalid"
+    vm.env["GCEWD_DNS_DEADLINE"] = "2"
+    t0 = time.monotonic()
+    p = vm.run()
+    took = time.monotonic() - t0
+    assert p.returncode == 75, p.stderr
+    (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
+    assert (sf.get("step"), sf.get("rc")) == ("dns", "75")
+    assert took < 15  # bounded by the DNS deadline, not a fixed number of tries
+    assert vm.actions == ["poweroff"]
+
+
+def test_workload_must_be_an_argv_not_a_shell_string(vm: Vm) -> None:
+    vm.bake()
+    vm.mds.set_attribute("gce-watchdog-workload", "python3 train.py --epochs 3")
+    p = vm.run()
+    assert p.returncode == 64
+    (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
+    assert sf.get("step") == "workload" and "JSON" in sf.text
+
+
+def test_failed_workload_is_an_exit_line_not_setup_failed(vm: Vm) -> None:
+    vm.bake()
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "raise SystemExit(7)"]))
+    p = vm.run()
+    assert p.returncode == 7
+    evs = vm.events()
+    assert not [e for e in evs if e.event == "setup_failed"]
+    ex = next(e for e in evs if e.event == "exit")
+    assert ex.get("rc") == "7"
+    assert _phases(evs) == ["bootstrap", "workload", "done"]
+    assert vm.actions == []
+
+
+def test_no_workload_attribute_stops_after_bootstrap(vm: Vm) -> None:
+    vm.bake()
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    evs = vm.events()
+    assert _phases(evs) == ["bootstrap"]
+    assert evs[-1].event == "bootstrap_step" and evs[-1].get("step") == "workload"
+    assert evs[-1].get("st") == "skip"
+
+
+def test_metadata_server_unreachable_is_setup_failed_metadata(vm: Vm) -> None:
+    vm.bake()
+    vm.mds.stop()
+    p = vm.run()
+    assert p.returncode == 75
+    (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
+    assert sf.get("step") == "metadata"
+
+
+# ---------------------------------------------------------------------------------------------
+# The pre-agent emitter: the one other encoder of protocol v1.
+
+
+def test_script_emitter_decodes_and_shares_the_seq_file_with_the_agent(vm: Vm) -> None:
+    boot = short_boot(read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"]))
+    sink = MemorySink()
+    agent = Emitter(sink, SeqAllocator(vm.state, boot), boot)
+    agent.emit("heartbeat", {"rung": "0/10"})
+    p = vm.run("emit", "fetch", "out=retry", "att=1", "host=pypi.org", "--", "DNS not ready")
+    assert p.returncode == 0, p.stderr
+    agent.emit("heartbeat", {"rung": "0/10"})
+    assert (vm.state / "seq").read_text() == f"{boot} 3\n"
+    (ev,) = vm.events()
+    assert (ev.event, ev.boot, ev.seq) == ("fetch", boot, 1)
+    assert ev.fields == (("out", "retry"), ("att", "1"), ("host", "pypi.org"))
+    assert ev.text == "DNS not ready"
+    assert [protocol.decode_line(ln).seq for ln in sink.lines] == [0, 2]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "fields, text",
+    [
+        (["reason=pip failed: exit 1 | see #log"], "a | b # c \u00e9\t end"),
+        (["step=" + "s" * 80, "reason=" + "r" * 200], "t" * 300),
+        (["rc=-"], ""),
+    ],
+)
+def test_script_emitter_sanitizes_like_the_agent(vm: Vm, fields: list[str], text: str) -> None:
+    args = ["emit", "setup_failed", *fields] + (["--", text] if text else [])
+    assert vm.run(*args).returncode == 0
+    raw = vm.serial.read_bytes()
+    assert len(raw.rstrip(b"\n")) <= protocol.MAX_LINE
+    (ev,) = vm.events()
+    assert ev.event == "setup_failed"
+    for k, v in ev.fields:
+        assert protocol.sanitize_value(v) == v  # already in the value alphabet
+    if text:
+        assert ev.text and set(ev.text) <= set(protocol.sanitize_text(text) + ".")
+    assert read_phase(vm.state) == "setup_failed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Installing from a wheelhouse URL (no baked agent): download, unpack, venv, pip --no-index.
+
+
+def _shim_wheel(dest: Path) -> Path:
+    """A hand-built gce-watchdog wheel whose console script runs this checkout's agent.
+
+    The real wheel's dependencies cannot be fetched offline; the install mechanics (download,
+    unpack, venv, pip --no-index --find-links, the console script) are what is under test.
+    """
+    files = {
+        "gcewd_shim.py": (
+            "import os, sys\n"
+            f"def main():\n    os.execv({PY!r}, [{PY!r}, '-m', 'agent', *sys.argv[1:]])\n"
+        ),
+        "gce_watchdog-0.1.0.dist-info/METADATA": (
+            "Metadata-Version: 2.1\nName: gce-watchdog\nVersion: 0.1.0\n"
+        ),
+        "gce_watchdog-0.1.0.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+        "gce_watchdog-0.1.0.dist-info/entry_points.txt": (
+            "[console_scripts]\ngce-watchdog = gcewd_shim:main\n"
+        ),
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    record.append("gce_watchdog-0.1.0.dist-info/RECORD,,")
+    files["gce_watchdog-0.1.0.dist-info/RECORD"] = "\n".join(record) + "\n"
+    whl = dest / "gce_watchdog-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return whl
+
+
+@pytest.mark.slow
+def test_install_from_wheelhouse_url(vm: Vm, tmp_path: Path) -> None:
+    served = tmp_path / "served"
+    served.mkdir()
+    whl = _shim_wheel(tmp_path)
+    tar = served / "wheelhouse.tar.gz"
+    with tarfile.open(tar, "w:gz") as t:
+        t.add(whl, arcname=f"wheelhouse/{whl.name}")
+    digest = hashlib.sha256(tar.read_bytes()).hexdigest()
+    with StaticFileServer(served) as files:
+        vm.mds.set_attribute("gce-watchdog-wheel-url", f"{files.base}/wheelhouse.tar.gz")
+        vm.mds.set_attribute("gce-watchdog-wheel-sha256", digest)
+        vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
+        vm.env["GCEWD_DNS_NAME"] = ""  # default: the wheel URL's host (127.0.0.1)
+        p = vm.run(timeout=300)
+        assert p.returncode == 0, p.stderr
+        evs = vm.events()
+        fetch = [e for e in evs if e.event == "fetch"]
+        assert [e.get("out") for e in fetch] == ["ok"]
+        inst = next(e for e in evs if e.event == "bootstrap_step" and e.get("step") == "install")
+        assert "installed from http" in inst.text
+        assert _phases(evs) == ["bootstrap", "workload", "done"]
+        assert (vm.root / "opt/gce-watchdog/bin/gce-watchdog").exists()
+        # The next boot reuses the install instead of downloading again.
+        p = vm.run(timeout=300)
+        assert p.returncode == 0, p.stderr
+        inst = [e for e in vm.events() if e.get("step") == "install"][-1]
+        assert "already installed" in inst.text
+        assert len([e for e in vm.events() if e.event == "fetch"]) == 1
+
+
+def test_wheel_url_404_is_setup_failed_install(vm: Vm, tmp_path: Path) -> None:
+    with StaticFileServer(tmp_path) as files:
+        vm.mds.set_attribute("gce-watchdog-wheel-url", f"{files.base}/missing.whl")
+        p = vm.run()
+    assert p.returncode == 69, p.stderr
+    evs = vm.events()
+    (sf,) = [e for e in evs if e.event == "setup_failed"]
+    assert (sf.get("step"), sf.get("rc")) == ("install", "69") and "404" in sf.text
+    (f,) = [e for e in evs if e.event == "fetch"]
+    assert (f.get("out"), f.get("att")) == ("refused", "1")
+
+
+@pytest.mark.slow
+def test_bake_image_then_boot_uses_the_baked_agent(vm: Vm, tmp_path: Path) -> None:
+    house = tmp_path / "house"
+    house.mkdir()
+    _shim_wheel(house)
+    p = subprocess.run(
+        ["bash", str(BAKE), "--wheelhouse", str(house), "--no-unit"],
+        env=vm.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert (vm.root / "opt/gce-watchdog/.baked").read_text().startswith("gce-watchdog")
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    inst = next(e for e in vm.events() if e.get("step") == "install")
+    assert "baked" in inst.text
+    bad = subprocess.run(["bash", str(BAKE), "--bogus"], env=vm.env, capture_output=True)
+    assert bad.returncode == 64
