@@ -26,6 +26,7 @@ MODULES: tuple[str, ...] = (
     "agent.memwatch.cli",
     "agent.report.cli",
     "agent.disarm",
+    "agent.install",
 )
 
 
