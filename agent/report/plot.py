@@ -117,7 +117,8 @@ def _ladder(ax: Any, r: Report) -> None:
         ax.axvline(_x(m.ts_ms), color=c, ls=":", lw=1)
         ax.text(_x(m.ts_ms), ymax, m.label, rotation=90, va="top", ha="right", fontsize=7,
                 color=c, clip_on=True)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
 
 def _probes(ax: Any, r: Report) -> None:
@@ -133,7 +134,10 @@ def _probes(ax: Any, r: Report) -> None:
         c = _PROBE_COLOUR[probe]
         xs = [_x(p.ts_ms) for p in pts]
         ys = [max(p.latency_ms or 0, 1) for p in pts]  # log scale: 0 ms drawn at 1 ms
-        ax.plot(xs, ys, "-", color=c, lw=0.6, alpha=0.6)
+        for boot in dict.fromkeys(p.boot for p in pts):  # no line across a reboot
+            seg = [(x, y) for x, y, p in zip(xs, ys, pts, strict=True) if p.boot == boot]
+            bx, by = zip(*seg, strict=True)
+            ax.plot(bx, by, "-", color=c, lw=0.6, alpha=0.6)
         for verdict, marker in _VERDICT_MARKER.items():
             sel = [(x, y) for x, y, p in zip(xs, ys, pts, strict=True) if p.verdict == verdict]
             if sel:

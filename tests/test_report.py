@@ -1,0 +1,351 @@
+"""gce-watchdog report: from the poller tests' logs and from lines the real agent wrote."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fakes import FakeClock, FakeNotifier, ScriptedProber
+from test_poller_decode import _scenario_one_boot_with_damage
+
+from agent import config as cfgmod
+from agent.cli import main
+from agent.daemon import Agent, Deps, LadderStore, TickReport
+from agent.ladder import Verdict
+from agent.poller.synth import T0_MS, corpus_dir, corpus_lines, interleave, realistic_dump, splice
+from agent.poller.timeline import parse_bytes
+from agent.poller.verdict import InstanceState, Policy, VerdictKind, decide
+from agent.probes import ProbeResult, TickResult
+from agent.protocol import format_ts
+from agent.report import html, text
+from agent.report.model import build_report
+from agent.serial import Emitter, MemorySink
+from agent.state import SeqAllocator
+
+REPO = Path(__file__).resolve().parents[1]
+needs_corpus = pytest.mark.skipif(corpus_dir() is None, reason="serial corpus not found")
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MPL = True
+except ImportError:
+    HAVE_MPL = False
+needs_mpl = pytest.mark.skipif(not HAVE_MPL, reason="matplotlib (gce-watchdog[report]) absent")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """Width and height from the PNG signature and IHDR chunk."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    w, h = struct.unpack(">II", data[16:24])
+    return w, h
+
+
+# -- a log the real agent writes ------------------------------------------------------------------
+
+
+def tr(md: str, eg: str, mdl: int, egl: int) -> TickResult:
+    def pr(v: str, lat: int, why: str) -> ProbeResult:
+        return ProbeResult(Verdict(v), "ok" if v == "ok" else why, lat)
+
+    return TickResult(pr(md, mdl, "timeout"), pr(eg, egl, "connect_timeout"), "ok")
+
+
+def agent_lines(tmp: Path, boot: str, wall0: float, script: list[TickResult], ticks: int,
+                extra: dict[int, list[tuple[str, dict[str, object], str]]]) -> list[str]:
+    """Lines of one boot as the agent writes them: the real Agent with a fake clock and prober;
+    ``extra[n]`` are lines other writers (fault CLI, memory monitor, phases) add after tick n
+    (n = 0: before the agent starts)."""
+    clock = FakeClock(start=1000.0, wall0=wall0)
+    sink = MemorySink()
+    (tmp / boot).mkdir()
+    em = Emitter(sink, SeqAllocator(tmp / boot, boot), boot, clock.wall)
+
+    def on_shutdown(reason: str, rung: int, thr: int) -> None:  # what the action chain writes
+        em.emit("shutdown", {"reason": reason, "rung": f"{rung}/{thr}", "action": "poweroff",
+                             "chain": "linger+poweroff"}, "shutting down", sync=True)
+        em.emit("action", {"step": "linger", "status": "ok", "ms": 75000})
+        em.emit("action", {"step": "poweroff", "status": "dry_run"}, "would power off")
+
+    def hook(rep: TickReport) -> None:
+        for name, fields, txt in extra.get(rep.n, []):
+            em.emit(name, fields, txt)
+
+    cfg = cfgmod.replace(cfgmod.Config(), agent={"interval": 30.0, "probe_timeout": 5.0,
+                                                 "heartbeat_every": 3})
+    deps = Deps(emitter=em, prober=ScriptedProber(script, clock), clock=clock,
+                notifier=FakeNotifier(), store=LadderStore(tmp / boot / "ladder.json", boot),
+                on_shutdown=on_shutdown, phase=lambda: "workload", tick_hooks=[hook])
+    for name, fields, txt in extra.get(0, []):
+        em.emit(name, fields, txt)
+    Agent(cfg, deps).run(threading.Event(), max_ticks=ticks)
+    return list(sink.lines)
+
+
+def wedge_and_reboot(tmp: Path) -> tuple[bytes, list[str], list[str]]:
+    """Boot 1: healthy, a fault injected, both probes fail 10 ticks, shutdown (a heartbeat is
+    spliced by a kernel message). Boot 2: healthy, still running: the dump ends mid-line."""
+    ok, bad = tr("ok", "ok", 3, 14), tr("fail", "fail", 5001, 5002)
+    until = format_ts(T0_MS + 30_000 * 16)[:19] + "Z"
+    mem = [("mem", {"hu": "3.10", "ha": "25.00", "g0": f"{22 + 0.5 * k:.2f}"}, "")
+           for k in range(17)]
+    extra1: dict[int, list[tuple[str, dict[str, object], str]]] = {
+        0: [("phase", {"ph": "bootstrap"}, ""), ("phase", {"ph": "workload"}, "")],
+        6: [("fault", {"op": "inject", "id": "f1a2", "cut": "metadata+egress443",
+                       "ttl": "600s", "until": until, "rev": "timer"},
+             "fault injected by operator <operator>")],
+        9: [("memory_climb", {"g": "gpu0", "slope": "0.017", "cur": "26.50"}, "")],
+    }
+    for k in range(0, 17, 2):
+        extra1.setdefault(k, []).append(mem[k])
+    b1 = agent_lines(tmp, "aaaa0001", T0_MS / 1000, [ok] * 6 + [bad] * 10, 16, extra1)
+    extra2: dict[int, list[tuple[str, dict[str, object], str]]] = {
+        0: [("phase", {"ph": "workload"}, "")],
+        **{k: [("mem", {"hu": "3.00", "g0": "21.00"}, "")] for k in (3, 6, 9)},
+    }
+    b2 = agent_lines(tmp, "bbbb0002", T0_MS / 1000 + 3600, [ok], 9, extra2)
+    b2 = b2[:-1]  # still running: no stop line yet
+    console = corpus_lines()
+    assert console
+    ours1 = [ln.encode() + b"\n" for ln in b1]
+    hb = next(i for i, ln in enumerate(b1) if " heartbeat " in ln)
+    ours1[hb] = splice(ours1[hb])
+    ours2 = [ln.encode() + b"\n" for ln in b2]
+    ours2[-1] = ours2[-1][: len(ours2[-1]) // 2]  # the dump was taken mid-line
+    data = interleave(console[:400], ours1, 9) + interleave(console[400:700], ours2, 11)
+    data = data.rstrip(b"\n")
+    return data, b1, b2
+
+
+@needs_corpus
+def test_agent_log_timeline_faults_memory_and_verdict(tmp_path: Path) -> None:
+    data, b1, b2 = wedge_and_reboot(tmp_path)
+    r = build_report(data, source="vm.log")
+    tl = parse_bytes(data)
+    assert r.events == tl.events  # the report's events are the poller's decoding, untouched
+    assert [s.boot for s in r.sections] == ["aaaa0001", "bbbb0002"]
+    assert len(r.events) == len(b1) + len(b2) - 2  # the spliced heartbeat, the cut last line
+    assert r.rejected == 2 and r.lost_lines == 1 and len(r.seq_gaps) == 1
+
+    # The ladder per tick, boot 1: 0 while healthy, then 1..10 while both probes fail.
+    rungs1 = [p.rung for p in r.rungs if p.boot == "aaaa0001"]
+    climb = [x for x in rungs1 if x > 0]
+    assert climb[:10] == list(range(1, 11)) and r.threshold == 10
+    fails = [p for p in r.probes if p.boot == "aaaa0001" and p.verdict == "fail"]
+    assert len(fails) == 20 and {p.latency_ms for p in fails} == {5001, 5002}
+    assert {p.reason for p in fails} == {"timeout", "connect_timeout"}
+    oks = [p for p in r.probes if p.verdict == "ok"]
+    assert {(p.probe, p.latency_ms) for p in oks} == {("metadata", 3), ("egress", 14)}
+
+    # The fault: injected at tick 6, never cleared: the reboot ended it.
+    (w,) = r.faults
+    assert (w.fault_id, w.cut, w.boot, w.end) == ("f1a2", "metadata+egress443", "aaaa0001",
+                                                  "reboot")
+    assert w.end_ms == r.sections[0].info.last_ts_ms
+
+    gpu = [p.gib for p in r.memory if p.gauge == "gpu0_used" and p.boot == "aaaa0001"]
+    assert gpu == [22 + 0.5 * k for k in range(0, 17, 2)][: len(gpu)] and len(gpu) >= 7
+    kinds = [m.kind for m in r.markers]
+    assert kinds.count("phase") == 3 and kinds.count("shutdown") == 1
+    assert "memory_climb" in kinds and kinds.count("start") == 2
+    assert [a.event for a in r.actions] == ["shutdown", "action", "action"]
+
+    # The verdict is the poller's: the latest boot is alive, judged at its last line.
+    assert r.verdict == decide(tl.events, InstanceState(), r.end_ms / 1000, Policy())
+    assert r.verdict.kind is VerdictKind.HEALTHY and r.verdict.boot == "bbbb0002"
+
+    out = "\n".join(text.render(r, width=200))
+    assert "boot aaaa0001 (1 of 2)" in out and "boot bbbb0002 (2 of 2)" in out
+    assert "2 rejected (checksum 2)" in out and "1 sequence gaps" in out
+    assert "boot aaaa0001: after seq" in out and "(1 lost)" in out
+    assert "f1a2 cut=metadata+egress443" in out and "ended by a reboot" in out
+    assert "fail timeout 5001ms" in out and "fail connect_timeout 5002ms" in out
+    assert out.rstrip().splitlines()[-1].startswith("verdict: healthy (no failover)")
+
+
+@needs_corpus
+def test_poller_damage_scenario_reports_rejects_gaps_and_shutdown() -> None:
+    data, expected, _ = _scenario_one_boot_with_damage()
+    r = build_report(data, source="damaged.log", instance=InstanceState("TERMINATED"))
+    assert r.events == expected
+    assert r.rejected == 3 and r.duplicates == 1 and r.lost_lines == 2
+    assert [(g.after, g.next) for g in r.seq_gaps] == [(1, 3), (3, 5)]
+    assert r.verdict.kind is VerdictKind.SELF_SHUTDOWN and r.verdict.failover
+    lines = list(text.render(r))
+    assert any("3 rejected (checksum 3), 1 duplicates, 2 sequence gaps" in ln for ln in lines)
+    assert lines[-1].startswith("verdict: self_shutdown (FAILOVER)")
+
+
+def test_routine_lines_in_a_row_collapse_into_one_row() -> None:
+    from agent.poller.synth import Writer
+
+    w = Writer(boot="cccc0003")
+    for k in range(5):
+        w.event("heartbeat", {"rung": "0/10", "ph": "workload", "ticks": k, "mdl": 3, "egl": 9})
+    w.event("tick", {"rung": "1/10", "md": "fail/timeout/5001", "eg": "fail/refused/2"})
+    w.event("tick", {"rung": "1/10", "md": "unknown/no_route/0", "eg": "fail/refused/2"})
+    w.event("phase", {"ph": "done"})
+    w.event("phase", {"ph": "done"})
+    rows = text.rows(w.written)
+    assert [(r.first.event, r.count) for r in rows] == [
+        ("heartbeat", 5), ("tick", 1), ("tick", 1), ("phase", 1), ("phase", 1)
+    ]
+    assert rows[0].last.get("ticks") == "4"
+    assert text.probe_cell(rows[1].first, "md") == "fail timeout 5001ms"
+    assert text.probe_cell(rows[0].first, "eg") == "ok 9ms"
+
+
+def test_no_line_of_ours_and_empty_input() -> None:
+    for data in (b"", b"[    0.000000] Linux version 6.1\r\nplain console\n"):
+        r = build_report(data)
+        assert r.events == [] and r.sections == [] and r.verdict.kind is VerdictKind.UNKNOWN
+        out = list(text.render(r))
+        assert any("no gce-watchdog line" in ln for ln in out)
+        assert "<table>" in html.render(r, None, "no plot")
+
+
+# -- PNG and HTML ----------------------------------------------------------------------------------
+
+
+@needs_mpl
+@needs_corpus
+def test_png_is_a_valid_image_of_the_expected_size_with_three_axes(tmp_path: Path) -> None:
+    import io
+
+    from agent.report import plot
+
+    data, _, _ = wedge_and_reboot(tmp_path)
+    r = build_report(data, source="vm.log")
+    fig = plot.figure(r)
+    assert len(fig.axes) == plot.N_AXES == 3
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert labels == ["ladder rung", "probe latency (ms)", "memory (GiB)"]
+    # the threshold line and the shaded fault window are drawn
+    assert any(ln.get_label() == "threshold 10" for ln in fig.axes[0].get_lines())
+    assert all(len(ax.patches) >= 1 for ax in fig.axes)
+    buf = io.BytesIO()
+    plot.write_png(r, buf)
+    assert png_size(buf.getvalue()) == (plot.WIDTH_PX, plot.HEIGHT_PX) == (1400, 1000)
+    # a log with no line of ours still renders the same frame
+    buf2 = io.BytesIO()
+    plot.write_png(build_report(b"console only\n"), buf2)
+    assert png_size(buf2.getvalue()) == (1400, 1000)
+
+
+@needs_corpus
+def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> None:
+    data, _, _ = wedge_and_reboot(tmp_path)
+    r = build_report(data, source="vm<1>.log")
+    png = b"\x89PNG\r\n\x1a\nfake" if not HAVE_MPL else None
+    if HAVE_MPL:
+        import io
+
+        from agent.report import plot
+
+        buf = io.BytesIO()
+        plot.write_png(r, buf)
+        png = buf.getvalue()
+    page = html.render(r, png)
+    assert page.count("<tr class=") == len(r.events)
+    for ev in r.events:
+        assert f"<td>{ev.seq}</td><td>{ev.event}</td>" in page
+    assert "fault injected by operator &lt;operator&gt;" in page
+    assert "<operator>" not in page and "vm&lt;1&gt;.log" in page
+    assert "data:image/png;base64," in page
+    assert "src=\"http" not in page and "<script" not in page  # nothing loaded from elsewhere
+    assert "verdict: healthy" in page
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+@needs_mpl
+@needs_corpus
+def test_cli_writes_png_html_and_prints_the_table(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    data, _, _ = wedge_and_reboot(tmp_path)
+    log = tmp_path / "vm.log"
+    log.write_bytes(data)
+    png, page = tmp_path / "out.png", tmp_path / "out.html"
+    rc = main(["report", str(log), "--png", str(png), "--html", str(page), "--now", "last"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert png_size(png.read_bytes()) == (1400, 1000)
+    assert "data:image/png;base64," in page.read_text()
+    assert "verdict: healthy (no failover)" in out and f"plot written to {png}" in out
+
+
+@needs_corpus
+def test_cli_json_and_default_now_is_the_files_mtime(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    data, _, _ = wedge_and_reboot(tmp_path)
+    log = tmp_path / "vm.log"
+    log.write_bytes(data)
+    assert main(["report", str(log), "--json", "--now", "last"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"]["kind"] == "healthy" and len(doc["boots"]) == 2
+    assert doc["rejected"] == 2 and doc["faults"][0]["end"] == "reboot"
+    # Saved long after its last line (the file's mtime is now): a silent running VM is a wedge.
+    assert main(["report", str(log), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"]["kind"] == "suspected_wedge"
+
+
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path / "missing.log")]) == 66
+    assert "cannot read" in capsys.readouterr().err
+    log = tmp_path / "x.log"
+    log.write_bytes(b"")
+    assert main(["report", str(log), "--now", "yesterday"]) == 2
+    assert main(["report", str(log), "--drain-timeout", "soon"]) == 2
+    assert main(["report", str(log), "--band-gib", "0"]) == 2
+    assert main(["report", str(log), "--now", "last", "--html", str(tmp_path / "no/such/x.html"),
+                 ]) == 73
+
+
+def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
+    """A fresh interpreter where importing matplotlib fails, as on a VM without the extra."""
+    log = tmp_path / "x.log"
+    log.write_bytes(b"console\n")
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from agent.cli import main\n"
+        f"rc1 = main(['report', {str(log)!r}, '--png', {str(tmp_path / 'o.png')!r}])\n"
+        f"rc2 = main(['report', {str(log)!r}, '--html', {str(tmp_path / 'o.html')!r}])\n"
+        "print('RC', rc1, rc2)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "RC 69 0" in p.stdout  # --png: refused (EX_UNAVAILABLE); --html: written without plot
+    assert "pip install 'gce-watchdog[report]'" in p.stderr
+    assert not (tmp_path / "o.png").exists()
+    page = (tmp_path / "o.html").read_text()
+    assert "no plot" in page and "gce-watchdog[report]" in page
+
+
+@needs_corpus
+def test_render_time_of_a_1mib_log() -> None:
+    data, expected = realistic_dump(1024 * 1024)
+    t0 = time.perf_counter()
+    r = build_report(data, source="1mib.log")
+    lines = list(text.render(r))
+    t_text = time.perf_counter() - t0
+    assert len(r.events) == len(expected) and lines
+    t_png = 0.0
+    if HAVE_MPL:
+        import io
+
+        from agent.report import plot
+
+        t1 = time.perf_counter()
+        plot.write_png(r, io.BytesIO())
+        t_png = time.perf_counter() - t1
+    print(f"1 MiB log: decode+table {t_text * 1000:.0f} ms, png {t_png * 1000:.0f} ms")
+    assert t_text < 10 and t_png < 30  # generous: 2 shared CI cores
