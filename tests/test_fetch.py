@@ -513,3 +513,43 @@ def test_cli_success_writes_serial_outcome_and_no_progress_off_tty(
     assert "ok:" in err and "\r" not in err  # stderr is not a tty: no progress display
     (final,) = [e for e in _serial_events(tmp_path) if e.event == "fetch"]
     assert final.get("out") == "ok" and final.get("dst") == "f"
+
+
+def test_ten_minute_dns_outage_on_a_fake_clock(tmp_path: Path) -> None:
+    """The incident's case, in virtual time: bounded lines, deadline met to the millisecond."""
+    import random
+
+    from agent.fetch import FetchError
+
+    class Clock:
+        t = 0.0
+
+        def __call__(self) -> float:
+            return self.t
+
+        def sleep(self, s: float) -> None:
+            self.t += s
+
+    clock = Clock()
+
+    class DeadDNS:
+        def resolve(self, host: str, timeout: float) -> list[str]:
+            clock.t += timeout  # every look-up runs into its full lifetime
+            raise FetchError("dns", f"{host}: DNS timed out after {timeout:.1f}s")
+
+    sink = MemorySink()
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badf00d"), "0badf00d", wall=clock)
+    r = req("https://astral.sh/uv/install.sh", tmp_path / "uv.sh", deadline=600.0)
+    deps = FetchDeps(
+        emitter=em, resolver=DeadDNS(), clock=clock, sleep=clock.sleep, rng=random.Random(1)
+    )
+    res = run_fetch(r, deps)
+    assert res.rc == EX_TEMPFAIL
+    assert 599.0 <= res.elapsed <= 600.0  # never past the deadline, not far before it
+    assert 15 <= res.attempts <= 40
+    evs = fetch_events(sink)
+    assert len(evs) <= 600 / 60 + 2  # about one line a minute, whatever the attempt count
+    retry_lines = [e for e in evs if e.get("out") == "retry"]
+    supp = sum(int(e.get("supp") or 0) for e in evs)
+    assert len(retry_lines) + supp == res.attempts - 1
+    assert evs[-1].get("out") == "gave_up" and evs[-1].text.startswith("gave up after")
