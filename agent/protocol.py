@@ -258,11 +258,16 @@ class StreamDecoder:
     # A console line longer than this is not ours (ours are <= 200 bytes): keep only its tail so a
     # reader fed a newline-free stream cannot grow without bound.
     MAX_PENDING = 64 * 1024
+    # Copies of a line (journald forwarding) arrive within seconds of it: a window of 4096 lines
+    # (hours of agent output) is ample.
+    DEDUP_WINDOW = 4096
 
     def __init__(self) -> None:
         self.stats = DecodeStats()
         self._pending = b""
-        self._seen: set[tuple[str, int]] = set()
+        # Per boot: the highest seq seen and the seqs seen within DEDUP_WINDOW below it. Bounded
+        # memory for a reader that runs for weeks; a line older than the window is a late copy.
+        self._seen: dict[str, tuple[int, set[int]]] = {}
         self.rejects: list[Rejected] = []
 
     def feed(self, chunk: bytes) -> list[Event]:
@@ -286,11 +291,9 @@ class StreamDecoder:
                 continue
             res = decode_line(ln)
             if isinstance(res, Event):
-                key = (res.boot, res.seq)
-                if key in self._seen:
+                if self._is_duplicate(res.boot, res.seq):
                     st.duplicates += 1
                     continue
-                self._seen.add(key)
                 st.events += 1
                 yield res
             elif isinstance(res, Rejected):
@@ -298,6 +301,19 @@ class StreamDecoder:
                 st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
                 if len(self.rejects) < 1000:  # bounded sample for reports
                     self.rejects.append(res)
+
+
+    def _is_duplicate(self, boot: str, seq: int) -> bool:
+        top, seen = self._seen.get(boot, (-1, set()))
+        if seq in seen or seq < top - self.DEDUP_WINDOW:
+            return True
+        seen.add(seq)
+        if seq > top:
+            top = seq
+            if len(seen) > 2 * self.DEDUP_WINDOW:
+                seen = {s for s in seen if s >= top - self.DEDUP_WINDOW}
+        self._seen[boot] = (top, seen)
+        return False
 
 
 def decode_all(data: bytes) -> tuple[list[Event], DecodeStats]:

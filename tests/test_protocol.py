@@ -151,3 +151,14 @@ def test_corpus_holds_nothing_of_ours_and_our_lines_are_found_in_it() -> None:
         got, stats = decode_all(b"\n".join(out))
         assert [e.seq for e in got] == list(range(min(25, len(range(0, len(lines), step)))))
         assert stats.rejected == 0
+
+
+def test_dedup_memory_is_bounded_over_a_long_run() -> None:
+    d = protocol.StreamDecoder()
+    n = 3 * protocol.StreamDecoder.DEDUP_WINDOW
+    data = b"".join(encode(ev(seq=i, text="")).encode() + b"\n" for i in range(n))
+    assert len(d.feed(data)) == n
+    assert len(d._seen["3f2a9c1e"][1]) <= 2 * protocol.StreamDecoder.DEDUP_WINDOW + 1
+    late_copy = encode(ev(seq=5, text="")).encode() + b"\n"
+    recent_copy = encode(ev(seq=n - 3, text="")).encode() + b"\n"
+    assert d.feed(late_copy + recent_copy) == [] and d.stats.duplicates == 2
