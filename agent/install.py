@@ -133,6 +133,7 @@ class InstallOptions:
     exec_path: str | None = None
     config_path: str = str(cfgmod.DEFAULT_PATH)
     start: bool = True
+    live: bool | None = None  # a running systemd to talk to; None: detect (only for root /)
 
 
 def install(opts: InstallOptions, runner: Runner = run_command, out: Out = print) -> int:
@@ -157,7 +158,8 @@ def install(opts: InstallOptions, runner: Runner = run_command, out: Out = print
     changed = write_if_changed(unit_file, unit_text)
     out(f"unit: /{UNIT_DIR}/{UNIT} {'written' if changed else 'unchanged'} (ExecStart={exec_path})")
 
-    if not systemd_running(root):
+    live = systemd_running(root) if opts.live is None else opts.live
+    if not live:
         _enable_offline(root, runner, out)
         out("systemd is not running here (or --root was given): enabled, not started")
         return 0
@@ -172,10 +174,14 @@ def install(opts: InstallOptions, runner: Runner = run_command, out: Out = print
 
 
 def uninstall(
-    root: Path, purge: bool = False, runner: Runner = run_command, out: Out = print
+    root: Path,
+    purge: bool = False,
+    runner: Runner = run_command,
+    out: Out = print,
+    live: bool | None = None,
 ) -> int:
     unit_file = root / UNIT_DIR / UNIT
-    live = systemd_running(root)
+    live = systemd_running(root) if live is None else live
     if live and unit_file.exists():
         _systemctl(runner, out, "disable", "--now", UNIT)
     elif unit_file.exists():
