@@ -44,5 +44,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check agent tests || true
 	$(VENV)/bin/mypy
 
+# Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
+# lays down the systemd unit and a default config, enables and starts it (idempotent; run as root).
+# INSTALL_FLAGS: e.g. --no-start, or --root DIR for an image tree.
+PREFIX ?= /opt/gce-watchdog
+INSTALL_FLAGS ?=
+install:
+	$(PY) -m venv $(PREFIX)
+	$(PREFIX)/bin/python -m pip install -q --disable-pip-version-check --upgrade .
+	$(PREFIX)/bin/gce-watchdog install $(INSTALL_FLAGS)
+
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
