@@ -81,6 +81,11 @@ class Snapshot:
     version: str = __version__
 
 
+def printable(value: str) -> str:
+    """Control characters (and lone surrogates) as ``_``: a label value is one line of UTF-8."""
+    return "".join(c if c.isprintable() else "_" for c in value)
+
+
 def escape_label(value: str) -> str:
     """A label value as the text format wants it: backslash, double quote and newline escaped."""
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -117,8 +122,12 @@ def _samples(s: Snapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
     out["shutdowns_decided_total"].append(({}, s.shutdowns))
     out["would_shutdowns_total"].append(({}, s.would_shutdowns))
     out["serial_lines_dropped_total"].append(({}, s.dropped))
+    seen: set[str] = set()
     for gauge in sorted(s.memory):
-        out["memory_bytes"].append(({"gauge": gauge}, float(s.memory[gauge])))
+        label = printable(gauge)
+        if label not in seen:  # two names that only differ in unprintable characters: first wins
+            seen.add(label)
+            out["memory_bytes"].append(({"gauge": label}, float(s.memory[gauge])))
     out["metrics_write_errors_total"].append(({}, s.write_errors))
     return out
 
@@ -251,7 +260,7 @@ class MetricsExporter:
         No fsync: the file is rewritten every tick and rebuilt from scratch after a crash; the
         rename alone already guarantees a reader sees the old file or the new one, never a mix.
         """
-        data = text.encode()
+        data = text.encode("utf-8", "replace")
         try:
             fd = os.open(
                 self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE
