@@ -17,7 +17,7 @@ $(VENV)/bin/python:
 
 $(STAMP): pyproject.toml $(VENV)/bin/python
 	$(VPY) -m pip install -q --upgrade pip >/dev/null
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e '.[dev,report]'
 	touch $@
 
 venv: $(STAMP)
