@@ -622,3 +622,85 @@ def test_e2e_dry_run_touches_nothing(e2e: E2E) -> None:
         "force",
         "kernel",
     }
+
+
+# -- restart continuity against a real daemon process -------------------------------------------
+
+
+def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) -> None:
+    import signal
+
+    from agent.simgce import SimGCE
+
+    with SimGCE() as sim:
+        assert sim.tcp is not None
+        cfg = tmp_path / "config.toml"
+        cfg.write_text(
+            f"""
+[agent]
+interval = 0.4
+probe_timeout = 0.2
+threshold = 10
+state_dir = "{tmp_path}/state"
+run_dir = "{tmp_path}/run"
+action = "dry-run"
+[metadata]
+url = "{sim.metadata.url}"
+[egress]
+targets = ["127.0.0.1:{sim.tcp.port}"]
+dns_timeout = 0.1
+[actions]
+linger = 0
+dry_run_op = "none"
+[watch]
+enabled = false
+[serial]
+device = "{tmp_path}/ttyS0"
+"""
+        )
+        serial = tmp_path / "ttyS0"
+        cmd = [sys.executable, "-m", "agent", "run", "--config", str(cfg)]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+
+        def evs() -> list[protocol.Event]:
+            return protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []
+
+        def wait(pred: object, timeout: float = 30.0) -> bool:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if pred():  # type: ignore[operator]
+                    return True
+                time.sleep(0.02)
+            return False
+
+        sim.outage(True)
+        first = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+        try:
+            assert wait(lambda: any(e.get("rung") == "5/10" for e in evs() if e.event == "tick"))
+            first.send_signal(signal.SIGKILL)
+            first.wait(10)
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait(5)
+        killed_at = [e.get("rung") for e in evs() if e.event == "tick"][-1]
+        second = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+        try:
+            assert wait(lambda: any(e.event == "shutdown" for e in evs()))
+        finally:
+            second.send_signal(signal.SIGTERM)
+            try:
+                second.wait(15)
+            except subprocess.TimeoutExpired:
+                second.kill()
+                second.wait(5)
+    all_ev = evs()
+    starts = [e for e in all_ev if e.event == "start"]
+    assert len(starts) == 2
+    assert starts[1].get("rung") == killed_at  # the restarted agent continues where it was
+    climbs = [e.get("rung") for e in all_ev if e.event == "tick" and "FAILED (" in e.text]
+    n = int(str(killed_at).split("/")[0])
+    assert n >= 5
+    assert climbs == [f"{i}/10" for i in range(1, n + 1)] + [f"{i}/10" for i in range(n + 1, 11)]
+    shutdowns = [e for e in all_ev if e.event == "shutdown"]
+    assert len(shutdowns) == 1 and shutdowns[0].get("rung") == "10/10"
