@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import random
 import re
 import sys
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import random
+
     from agent.serial import Emitter
 
 EX_OK = 0
@@ -647,7 +648,7 @@ class FetchDeps:
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
-    rng: random.Random = field(default_factory=random.Random)
+    rng: random.Random | None = None  # jitter source; a fresh Random when None
     stderr: IO[str] | None = None
     progress: IO[str] | None = None  # a tty stream, or None for no progress display
     serial_every: float = SERIAL_EVERY
@@ -656,10 +657,13 @@ class FetchDeps:
 
 def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
     """Download req.url to req.output under the retry policy; never raises FetchError."""
+    import random
+
     import tenacity
 
     from agent.phases import fit_text
 
+    rng = deps.rng or random.Random()  # noqa: S311 - jitter, not cryptography
     policy = deps.policy or RetryPolicy(deadline=req.deadline)
     resolver = deps.resolver or DnsResolver(req.dns_servers)
     clock = deps.clock
@@ -686,7 +690,7 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
     def plan(rs: tenacity.RetryCallState) -> float | None:
         exc = rs.outcome.exception() if rs.outcome else None
         ra = exc.retry_after if isinstance(exc, FetchError) else None
-        u = jitter.setdefault(rs.attempt_number, deps.rng.random())
+        u = jitter.setdefault(rs.attempt_number, rng.random())
         return policy.next_wait(rs.attempt_number, clock() - t0, ra, u)
 
     def wait(rs: tenacity.RetryCallState) -> float:
