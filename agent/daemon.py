@@ -369,6 +369,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
     from agent.actions import ActionChain
     from agent.memwatch.monitor import MemoryMonitor
     from agent.metawatch import MetadataWatcher
+    from agent.metrics import MetricsExporter
     from agent.probes import build_prober
 
     a = cfg.agent
@@ -382,20 +383,28 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
 
     chain = ActionChain(cfg, emitter, keepalive=keepalive, instance=lambda: watcher.instance)
     services: list[Service] = [watcher]
-    if cfg.memory.enabled:
-        services.append(MemoryMonitor(cfg, emitter))
+    monitor = MemoryMonitor(cfg, emitter) if cfg.memory.enabled else None
+    if monitor is not None:
+        services.append(monitor)
+    exporter = MetricsExporter(
+        cfg,
+        dropped=lambda: emitter.sink.dropped,
+        memory=(lambda: monitor.latest) if monitor is not None else None,
+    )
     deps = Deps(
         emitter=emitter,
         prober=prober.tick,
         clock=RealClock(),
         notifier=notifier,
         store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
-        on_shutdown=chain.execute,
+        # The exporter writes the "decided" metrics before the chain (which may never return).
+        on_shutdown=exporter.wrap_shutdown(chain.execute),
         uptime=read_uptime,
         phase=lambda: read_phase(a.state_dir),
         instance_id=ids,
         on_metadata_ok=ids.learn if cfg.metadata.url.endswith("/instance/id") else lambda r: None,
         services=services,
+        tick_hooks=[exporter],
     )
     return Agent(cfg, deps), prober
 
