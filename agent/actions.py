@@ -20,7 +20,6 @@ Every edge (commands, clock, Compute API, kernel) is injectable; nothing here ru
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import subprocess
 import threading
@@ -220,6 +219,8 @@ class RealKernel:
     def poweroff(self, method: str) -> str:
         _bounded_sync(SYNC_BOUND_S)
         if method == "reboot":
+            import ctypes
+
             libc = ctypes.CDLL(None, use_errno=True)
             rc = libc.reboot(ctypes.c_int(LINUX_REBOOT_CMD_POWER_OFF))
             if rc == 0:

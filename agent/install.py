@@ -13,7 +13,6 @@ start-up script installs the agent under ``/opt/gce-watchdog``), unless ``--exec
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import os
 import re
 import shutil
@@ -21,11 +20,13 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent import config as cfgmod
-from agent.actions import RunResult, run_command
 from agent.state import atomic_write
+
+if TYPE_CHECKING:  # imported lazily: the CLI imports this module on every command
+    from agent.actions import RunResult
 
 UNIT = "gce-watchdog.service"
 UNIT_DIR = "etc/systemd/system"
@@ -36,7 +37,7 @@ HIDDEN_PREFIXES = ("/home/", "/root/", "/run/user/", "/tmp/", "/var/tmp/")
 _SAFE_PATH = re.compile(r"/[A-Za-z0-9/._+-]*\Z")
 SYSTEMCTL_TIMEOUT_S = 90.0  # `systemctl start` waits for READY=1 (TimeoutStartSec=60s) + margin
 Out = Callable[[str], None]
-Runner = Callable[[Sequence[str], float], RunResult]
+Runner = Callable[[Sequence[str], float], "RunResult"]
 
 
 class InstallError(Exception):
@@ -47,6 +48,8 @@ class InstallError(Exception):
 
 def template(name: str) -> str:
     """A file shipped in ``agent/data`` (the unit, the default config)."""
+    import importlib.resources
+
     return importlib.resources.files("agent").joinpath("data", name).read_text()
 
 
@@ -136,8 +139,9 @@ class InstallOptions:
     live: bool | None = None  # a running systemd to talk to; None: detect (only for root /)
 
 
-def install(opts: InstallOptions, runner: Runner = run_command, out: Out = print) -> int:
+def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print) -> int:
     """Install (or update) the unit and the default config; enable it, start it if possible."""
+    runner = runner or _real_runner()
     root = opts.root
     cfg_file = _under_root(root, opts.config_path)
     if cfg_file.exists():
@@ -176,10 +180,11 @@ def install(opts: InstallOptions, runner: Runner = run_command, out: Out = print
 def uninstall(
     root: Path,
     purge: bool = False,
-    runner: Runner = run_command,
+    runner: Runner | None = None,
     out: Out = print,
     live: bool | None = None,
 ) -> int:
+    runner = runner or _real_runner()
     unit_file = root / UNIT_DIR / UNIT
     live = systemd_running(root) if live is None else live
     if live and unit_file.exists():
@@ -203,6 +208,12 @@ def uninstall(
     else:
         out("config and state kept (--purge removes them)")
     return 0
+
+
+def _real_runner() -> Runner:
+    from agent.actions import run_command
+
+    return run_command
 
 
 def _enable_offline(root: Path, runner: Runner, out: Out) -> None:
