@@ -64,7 +64,8 @@ fi
 mkdir -p "$ROOT/etc/gce-watchdog/bootstrap.d"
 if ((unit)); then
 	if "$PREFIX/bin/gce-watchdog" install --help >/dev/null 2>&1; then
-		"$PREFIX/bin/gce-watchdog" install
+		# Enabled, not started: a watchdog running on the build VM could power it off mid-build.
+		"$PREFIX/bin/gce-watchdog" install --no-start
 	else
 		echo "bake-image.sh: this agent has no install command; the unit is not installed" >&2
 	fi

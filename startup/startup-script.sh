@@ -414,7 +414,9 @@ install_unit() {
 		step_done unit skip "$t0" "this agent has no install command"
 		return 0
 	fi
-	"$AGENT" install "${CFG_ARGS[@]}" >&2 || fail unit "gce-watchdog install failed" $?
+	# install's --config is the path as the agent sees it (install itself honours GCEWD_ROOT);
+	# it writes a default config there when none exists.
+	"$AGENT" install --config "${CONFIG#"$ROOT"}" >&2 9>&- || fail unit "gce-watchdog install failed" $?
 	step_done unit ok "$t0" "systemd unit installed and started"
 }
 

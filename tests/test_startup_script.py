@@ -406,3 +406,15 @@ def test_bake_image_then_boot_uses_the_baked_agent(vm: Vm, tmp_path: Path) -> No
     assert "baked" in inst.text
     bad = subprocess.run(["bash", str(BAKE), "--bogus"], env=vm.env, capture_output=True)
     assert bad.returncode == 64
+
+
+def test_unit_step_runs_gce_watchdog_install_when_systemd_runs(vm: Vm) -> None:
+    if shutil.which("systemctl") is None:
+        pytest.skip("systemctl not installed")
+    vm.bake()
+    (vm.root / "run/systemd/system").mkdir(parents=True)  # "systemd is running"
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    unit = next(e for e in vm.events() if e.get("step") == "unit")
+    assert unit.get("st") == "ok", p.stderr
+    assert (vm.root / "etc/systemd/system/gce-watchdog.service").is_file()
