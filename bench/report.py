@@ -1,0 +1,330 @@
+"""Results JSON -> the tables of docs/performance.md, the target check and a console summary.
+
+Pure functions of the results dict (no I/O) except :func:`update_doc`. A table lives between
+``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in the document; everything outside the
+markers is hand-written and left alone.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+TARGET_RSS_MIB = 25.0
+TARGET_CPU_MS_PER_TICK = 5.0
+TARGET_FIRST_TICK_S = 0.5
+TARGET_DECODE_RATIO = 5.0
+
+
+def _get(d: Any, *path: str) -> Any:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def f(x: Any, nd: int = 1, unit: str = "") -> str:
+    """A number for a table cell; '-' when missing."""
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int | float):
+        return f"{x:.{nd}f}{unit}"
+    return str(x)
+
+
+def med(s: dict[str, Any] | None, nd: int = 1, scale: float = 1.0) -> str:
+    """'median [p25-p75]' of an analysis.summarize() dict."""
+    if not s or s.get("median") is None:
+        return "-"
+    m, a, b = (s[k] * scale for k in ("median", "p25", "p75"))
+    return f"{m:.{nd}f} [{a:.{nd}f}-{b:.{nd}f}]"
+
+
+def rng(s: dict[str, Any] | None, nd: int = 1, scale: float = 1.0) -> str:
+    if not s or s.get("min") is None:
+        return "-"
+    return f"{s['min'] * scale:.{nd}f}-{s['max'] * scale:.{nd}f}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if not isinstance(a, int | float) or not isinstance(b, int | float) or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# -- targets -------------------------------------------------------------------------------------
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured value and whether it is met (None: not
+    measured in this run)."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, goal: str, value: Any, ok: bool | None, unit: str) -> None:
+        out.append({"target": name, "goal": goal, "measured": value, "unit": unit, "met": ok})
+
+    fast = _get(res, "overhead", "default", "fast")
+    side = _get(res, "overhead", "side_by_side", "watchers", "agent-1s")
+    rss = [x for x in (_get(fast, "rss_mib"), _get(side, "rss_mib")) if x is not None]
+    r = max(rss) if rss else None
+    add("RSS after 100 healthy ticks", f"<= {TARGET_RSS_MIB:g} MiB", r,
+        None if r is None else r <= TARGET_RSS_MIB, "MiB")  # fmt: skip
+    cpu = [
+        x
+        for x in (
+            _get(fast, "cpu_ms_per_tick", "median"),
+            _get(side, "cpu_ms_per_cycle", "median"),
+        )
+        if x is not None
+    ]
+    c = max(cpu) if cpu else None
+    add("CPU per healthy tick", f"<= {TARGET_CPU_MS_PER_TICK:g} ms", c,
+        None if c is None else c <= TARGET_CPU_MS_PER_TICK, "ms")  # fmt: skip
+    ft = _get(res, "startup", "spawn_to_first_tick_ms", "median")
+    ft_s = None if ft is None else ft / 1000
+    add("process start to first tick", f"<= {TARGET_FIRST_TICK_S:g} s", ft_s,
+        None if ft_s is None else ft_s <= TARGET_FIRST_TICK_S, "s")  # fmt: skip
+    bh = _get(res, "blackhole")
+    mx = _get(bh, "tick_wall_s", "max")
+    add("tick wall time, both paths black-holed",
+        f"<= probe timeout + 0.1 s ({f(_get(bh, 'target_s'), 2)} s)", mx,
+        None if mx is None else bool(_get(bh, "all_within_target")), "s")  # fmt: skip
+    for name in ("agent-0.5s", "agent-1s"):
+        row = _get(res, "detection", "watchers", name)
+        if row:
+            n = row["latency_s"]["n"]
+            ok = n > 0 and row["within_bounds"] == n and not row["missed"]
+            lo, hi = row["bounds_s"]
+            add(f"detection latency, {name}", f"within policy bounds {lo:.2f}-{hi:.2f} s",
+                f"{row['within_bounds']}/{n + row['missed']} runs", ok, "")  # fmt: skip
+    dr = _get(res, "decode", "ratio_decode_to_grep")
+    add("poller decode vs grep -F -c", f"<= {TARGET_DECODE_RATIO:g}x the time", dr,
+        None if dr is None else dr <= TARGET_DECODE_RATIO, "x")  # fmt: skip
+    return out
+
+
+# -- tables --------------------------------------------------------------------------------------
+
+
+def t_machine(res: dict[str, Any]) -> str:
+    m = res.get("machine", {})
+    keys = ("cpu", "cores", "memory", "kernel", "python", "monit", "watchdog", "commit")
+    rows = [[k, str(m.get(k, "?"))] for k in keys]
+    rows += [["mode", f"{res.get('mode')} ({f(res.get('duration_s'), 0)} s, {res.get('date')})"]]
+    rows += [[f"section {k}", v] for k, v in res.get("sections", {}).items()]
+    if res.get("peers_skipped"):
+        rows.append(["peers", f"skipped: {res['peers_skipped']}"])
+    return _table(["", ""], rows)
+
+
+def t_targets(res: dict[str, Any]) -> str:
+    rows = []
+    for t in res.get("targets") or targets(res):
+        v = t["measured"]
+        val = f"{v:.2f} {t['unit']}".strip() if isinstance(v, int | float) else f(v)
+        met = "not measured" if t["met"] is None else ("met" if t["met"] else "**MISSED**")
+        rows.append([t["target"], t["goal"], val, met])
+    return _table(["target", "goal", "measured", ""], rows)
+
+
+def t_startup(res: dict[str, Any]) -> str:
+    s = res.get("startup")
+    if not s:
+        return "_not measured in this run_"
+    rows = [
+        ["spawn to `start` line (ms)", med(s["spawn_to_start_ms"], 0),
+         rng(s["spawn_to_start_ms"], 0)],
+        ["spawn to first tick (ms)", med(s["spawn_to_first_tick_ms"], 0),
+         rng(s["spawn_to_first_tick_ms"], 0)],
+        ["RSS after the first tick (MiB)", med(s["rss_after_first_tick_mib"]),
+         rng(s["rss_after_first_tick_mib"])],
+        ["`ip netns exec true` (ms, included above)", med(s["netns_exec_ms"], 0),
+         rng(s["netns_exec_ms"], 0)],
+        ["imports (`-X importtime`, ms)", f(_get(s, "imports", "total_ms"), 0),
+         f"{_get(s, 'imports', 'modules')} modules"],
+    ]  # fmt: skip
+    return _table([f"start-up ({s['runs']} runs)", "median [p25-p75]", "min-max"], rows)
+
+
+def t_imports(res: dict[str, Any]) -> str:
+    imp = _get(res, "startup", "imports")
+    if not imp:
+        return "_not measured in this run_"
+    pk = imp.get("packages", [])
+    tl = imp.get("top_level", [])
+    n = max(len(pk), len(tl))
+    rows = []
+    for i in range(n):
+        a = pk[i] if i < len(pk) else None
+        b = tl[i] if i < len(tl) else None
+        rows.append([
+            f"`{a['package']}`" if a else "", f(a["self_ms"]) if a else "",
+            f"`{b['module']}`" if b else "", f(b["cumulative_ms"]) if b else "",
+        ])  # fmt: skip
+    return _table(["package (self time summed)", "ms", "top-level import", "cumulative ms"], rows)
+
+
+def t_rss_imports(res: dict[str, Any]) -> str:
+    rows = _get(res, "startup", "rss_by_import_mib")
+    if not rows:
+        return "_not measured in this run_"
+    return _table(
+        ["import (fresh interpreter each)", "RSS MiB", "added to bare python MiB"],
+        [[r["import"], f(r["rss_mib"]), f(r["added_mib"])] for r in rows],
+    )
+
+
+def t_default(res: dict[str, Any]) -> str:
+    d = _get(res, "overhead", "default")
+    if not d:
+        return "_not measured in this run_"
+    fa, idle = d["fast"], d["idle"]
+    rows = [
+        [f"CPU per tick: probes + ladder + line ({fa['ticks']} ticks at {fa['interval_s']:g} s)",
+         med(fa["cpu_ms_per_tick"], 2) + " ms"],
+        ["idle CPU between ticks (30 s interval)", f(idle["cpu_ms_per_s"], 3, " ms/s")],
+        ["**CPU per 30 s tick** (tick + 30 s idle)", f(d["cpu_ms_per_30s_tick"], 2, " ms")],
+        ["CPU share at the 30 s interval", f(d["cpu_percent_at_30s"], 4, " %")],
+        [f"RSS / PSS / USS after {fa['ticks']} ticks (MiB)",
+         f"{f(fa['rss_mib'])} / {f(fa['pss_mib'])} / {f(fa['uss_mib'])}"],
+        ["RSS / PSS / USS idle at 30 s, after 1 tick (MiB)",
+         f"{f(idle['rss_mib'])} / {f(idle['pss_mib'])} / {f(idle['uss_mib'])}"],
+        ["heartbeats with DNS ok (fast run)", f"{fa['heartbeats_dns_ok']}"],
+    ]  # fmt: skip
+    return _table(["default config (2 names via DNS + metadata)", "value"], rows)
+
+
+def t_side(res: dict[str, Any]) -> str:
+    s = _get(res, "overhead", "side_by_side")
+    if not s:
+        return "_not measured in this run_"
+    ws = s["watchers"]
+    a = ws.get("agent-1s", {})
+    rows = []
+    for name, r in ws.items():
+        c = _get(r, "cpu_ms_per_cycle", "median")
+        rows.append([
+            name, f(r["rss_mib"]), f(r["pss_mib"]), f(r["uss_mib"]),
+            med(r["cpu_ms_per_cycle"], 2), f(r["period_s"], 2),
+            _ratio(r["rss_mib"], a.get("rss_mib")), _ratio(r["pss_mib"], a.get("pss_mib")),
+            _ratio(c, _get(a, "cpu_ms_per_cycle", "median")),
+        ])  # fmt: skip
+    return _table(
+        ["watcher", "RSS MiB", "PSS MiB", "USS MiB", "CPU ms/cycle median [p25-p75]",
+         "cycle s", "RSS vs agent", "PSS vs agent", "CPU vs agent"],
+        rows,
+    )  # fmt: skip
+
+
+def t_blackhole(res: dict[str, Any]) -> str:
+    b = res.get("blackhole")
+    if not b:
+        return "_not measured in this run_"
+    reasons = sorted({f"{t['md']} {t['eg']} dns={t['dns']}" for t in b["ticks"]})
+    rows = [
+        ["probe timeout (DNS timeout)", f"{b['probe_timeout_s']:g} s ({b['dns_timeout_s']:g} s)"],
+        [f"tick wall time, {b['tick_wall_s']['n']} ticks", med(b["tick_wall_s"], 3) + " s"],
+        ["min-max", rng(b["tick_wall_s"], 3) + " s"],
+        ["target (timeout + 0.1 s)", f"{b['target_s']:.2f} s: "
+         + ("met" if b["all_within_target"] else "**MISSED**")],
+        ["verdicts seen", "; ".join(reasons)],
+    ]  # fmt: skip
+    return _table(["both paths black-holed", "value"], rows)
+
+
+def t_detection(res: dict[str, Any]) -> str:
+    d = res.get("detection")
+    if not d:
+        return "_not measured in this run_"
+    ws = d["watchers"]
+    ref = _get(ws, "agent-1s", "latency_s", "median")
+    rows = []
+    for name, r in ws.items():
+        lo, hi = r["bounds_s"]
+        n = r["latency_s"]["n"]
+        rows.append([
+            name, f"{r['interval']:g} s x {r['threshold']}", f"{r['timeout']:g} s",
+            f"{lo:.2f}-{hi:.2f}", med(r["latency_s"], 2), rng(r["latency_s"], 2),
+            f"{r['within_bounds']}/{n + r['missed']}",
+            f"{r['missed']}/{r['fired_before_fault']}",
+            _ratio(r["latency_s"]["median"], ref), "yes" if r["expresses_and"] else "no (OR)",
+        ])  # fmt: skip
+    return _table(
+        ["watcher", "checks", "timeout", "policy bounds s", "latency s median [p25-p75]",
+         "min-max", "in bounds", "missed/early", "vs agent-1s", "AND of both paths"],
+        rows,
+    )  # fmt: skip
+
+
+def t_decode(res: dict[str, Any]) -> str:
+    d = res.get("decode")
+    if not d or "skipped" in d:
+        return f"_not measured: {d.get('skipped') if d else 'not run'}_"
+    rows = [
+        ["dump", f"{d['bytes']} bytes, {d['events']} of our lines, {d['console_lines']} lines"],
+        ["`decode_all` (in process)", f"{d['decode_mb_s']:.1f} MB/s"],
+        ["`grep -F -c GCEWD1` (subprocess)", f"{d['grep_mb_s']:.1f} MB/s"],
+        ["decode time / grep time", f"{d['ratio_decode_to_grep']:.2f}x (goal <= 5x)"],
+        ["timeline (decode + per-VM timeline)", f"{d['timeline_mb_s']:.1f} MB/s"],
+    ]
+    return _table([f"poller decode ({d['repeats']} repeats, medians)", "value"], rows)
+
+
+TABLES = {
+    "machine": t_machine,
+    "targets": t_targets,
+    "startup": t_startup,
+    "imports": t_imports,
+    "rss_imports": t_rss_imports,
+    "default": t_default,
+    "side": t_side,
+    "blackhole": t_blackhole,
+    "detection": t_detection,
+    "decode": t_decode,
+}
+
+
+def replace_tables(doc: str, res: dict[str, Any]) -> tuple[str, int]:
+    """doc with every known ``<!-- bench:NAME -->...<!-- /bench:NAME -->`` block regenerated."""
+    n = 0
+    for name, fn in TABLES.items():
+        pat = re.compile(rf"(<!-- bench:{name} -->\n).*?(<!-- /bench:{name} -->)", flags=re.DOTALL)
+        if pat.search(doc):
+            body = fn(res)
+
+            def put(m: re.Match[str], body: str = body) -> str:
+                return m.group(1) + body + "\n" + m.group(2)
+
+            doc = pat.sub(put, doc)
+            n += 1
+    return doc, n
+
+
+def update_doc(path: Path, res: dict[str, Any]) -> int:
+    """Regenerate the tables in the file at path; returns how many were replaced."""
+    if not path.exists():
+        return 0
+    text, n = replace_tables(path.read_text(), res)
+    path.write_text(text)
+    return n
+
+
+def summary(res: dict[str, Any]) -> str:
+    lines = [f"bench ({res.get('mode')}, {f(res.get('duration_s'), 0)} s)"]
+    lines += [f"  {k}: {v}" for k, v in res.get("sections", {}).items()]
+    for t in res.get("targets", []):
+        v = t["measured"]
+        val = f"{v:.3g}{t['unit']}" if isinstance(v, int | float) else f(v)
+        met = "-" if t["met"] is None else ("ok" if t["met"] else "MISSED")
+        lines.append(f"  [{met:>6}] {t['target']}: {val} (goal {t['goal']})")
+    return "\n".join(lines)

@@ -1,0 +1,789 @@
+"""``make bench``: the agent against monit and watchdog(8), side by side, in one run.
+
+Usage::
+
+    python -m bench.run [--quick | --tiny] [--out bench/results/latest.json]
+                        [--doc docs/performance.md | --no-doc] [--no-peers]
+
+Everything runs in a fresh vm/gce network-namespace pair (tests/netns.py) with the simulated GCE
+(agent.simgce) in the gce namespace: the agent sees the real metadata address and resolves names
+through the fake DNS, exactly as on a VM. Faults are a black hole at the far end: iptables DROP in
+the gce namespace's INPUT for every packet to 169.254.169.254 and to the 443 host, so probes
+time out as they do when a VM's network wedges (a DROP on the VM's own OUTPUT fails some sends
+at once with EPERM instead, which no watcher would then have to wait for).
+
+Sections (all in one run; ``results["sections"]`` lists what ran and why something was skipped):
+
+1. startup: spawn to ``start`` line and to the first tick, RSS after the first tick, and
+   ``python -X importtime`` of the same command.
+2. overhead: the default config (30 s interval: idle CPU between ticks + per-tick work from a fast
+   run of the same config), and at 1 s side by side with the peers (CPU per check cycle,
+   RSS/PSS/USS after ~100 cycles).
+3. blackhole: tick wall time with both paths black-holed (bench/tickwall.py).
+4. detection: fault instant to shutdown action, every watcher watching the same fault.
+5. decode: bench/bench_decode.py (the poller's decoder vs ``grep -F -c``).
+
+Every process and namespace is torn down on exit, also on errors and Ctrl-C; every wait is
+bounded. Needs root (namespaces, iptables); without it the network sections are skipped with the
+reason and the decode section still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import itertools
+import json
+import os
+import platform
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from bench import analysis, peers, report  # noqa: E402
+from bench.peers import Watcher  # noqa: E402
+
+PY = (
+    str(REPO / ".venv" / "bin" / "python")
+    if (REPO / ".venv/bin/python").exists()
+    else (sys.executable)
+)
+DEFAULT_OUT = REPO / "bench" / "results" / "latest.json"
+DEFAULT_DOC = REPO / "docs" / "performance.md"
+# Names the default config probes; the fake DNS answers them with the 443 stand-in's address.
+DEFAULT_TARGETS = ["www.google.com:443", "one.one.one.one:443"]
+POLL = 0.02  # how often the runner looks at files and processes (it is not the code under test)
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much of everything a mode runs."""
+
+    mode: str
+    startup_runs: int
+    fast_ticks: int  # ticks of the fast run (per-tick work); a multiple of 10
+    idle_window_s: float  # idle CPU window between two 30 s ticks (<= 20)
+    side_s: float  # side-by-side healthy phase at 1 s
+    side_window_s: float
+    blackhole_ticks: int
+    blackhole_timeout: float
+    detect_runs: int
+    threshold: int
+    decode_repeats: int
+
+
+PLANS = {
+    "full": Plan("full", 7, 100, 10.0, 100.0, 10.0, 10, 1.0, 10, 10, 15),
+    "quick": Plan("quick", 3, 30, 4.0, 20.0, 5.0, 4, 1.0, 3, 10, 5),
+    "tiny": Plan("tiny", 1, 10, 1.0, 3.0, 1.0, 2, 0.3, 1, 3, 1),
+}
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def wait_for(cond: Callable[[], Any], within: float, what: str) -> Any:
+    """Poll cond until truthy (returned) or raise TimeoutError after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {within:g}s: {what}")
+        time.sleep(POLL)
+
+
+def own_cpu_ms(pid: int) -> float | None:
+    """CPU time of a process's live threads in ms, from /proc/PID/task/*/schedstat (ns
+    resolution; /proc/PID/stat counts 10 ms clock ticks, too coarse for a few ms per tick).
+    Threads that already exited are not in it: the watchers here keep theirs."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total / 1e6
+
+
+def proc_usage(pid: int) -> dict[str, float]:
+    """CPU (own, and reaped children, ms) and memory (MiB) of a live process."""
+    import psutil
+
+    p = psutil.Process(pid)
+    t = p.cpu_times()
+    m = p.memory_full_info()
+    own = own_cpu_ms(pid)
+    return {
+        "cpu_ms": own if own is not None else (t.user + t.system) * 1000,
+        "cpu_children_ms": (t.children_user + t.children_system) * 1000,
+        "rss_mib": m.rss / MIB,
+        "pss_mib": getattr(m, "pss", 0.0) / MIB,
+        "uss_mib": getattr(m, "uss", 0.0) / MIB,
+    }
+
+
+def target_pid(w: Watcher, popen_pid: int) -> int:
+    """The watcher's own pid: ``ip netns exec`` execs in place; unshare --fork has one child."""
+    if w.kind != "watchdog":
+        return popen_pid
+    import psutil
+
+    def child() -> int | None:
+        for c in psutil.Process(popen_pid).children(recursive=True):
+            if c.name() == "watchdog":
+                return int(c.pid)
+        return None
+
+    return int(wait_for(child, 5.0, "watchdog started under unshare"))
+
+
+def stop_procs(procs: list[subprocess.Popen[Any]], grace: float = 3.0) -> None:
+    """SIGTERM, a bounded wait, then SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.01, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+
+
+def events(serial: Path) -> list[Any]:
+    from agent.protocol import decode_all
+
+    try:
+        data = serial.read_bytes()
+    except FileNotFoundError:
+        return []
+    return decode_all(data)[0]
+
+
+def first_event(serial: Path, name: str, pred: Callable[[Any], bool] = lambda e: True) -> Any:
+    for e in events(serial):
+        if e.event == name and pred(e):
+            return e
+    return None
+
+
+def fired_at(w: Watcher, fired: Path) -> float | None:
+    """Wall-clock time of the watcher's first shutdown action, or None."""
+    if w.kind == "agent":
+        e = first_event(fired, "shutdown")
+        return e.ts_ms / 1000 if e else None
+    try:
+        first = fired.read_text().split()
+    except FileNotFoundError:
+        return None
+    return float(first[0]) if first else None
+
+
+def script_cycles(counter: Path | None) -> int:
+    try:
+        return len(counter.read_bytes()) if counter else 0
+    except FileNotFoundError:
+        return 0
+
+
+class Lines:
+    """A process's stdout lines through a reader thread, so every read is bounded."""
+
+    def __init__(self, p: subprocess.Popen[str]) -> None:
+        self.q: queue.Queue[str] = queue.Queue()
+        assert p.stdout is not None
+        out = p.stdout
+
+        def pump() -> None:
+            for line in out:
+                self.q.put(line)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def get(self, within: float, what: str) -> str:
+        try:
+            return self.q.get(timeout=within)
+        except queue.Empty:
+            raise TimeoutError(f"no output within {within:g}s: {what}") from None
+
+
+# What each import adds to a bare interpreter's RSS (each in a fresh process): where the agent's
+# memory goes. The last entry is what `gce-watchdog run` loads before its first tick.
+IMPORT_PROBES = [
+    ("python (bare)", ""),
+    ("psutil", "import psutil"),
+    ("dns.resolver", "import dns.resolver"),
+    ("structlog", "import structlog"),
+    ("concurrent.futures", "import concurrent.futures"),
+    ("ssl (libssl + libcrypto)", "import ssl"),
+    ("asyncio (imports ssl)", "import asyncio"),
+    ("agent.probes", "import agent.probes"),
+    ("agent.daemon", "import agent.daemon"),
+    ("agent.logs", "import agent.logs"),
+    ("agent.actions", "import agent.actions"),
+    ("agent.cli parser (all commands)", "import agent.cli; agent.cli.build_parser()"),
+    ("run's imports (cli + daemon + probes + logs + dns)",
+     "import agent.cli; agent.cli.build_parser(); import agent.daemon, agent.probes, agent.logs,"
+     " agent.runtime, agent.sdnotify, dns.resolver, dns.nameserver"),
+]  # fmt: skip
+
+
+def rss_by_import() -> list[dict[str, Any]]:
+    code = (
+        "{imp}\nimport re\n"
+        "print(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
+    )
+    out: list[dict[str, Any]] = []
+    base: float | None = None
+    for label, imp in IMPORT_PROBES:
+        vals = []
+        for _ in range(3):  # the median of three fresh interpreters
+            r = subprocess.run([PY, "-c", code.format(imp=imp)], capture_output=True, text=True,
+                               timeout=60, check=False, cwd=str(REPO))  # fmt: skip
+            if r.returncode == 0 and r.stdout.strip().isdigit():
+                vals.append(int(r.stdout.strip()) / 1024)
+        m = analysis.summarize(vals)["median"]
+        if base is None:
+            base = m
+        out.append({"import": label, "rss_mib": m,
+                    "added_mib": None if m is None or base is None else m - base})  # fmt: skip
+    return out
+
+
+# -- the fault -----------------------------------------------------------------------------------
+
+
+def blackhole(topo: Any, on: bool) -> tuple[float, float]:
+    """Drop (or stop dropping) every packet to the metadata address and the 443 host at the far
+    end, atomically (one iptables-restore commit). Returns wall times before and after."""
+    from netns import EGRESS_IP, METADATA_IP
+
+    t0 = time.time()
+    if on:
+        rules = (
+            "*filter\n"
+            f"-I INPUT -d {METADATA_IP}/32 -j DROP\n"
+            f"-I INPUT -d {EGRESS_IP}/32 -j DROP\n"
+            "COMMIT\n"
+        )
+        r = topo.run_in(topo.gce, ["iptables-restore", "-w", "5", "--noflush"], input=rules)
+    else:
+        r = topo.run_in(topo.gce, ["iptables", "-w", "5", "-F", "INPUT"])
+    t1 = time.time()
+    if r.returncode != 0:
+        raise RuntimeError(f"iptables in {topo.gce}: rc={r.returncode}: {r.stderr.strip()}")
+    return t0, t1
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(
+        self, plan: Plan, work: Path, topo: Any, with_peers: bool, log: Callable[..., None]
+    ):
+        self.plan = plan
+        self.work = work
+        self.topo = topo
+        self.with_peers = with_peers
+        self.log = log
+
+    def spawn(self, argv: list[str], d: Path, **kw: Any) -> subprocess.Popen[Any]:
+        d.mkdir(parents=True, exist_ok=True)
+        out = open(d / "stdout.log", "wb")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            kw.setdefault("stdout", out)
+            kw.setdefault("stderr", subprocess.STDOUT)
+            proc: subprocess.Popen[Any] = self.topo.popen_in(self.topo.vm, argv, **kw)
+            return proc
+        finally:
+            out.close()
+
+    # 1. start-up ----------------------------------------------------------------------------
+    def startup(self) -> dict[str, Any]:
+        p = self.plan
+        to_start, to_tick, rss, wall_exec = [], [], [], []
+        for i in range(p.startup_runs):
+            d = self.work / "startup" / str(i)
+            cfg = peers.agent_config(d, 30.0, 5.0, 10, DEFAULT_TARGETS, heartbeat_every=1)
+            t_spawn = time.time()
+            proc = self.spawn([PY, "-m", "agent", "run", "--config", str(cfg)], d)
+            try:
+                serial = d / "serial.log"
+                hb = wait_for(
+                    functools.partial(first_event, serial, "heartbeat"), 20, "first heartbeat"
+                )
+                st = first_event(d / "serial.log", "start")
+                to_start.append((st.ts_ms / 1000 - t_spawn) * 1000)
+                to_tick.append((hb.ts_ms / 1000 - t_spawn) * 1000)
+                rss.append(proc_usage(proc.pid)["rss_mib"])
+            finally:
+                stop_procs([proc])
+        for _ in range(3):  # what `ip netns exec` itself adds to every spawn above
+            t0 = time.monotonic()
+            self.topo.run_in(self.topo.vm, ["true"])
+            wall_exec.append((time.monotonic() - t0) * 1000)
+        d = self.work / "startup" / "importtime"
+        cfg = peers.agent_config(d, 30.0, 5.0, 10, DEFAULT_TARGETS, heartbeat_every=1)
+        r = self.topo.run_in(
+            self.topo.vm,
+            [
+                PY,
+                "-X",
+                "importtime",
+                "-m",
+                "agent",
+                "run",
+                "--config",
+                str(cfg),
+                "--max-ticks",
+                "1",
+            ],
+            timeout=60,
+        )
+        imports = analysis.import_breakdown(analysis.parse_importtime(r.stderr))
+        return {
+            "rss_by_import_mib": rss_by_import(),
+            "config": "defaults (30 s interval, 5 s probe timeout, 2 names via DNS), "
+            "heartbeat_every = 1",
+            "runs": p.startup_runs,
+            "spawn_to_start_ms": analysis.summarize(to_start),
+            "spawn_to_first_tick_ms": analysis.summarize(to_tick),
+            "rss_after_first_tick_mib": analysis.summarize(rss),
+            "netns_exec_ms": analysis.summarize(wall_exec),
+            "imports": imports,
+            "importtime_rc": r.returncode,
+        }
+
+    # 2a. the default config: per-tick work (fast run) and idle cost (30 s interval) -----------
+    def overhead_default(self) -> dict[str, Any]:
+        p = self.plan
+        d = self.work / "overhead" / "fast"
+        interval, timeout = 0.2, 0.15
+        cfg = peers.agent_config(d, interval, timeout, 10, DEFAULT_TARGETS, dns_timeout=0.08)
+        proc = self.spawn([PY, "-m", "agent", "run", "--config", str(cfg)], d)
+        samples: list[tuple[float, float]] = []
+        seen = 0
+        dns_ok = 0
+        try:
+            deadline = time.monotonic() + p.fast_ticks * interval * 3 + 20
+            while seen < p.fast_ticks:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fast run: {seen}/{p.fast_ticks} ticks in time")
+                hbs = [e for e in events(d / "serial.log") if e.event == "heartbeat"]
+                if hbs and int(hbs[-1].get("ticks") or 0) > seen:
+                    seen = int(hbs[-1].get("ticks") or 0)
+                    samples.append((seen, proc_usage(proc.pid)["cpu_ms"]))
+                    dns_ok = sum(1 for e in hbs if e.get("dns") == "ok")
+                time.sleep(POLL)
+            mem = proc_usage(proc.pid)
+            ticks_total = len([e for e in events(d / "serial.log") if e.event == "tick"])
+        finally:
+            stop_procs([proc])
+        # The first window includes start-up (imports, first connections): left out.
+        per_tick = (
+            analysis.per_window_rates(samples[1:])
+            if len(samples) > 2
+            else (analysis.per_window_rates(samples))
+        )
+        per_tick_median = analysis.summarize(per_tick)["median"]
+        fast = {
+            "interval_s": interval,
+            "probe_timeout_s": timeout,
+            "ticks": seen,
+            "cpu_ms_per_tick": analysis.summarize(per_tick),
+            "rss_mib": mem["rss_mib"],
+            "pss_mib": mem["pss_mib"],
+            "uss_mib": mem["uss_mib"],
+            "heartbeats_dns_ok": dns_ok,
+            "unhealthy_ticks": ticks_total,
+        }
+        # Idle: the default 30 s interval, CPU between the first tick and the second.
+        d = self.work / "overhead" / "idle"
+        cfg = peers.agent_config(d, 30.0, 5.0, 10, DEFAULT_TARGETS, heartbeat_every=1)
+        proc = self.spawn([PY, "-m", "agent", "run", "--config", str(cfg)], d)
+        try:
+            wait_for(lambda: first_event(d / "serial.log", "heartbeat"), 20, "first tick (idle)")
+            time.sleep(0.5)  # let the first tick's line and threads settle before sampling
+            a = proc_usage(proc.pid)
+            t0 = time.monotonic()
+            time.sleep(p.idle_window_s)  # the measurement window itself
+            b = proc_usage(proc.pid)
+            idle_s = time.monotonic() - t0
+        finally:
+            stop_procs([proc])
+        idle_rate = (b["cpu_ms"] - a["cpu_ms"]) / idle_s
+        work = per_tick_median
+        return {
+            "fast": fast,
+            "idle": {
+                "interval_s": 30.0,
+                "window_s": idle_s,
+                "cpu_ms_per_s": idle_rate,
+                "rss_mib": b["rss_mib"],
+                "pss_mib": b["pss_mib"],
+                "uss_mib": b["uss_mib"],
+            },
+            "cpu_ms_per_30s_tick": None if work is None else work + idle_rate * 30.0,
+            "cpu_percent_at_30s": None if work is None else (work + idle_rate * 30.0) / 300.0,
+        }
+
+    # 2b. side by side at 1 s, healthy ----------------------------------------------------------
+    def overhead_side(self) -> dict[str, Any]:
+        from netns import EGRESS_IP
+
+        p = self.plan
+        ws = [Watcher("agent-1s", "agent", 1.0, p.threshold, 0.5, True, "")]
+        if self.with_peers:
+            ws += peers.peer_watchers(p.threshold, 0.5)
+        started = self._start(ws, self.work / "overhead" / "side", EGRESS_IP)
+        rows: dict[str, Any] = {}
+        try:
+            time.sleep(2.0)  # warm-up: imports done, first cycles behind us
+            pids = {w.name: target_pid(w, pr.pid) for w, (pr, _) in started.items()}
+            by = {w.name: w for w in started}
+            launches = {w.name: ln for w, (_, ln) in started.items()}
+            t_first = time.monotonic()
+            snaps: dict[str, list[tuple[float, float, int]]] = {n: [] for n in pids}
+
+            def snap() -> None:
+                now = time.monotonic()
+                for n, pid in pids.items():
+                    u = proc_usage(pid)
+                    snaps[n].append((now, u["cpu_ms"] + u["cpu_children_ms"],
+                                     script_cycles(launches[n].counter)))  # fmt: skip
+
+            snap()
+            end = t_first + p.side_s
+            while time.monotonic() < end:
+                time.sleep(min(p.side_window_s, max(0.0, end - time.monotonic())))
+                snap()
+            for n, pid in pids.items():
+                mem = proc_usage(pid)
+                s = snaps[n]
+                own = mem["cpu_ms"]
+                per_cycle = []
+                for (ta, ca, na), (tb, cb, nb) in itertools.pairwise(s):
+                    period = (tb - ta) / (nb - na) if nb > na else by[n].interval
+                    per_cycle.append((cb - ca) / (tb - ta) * period)
+                total_s = s[-1][0] - s[0][0]
+                counted = s[-1][2] - s[0][2]
+                rows[n] = {
+                    "kind": by[n].kind,
+                    "interval_s": by[n].interval,
+                    "cpu_ms_per_cycle": analysis.summarize(per_cycle),
+                    "cpu_ms_per_s": (s[-1][1] - s[0][1]) / total_s if total_s else None,
+                    "cycles_counted": counted or None,
+                    "period_s": total_s / counted if counted else by[n].interval,
+                    "rss_mib": mem["rss_mib"],
+                    "pss_mib": mem["pss_mib"],
+                    "uss_mib": mem["uss_mib"],
+                    "own_cpu_ms_total": own,
+                    "children_cpu_ms_total": mem["cpu_children_ms"],
+                }
+            agent_serial = launches["agent-1s"].fired
+            hbs = [e for e in events(agent_serial) if e.event == "heartbeat"]
+            rows["agent-1s"]["ticks"] = int(hbs[-1].get("ticks") or 0) if hbs else 0
+        finally:
+            stop_procs([pr for pr, _ in started.values()])
+            self._sweep()
+        return {"duration_s": p.side_s, "window_s": p.side_window_s, "watchers": rows}
+
+    # 3. tick wall time, black-holed --------------------------------------------------------------
+    def blackhole_ticks(self) -> dict[str, Any]:
+        p = self.plan
+        d = self.work / "blackhole"
+        t = p.blackhole_timeout
+        cfg = peers.agent_config(d, max(2.0, 2 * t), t, 10, DEFAULT_TARGETS, dns_timeout=0.4 * t)
+        proc = self.spawn(
+            [PY, "-m", "bench.tickwall", "--config", str(cfg), "--ticks", str(p.blackhole_ticks)],
+            d, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
+        )  # fmt: skip
+        lines = Lines(proc)
+        try:
+            ready = json.loads(lines.get(20, "tickwall ready"))
+            blackhole(self.topo, True)
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out = json.loads(lines.get(p.blackhole_ticks * (t + 2) + 10, "tickwall ticks"))
+        finally:
+            with contextlib.suppress(Exception):
+                blackhole(self.topo, False)
+            stop_procs([proc])
+        durs = [r["duration_s"] for r in out["ticks"]]
+        limit = t + 0.1
+        return {
+            "probe_timeout_s": t,
+            "dns_timeout_s": 0.4 * t,
+            "targets": DEFAULT_TARGETS,
+            "first_tick_egress": ready.get("healthy_first"),
+            "ticks": out["ticks"],
+            "tick_wall_s": analysis.summarize(durs),
+            "target_s": limit,
+            "all_within_target": all(x <= limit for x in durs),
+        }
+
+    # 4. detection latency -----------------------------------------------------------------------
+    def detection(self) -> dict[str, Any]:
+        from netns import EGRESS_IP
+
+        p = self.plan
+        ws = [
+            Watcher("agent-0.5s", "agent", 0.5, p.threshold, 0.25, True,
+                    "one tick probes both; the ladder climbs only when both fail"),
+            Watcher("agent-1s", "agent", 1.0, p.threshold, 0.5, True,
+                    "one tick probes both; the ladder climbs only when both fail"),
+        ]  # fmt: skip
+        if self.with_peers:
+            ws += peers.peer_watchers(p.threshold, 0.5)
+        lat: dict[str, list[float]] = {w.name: [] for w in ws}
+        early: dict[str, int] = {w.name: 0 for w in ws}
+        missed: dict[str, int] = {w.name: 0 for w in ws}
+        inject_unc: list[float] = []
+        for i in range(p.detect_runs):
+            started = self._start(ws, self.work / "detect" / str(i), EGRESS_IP, hb_every=1)
+            try:
+                for w, (_, ln) in started.items():
+                    if w.kind == "agent":
+                        serial = ln.fired
+                        wait_for(
+                            functools.partial(first_event, serial, "heartbeat"),
+                            20,
+                            f"{w.name} healthy",
+                        )
+                time.sleep(2.5)  # peers: at least two healthy cycles before the fault
+                t_before, t_inj = blackhole(self.topo, True)
+                inject_unc.append((t_inj - t_before) * 1000)
+                # Bounded: a peer checks serially, so under the fault a cycle can stretch to
+                # interval + both timeouts; whoever has not fired by then (+5 s) counts as missed.
+                longest = max(w.threshold * (w.interval + 2 * w.timeout) + w.interval for w in ws)
+                deadline = time.monotonic() + longest + 5
+                pending = dict(started)
+                while pending and time.monotonic() < deadline:
+                    for w, (_, ln) in list(pending.items()):
+                        at = fired_at(w, ln.fired)
+                        if at is not None:
+                            if at < t_before:
+                                early[w.name] += 1
+                            else:
+                                lat[w.name].append(at - t_inj)
+                            del pending[w]
+                    time.sleep(POLL)
+                for w in pending:
+                    missed[w.name] += 1
+                self.log(f"  detection run {i + 1}/{p.detect_runs}: " + ", ".join(
+                    f"{n}={v[-1]:.2f}s" for n, v in lat.items() if v))  # fmt: skip
+            finally:
+                with contextlib.suppress(Exception):
+                    blackhole(self.topo, False)
+                stop_procs([pr for pr, _ in started.values()])
+                self._sweep()
+        rows = {}
+        for w in ws:
+            lo, hi = analysis.policy_bounds(w.interval, w.threshold, w.timeout)
+            v = lat[w.name]
+            rows[w.name] = {
+                **asdict(w),
+                "bounds_s": [lo, hi],
+                "latency_s": analysis.summarize(v),
+                "values_s": v,
+                "within_bounds": sum(1 for x in v if lo - 0.05 <= x <= hi + 0.05),
+                "fired_before_fault": early[w.name],
+                "missed": missed[w.name],
+            }
+        return {
+            "runs": p.detect_runs,
+            "threshold": p.threshold,
+            "fault": "iptables DROP in the gce namespace (INPUT) of all packets to "
+            "169.254.169.254 and the 443 host; one iptables-restore commit",
+            "inject_uncertainty_ms": analysis.summarize(inject_unc),
+            "watchers": rows,
+        }
+
+    def _start(self, ws: list[Watcher], base: Path, eg_ip: str, hb_every: int = 10
+               ) -> dict[Watcher, tuple[subprocess.Popen[Any], peers.Launch]]:  # fmt: skip
+        started: dict[Watcher, tuple[subprocess.Popen[Any], peers.Launch]] = {}
+        try:
+            for w in ws:
+                d = base / w.name
+                ln = peers.launch(w, d, PY, eg_ip, hb_every=hb_every)
+                started[w] = (self.spawn(ln.argv, d), ln)
+        except BaseException:
+            stop_procs([pr for pr, _ in started.values()])
+            raise
+        return started
+
+    def _sweep(self) -> None:
+        """Whatever a watcher left behind in the vm namespace (a script's curl) goes too."""
+        from netns import kill_ns_pids
+
+        kill_ns_pids(self.topo.vm)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    def first(path: str, key: str) -> str:
+        with contextlib.suppress(OSError):
+            for line in Path(path).read_text().splitlines():
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+        return "?"
+
+    def cmd(argv: list[str]) -> str:
+        try:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return "missing"
+        return (r.stdout or r.stderr).strip().splitlines()[0] if (r.stdout or r.stderr) else "?"
+
+    return {
+        "cpu": first("/proc/cpuinfo", "model name"),
+        "cores": os.cpu_count(),
+        "memory": first("/proc/meminfo", "MemTotal"),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "monit": cmd(["monit", "-V"]) if shutil.which("monit") else "missing",
+        "watchdog": cmd(["dpkg-query", "-W", "-f", "${Version}", "watchdog"])
+        if shutil.which("watchdog")
+        else "missing",
+        "commit": cmd(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]),
+    }
+
+
+def peers_unavailable() -> str | None:
+    missing = [b for b in ("monit", "watchdog", "unshare", "curl") if shutil.which(b) is None]
+    return f"missing: {', '.join(missing)} (make bench installs them)" if missing else None
+
+
+def run_decode(plan: Plan, work: Path) -> dict[str, Any]:
+    script = REPO / "bench" / "bench_decode.py"
+    if not script.exists():
+        return {"skipped": "bench/bench_decode.py is missing"}
+    out = work / "decode.json"
+    argv = [PY, str(script), str(out), "--repeats", str(plan.decode_repeats)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    if r.returncode == 2 or not out.exists():
+        return {"skipped": (r.stderr or r.stdout).strip() or f"rc={r.returncode}"}
+    res: dict[str, Any] = json.loads(out.read_text())
+    res["rc"] = r.returncode
+    return res
+
+
+def run(plan: Plan, with_peers: bool, log: Callable[..., None]) -> dict[str, Any]:
+    from netns import EGRESS_IP, Topology, iptables_unavailable, netns_unavailable
+
+    t_all = time.monotonic()
+    res: dict[str, Any] = {
+        "schema": 1,
+        "mode": plan.mode,
+        "plan": asdict(plan),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "sections": {},
+    }
+    secs: dict[str, str] = res["sections"]
+    why = netns_unavailable() or iptables_unavailable()
+    peer_why = peers_unavailable() if with_peers else "disabled (--no-peers)"
+    res["peers_skipped"] = peer_why
+    with tempfile.TemporaryDirectory(prefix="gcewd-bench-") as tmp:
+        work = Path(tmp)
+        if why:
+            for s in ("startup", "overhead", "blackhole", "detection"):
+                secs[s] = f"skipped: {why}"
+        else:
+            with Topology() as topo:
+                records = {n.split(":")[0]: EGRESS_IP for n in DEFAULT_TARGETS}
+                topo.start_simgce(work / "sim", records=records)
+                b = Bench(plan, work, topo, peer_why is None, log)
+                steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+                    ("startup", b.startup),
+                    (
+                        "overhead",
+                        lambda: {
+                            "default": b.overhead_default(),
+                            "side_by_side": b.overhead_side(),
+                        },
+                    ),
+                    ("blackhole", b.blackhole_ticks),
+                    ("detection", b.detection),
+                ]
+                for name, fn in steps:
+                    t0 = time.monotonic()
+                    log(f"bench: {name} ...")
+                    try:
+                        res[name] = fn()
+                        secs[name] = f"ok in {time.monotonic() - t0:.1f}s"
+                    except Exception as e:  # one section failing must not lose the others
+                        secs[name] = f"failed: {type(e).__name__}: {e}"
+                    log(f"bench: {name}: {secs[name]}")
+        t0 = time.monotonic()
+        log("bench: decode ...")
+        res["decode"] = run_decode(plan, work)
+        secs["decode"] = (
+            f"skipped: {res['decode']['skipped']}"
+            if "skipped" in res["decode"]
+            else f"ok in {time.monotonic() - t0:.1f}s"
+        )
+    res["targets"] = report.targets(res)
+    res["duration_s"] = time.monotonic() - t_all
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="fewer repeats (about 2 minutes)")
+    g.add_argument("--tiny", action="store_true", help="smoke mode (seconds): proves it runs")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="results JSON path")
+    ap.add_argument("--doc", default=str(DEFAULT_DOC), help="markdown file whose tables to update")
+    ap.add_argument("--no-doc", action="store_true", help="do not touch the markdown file")
+    ap.add_argument("--no-peers", action="store_true", help="agent only (no monit/watchdog)")
+    a = ap.parse_args(argv)
+    plan = PLANS["tiny" if a.tiny else "quick" if a.quick else "full"]
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    res = run(plan, not a.no_peers, log)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+    log(f"bench: results -> {out} ({res['duration_s']:.0f}s)")
+    if not a.no_doc:
+        doc = Path(a.doc)
+        n = report.update_doc(doc, res)
+        log(f"bench: {n} table(s) regenerated in {doc}")
+    print(report.summary(res))
+    failed = [s for s, v in res["sections"].items() if v.startswith("failed")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
