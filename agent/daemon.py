@@ -367,6 +367,7 @@ class AgentLock:
 def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
     """The real edges for a config. Returns the agent and the prober (to close)."""
     from agent.actions import ActionChain
+    from agent.disarm import DisarmGate
     from agent.memwatch.monitor import MemoryMonitor
     from agent.metawatch import MetadataWatcher
     from agent.metrics import MetricsExporter
@@ -399,6 +400,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
         # The exporter writes the "decided" metrics before the chain (which may never return).
         on_shutdown=exporter.wrap_shutdown(chain.execute),
+        armed=DisarmGate(cfg, emitter, lambda: watcher.disarm_requested),
         uptime=read_uptime,
         phase=lambda: read_phase(a.state_dir),
         instance_id=ids,
