@@ -113,3 +113,13 @@ def test_run_refuses_invalid_config(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "agent", "run", "--config", str(bad)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 78 and "agent.threshold" in r.stderr
+
+
+def test_every_key_is_documented() -> None:
+    import dataclasses
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for sec in dataclasses.fields(cfgmod.Config):
+        assert f"`[{sec.name}]`" in doc, sec.name
+        for f in dataclasses.fields(getattr(cfgmod.Config(), sec.name)):
+            assert f"| `{f.name}` |" in doc, f"{sec.name}.{f.name} missing in docs/configuration.md"
