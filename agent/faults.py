@@ -682,10 +682,11 @@ def register(sub: Any) -> None:
     p.set_defaults(func=lambda a: (p.print_help(sys.stderr), EX_USAGE)[1])
 
 
-def _deps_from_args(args: argparse.Namespace, emit: bool) -> tuple[Deps, Paths, Any]:
-    from agent.runtime import load_config_or_exit, make_emitter
+def _deps_from_args(
+    args: argparse.Namespace, emit: bool, cfg: cfgmod.Config
+) -> tuple[Deps, Paths, Any]:
+    from agent.runtime import make_emitter
 
-    cfg = load_config_or_exit(args)
     deps = Deps(
         iptables=args.iptables,
         ip6tables=None if args.ip6tables in ("none", "") else args.ip6tables,
@@ -720,7 +721,10 @@ def _run_op(
     emit: bool,
     op: Callable[[Deps, Paths], int],
     euid: Callable[[], int] = os.geteuid,
+    before: Callable[[], None] = lambda: None,
 ) -> int:
+    from agent.runtime import load_config_or_exit
+
     if euid() != 0:
         print(
             "gce-watchdog fault: must run as root (iptables needs CAP_NET_ADMIN); "
@@ -728,7 +732,11 @@ def _run_op(
             file=sys.stderr,
         )
         return EX_NOPERM
-    deps, paths, port = _deps_from_args(args, emit)
+    # The config is read before `before` (the reverter's wait): a config edited or broken during
+    # the TTL must not stop the rules from being removed.
+    cfg = load_config_or_exit(args)
+    before()
+    deps, paths, port = _deps_from_args(args, emit, cfg)
     try:
         return op(deps, paths)
     except FaultError as e:
@@ -809,15 +817,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_clear(args: argparse.Namespace) -> int:
-    if args.at is not None:
-        _sleep_until(args.at)
-
     def op(deps: Deps, paths: Paths) -> int:
         _, msg = clear(deps, paths, args.expire_id)
         print(msg)
         return EX_OK
 
-    return _run_op(args, True, op)
+    at = args.at
+    return _run_op(args, True, op, before=(lambda: _sleep_until(at)) if at is not None else _noop)
+
+
+def _noop() -> None:
+    return None
 
 
 def _sleep_until(at: float, now: Callable[[], float] = time.time) -> None:

@@ -612,11 +612,23 @@ def test_real_systemd_path_timer_command_clears(topo: Topology, tmp_path: Path) 
     assert [e.get("op") for e in fault_events(tmp_path)] == ["expire"]
 
 
+def test_without_root_nothing_runs() -> None:
+    import argparse
+
+    ran: list[bool] = []
+    args = argparse.Namespace(config=None, iptables="iptables", ip6tables="ip6tables")
+    rc = faults._run_op(args, True, lambda d, p: ran.append(True) or 0, euid=lambda: 1000)
+    assert rc == faults.EX_NOPERM and ran == []
+
+
 @pytest.mark.netns
 def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
     cfg.chmod(0o644)
     tmp_path.chmod(0o755)
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if subprocess.run([*nobody, PY, "-c", "pass"], capture_output=True, cwd="/").returncode:
+        pytest.skip(f"uid 65534 cannot run {PY} (its interpreter lives under a private home)")
     r = subprocess.run(
         ["ip", "netns", "exec", topo.vm, "setpriv", "--reuid=65534", "--regid=65534",
          "--clear-groups", PY, "-m", "agent", "fault", "inject", "--metadata", "--ttl", "1m",
