@@ -348,7 +348,7 @@ class Topology:
         proc = self.popen_in(self.gce, [*argv, *extra], stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + READY_WAIT
-        while not ready.exists():
+        while (ports := _read_ready(ready)) is None:
             if proc.poll() is not None:
                 raise NetnsError(
                     f"simgce exited rc={proc.returncode}: {(wd / 'simgce.log').read_text()}"
@@ -356,7 +356,16 @@ class Topology:
             if time.monotonic() > deadline:
                 raise NetnsError(f"simgce not ready within {READY_WAIT}s")
             time.sleep(0.02)  # poll interval
-        return SimHandle(proc, str(control), json.loads(ready.read_text()))
+        return SimHandle(proc, str(control), ports)
+
+
+def _read_ready(path: Path) -> dict[str, Any] | None:
+    """The ready file's ports, or None while it is missing or still being written."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
 
 
 @dataclass
