@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build (or reuse) the e2e guest disk image from the cached rootfs tarball plus e2e/guest/.
+#
+#   e2e/build-image.sh OUTDIR
+#
+# Writes OUTDIR/disk.img (raw ext4, the root filesystem), OUTDIR/vmlinuz, OUTDIR/initrd.img (booted
+# with qemu -kernel/-initrd), OUTDIR/guest-python (e.g. "3.11") and OUTDIR/image.key. Reuses them
+# when the key (rootfs tarball + guest files + this script) is unchanged.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:?usage: build-image.sh OUTDIR}"
+cache="$(dirname "$out")/cache"  # shared with the wheelhouse cache
+mkdir -p "$out" "$cache"
+
+t0=$(date +%s)
+tarball="$("$here/build-rootfs.sh" "$cache")"
+t1=$(date +%s)
+key="$( { basename "$tarball"; cat "$here/build-image.sh";
+          (cd "$here/guest" && find . -type f | LC_ALL=C sort | xargs sha256sum); } \
+        | sha256sum | cut -c1-16)"
+if [ -s "$out/disk.img" ] && [ "$(cat "$out/image.key" 2>/dev/null)" = "$key" ]; then
+  echo "build-image: reusing $out/disk.img (key $key)" >&2
+  exit 0
+fi
+
+stage="$(mktemp -d "$out/image-stage.XXXXXX")"
+trap 'rm -rf "$stage"' EXIT
+tar --numeric-owner --xattrs --xattrs-include='*' -C "$stage" -xf "$tarball"
+# The guest files: a start-up script runner like GCE's, a static network config, DNS and hosts
+# pointing at the metadata server, fw_cfg module loading.
+cp -rT --no-preserve=ownership "$here/guest" "$stage"
+chroot "$stage" systemctl enable systemd-networkd.service gce-startup.service >/dev/null 2>&1
+# Masked: agetty on ttyS0 calls vhangup() on the port the agent writes to, and nobody logs in on
+# the e2e console; apt's daily timers only burn CPU under TCG.
+chroot "$stage" systemctl mask serial-getty@ttyS0.service getty@tty1.service \
+  apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1
+# A fixed machine-id: an empty one makes every -snapshot boot a "first boot" (preset-all).
+head -c16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$stage/etc/machine-id"
+echo >> "$stage/etc/machine-id"
+vmlinuz="$(ls "$stage"/boot/vmlinuz-* | sort -V | tail -1)"
+initrd="$(ls "$stage"/boot/initrd.img-* | sort -V | tail -1)"
+cp "$vmlinuz" "$out/vmlinuz.tmp" && mv "$out/vmlinuz.tmp" "$out/vmlinuz"
+cp "$initrd" "$out/initrd.img.tmp" && mv "$out/initrd.img.tmp" "$out/initrd.img"
+cp "$stage/.e2e-python-version" "$out/guest-python"
+# Room for the agent's venv, its state and logs on top of what the rootfs uses.
+used_mb=$(du -sm "$stage" | cut -f1)
+size_mb=$((used_mb + 768))
+rm -f "$out/disk.img.tmp"
+truncate -s "${size_mb}M" "$out/disk.img.tmp"
+mkfs.ext4 -q -F -L root -d "$stage" "$out/disk.img.tmp" "${size_mb}M"
+mv "$out/disk.img.tmp" "$out/disk.img"
+echo "$key" > "$out/image.key"
+t2=$(date +%s)
+echo "build-image: rootfs $((t1 - t0))s, image $((t2 - t1))s (${size_mb} MB) -> $out/disk.img" >&2
