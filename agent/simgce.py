@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from agent.state import atomic_write
+
 FLAVOR = "Metadata-Flavor"
 TOKEN = "ya29.fake-token-for-tests"  # noqa: S105 - a fake token for the fake server
 MODES = ("ok", "slow", "hang", "http_503", "bad_flavor", "refuse")
@@ -639,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
                 "dns": sim.dns.port if sim.dns else None,
                 "files": sim.files.port if sim.files else None,
             }
-            Path(a.ready_file).write_text(json.dumps(ports))
+            # atomic: a reader polling for the file never sees it empty or half written
+            atomic_write(a.ready_file, json.dumps(ports).encode())
         stop.wait()
     return 0
 
