@@ -74,6 +74,14 @@ def _errno_reason(e: OSError) -> str:
 # -- metadata probe ------------------------------------------------------------------------------
 
 
+def _content_length(head: bytes) -> int:
+    for ln in head.split(b"\r\n")[1:]:
+        k, _, v = ln.partition(b":")
+        if k.strip().lower() == b"content-length" and v.strip().isdigit():
+            return int(v.strip())
+    return 0
+
+
 def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> ProbeResult:
     """One GET of url with a hard deadline of ``timeout`` seconds. Never raises."""
     t0 = clock()
@@ -110,11 +118,23 @@ def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> P
                 if not chunk:
                     break
                 buf += chunk
+            head, sep, body = buf.partition(b"\r\n\r\n")
+            # The body (the instance id for instance/id) is only a detail, read while time is
+            # left: its first bytes, at most 64, often arrive in a segment after the headers.
+            want = min(_content_length(head), 64)
+            try:
+                while sep and len(body) < want:
+                    s.settimeout(left())
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    body += chunk
+            except OSError:
+                body = b""
     except OSError as e:
         return done(Verdict.FAIL, _errno_reason(e))
     except Exception as e:  # a probe never raises: anything unexpected is "unknown"
         return done(Verdict.UNKNOWN, f"internal_{type(e).__name__}")
-    head, sep, body = buf.partition(b"\r\n\r\n")
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2) if lines and lines[0] else []
     if not sep or len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
