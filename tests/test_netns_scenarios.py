@@ -378,8 +378,10 @@ def test_killed_fault_cli_still_reverts_at_ttl_and_the_agent_recovers(scene: Sce
         "the expire line",
     )
     assert (exp.ts_ms - inj.ts_ms) / 1000 >= ttl - 1.0
+    # The reverter removes the rules, then writes its line: the agent's next tick may recover
+    # before that line gets its seq, so look for the recovery from the injection on.
     rec = wait_for(
-        lambda: next((e for e in scene.since(exp.seq) if e.event == "recovered"), None),
+        lambda: next((e for e in scene.since(inj.seq) if e.event == "recovered"), None),
         10,
         "recovered",
     )
