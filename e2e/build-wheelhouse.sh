@@ -4,7 +4,10 @@
 # (cached, keyed by the dependency list and the guest's Python version), so `pip install
 # --no-index --find-links URL gce-watchdog` works offline in the guest.
 #
-#   e2e/build-wheelhouse.sh OUTDIR GUEST_PY_VERSION     e.g. build/e2e/wheelhouse 3.11
+#   e2e/build-wheelhouse.sh OUTDIR GUEST_PY_VERSION     e.g. build/e2e/www 3.11
+#
+# Writes OUTDIR/wheelhouse/*.whl and OUTDIR/wheelhouse.tar (the same wheels: what the start-up
+# script's `gce-watchdog-wheel-url` points at). OUTDIR is what the fake GCE's file server serves.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(dirname "$here")"
@@ -22,6 +25,7 @@ PY
 )"
 key="$(printf '%s\n%s\n' "$deps" "$pyver" | sha256sum | cut -c1-16)"
 cache="$(dirname "$out")/cache/wheels-$key"
+wh="$out/wheelhouse"
 if [ ! -s "$cache/.complete" ]; then
   rm -rf "$cache" && mkdir -p "$cache"
   nodot="${pyver//./}"
@@ -34,13 +38,14 @@ if [ ! -s "$cache/.complete" ]; then
       grep -v 'is ignored: it is neither' "$cache.log" >&2; exit 1; }
   echo "$deps" > "$cache/.complete"
 fi
-rm -rf "$out" && mkdir -p "$out"
-cp "$cache"/*.whl "$out/"
+rm -rf "$wh" "$out/wheelhouse.tar" && mkdir -p "$wh"
+cp "$cache"/*.whl "$wh/"
 # The agent itself, from the working tree. The wheel goes through a temp dir: setuptools leaves
 # build/ and *.egg-info next to the sources otherwise (both ignored).
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 "$py" -m pip wheel -q --no-deps -w "$tmp" "$repo" > "$tmp/log" 2>&1 || { cat "$tmp/log" >&2; exit 1; }
-cp "$tmp"/gce_watchdog-*.whl "$out/"
+cp "$tmp"/gce_watchdog-*.whl "$wh/"
+tar -C "$wh" -cf "$out/wheelhouse.tar.tmp" . && mv "$out/wheelhouse.tar.tmp" "$out/wheelhouse.tar"
 t1=$(date +%s)
-echo "build-wheelhouse: $(ls "$out" | wc -l) wheels for cp${pyver} in $((t1 - t0))s -> $out" >&2
+echo "build-wheelhouse: $(ls "$wh" | wc -l) wheels for cp${pyver} in $((t1 - t0))s -> $out/wheelhouse.tar" >&2

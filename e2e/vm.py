@@ -36,14 +36,14 @@ from netns import EGRESS_IP, EGRESS_NAME, METADATA_IP, Topology, netns_unavailab
 
 BUILD = REPO / "build" / "e2e"
 IMAGE_DIR = BUILD / "image"
-WHEELHOUSE_DIR = BUILD / "wheelhouse"
+WWW_DIR = BUILD / "www"  # served by the fake GCE on 192.0.2.10:80 (wheels.test)
 
 # The guest's static address (e2e/guest/etc/systemd/network/10-e2e.network): link-local, like the
 # metadata server it talks to; its gateway and resolver are 169.254.169.254.
 GUEST_ADDR = "169.254.10.2"
 TAP = "e2etap0"
 WHEELS_NAME = "wheels.test"  # resolved by the fake DNS to EGRESS_IP; the file server is on :80
-WHEELS_URL = f"http://{WHEELS_NAME}/"
+WHEEL_URL = f"http://{WHEELS_NAME}/wheelhouse.tar"  # the gce-watchdog-wheel-url attribute
 FILES_PORT = 80
 FWCFG_PREFIX = "opt/gce-e2e"
 
@@ -117,8 +117,9 @@ class Image:
         )
 
 
-def build_wheelhouse(image: Image, out: Path = WHEELHOUSE_DIR) -> Path:
-    """The agent's wheel from this tree plus its dependencies for the guest's Python, in out."""
+def build_wheelhouse(image: Image, out: Path = WWW_DIR) -> Path:
+    """out/wheelhouse.tar: the agent's wheel from this tree plus its dependencies for the guest's
+    Python (what WHEEL_URL serves); returns out, the file server's root."""
     r = subprocess.run(
         ["bash", str(REPO / "e2e" / "build-wheelhouse.sh"), str(out), image.python],
         capture_output=True,
@@ -140,6 +141,8 @@ class VmSpec:
     attributes: Mapping[str, str] = field(default_factory=dict)
     dns_after: float = 0.0  # the fake DNS stays silent this long after it starts
     dns_never: bool = False
+    config: str | None = None  # the agent's config.toml, installed by the image's runner
+    startup_env: Mapping[str, str] = field(default_factory=dict)  # GCEWD_* for the script
     timeout: float = DEFAULT_TIMEOUT
     memory_mb: int = 1024
     smp: int = 2  # faster to boot than 1 under TCG (33 s vs 40 s measured)
@@ -166,7 +169,11 @@ class VmResult:
 
 
 def qemu_argv(
-    spec: VmSpec, image: Image, serial_log: Path, fw_cfg: Mapping[str, str]
+    spec: VmSpec,
+    image: Image,
+    serial_log: Path,
+    fw_strings: Mapping[str, str],
+    fw_files: Mapping[str, Path],
 ) -> list[str]:
     accel = ["-accel", "kvm", "-cpu", "host"] if spec.kvm else ["-accel", "tcg"]
     argv = [
@@ -191,8 +198,12 @@ def qemu_argv(
         "-chardev", f"file,id=s0,path={serial_log}",
         "-serial", "chardev:s0",
     ]  # fmt: skip
-    for name, value in fw_cfg.items():
+    # Per-run input, read in the guest from /sys/firmware/qemu_fw_cfg/by_name/opt/gce-e2e/NAME/raw.
+    # Values and paths must not contain commas (qemu's option separator).
+    for name, value in fw_strings.items():
         argv += ["-fw_cfg", f"name={FWCFG_PREFIX}/{name},string={value}"]
+    for name, path in fw_files.items():
+        argv += ["-fw_cfg", f"name={FWCFG_PREFIX}/{name},file={path}"]
     return argv
 
 
@@ -213,9 +224,9 @@ def _add_tap(topo: Topology) -> None:
             raise E2EError(f"ip -n {ns} {' '.join(args)}: {r.stderr.strip()}")
 
 
-def _simgce_args(spec: VmSpec, outdir: Path, wheelhouse: Path) -> list[str]:
+def _simgce_args(spec: VmSpec, outdir: Path, www: Path) -> list[str]:
     attrs = {"startup-script": spec.startup_script, **spec.attributes}
-    args = ["--files", str(wheelhouse), "--files-addr", f"{EGRESS_IP}:{FILES_PORT}"]
+    args = ["--files", str(www), "--files-addr", f"{EGRESS_IP}:{FILES_PORT}"]
     args += ["--instance-name", f"e2e-{spec.name}"]
     adir = outdir / "attributes"
     adir.mkdir(parents=True, exist_ok=True)
@@ -236,7 +247,20 @@ def _milestones(data: bytes, seen: dict[str, float], now: float) -> None:
             seen[key] = now
 
 
-def run(spec: VmSpec, image: Image, wheelhouse: Path, outdir: Path | None = None) -> VmResult:
+def _fw_files(spec: VmSpec, outdir: Path) -> dict[str, Path]:
+    fdir = outdir / "fw_cfg"
+    fdir.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Path] = {}
+    if spec.config is not None:
+        files["config.toml"] = fdir / "config.toml"
+        files["config.toml"].write_text(spec.config)
+    if spec.startup_env:
+        files["startup-env"] = fdir / "startup-env"
+        files["startup-env"].write_text("".join(f"{k}={v}\n" for k, v in spec.startup_env.items()))
+    return files
+
+
+def run(spec: VmSpec, image: Image, www: Path, outdir: Path | None = None) -> VmResult:
     """Boot the guest once for spec; returns when qemu exits or the timeout kills it."""
     outdir = outdir or BUILD / spec.name
     outdir.mkdir(parents=True, exist_ok=True)
@@ -253,10 +277,10 @@ def run(spec: VmSpec, image: Image, wheelhouse: Path, outdir: Path | None = None
         _add_tap(topo)
         topo.start_simgce(
             outdir / "sim",
-            extra=_simgce_args(spec, outdir, wheelhouse),
+            extra=_simgce_args(spec, outdir, www),
             records={WHEELS_NAME: EGRESS_IP, EGRESS_NAME: EGRESS_IP},
         )
-        argv = qemu_argv(spec, image, serial_log, {"run-id": run_id})
+        argv = qemu_argv(spec, image, serial_log, {"run-id": run_id}, _fw_files(spec, outdir))
         (outdir / "qemu.argv").write_text(" ".join(argv) + "\n")
         with open(outdir / "qemu.log", "wb") as qlog:
             t0 = time.monotonic()
@@ -291,6 +315,29 @@ def run(spec: VmSpec, image: Image, wheelhouse: Path, outdir: Path | None = None
     )
 
 
+class Harness:
+    """A built image and wheelhouse; boots scenarios one after another and keeps their timings."""
+
+    def __init__(self, image: Image, www: Path, wheelhouse_s: float = 0.0) -> None:
+        self.image = image
+        self.www = www
+        self.timings: dict[str, object] = {
+            "image_s": round(image.build_s, 1),
+            "wheelhouse_s": round(wheelhouse_s, 1),
+        }
+
+    def boot(self, spec: VmSpec) -> VmResult:
+        res = run(spec, self.image, self.www)
+        self.timings[spec.name] = {
+            "wall_s": round(res.wall_s, 1),
+            "qemu_rc": res.qemu_rc,
+            "timed_out": res.timed_out,
+            **{k: round(v, 1) for k, v in res.milestones.items()},
+        }
+        print(res.summary())
+        return res
+
+
 def _kv(items: Sequence[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
@@ -312,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--attr-file", action="append", default=[], help="KEY=PATH attribute")
     b.add_argument("--dns-after", type=float, default=0.0, help="DNS silent for SECONDS")
     b.add_argument("--dns-never", action="store_true", help="DNS never answers")
+    b.add_argument("--config", default=None, help="agent config.toml installed before the script")
+    b.add_argument("--env", action="append", default=[], help="GCEWD_NAME=VALUE for the script")
     b.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
     b.add_argument("--kvm", action="store_true", help="use /dev/kvm instead of TCG")
     a = p.parse_args(argv)
@@ -320,9 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"e2e unavailable: {why}", file=sys.stderr)
         return 2
     image = Image.ensure()
-    wheelhouse = build_wheelhouse(image)
-    print(f"image: {image.disk} (python {image.python}, {image.build_s:.1f}s); "
-          f"wheelhouse: {wheelhouse}")
+    www = build_wheelhouse(image)
+    print(
+        f"image: {image.disk} (python {image.python}, {image.build_s:.1f}s); "
+        f"wheelhouse: {www / 'wheelhouse.tar'} (served as {WHEEL_URL})"
+    )
     if a.cmd == "image":
         return 0
     attrs = _kv(a.attr)
@@ -333,10 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         attributes=attrs,
         dns_after=a.dns_after,
         dns_never=a.dns_never,
+        config=Path(a.config).read_text() if a.config else None,
+        startup_env=_kv(a.env),
         timeout=a.timeout,
         kvm=a.kvm or os.environ.get("E2E_KVM") == "1",
     )
-    res = run(spec, image, wheelhouse)
+    res = run(spec, image, www)
     print(res.summary())
     return 1 if res.timed_out else 0
 

@@ -1,0 +1,50 @@
+"""Fixtures for the VM end-to-end scenarios (docs/e2e.md).
+
+They boot a real VM under qemu, about 2 minutes each under TCG, so they run only when asked:
+``make e2e`` (sets GCEWD_E2E=1), ``GCEWD_E2E=1 pytest tests/e2e`` or ``pytest -m e2e tests/e2e``.
+A plain ``pytest`` (what ``make test`` runs before its own ``make e2e`` step) skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from e2e import vm  # noqa: E402
+
+
+def _requested(config: pytest.Config) -> bool:
+    return os.environ.get("GCEWD_E2E") == "1" or "e2e" in (config.option.markexpr or "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _requested(config):
+        return
+    skip = pytest.mark.skip(reason="VM scenarios run by `make e2e` (or GCEWD_E2E=1, or -m e2e)")
+    for item in items:
+        if "e2e" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def e2e() -> Iterator[vm.Harness]:
+    why = vm.unavailable()
+    if why:
+        pytest.skip(f"e2e: {why}")
+    image = vm.Image.ensure()
+    t0 = time.monotonic()
+    www = vm.build_wheelhouse(image)
+    env = vm.Harness(image, www, time.monotonic() - t0)
+    yield env
+    vm.BUILD.mkdir(parents=True, exist_ok=True)
+    (vm.BUILD / "timings.json").write_text(json.dumps(env.timings, indent=2) + "\n")

@@ -1,0 +1,244 @@
+"""The whole chain in a real booted VM (docs/e2e.md).
+
+Each scenario boots the Debian guest under qemu (``-snapshot``: a fresh disk every time) with the
+simulated GCE around it. The guest runs the REAL ``startup/startup-script.sh`` as its
+``startup-script`` attribute: it installs the agent from the wheelhouse the fake GCE serves,
+starts the systemd unit and runs the workload under ``gce-watchdog exec``. The serial log is then
+judged by the real poller through the fake Compute API (``e2e/observe.py``).
+
+Output per scenario: ``build/e2e/<scenario>/`` (serial.log, report.png, qemu.log, simgce log,
+cursors and ledger).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.poller.verdict import VerdictKind
+from agent.protocol import Event
+from e2e import observe, vm
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_SCRIPT = (REPO / "startup" / "startup-script.sh").read_text()
+AGENT = "/opt/gce-watchdog/bin/gce-watchdog"
+
+# Short ticks so a scenario takes 1-2 minutes: a 2 s tick, 10 ticks to the decision, 6 s linger.
+CONFIG = """\
+[agent]
+interval = "2s"
+probe_timeout = "1s"
+threshold = 10
+heartbeat_every = 3
+
+[egress]
+# The 443 stand-in (192.0.2.10), resolved by the fake GCE's DNS like a real name.
+targets = ["egress.test:443"]
+dns_timeout = "500ms"
+
+[actions]
+linger = "6s"
+repeat_every = "2s"
+
+[memory]
+enabled = false
+"""
+
+# Budget for one boot, start to poweroff. Measured: ~105 s for the healthy run on a 2-core
+# machine (boot 25 s, agent install 50 s); the rest is room for a machine busy with other work.
+TIMEOUT = 480.0
+
+
+def spec(name: str, workload: list[str] | None, **kw: object) -> vm.VmSpec:
+    attrs = {
+        "gce-watchdog-wheel-url": vm.WHEEL_URL,
+        "gce-watchdog-done-action": "poweroff",
+    }
+    if workload is not None:
+        attrs["gce-watchdog-workload"] = json.dumps(workload)
+    return vm.VmSpec(
+        name=name,
+        startup_script=STARTUP_SCRIPT,
+        attributes=attrs,
+        config=CONFIG,
+        timeout=TIMEOUT,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def events_of(res: vm.VmResult) -> list[Event]:
+    return observe.latest_boot_events(observe.timeline(res.serial()))
+
+
+def named(events: list[Event], event: str, **fields: str) -> list[Event]:
+    return [e for e in events if e.event == event and all(e.get(k) == v for k, v in fields.items())]
+
+
+def rung(e: Event) -> int:
+    return int((e.get("rung") or "0/0").split("/")[0])
+
+
+def check_powered_off(res: vm.VmResult) -> None:
+    assert not res.timed_out, f"the guest did not power off within {TIMEOUT}s: {res.summary()}"
+    assert res.qemu_rc == 0, res.summary()
+
+
+def check_no_lost_lines(res: vm.VmResult, events: list[Event]) -> None:
+    tl = observe.timeline(res.serial())
+    assert events, f"no GCEWD1 line in {res.serial_log}"
+    assert observe.seq_contiguous(events) == [], f"seq gaps in {res.serial_log}"
+    assert tl.lost_lines == 0
+    assert events[0].seq == 0, "the first line of the boot (phase bootstrap) is seq 0"
+
+
+def save_report(res: vm.VmResult) -> None:
+    why = observe.report_png(res.serial_log, res.outdir / "report.png")
+    if why:
+        print(f"no report.png for {res.name}: {why}")
+
+
+def bootstrap_ok(events: list[Event]) -> None:
+    assert named(events, "phase", ph="bootstrap"), "phase bootstrap"
+    for step in ("dns", "install", "unit"):
+        assert named(events, "bootstrap_step", step=step, st="ok"), f"bootstrap_step {step} ok"
+    assert named(events, "start"), "the agent's start line"
+    assert named(events, "phase", ph="workload"), "phase workload"
+    assert not named(events, "setup_failed")
+
+
+def test_healthy_workload_completes(e2e: vm.Harness) -> None:
+    res = e2e.boot(spec("healthy", ["bash", "-c", "echo working; sleep 8; echo finished"]))
+    save_report(res)
+    check_powered_off(res)
+    events = events_of(res)
+    bootstrap_ok(events)
+    exits = named(events, "exit")
+    assert len(exits) == 1 and exits[0].get("rc") == "0" and exits[0].get("sig") == "-"
+    assert named(events, "phase", ph="done")
+    assert named(events, "heartbeat", ph="workload"), "the agent ticked healthy during the job"
+    assert not named(events, "shutdown") and not named(events, "tick")
+    check_no_lost_lines(res, events)
+
+    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
+    assert all(o.action == "none" for o in [*run.during, run.final, run.again, run.other])
+
+
+def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
+    workload = [
+        "bash", "-c",
+        # A few healthy ticks first, then the operator's outage (metadata + 443), then the job
+        # "keeps running" until the watchdog powers the VM off. The TTL outlasts the ladder.
+        f"sleep 12; {AGENT} fault inject --metadata --egress443 --ttl 10m; sleep 600",
+    ]  # fmt: skip
+    res = e2e.boot(spec("wedge", workload))
+    save_report(res)
+    check_powered_off(res)
+    events = events_of(res)
+    bootstrap_ok(events)
+
+    inject = named(events, "fault", op="inject")
+    assert len(inject) == 1, "one fault inject line"
+    before = [e for e in events if e.seq < inject[0].seq]
+    assert named(before, "heartbeat", ph="workload"), "healthy ticks before the fault"
+
+    after = [e for e in events if e.seq > inject[0].seq]
+    shutdowns = named(after, "shutdown")
+    assert shutdowns, "a shutdown line after the fault"
+    first = shutdowns[0]
+    assert first.get("reason") == "ladder" and first.get("rung") == "10/10"
+    assert first.get("chain"), "the decision names its action chain"
+    climb = [rung(e) for e in after if e.event == "tick" and e.seq < first.seq]
+    assert climb[-10:] == list(range(1, 11)), f"ticks 1/10..10/10 in order, got {climb}"
+    assert not named(after, "recovered"), "the ladder never reset during the outage"
+    assert [e for e in shutdowns[1:] if e.get("rep")], "the verdict repeated while lingering"
+    steps = [(e.get("step"), e.get("status")) for e in after if e.event == "action"]
+    assert ("linger", "start") in steps or any(s == "linger" for s, _ in steps), steps
+    assert any(s == "poweroff" for s, _ in steps), f"the chain reached poweroff: {steps}"
+    check_no_lost_lines(res, events)
+
+    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
+    looks = [*run.during, run.final, run.again, run.other]
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.SELF_SHUTDOWN, run.final.verdict
+    assert run.final.verdict.failover
+    actions = [o.action for o in looks]
+    assert actions.count("failover") == 1, f"exactly one failover decision: {actions}"
+    assert run.again.action == "already_decided"
+    assert run.other.action == "already_decided", "a second poller is refused by the ledger"
+    assert run.other.decision is not None and run.final.decision is not None
+    assert run.other.decision.token == run.final.decision.token
+
+
+def test_dns_late_bootstrap_retries_and_succeeds(e2e: vm.Harness) -> None:
+    res = e2e.boot(spec("dns-late", ["bash", "-c", "echo working; sleep 4"], dns_after=40.0))
+    save_report(res)
+    check_powered_off(res)
+    events = events_of(res)
+    bootstrap_ok(events)
+    serial = res.serial()
+    assert b"does not resolve yet" in serial, "the start-up script waited for DNS"
+    assert b"resolves after" in serial, "...and said after how many look-ups it resolved"
+    dns = named(events, "bootstrap_step", step="dns")[0]
+    assert int(dns.get("dur") or 0) >= 5, f"the DNS step took time: {dns}"
+    exits = named(events, "exit")
+    assert exits and exits[0].get("rc") == "0"
+    check_no_lost_lines(res, events)
+
+    run = observe.poll_as_poller(serial, res.outdir / "poller")
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
+
+
+def test_dns_never_is_setup_failed_not_failover(e2e: vm.Harness) -> None:
+    # The script's DNS deadline (300 s by default) shortened to 30 s through the image's runner.
+    res = e2e.boot(
+        spec("dns-never", ["true"], dns_never=True, startup_env={"GCEWD_DNS_DEADLINE": "30"})
+    )
+    save_report(res)
+    check_powered_off(res)
+    events = events_of(res)
+    failed = named(events, "setup_failed")
+    assert len(failed) == 1, "one setup_failed line"
+    assert failed[0].get("step") == "dns" and failed[0].get("rc") == "75", failed[0]
+    assert not named(events, "bootstrap_step", step="install"), "nothing installed"
+    assert not named(events, "start") and not named(events, "exit")
+    check_no_lost_lines(res, events)
+
+    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.SETUP_FAILED, run.final.verdict
+    assert not run.final.verdict.failover
+    assert all(o.action == "none" for o in [*run.during, run.final, run.again, run.other])
+
+
+def test_flapping_outage_never_shuts_down(e2e: vm.Harness) -> None:
+    # Three outages of ~4 ticks, each cleared before the ladder gets near 10/10.
+    cycle = (
+        f"{AGENT} fault inject --metadata --egress443 --ttl 2m; sleep 8; "
+        f"{AGENT} fault clear; sleep 6; "
+    )
+    res = e2e.boot(spec("flap", ["bash", "-c", "set -e; sleep 6; " + cycle * 3 + "echo ok"]))
+    save_report(res)
+    check_powered_off(res)
+    events = events_of(res)
+    bootstrap_ok(events)
+    assert len(named(events, "fault", op="inject")) == 3
+    assert len(named(events, "fault", op="clear")) == 3
+    rungs = [rung(e) for e in events if e.event == "tick"]
+    assert rungs and max(rungs) < 10, f"the ladder climbed ({rungs}) but never to 10/10"
+    assert max(rungs) >= 2, f"each outage held for several ticks: {rungs}"
+    assert len(named(events, "recovered")) >= 2, "the ladder reset after the outages"
+    assert not named(events, "shutdown")
+    exits = named(events, "exit")
+    assert exits and exits[0].get("rc") == "0"
+    check_no_lost_lines(res, events)
+
+    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
