@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-dev
 # Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck.
 APT_TEST := iptables iproute2 systemd procps shellcheck
 
-.PHONY: demo test lint venv apt-test install bench e2e clean
+.PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean
 
 $(VENV)/bin/python:
 	@$(PY) -m venv --help >/dev/null 2>&1 && $(PY) -c 'import ensurepip' 2>/dev/null || \
@@ -38,6 +38,7 @@ test: $(STAMP) apt-test
 	$(VENV)/bin/ruff check agent tests
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q -p no:cacheprovider
+	@$(MAKE) --no-print-directory e2e-if-possible
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agent tests
@@ -53,6 +54,34 @@ install:
 	$(PY) -m venv $(PREFIX)
 	$(PREFIX)/bin/python -m pip install -q --disable-pip-version-check --upgrade .
 	$(PREFIX)/bin/gce-watchdog install $(INSTALL_FLAGS)
+
+# VM end-to-end scenarios (docs/e2e.md): a Debian guest under qemu (TCG) with a simulated GCE,
+# one boot per scenario, one after another. Installs qemu/debootstrap as root when missing; the
+# guest image is cached under build/e2e (first build ~2 min, then seconds). E2E_ARGS: pytest
+# arguments, e.g. E2E_ARGS='-k wedge'. E2E_KVM=1 uses /dev/kvm instead of TCG.
+APT_E2E := qemu-system-x86 debootstrap e2fsprogs
+E2E_ARGS ?=
+e2e: $(STAMP) apt-test
+	@missing=""; for p in $(APT_E2E); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "e2e: not root, cannot install$$missing"; exit 1; fi; \
+	  echo "apt-get install$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends $$missing; \
+	fi
+	$(VENV)/bin/ruff check e2e
+	MYPYPATH=tests $(VENV)/bin/mypy --strict e2e
+	@t0=$$(date +%s); e2e/build-image.sh build/e2e/image && echo "e2e: image ready in $$(( $$(date +%s) - t0 ))s"
+	GCEWD_E2E=1 $(VENV)/bin/pytest -q -p no:cacheprovider -rA tests/e2e $(E2E_ARGS)
+
+# make test's hook: the VM scenarios run when this machine can boot them (root, apt-get for qemu,
+# /dev/net/tun); otherwise one line says why. GCEWD_E2E=0 skips them explicitly.
+e2e-if-possible:
+	@if [ "$${GCEWD_E2E:-}" = 0 ]; then echo "e2e: skipped (GCEWD_E2E=0)"; \
+	elif [ "$$(id -u)" != 0 ]; then echo "e2e: skipped (needs root)"; \
+	elif [ ! -e /dev/net/tun ]; then echo "e2e: skipped (no /dev/net/tun)"; \
+	elif ! command -v qemu-system-x86_64 >/dev/null && ! command -v apt-get >/dev/null; then \
+	  echo "e2e: skipped (no qemu and no apt-get to install it)"; \
+	else $(MAKE) --no-print-directory e2e; fi
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
