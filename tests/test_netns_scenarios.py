@@ -380,11 +380,14 @@ def test_killed_fault_cli_still_reverts_at_ttl_and_the_agent_recovers(scene: Sce
     assert (exp.ts_ms - inj.ts_ms) / 1000 >= ttl - 1.0
     # The reverter removes the rules, then writes its line: the agent's next tick may recover
     # before that line gets its seq, so look for the recovery from the injection on.
-    rec = wait_for(
-        lambda: next((e for e in scene.since(inj.seq) if e.event == "recovered"), None),
-        10,
-        "recovered",
-    )
+    try:
+        rec = wait_for(
+            lambda: next((e for e in scene.since(inj.seq) if e.event == "recovered"), None),
+            10,
+            "recovered",
+        )
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{scene.debug()}") from None
     reached = climbs([e for e in scene.since(inj.seq) if e.seq < rec.seq])
     assert len(reached) >= 3 and rec.get("from") == reached[-1].split("/")[0], scene.debug()
     assert not any(e.event == "shutdown" for e in scene.events())
