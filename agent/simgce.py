@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
 from agent.state import atomic_write
@@ -268,41 +268,44 @@ class FakeMetadataServer:
             h.wfile.write(data)
 
 
-class TcpListener:
-    """Accepts TCP connections and closes them: a stand-in for a reachable 443 endpoint."""
+class _SocketService:
+    """A bound socket served by one thread; subclasses make the socket and handle one wake-up."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    name = "socket-service"
+
+    def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.accepted = 0
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def start(self) -> TcpListener:
-        fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        s = socket.socket(fam, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((self.host, self.port))
-        s.listen(64)
-        s.settimeout(0.2)
+    def _make_socket(self) -> socket.socket:
+        raise NotImplementedError
+
+    def _serve_one(self, sock: socket.socket) -> None:
+        """Handle one accept/recv; raises TimeoutError when idle (0.2 s poll)."""
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        s = self._make_socket()
+        s.settimeout(0.2)  # the stop flag is checked this often
         self.port = s.getsockname()[1]
         self._sock = s
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="fake-443", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        assert self._sock is not None
+        sock = self._sock
+        assert sock is not None
         while not self._stop.is_set():
             try:
-                c, _ = self._sock.accept()
+                self._serve_one(sock)
             except TimeoutError:
                 continue
             except OSError:
                 return
-            self.accepted += 1
-            c.close()
 
     def stop(self) -> None:
         self._stop.set()
@@ -312,19 +315,44 @@ class TcpListener:
             self._sock.close()
             self._sock = None
 
-    def __enter__(self) -> TcpListener:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-class FakeDNS:
+class TcpListener(_SocketService):
+    """Accepts TCP connections and closes them: a stand-in for a reachable 443 endpoint."""
+
+    name = "fake-443"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host, port)
+        self.accepted = 0
+
+    def _make_socket(self) -> socket.socket:
+        fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((self.host, self.port))
+        s.listen(64)
+        return s
+
+    def _serve_one(self, sock: socket.socket) -> None:
+        c, _ = sock.accept()
+        self.accepted += 1
+        c.close()
+
+
+class FakeDNS(_SocketService):
     """UDP DNS server answering A queries from a table.
 
     ``answer_after``: seconds after start before it answers at all (silence before: a resolver
     that is not ready yet). ``mode``: ``ok``, ``silent`` (never answers), ``servfail``.
     """
+
+    name = "fake-dns"
 
     def __init__(
         self,
@@ -334,7 +362,7 @@ class FakeDNS:
         answer_after: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.host, self.port = host, port
+        super().__init__(host, port)
         self.records = {k.rstrip(".").lower(): v for k, v in (records or {}).items()}
         self.answer_after = answer_after
         self.mode = "ok"
@@ -342,74 +370,43 @@ class FakeDNS:
         self.answered = 0
         self._clock = clock
         self._t0 = 0.0
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
 
-    def start(self) -> FakeDNS:
+    def _make_socket(self) -> socket.socket:
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.bind((self.host, self.port))
-        s.settimeout(0.2)
-        self.port = s.getsockname()[1]
-        self._sock = s
         self._t0 = self._clock()
-        self._thread = threading.Thread(target=self._run, name="fake-dns", daemon=True)
-        self._thread.start()
-        return self
+        return s
 
-    def _run(self) -> None:
+    def _serve_one(self, sock: socket.socket) -> None:
         import dns.flags
         import dns.message
         import dns.rcode
         import dns.rdatatype
         import dns.rrset
 
-        assert self._sock is not None
-        while not self._stop.is_set():
-            try:
-                data, addr = self._sock.recvfrom(4096)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.queries += 1
-            if self.mode == "silent" or self._clock() - self._t0 < self.answer_after:
-                continue
-            try:
-                q = dns.message.from_wire(data)
-            except Exception:  # noqa: S112 - garbage in, no answer out
-                continue
-            r = dns.message.make_response(q)
-            r.flags |= dns.flags.RA
-            if self.mode == "servfail":
-                r.set_rcode(dns.rcode.SERVFAIL)
-            else:
-                for question in q.question:
-                    name = question.name.to_text().rstrip(".").lower()
-                    ips = self.records.get(name)
-                    if ips is None:
-                        r.set_rcode(dns.rcode.NXDOMAIN)
-                    elif question.rdtype == dns.rdatatype.A:
-                        r.answer.append(
-                            dns.rrset.from_text(question.name, 60, "IN", "A", *ips)
-                        )
-            self.answered += 1
-            with contextlib.suppress(OSError):
-                self._sock.sendto(r.to_wire(), addr)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def __enter__(self) -> FakeDNS:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        data, addr = sock.recvfrom(4096)
+        self.queries += 1
+        if self.mode == "silent" or self._clock() - self._t0 < self.answer_after:
+            return
+        try:
+            q = dns.message.from_wire(data)
+        except Exception:  # garbage in, no answer out
+            return
+        r = dns.message.make_response(q)
+        r.flags |= dns.flags.RA
+        if self.mode == "servfail":
+            r.set_rcode(dns.rcode.SERVFAIL)
+        else:
+            for question in q.question:
+                name = question.name.to_text().rstrip(".").lower()
+                ips = self.records.get(name)
+                if ips is None:
+                    r.set_rcode(dns.rcode.NXDOMAIN)
+                elif question.rdtype == dns.rdatatype.A:
+                    r.answer.append(dns.rrset.from_text(question.name, 60, "IN", "A", *ips))
+        self.answered += 1
+        with contextlib.suppress(OSError):
+            sock.sendto(r.to_wire(), addr)
 
 
 class StaticFileServer:
