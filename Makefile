@@ -45,6 +45,28 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check agent tests || true
 	$(VENV)/bin/mypy
 
+# Benchmarks (docs/performance.md): the agent vs monit and watchdog(8) in network namespaces.
+# BENCH_ARGS: --quick (about 2 min), --no-peers, --no-doc. The peers are installed as root when
+# missing, with service starts blocked (policy-rc.d) and their boot units disabled afterwards:
+# the benchmark runs them itself, from temp configs, and never needs them as services.
+APT_BENCH := monit watchdog curl util-linux
+BENCH_ARGS ?=
+bench: $(STAMP) apt-test
+	@missing=""; for p in $(APT_BENCH); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then echo "apt-get install$$missing"; \
+	    guard=""; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	      chmod 755 /usr/sbin/policy-rc.d; guard=1; }; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing; rc=$$?; \
+	    [ -z "$$guard" ] || rm -f /usr/sbin/policy-rc.d; \
+	    for u in monit watchdog; do case " $$missing " in *" $$u "*) \
+	      systemctl disable $$u.service >/dev/null 2>&1 || update-rc.d $$u disable >/dev/null 2>&1 || true;; \
+	    esac; done; [ $$rc = 0 ]; \
+	  else echo "not root: cannot install$$missing (the peers are skipped)"; fi; \
+	fi
+	$(VPY) -m bench.run $(BENCH_ARGS)
+
 # Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
 # lays down the systemd unit and a default config, enables and starts it (idempotent; run as root).
 # INSTALL_FLAGS: e.g. --no-start, or --root DIR for an image tree.

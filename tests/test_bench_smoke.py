@@ -1,0 +1,110 @@
+"""The benchmark cannot rot: its pure parts, and the runner end to end in its tiny mode.
+
+No timing is asserted anywhere: only that every section ran and produced numbers of the right
+shape (docs/performance.md holds the real figures, from ``make bench``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from netns import PY, REPO, iptables_unavailable, netns_unavailable
+
+sys.path.insert(0, str(REPO))
+
+from bench import analysis, peers, report
+
+IMPORTTIME = """\
+import time: self [us] | cumulative | imported package
+import time:       241 |        241 |     _json
+import time:       318 |        885 |   json.decoder
+import time:       228 |       1457 | json
+import time:      1000 |       3000 | agent.probes
+something else on stderr
+"""
+
+
+def test_summarize_reports_median_and_quartiles() -> None:
+    s = analysis.summarize([5, 1, 3, 2, 4])
+    assert (s["n"], s["median"], s["p25"], s["p75"], s["min"], s["max"]) == (5, 3, 2, 4, 1, 5)
+    assert analysis.summarize([])["median"] is None
+    assert analysis.summarize([7])["p75"] == 7
+
+
+def test_policy_bounds_and_window_rates() -> None:
+    assert analysis.policy_bounds(0.5, 10, 0.25) == (4.5, 5.25)
+    assert analysis.per_window_rates([(10, 100.0), (20, 130.0), (20, 131.0), (30, 150.0)]) == [
+        3.0,
+        1.9,
+    ]
+
+
+def test_importtime_parse_depths_and_packages() -> None:
+    rows = analysis.parse_importtime(IMPORTTIME)
+    assert [(r.module, r.depth) for r in rows] == [
+        ("_json", 2),
+        ("json.decoder", 1),
+        ("json", 0),
+        ("agent.probes", 0),
+    ]
+    b = analysis.import_breakdown(rows)
+    assert b["top_level"][0]["module"] == "agent.probes"
+    assert {p["package"]: p["self_ms"] for p in b["packages"]}["json"] == pytest.approx(0.546)
+
+
+def test_tables_are_replaced_between_markers_only() -> None:
+    doc = "intro\n<!-- bench:decode -->\nold\n<!-- /bench:decode -->\nhand-written\n"
+    res = {"decode": {"skipped": "no corpus"}}
+    out, n = report.replace_tables(doc, res)
+    assert n == 1 and "old" not in out and "no corpus" in out
+    assert out.startswith("intro\n") and out.endswith("hand-written\n")
+
+
+def test_targets_flag_a_miss() -> None:
+    res = {"overhead": {"default": {"fast": {"rss_mib": 40.0, "cpu_ms_per_tick": {"median": 1.0}}}}}
+    t = {x["target"]: x for x in report.targets(res)}
+    assert t["RSS after 100 healthy ticks"]["met"] is False
+    assert t["CPU per healthy tick"]["met"] is True
+    assert t["process start to first tick"]["met"] is None  # not measured: not a pass
+
+
+def test_peer_files_never_name_system_paths(tmp_path: Path) -> None:
+    for w in peers.peer_watchers(10, 0.5):
+        ln = peers.launch(w, tmp_path / w.name, PY, "192.0.2.10")
+        text = "".join(p.read_text() for p in ln.workdir.iterdir() if p.is_file())
+        assert "/etc/" not in text and "/dev/watchdog" not in text
+        if w.kind == "watchdog":
+            assert "-q" in ln.argv and ln.argv[:2] == ["unshare", "--pid"]
+            assert "watchdog-device" not in text and "repair-maximum = 0" in text
+        if w.kind == "monit":
+            assert (ln.workdir / "monitrc").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
+    why = netns_unavailable() or iptables_unavailable()
+    if why:
+        pytest.skip(f"netns: {why}")
+    out = tmp_path / "r.json"
+    doc = tmp_path / "perf.md"
+    doc.write_text("<!-- bench:targets -->\n<!-- /bench:targets -->\n")
+    r = subprocess.run(
+        [PY, "-m", "bench.run", "--tiny", "--out", str(out), "--doc", str(doc)],
+        cwd=str(REPO), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert all(v.startswith(("ok", "skipped")) for v in res["sections"].values()), res["sections"]
+    assert res["startup"]["spawn_to_first_tick_ms"]["n"] == 1
+    assert res["overhead"]["default"]["fast"]["ticks"] >= 10
+    assert res["blackhole"]["tick_wall_s"]["n"] == 2
+    det = res["detection"]["watchers"]
+    assert det["agent-0.5s"]["latency_s"]["n"] == 1
+    if res["peers_skipped"] is None:  # monit/watchdog installed: they were measured too
+        assert {"monit-native", "watchdog-test"} <= set(det)
+    assert "| target |" in doc.read_text()
