@@ -37,8 +37,8 @@ chroot "$stage" systemctl mask serial-getty@ttyS0.service getty@tty1.service \
 # A fixed machine-id: an empty one makes every -snapshot boot a "first boot" (preset-all).
 head -c16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$stage/etc/machine-id"
 echo >> "$stage/etc/machine-id"
-vmlinuz="$(ls "$stage"/boot/vmlinuz-* | sort -V | tail -1)"
-initrd="$(ls "$stage"/boot/initrd.img-* | sort -V | tail -1)"
+vmlinuz="$(find "$stage/boot" -maxdepth 1 -name 'vmlinuz-*' | sort -V | tail -1)"
+initrd="$(find "$stage/boot" -maxdepth 1 -name 'initrd.img-*' | sort -V | tail -1)"
 cp "$vmlinuz" "$out/vmlinuz.tmp" && mv "$out/vmlinuz.tmp" "$out/vmlinuz"
 cp "$initrd" "$out/initrd.img.tmp" && mv "$out/initrd.img.tmp" "$out/initrd.img"
 cp "$stage/.e2e-python-version" "$out/guest-python"

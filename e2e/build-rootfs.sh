@@ -55,7 +55,9 @@ fi
 stage="$(mktemp -d "$out/rootfs-stage.XXXXXX")"
 cleanup() {
   # Unmount anything debootstrap left mounted before removing the stage.
-  for m in proc sys dev/pts dev; do mountpoint -q "$stage/$m" 2>/dev/null && umount -l "$stage/$m" || true; done
+  for m in proc sys dev/pts dev; do
+    if mountpoint -q "$stage/$m" 2>/dev/null; then umount -l "$stage/$m" || true; fi
+  done
   rm -rf "$stage"
 }
 trap cleanup EXIT

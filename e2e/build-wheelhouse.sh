@@ -48,4 +48,4 @@ trap 'rm -rf "$tmp"' EXIT
 cp "$tmp"/gce_watchdog-*.whl "$wh/"
 tar -C "$wh" -cf "$out/wheelhouse.tar.tmp" . && mv "$out/wheelhouse.tar.tmp" "$out/wheelhouse.tar"
 t1=$(date +%s)
-echo "build-wheelhouse: $(ls "$wh" | wc -l) wheels for cp${pyver} in $((t1 - t0))s -> $out/wheelhouse.tar" >&2
+echo "build-wheelhouse: $(find "$wh" -name '*.whl' | wc -l) wheels for cp${pyver} in $((t1 - t0))s -> $out/wheelhouse.tar" >&2
