@@ -162,32 +162,97 @@ class Resolver(Protocol):
 
 
 class DnsPythonResolver:
-    """dnspython, bounded by ``lifetime`` per name. ``servers``: ``IP`` or ``IP:PORT`` items
-    (empty: the system's resolv.conf)."""
+    """A-record look-ups with dnspython's message codec over our own UDP socket.
 
-    def __init__(self, servers: Sequence[str] = ()) -> None:
-        import dns.nameserver
-        import dns.resolver
+    ``servers``: ``IP`` or ``IP:PORT`` items; empty means the ``nameserver`` lines of
+    ``resolv_conf``, re-read on every look-up (DHCP may change them). The query goes to every
+    server at once and the first valid answer wins, under ONE hard deadline (``lifetime``): a
+    silent resolver costs exactly the budget, never more. dnspython builds and parses the
+    messages (``dns.message``); its stub resolver (``dns.resolver``/``dns.query``) is not used,
+    because it pulls in asyncio and ssl (+2 MiB resident) for nothing the probe needs.
+    """
 
-        if servers:
-            r = dns.resolver.Resolver(configure=False)
-            ns: list[dns.nameserver.Nameserver | str] = []
-            for s in servers:
-                host, port = _ip_port(s, 53)
-                ns.append(dns.nameserver.Do53Nameserver(host, port))
-            r.nameservers = ns
-        else:
-            try:
-                r = dns.resolver.Resolver(configure=True)
-            except dns.resolver.NoResolverConfiguration:
-                r = dns.resolver.Resolver(configure=False)
-                r.nameservers = ["127.0.0.53"]
-        r.cache = None  # every tick asks: DNS health is something we report
-        self._r = r
+    def __init__(self, servers: Sequence[str] = (), resolv_conf: str = "/etc/resolv.conf") -> None:
+        self.servers = [_ip_port(s, 53) for s in servers]
+        self.resolv_conf = resolv_conf
+
+    def _targets(self) -> list[tuple[str, int]]:
+        if self.servers:
+            return self.servers
+        out: list[tuple[str, int]] = []
+        with contextlib.suppress(OSError):
+            for line in Path(self.resolv_conf).read_text().splitlines():
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver" and _is_ip(parts[1]):
+                    out.append((parts[1], 53))
+        return out[:3]  # resolv.conf(5): at most three are used
 
     def resolve(self, host: str, lifetime: float) -> list[str]:
-        ans = self._r.resolve(host, "A", lifetime=lifetime, search=False)
-        return [a.to_text() for a in ans]
+        import dns.flags
+        import dns.message
+        import dns.rcode
+        import dns.rdatatype
+
+        targets = self._targets()
+        if not targets:
+            raise OSError("no nameserver configured")
+        deadline = time.monotonic() + lifetime
+        q = dns.message.make_query(host.rstrip(".") + ".", dns.rdatatype.A)
+        wire = q.to_wire()
+        socks: list[socket.socket] = []
+        sel = selectors.DefaultSelector()
+        try:
+            for ip, port in targets:
+                fam = socket.AF_INET6 if ":" in ip else socket.AF_INET
+                s = socket.socket(fam, socket.SOCK_DGRAM)
+                socks.append(s)
+                s.setblocking(False)
+                with contextlib.suppress(OSError):  # EPERM from a local DROP: try the others
+                    s.sendto(wire, (ip, port))
+                    sel.register(s, selectors.EVENT_READ, (ip, port))
+            last = "timeout"
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for key, _ in sel.select(left):
+                    sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        data, src = sock.recvfrom(4096)
+                    except OSError:
+                        sel.unregister(sock)
+                        continue
+                    if (src[0], src[1]) != key.data:
+                        continue  # not from the server we asked: ignore (spoofing, strays)
+                    try:
+                        r = dns.message.from_wire(data)
+                    except Exception:  # noqa: S112 - garbage: wait for a valid answer
+                        continue
+                    if not q.is_response(r) or r.flags & dns.flags.TC:
+                        continue
+                    if r.rcode() != dns.rcode.NOERROR:
+                        last = dns.rcode.to_text(r.rcode())
+                        sel.unregister(sock)
+                        continue
+                    # CNAME chains are followed by dnspython; the final RRset holds the A records
+                    chain = (
+                        r.resolve_chaining() if isinstance(r, dns.message.QueryMessage) else None
+                    )
+                    answer = chain.answer if chain is not None else None
+                    addrs = (
+                        [rd.to_text() for rd in answer]
+                        if answer is not None and answer.rdtype == dns.rdatatype.A
+                        else []
+                    )
+                    if addrs:
+                        return addrs
+                    last = "no_answer"
+                    sel.unregister(sock)
+            raise OSError(f"DNS look-up of {host} failed: {last}")
+        finally:
+            sel.close()
+            for s in socks:
+                s.close()
 
 
 def _ip_port(s: str, default: int) -> tuple[str, int]:

@@ -140,3 +140,29 @@ def test_probe_exceptions_become_unknown_not_raise() -> None:
     p = EgressProbe([("x.test", 443)], 0.5, 0.2, Boom(), AddressCache(None))
     r, d = p()
     assert r.verdict is Verdict.FAIL and r.reason == "no_address" and d == "fail"
+
+
+def test_resolver_hard_deadline_and_rcodes(tmp_path: Path) -> None:
+    with FakeDNS(records={"a.test": ["192.0.2.7", "192.0.2.8"]}) as dns:
+        r = DnsPythonResolver([f"127.0.0.1:{dns.port}"])
+        assert sorted(r.resolve("a.test", 1.0)) == ["192.0.2.7", "192.0.2.8"]
+        t0 = time.monotonic()
+        with pytest.raises(OSError, match="NXDOMAIN"):
+            r.resolve("missing.test", 1.0)
+        assert time.monotonic() - t0 < 0.5  # an answer, not a timeout
+        dns.mode = "silent"
+        t0 = time.monotonic()
+        with pytest.raises(OSError, match="timeout"):
+            r.resolve("a.test", 0.3)
+        took = time.monotonic() - t0
+        assert 0.29 <= took < 0.4  # exactly the budget: one hard deadline
+
+
+def test_resolver_reads_resolv_conf(tmp_path: Path) -> None:
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("# dhclient\nsearch c.proj.internal\nnameserver 169.254.169.254\n"
+                    "nameserver not-an-ip\nnameserver 192.0.2.53\n")
+    r = DnsPythonResolver(resolv_conf=str(conf))
+    assert r._targets() == [("169.254.169.254", 53), ("192.0.2.53", 53)]
+    with pytest.raises(OSError, match="no nameserver"):
+        DnsPythonResolver(resolv_conf=str(tmp_path / "missing")).resolve("a.test", 0.1)
