@@ -1,18 +1,22 @@
 """Judge an e2e serial log as the poller does: through the fake Compute API and the real poller.
 
-The serial log qemu wrote is served by :class:`agent.simcompute.FakeComputeAPI` (real HTTP,
-``getSerialPortOutput`` semantics) in several chunks cut at arbitrary byte offsets, as if the
-poller had read it while the VM ran; :class:`agent.poller.poller.Poller` reads, decides and claims
-in a real SQLite ledger. After the last chunk the instance gets its final status (TERMINATED once
-qemu has exited). Two more looks follow: the same poller again, and a second poller with a fresh
-cursor sharing the ledger: a FAILOVER must be claimed exactly once.
+:class:`LivePoller` is handed to :func:`e2e.vm.run` as its ``watch``: while the VM runs, the new
+serial bytes go to :class:`agent.simcompute.FakeComputeAPI` (real HTTP, ``getSerialPortOutput``
+semantics, status RUNNING) and :class:`agent.poller.poller.Poller` polls every ``every`` seconds,
+deciding and claiming in a real SQLite ledger, as the central poller would (reads land wherever the
+file happens to end, often inside a line). When qemu has exited the instance becomes TERMINATED
+and three more looks follow: the final poll, the same poller again, and a second poller with a
+fresh cursor sharing the ledger: a FAILOVER must be claimed exactly once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,57 +30,85 @@ from agent.simcompute import FakeComputeAPI
 
 PROJECT, ZONE, NAME = "e2e-project", "us-central1-a", "e2e-vm"
 TOKEN = "e2e-token"  # noqa: S105 - the fake Compute API's test token
+POLL_EVERY = 2.0  # seconds between live polls: several reads inside the agent's 6 s linger
 
 
 @dataclass(frozen=True)
 class PollRun:
-    """What the poller said: one outcome per chunk, the final poll, and the two later looks."""
+    """What the poller said: the live polls, the final poll, and the two later looks."""
 
-    during: list[PollOutcome]
-    final: PollOutcome
+    during: list[PollOutcome]  # while the VM ran (status RUNNING)
+    final: PollOutcome  # after qemu exited (status TERMINATED)
     again: PollOutcome  # the same poller, after the decision
     other: PollOutcome  # a second poller (own cursor), same ledger
 
-
-def _client(api: FakeComputeAPI) -> ComputeClient:
-    from google.oauth2.credentials import Credentials
-
-    return ComputeClient.create(Credentials(TOKEN), api_base=api.base_url)  # type: ignore[no-untyped-call]
+    def looks(self) -> list[PollOutcome]:
+        return [*self.during, self.final, self.again, self.other]
 
 
-def poll_as_poller(
-    serial: bytes,
-    workdir: Path,
-    final_status: str = "TERMINATED",
-    chunks: int = 4,
-    spot: bool = False,
-) -> PollRun:
-    """Serve serial in chunks through the fake Compute API and poll after each (see module doc)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    ledger_path = workdir / "ledger.sqlite"
-    for p in workdir.glob("ledger.sqlite*"):
-        p.unlink()
-    with FakeComputeAPI(token=TOKEN) as api, Ledger(ledger_path, owner="e2e") as ledger:
-        api.add_instance(NAME, project=PROJECT, zone=ZONE, spot=spot)
-        client = _client(api)
-        poller = Poller(client, CursorStore(workdir / "cursors-a"), PROJECT, ZONE, ledger, Policy())
-        during: list[PollOutcome] = []
-        # Cuts at fixed fractions of the log: most land inside a line, which the reader must join.
-        cuts = [len(serial) * i // chunks for i in range(1, chunks)] + [len(serial)]
-        prev = 0
-        for cut in cuts:
-            api.append_serial(NAME, serial[prev:cut])
-            prev = cut
-            during.append(poller.poll(NAME))
-        api.set_status(NAME, final_status)
-        final = poller.poll(NAME)
-        again = poller.poll(NAME)
-        other_poller = Poller(
-            client, CursorStore(workdir / "cursors-b"), PROJECT, ZONE, ledger, Policy()
-        )
-        other = other_poller.poll(NAME)
-        client.close()
-    return PollRun(during, final, again, other)
+class LivePoller:
+    """The poller reading the VM's serial port while it runs; use as a context manager."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        every: float = POLL_EVERY,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.workdir = workdir
+        self.every = every
+        self.clock = clock
+        self.during: list[PollOutcome] = []
+        self._sent = 0
+        self._last = float("-inf")
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> LivePoller:
+        from google.oauth2.credentials import Credentials
+
+        # A fresh ledger and fresh cursors: the fake API numbers instances the same way every
+        # run, so a cursor left by an earlier run would carry that run's boot (and its shutdown)
+        # into this one, and the poller would rightly decide for both boots.
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir(parents=True)
+        self.api = self._stack.enter_context(FakeComputeAPI(token=TOKEN))
+        self.api.add_instance(NAME, project=PROJECT, zone=ZONE)
+        self.ledger = self._stack.enter_context(Ledger(self.workdir / "ledger.sqlite", "e2e"))
+        creds = Credentials(TOKEN)  # type: ignore[no-untyped-call]
+        self.client = ComputeClient.create(creds, api_base=self.api.base_url)
+        self._stack.callback(self.client.close)
+        self.poller = self._poller("cursors-a")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _poller(self, cursors: str) -> Poller:
+        store = CursorStore(self.workdir / cursors)
+        return Poller(self.client, store, PROJECT, ZONE, self.ledger, Policy())
+
+    def _append(self, data: bytes) -> None:
+        if len(data) > self._sent:
+            self.api.append_serial(NAME, data[self._sent :])
+            self._sent = len(data)
+
+    def watch(self, data: bytes) -> None:
+        """The serial output so far (vm.run's watch): poll if ``every`` seconds have passed."""
+        now = self.clock()
+        if now - self._last < self.every:
+            return
+        self._last = now
+        self._append(data)
+        self.during.append(self.poller.poll(NAME))
+
+    def finish(self, data: bytes, status: str = "TERMINATED") -> PollRun:
+        """The VM is off: the rest of the log, the final status, then the three last looks."""
+        self._append(data)
+        self.api.set_status(NAME, status)
+        final = self.poller.poll(NAME)
+        again = self.poller.poll(NAME)
+        other = self._poller("cursors-b").poll(NAME)
+        return PollRun(list(self.during), final, again, other)
 
 
 def timeline(serial: bytes) -> Timeline:

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -260,8 +260,18 @@ def _fw_files(spec: VmSpec, outdir: Path) -> dict[str, Path]:
     return files
 
 
-def run(spec: VmSpec, image: Image, www: Path, outdir: Path | None = None) -> VmResult:
-    """Boot the guest once for spec; returns when qemu exits or the timeout kills it."""
+def run(
+    spec: VmSpec,
+    image: Image,
+    www: Path,
+    outdir: Path | None = None,
+    watch: Callable[[bytes], None] | None = None,
+) -> VmResult:
+    """Boot the guest once for spec; returns when qemu exits or the timeout kills it.
+
+    ``watch`` is called with the serial output so far about every SERIAL_POLL seconds while the
+    VM runs (e.g. a poller reading the port live); an exception from it ends the run.
+    """
     outdir = outdir or BUILD / spec.name
     outdir.mkdir(parents=True, exist_ok=True)
     serial_log = outdir / "serial.log"
@@ -294,7 +304,10 @@ def run(spec: VmSpec, image: Image, www: Path, outdir: Path | None = None) -> Vm
                     pass
                 now = time.monotonic()
                 if serial_log.exists():
-                    _milestones(serial_log.read_bytes(), seen, now - t0)
+                    data = serial_log.read_bytes()
+                    _milestones(data, seen, now - t0)
+                    if watch is not None:
+                        watch(data)
                 if now > deadline:
                     timed_out = True
                     proc.kill()
@@ -326,8 +339,8 @@ class Harness:
             "wheelhouse_s": round(wheelhouse_s, 1),
         }
 
-    def boot(self, spec: VmSpec) -> VmResult:
-        res = run(spec, self.image, self.www)
+    def boot(self, spec: VmSpec, watch: Callable[[bytes], None] | None = None) -> VmResult:
+        res = run(spec, self.image, self.www, watch=watch)
         self.timings[spec.name] = {
             "wall_s": round(res.wall_s, 1),
             "qemu_rc": res.qemu_rc,

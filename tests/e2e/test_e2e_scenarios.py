@@ -4,7 +4,8 @@ Each scenario boots the Debian guest under qemu (``-snapshot``: a fresh disk eve
 simulated GCE around it. The guest runs the REAL ``startup/startup-script.sh`` as its
 ``startup-script`` attribute: it installs the agent from the wheelhouse the fake GCE serves,
 starts the systemd unit and runs the workload under ``gce-watchdog exec``. The serial log is then
-judged by the real poller through the fake Compute API (``e2e/observe.py``).
+read by the real poller through the fake Compute API while the VM runs, and once more after it is
+off (``e2e/observe.py``).
 
 Output per scenario: ``build/e2e/<scenario>/`` (serial.log, report.png, qemu.log, simgce log,
 cursors and ledger).
@@ -70,6 +71,15 @@ def spec(name: str, workload: list[str] | None, **kw: object) -> vm.VmSpec:
     )
 
 
+def boot(e2e: vm.Harness, spec: vm.VmSpec) -> tuple[vm.VmResult, observe.PollRun]:
+    """Boot once with the poller reading the serial port live; the VM's final status is
+    TERMINATED when qemu exited by itself."""
+    with observe.LivePoller(vm.BUILD / spec.name / "poller") as live:
+        res = e2e.boot(spec, watch=live.watch)
+        run = live.finish(res.serial(), "RUNNING" if res.timed_out else "TERMINATED")
+    return res, run
+
+
 def events_of(res: vm.VmResult) -> list[Event]:
     return observe.latest_boot_events(observe.timeline(res.serial()))
 
@@ -111,7 +121,7 @@ def bootstrap_ok(events: list[Event]) -> None:
 
 
 def test_healthy_workload_completes(e2e: vm.Harness) -> None:
-    res = e2e.boot(spec("healthy", ["bash", "-c", "echo working; sleep 8; echo finished"]))
+    res, run = boot(e2e, spec("healthy", ["bash", "-c", "echo working; sleep 8; echo finished"]))
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
@@ -120,13 +130,15 @@ def test_healthy_workload_completes(e2e: vm.Harness) -> None:
     assert len(exits) == 1 and exits[0].get("rc") == "0" and exits[0].get("sig") == "-"
     assert named(events, "phase", ph="done")
     assert named(events, "heartbeat", ph="workload"), "the agent ticked healthy during the job"
-    assert not named(events, "shutdown") and not named(events, "tick")
+    assert not named(events, "shutdown")
+    # A tick line means a probe failed once; on a busy TCG host a 1 s probe can. The ladder must
+    # not climb beyond such a blip in a healthy run.
+    assert all(rung(e) <= 2 for e in named(events, "tick")), "no sustained outage"
     check_no_lost_lines(res, events)
 
-    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
-    assert all(o.action == "none" for o in [*run.during, run.final, run.again, run.other])
+    assert all(o.action == "none" for o in run.looks())
 
 
 def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
@@ -136,7 +148,7 @@ def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
         # "keeps running" until the watchdog powers the VM off. The TTL outlasts the ladder.
         f"sleep 12; {AGENT} fault inject --metadata --egress443 --ttl 10m; sleep 600",
     ]  # fmt: skip
-    res = e2e.boot(spec("wedge", workload))
+    res, run = boot(e2e, spec("wedge", workload))
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
@@ -162,13 +174,14 @@ def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
     assert any(s == "poweroff" for s, _ in steps), f"the chain reached poweroff: {steps}"
     check_no_lost_lines(res, events)
 
-    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
-    looks = [*run.during, run.final, run.again, run.other]
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.SELF_SHUTDOWN, run.final.verdict
     assert run.final.verdict.failover
-    actions = [o.action for o in looks]
+    actions = [o.action for o in run.looks()]
     assert actions.count("failover") == 1, f"exactly one failover decision: {actions}"
+    # The linger keeps the VM up so a poller reads the verdict while the VM still runs.
+    assert "failover" in [o.action for o in run.during], "decided while the VM was RUNNING"
+    assert run.final.action == "already_decided"
     assert run.again.action == "already_decided"
     assert run.other.action == "already_decided", "a second poller is refused by the ledger"
     assert run.other.decision is not None and run.final.decision is not None
@@ -176,7 +189,7 @@ def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
 
 
 def test_dns_late_bootstrap_retries_and_succeeds(e2e: vm.Harness) -> None:
-    res = e2e.boot(spec("dns-late", ["bash", "-c", "echo working; sleep 4"], dns_after=40.0))
+    res, run = boot(e2e, spec("dns-late", ["bash", "-c", "echo working; sleep 4"], dns_after=40.0))
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
@@ -190,15 +203,15 @@ def test_dns_late_bootstrap_retries_and_succeeds(e2e: vm.Harness) -> None:
     assert exits and exits[0].get("rc") == "0"
     check_no_lost_lines(res, events)
 
-    run = observe.poll_as_poller(serial, res.outdir / "poller")
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
 
 
 def test_dns_never_is_setup_failed_not_failover(e2e: vm.Harness) -> None:
     # The script's DNS deadline (300 s by default) shortened to 30 s through the image's runner.
-    res = e2e.boot(
-        spec("dns-never", ["true"], dns_never=True, startup_env={"GCEWD_DNS_DEADLINE": "30"})
+    res, run = boot(
+        e2e,
+        spec("dns-never", ["true"], dns_never=True, startup_env={"GCEWD_DNS_DEADLINE": "30"}),
     )
     save_report(res)
     check_powered_off(res)
@@ -210,11 +223,10 @@ def test_dns_never_is_setup_failed_not_failover(e2e: vm.Harness) -> None:
     assert not named(events, "start") and not named(events, "exit")
     check_no_lost_lines(res, events)
 
-    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.SETUP_FAILED, run.final.verdict
     assert not run.final.verdict.failover
-    assert all(o.action == "none" for o in [*run.during, run.final, run.again, run.other])
+    assert all(o.action == "none" for o in run.looks())
 
 
 def test_flapping_outage_never_shuts_down(e2e: vm.Harness) -> None:
@@ -224,7 +236,7 @@ def test_flapping_outage_never_shuts_down(e2e: vm.Harness) -> None:
         f"{AGENT} fault inject --metadata --egress443 --ttl 2m; sleep 6; "
         f"{AGENT} fault clear; sleep 6; "
     )
-    res = e2e.boot(spec("flap", ["bash", "-c", "set -e; sleep 6; " + cycle * 3 + "echo ok"]))
+    res, run = boot(e2e, spec("flap", ["bash", "-c", "set -e; sleep 6; " + cycle * 3 + "echo ok"]))
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
@@ -240,6 +252,5 @@ def test_flapping_outage_never_shuts_down(e2e: vm.Harness) -> None:
     assert exits and exits[0].get("rc") == "0"
     check_no_lost_lines(res, events)
 
-    run = observe.poll_as_poller(res.serial(), res.outdir / "poller")
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
