@@ -416,7 +416,9 @@ install_unit() {
 	fi
 	# install's --config is the path as the agent sees it (install itself honours GCEWD_ROOT);
 	# it writes a default config there when none exists.
-	"$AGENT" install --config "${CONFIG#"$ROOT"}" >&2 9>&- || fail unit "gce-watchdog install failed" $?
+	# --exec: the agent's path as the unit will see it (under the root, not this script's view).
+	"$AGENT" install --config "${CONFIG#"$ROOT"}" --exec "${AGENT#"$ROOT"}" >&2 9>&- ||
+		fail unit "gce-watchdog install failed" $?
 	step_done unit ok "$t0" "systemd unit installed and started"
 }
 
@@ -434,7 +436,7 @@ run_steps() { # DIR LABEL: every argv file in DIR, in order, as a bootstrap step
 		if ((rc == 124)); then
 			fail "bootstrap:$name" "timed out after ${STEP_TIMEOUT}s: ${argv[0]}" 124
 		elif ((rc != 0)); then
-			fail "bootstrap:$name" "${argv[0]} exited with $rc" "$rc"
+			fail "bootstrap:$name" "$(basename -- "${argv[0]}") exited with $rc" "$rc"
 		fi
 		step_done "bootstrap:$name" ok "$t0"
 	done
