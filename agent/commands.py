@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from agent import config as cfgmod
-from agent.runtime import add_config_arg
+from agent.runtime import add_config_arg, load_config_or_exit
 
 
 def register(sub: Any) -> None:
@@ -33,11 +33,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    try:
-        cfg = cfgmod.load(args.config)
-    except cfgmod.InvalidConfig as e:
-        print(str(e), file=sys.stderr)
-        return cfgmod.EX_CONFIG
+    cfg = load_config_or_exit(args)
     for section, values in cfgmod.to_dict(cfg).items():
         print(f"[{section}]")
         for k, v in values.items():
