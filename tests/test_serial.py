@@ -48,11 +48,19 @@ def _stalled_pty() -> tuple[int, int, str]:
     master, slave = os.openpty()
     path = os.ttyname(slave)
     os.set_blocking(slave, False)
-    try:  # fill the pty until the kernel refuses more: every later write blocks
-        while True:
+    # Fill the pty until the kernel keeps refusing: the line discipline moves data along
+    # asynchronously, so one EAGAIN is not yet "full". Bounded: at most 2 s.
+    refused_since: float | None = None
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        try:
             os.write(slave, b"x" * 4096)
-    except BlockingIOError:
-        pass
+            refused_since = None
+        except BlockingIOError:
+            refused_since = refused_since or time.monotonic()
+            if time.monotonic() - refused_since > 0.2:
+                break
+            time.sleep(0.01)
     # keep the slave open: closing the last slave fd would let the kernel flush the buffer
     return master, slave, path
 
