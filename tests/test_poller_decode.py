@@ -303,3 +303,19 @@ def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["bytes"] == 65536 and res["grep_count"] == res["marker_lines"] > 0
     assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0
+
+
+def test_compaction_keeps_the_first_terminal_event_behind_a_long_tail() -> None:
+    # A finished job whose VM stays up on a flapping network: hundreds of `recovered` lines,
+    # then the ladder shuts it down. Saving the cursor compacts the timeline; the `exit rc=0`
+    # must survive it, or the ladder shutdown becomes "first" and a finished job fails over.
+    w = Writer(boot="dddd0004")
+    data = w.line("start", {"v": "0.1.0"}) + w.line("phase", {"ph": "workload"})
+    data += w.line("exit", {"rc": 0, "sig": "-"})
+    for _ in range(600):
+        data += w.line("recovered", {"from": "1/10", "md": "ok", "eg": "ok"})
+    data += w.line("shutdown", {"reason": "ladder", "rung": "10/10"})
+    tl = Timeline.from_json(json.loads(json.dumps(parse_bytes(data).to_json())))
+    assert len(tl.events) < 600  # it was compacted
+    v = decide(tl.events, InstanceState("RUNNING"), w.ts_ms / 1000, Policy())
+    assert v.kind is VerdictKind.WORKLOAD_OK and not v.failover

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from agent.poller.verdict import terminal_kind
 from agent.protocol import Event, StreamDecoder, decode_line, encode
 
 # Events a verdict can depend on; they survive compaction (see verdict.py's table).
@@ -163,10 +164,23 @@ class Timeline:
         return sum(b.lost for b in self.boots.values())
 
     def compact(self) -> None:
-        """Bound memory: keep key events (verdict inputs) and the most recent routine lines."""
+        """Bound memory: keep key events (verdict inputs) and the most recent routine lines.
+
+        Each boot's first terminal event (by seq) is always kept: the verdict is decided by it,
+        and a long tail of later key events (a finished job's VM flapping for days) must not
+        push it out, or a later ladder ``shutdown`` would become "first" and fail over a job
+        that had finished.
+        """
         keys = [e for e in self.events if e.event in KEY_EVENTS][-KEEP_KEY_EVENTS:]
         recent = self.events[-KEEP_RECENT:]
+        first_terminal: dict[str, Event] = {}
+        for e in self.events:
+            if terminal_kind(e) is not None:
+                cur = first_terminal.get(e.boot)
+                if cur is None or e.seq < cur.seq:
+                    first_terminal[e.boot] = e
         keep = {id(e) for e in keys} | {id(e) for e in recent}
+        keep |= {id(e) for e in first_terminal.values()}
         self.events = [e for e in self.events if id(e) in keep]
 
     # -- persistence ------------------------------------------------------------------------

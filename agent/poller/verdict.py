@@ -101,7 +101,8 @@ def latest_boot_events(events: Sequence[Event]) -> list[Event]:
     return sorted((e for e in events if e.boot == boot), key=lambda e: e.seq)
 
 
-def _terminal(ev: Event) -> VerdictKind | None:
+def terminal_kind(ev: Event) -> VerdictKind | None:
+    """The verdict a terminal event decides (rows 1-5), or None for any other event."""
     name = ev.event
     if name == "setup_failed":
         return VerdictKind.SETUP_FAILED
@@ -161,7 +162,7 @@ def decide(
 
     # Row 1-5: the first terminal event of the latest boot.
     for ev in mine:
-        kind = _terminal(ev)
+        kind = terminal_kind(ev)
         if kind is not None:
             return Verdict(kind, _describe(kind, ev), boot, (encode(ev), status_ev))
 
