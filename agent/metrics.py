@@ -261,9 +261,16 @@ class MetricsExporter:
         rename alone already guarantees a reader sees the old file or the new one, never a mix.
         """
         data = text.encode("utf-8", "replace")
+        # The textfile directory often belongs to node_exporter's user: a symlink or hard link
+        # planted at the temporary name must not make this root process write through it. So
+        # remove whatever is there and create the file afresh (O_EXCL never follows a link).
+        with contextlib.suppress(OSError):
+            os.unlink(self.tmp_path)
         try:
             fd = os.open(
-                self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE
+                self.tmp_path,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                FILE_MODE,
             )
         except FileNotFoundError:
             self.missing_dir += 1
@@ -277,7 +284,7 @@ class MetricsExporter:
                 while view:  # bounded: every pass writes at least one byte or raises
                     n = os.write(fd, view)
                     view = view[n:]
-                os.fchmod(fd, FILE_MODE)  # an old tmp file may carry another mode
+                os.fchmod(fd, FILE_MODE)  # the agent's umask must not hide it from node_exporter
             finally:
                 os.close(fd)
             os.replace(self.tmp_path, self.path)

@@ -376,3 +376,18 @@ def test_render_always_parses(rung: int, lat: int, verdict: Verdict, dns: str,
             continue  # unprintable characters became "_" (and may collide: first one wins)
         got = val(s, "memory_bytes", gauge=k)
         assert (math.isnan(got) and math.isnan(v)) or got == v
+
+
+def test_a_link_planted_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:
+    # The textfile directory may belong to node_exporter's user; the agent runs as root.
+    agent, exp, _, path = make_agent(tmp_path, [result("ok", "ok")])
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.symlink(victim, exp.tmp_path)
+    agent.tick_once()
+    assert victim.read_text() == "precious\n"
+    assert val(read(path), "ticks_total") == 1 and exp.errors == 0
+    os.link(victim, exp.tmp_path)  # a hard link: unlinked, not truncated
+    agent.tick_once()
+    assert victim.read_text() == "precious\n"
+    assert val(read(path), "ticks_total") == 2
