@@ -112,6 +112,13 @@ def _crc(body: bytes) -> str:
 
 def encode(ev: Event) -> str:
     """Encode one event as a line (without the newline). Raises ProtocolError on bad input."""
+    line = _encode_any_length(ev)
+    if len(line) > MAX_LINE:
+        raise ProtocolError(f"line is {len(line)} bytes, limit {MAX_LINE}")
+    return line
+
+
+def _encode_any_length(ev: Event) -> str:
     if not _KEY_RE.match(ev.event):
         raise ProtocolError(f"bad event name {ev.event!r}")
     if not _BOOT_RE.match(ev.boot):
@@ -133,10 +140,7 @@ def encode(ev: Event) -> str:
         parts.append("|")
         parts.append(ev.text)
     body = " ".join(parts)
-    line = f"{body} #{_crc(body.encode())}"
-    if len(line) > MAX_LINE:
-        raise ProtocolError(f"line is {len(line)} bytes, limit {MAX_LINE}")
-    return line
+    return f"{body} #{_crc(body.encode())}"
 
 
 def make_event(
@@ -147,17 +151,28 @@ def make_event(
     fields: Mapping[str, object] | Iterable[tuple[str, object]] = (),
     text: str = "",
 ) -> Event:
-    """Build an event, sanitizing values and text; drops the text if the line would be too long."""
+    """Build an event, sanitizing values and text.
+
+    If the line would be too long, the text is dropped; if the fields alone are still too long,
+    the longest values are cut short until it fits. Values often come from files or exception
+    names the writer does not control, and a shortened value beats a lost line (or a writer
+    killed by the raise). Bad names and keys still raise: those are bugs.
+    """
     items = fields.items() if isinstance(fields, Mapping) else fields
-    clean = tuple((k, sanitize_value(v)) for k, v in items)
-    ev = Event(event, boot, seq, ts_ms, clean, sanitize_text(text))
-    try:
-        encode(ev)
-    except ProtocolError:
-        if not ev.text:
-            raise
-        ev = Event(event, boot, seq, ts_ms, clean, "")
-        encode(ev)
+    clean = [(k, sanitize_value(v)) for k, v in items]
+    ev = Event(event, boot, seq, ts_ms, tuple(clean), sanitize_text(text))
+    over = len(_encode_any_length(ev)) - MAX_LINE
+    if over > 0 and ev.text:
+        ev = Event(event, boot, seq, ts_ms, ev.fields, "")
+        over = len(_encode_any_length(ev)) - MAX_LINE
+    if over > 0:
+        for _ in range(over):  # one byte off the longest value per pass (short ones stay whole)
+            i = max(range(len(clean)), key=lambda j: len(clean[j][1]), default=-1)
+            if i < 0 or len(clean[i][1]) <= 1:
+                break
+            clean[i] = (clean[i][0], clean[i][1][:-1])
+        ev = Event(event, boot, seq, ts_ms, tuple(clean), "")
+        encode(ev)  # still too long (far too many fields): a bug in the caller, raise
     return ev
 
 

@@ -199,3 +199,18 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
     hb = next(e for e in evs if e.event == "heartbeat")
     assert hb.get("ph") == "unknown" and hb.get("rung") == "0/3"
     assert os.path.exists(tmp_path / "state" / "ladder.json")
+
+
+def test_long_phase_and_exception_names_never_crash_the_tick(tmp_path: Path) -> None:
+    # The phase comes from a file anyone with root may write; a probe's reason can carry an
+    # exception class name. Together they can exceed the 200-byte line: the tick must still
+    # be written (values shortened), never raise out of the loop.
+    (tmp_path / "phase").write_text("p" * 80 + "\n")
+    reason = "internal_" + "VeryLongExceptionName" * 3
+    agent, sink, _, _ = make(tmp_path, [result("unknown", "unknown", reason)] * 3)
+    agent.d.phase = lambda: (tmp_path / "phase").read_text().strip()
+    agent.run(threading.Event(), max_ticks=3)
+    evs = events(sink)
+    assert [e.event for e in evs] == ["start", "tick", "tick", "tick", "stop"]
+    assert all(len(x) <= 200 for x in sink.lines)
+    assert evs[1].get("rung") == "0/10"

@@ -162,3 +162,16 @@ def test_dedup_memory_is_bounded_over_a_long_run() -> None:
     late_copy = encode(ev(seq=5, text="")).encode() + b"\n"
     recent_copy = encode(ev(seq=n - 3, text="")).encode() + b"\n"
     assert d.feed(late_copy + recent_copy) == [] and d.stats.duplicates == 2
+
+
+def test_make_event_shortens_the_longest_values_when_the_fields_alone_do_not_fit() -> None:
+    fields = {"rung": "3/10", "md": "m" * 64, "eg": "e" * 64, "ph": "p" * 64}
+    e = protocol.make_event("tick", "3f2a9c1e", 10**9, 0, fields, "text")
+    line = encode(e)
+    assert len(line) == protocol.MAX_LINE and e.text == ""
+    assert e.get("rung") == "3/10"  # the short, structured value is kept whole
+    assert decode_line(line) == e
+    with pytest.raises(ProtocolError):  # a bad key is a bug: still loud
+        protocol.make_event("tick", "3f2a9c1e", 1, 0, {"Bad": "v" * 64, "md": "m" * 200})
+    with pytest.raises(ProtocolError):  # far too many fields even at one byte each
+        protocol.make_event("tick", "3f2a9c1e", 1, 0, {f"key{i}": "v" for i in range(40)})
