@@ -31,7 +31,6 @@ from typing import Any, Protocol
 
 from agent import config as cfgmod
 from agent.metawatch import InstanceInfo, load_instance_cache
-from agent.protocol import ProtocolError
 from agent.serial import Emitter
 
 # Waits between API attempts: 1 s doubling, capped at 4 s, with jitter (the step has 30 s in all).
@@ -379,12 +378,8 @@ class ActionChain:
     def _line(
         self, res: ChainResult, step: str, status: str, fields: Mapping[str, object], text: str = ""
     ) -> None:
-        try:
-            self.emitter.emit("action", {"step": step, "status": status, **fields}, text, sync=True)
-        except ProtocolError:
-            # Over the 200-byte line limit even without the text (a very long instance name):
-            # the step and its status are what matter.
-            self.emitter.emit("action", {"step": step, "status": status}, sync=True)
+        # A very long instance name is shortened by make_event, never refused.
+        self.emitter.emit("action", {"step": step, "status": status, **fields}, text, sync=True)
         if status != "start":
             res.steps.append(StepOutcome(step, status, text))
 
