@@ -137,7 +137,12 @@ def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> P
         return done(Verdict.UNKNOWN, f"internal_{type(e).__name__}")
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2) if lines and lines[0] else []
-    if not sep or len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+    if (
+        not sep
+        or len(parts) < 2
+        or not parts[0].startswith(b"HTTP/")
+        or not (len(parts[1]) == 3 and parts[1].isdigit())  # int() refuses > 4300 digits
+    ):
         return done(Verdict.FAIL, "bad_response" if buf else "closed")
     status = int(parts[1])
     if status != 200:
@@ -425,23 +430,35 @@ class Prober:
                 fm: Future[ProbeResult] = self._pool.submit(self._metadata)
                 fe: Future[tuple[ProbeResult, str]] = self._pool.submit(self._egress)
             except RuntimeError as e:  # cannot start a thread (memory pressure): unknown
-                r = ProbeResult(Verdict.UNKNOWN, f"internal_{type(e).__name__}", 0)
+                r = _internal(e)
                 return TickResult(r, r, "-")
-            md = _result(fm, cap, lambda: ProbeResult(Verdict.FAIL, "deadline", int(cap * 1000)))
-            eg = _result(
-                fe, cap, lambda: (ProbeResult(Verdict.FAIL, "deadline", int(cap * 1000)), "-")
-            )
+            late = ProbeResult(Verdict.FAIL, "deadline", int(cap * 1000))
+            md = _result(fm, cap, lambda: late, _internal)
+            eg = _result(fe, cap, lambda: (late, "-"), lambda e: (_internal(e), "-"))
         return TickResult(md, eg[0], eg[1])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _result(f: Future[Any], timeout: float, on_timeout: Callable[[], Any]) -> Any:
+def _internal(e: BaseException) -> ProbeResult:
+    return ProbeResult(Verdict.UNKNOWN, f"internal_{type(e).__name__}", 0)
+
+
+def _result(
+    f: Future[Any],
+    timeout: float,
+    on_timeout: Callable[[], Any],
+    on_error: Callable[[Exception], Any],
+) -> Any:
     try:
         return f.result(timeout=timeout)
     except FutureTimeout:
+        # Still queued behind a stuck worker: drop it, or every tick would add to the backlog.
+        f.cancel()
         return on_timeout()
+    except Exception as e:  # a probe that broke its "never raises" contract must not stop ticks
+        return on_error(e)
 
 
 def build_prober(cfg: Any, clock: Clock = time.monotonic) -> Prober:

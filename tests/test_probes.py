@@ -166,3 +166,45 @@ def test_resolver_reads_resolv_conf(tmp_path: Path) -> None:
     assert r._targets() == [("169.254.169.254", 53), ("192.0.2.53", 53)]
     with pytest.raises(OSError, match="no nameserver"):
         DnsPythonResolver(resolv_conf=str(tmp_path / "missing")).resolve("a.test", 0.1)
+
+
+def test_metadata_absurd_status_line_is_a_failure_not_an_exception() -> None:
+    # int() refuses more than 4300 digits: a status line like this must not escape the probe.
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def answer() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 " + b"9" * 5000 + b" OK\r\nMetadata-Flavor: Google\r\n\r\n")
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        r = probe_metadata(f"http://127.0.0.1:{srv.getsockname()[1]}/", 2.0)
+    finally:
+        t.join(2.0)
+        srv.close()
+    assert (r.verdict, r.reason) == (Verdict.FAIL, "bad_response")
+
+
+def test_tick_turns_a_raising_probe_into_unknown() -> None:
+    from agent.probes import ProbeResult
+
+    def boom() -> ProbeResult:
+        raise KeyError("a bug in a probe")
+
+    def eg() -> tuple[ProbeResult, str]:
+        return ProbeResult(Verdict.OK, "ok", 1), "ok"
+
+    p = Prober(boom, eg, timeout=0.5)
+    try:
+        r = p.tick()
+    finally:
+        p.close()
+    assert (r.metadata.verdict, r.metadata.reason) == (Verdict.UNKNOWN, "internal_KeyError")
+    assert r.egress.verdict is Verdict.OK
