@@ -97,7 +97,18 @@ def main(argv):
         sys.stderr.write("emit: seq file unusable (%s), numbering from 0\n" % e)
     ms = int(time.time() * 1000)
     ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + ".%03dZ" % (ms % 1000)
-    body = " ".join(["GCEWD1", boot, str(seq), ts, event] + fields)
+    head = " ".join(["GCEWD1", boot, str(seq), ts, event])
+    # Fields alone too long for 200 bytes (a long host and file name): shorten the longest value,
+    # as a reader would reject the whole line otherwise. Every pass makes the line shorter.
+    while fields and len(" ".join([head] + fields)) + len(" #00000000") > 200:
+        i = max(range(len(fields)), key=lambda j: len(fields[j]))
+        k, _, v = fields[i].partition("=")
+        over = len(" ".join([head] + fields)) + len(" #00000000") - 200
+        if len(v) > 1:
+            fields[i] = k + "=" + v[: max(1, len(v) - over)]
+        else:
+            del fields[i]
+    body = " ".join([head] + fields)
     room = 200 - len(body) - len(" | ") - len(" #00000000")
     if len(text) > room:
         text = text[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""

@@ -418,3 +418,16 @@ def test_unit_step_runs_gce_watchdog_install_when_systemd_runs(vm: Vm) -> None:
     unit = next(e for e in vm.events() if e.get("step") == "unit")
     assert unit.get("st") == "ok", p.stderr
     assert (vm.root / "etc/systemd/system/gce-watchdog.service").is_file()
+
+
+def test_script_emitter_keeps_a_line_with_long_fields_within_the_limit(vm: Vm) -> None:
+    # download()'s outcome line with a 40-character host and a long wheel file name: the fields
+    # alone are over 200 bytes, and a reader rejects an over-long line as a whole.
+    fields = ["out=gave_up", "att=123", "host=" + "h" * 40, "dst=" + "d" * 64, "rc=75",
+              "dur=600", "supp=10"]
+    assert vm.run("emit", "fetch", *fields, "--", "gave up").returncode == 0
+    raw = vm.serial.read_bytes()
+    assert len(raw.rstrip(b"\n")) <= protocol.MAX_LINE
+    (ev,) = vm.events()
+    assert [k for k, _ in ev.fields] == ["out", "att", "host", "dst", "rc", "dur", "supp"]
+    assert ev.get("out") == "gave_up" and ev.get("rc") == "75"
