@@ -88,6 +88,10 @@ def render_unit(text: str, exec_path: str, config_path: str, cfg: cfgmod.Config)
         if line.startswith("ExecStart="):
             line = cmd
         elif line == "DeviceAllow=/dev/ttyS0 rw" and cfg.serial.device.startswith("/dev/"):
+            if not _SAFE_PATH.match(cfg.serial.device):  # a newline would add unit lines
+                raise InstallError(
+                    f"serial.device {cfg.serial.device!r} must be a plain absolute path"
+                )
             line = f"DeviceAllow={cfg.serial.device} rw"
         elif line.startswith("ReadWritePaths="):
             out.append(line)

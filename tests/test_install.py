@@ -216,3 +216,13 @@ def test_default_exec_is_this_environments_console_script() -> None:
     assert exe.endswith("/gce-watchdog")
     if Path(sys.executable).parent.joinpath("gce-watchdog").is_file():
         assert Path(exe).parent == Path(sys.executable).parent
+
+
+def test_a_serial_device_that_would_add_unit_lines_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / CONFIG
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('[serial]\ndevice = "/dev/ttyS1 rw\\nExecStartPre=/bin/sh -c id"\n')
+    with pytest.raises(InstallError) as e:
+        install(opts(tmp_path), out=quiet)
+    assert "serial.device" in str(e.value)
+    assert not (tmp_path / UNIT_PATH).exists()
