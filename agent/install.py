@@ -106,9 +106,8 @@ def extra_writable(cfg: cfgmod.Config) -> list[str]:
     """Directories the config writes that the unit's StateDirectory= etc. do not already cover."""
     covered = ("/var/lib/gce-watchdog", "/run/gce-watchdog", "/var/log/gce-watchdog")
     dirs = [cfg.agent.state_dir, cfg.agent.run_dir, str(Path(cfg.serial.fallback_file).parent)]
-    metrics = getattr(cfg, "metrics", None)
-    if metrics is not None and metrics.directory != "/var/lib/prometheus/node-exporter":
-        dirs.append(metrics.directory)
+    if cfg.metrics.directory != "/var/lib/prometheus/node-exporter":  # already in the unit
+        dirs.append(cfg.metrics.directory)
     out: list[str] = []
     for d in dirs:
         d = d.rstrip("/") or "/"
