@@ -68,6 +68,14 @@ def _open_port(path: str) -> tuple[int, bool]:
     return os.open(path, flags | os.O_CREAT, 0o640), False
 
 
+class _Waiter:
+    """A sync caller's ticket: set by the writer once the line was written or failed."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.ok = False
+
+
 class SerialPort:
     """Threaded writer to a serial device, falling back to a file when the device is unusable."""
 
@@ -81,7 +89,7 @@ class SerialPort:
         self.device = device
         self.fallback = fallback
         self.sync_timeout = sync_timeout
-        self._q: queue.Queue[tuple[bytes | None, threading.Event | None]] = queue.Queue(
+        self._q: queue.Queue[tuple[bytes | None, _Waiter | None]] = queue.Queue(
             maxsize=queue_size
         )
         self._dropped = 0
@@ -121,16 +129,16 @@ class SerialPort:
 
     def write_line(self, line: str, sync: bool = False) -> bool:
         data = (line + "\n").encode("ascii", "replace")
-        done = threading.Event() if sync else None
+        waiter = _Waiter() if sync else None
         try:
-            self._q.put_nowait((data, done))
+            self._q.put_nowait((data, waiter))
         except queue.Full:
             with self._lock:
                 self._dropped += 1
             return False
-        if done is None:
+        if waiter is None:
             return True
-        return done.wait(self.sync_timeout)
+        return waiter.done.wait(self.sync_timeout) and waiter.ok
 
     def close(self, timeout: float = 2.0) -> None:
         """Flush what is queued (bounded wait), stop the writer, close the port."""
@@ -146,15 +154,16 @@ class SerialPort:
 
     def _run(self) -> None:
         while True:
-            data, done = self._q.get()
+            data, waiter = self._q.get()
             if data is None:  # close() asked us to stop
                 return
             ok = self._write(data)
             if not ok:
                 with self._lock:
                     self._failed_writes += 1
-            if done is not None and ok:
-                done.set()
+            if waiter is not None:  # a failed write answers at once: no waiting out the timeout
+                waiter.ok = ok
+                waiter.done.set()
 
     def _write(self, data: bytes) -> bool:
         # os.write retries EINTR itself (PEP 475); a short write on a tty is finished in a loop.

@@ -107,3 +107,12 @@ def test_dropped_count_is_reported_in_later_lines(tmp_path: Path) -> None:
         port.close(timeout=0.2)
         os.close(master)
         os.close(slave)
+
+
+def test_a_failed_write_answers_a_sync_caller_at_once() -> None:
+    # /dev/full refuses every write (ENOSPC): the caller learns it now, not after sync_timeout.
+    with SerialPort("/dev/full", sync_timeout=30.0) as port:
+        t0 = time.monotonic()
+        assert port.write_line("x", sync=True) is False
+        assert time.monotonic() - t0 < 5.0
+        assert port.dropped == 1
