@@ -63,7 +63,7 @@ def read_local(cfg: cfgmod.Config) -> LocalDisarm | str | None:
         return f"{p} is not valid JSON"
     try:
         set_at, until = float(raw["set_at"]), float(raw["until"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # Overflow: an int float() can't hold
         return f"{p} lacks set_at/until"
     return LocalDisarm(set_at, until, str(raw.get("reason", "")), str(raw.get("by", "")))
 

@@ -67,7 +67,13 @@ def test_a_disarm_from_the_future_is_not_trusted(tmp_path: Path) -> None:
     assert disarm_status(cfg, T0, False) == (True, "expired")
 
 
-@pytest.mark.parametrize("content", ["", "{", "[]", '{"until": "soon"}', '{"set_at": 1}'])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "", "{", "[]", '{"until": "soon"}', '{"set_at": 1}',
+        '{"set_at": 1%s, "until": 1}' % ("0" * 400),  # an int float() cannot hold
+    ],
+)
 def test_a_bad_file_never_disarms(tmp_path: Path, content: str) -> None:
     cfg = cfg_for(tmp_path)
     disarm_path(cfg).write_text(content)
