@@ -79,7 +79,7 @@ class LadderStore:
             return LadderState()
         try:
             rung = int(raw.get("rung", 0))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # Overflow: int(Infinity)
             return LadderState()
         # A lowered threshold since the last run: clamp, the ladder refuses rungs above it.
         return LadderState(

@@ -115,6 +115,10 @@ def test_restart_continues_the_ladder_within_a_boot(tmp_path: Path) -> None:
 def test_corrupt_state_file_starts_at_zero(tmp_path: Path) -> None:
     (tmp_path / "ladder.json").write_text("{not json")
     assert LadderStore(tmp_path / "ladder.json", "b1").load(10).rung == 0
+    # JSON that parses but whose rung int() refuses (Infinity, NaN): also 0, never an exception
+    for rung in ("Infinity", "NaN", '"3.5"'):
+        (tmp_path / "ladder.json").write_text(f'{{"boot_id": "b1", "rung": {rung}}}')
+        assert LadderStore(tmp_path / "ladder.json", "b1").load(10).rung == 0
 
 
 def test_boot_grace_reports_but_does_not_climb(tmp_path: Path) -> None:
