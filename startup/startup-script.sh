@@ -215,6 +215,10 @@ on_error() { # an unexpected failure under set -e
 }
 
 # ---- network helpers ---------------------------------------------------------------------------
+# A URL as logs and serial lines show it: without its query, which may hold a credential (a signed
+# URL's signature). The serial console is readable by anyone allowed getSerialPortOutput.
+shown_url() { printf '%s\n' "${1%%\?*}"; }
+
 url_host() { # URL -> host (brackets of an IPv6 literal removed)
 	local re='^[a-zA-Z][a-zA-Z0-9+.-]*://(\[([^]]+)\]|([^/:?#]+))'
 	[[ $1 =~ $re ]] || return 1
@@ -258,10 +262,11 @@ FETCH_REASON=""
 # 0 ok, 69 refused (HTTP 4xx), 65 checksum mismatch, 75 gave up at the deadline.
 download() {
 	local url=$1 out=$2 sha=${3:-} host t0=$SECONDS end att=0 rc code left last_line=-1 supp=0
-	local err="" part="$2.part.$$" wait
+	local err="" part="$2.part.$$" wait shown
 	end=$((SECONDS + DOWNLOAD_DEADLINE))
+	shown=$(shown_url "$url")
 	host=$(url_host "$url") || {
-		FETCH_RC=64 FETCH_REASON="not a URL: $url"
+		FETCH_RC=64 FETCH_REASON="not a URL: $shown"
 		return 1
 	}
 	mkdir -p "$(dirname "$out")"
@@ -285,23 +290,23 @@ download() {
 			if ((rc == 0)) && [[ $code == 2* ]]; then
 				if [[ -n $sha ]] && ! echo "${sha,,}  $part" | sha256sum -c --status -; then
 					rm -f "$part"
-					FETCH_RC=65 FETCH_REASON="sha256 mismatch for $url"
+					FETCH_RC=65 FETCH_REASON="sha256 mismatch for $shown"
 					break
 				fi
 				mv -f "$part" "$out"
-				FETCH_RC=0 FETCH_REASON="$url in $((SECONDS - t0))s after $att attempt(s)"
+				FETCH_RC=0 FETCH_REASON="$shown in $((SECONDS - t0))s after $att attempt(s)"
 				break
 			fi
 			rm -f "$part"
 			if ((rc == 0)) && [[ $code == 4* && $code != 408 && $code != 429 ]]; then
-				FETCH_RC=69 FETCH_REASON="HTTP $code for $url"
+				FETCH_RC=69 FETCH_REASON="HTTP $code for $shown"
 				break
 			fi
 			err="curl rc=$rc http=$code"
 		fi
 		left=$((end - SECONDS))
 		wait=$(backoff "$att" "$left")
-		log "download $url: attempt $att failed ($err); retrying in ${wait}s"
+		log "download $shown: attempt $att failed ($err); retrying in ${wait}s"
 		if ((last_line < 0 || SECONDS - last_line >= SERIAL_EVERY)); then
 			emit fetch out=retry "att=$att" "host=${host:0:40}" "err=${err%%:*}" \
 				"wait=$((wait * 1000))ms" "supp=$supp" -- "$err"
@@ -363,15 +368,16 @@ PY
 # ---- steps -------------------------------------------------------------------------------------
 install_agent() {
 	STEP=install
-	local t0=$SECONDS src file
+	local t0=$SECONDS src file shown
 	local -a how
 	src="${WHEEL_URL:-index:${PIP_SPEC}}"
+	shown=$(shown_url "$src")
 	if have_agent && [[ -f $PREFIX/.baked ]]; then
 		step_done install ok "$t0" "baked into the image at $PREFIX"
 		return 0
 	fi
 	if have_agent && [[ -f $PREFIX/.installed-from && "$(<"$PREFIX/.installed-from")" == "$src" ]]; then
-		step_done install ok "$t0" "already installed from $src"
+		step_done install ok "$t0" "already installed from $shown"
 		return 0
 	fi
 	rm -f "$PREFIX/.installed-from"
@@ -395,7 +401,7 @@ install_agent() {
 			;;
 		*) fail install "gce-watchdog-wheel-url must end in .whl, .tar.gz, .tgz or .tar" 64 ;;
 		esac
-		"${pip[@]}" "${how[@]}" >&2 || fail install "pip install from $WHEEL_URL failed" $?
+		"${pip[@]}" "${how[@]}" >&2 || fail install "pip install from $shown failed" $?
 	else
 		# From the package index: pip retries each request itself; this loop waits out DNS.
 		local end=$((SECONDS + DOWNLOAD_DEADLINE)) att=0 rc=1
@@ -411,7 +417,7 @@ install_agent() {
 	fi
 	have_agent || fail install "$AGENT does not run after the install" 1
 	printf '%s' "$src" >"$PREFIX/.installed-from"
-	step_done install ok "$t0" "installed from $src"
+	step_done install ok "$t0" "installed from $shown"
 }
 
 install_unit() {
@@ -441,7 +447,8 @@ run_steps() { # DIR LABEL: every argv file in DIR, in order, as a bootstrap step
 		name="$label$(basename "$f")"
 		STEP="bootstrap:$name"
 		t0=$SECONDS
-		log "bootstrap step $name: ${argv[*]}"
+		# The program only: arguments may carry credentials, and this goes to the console.
+		log "bootstrap step $name: $(basename -- "${argv[0]}")"
 		rc=0
 		timeout "$STEP_TIMEOUT" "${argv[@]}" >&2 9>&- || rc=$?
 		if ((rc == 124)); then

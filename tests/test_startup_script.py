@@ -431,3 +431,28 @@ def test_script_emitter_keeps_a_line_with_long_fields_within_the_limit(vm: Vm) -
     (ev,) = vm.events()
     assert [k for k, _ in ev.fields] == ["out", "att", "host", "dst", "rc", "dur", "supp"]
     assert ev.get("out") == "gave_up" and ev.get("rc") == "75"
+
+
+def test_credentials_in_urls_and_step_arguments_stay_off_the_console(
+    vm: Vm, tmp_path: Path
+) -> None:
+    # The runner copies the script's stderr to the serial console, readable by anyone allowed
+    # getSerialPortOutput: a signed URL's signature or a token argument must not show there.
+    vm.bake()
+    vm.mds.set_attribute(
+        "gce-watchdog-bootstrap", json.dumps([[PY, "-c", "pass", "--token", "s3cr3t-arg"]])
+    )
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    assert "s3cr3t" not in p.stderr and b"s3cr3t" not in vm.serial.read_bytes()
+    # Not baked: install from a (missing) signed URL.
+    (vm.root / "opt/gce-watchdog/.baked").unlink()
+    with StaticFileServer(tmp_path) as files:
+        vm.mds.set_attribute(
+            "gce-watchdog-wheel-url", f"{files.base}/missing.whl?X-Goog-Signature=s3cr3t-sig"
+        )
+        p = vm.run()
+    assert p.returncode == 69, p.stderr
+    assert "missing.whl" in p.stderr
+    assert "s3cr3t" not in p.stderr and b"s3cr3t" not in vm.serial.read_bytes()
