@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +35,23 @@ def short_boot(boot_id: str) -> str:
 def atomic_write(path: str | Path, data: bytes, mode: int = 0o644) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    # Per thread, not only per process: a probe thread that outlived its tick may write the same
+    # file as the next tick's.
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, p)
+        try:
+            view = memoryview(data)
+            while view:  # a short write must not become a short file
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     with contextlib.suppress(OSError):
         dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:

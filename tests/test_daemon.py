@@ -15,6 +15,7 @@ from fakes import FakeClock, FakeNotifier, ScriptedProber, result
 
 from agent import config as cfgmod
 from agent.daemon import Agent, Deps, LadderStore
+from agent.ladder import LadderState
 from agent.protocol import decode_all
 from agent.serial import Emitter, MemorySink
 from agent.simgce import SimGCE
@@ -218,3 +219,9 @@ def test_long_phase_and_exception_names_never_crash_the_tick(tmp_path: Path) -> 
     assert [e.event for e in evs] == ["start", "tick", "tick", "tick", "stop"]
     assert all(len(x) <= 200 for x in sink.lines)
     assert evs[1].get("rung") == "0/10"
+
+
+def test_a_failed_state_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    (tmp_path / "ladder.json").mkdir()  # os.replace onto a directory fails
+    assert LadderStore(tmp_path / "ladder.json", "b1").save(LadderState(rung=3)) is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder.json"]
