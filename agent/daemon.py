@@ -26,7 +26,7 @@ from agent import config as cfgmod
 from agent.ladder import LadderState, Observation, Verdict
 from agent.probes import ProbeResult, TickResult
 from agent.serial import Emitter
-from agent.state import read_boot_id, read_json, read_phase, write_json
+from agent.state import atomic_write, read_boot_id, read_json, read_phase, write_json
 
 EX_TEMPFAIL = 75  # another agent holds the lock: try again later
 
@@ -336,8 +336,6 @@ class InstanceIdCache:
         if r.detail.isdigit() and r.detail != self.value:
             self.value = r.detail
             with contextlib.suppress(OSError):
-                from agent.state import atomic_write
-
                 atomic_write(self.path, (r.detail + "\n").encode())
 
 
