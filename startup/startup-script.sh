@@ -553,6 +553,11 @@ main() {
 	trap - ERR
 	# From here on the job runs: its failure is an `exit` line (the job's result), not setup_failed.
 	"$AGENT" exec "${CFG_ARGS[@]}" -- "${WORKLOAD[@]}" 9>&- || rc=$?
+	# exec records phase `workload` before it starts the job. If it is not there, exec refused to
+	# run (bad config, usage): the job never ran, so this is a setup failure, never `done`.
+	if [[ "$(cat "$STATE_DIR/phase" 2>/dev/null)" != workload ]]; then
+		fail workload "gce-watchdog exec did not start the workload (rc=$rc)" "$((rc ? rc : 1))"
+	fi
 	phase "done"
 	case "${DONE_ACTION:-none}" in
 	none) ;;

@@ -243,6 +243,23 @@ def test_failed_workload_is_an_exit_line_not_setup_failed(vm: Vm) -> None:
     assert vm.actions == []
 
 
+def test_exec_that_never_starts_the_workload_is_setup_failed_not_done(vm: Vm) -> None:
+    vm.bake()
+    marker = vm.root / "ran"
+    vm.mds.set_attribute(
+        "gce-watchdog-workload", json.dumps([PY, "-c", f"open({str(marker)!r}, 'w')"])
+    )
+    cfg = vm.root / "etc/gce-watchdog/config.toml"
+    cfg.write_text(cfg.read_text() + "\n[agent]\nthreshold = 0\n")  # exec refuses: exit 78
+    p = vm.run()
+    assert p.returncode == 78, p.stderr
+    assert not marker.exists()  # the job never ran
+    evs = vm.events()
+    sf = [e for e in evs if e.event == "setup_failed"]
+    assert len(sf) == 1 and sf[0].get("step") == "workload" and sf[0].get("rc") == "78"
+    assert "done" not in _phases(evs) and not [e for e in evs if e.event == "exit"]
+
+
 def test_no_workload_attribute_stops_after_bootstrap(vm: Vm) -> None:
     vm.bake()
     p = vm.run()
