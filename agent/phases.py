@@ -52,9 +52,17 @@ class _Confirming:
     sink: LineSink
     last_ok: bool = True
 
+    def submit(self, line: str, sync: bool = False) -> Callable[[], bool]:
+        waiter = self.sink.submit(line, sync=sync)
+
+        def wait() -> bool:
+            self.last_ok = waiter()
+            return self.last_ok
+
+        return wait
+
     def write_line(self, line: str, sync: bool = False) -> bool:
-        self.last_ok = self.sink.write_line(line, sync=sync)
-        return self.last_ok
+        return self.submit(line, sync)()
 
     @property
     def dropped(self) -> int:

@@ -28,9 +28,18 @@ from typing import Protocol
 from agent import protocol
 from agent.state import SeqAllocator
 
+Waiter = Callable[[], bool]
+
 
 class LineSink(Protocol):
-    """Where encoded lines go. Tests use :class:`MemorySink` or a real file/pty port."""
+    """Where encoded lines go. Tests use :class:`MemorySink` or a real file/pty port.
+
+    ``submit`` queues a line at once and returns a waiter that reports (for a sync line: after a
+    bounded wait for the drain) whether it was written; the emitter numbers and submits lines
+    under one lock, then waits outside it, so lines reach the port in sequence order.
+    """
+
+    def submit(self, line: str, sync: bool = False) -> Waiter: ...
 
     def write_line(self, line: str, sync: bool = False) -> bool: ...
 
@@ -45,9 +54,12 @@ class MemorySink:
     lines: list[str] = field(default_factory=list)
     dropped: int = 0
 
-    def write_line(self, line: str, sync: bool = False) -> bool:
+    def submit(self, line: str, sync: bool = False) -> Waiter:
         self.lines.append(line)
-        return True
+        return lambda: True
+
+    def write_line(self, line: str, sync: bool = False) -> bool:
+        return self.submit(line, sync)()
 
 
 def _open_port(path: str) -> tuple[int, bool]:
@@ -127,7 +139,7 @@ class SerialPort:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def write_line(self, line: str, sync: bool = False) -> bool:
+    def submit(self, line: str, sync: bool = False) -> Waiter:
         data = (line + "\n").encode("ascii", "replace")
         waiter = _Waiter() if sync else None
         try:
@@ -135,10 +147,14 @@ class SerialPort:
         except queue.Full:
             with self._lock:
                 self._dropped += 1
-            return False
+            return lambda: False
         if waiter is None:
-            return True
-        return waiter.done.wait(self.sync_timeout) and waiter.ok
+            return lambda: True
+        w, timeout = waiter, self.sync_timeout
+        return lambda: w.done.wait(timeout) and w.ok
+
+    def write_line(self, line: str, sync: bool = False) -> bool:
+        return self.submit(line, sync)()
 
     def close(self, timeout: float = 2.0) -> None:
         """Flush what is queued (bounded wait), stop the writer, close the port."""
@@ -200,6 +216,7 @@ class Emitter:
         self.boot = boot
         self.wall = wall
         self.log = log
+        self._order = threading.Lock()
         self.written: list[protocol.Event] = []  # last few events, for `check` and tests
         self._keep = 64
 
@@ -210,11 +227,14 @@ class Emitter:
         text: str = "",
         sync: bool = False,
     ) -> protocol.Event:
-        ev = protocol.make_event(
-            event, self.boot, self.seq.next(), int(self.wall() * 1000), fields, text
-        )
-        line = protocol.encode(ev)
-        ok = self.sink.write_line(line, sync=sync)
+        # Number and queue under one lock (threads of one process reach the port in seq order);
+        # wait for a sync line's drain outside it, so no other thread waits on our drain.
+        with self._order:
+            ev = protocol.make_event(
+                event, self.boot, self.seq.next(), int(self.wall() * 1000), fields, text
+            )
+            waiter = self.sink.submit(protocol.encode(ev), sync=sync)
+        ok = waiter()
         self.written.append(ev)
         del self.written[: -self._keep]
         if self.log is not None:

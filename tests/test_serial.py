@@ -116,3 +116,22 @@ def test_a_failed_write_answers_a_sync_caller_at_once() -> None:
         assert port.write_line("x", sync=True) is False
         assert time.monotonic() - t0 < 5.0
         assert port.dropped == 1
+
+
+def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> None:
+    f = tmp_path / "ttyS0"
+    with SerialPort(str(f), queue_size=4096) as port:
+        em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+
+        def burst(k: int) -> None:
+            for i in range(200):
+                em.emit("heartbeat", {"t": k, "i": i})
+
+        threads = [threading.Thread(target=burst, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        em.emit("stop", sync=True)
+    raw = [int(line.split(" ")[2]) for line in f.read_text().splitlines()]
+    assert raw == list(range(801))  # on the port itself, not only after decoding
