@@ -307,3 +307,20 @@ def test_spot_vm_terminated_without_a_line_is_preempted(
     out = make_poller(api, sleeps, tmp_path, w.ts_ms / 1000).poll("spot-1")
     assert out.verdict is not None and out.verdict.kind is VerdictKind.PREEMPTED
     assert out.action == "failover"
+
+
+def test_an_off_vm_whose_serial_port_cannot_be_read_still_gets_its_verdict(
+    api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
+) -> None:
+    # GCE answers getSerialPortOutput with errors once the VM is off; the verdict must then come
+    # from what was read while it ran, not turn into an endless "error" with no decision.
+    api.add_instance("spot-2", project=P, zone=Z, spot=True, status="RUNNING")
+    w = Writer()
+    api.append_serial("spot-2", w.line("phase", {"ph": "workload"}))
+    p = make_poller(api, sleeps, tmp_path, w.ts_ms / 1000)
+    assert p.poll("spot-2").verdict.kind is VerdictKind.HEALTHY  # type: ignore[union-attr]
+    api.set_status("spot-2", "TERMINATED")
+    api.set_fault("serial", Fault.SERVER_ERROR)
+    out = p.poll("spot-2")
+    assert out.verdict is not None and out.verdict.kind is VerdictKind.PREEMPTED
+    assert out.action == "failover" and out.error is None

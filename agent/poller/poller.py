@@ -123,13 +123,22 @@ class Poller:
         p, z = self.project, self.zone
         try:
             info = self.client.get_instance(p, z, name)
-            read = None
-            if info is not None:
-                read = self.reader.read(p, z, name, info.id)
         except AuthError:
             raise
         except ComputeAPIError as e:
             return PollOutcome(name, "", "", None, error=str(e))
+        read = None
+        if info is not None:
+            try:
+                read = self.reader.read(p, z, name, info.id)
+            except AuthError:
+                raise
+            except ComputeAPIError as e:
+                if info.status == "RUNNING":
+                    return PollOutcome(name, "", "", None, error=str(e))
+                # GCE serves serial output only while the instance runs: a VM that is off (or
+                # stopping) answers with an error, which means "no new bytes", not "no verdict".
+                # Decide on what was read while it ran (the linger exists for exactly this).
         cur = self.reader.cursor(p, z, name)
         tl = cur.timeline
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
