@@ -25,8 +25,16 @@ from agent import __version__, ladder
 from agent import config as cfgmod
 from agent.ladder import LadderState, Observation, Verdict
 from agent.probes import ProbeResult, TickResult
-from agent.serial import Emitter
-from agent.state import atomic_write, read_boot_id, read_json, read_phase, write_json
+from agent.serial import DiscardSink, Emitter, SerialPort
+from agent.state import (
+    SeqAllocator,
+    atomic_write,
+    read_boot_id,
+    read_json,
+    read_phase,
+    short_boot,
+    write_json,
+)
 
 EX_TEMPFAIL = 75  # another agent holds the lock: try again later
 
@@ -440,9 +448,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     if held:
         print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
         return EX_TEMPFAIL
-    emitter, port = make_emitter(cfg, log=log.info)
-    if port.open_error:
-        log.warning("serial_fallback", error=port.open_error, target=port.target)
+    port: SerialPort | None = None
+    try:
+        emitter, port = make_emitter(cfg, log=log.info)
+        if port.open_error:
+            log.warning("serial_fallback", error=port.open_error, target=port.target)
+    except OSError as e:
+        # No console at all: keep watching (the lines still reach the journal) rather than
+        # crash-loop and leave a wedged VM unguarded.
+        log.error(
+            "serial_unavailable",
+            error=str(e),
+            device=cfg.serial.device,
+            fallback=cfg.serial.fallback_file,
+        )
+        boot = short_boot(read_boot_id(cfg.agent.boot_id_path))
+        sink = DiscardSink()
+        emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=log.info)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -456,7 +478,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return agent.run(stop, max_ticks=args.max_ticks)
     finally:
         prober.close()
-        port.close()
+        if port is not None:
+            port.close()
 
 
 def cmd_check(args: argparse.Namespace) -> int:

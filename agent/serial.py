@@ -62,6 +62,22 @@ class MemorySink:
         return self.submit(line, sync)()
 
 
+@dataclass
+class DiscardSink:
+    """Where lines go when neither the serial device nor the fallback file can be opened: every
+    line is counted as dropped (and still mirrored to the journal by the emitter), so the agent
+    keeps protecting the VM instead of crash-looping over its console."""
+
+    dropped: int = 0
+
+    def submit(self, line: str, sync: bool = False) -> Waiter:
+        self.dropped += 1
+        return lambda: False
+
+    def write_line(self, line: str, sync: bool = False) -> bool:
+        return self.submit(line, sync)()
+
+
 def _open_port(path: str) -> tuple[int, bool]:
     """Open a tty or a regular file for appending; returns (fd, is_tty)."""
     flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC | os.O_APPEND

@@ -225,3 +225,22 @@ def test_a_failed_state_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     (tmp_path / "ladder.json").mkdir()  # os.replace onto a directory fails
     assert LadderStore(tmp_path / "ladder.json", "b1").save(LadderState(rung=3)) is False
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder.json"]
+
+
+def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
+    """Neither the serial device nor the fallback can be opened: the agent keeps ticking (and
+    deciding) with its lines in the journal only, instead of crash-looping."""
+    with SimGCE() as sim:
+        cfg = _config(tmp_path, sim)
+        text = cfg.read_text().replace(
+            f'device = "{tmp_path}/ttyS0"',
+            'device = "/proc/no-such-dir/ttyS0"\nfallback_file = "/proc/no-such-dir/serial.log"',
+        )
+        cfg.write_text(text)
+        r = subprocess.run(
+            [sys.executable, "-m", "agent", "run", "--config", str(cfg), "--max-ticks", "3"],
+            cwd=REPO, capture_output=True, text=True, timeout=60,
+        )
+    assert r.returncode == 0, r.stderr
+    assert "serial_unavailable" in r.stderr
+    assert "event='heartbeat'" in r.stderr and "event='stop'" in r.stderr
