@@ -255,6 +255,7 @@ class Agent:
             {
                 "v": __version__,
                 "inst": d.instance_id(),
+                "bootid": d.store.boot_id,  # the full kernel boot id (the header carries 8 hex)
                 "cfg": cfgmod.digest(cfg),
                 "pid": os.getpid(),
                 "rung": f"{self.state.rung}/{self.threshold}",

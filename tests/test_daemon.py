@@ -57,6 +57,7 @@ def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
     texts = [e.text for e in evs if e.event == "tick"]
     assert texts[:10] == [f"BOTH reachability probes FAILED ({i}/10)" for i in range(1, 11)]
     assert evs[0].event == "start" and evs[-1].event == "stop"
+    assert evs[0].get("bootid") == "b1" and evs[0].get("cfg") and evs[0].get("v")
     assert [e.seq for e in evs] == list(range(len(evs)))  # contiguous
 
 
