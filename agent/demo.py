@@ -50,7 +50,7 @@ def colour(e: Event) -> str:
 def show(e: Event, t0: float) -> None:
     fields = " ".join(f"{k}={v}" for k, v in e.fields if k not in ("v", "cfg", "pid"))
     text = f"  {DIM}| {e.text}{RESET}" if e.text else ""
-    dt = e.ts_ms / 1000 - t0
+    dt = max(e.ts_ms / 1000 - t0, 0.0)
     print(f"  {dt:6.1f}s  #{e.seq:<3} {colour(e)}{e.event:<10}{RESET} {fields}{text}", flush=True)
 
 
@@ -123,6 +123,11 @@ class Watch:
 
 
 def run_agent(cfg: Path, log: Path) -> subprocess.Popen[bytes]:
+    # The job's phase, as the start-up script records it; the agent's heartbeats carry it.
+    subprocess.run(
+        [sys.executable, "-m", "agent", "phase", "workload", "--config", str(cfg)],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
     with log.open("wb") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "agent", "run", "--config", str(cfg)], stderr=err
@@ -180,7 +185,19 @@ def scenario_recovery(d: Path) -> Path:
     return d / "ttyS0"
 
 
-def timeline(path: Path, title: str) -> None:
+def poller_verdict(path: Path, status: str) -> str:
+    """What the central poller would decide on this log (agent/poller, pure)."""
+    from agent.poller.timeline import parse_bytes
+    from agent.poller.verdict import InstanceState, Policy, decide
+
+    tl = parse_bytes(path.read_bytes())
+    now = max(e.ts_ms for e in tl.events) / 1000 if tl.events else time.time()
+    v = decide(tl.events, InstanceState(status), now, Policy())
+    action = "FAIL OVER (exactly once, via the ledger)" if v.failover else "no failover"
+    return f"{v.kind.value}: {action}; {v.reason}"
+
+
+def timeline(path: Path, title: str, status: str) -> None:
     events, stats = decode_all(path.read_bytes())
     say(f"Timeline decoded from {title}'s serial log ({path})")
     t0 = events[0].ts_ms / 1000 if events else 0.0
@@ -199,6 +216,7 @@ def timeline(path: Path, title: str) -> None:
         else "no shutdown"
     )
     print(f"  => {verdict}; {stats.events} lines, {stats.rejected} rejected, {gaps} sequence gaps")
+    print(f"  => poller, instance {status}: {BOLD}{poller_verdict(path, status)}{RESET}")
 
 
 def main() -> int:
@@ -213,8 +231,8 @@ def main() -> int:
         )
         s1 = scenario_wedge(root / "vm1")
         s2 = scenario_recovery(root / "vm2")
-        timeline(s1, "VM 1")
-        timeline(s2, "VM 2")
+        timeline(s1, "VM 1", "TERMINATED")  # it powered itself off
+        timeline(s2, "VM 2", "RUNNING")
         print(
             "\nWhat you saw: both probes must fail in the same tick to climb; one passing probe "
             "resets the ladder.\nEvery line is protocol v1 (docs/serial-protocol.md): the poller "
