@@ -28,7 +28,6 @@ from agent.probes import ProbeResult, TickResult
 from agent.serial import DiscardSink, Emitter, SerialPort
 from agent.state import (
     SeqAllocator,
-    atomic_write,
     read_boot_id,
     read_json,
     read_phase,
@@ -131,7 +130,6 @@ class Deps:
     uptime: Callable[[], float] = lambda: math.inf
     phase: Callable[[], str] = lambda: "unknown"
     instance_id: Callable[[], str] = lambda: "-"
-    on_metadata_ok: Callable[[ProbeResult], None] = lambda r: None
     tick_hooks: list[Callable[[TickReport], None]] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
 
@@ -167,8 +165,6 @@ class Agent:
         self.ticks += 1
         if self.state != prev:
             d.store.save(self.state)
-        if res.metadata.verdict is Verdict.OK:
-            d.on_metadata_ok(res.metadata)
 
         rung = f"{self.state.rung}/{thr}"
         healthy = res.metadata.verdict is Verdict.OK and res.egress.verdict is Verdict.OK
@@ -328,26 +324,6 @@ def read_uptime(path: str = "/proc/uptime") -> float:
         return math.inf  # unknown uptime: no grace (never delay a real outage's ladder)
 
 
-class InstanceIdCache:
-    """The instance id, learnt from the metadata probe's own answer (``instance/id``)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self.value = path.read_text().strip() or "-"
-        except OSError:
-            self.value = "-"
-
-    def __call__(self) -> str:
-        return self.value
-
-    def learn(self, r: ProbeResult) -> None:
-        if r.detail.isdigit() and r.detail != self.value:
-            self.value = r.detail
-            with contextlib.suppress(OSError):
-                atomic_write(self.path, (r.detail + "\n").encode())
-
-
 class AgentLock:
     """One ladder per VM: an exclusive flock in the run directory."""
 
@@ -371,6 +347,14 @@ class AgentLock:
         return None
 
 
+def _instance_id(state_dir: str, known: Any) -> str:
+    """The numeric instance id for the `start` line: the watcher's, else its cache, else "-"."""
+    from agent.metawatch import load_instance_cache
+
+    info = known or load_instance_cache(state_dir)
+    return str(info.id) if info is not None else "-"
+
+
 def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
     """The real edges for a config. Returns the agent and the prober (to close)."""
     from agent.actions import ActionChain
@@ -382,7 +366,6 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
 
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
-    ids = InstanceIdCache(Path(a.state_dir) / "instance-id")
     prober = build_prober(cfg)
     watcher = MetadataWatcher(cfg, emitter)
 
@@ -410,8 +393,8 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         armed=DisarmGate(cfg, emitter, lambda: watcher.disarm_requested),
         uptime=read_uptime,
         phase=lambda: read_phase(a.state_dir),
-        instance_id=ids,
-        on_metadata_ok=ids.learn if cfg.metadata.url.endswith("/instance/id") else lambda r: None,
+        # One identity cache: the metadata watcher's (instance.json, learnt while healthy).
+        instance_id=lambda: _instance_id(a.state_dir, watcher.instance),
         services=services,
         tick_hooks=[exporter],
     )
