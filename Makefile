@@ -51,6 +51,7 @@ lint: $(STAMP)
 # the benchmark runs them itself, from temp configs, and never needs them as services.
 APT_BENCH := monit watchdog curl util-linux
 BENCH_ARGS ?=
+BENCH_SYSPY ?= /usr/bin/python3
 bench: $(STAMP) apt-test
 	@missing=""; for p in $(APT_BENCH); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -65,6 +66,12 @@ bench: $(STAMP) apt-test
 	    esac; done; [ $$rc = 0 ]; \
 	  else echo "not root: cannot install$$missing (the peers are skipped)"; fi; \
 	fi
+	@# The agent as shipped: a venv from the system's python3 (what the start-up script uses on a
+	@# Debian VM) with a wheel install of this checkout, rebuilt every run so it is current.
+	@if [ -x $(BENCH_SYSPY) ]; then rm -rf .bench-venv && $(BENCH_SYSPY) -m venv --without-pip .bench-venv \
+	  && $(VPY) -m pip --python .bench-venv/bin/python install -q --disable-pip-version-check . \
+	  || { echo "cannot build .bench-venv (the as-shipped rows are skipped)"; rm -rf .bench-venv; }; \
+	else echo "no $(BENCH_SYSPY): the as-shipped rows are skipped"; fi
 	$(VPY) -m bench.run $(BENCH_ARGS)
 
 # Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
@@ -107,4 +114,4 @@ e2e-if-possible:
 	else $(MAKE) --no-print-directory e2e; fi
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .bench-venv build .pytest_cache .mypy_cache .ruff_cache

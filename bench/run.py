@@ -63,6 +63,11 @@ PY = (
     if (REPO / ".venv/bin/python").exists()
     else (sys.executable)
 )
+# The agent as it ships: the start-up script makes a venv from the VM's own python3 (Debian's
+# /usr/bin/python3) and pip-installs a wheel into it. `make bench` builds the same thing here
+# (.bench-venv: system python3, non-editable install); the dev venv above is a different CPython
+# build (pyenv) with an editable install, whose memory figures differ by a few MiB.
+DEPLOY_PY_PATH = REPO / ".bench-venv" / "bin" / "python"
 DEFAULT_OUT = REPO / "bench" / "results" / "latest.json"
 DEFAULT_DOC = REPO / "docs" / "performance.md"
 # Names the default config probes; the fake DNS answers them with the 443 stand-in's address.
@@ -232,16 +237,23 @@ class Lines:
             raise TimeoutError(f"no output within {within:g}s: {what}") from None
 
 
+DEPS_FLOOR_LABEL = "named deps alone: psutil + structlog + dns.message"
+
 # What each import adds to a bare interpreter's RSS (each in a fresh process): where the agent's
 # memory goes. The last entry is what `gce-watchdog run` loads before its first tick.
 IMPORT_PROBES = [
     ("python (bare)", ""),
     ("psutil", "import psutil"),
-    ("dns.resolver", "import dns.resolver"),
     ("structlog", "import structlog"),
+    ("dns.message (the probe's DNS codec)", "import dns.message"),
+    ("dns.resolver", "import dns.resolver"),
     ("concurrent.futures", "import concurrent.futures"),
     ("ssl (libssl + libcrypto)", "import ssl"),
     ("asyncio (imports ssl)", "import asyncio"),
+    # The floor: only the named dependencies the daemon must load (memory watch, the structlog
+    # mirror, dnspython resolution), not one line of the agent. Above the RSS target, it makes
+    # that target unreachable for any agent that keeps them on its path.
+    (DEPS_FLOOR_LABEL, "import psutil, structlog, dns.message"),
     ("agent.probes", "import agent.probes"),
     ("agent.daemon", "import agent.daemon"),
     ("agent.logs", "import agent.logs"),
@@ -249,11 +261,11 @@ IMPORT_PROBES = [
     ("agent.cli parser (all commands)", "import agent.cli; agent.cli.build_parser()"),
     ("run's imports (cli + daemon + probes + logs + dns)",
      "import agent.cli; agent.cli.build_parser(); import agent.daemon, agent.probes, agent.logs,"
-     " agent.runtime, agent.sdnotify, dns.resolver, dns.nameserver"),
+     " agent.runtime, agent.sdnotify, dns.message"),
 ]  # fmt: skip
 
 
-def rss_by_import() -> list[dict[str, Any]]:
+def rss_by_import(py: str = PY) -> list[dict[str, Any]]:
     code = (
         "{imp}\nimport re\n"
         "print(re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
@@ -263,8 +275,8 @@ def rss_by_import() -> list[dict[str, Any]]:
     for label, imp in IMPORT_PROBES:
         vals = []
         for _ in range(3):  # the median of three fresh interpreters
-            r = subprocess.run([PY, "-c", code.format(imp=imp)], capture_output=True, text=True,
-                               timeout=60, check=False, cwd=str(REPO))  # fmt: skip
+            r = subprocess.run([py, "-c", code.format(imp=imp)], capture_output=True, text=True,
+                               timeout=60, check=False, cwd="/")  # fmt: skip
             if r.returncode == 0 and r.stdout.strip().isdigit():
                 vals.append(int(r.stdout.strip()) / 1024)
         m = analysis.summarize(vals)["median"]
@@ -273,6 +285,26 @@ def rss_by_import() -> list[dict[str, Any]]:
         out.append({"import": label, "rss_mib": m,
                     "added_mib": None if m is None or base is None else m - base})  # fmt: skip
     return out
+
+
+def deploy_py() -> str | None:
+    """The shipped-like interpreter (``make bench`` builds it), or None when it is missing."""
+    return str(DEPLOY_PY_PATH) if DEPLOY_PY_PATH.exists() else None
+
+
+def interpreter(py: str) -> dict[str, Any]:
+    r = subprocess.run(
+        [py, "-c", "import sys, sysconfig; print(sys.version.split()[0], sys.base_prefix,"
+         " sysconfig.get_config_var('Py_ENABLE_SHARED'))"],
+        capture_output=True, text=True, timeout=30, check=False, cwd="/",
+    )  # fmt: skip
+    parts = r.stdout.split()
+    return {
+        "path": py,
+        "version": parts[0] if parts else "?",
+        "base_prefix": parts[1] if len(parts) > 1 else "?",
+        "shared_libpython": parts[2] == "1" if len(parts) > 2 else None,
+    }
 
 
 # -- the fault -----------------------------------------------------------------------------------
@@ -367,8 +399,11 @@ class Bench:
             timeout=60,
         )
         imports = analysis.import_breakdown(analysis.parse_importtime(r.stderr))
+        dpy = deploy_py()
         return {
             "rss_by_import_mib": rss_by_import(),
+            "rss_by_import_deployed_mib": rss_by_import(dpy) if dpy else None,
+            "interpreters": {"dev": interpreter(PY), "deployed": interpreter(dpy) if dpy else None},
             "config": "defaults (30 s interval, 5 s probe timeout, 2 names via DNS), "
             "heartbeat_every = 1",
             "runs": p.startup_runs,
@@ -381,12 +416,14 @@ class Bench:
         }
 
     # 2a. the default config: per-tick work (fast run) and one whole 30 s period -------------
-    def overhead_default(self) -> dict[str, Any]:
+    def fast_run(self, py: str, d: Path) -> dict[str, Any]:
+        """The default config at a 0.2 s interval for ``fast_ticks`` ticks under interpreter py:
+        CPU per tick (probes + ladder + line) and memory after the run."""
         p = self.plan
-        d = self.work / "overhead" / "fast"
         interval, timeout = 0.2, 0.15
         cfg = peers.agent_config(d, interval, timeout, 10, DEFAULT_TARGETS, dns_timeout=0.08)
-        proc = self.spawn([PY, "-m", "agent", "run", "--config", str(cfg)], d)
+        # cwd "/": a shipped-like venv must import its installed agent, not this checkout's.
+        proc = self.spawn([py, "-m", "agent", "run", "--config", str(cfg)], d, cwd="/")
         samples: list[tuple[float, float]] = []
         seen = 0
         dns_ok = 0
@@ -411,7 +448,8 @@ class Bench:
             if len(samples) > 2
             else (analysis.per_window_rates(samples))
         )
-        fast = {
+        return {
+            "python": py,
             "interval_s": interval,
             "probe_timeout_s": timeout,
             "ticks": seen,
@@ -422,6 +460,12 @@ class Bench:
             "heartbeats_dns_ok": dns_ok,
             "unhealthy_ticks": ticks_total,
         }
+
+    def overhead_default(self) -> dict[str, Any]:
+        p = self.plan
+        fast = self.fast_run(PY, self.work / "overhead" / "fast")
+        dpy = deploy_py()
+        deployed = self.fast_run(dpy, self.work / "overhead" / "fast-deployed") if dpy else None
         # One whole period at the real interval: CPU from right after the first tick's line to
         # right after the second's = one tick's work + everything the agent does in between
         # (memory sampling, metadata watcher, exporter), measured, not extrapolated.
@@ -446,6 +490,7 @@ class Bench:
         cpu = b["cpu_ms"] - a["cpu_ms"]
         return {
             "fast": fast,
+            "fast_deployed": deployed,
             "period": {
                 "interval_s": per,
                 "measured_s": span,
