@@ -202,8 +202,17 @@ def parse_url(raw: str) -> Url:
     """An http(s) URL with a host; raises ValueError with a readable message otherwise."""
     from urllib.parse import urlsplit
 
+    raw = raw.strip()
+    bad = next((c for c in raw if ord(c) <= 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        # http.client refuses these on the request line: without this check every attempt would
+        # fail the same way and the fetch would retry to its deadline instead of exiting 64.
+        raise ValueError(
+            f"bad URL {raw!r}: it contains {'a space' if bad == ' ' else repr(bad)}; "
+            "percent-encode it (a space is %20)"
+        )
     try:
-        s = urlsplit(raw.strip())
+        s = urlsplit(raw)
         port = s.port
     except ValueError as e:
         raise ValueError(f"bad URL {raw!r}: {e}") from None

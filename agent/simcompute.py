@@ -114,6 +114,7 @@ class FakeComputeAPI:
         self.tokens = {token} if isinstance(token, str) else set(token)
         self.window = window
         self.hang_s = hang_s
+        self.retry_after: str | None = "1"  # the Retry-After header of a RATE_LIMIT fault
         self.host = host
         self.calls: list[Call] = []
         self.operations: dict[str, dict[str, Any]] = {}  # requestId -> operation
@@ -300,7 +301,7 @@ class FakeComputeAPI:
                     "rateLimitExceeded",
                     domain="usageLimits",
                 ),
-                {"Retry-After": "1"},
+                {"Retry-After": self.retry_after} if self.retry_after is not None else {},
             )
         elif fault is Fault.SERVER_ERROR:
             return 503, _error(503, "Backend Error", "backendError"), {}

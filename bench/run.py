@@ -238,6 +238,7 @@ class Lines:
 
 
 DEPS_FLOOR_LABEL = "named deps alone: psutil + structlog + dns.message"
+NO_BIG_DEPS_LABEL = "run's imports without structlog and dnspython"
 
 # What each import adds to a bare interpreter's RSS (each in a fresh process): where the agent's
 # memory goes. The last entry is what `gce-watchdog run` loads before its first tick.
@@ -254,6 +255,10 @@ IMPORT_PROBES = [
     # mirror, dnspython resolution), not one line of the agent. Above the RSS target, it makes
     # that target unreachable for any agent that keeps them on its path.
     (DEPS_FLOOR_LABEL, "import psutil, structlog, dns.message"),
+    # What `run` loads with neither of the two big ones: what the agent would weigh if the
+    # structlog mirror and dnspython resolution were taken off the daemon's path.
+    (NO_BIG_DEPS_LABEL,
+     "import psutil, agent.cli, agent.daemon, agent.probes, agent.runtime, agent.sdnotify"),
     ("agent.probes", "import agent.probes"),
     ("agent.daemon", "import agent.daemon"),
     ("agent.logs", "import agent.logs"),

@@ -195,11 +195,19 @@ failure_action() {
 }
 
 # fail STEP REASON [RC]: the setup_failed line (drained before we go on), the failure action, exit.
+# In a subshell (a command substitution, where set -E runs the ERR trap too) it only hands the
+# failure to the main shell through FAIL_NOTE and exits: the main shell's ERR trap then fires for
+# the substitution and reports it, so one failure is one line and one failure action, not two.
+FAIL_NOTE=""
 fail() {
 	trap - ERR
 	set +e
 	local step=$1 reason=$2 rc=${3:-1}
 	((rc != 0)) || rc=1
+	if [[ $BASHPID != "$$" ]]; then
+		[[ -z $FAIL_NOTE ]] || printf '%s\n%s\n%s\n' "$step" "$reason" "$rc" >"$FAIL_NOTE"
+		exit "$rc"
+	fi
 	log "FAILED at step $step (rc=$rc): $reason"
 	if ! { have_agent && "$AGENT" setup-failed "${CFG_ARGS[@]}" --step "$step" \
 		--reason "$reason" --exit-code "$rc"; }; then
@@ -210,7 +218,13 @@ fail() {
 }
 
 on_error() { # an unexpected failure under set -e
-	local rc=$1 line=$2 cmd=$3
+	local rc=$1 line=$2 cmd=$3 s r c
+	# A subshell's own failure, inside the substitution that just failed here: its detail wins.
+	if [[ $BASHPID == "$$" && -n $FAIL_NOTE && -s $FAIL_NOTE ]] &&
+		{ read -r s && read -r r && read -r c; } <"$FAIL_NOTE"; then
+		rm -f "$FAIL_NOTE"
+		fail "$s" "$r" "$c"
+	fi
 	fail "$STEP" "line $line: ${cmd:0:80}" "$rc"
 }
 
@@ -508,6 +522,8 @@ main() {
 		return 0
 	fi
 	if [[ -f $CONFIG ]]; then CFG_ARGS=(--config "$CONFIG"); fi
+	FAIL_NOTE=$STATE_DIR/.startup-failure
+	rm -f "$FAIL_NOTE"
 
 	STEP=bootstrap
 	phase bootstrap
@@ -567,4 +583,6 @@ main() {
 	return "$rc"
 }
 
-main "$@"
+# Sourced (the tests do, to reach single functions), it only defines them.
+# (`return` works only in a sourced file: run as a file, from stdin or with -c, main runs.)
+(return 0 2>/dev/null) || main "$@"

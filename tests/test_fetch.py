@@ -201,7 +201,18 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after("Tue, 14 Nov 2023 22:13:30 GMT", now) == pytest.approx(10, abs=1)
 
 
-@pytest.mark.parametrize("bad", ["ftp://x/y", "http://", "x", "https://u:p@h/", "http://h:99999/"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "ftp://x/y",
+        "http://",
+        "x",
+        "https://u:p@h/",
+        "http://h:99999/",
+        "http://h/a b",
+        "http://h/\x7f",
+    ],
+)
 def test_parse_url_rejects(bad: str) -> None:
     with pytest.raises(ValueError):
         parse_url(bad)
@@ -490,6 +501,7 @@ def test_https_connects_to_the_resolved_address_with_sni(
         ["http://h/x", "-o", "OUT", "--deadline", "0"],
         ["http://h/x", "-o", "OUT", "--dns-server", "dns.google"],
         ["gopher://h/x", "-o", "OUT"],
+        ["http://h/my file.tar", "-o", "OUT"],
     ],
 )
 def test_bad_arguments_exit_64(tmp_path: Path, args: list[str]) -> None:

@@ -192,6 +192,21 @@ def test_rate_limit_backs_off_then_succeeds(api: FakeComputeAPI, sleeps: Sleeps)
     assert len(sleeps.waits) == 2 and all(0 <= s <= 30 for s in sleeps.waits)
 
 
+@pytest.mark.parametrize(("header", "want"), [("7", 7.0), ("600", 30.0), (None, None)])
+def test_rate_limit_honours_retry_after_capped_at_one_poll(
+    api: FakeComputeAPI, sleeps: Sleeps, header: str | None, want: float | None
+) -> None:
+    api.append_serial("vm-1", b"hello\n")
+    api.retry_after = header
+    api.set_fault("serial", Fault.RATE_LIMIT, count=2)
+    chunk = make_client(api, sleeps, attempts=5).serial_port_output(P, Z, "vm-1", 0)
+    assert chunk.contents == b"hello\n" and len(sleeps.waits) == 2
+    if want is None:  # no header: the jittered backoff alone (first waits at most 2 and 4 s)
+        assert sleeps.waits[0] <= 2 and sleeps.waits[1] <= 4
+    else:  # at least what the server asked, never more than one poll interval
+        assert sleeps.waits == [want, want]
+
+
 def test_gives_up_after_n_attempts_with_the_last_error(api: FakeComputeAPI, sleeps: Sleeps) -> None:
     api.set_fault("serial", Fault.RATE_LIMIT)
     client = make_client(api, sleeps, attempts=3)
@@ -238,8 +253,9 @@ def test_corrupt_cursor_starts_fresh_and_is_reported(
 # -- the poller: verdicts, exactly-once, reaping ----------------------------------------------
 
 
-def make_poller(api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path, now: float, **kw: object
-                ) -> Poller:
+def make_poller(
+    api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path, now: float, **kw: object
+) -> Poller:
     ledger = Ledger(tmp_path / "ledger.sqlite")
     return Poller(
         make_client(api, sleeps),
@@ -267,8 +283,16 @@ def test_failover_once_then_already_decided_and_reaped_once(
     assert o1.action == "failover" and o1.decision is not None and o1.decision.won
     assert o1.reap_error and "403" in o1.reap_error and o1.reaped is None
     # a second poller process (own cursors) sees the same shutdown: already decided
-    p2 = Poller(make_client(api, sleeps), CursorStore(tmp_path / "other"), P, Z,
-                Ledger(tmp_path / "ledger.sqlite"), Policy(), reap=True, clock=lambda: now)
+    p2 = Poller(
+        make_client(api, sleeps),
+        CursorStore(tmp_path / "other"),
+        P,
+        Z,
+        Ledger(tmp_path / "ledger.sqlite"),
+        Policy(),
+        reap=True,
+        clock=lambda: now,
+    )
     o2 = p2.poll("vm-1")
     assert o2.action == "already_decided"
     assert o2.decision is not None and o2.decision.token == o1.decision.token

@@ -440,8 +440,15 @@ def test_unit_step_runs_gce_watchdog_install_when_systemd_runs(vm: Vm) -> None:
 def test_script_emitter_keeps_a_line_with_long_fields_within_the_limit(vm: Vm) -> None:
     # download()'s outcome line with a 40-character host and a long wheel file name: the fields
     # alone are over 200 bytes, and a reader rejects an over-long line as a whole.
-    fields = ["out=gave_up", "att=123", "host=" + "h" * 40, "dst=" + "d" * 64, "rc=75",
-              "dur=600", "supp=10"]
+    fields = [
+        "out=gave_up",
+        "att=123",
+        "host=" + "h" * 40,
+        "dst=" + "d" * 64,
+        "rc=75",
+        "dur=600",
+        "supp=10",
+    ]
     assert vm.run("emit", "fetch", *fields, "--", "gave up").returncode == 0
     raw = vm.serial.read_bytes()
     assert len(raw.rstrip(b"\n")) <= protocol.MAX_LINE
@@ -473,3 +480,27 @@ def test_credentials_in_urls_and_step_arguments_stay_off_the_console(
     assert p.returncode == 69, p.stderr
     assert "missing.whl" in p.stderr
     assert "s3cr3t" not in p.stderr and b"s3cr3t" not in vm.serial.read_bytes()
+
+
+def test_failure_inside_command_substitution_is_reported_once(vm: Vm) -> None:
+    """set -E runs the ERR trap inside a command substitution too; the subshell must hand its
+    failure to the main shell instead of reporting it: one setup_failed line, one failure action,
+    and the innermost detail (the command that failed, not the assignment)."""
+    code = f"""
+source {SCRIPT}
+STATE_DIR={vm.state}; mkdir -p "$STATE_DIR"; FAIL_NOTE=$STATE_DIR/.startup-failure
+STEP=probe
+inner() {{ false; echo not-reached; }}
+trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
+value=$(inner)
+echo "still running: $value"
+"""
+    p = subprocess.run(["bash", "-c", code], env=vm.env, capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    assert "still running" not in p.stdout
+    failed = [e for e in vm.events() if e.event == "setup_failed"]
+    assert len(failed) == 1, [e.text for e in failed]
+    assert failed[0].get("step") == "probe" and "false" in failed[0].text
+    assert vm.actions == ["poweroff"]
+    assert not (vm.state / ".startup-failure").exists()

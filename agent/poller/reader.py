@@ -59,10 +59,13 @@ _PROJECT_RE = re.compile(r"[a-z][-a-z0-9:.]{4,61}[a-z0-9]\Z")
 class ComputeAPIError(Exception):
     """A Compute API call failed; ``status`` is the HTTP status (0: no response)."""
 
-    def __init__(self, message: str, status: int = 0, reason: str = "") -> None:
+    def __init__(
+        self, message: str, status: int = 0, reason: str = "", retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
+        self.retry_after = retry_after  # the response's Retry-After, in seconds, if it had one
 
     @property
     def transient(self) -> bool:
@@ -89,6 +92,8 @@ class GaveUpError(ComputeAPIError):
 class RetryPolicy:
     """Retry transient API errors: ``attempts`` tries, jittered exponential waits, then give up.
 
+    A response's ``Retry-After`` is honoured as the least wait before the next try, capped at
+    ``max_wait_s`` (one poll interval: a poller that sleeps longer misses its own schedule).
     ``sleep`` is injectable so tests never wait.
     """
 
@@ -104,9 +109,17 @@ class RetryPolicy:
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         import tenacity
 
+        backoff = tenacity.wait_random_exponential(multiplier=self.initial_s, max=self.max_wait_s)
+
+        def wait(rs: tenacity.RetryCallState) -> float:
+            w = float(backoff(rs))
+            e = rs.outcome.exception() if rs.outcome is not None else None
+            after = e.retry_after if isinstance(e, ComputeAPIError) else None
+            return w if after is None else min(self.max_wait_s, max(w, after))
+
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.attempts),
-            wait=tenacity.wait_random_exponential(multiplier=self.initial_s, max=self.max_wait_s),
+            wait=wait,
             retry=tenacity.retry_if_exception(
                 lambda e: isinstance(e, ComputeAPIError) and e.transient
             ),
@@ -246,7 +259,10 @@ class ComputeClient:
             raise NotFoundError(text, 404, reason)
         if r.status_code == 401 or (r.status_code == 403 and reason not in RATE_LIMIT_REASONS):
             raise AuthError(text, r.status_code, reason)
-        raise ComputeAPIError(text, r.status_code, reason)
+        from agent.fetch import parse_retry_after
+
+        after = parse_retry_after(r.headers.get("Retry-After"), time.time())
+        raise ComputeAPIError(text, r.status_code, reason, after)
 
     def _call(self, method: str, url: str, params: dict[str, str]) -> dict[str, Any]:
         result: dict[str, Any] = self.retry.call(
