@@ -109,9 +109,7 @@ class AgentSection:
     heartbeat_every: int = field(default=10, metadata=_check(_at_least_one))
     state_dir: str = field(default="/var/lib/gce-watchdog", metadata=_check(_abs_path))
     run_dir: str = field(default="/run/gce-watchdog", metadata=_check(_abs_path))
-    boot_id_path: str = field(
-        default="/proc/sys/kernel/random/boot_id", metadata=_check(_abs_path)
-    )
+    boot_id_path: str = field(default="/proc/sys/kernel/random/boot_id", metadata=_check(_abs_path))
     action: str = field(
         default="poweroff", metadata=_check(_one_of("poweroff", "stop", "delete", "dry-run"))
     )
@@ -202,9 +200,11 @@ class ActionsSection:
     kernel: list[str] = field(
         default_factory=lambda: ["reboot", "sysrq"],
         metadata=_check(
-            lambda v: None
-            if all(m in ("reboot", "sysrq") for m in v)
-            else "each entry must be 'reboot' or 'sysrq' ([] disables the kernel step)"
+            lambda v: (
+                None
+                if all(m in ("reboot", "sysrq") for m in v)
+                else "each entry must be 'reboot' or 'sysrq' ([] disables the kernel step)"
+            )
         ),
     )
     sysrq_path: str = field(default="/proc/sysrq-trigger", metadata=_check(_abs_path))
@@ -224,9 +224,11 @@ class WatchSection:
     disarm_attribute: str = field(
         default="gce-watchdog-disarm",
         metadata=_check(
-            lambda v: None
-            if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", v)
-            else "must be a metadata key: letters, digits, '-' and '_'"
+            lambda v: (
+                None
+                if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", v)
+                else "must be a metadata key: letters, digits, '-' and '_'"
+            )
         ),
     )
     # A metadata disarm last confirmed longer ago than this (metadata unreachable) expires.
@@ -256,9 +258,7 @@ class MetricsSection:
 
     enabled: bool = True
     # Debian/Ubuntu prometheus-node-exporter's --collector.textfile.directory default.
-    directory: str = field(
-        default="/var/lib/prometheus/node-exporter", metadata=_check(_abs_path)
-    )
+    directory: str = field(default="/var/lib/prometheus/node-exporter", metadata=_check(_abs_path))
     filename: str = field(default="gce_watchdog.prom", metadata=_check(_prom_file))
 
 
@@ -289,8 +289,7 @@ class InvalidConfig(Exception):
         self.source = source
         head = f"{source}: " if source else ""
         super().__init__(
-            f"{head}{len(errors)} configuration error(s):\n"
-            + "\n".join(f"  - {e}" for e in errors)
+            f"{head}{len(errors)} configuration error(s):\n" + "\n".join(f"  - {e}" for e in errors)
         )
 
 

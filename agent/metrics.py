@@ -240,8 +240,12 @@ class MetricsExporter:
                     self._announced = True
                     base = self.last or Snapshot(threshold=threshold)
                     snap = replace(
-                        base, rung=rung, threshold=threshold, fired=True,
-                        shutdowns=self.shutdowns, write_errors=self.errors,
+                        base,
+                        rung=rung,
+                        threshold=threshold,
+                        fired=True,
+                        shutdowns=self.shutdowns,
+                        write_errors=self.errors,
                     )
                     self.last = snap
                     self.write(render(snap))

@@ -317,7 +317,6 @@ class StreamDecoder:
                 if len(self.rejects) < 1000:  # bounded sample for reports
                     self.rejects.append(res)
 
-
     def _is_duplicate(self, boot: str, seq: int) -> bool:
         top, seen = self._seen.get(boot, (-1, set()))
         if seq in seen or seq < top - self.DEDUP_WINDOW:

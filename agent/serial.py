@@ -117,9 +117,7 @@ class SerialPort:
         self.device = device
         self.fallback = fallback
         self.sync_timeout = sync_timeout
-        self._q: queue.Queue[tuple[bytes | None, _Waiter | None]] = queue.Queue(
-            maxsize=queue_size
-        )
+        self._q: queue.Queue[tuple[bytes | None, _Waiter | None]] = queue.Queue(maxsize=queue_size)
         self._dropped = 0
         self._failed_writes = 0
         self._lock = threading.Lock()

@@ -63,8 +63,9 @@ class ScriptedProber:
     """Returns scripted tick results in order (the last one repeats); can advance a clock to
     model probe latency."""
 
-    def __init__(self, script: list[TickResult], clock: FakeClock | None = None,
-                 latency: float = 0.0) -> None:
+    def __init__(
+        self, script: list[TickResult], clock: FakeClock | None = None, latency: float = 0.0
+    ) -> None:
         self.script = list(script)
         self.calls = 0
         self.clock = clock

@@ -31,12 +31,15 @@ def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
 
 
 def test_three_mistakes_get_three_errors(tmp_path: Path) -> None:
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
 [agent]
 intervall = 30          # typo
 threshold = 0           # < 1
 probe_timeout = "fast"  # wrong type
-""")
+""",
+    )
     with pytest.raises(cfgmod.InvalidConfig) as ei:
         cfgmod.load(p)
     errs = {e.path: e.message for e in ei.value.errors}
@@ -56,7 +59,9 @@ def test_cross_field_checks(tmp_path: Path) -> None:
 
 
 def test_more_bad_values(tmp_path: Path) -> None:
-    p = write(tmp_path, """
+    p = write(
+        tmp_path,
+        """
 [agnet]
 x = 1
 [egress]
@@ -66,7 +71,8 @@ url = "ftp://x"
 [agent]
 action = "explode"
 state_dir = "relative/dir"
-""")
+""",
+    )
     with pytest.raises(cfgmod.InvalidConfig) as ei:
         cfgmod.load(p)
     msgs = [str(e) for e in ei.value.errors]
@@ -82,8 +88,9 @@ def test_bad_toml_is_reported(tmp_path: Path) -> None:
         cfgmod.load(write(tmp_path, "[agent\n"))
 
 
-@pytest.mark.parametrize(("raw", "want"), [(30, 30.0), ("500ms", 0.5), ("10m", 600.0),
-                                           ("2h", 7200.0), (1.5, 1.5)])
+@pytest.mark.parametrize(
+    ("raw", "want"), [(30, 30.0), ("500ms", 0.5), ("10m", 600.0), ("2h", 7200.0), (1.5, 1.5)]
+)
 def test_durations(raw: object, want: float) -> None:
     assert cfgmod.parse_duration(raw) == want
 
@@ -96,22 +103,34 @@ def test_bad_durations(raw: object) -> None:
 
 def test_config_check_cli_exit_codes(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = 0\ninterval = 1\nprobe_timeout = 2\n")
-    r = subprocess.run([sys.executable, "-m", "agent", "config", "check", str(bad)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "config", "check", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 78
     assert "agent.threshold: must be >= 1" in r.stderr
     assert "agent.probe_timeout: must be less than agent.interval" in r.stderr
     good = tmp_path / "good.toml"
     good.write_text("[agent]\ninterval = 10\n")
-    r = subprocess.run([sys.executable, "-m", "agent", "config", "check", str(good)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "config", "check", str(good)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and "OK" in r.stdout
 
 
 def test_run_refuses_invalid_config(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = -3\n")
-    r = subprocess.run([sys.executable, "-m", "agent", "run", "--config", str(bad)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "agent", "run", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 78 and "agent.threshold" in r.stderr
 
 

@@ -24,13 +24,22 @@ from agent.state import SeqAllocator
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make(tmp_path: Path, script: list, boot: str = "b1", clock: FakeClock | None = None,
-         latency: float = 0.0, notifier: FakeNotifier | None = None, **agent_kw: object):
+def make(
+    tmp_path: Path,
+    script: list,
+    boot: str = "b1",
+    clock: FakeClock | None = None,
+    latency: float = 0.0,
+    notifier: FakeNotifier | None = None,
+    **agent_kw: object,
+):
     clock = clock or FakeClock()
     sink = MemorySink()
     shutdowns: list[tuple[str, int, int]] = []
-    cfg = cfgmod.replace(cfgmod.Config(), agent={"interval": 30.0, "probe_timeout": 5.0,
-                                                 "heartbeat_every": 3, **agent_kw})
+    cfg = cfgmod.replace(
+        cfgmod.Config(),
+        agent={"interval": 30.0, "probe_timeout": 5.0, "heartbeat_every": 3, **agent_kw},
+    )
     deps = Deps(
         emitter=Emitter(sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall),
         prober=ScriptedProber(script, clock, latency),
@@ -240,7 +249,10 @@ def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
         cfg.write_text(text)
         r = subprocess.run(
             [sys.executable, "-m", "agent", "run", "--config", str(cfg), "--max-ticks", "3"],
-            cwd=REPO, capture_output=True, text=True, timeout=60,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert r.returncode == 0, r.stderr
     assert "serial_unavailable" in r.stderr

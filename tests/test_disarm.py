@@ -70,7 +70,11 @@ def test_a_disarm_from_the_future_is_not_trusted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "content",
     [
-        "", "{", "[]", '{"until": "soon"}', '{"set_at": 1}',
+        "",
+        "{",
+        "[]",
+        '{"until": "soon"}',
+        '{"set_at": 1}',
         '{"set_at": 1%s, "until": 1}' % ("0" * 400),  # an int float() cannot hold
     ],
 )

@@ -80,7 +80,7 @@ def parse_prom(text: str) -> tuple[Series, dict[str, str]]:
             lm = _LABEL_RE.match(rest)
             assert lm, f"line {n}: bad labels {rest!r}"
             labels.append((lm.group(1), _unescape(lm.group(2))))
-            rest = rest[lm.end():]
+            rest = rest[lm.end() :]
         assert len({k for k, _ in labels}) == len(labels), f"line {n}: duplicate label"
         value = float(value_s.replace("+Inf", "inf").replace("-Inf", "-inf"))
         key = (name, frozenset(labels))
@@ -104,16 +104,20 @@ def cfg_for(d: Path, **metrics: object) -> cfgmod.Config:
     )
 
 
-def make_agent(tmp: Path, script: list, exporter_kw: dict[str, object] | None = None,
-               on_shutdown: Callable[[str, int, int], None] | None = None
-               ) -> tuple[Agent, MetricsExporter, MemorySink, Path]:
+def make_agent(
+    tmp: Path,
+    script: list,
+    exporter_kw: dict[str, object] | None = None,
+    on_shutdown: Callable[[str, int, int], None] | None = None,
+) -> tuple[Agent, MetricsExporter, MemorySink, Path]:
     prom = tmp / "textfile"
     prom.mkdir()
     cfg = cfg_for(prom)
     clock = FakeClock()
     sink = MemorySink()
-    exp = MetricsExporter(cfg, dropped=lambda: sink.dropped, clock=clock.wall,
-                          **(exporter_kw or {}))  # type: ignore[arg-type]
+    exp = MetricsExporter(
+        cfg, dropped=lambda: sink.dropped, clock=clock.wall, **(exporter_kw or {})
+    )  # type: ignore[arg-type]
     deps = Deps(
         emitter=Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", clock.wall),
         prober=ScriptedProber(script, clock),
@@ -134,8 +138,12 @@ def read(path: Path) -> Series:
 
 
 def test_values_follow_the_ladder_through_a_scripted_outage(tmp_path: Path) -> None:
-    ok, both, one, unk = (result("ok", "ok"), result("fail", "fail"), result("fail", "ok"),
-                          result("unknown", "fail"))
+    ok, both, one, unk = (
+        result("ok", "ok"),
+        result("fail", "fail"),
+        result("fail", "ok"),
+        result("unknown", "fail"),
+    )
     script = [ok, ok, both, both, unk, both, one, *[both] * 12]
     agent, exp, _, path = make_agent(tmp_path, script)
     seen_rungs = []
@@ -151,7 +159,8 @@ def test_values_follow_the_ladder_through_a_scripted_outage(tmp_path: Path) -> N
         for probe, pr in (("metadata", r.metadata), ("egress", r.egress)):
             for v in Verdict:  # a state set: exactly one verdict is 1
                 assert val(s, "probe_verdict", probe=probe, verdict=v.value) == (
-                    1 if v is pr.verdict else 0)
+                    1 if v is pr.verdict else 0
+                )
             assert val(s, "probe_latency_seconds", probe=probe) == pytest.approx(0.005)
         assert val(s, "dns_ok") == 1
         assert val(s, "last_tick_timestamp_seconds") == pytest.approx(agent.d.clock.wall())
@@ -177,8 +186,9 @@ def test_disarmed_threshold_counts_would_shutdowns(tmp_path: Path) -> None:
 
 def test_memory_gauges_and_dropped_lines(tmp_path: Path) -> None:
     mem = {"host_used": 3.5 * 2**30, "gpu0_used": 22 * 2**30, 'odd"gauge\\x': 1.5}
-    agent, _, sink, path = make_agent(tmp_path, [result("ok", "ok", dns="-")],
-                                      {"memory": lambda: mem})
+    agent, _, sink, path = make_agent(
+        tmp_path, [result("ok", "ok", dns="-")], {"memory": lambda: mem}
+    )
     sink.dropped = 7
     agent.tick_once()
     s = read(path)
@@ -226,9 +236,12 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
     sink = MemorySink()
     deps = Deps(
         emitter=Emitter(sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall),
-        prober=ScriptedProber([result("fail", "fail")], clock), clock=clock,
-        notifier=FakeNotifier(), store=LadderStore(tmp_path / "ladder.json", "b1"),
-        on_shutdown=exp.wrap_shutdown(chain), tick_hooks=[exp],
+        prober=ScriptedProber([result("fail", "fail")], clock),
+        clock=clock,
+        notifier=FakeNotifier(),
+        store=LadderStore(tmp_path / "ladder.json", "b1"),
+        on_shutdown=exp.wrap_shutdown(chain),
+        tick_hooks=[exp],
     )
     agent = Agent(cfg, deps)
     for _ in range(12):
@@ -317,8 +330,10 @@ def test_disabled_writes_nothing(tmp_path: Path) -> None:
 
 def test_write_cost_per_tick(tmp_path: Path) -> None:
     agent, exp, _, _ = make_agent(
-        tmp_path, [result("fail", "fail")], {"memory": lambda: {f"gpu{i}_used": 1e9 * i
-                                                                for i in range(8)}})
+        tmp_path,
+        [result("fail", "fail")],
+        {"memory": lambda: {f"gpu{i}_used": 1e9 * i for i in range(8)}},
+    )
     reps = [agent.tick_once() for _ in range(3)]
     n = 500
     t0 = time.perf_counter()
@@ -337,8 +352,9 @@ def test_metrics_config_defaults_and_errors() -> None:
     assert m.enabled and m.directory == "/var/lib/prometheus/node-exporter"
     assert m.filename == "gce_watchdog.prom"
     with pytest.raises(cfgmod.InvalidConfig) as ei:
-        cfgmod.from_dict({"metrics": {"directory": "relative/dir", "filename": "x.txt",
-                                      "enabeld": True}})
+        cfgmod.from_dict(
+            {"metrics": {"directory": "relative/dir", "filename": "x.txt", "enabeld": True}}
+        )
     msg = str(ei.value)
     assert "metrics.directory: must be an absolute path" in msg
     assert "metrics.filename: must be a plain file name ending in .prom" in msg
@@ -357,20 +373,31 @@ def test_metrics_config_defaults_and_errors() -> None:
     lat=st.integers(0, 10**7),
     verdict=st.sampled_from(list(Verdict)),
     dns=st.sampled_from(["ok", "fail", "-"]),
-    mem=st.dictionaries(st.text(min_size=1, max_size=20),
-                        st.floats(allow_nan=True, allow_infinity=True), max_size=5),
+    mem=st.dictionaries(
+        st.text(min_size=1, max_size=20), st.floats(allow_nan=True, allow_infinity=True), max_size=5
+    ),
     ticks=st.integers(0, 2**62),
 )
-def test_render_always_parses(rung: int, lat: int, verdict: Verdict, dns: str,
-                              mem: dict[str, float], ticks: int) -> None:
+def test_render_always_parses(
+    rung: int, lat: int, verdict: Verdict, dns: str, mem: dict[str, float], ticks: int
+) -> None:
     pr = ProbeResult(verdict, "x", lat)
-    snap = Snapshot(rung=rung, metadata=pr, egress=pr, dns=dns, memory=mem, ticks=ticks,
-                    last_tick=1.8e9, tick_duration=0.25)
+    snap = Snapshot(
+        rung=rung,
+        metadata=pr,
+        egress=pr,
+        dns=dns,
+        memory=mem,
+        ticks=ticks,
+        last_tick=1.8e9,
+        tick_duration=0.25,
+    )
     s, types = parse_prom(render(snap))
     assert val(s, "ladder_rung") == rung and val(s, "ticks_total") == float(ticks)
     assert types["gce_watchdog_ticks_total"] == "counter"
     assert len([k for k in s if k[0] == "gce_watchdog_memory_bytes"]) == len(
-        {printable(k) for k in mem})
+        {printable(k) for k in mem}
+    )
     for k, v in mem.items():
         if k != printable(k):
             continue  # unprintable characters became "_" (and may collide: first one wins)

@@ -47,9 +47,23 @@ def test_parse_text_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 def test_parse_json_from_stdin_in_a_real_process() -> None:
     data, _ = dump()
     r = subprocess.run(
-        [sys.executable, "-m", "agent", "parse", "-", "--json", "--status", "RUNNING",
-         "--now", "2025-11-30T05:00:00Z"],
-        input=data, capture_output=True, cwd=REPO, timeout=60, check=False,
+        [
+            sys.executable,
+            "-m",
+            "agent",
+            "parse",
+            "-",
+            "--json",
+            "--status",
+            "RUNNING",
+            "--now",
+            "2025-11-30T05:00:00Z",
+        ],
+        input=data,
+        capture_output=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
@@ -83,9 +97,21 @@ def poll_args(api: FakeComputeAPI, tmp_path: Path, *extra: str) -> list[str]:
     if not tok.exists():
         tok.write_text("tok\n")
     return [
-        "poll", "--project", P, "--zone", Z, "--api-base", api.base_url,
-        "--access-token-file", str(tok), "--ledger", str(tmp_path / "ledger.sqlite"),
-        "--cursor-dir", str(tmp_path / "cursors"), "--json", *extra,
+        "poll",
+        "--project",
+        P,
+        "--zone",
+        Z,
+        "--api-base",
+        api.base_url,
+        "--access-token-file",
+        str(tok),
+        "--ledger",
+        str(tmp_path / "ledger.sqlite"),
+        "--cursor-dir",
+        str(tmp_path / "cursors"),
+        "--json",
+        *extra,
     ]
 
 

@@ -81,18 +81,33 @@ def _scenario_one_boot_with_damage() -> tuple[bytes, list[Event], Writer]:
         # the VM died mid-write; the next console output lands on the same line
         800: truncate(w.line("tick", {"rung": "1/10", "md": "fail", "eg": "fail"})).rstrip(b"\n"),
         # intact, then a kernel message glued after it before the newline: accepted
-        1000: ok(w.line("tick", {"rung": "2/10", "md": "fail", "eg": "fail"}).rstrip(b"\n")
-                 + KERNEL_MSG + b"\r\n"),
-        1100: ok(crlf(w.line("tick", {"rung": "3/10", "md": "fail", "eg": "fail"},
-                             "BOTH reachability probes FAILED (3/10)"))),
+        1000: ok(
+            w.line("tick", {"rung": "2/10", "md": "fail", "eg": "fail"}).rstrip(b"\n")
+            + KERNEL_MSG
+            + b"\r\n"
+        ),
+        1100: ok(
+            crlf(
+                w.line(
+                    "tick",
+                    {"rung": "3/10", "md": "fail", "eg": "fail"},
+                    "BOTH reachability probes FAILED (3/10)",
+                )
+            )
+        ),
     }
     dup = w.line("tick", {"rung": "4/10", "md": "fail", "eg": "fail"})
     keep.append(w.written[-1])
     ins[1200] = dup
     ins[1201] = b"Nov 17 04:05:01 debian gce-watchdog[812]: " + dup  # journald copy: seen once
     ins[1300] = b"\x00" * 16 + b"\xff\xfe garbage GCEWD1 not a line\r\n"  # marker, no line
-    ins[1500] = ok(w.line("shutdown", {"reason": "ladder", "rung": "10/10", "action": "poweroff"},
-                          "10/10: shutting down"))
+    ins[1500] = ok(
+        w.line(
+            "shutdown",
+            {"reason": "ladder", "rung": "10/10", "action": "poweroff"},
+            "10/10: shutting down",
+        )
+    )
     return _weave(console, ins), keep, w
 
 
@@ -102,7 +117,13 @@ def test_realistic_log_with_damage_exact_events_and_verdict() -> None:
     tl = parse_bytes(data)
     assert tl.events == expected
     assert [e.event for e in tl.events] == [
-        "phase", "start", "phase", "tick", "tick", "tick", "shutdown"
+        "phase",
+        "start",
+        "phase",
+        "tick",
+        "tick",
+        "tick",
+        "shutdown",
     ]
     assert tl.rejected == 3  # spliced, truncated, bare marker
     assert tl.duplicates == 1
@@ -212,8 +233,10 @@ def _valid_lines(rng: random.Random, n: int) -> list[str]:
     names = ["tick", "heartbeat", "phase", "exit", "shutdown", "start", "preempted", "x_custom"]
     out = []
     for _ in range(n):
-        fields = {f"k{j}": rng.choice(["fail", "ok", "3/10", "a.b:c", "-", "12345"])
-                  for j in range(rng.randint(0, 5))}
+        fields = {
+            f"k{j}": rng.choice(["fail", "ok", "3/10", "a.b:c", "-", "12345"])
+            for j in range(rng.randint(0, 5))
+        }
         text = rng.choice(["", "BOTH reachability probes FAILED (3/10)", "done"])
         out.append(encode(w.event(rng.choice(names), fields, text)))
     return out
@@ -230,19 +253,19 @@ def _mutate(rng: random.Random, line: bytes, pool: list[bytes]) -> bytes:
     elif op == 2:  # insert a random byte
         b.insert(rng.randrange(len(b) + 1), rng.randrange(256))
     elif op == 3:  # truncate
-        del b[rng.randrange(len(b) + 1):]
+        del b[rng.randrange(len(b) + 1) :]
     elif op == 4:  # splice a kernel message
         i = rng.randrange(len(b) + 1)
         b[i:i] = KERNEL_MSG
     elif op == 5:  # two lines glued, one cut
         other = rng.choice(pool)
-        b = b[: rng.randrange(len(b) + 1)] + bytearray(other[rng.randrange(len(other)):])
+        b = b[: rng.randrange(len(b) + 1)] + bytearray(other[rng.randrange(len(other)) :])
     elif op == 6:  # replace a byte with a structural one
         if b:
             b[rng.randrange(len(b))] = rng.choice(b" #|=\r\x00\n")
     elif op == 7:  # random bytes with the marker inside
         junk = bytearray(rng.randbytes(rng.randrange(0, 120)))
-        junk[rng.randrange(len(junk) + 1):0] = b"GCEWD1 "
+        junk[rng.randrange(len(junk) + 1) : 0] = b"GCEWD1 "
         b = junk
     else:  # pure random bytes
         b = bytearray(rng.randbytes(rng.randrange(0, 220)))

@@ -28,8 +28,9 @@ def _run_racers(path: Path, keys: list[tuple[str, str]]) -> list[tuple[str, str,
     ctx = mp.get_context("spawn")  # a fresh interpreter per racer, like separate pollers
     barrier = ctx.Barrier(RACERS)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_race, args=(str(path), barrier, results, keys))
-             for _ in range(RACERS)]
+    procs = [
+        ctx.Process(target=_race, args=(str(path), barrier, results, keys)) for _ in range(RACERS)
+    ]
     try:
         for p in procs:
             p.start()
@@ -82,7 +83,10 @@ def test_claim_is_durable_and_a_second_run_is_already_decided(tmp_path: Path) ->
         d2 = led.claim("id-1", "aaaa0001", "self_shutdown", "other reason", "vm-1", now=200.0)
         assert not d2.won
         assert (d2.token, d2.owner, d2.verdict, d2.decided_at) == (
-            1, "first", "suspected_wedge", 100.0
+            1,
+            "first",
+            "suspected_wedge",
+            100.0,
         )
         assert d2.request_id == d1.request_id  # a retried reap uses the same requestId
         # a new boot of the same instance is a new incarnation: its own decision

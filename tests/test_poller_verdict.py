@@ -33,55 +33,128 @@ NOW = (T0 + 10 * 30_000) / 1000  # shortly after the events below
 RUN = InstanceState("RUNNING")
 
 TABLE: list[tuple[str, list[tuple[str, dict[str, object]]], InstanceState, float, K]] = [
-    ("1 setup_failed",
-     [("phase", {"ph": "bootstrap"}), ("setup_failed", {"step": "uv", "rc": 6})],
-     InstanceState("TERMINATED"), NOW, K.SETUP_FAILED),
-    ("2 ladder shutdown",
-     [*WORKLOAD, ("tick", {"rung": "10/10"}), ("shutdown", {"reason": "ladder"})],
-     RUN, NOW, K.SELF_SHUTDOWN),
-    ("2 ladder shutdown then the workload killed by it",
-     [*WORKLOAD, ("shutdown", {"reason": "ladder"}), ("exit", {"rc": "-", "sig": "TERM"})],
-     InstanceState("TERMINATED"), NOW, K.SELF_SHUTDOWN),
-    ("3 preemption notice",
-     [*WORKLOAD, ("preempted", {"kind": "spot"}), ("exit", {"rc": "-", "sig": "TERM"})],
-     InstanceState("STOPPING"), NOW, K.PREEMPTED),
+    (
+        "1 setup_failed",
+        [("phase", {"ph": "bootstrap"}), ("setup_failed", {"step": "uv", "rc": 6})],
+        InstanceState("TERMINATED"),
+        NOW,
+        K.SETUP_FAILED,
+    ),
+    (
+        "2 ladder shutdown",
+        [*WORKLOAD, ("tick", {"rung": "10/10"}), ("shutdown", {"reason": "ladder"})],
+        RUN,
+        NOW,
+        K.SELF_SHUTDOWN,
+    ),
+    (
+        "2 ladder shutdown then the workload killed by it",
+        [*WORKLOAD, ("shutdown", {"reason": "ladder"}), ("exit", {"rc": "-", "sig": "TERM"})],
+        InstanceState("TERMINATED"),
+        NOW,
+        K.SELF_SHUTDOWN,
+    ),
+    (
+        "3 preemption notice",
+        [*WORKLOAD, ("preempted", {"kind": "spot"}), ("exit", {"rc": "-", "sig": "TERM"})],
+        InstanceState("STOPPING"),
+        NOW,
+        K.PREEMPTED,
+    ),
     ("4 exit rc 0", [*WORKLOAD, ("exit", {"rc": 0, "sig": "-"})], RUN, NOW, K.WORKLOAD_OK),
-    ("4 phase done", [*WORKLOAD, ("phase", {"ph": "done"})], InstanceState("TERMINATED"), NOW,
-     K.WORKLOAD_OK),
-    ("4 finished, then the network died", [*WORKLOAD, ("exit", {"rc": 0}),
-     ("shutdown", {"reason": "ladder"})], RUN, NOW, K.WORKLOAD_OK),
+    (
+        "4 phase done",
+        [*WORKLOAD, ("phase", {"ph": "done"})],
+        InstanceState("TERMINATED"),
+        NOW,
+        K.WORKLOAD_OK,
+    ),
+    (
+        "4 finished, then the network died",
+        [*WORKLOAD, ("exit", {"rc": 0}), ("shutdown", {"reason": "ladder"})],
+        RUN,
+        NOW,
+        K.WORKLOAD_OK,
+    ),
     ("5 exit rc 1", [*WORKLOAD, ("exit", {"rc": 1, "sig": "-"})], RUN, NOW, K.WORKLOAD_FAILED),
-    ("5 killed by a signal", [*WORKLOAD, ("exit", {"rc": "-", "sig": "KILL"})], RUN, NOW,
-     K.WORKLOAD_FAILED),
-    ("6 spot VM off without a line", WORKLOAD, InstanceState("TERMINATED", spot=True), NOW,
-     K.PREEMPTED),
+    (
+        "5 killed by a signal",
+        [*WORKLOAD, ("exit", {"rc": "-", "sig": "KILL"})],
+        RUN,
+        NOW,
+        K.WORKLOAD_FAILED,
+    ),
+    (
+        "6 spot VM off without a line",
+        WORKLOAD,
+        InstanceState("TERMINATED", spot=True),
+        NOW,
+        K.PREEMPTED,
+    ),
     ("6 spot VM deleted", WORKLOAD, InstanceState("MISSING", spot=True), NOW, K.PREEMPTED),
-    ("7 standard VM off without a line", WORKLOAD, InstanceState("STOPPED"), NOW,
-     K.TERMINATED_UNEXPLAINED),
-    ("7 deleted, no line of ours ever", [], InstanceState("MISSING"), NOW,
-     K.TERMINATED_UNEXPLAINED),
+    (
+        "7 standard VM off without a line",
+        WORKLOAD,
+        InstanceState("STOPPED"),
+        NOW,
+        K.TERMINATED_UNEXPLAINED,
+    ),
+    (
+        "7 deleted, no line of ours ever",
+        [],
+        InstanceState("MISSING"),
+        NOW,
+        K.TERMINATED_UNEXPLAINED,
+    ),
     ("8 stopping", WORKLOAD, InstanceState("STOPPING"), NOW + 3600, K.UNKNOWN),
     ("8 provisioning", WORKLOAD, InstanceState("PROVISIONING"), NOW, K.UNKNOWN),
     ("9 nothing yet", [], RUN, NOW, K.UNKNOWN),
-    ("10 agent stopped by an operator, silent", [*WORKLOAD, ("stop", {"reason": "sigterm"})],
-     RUN, NOW + 3600, K.UNKNOWN),
+    (
+        "10 agent stopped by an operator, silent",
+        [*WORKLOAD, ("stop", {"reason": "sigterm"})],
+        RUN,
+        NOW + 3600,
+        K.UNKNOWN,
+    ),
     ("11 silent in workload", WORKLOAD, RUN, NOW + 3600, K.SUSPECTED_WEDGE),
-    ("11 silent in bootstrap", [("phase", {"ph": "bootstrap"})], RUN, NOW + 3600,
-     K.SUSPECTED_WEDGE),
-    ("11 silent, phase known only from ticks", [("tick", {"rung": "3/10", "ph": "workload"})],
-     InstanceState(None), NOW + 3600, K.SUSPECTED_WEDGE),
-    ("11 restarted agent, then silent", [*WORKLOAD, ("stop", {"reason": "sigterm"}),
-     ("start", {"v": "1"})], RUN, NOW + 3600, K.SUSPECTED_WEDGE),
-    ("12 alive", [*WORKLOAD, ("heartbeat", {"rung": "0/10", "ph": "workload"})], RUN, NOW,
-     K.HEALTHY),
+    (
+        "11 silent in bootstrap",
+        [("phase", {"ph": "bootstrap"})],
+        RUN,
+        NOW + 3600,
+        K.SUSPECTED_WEDGE,
+    ),
+    (
+        "11 silent, phase known only from ticks",
+        [("tick", {"rung": "3/10", "ph": "workload"})],
+        InstanceState(None),
+        NOW + 3600,
+        K.SUSPECTED_WEDGE,
+    ),
+    (
+        "11 restarted agent, then silent",
+        [*WORKLOAD, ("stop", {"reason": "sigterm"}), ("start", {"v": "1"})],
+        RUN,
+        NOW + 3600,
+        K.SUSPECTED_WEDGE,
+    ),
+    (
+        "12 alive",
+        [*WORKLOAD, ("heartbeat", {"rung": "0/10", "ph": "workload"})],
+        RUN,
+        NOW,
+        K.HEALTHY,
+    ),
     ("12 alive, status unknown", WORKLOAD, InstanceState(None), NOW, K.HEALTHY),
 ]
 
 
-@pytest.mark.parametrize(("name", "lines", "state", "now", "want"), TABLE,
-                         ids=[t[0] for t in TABLE])
-def test_decision_table(name: str, lines: list[tuple[str, dict[str, object]]],
-                        state: InstanceState, now: float, want: K) -> None:
+@pytest.mark.parametrize(
+    ("name", "lines", "state", "now", "want"), TABLE, ids=[t[0] for t in TABLE]
+)
+def test_decision_table(
+    name: str, lines: list[tuple[str, dict[str, object]]], state: InstanceState, now: float, want: K
+) -> None:
     v = decide(seq_of(*lines), state, now, Policy())
     assert v.kind is want, v.reason
     assert v.failover is want.failover
@@ -92,7 +165,10 @@ def test_decision_table(name: str, lines: list[tuple[str, dict[str, object]]],
 
 def test_failover_set_is_exactly_the_documented_one() -> None:
     assert {k for k in K if k.failover} == {
-        K.SELF_SHUTDOWN, K.SUSPECTED_WEDGE, K.PREEMPTED, K.TERMINATED_UNEXPLAINED
+        K.SELF_SHUTDOWN,
+        K.SUSPECTED_WEDGE,
+        K.PREEMPTED,
+        K.TERMINATED_UNEXPLAINED,
     }
 
 
@@ -133,11 +209,31 @@ def test_first_terminal_event_by_seq_even_when_lines_arrive_out_of_order() -> No
 
 # -- properties ----------------------------------------------------------------------------
 
-NAMES = ["start", "stop", "phase", "setup_failed", "exit", "shutdown", "preempted", "tick",
-         "heartbeat", "recovered", "x_other"]
+NAMES = [
+    "start",
+    "stop",
+    "phase",
+    "setup_failed",
+    "exit",
+    "shutdown",
+    "preempted",
+    "tick",
+    "heartbeat",
+    "recovered",
+    "x_other",
+]
 PHASES = ["bootstrap", "workload", "done", "-"]
-STATUSES = [None, "RUNNING", "TERMINATED", "STOPPED", "STOPPING", "MISSING", "SUSPENDED",
-            "PROVISIONING", "WEIRD"]
+STATUSES = [
+    None,
+    "RUNNING",
+    "TERMINATED",
+    "STOPPED",
+    "STOPPING",
+    "MISSING",
+    "SUSPENDED",
+    "PROVISIONING",
+    "WEIRD",
+]
 
 an_event = st.builds(
     lambda name, boot, seq, dt, ph, rc: make_event(
@@ -153,10 +249,12 @@ an_event = st.builds(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(an_event, max_size=30), st.sampled_from(STATUSES), st.booleans(),
-       st.floats(0, 20_000))
-def test_decide_is_total_and_consistent(events: list[Event], status: str | None, spot: bool,
-                                        dt: float) -> None:
+@given(
+    st.lists(an_event, max_size=30), st.sampled_from(STATUSES), st.booleans(), st.floats(0, 20_000)
+)
+def test_decide_is_total_and_consistent(
+    events: list[Event], status: str | None, spot: bool, dt: float
+) -> None:
     v = decide(events, InstanceState(status, spot), T0 / 1000 + dt, Policy())
     assert isinstance(v.kind, K) and v.reason
     assert v.failover == v.kind.failover
@@ -165,10 +263,15 @@ def test_decide_is_total_and_consistent(events: list[Event], status: str | None,
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(an_event, min_size=1, max_size=20), st.lists(an_event, max_size=20),
-       st.sampled_from(STATUSES), st.floats(0, 20_000))
-def test_earlier_boots_never_change_the_verdict(latest: list[Event], earlier: list[Event],
-                                                status: str | None, dt: float) -> None:
+@given(
+    st.lists(an_event, min_size=1, max_size=20),
+    st.lists(an_event, max_size=20),
+    st.sampled_from(STATUSES),
+    st.floats(0, 20_000),
+)
+def test_earlier_boots_never_change_the_verdict(
+    latest: list[Event], earlier: list[Event], status: str | None, dt: float
+) -> None:
     boot = latest[-1].boot
     latest = [e for e in latest if e.boot == boot]
     other = [e for e in earlier if e.boot != boot]

@@ -75,8 +75,13 @@ def test_metadata_requires_google_flavor_header(mds: FakeMetadataServer) -> None
 def test_egress_connects_to_any_target(tmp_path: Path) -> None:
     with TcpListener() as up:
         dead = free_port()
-        p = EgressProbe([("127.0.0.1", dead), ("127.0.0.1", up.port)], 1.0, 0.5, None,
-                        AddressCache(tmp_path / "c.json"))
+        p = EgressProbe(
+            [("127.0.0.1", dead), ("127.0.0.1", up.port)],
+            1.0,
+            0.5,
+            None,
+            AddressCache(tmp_path / "c.json"),
+        )
         r, dns = p()
         assert (r.verdict, r.reason, dns) == (Verdict.OK, "ok", "-")
     p = EgressProbe([("127.0.0.1", dead)], 1.0, 0.5, None, AddressCache(None))
@@ -114,11 +119,13 @@ def test_tick_runs_probes_concurrently() -> None:
     def slow_md():  # type: ignore[no-untyped-def]
         time.sleep(0.4)
         from agent.probes import ProbeResult
+
         return ProbeResult(Verdict.FAIL, "timeout", 400)
 
     def slow_eg():  # type: ignore[no-untyped-def]
         time.sleep(0.4)
         from agent.probes import ProbeResult
+
         return ProbeResult(Verdict.FAIL, "timeout", 400), "-"
 
     p = Prober(slow_md, slow_eg, timeout=0.5)
@@ -160,8 +167,10 @@ def test_resolver_hard_deadline_and_rcodes(tmp_path: Path) -> None:
 
 def test_resolver_reads_resolv_conf(tmp_path: Path) -> None:
     conf = tmp_path / "resolv.conf"
-    conf.write_text("# dhclient\nsearch c.proj.internal\nnameserver 169.254.169.254\n"
-                    "nameserver not-an-ip\nnameserver 192.0.2.53\n")
+    conf.write_text(
+        "# dhclient\nsearch c.proj.internal\nnameserver 169.254.169.254\n"
+        "nameserver not-an-ip\nnameserver 192.0.2.53\n"
+    )
     r = DnsPythonResolver(resolv_conf=str(conf))
     assert r._targets() == [("169.254.169.254", 53), ("192.0.2.53", 53)]
     with pytest.raises(OSError, match="no nameserver"):

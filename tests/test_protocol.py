@@ -33,9 +33,14 @@ events = st.builds(
 
 
 def ev(**kw: object) -> Event:
-    base = dict(event="tick", boot="3f2a9c1e", seq=42, ts_ms=1_796_000_000_123,
-                fields=(("rung", "3/10"), ("md", "fail/timeout/5001")),
-                text="BOTH reachability probes FAILED (3/10)")
+    base = dict(
+        event="tick",
+        boot="3f2a9c1e",
+        seq=42,
+        ts_ms=1_796_000_000_123,
+        fields=(("rung", "3/10"), ("md", "fail/timeout/5001")),
+        text="BOTH reachability probes FAILED (3/10)",
+    )
     base.update(kw)
     return Event(**base)  # type: ignore[arg-type]
 
@@ -63,8 +68,12 @@ def test_example_line_is_readable_and_checksummed() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        ev(event="Tick"), ev(boot="XYZ"), ev(fields=(("k", "has space"),)),
-        ev(fields=(("k", "a"), ("k", "b"))), ev(text="hash # inside"), ev(seq=-1),
+        ev(event="Tick"),
+        ev(boot="XYZ"),
+        ev(fields=(("k", "has space"),)),
+        ev(fields=(("k", "a"), ("k", "b"))),
+        ev(text="hash # inside"),
+        ev(seq=-1),
         ev(fields=tuple((f"k{i}", "v" * 30) for i in range(8))),
     ],
 )

@@ -58,8 +58,14 @@ def tr(md: str, eg: str, mdl: int, egl: int) -> TickResult:
     return TickResult(pr(md, mdl, "timeout"), pr(eg, egl, "connect_timeout"), "ok")
 
 
-def agent_lines(tmp: Path, boot: str, wall0: float, script: list[TickResult], ticks: int,
-                extra: dict[int, list[tuple[str, dict[str, object], str]]]) -> list[str]:
+def agent_lines(
+    tmp: Path,
+    boot: str,
+    wall0: float,
+    script: list[TickResult],
+    ticks: int,
+    extra: dict[int, list[tuple[str, dict[str, object], str]]],
+) -> list[str]:
     """Lines of one boot as the agent writes them: the real Agent with a fake clock and prober;
     ``extra[n]`` are lines other writers (fault CLI, memory monitor, phases) add after tick n
     (n = 0: before the agent starts)."""
@@ -69,8 +75,17 @@ def agent_lines(tmp: Path, boot: str, wall0: float, script: list[TickResult], ti
     em = Emitter(sink, SeqAllocator(tmp / boot, boot), boot, clock.wall)
 
     def on_shutdown(reason: str, rung: int, thr: int) -> None:  # what the action chain writes
-        em.emit("shutdown", {"reason": reason, "rung": f"{rung}/{thr}", "action": "poweroff",
-                             "chain": "linger+poweroff"}, "shutting down", sync=True)
+        em.emit(
+            "shutdown",
+            {
+                "reason": reason,
+                "rung": f"{rung}/{thr}",
+                "action": "poweroff",
+                "chain": "linger+poweroff",
+            },
+            "shutting down",
+            sync=True,
+        )
         em.emit("action", {"step": "linger", "status": "ok", "ms": 75000})
         em.emit("action", {"step": "poweroff", "status": "dry_run"}, "would power off")
 
@@ -78,11 +93,19 @@ def agent_lines(tmp: Path, boot: str, wall0: float, script: list[TickResult], ti
         for name, fields, txt in extra.get(rep.n, []):
             em.emit(name, fields, txt)
 
-    cfg = cfgmod.replace(cfgmod.Config(), agent={"interval": 30.0, "probe_timeout": 5.0,
-                                                 "heartbeat_every": 3})
-    deps = Deps(emitter=em, prober=ScriptedProber(script, clock), clock=clock,
-                notifier=FakeNotifier(), store=LadderStore(tmp / boot / "ladder.json", boot),
-                on_shutdown=on_shutdown, phase=lambda: "workload", tick_hooks=[hook])
+    cfg = cfgmod.replace(
+        cfgmod.Config(), agent={"interval": 30.0, "probe_timeout": 5.0, "heartbeat_every": 3}
+    )
+    deps = Deps(
+        emitter=em,
+        prober=ScriptedProber(script, clock),
+        clock=clock,
+        notifier=FakeNotifier(),
+        store=LadderStore(tmp / boot / "ladder.json", boot),
+        on_shutdown=on_shutdown,
+        phase=lambda: "workload",
+        tick_hooks=[hook],
+    )
     for name, fields, txt in extra.get(0, []):
         em.emit(name, fields, txt)
     Agent(cfg, deps).run(threading.Event(), max_ticks=ticks)
@@ -94,13 +117,25 @@ def wedge_and_reboot(tmp: Path) -> tuple[bytes, list[str], list[str]]:
     spliced by a kernel message). Boot 2: healthy, still running: the dump ends mid-line."""
     ok, bad = tr("ok", "ok", 3, 14), tr("fail", "fail", 5001, 5002)
     until = format_ts(T0_MS + 30_000 * 16)[:19] + "Z"
-    mem = [("mem", {"hu": "3.10", "ha": "25.00", "g0": f"{22 + 0.5 * k:.2f}"}, "")
-           for k in range(17)]
+    mem = [
+        ("mem", {"hu": "3.10", "ha": "25.00", "g0": f"{22 + 0.5 * k:.2f}"}, "") for k in range(17)
+    ]
     extra1: dict[int, list[tuple[str, dict[str, object], str]]] = {
         0: [("phase", {"ph": "bootstrap"}, ""), ("phase", {"ph": "workload"}, "")],
-        6: [("fault", {"op": "inject", "id": "f1a2", "cut": "metadata+egress443",
-                       "ttl": "600s", "until": until, "rev": "timer"},
-             "fault injected by operator <operator>")],
+        6: [
+            (
+                "fault",
+                {
+                    "op": "inject",
+                    "id": "f1a2",
+                    "cut": "metadata+egress443",
+                    "ttl": "600s",
+                    "until": until,
+                    "rev": "timer",
+                },
+                "fault injected by operator <operator>",
+            )
+        ],
         9: [("memory_climb", {"g": "gpu0", "slope": "0.017", "cur": "26.50"}, "")],
     }
     for k in range(0, 17, 2):
@@ -146,8 +181,12 @@ def test_agent_log_timeline_faults_memory_and_verdict(tmp_path: Path) -> None:
 
     # The fault: injected at tick 6, never cleared: the reboot ended it.
     (w,) = r.faults
-    assert (w.fault_id, w.cut, w.boot, w.end) == ("f1a2", "metadata+egress443", "aaaa0001",
-                                                  "reboot")
+    assert (w.fault_id, w.cut, w.boot, w.end) == (
+        "f1a2",
+        "metadata+egress443",
+        "aaaa0001",
+        "reboot",
+    )
     assert w.end_ms == r.sections[0].info.last_ts_ms
 
     gpu = [p.gib for p in r.memory if p.gauge == "gpu0_used" and p.boot == "aaaa0001"]
@@ -195,7 +234,11 @@ def test_routine_lines_in_a_row_collapse_into_one_row() -> None:
     w.event("phase", {"ph": "done"})
     rows = text.rows(w.written)
     assert [(r.first.event, r.count) for r in rows] == [
-        ("heartbeat", 5), ("tick", 1), ("tick", 1), ("phase", 1), ("phase", 1)
+        ("heartbeat", 5),
+        ("tick", 1),
+        ("tick", 1),
+        ("phase", 1),
+        ("phase", 1),
     ]
     assert rows[0].last.get("ticks") == "4"
     assert text.probe_cell(rows[1].first, "md") == "fail timeout 5001ms"
@@ -259,7 +302,7 @@ def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> N
     assert "fault injected by operator &lt;operator&gt;" in page
     assert "<operator>" not in page and "vm&lt;1&gt;.log" in page
     assert "data:image/png;base64," in page
-    assert "src=\"http" not in page and "<script" not in page  # nothing loaded from elsewhere
+    assert 'src="http' not in page and "<script" not in page  # nothing loaded from elsewhere
     assert "verdict: healthy" in page
 
 
@@ -268,8 +311,9 @@ def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> N
 
 @needs_mpl
 @needs_corpus
-def test_cli_writes_png_html_and_prints_the_table(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_png_html_and_prints_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data, _, _ = wedge_and_reboot(tmp_path)
     log = tmp_path / "vm.log"
     log.write_bytes(data)
@@ -283,8 +327,9 @@ def test_cli_writes_png_html_and_prints_the_table(tmp_path: Path,
 
 
 @needs_corpus
-def test_cli_json_and_default_now_is_the_files_mtime(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_json_and_default_now_is_the_files_mtime(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data, _, _ = wedge_and_reboot(tmp_path)
     log = tmp_path / "vm.log"
     log.write_bytes(data)
@@ -305,8 +350,19 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(log), "--now", "yesterday"]) == 2
     assert main(["report", str(log), "--drain-timeout", "soon"]) == 2
     assert main(["report", str(log), "--band-gib", "0"]) == 2
-    assert main(["report", str(log), "--now", "last", "--html", str(tmp_path / "no/such/x.html"),
-                 ]) == 73
+    assert (
+        main(
+            [
+                "report",
+                str(log),
+                "--now",
+                "last",
+                "--html",
+                str(tmp_path / "no/such/x.html"),
+            ]
+        )
+        == 73
+    )
 
 
 def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
@@ -320,8 +376,9 @@ def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
         f"rc2 = main(['report', {str(log)!r}, '--html', {str(tmp_path / 'o.html')!r}])\n"
         "print('RC', rc1, rc2)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                       timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 0, p.stderr
     assert "RC 69 0" in p.stdout  # --png: refused (EX_UNAVAILABLE); --html: written without plot
     assert "pip install 'gce-watchdog[report]'" in p.stderr

@@ -72,8 +72,10 @@ def test_stalled_pty_never_stalls_the_ladder(tmp_path: Path) -> None:
         assert port.target == path
         clock = FakeClock()
         fired: list[int] = []
-        cfg = cfgmod.replace(cfgmod.Config(), agent={"interval": 1.0, "probe_timeout": 0.5,
-                                                     "state_dir": str(tmp_path)})
+        cfg = cfgmod.replace(
+            cfgmod.Config(),
+            agent={"interval": 1.0, "probe_timeout": 0.5, "state_dir": str(tmp_path)},
+        )
         deps = Deps(
             emitter=Emitter(port, SeqAllocator(tmp_path, "cafecafe"), "cafecafe", clock.wall),
             prober=ScriptedProber([result("fail", "fail")]),

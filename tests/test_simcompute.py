@@ -87,8 +87,9 @@ def test_start_beyond_end_returns_nothing_at_end(api: FakeComputeAPI) -> None:
 
 def test_bad_port_and_start(api: FakeComputeAPI) -> None:
     assert serial(api, 0, port="9").status_code == 400
-    r = requests.get(url(api, suffix="/serialPort"), params={"start": "abc"}, headers=AUTH,
-                     timeout=5)
+    r = requests.get(
+        url(api, suffix="/serialPort"), params={"start": "abc"}, headers=AUTH, timeout=5
+    )
     assert r.status_code == 400
 
 
@@ -116,8 +117,9 @@ def test_delete_is_idempotent_by_request_id(api: FakeComputeAPI) -> None:
     assert r1.json()["operationType"] == "delete"
     assert requests.get(url(api), headers=AUTH, timeout=5).status_code == 404
     # a different requestId is a new request: the instance is gone
-    other = requests.delete(url(api), params={"requestId": str(uuid.uuid4())}, headers=AUTH,
-                            timeout=5)
+    other = requests.delete(
+        url(api), params={"requestId": str(uuid.uuid4())}, headers=AUTH, timeout=5
+    )
     assert other.status_code == 404
     assert len(api.calls_to("delete")) == 3
     bad = requests.delete(url(api), params={"requestId": "not-a-uuid"}, headers=AUTH, timeout=5)

@@ -202,8 +202,7 @@ def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
         "bytes": total,
         "lines": tl.lines,
         "boots": [
-            {**asdict(b), "lost": b.lost}
-            for b in sorted(tl.boots.values(), key=lambda b: b.order)
+            {**asdict(b), "lost": b.lost} for b in sorted(tl.boots.values(), key=lambda b: b.order)
         ],
         "events": [
             {

@@ -178,9 +178,7 @@ class Ledger:
         )
 
     def all(self) -> list[Decision]:
-        rows = self._db.execute(
-            "SELECT instance_id, boot FROM decisions ORDER BY token"
-        ).fetchall()
+        rows = self._db.execute("SELECT instance_id, boot FROM decisions ORDER BY token").fetchall()
         out = []
         for iid, boot in rows:
             d = self._get(iid, boot)

@@ -17,7 +17,7 @@ from agent.protocol import Event, encode, make_event
 
 # The corpus lives beside the repository: <repo>/../shared/serial-corpus.
 DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "shared" / "serial-corpus"
-KERNEL_MSG = b"[  123.456789] audit: type=1400 audit(1700000000.123:42): apparmor=\"DENIED\""
+KERNEL_MSG = b'[  123.456789] audit: type=1400 audit(1700000000.123:42): apparmor="DENIED"'
 T0_MS = 1_764_475_094_000  # 2025-11-30T03:58:14Z: a fixed, realistic start time
 
 

@@ -148,9 +148,7 @@ def _last_phase(events: Sequence[Event]) -> str | None:
     return None
 
 
-def decide(
-    events: Sequence[Event], instance: InstanceState, now: float, policy: Policy
-) -> Verdict:
+def decide(events: Sequence[Event], instance: InstanceState, now: float, policy: Policy) -> Verdict:
     """Decide what the poller does about one VM.
 
     ``events`` in stream order (several boots allowed), ``now`` in seconds since the epoch.
@@ -191,7 +189,9 @@ def decide(
     # Row 9: nothing of ours yet.
     if not mine:
         return Verdict(
-            VerdictKind.UNKNOWN, "no protocol line yet (booting, or agent not installed)", None,
+            VerdictKind.UNKNOWN,
+            "no protocol line yet (booting, or agent not installed)",
+            None,
             (status_ev,),
         )
 

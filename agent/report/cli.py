@@ -199,8 +199,14 @@ def to_json(r: Any) -> dict[str, Any]:
         "lines": r.lines,
         "boots": [{**asdict(s.info), "lost": s.info.lost} for s in r.sections],
         "events": [
-            {"ts": format_ts(e.ts_ms), "boot": e.boot, "seq": e.seq, "event": e.event,
-             "fields": dict(e.fields), "text": e.text}
+            {
+                "ts": format_ts(e.ts_ms),
+                "boot": e.boot,
+                "seq": e.seq,
+                "event": e.event,
+                "fields": dict(e.fields),
+                "text": e.text,
+            }
             for e in r.events
         ],
         "dropped_events": r.dropped_events,

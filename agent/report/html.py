@@ -26,8 +26,21 @@ tr.key td{background:#fff7e0} tr.shutdown td{background:#fde0e0}
 img{max-width:100%;border:1px solid #ddd}
 .note{color:#666}
 """
-_KEY = frozenset({"start", "stop", "phase", "setup_failed", "exit", "recovered", "fault",
-                  "would_shutdown", "preempted", "memory_climb", "action"})
+_KEY = frozenset(
+    {
+        "start",
+        "stop",
+        "phase",
+        "setup_failed",
+        "exit",
+        "recovered",
+        "fault",
+        "would_shutdown",
+        "preempted",
+        "memory_climb",
+        "action",
+    }
+)
 
 
 def render(r: Report, png: bytes | None, png_note: str = "") -> str:
@@ -43,8 +56,7 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
         f'<p class="verdict{" failover" if v.failover else ""}">{e(verdict_line(r))}</p>',
     ]
     if v.evidence:
-        out.append("<ul>" + "".join(f"<li><code>{e(x)}</code></li>" for x in v.evidence)
-                   + "</ul>")
+        out.append("<ul>" + "".join(f"<li><code>{e(x)}</code></li>" for x in v.evidence) + "</ul>")
     if png is not None:
         b64 = base64.b64encode(png).decode("ascii")
         out.append(f'<p><img alt="timeline" src="data:image/png;base64,{b64}"></p>')
@@ -55,8 +67,10 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
         f"{r.rejected} rejected, {r.duplicates} duplicates, {len(r.seq_gaps)} sequence gaps, "
         f"{r.lost_lines} lines lost.</p>"
     )
-    out.append("<h2>Boots</h2><table><tr><th>boot</th><th>seq</th><th>lines</th><th>lost</th>"
-               "<th>from</th><th>to</th><th>span</th></tr>")
+    out.append(
+        "<h2>Boots</h2><table><tr><th>boot</th><th>seq</th><th>lines</th><th>lost</th>"
+        "<th>from</th><th>to</th><th>span</th></tr>"
+    )
     for sec in r.sections:
         b = sec.info
         out.append(
@@ -81,8 +95,10 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
         out.append("<h2>Injected faults</h2><ul>")
         out.extend(f"<li>{e(fault_line(w).strip())}</li>" for w in r.faults)
         out.append("</ul>")
-    out.append("<h2>Events</h2><table><tr><th>time (UTC)</th><th>boot</th><th>seq</th>"
-               "<th>event</th><th>fields</th><th>text</th></tr>")
+    out.append(
+        "<h2>Events</h2><table><tr><th>time (UTC)</th><th>boot</th><th>seq</th>"
+        "<th>event</th><th>fields</th><th>text</th></tr>"
+    )
     for ev in r.events[:MAX_ROWS]:
         cls = "shutdown" if ev.event == "shutdown" else "key" if ev.event in _KEY else ""
         kv = " ".join(f"{k}={val}" for k, val in ev.fields)

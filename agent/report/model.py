@@ -23,8 +23,17 @@ MAX_EVENTS = 200_000
 # Events that mark a point in time on the plot and in the table.
 MARKER_EVENTS = frozenset(
     {
-        "start", "stop", "phase", "setup_failed", "exit", "shutdown", "would_shutdown",
-        "preempted", "recovered", "memory_climb", "memory_ok",
+        "start",
+        "stop",
+        "phase",
+        "setup_failed",
+        "exit",
+        "shutdown",
+        "would_shutdown",
+        "preempted",
+        "recovered",
+        "memory_climb",
+        "memory_ok",
     }
 )
 _RUNG_RE = re.compile(r"(\d+)/(\d+)\Z")
@@ -232,8 +241,9 @@ def _fault_windows(events: list[Event], boot_end: dict[str, int]) -> list[FaultW
             inj, planned = start
             end = "install_failed" if ev.get("why") == "install_failed" else op
             out.append(
-                FaultWindow(fid, inj.get("cut", "?") or "?", inj.boot, inj.ts_ms, ev.ts_ms, end,
-                            planned)
+                FaultWindow(
+                    fid, inj.get("cut", "?") or "?", inj.boot, inj.ts_ms, ev.ts_ms, end, planned
+                )
             )
     log_end = max((e.ts_ms for e in events), default=0)
     latest = events[-1].boot if events else ""
@@ -244,8 +254,17 @@ def _fault_windows(events: list[Event], boot_end: dict[str, int]) -> list[FaultW
             end_ms, how = planned, "until"
         else:
             end_ms, how = log_end, "open"
-        out.append(FaultWindow(fid, inj.get("cut", "?") or "?", inj.boot, inj.ts_ms,
-                               max(end_ms, inj.ts_ms), how, planned))
+        out.append(
+            FaultWindow(
+                fid,
+                inj.get("cut", "?") or "?",
+                inj.boot,
+                inj.ts_ms,
+                max(end_ms, inj.ts_ms),
+                how,
+                planned,
+            )
+        )
     out.sort(key=lambda w: w.start_ms)
     return out
 
@@ -351,6 +370,13 @@ def build_report(
         keep(tl.feed(bytes(chunk)))
     keep(tl.finish())
     return from_timeline(
-        tl, kept, source=source, size=size, dropped_events=dropped, now=now,
-        instance=instance, policy=policy, band_gib=band_gib,
+        tl,
+        kept,
+        source=source,
+        size=size,
+        dropped_events=dropped,
+        now=now,
+        instance=instance,
+        policy=policy,
+        band_gib=band_gib,
     )

@@ -107,16 +107,24 @@ def _ladder(ax: Any, r: Report) -> None:
         ax.axhline(thr, color="black", ls="--", lw=1, label=f"threshold {thr}")
         ax.set_ylim(-0.5, thr + 1.5)
     if not r.rungs:
-        ax.text(0.5, 0.5, "no rung in any line", transform=ax.transAxes, ha="center",
-                color="gray")
+        ax.text(0.5, 0.5, "no rung in any line", transform=ax.transAxes, ha="center", color="gray")
     ymax = (thr if thr is not None else 10) + 1
     for m in r.markers:
         if m.kind in ("shutdown", "memory_climb", "memory_ok"):
             continue  # shutdown: a line on every axis; memory: on the memory axis
         c = _MARKER_COLOUR.get(m.kind, "tab:gray")
         ax.axvline(_x(m.ts_ms), color=c, ls=":", lw=1)
-        ax.text(_x(m.ts_ms), ymax, m.label, rotation=90, va="top", ha="right", fontsize=7,
-                color=c, clip_on=True)
+        ax.text(
+            _x(m.ts_ms),
+            ymax,
+            m.label,
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color=c,
+            clip_on=True,
+        )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
@@ -150,8 +158,14 @@ def _probes(ax: Any, r: Report) -> None:
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _pos: f"{v:g}"))
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     if not drawn:
-        ax.text(0.5, 0.5, "no probe latency in any line", transform=ax.transAxes,
-                ha="center", color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            "no probe latency in any line",
+            transform=ax.transAxes,
+            ha="center",
+            color="gray",
+        )
     else:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
@@ -161,8 +175,18 @@ def _memory(ax: Any, r: Report) -> None:
     series: dict[str, dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for p in r.memory:
         series[p.gauge][p.boot].append((_x(p.ts_ms), p.gib))
-    colours = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink",
-               "tab:olive", "tab:cyan", "tab:gray", "tab:red"]
+    colours = [
+        "tab:blue",
+        "tab:orange",
+        "tab:green",
+        "tab:purple",
+        "tab:brown",
+        "tab:pink",
+        "tab:olive",
+        "tab:cyan",
+        "tab:gray",
+        "tab:red",
+    ]
     for i, (gauge, boots) in enumerate(sorted(series.items())):
         c = colours[i % len(colours)]
         for j, pts in enumerate(boots.values()):
@@ -171,16 +195,33 @@ def _memory(ax: Any, r: Report) -> None:
             mid = statistics.median(ys)
             half = r.band_gib / 2
             lo, hi = (xs[0], xs[-1]) if len(xs) > 1 else (xs[0] - 1e-4, xs[0] + 1e-4)
-            ax.fill_between([lo, hi], mid - half, mid + half, color=c, alpha=0.12, lw=0,
-                            label=f"pass band {r.band_gib:g} GiB" if i == 0 and j == 0 else None)
+            ax.fill_between(
+                [lo, hi],
+                mid - half,
+                mid + half,
+                color=c,
+                alpha=0.12,
+                lw=0,
+                label=f"pass band {r.band_gib:g} GiB" if i == 0 and j == 0 else None,
+            )
     climbs = [m for m in r.markers if m.kind == "memory_climb"]
     for m in climbs:
         ax.axvline(_x(m.ts_ms), color="tab:red", ls=":", lw=1)
-        ax.text(_x(m.ts_ms), 1.0, m.label, transform=ax.get_xaxis_transform(), rotation=90,
-                va="top", ha="right", fontsize=7, color="tab:red")
+        ax.text(
+            _x(m.ts_ms),
+            1.0,
+            m.label,
+            transform=ax.get_xaxis_transform(),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=7,
+            color="tab:red",
+        )
     if not series:
-        ax.text(0.5, 0.5, "no mem line in this log", transform=ax.transAxes, ha="center",
-                color="gray")
+        ax.text(
+            0.5, 0.5, "no mem line in this log", transform=ax.transAxes, ha="center", color="gray"
+        )
     else:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
@@ -189,18 +230,39 @@ def _shared(ax: Any, r: Report) -> None:
     for k, w in enumerate(r.faults):
         ax.axvspan(_x(w.start_ms), _x(w.end_ms), color="tab:orange", alpha=0.15, lw=0)
         if k < 8:  # labels beyond a handful only clutter; the table lists them all
-            ax.text(_x(w.start_ms), 0.02, f"fault {w.cut}", transform=ax.get_xaxis_transform(),
-                    fontsize=7, color="tab:orange", va="bottom")
+            ax.text(
+                _x(w.start_ms),
+                0.02,
+                f"fault {w.cut}",
+                transform=ax.get_xaxis_transform(),
+                fontsize=7,
+                color="tab:orange",
+                va="bottom",
+            )
     for i, sec in enumerate(r.sections):
         if i:  # the first boot's start is the left edge anyway
             ax.axvline(_x(sec.info.first_ts_ms), color="black", ls="--", lw=0.8)
-            ax.text(_x(sec.info.first_ts_ms), 0.98, f" boot {sec.boot}",
-                    transform=ax.get_xaxis_transform(), fontsize=7, va="top")
+            ax.text(
+                _x(sec.info.first_ts_ms),
+                0.98,
+                f" boot {sec.boot}",
+                transform=ax.get_xaxis_transform(),
+                fontsize=7,
+                va="top",
+            )
     for m in r.markers:
         if m.kind == "shutdown":
             ax.axvline(_x(m.ts_ms), color="red", lw=1.8)
-            ax.text(_x(m.ts_ms), 0.5, f" {m.label}", transform=ax.get_xaxis_transform(),
-                    fontsize=7, color="red", rotation=90, va="center")
+            ax.text(
+                _x(m.ts_ms),
+                0.5,
+                f" {m.label}",
+                transform=ax.get_xaxis_transform(),
+                fontsize=7,
+                color="red",
+                rotation=90,
+                va="center",
+            )
     ax.grid(True, alpha=0.3)
 
 

@@ -43,8 +43,9 @@ def probe_cell(ev: Event, key: str) -> str:
     reason, _, lat = rest.partition("/")
     reason = reason or ev.get(f"{key}r") or ""
     lat = lat or ev.get(f"{key}l") or ""
-    return " ".join(p for p in (verdict, reason if reason != "ok" else "",
-                                f"{lat}ms" if lat else "") if p)
+    return " ".join(
+        p for p in (verdict, reason if reason != "ok" else "", f"{lat}ms" if lat else "") if p
+    )
 
 
 def detail(ev: Event) -> str:
@@ -123,11 +124,15 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
             f"{b.count} lines, {b.lost} lost, {format_ts(b.first_ts_ms)} .. "
             f"{format_ts(b.last_ts_ms)} ({duration(b.last_ts_ms - b.first_ts_ms)})"
         )
-        yield (f"  {'time (UTC)':<14} {'seq':>6}  {'event':<14} {'rung':<6} {'metadata':<22} "
-               f"{'egress':<22} detail")
+        yield (
+            f"  {'time (UTC)':<14} {'seq':>6}  {'event':<14} {'rung':<6} {'metadata':<22} "
+            f"{'egress':<22} detail"
+        )
         table = rows(sec.events)
-        shown = table if len(table) <= MAX_ROWS_PER_BOOT else (
-            table[: MAX_ROWS_PER_BOOT // 2] + table[-MAX_ROWS_PER_BOOT // 2 :]
+        shown = (
+            table
+            if len(table) <= MAX_ROWS_PER_BOOT
+            else (table[: MAX_ROWS_PER_BOOT // 2] + table[-MAX_ROWS_PER_BOOT // 2 :])
         )
         for j, row in enumerate(shown):
             if len(shown) < len(table) and j == MAX_ROWS_PER_BOOT // 2:
@@ -153,7 +158,8 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
     yield ""
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.reject_reasons.items()))
     yield (
-        f"decode: {r.rejected} rejected" + (f" ({reasons})" if reasons else "")
+        f"decode: {r.rejected} rejected"
+        + (f" ({reasons})" if reasons else "")
         + f", {r.duplicates} duplicates, {len(r.seq_gaps)} sequence gaps, "
         f"{r.lost_lines} lines lost"
         + (f", {r.dropped_events} events beyond the report's limit" if r.dropped_events else "")
