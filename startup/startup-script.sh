@@ -205,7 +205,7 @@ fail() {
 	local step=$1 reason=$2 rc=${3:-1}
 	((rc != 0)) || rc=1
 	if [[ $BASHPID != "$$" ]]; then
-		[[ -z $FAIL_NOTE ]] || printf '%s\n%s\n%s\n' "$step" "$reason" "$rc" >"$FAIL_NOTE"
+		[[ -z $FAIL_NOTE ]] || printf '%s\n%s\n%s\n' "${step//$'\n'/ }" "${reason//$'\n'/ }" "$rc" >"$FAIL_NOTE"
 		exit "$rc"
 	fi
 	log "FAILED at step $step (rc=$rc): $reason"
@@ -223,6 +223,7 @@ on_error() { # an unexpected failure under set -e
 	if [[ $BASHPID == "$$" && -n $FAIL_NOTE && -s $FAIL_NOTE ]] &&
 		{ read -r s && read -r r && read -r c; } <"$FAIL_NOTE"; then
 		rm -f "$FAIL_NOTE"
+		[[ $c =~ ^[0-9]+$ ]] || c=$rc
 		fail "$s" "$r" "$c"
 	fi
 	fail "$STEP" "line $line: ${cmd:0:80}" "$rc"

@@ -482,7 +482,8 @@ def test_credentials_in_urls_and_step_arguments_stay_off_the_console(
     assert "s3cr3t" not in p.stderr and b"s3cr3t" not in vm.serial.read_bytes()
 
 
-def test_failure_inside_command_substitution_is_reported_once(vm: Vm) -> None:
+@pytest.mark.parametrize("failing", ["false", "false 'two\nlines'"])
+def test_failure_inside_command_substitution_is_reported_once(vm: Vm, failing: str) -> None:
     """set -E runs the ERR trap inside a command substitution too; the subshell must hand its
     failure to the main shell instead of reporting it: one setup_failed line, one failure action,
     and the innermost detail (the command that failed, not the assignment)."""
@@ -490,7 +491,7 @@ def test_failure_inside_command_substitution_is_reported_once(vm: Vm) -> None:
 source {SCRIPT}
 STATE_DIR={vm.state}; mkdir -p "$STATE_DIR"; FAIL_NOTE=$STATE_DIR/.startup-failure
 STEP=probe
-inner() {{ false; echo not-reached; }}
+inner() {{ {failing}; echo not-reached; }}
 trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
 value=$(inner)
 echo "still running: $value"
@@ -501,6 +502,7 @@ echo "still running: $value"
     assert "still running" not in p.stdout
     failed = [e for e in vm.events() if e.event == "setup_failed"]
     assert len(failed) == 1, [e.text for e in failed]
-    assert failed[0].get("step") == "probe" and "false" in failed[0].text
+    assert failed[0].get("step") == "probe"
+    assert failing.replace("\n", " ") in failed[0].text  # whole, a newline in it or not
     assert vm.actions == ["poweroff"]
     assert not (vm.state / ".startup-failure").exists()
