@@ -78,6 +78,17 @@ class Event:
     def time(self) -> datetime:
         return datetime.fromtimestamp(self.ts_ms / 1000, tz=UTC)
 
+    def to_json(self) -> dict[str, object]:
+        """The event as the poller's and the report's JSON output show it."""
+        return {
+            "ts": format_ts(self.ts_ms),
+            "boot": self.boot,
+            "seq": self.seq,
+            "event": self.event,
+            "fields": dict(self.fields),
+            "text": self.text,
+        }
+
 
 def sanitize_value(value: object, limit: int = MAX_VALUE) -> str:
     """Map an arbitrary value (an exception text, a hostname) into the value alphabet."""

@@ -196,25 +196,13 @@ def cmd_parse(args: argparse.Namespace) -> int:
 def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
     from dataclasses import asdict
 
-    from agent.protocol import format_ts
-
     return {
         "bytes": total,
         "lines": tl.lines,
         "boots": [
             {**asdict(b), "lost": b.lost} for b in sorted(tl.boots.values(), key=lambda b: b.order)
         ],
-        "events": [
-            {
-                "ts": format_ts(e.ts_ms),
-                "boot": e.boot,
-                "seq": e.seq,
-                "event": e.event,
-                "fields": dict(e.fields),
-                "text": e.text,
-            }
-            for e in tl.events
-        ],
+        "events": [e.to_json() for e in tl.events],
         "seq_gaps": [{**asdict(g), "missing": g.missing} for g in tl.seq_gaps],
         "lost_lines": tl.lost_lines,
         "rejected": tl.rejected,

@@ -198,17 +198,7 @@ def to_json(r: Any) -> dict[str, Any]:
         "bytes": r.size,
         "lines": r.lines,
         "boots": [{**asdict(s.info), "lost": s.info.lost} for s in r.sections],
-        "events": [
-            {
-                "ts": format_ts(e.ts_ms),
-                "boot": e.boot,
-                "seq": e.seq,
-                "event": e.event,
-                "fields": dict(e.fields),
-                "text": e.text,
-            }
-            for e in r.events
-        ],
+        "events": [e.to_json() for e in r.events],
         "dropped_events": r.dropped_events,
         "seq_gaps": [{**asdict(g), "missing": g.missing} for g in r.seq_gaps],
         "lost_lines": r.lost_lines,
