@@ -31,7 +31,6 @@ from agent.state import (
     read_boot_id,
     read_json,
     read_phase,
-    short_boot,
     write_json,
 )
 
@@ -418,7 +417,7 @@ def register(sub: Any) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from agent import logs
-    from agent.runtime import load_config_or_exit, make_emitter
+    from agent.runtime import boot_of, load_config_or_exit, make_emitter
     from agent.sdnotify import Notifier
 
     cfg = load_config_or_exit(args)
@@ -446,7 +445,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             device=cfg.serial.device,
             fallback=cfg.serial.fallback_file,
         )
-        boot = short_boot(read_boot_id(cfg.agent.boot_id_path))
+        boot = boot_of(cfg)
         sink = DiscardSink()
         emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=log.info)
     stop = threading.Event()

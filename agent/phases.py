@@ -61,9 +61,6 @@ class _Confirming:
 
         return wait
 
-    def write_line(self, line: str, sync: bool = False) -> bool:
-        return self.submit(line, sync)()
-
     @property
     def dropped(self) -> int:
         return self.sink.dropped

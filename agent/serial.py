@@ -41,8 +41,6 @@ class LineSink(Protocol):
 
     def submit(self, line: str, sync: bool = False) -> Waiter: ...
 
-    def write_line(self, line: str, sync: bool = False) -> bool: ...
-
     @property
     def dropped(self) -> int: ...
 
@@ -58,9 +56,6 @@ class MemorySink:
         self.lines.append(line)
         return lambda: True
 
-    def write_line(self, line: str, sync: bool = False) -> bool:
-        return self.submit(line, sync)()
-
 
 @dataclass
 class DiscardSink:
@@ -73,9 +68,6 @@ class DiscardSink:
     def submit(self, line: str, sync: bool = False) -> Waiter:
         self.dropped += 1
         return lambda: False
-
-    def write_line(self, line: str, sync: bool = False) -> bool:
-        return self.submit(line, sync)()
 
 
 def _open_port(path: str) -> tuple[int, bool]:
@@ -168,6 +160,7 @@ class SerialPort:
         return lambda: w.done.wait(timeout) and w.ok
 
     def write_line(self, line: str, sync: bool = False) -> bool:
+        """Queue a line and wait for it (a sync line: its drain); the blocking form of submit."""
         return self.submit(line, sync)()
 
     def close(self, timeout: float = 2.0) -> None:

@@ -100,10 +100,12 @@ def main(argv):
     head = " ".join(["GCEWD1", boot, str(seq), ts, event])
     # Fields alone too long for 200 bytes (a long host and file name): shorten the longest value,
     # as a reader would reject the whole line otherwise. Every pass makes the line shorter.
-    while fields and len(" ".join([head] + fields)) + len(" #00000000") > 200:
+    while fields:
+        over = len(" ".join([head] + fields)) + len(" #00000000") - 200
+        if over <= 0:
+            break
         i = max(range(len(fields)), key=lambda j: len(fields[j]))
         k, _, v = fields[i].partition("=")
-        over = len(" ".join([head] + fields)) + len(" #00000000") - 200
         if len(v) > 1:
             fields[i] = k + "=" + v[: max(1, len(v) - over)]
         else:

@@ -76,11 +76,17 @@ def test_install_into_a_root_then_again_changes_nothing(tmp_path: Path) -> None:
     assert any("unchanged" in x for x in lines)
 
 
-def test_an_existing_config_is_kept_and_shapes_the_unit(tmp_path: Path) -> None:
-    cfg = tmp_path / CONFIG
+def write_config(root: Path, text: str) -> Path:
+    """The operator's config file, already in the image tree under root."""
+    cfg = root / CONFIG
     cfg.parent.mkdir(parents=True)
-    text = '[agent]\nstate_dir = "/srv/wd"\naction = "delete"\n[serial]\ndevice = "/dev/ttyS1"\n'
     cfg.write_text(text)
+    return cfg
+
+
+def test_an_existing_config_is_kept_and_shapes_the_unit(tmp_path: Path) -> None:
+    text = '[agent]\nstate_dir = "/srv/wd"\naction = "delete"\n[serial]\ndevice = "/dev/ttyS1"\n'
+    cfg = write_config(tmp_path, text)
     install(opts(tmp_path), out=quiet)
     assert cfg.read_text() == text
     unit = (tmp_path / UNIT_PATH).read_text()
@@ -90,9 +96,7 @@ def test_an_existing_config_is_kept_and_shapes_the_unit(tmp_path: Path) -> None:
 
 
 def test_an_invalid_config_stops_the_install(tmp_path: Path) -> None:
-    cfg = tmp_path / CONFIG
-    cfg.parent.mkdir(parents=True)
-    cfg.write_text('[agent]\ninterval = "soon"\n')
+    write_config(tmp_path, '[agent]\ninterval = "soon"\n')
     with pytest.raises(InstallError) as e:
         install(opts(tmp_path), out=quiet)
     assert e.value.code == cfgmod.EX_CONFIG
@@ -203,9 +207,7 @@ def test_cli_install_and_uninstall_with_gcewd_root(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_an_invalid_config_with_exit_78(tmp_path: Path) -> None:
-    cfg = tmp_path / CONFIG
-    cfg.parent.mkdir(parents=True)
-    cfg.write_text("[agnet]\n")
+    write_config(tmp_path, "[agnet]\n")
     p = _cli("install", "--root", str(tmp_path), "--exec", AGENT)
     assert p.returncode == 78
     assert "did you mean 'agent'" in p.stderr
@@ -219,9 +221,7 @@ def test_default_exec_is_this_environments_console_script() -> None:
 
 
 def test_a_serial_device_that_would_add_unit_lines_is_refused(tmp_path: Path) -> None:
-    cfg = tmp_path / CONFIG
-    cfg.parent.mkdir(parents=True)
-    cfg.write_text('[serial]\ndevice = "/dev/ttyS1 rw\\nExecStartPre=/bin/sh -c id"\n')
+    write_config(tmp_path, '[serial]\ndevice = "/dev/ttyS1 rw\\nExecStartPre=/bin/sh -c id"\n')
     with pytest.raises(InstallError) as e:
         install(opts(tmp_path), out=quiet)
     assert "serial.device" in str(e.value)
