@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from netns import PY, VM_ADDR, SimHandle, Topology
 
+from agent import faults
 from agent.protocol import Event, decode_all
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -362,10 +363,12 @@ def test_killed_fault_cli_still_reverts_at_ttl_and_the_agent_recovers(scene: Sce
     inj = scene.fault_line("inject")
 
     def rules_in() -> bool:
-        out = scene.topo.run_in(scene.topo.vm, ["iptables", "-S"]).stdout
-        return "-j DROP" in out
+        # In force only once hooked: `fault inject` fills its chains first and hooks them into
+        # OUTPUT/INPUT last, so a DROP rule alone can be seen before it applies to anything.
+        out = scene.topo.run_in(scene.topo.vm, ["iptables", "-S", "OUTPUT"]).stdout
+        return f"-j {faults.CHAIN_OUT}" in out
 
-    wait_for(rules_in, 10, "the fault's rules")
+    wait_for(rules_in, 10, "the fault's rules, hooked")
     with contextlib.suppress(ProcessLookupError):
         os.killpg(cli.pid, signal.SIGKILL)  # the operator's session is gone
     cli.wait(10)
