@@ -32,7 +32,7 @@ apt-test:
 	fi
 
 demo: $(STAMP)
-	$(VPY) -m agent.demo
+	$(VPY) -m gce_watchdog.testing.demo
 
 test: $(STAMP) apt-test
 	$(VENV)/bin/ruff check agent tests bench

@@ -10,7 +10,7 @@ The dump is real GCE serial output from the corpus (``/work/shared/serial-corpus
 20: a degrading agent writing a tick per 30 s tick between the console output of a busy VM).
 Both sides read the same bytes in the same run:
 
-- decode: ``agent.protocol.decode_all`` (split, marker scan, CRC check, parse, dedup), in
+- decode: ``wire.protocol.decode_all`` (split, marker scan, CRC check, parse, dedup), in
   process, from bytes already in memory;
 - grep: ``grep -F -c GCEWD1 FILE`` as a subprocess (process start included: that is what a
   shell pipeline pays too), the file in the page cache after a warm-up run.
@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
 
-from agent.poller.synth import corpus_dir, realistic_dump
-from agent.poller.timeline import parse_bytes
-from agent.protocol import MARKER, decode_all
+from gce_watchdog.poller.timeline import parse_bytes
+from gce_watchdog.testing.synth import corpus_dir, realistic_dump
+from gce_watchdog.wire.protocol import MARKER, decode_all
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, list[float]]:

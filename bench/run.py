@@ -6,7 +6,7 @@ Usage::
                         [--doc docs/performance.md | --no-doc] [--no-peers]
 
 Everything runs in a fresh vm/gce network-namespace pair (tests/netns.py) with the simulated GCE
-(agent.simgce) in the gce namespace: the agent sees the real metadata address and resolves names
+(testing.simgce) in the gce namespace: the agent sees the real metadata address and resolves names
 through the fake DNS, exactly as on a VM. Faults are a black hole at the far end: iptables DROP in
 the gce namespace's INPUT for every packet to 169.254.169.254 and to the 443 host, so probes
 time out as they do when a VM's network wedges (a DROP on the VM's own OUTPUT fails some sends
@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "agent"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from bench import analysis, peers, report  # noqa: E402
@@ -181,7 +181,7 @@ def stop_procs(procs: list[subprocess.Popen[Any]], grace: float = 3.0) -> None:
 
 
 def events(serial: Path) -> list[Any]:
-    from agent.protocol import decode_all
+    from gce_watchdog.wire.protocol import decode_all
 
     try:
         data = serial.read_bytes()
@@ -258,15 +258,17 @@ IMPORT_PROBES = [
     # What `run` loads with neither of the two big ones: what the agent would weigh if the
     # structlog mirror and dnspython resolution were taken off the daemon's path.
     (NO_BIG_DEPS_LABEL,
-     "import psutil, agent.cli, agent.daemon, agent.probes, agent.runtime, agent.sdnotify"),
-    ("agent.probes", "import agent.probes"),
-    ("agent.daemon", "import agent.daemon"),
-    ("agent.logs", "import agent.logs"),
-    ("agent.actions", "import agent.actions"),
-    ("agent.cli parser (all commands)", "import agent.cli; agent.cli.build_parser()"),
+     "import psutil, gce_watchdog.cli, gce_watchdog.daemon.service, gce_watchdog.daemon.probes,"
+     " gce_watchdog.vm.runtime, gce_watchdog.daemon.sdnotify"),
+    ("gce_watchdog.daemon.probes", "import gce_watchdog.daemon.probes"),
+    ("gce_watchdog.daemon.service", "import gce_watchdog.daemon.service"),
+    ("gce_watchdog.vm.logs", "import gce_watchdog.vm.logs"),
+    ("gce_watchdog.daemon.actions", "import gce_watchdog.daemon.actions"),
+    ("cli parser (all commands)", "import gce_watchdog.cli; gce_watchdog.cli.build_parser()"),
     ("run's imports (cli + daemon + probes + logs + dns)",
-     "import agent.cli; agent.cli.build_parser(); import agent.daemon, agent.probes, agent.logs,"
-     " agent.runtime, agent.sdnotify, dns.message"),
+     "import gce_watchdog.cli as c; c.build_parser(); import gce_watchdog.daemon.service,"
+     " gce_watchdog.daemon.probes, gce_watchdog.vm.logs,"
+     " gce_watchdog.vm.runtime, gce_watchdog.daemon.sdnotify, dns.message"),
 ]  # fmt: skip
 
 
@@ -369,7 +371,7 @@ class Bench:
             d = self.work / "startup" / str(i)
             cfg = peers.agent_config(d, 30.0, 5.0, 10, DEFAULT_TARGETS, heartbeat_every=1)
             t_spawn = time.time()
-            proc = self.spawn([PY, "-m", "agent", "run", "--config", str(cfg)], d)
+            proc = self.spawn([PY, "-m", "gce_watchdog", "run", "--config", str(cfg)], d)
             try:
                 serial = d / "serial.log"
                 hb = wait_for(
@@ -394,7 +396,7 @@ class Bench:
                 "-X",
                 "importtime",
                 "-m",
-                "agent",
+                "gce_watchdog",
                 "run",
                 "--config",
                 str(cfg),
@@ -428,7 +430,7 @@ class Bench:
         interval, timeout = 0.2, 0.15
         cfg = peers.agent_config(d, interval, timeout, 10, DEFAULT_TARGETS, dns_timeout=0.08)
         # cwd "/": a shipped-like venv must import its installed agent, not this checkout's.
-        proc = self.spawn([py, "-m", "agent", "run", "--config", str(cfg)], d, cwd="/")
+        proc = self.spawn([py, "-m", "gce_watchdog", "run", "--config", str(cfg)], d, cwd="/")
         samples: list[tuple[float, float]] = []
         seen = 0
         dns_ok = 0
@@ -482,7 +484,7 @@ class Bench:
         def hb(n: int) -> Any:
             return first_event(serial, "heartbeat", lambda e: int(e.get("ticks") or 0) >= n)
 
-        proc = self.spawn([PY, "-m", "agent", "run", "--config", str(cfg)], d)
+        proc = self.spawn([PY, "-m", "gce_watchdog", "run", "--config", str(cfg)], d)
         try:
             wait_for(functools.partial(hb, 1), 20, "first tick (period)")
             a = proc_usage(proc.pid)

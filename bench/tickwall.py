@@ -1,6 +1,6 @@
 """Tick wall time, measured inside the agent: ``python -m bench.tickwall --config PATH``.
 
-Runs inside the vm namespace with the agent's real edges (``agent.daemon.build_agent``): one
+Runs inside the vm namespace with the agent's real edges (``daemon.service.build_agent``): one
 healthy tick first (it fills the DNS address cache, as a running agent would have), then prints
 ``ready``, waits for one line on stdin (the runner black-holes both paths meanwhile), runs
 ``--ticks`` ticks back to back and prints one JSON object: each tick's wall time
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
 
 
 class _NoNotify:
@@ -25,9 +25,9 @@ class _NoNotify:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agent import config as cfgmod
-    from agent.daemon import build_agent
-    from agent.runtime import make_emitter
+    from gce_watchdog.daemon.service import build_agent
+    from gce_watchdog.vm import config as cfgmod
+    from gce_watchdog.vm.runtime import make_emitter
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True)

@@ -1,8 +1,8 @@
 """Judge an e2e serial log as the poller does: through the fake Compute API and the real poller.
 
 :class:`LivePoller` is handed to :func:`e2e.vm.run` as its ``watch``: while the VM runs, the new
-serial bytes go to :class:`agent.simcompute.FakeComputeAPI` (real HTTP, ``getSerialPortOutput``
-semantics, status RUNNING) and :class:`agent.poller.poller.Poller` polls every ``every`` seconds,
+serial bytes go to :class:`testing.simcompute.FakeComputeAPI` (real HTTP, ``getSerialPortOutput``
+semantics, status RUNNING) and :class:`poller.poller.Poller` polls every ``every`` seconds,
 deciding and claiming in a real SQLite ledger, as the central poller would (reads land wherever the
 file happens to end, often inside a line). When qemu has exited the instance becomes TERMINATED
 and three more looks follow: the final poll, the same poller again, and a second poller with a
@@ -20,13 +20,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.poller.ledger import Ledger
-from agent.poller.poller import Poller, PollOutcome
-from agent.poller.reader import ComputeClient, CursorStore
-from agent.poller.timeline import Timeline, parse_bytes
-from agent.poller.verdict import Policy
-from agent.protocol import Event
-from agent.simcompute import FakeComputeAPI
+from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.poller import Poller, PollOutcome
+from gce_watchdog.poller.reader import ComputeClient, CursorStore
+from gce_watchdog.poller.timeline import Timeline, parse_bytes
+from gce_watchdog.poller.verdict import Policy
+from gce_watchdog.testing.simcompute import FakeComputeAPI
+from gce_watchdog.wire.protocol import Event
 
 PROJECT, ZONE, NAME = "e2e-project", "us-central1-a", "e2e-vm"
 TOKEN = "e2e-token"  # noqa: S105 - the fake Compute API's test token
@@ -134,7 +134,7 @@ def seq_contiguous(events: Sequence[Event]) -> list[int]:
 def report_png(serial_log: Path, out_png: Path, status: str = "TERMINATED") -> str | None:
     """``gce-watchdog report LOG --png OUT``; None when written, else why not (best effort)."""
     r = subprocess.run(
-        [sys.executable, "-m", "agent", "report", str(serial_log), "--png", str(out_png),
+        [sys.executable, "-m", "gce_watchdog", "report", str(serial_log), "--png", str(out_png),
          "--status", status],
         capture_output=True,
         text=True,

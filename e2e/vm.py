@@ -5,7 +5,7 @@ runner; nothing of the agent is baked in. Each run:
 
 1. creates a fresh namespace pair with the shared harness (``tests/netns.py``) and adds a tap device
    to its ``gce`` side (169.254.169.254/16 on the tap: metadata, DNS and the guest's gateway);
-2. starts ``python -m agent.simgce`` there: metadata on 169.254.169.254:80 (the scenario's
+2. starts ``python -m testing.simgce`` there: metadata on 169.254.169.254:80 (the scenario's
    attributes, ``startup-script`` among them), DNS on 169.254.169.254:53, the 443 stand-in and the
    wheelhouse file server on 192.0.2.10 (:443, :80), names ``egress.test`` / ``wheels.test``;
 3. boots qemu (TCG unless asked for KVM) in that namespace with ``-snapshot`` and ``-no-reboot``,

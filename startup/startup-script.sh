@@ -10,8 +10,8 @@
 # (default: power off).
 #
 # Every line written to the serial port is a protocol v1 line (docs/serial-protocol.md), also
-# before the agent is installed: EMITTER_PY below is the one encoder besides agent/protocol.py,
-# and tests/test_startup_script.py checks that agent.protocol decodes what it writes.
+# before the agent is installed: EMITTER_PY below is the one encoder besides agent/gce_watchdog/wire/protocol.py,
+# and tests/test_startup_script.py checks that gce_watchdog.wire.protocol decodes what it writes.
 #
 # `startup-script.sh emit EVENT [key=value ...] [-- text]` writes one line and exits (for
 # bootstrap steps that run before the agent exists).
@@ -48,8 +48,8 @@ CFG_ARGS=()
 log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 
 # ---- the pre-agent emitter ----------------------------------------------------------------------
-# Same wire format as agent/protocol.py, same seq file ("<boot8> <next>\n" under flock) as
-# agent/state.py's SeqAllocator, same port semantics as agent/serial.py (one write, then tcdrain
+# Same wire format as agent/gce_watchdog/wire/protocol.py, same seq file ("<boot8> <next>\n" under flock) as
+# agent/gce_watchdog/vm/state.py's SeqAllocator, same port semantics as agent/gce_watchdog/vm/console.py (one write, then tcdrain
 # on a tty or fsync on a file; the fallback file when the device cannot be opened).
 read -r -d '' EMITTER_PY <<'PY' || true
 import fcntl, os, re, stat, sys, termios, time, zlib

@@ -6,8 +6,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from agent.ladder import Verdict
-from agent.probes import ProbeResult, TickResult
+from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.daemon.probes import ProbeResult, TickResult
 
 
 class FakeClock:

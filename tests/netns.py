@@ -9,7 +9,7 @@ Used by the tests, the benchmarks and the VM end-to-end helpers (no pytest impor
     with Topology() as topo:
         sim = topo.start_simgce()      # metadata 169.254.169.254:80, DNS :53, 443 on 192.0.2.10
         topo.run_in(topo.vm, ["iptables", "-S"])
-        proc = topo.popen_in(topo.vm, [PY, "-m", "agent", "run", "--config", cfg])
+        proc = topo.popen_in(topo.vm, [PY, "-m", "gce_watchdog", "run", "--config", cfg])
         ...
     # on exit (also on exceptions): every process started in either namespace is killed, then the
     # namespaces (and with them the veth pair) are deleted.
@@ -321,7 +321,7 @@ class Topology:
         extra: Sequence[str] = (),
         records: dict[str, str] | None = None,
     ) -> SimHandle:
-        """Start ``python -m agent.simgce`` in the gce namespace and wait until it is ready.
+        """Start ``python -m testing.simgce`` in the gce namespace and wait until it is ready.
 
         Metadata on 169.254.169.254:80, DNS on 169.254.169.254:53 (``egress.test`` ->
         192.0.2.10 plus ``records``), a TCP listener on 192.0.2.10:443, and a control socket
@@ -335,7 +335,7 @@ class Topology:
             ready.unlink()
         recs = {EGRESS_NAME: EGRESS_IP, **(records or {})}
         argv = [
-            PY, "-m", "agent.simgce",
+            PY, "-m", "gce_watchdog.testing.simgce",
             "--metadata", f"{METADATA_IP}:80",
             "--dns", f"{METADATA_IP}:53",
             "--tcp", f"{EGRESS_IP}:443",
@@ -377,6 +377,6 @@ class SimHandle:
     ports: dict[str, Any]
 
     def command(self, **cmd: Any) -> dict[str, Any]:
-        from agent.simgce import send_command
+        from gce_watchdog.testing.simgce import send_command
 
         return send_command(self.control, **cmd)

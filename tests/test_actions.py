@@ -1,4 +1,4 @@
-"""The shutdown action chain (agent/actions.py).
+"""The shutdown action chain (agent/gce_watchdog/daemon/actions.py).
 
 Two layers:
 - in-process, with hand-written fakes for the clock, commands, Compute API and kernel: the order of
@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from gce_watchdog.daemon.actions import ActionChain, ApiResult, RetryPolicy, RunResult
+from gce_watchdog.daemon.metawatch import InstanceInfo, save_instance_cache
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire import protocol
 from hypothesis import given
 from hypothesis import strategies as st
-
-from agent import config as cfgmod
-from agent import protocol
-from agent.actions import ActionChain, ApiResult, RetryPolicy, RunResult
-from agent.metawatch import InstanceInfo, save_instance_cache
-from agent.serial import Emitter, MemorySink
-from agent.state import SeqAllocator
 
 REPO = Path(__file__).resolve().parents[1]
 INST = InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145")
@@ -407,10 +406,10 @@ def test_retry_policy_is_bounded(attempts: int, deadline: float, jitter: float) 
 
 CHILD = r"""
 import json, os, sys, time
-from agent import config as cfgmod
-from agent.actions import ActionChain
-from agent.metawatch import MetadataWatcher
-from agent.runtime import make_emitter
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.daemon.actions import ActionChain
+from gce_watchdog.daemon.metawatch import MetadataWatcher
+from gce_watchdog.vm.runtime import make_emitter
 
 cfg = cfgmod.load(sys.argv[1])
 kernel_log = sys.argv[2]
@@ -448,7 +447,7 @@ class E2E:
     record: Path
 
     def config(self, action: str = "delete", **actions: object) -> Path:
-        from agent.simgce import FakeMetadataServer
+        from gce_watchdog.testing.simgce import FakeMetadataServer
 
         md = self.md
         assert isinstance(md, FakeMetadataServer)
@@ -484,14 +483,14 @@ class E2E:
         return path
 
     def run(self, cfg: Path) -> tuple[dict[str, object], list[protocol.Event]]:
-        from agent.simgce import FakeMetadataServer
+        from gce_watchdog.testing.simgce import FakeMetadataServer
 
         md = self.md
         assert isinstance(md, FakeMetadataServer)
         env = dict(os.environ)
         env["GCE_METADATA_HOST"] = f"127.0.0.1:{md.port}"
         env["GCE_METADATA_IP"] = f"127.0.0.1:{md.port}"
-        env["PYTHONPATH"] = str(REPO)
+        env["PYTHONPATH"] = str(REPO / "agent")
         p = subprocess.run(
             [sys.executable, "-c", CHILD, str(cfg), str(self.tmp / "kernel.log")],
             capture_output=True,
@@ -509,9 +508,9 @@ class E2E:
 
 @pytest.fixture
 def e2e(tmp_path: Path) -> Iterator[E2E]:
-    from agent.simcompute import FakeComputeAPI
-    from agent.simgce import TOKEN, FakeMetadataServer
-    from agent.simgce import InstanceInfo as SimInfo
+    from gce_watchdog.testing.simcompute import FakeComputeAPI
+    from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
+    from gce_watchdog.testing.simgce import InstanceInfo as SimInfo
 
     record = tmp_path / "argv.log"
     recorder = tmp_path / "record.sh"
@@ -568,7 +567,7 @@ def test_e2e_api_succeeds(e2e: E2E) -> None:
 
 
 def test_e2e_api_hangs_and_the_chain_moves_on_within_its_deadline(e2e: E2E) -> None:
-    from agent.simcompute import Fault
+    from gce_watchdog.testing.simcompute import Fault
 
     e2e.api.set_fault("delete", Fault.HANG)  # type: ignore[attr-defined]
     _summary, events = e2e.run(e2e.config("delete"))
@@ -589,7 +588,7 @@ def test_e2e_api_hangs_and_the_chain_moves_on_within_its_deadline(e2e: E2E) -> N
 
 
 def test_e2e_api_refuses_403(e2e: E2E) -> None:
-    from agent.simcompute import Fault
+    from gce_watchdog.testing.simcompute import Fault
 
     e2e.api.set_fault("stop", Fault.REFUSE)  # type: ignore[attr-defined]
     _, events = e2e.run(e2e.config("stop"))
@@ -630,7 +629,7 @@ def test_e2e_dry_run_touches_nothing(e2e: E2E) -> None:
 def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) -> None:
     import signal
 
-    from agent.simgce import SimGCE
+    from gce_watchdog.testing.simgce import SimGCE
 
     with SimGCE() as sim:
         assert sim.tcp is not None
@@ -659,8 +658,8 @@ device = "{tmp_path}/ttyS0"
 """
         )
         serial = tmp_path / "ttyS0"
-        cmd = [sys.executable, "-m", "agent", "run", "--config", str(cfg)]
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
+        env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
 
         def evs() -> list[protocol.Event]:
             return protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []

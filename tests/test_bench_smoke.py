@@ -24,7 +24,7 @@ import time: self [us] | cumulative | imported package
 import time:       241 |        241 |     _json
 import time:       318 |        885 |   json.decoder
 import time:       228 |       1457 | json
-import time:      1000 |       3000 | agent.probes
+import time:      1000 |       3000 | gce_watchdog.daemon.probes
 something else on stderr
 """
 
@@ -50,10 +50,10 @@ def test_importtime_parse_depths_and_packages() -> None:
         ("_json", 2),
         ("json.decoder", 1),
         ("json", 0),
-        ("agent.probes", 0),
+        ("gce_watchdog.daemon.probes", 0),
     ]
     b = analysis.import_breakdown(rows)
-    assert b["top_level"][0]["module"] == "agent.probes"
+    assert b["top_level"][0]["module"] == "gce_watchdog.daemon.probes"
     assert {p["package"]: p["self_ms"] for p in b["packages"]}["json"] == pytest.approx(0.546)
 
 

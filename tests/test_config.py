@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from agent import config as cfgmod
+from gce_watchdog.vm import config as cfgmod
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -104,7 +103,7 @@ def test_bad_durations(raw: object) -> None:
 def test_config_check_cli_exit_codes(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = 0\ninterval = 1\nprobe_timeout = 2\n")
     r = subprocess.run(
-        [sys.executable, "-m", "agent", "config", "check", str(bad)],
+        [sys.executable, "-m", "gce_watchdog", "config", "check", str(bad)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -115,7 +114,7 @@ def test_config_check_cli_exit_codes(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
     good.write_text("[agent]\ninterval = 10\n")
     r = subprocess.run(
-        [sys.executable, "-m", "agent", "config", "check", str(good)],
+        [sys.executable, "-m", "gce_watchdog", "config", "check", str(good)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -126,7 +125,7 @@ def test_config_check_cli_exit_codes(tmp_path: Path) -> None:
 def test_run_refuses_invalid_config(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = -3\n")
     r = subprocess.run(
-        [sys.executable, "-m", "agent", "run", "--config", str(bad)],
+        [sys.executable, "-m", "gce_watchdog", "run", "--config", str(bad)],
         capture_output=True,
         text=True,
         timeout=60,

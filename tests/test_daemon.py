@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeClock, FakeNotifier, ScriptedProber, result
-
-from agent import config as cfgmod
-from agent.daemon import Agent, Deps, LadderStore
-from agent.ladder import LadderState
-from agent.protocol import decode_all
-from agent.serial import Emitter, MemorySink
-from agent.simgce import SimGCE
-from agent.state import SeqAllocator
+from gce_watchdog.daemon.ladder import LadderState
+from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.testing.simgce import SimGCE
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire.protocol import decode_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,7 +186,7 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
     with SimGCE() as sim:
         cfg = _config(tmp_path, sim)
         serial = tmp_path / "ttyS0"
-        cmd = [sys.executable, "-m", "agent", "run", "--config", str(cfg)]
+        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
         p = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
         try:
             assert _wait_for(lambda: any(e.event == "heartbeat" for e in _events(serial)))
@@ -248,7 +247,7 @@ def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
         )
         cfg.write_text(text)
         r = subprocess.run(
-            [sys.executable, "-m", "agent", "run", "--config", str(cfg), "--max-ticks", "3"],
+            [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg), "--max-ticks", "3"],
             cwd=REPO,
             capture_output=True,
             text=True,

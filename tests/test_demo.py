@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_demo_shows_the_shutdown_and_the_recovery() -> None:
     env = {**os.environ, "NO_COLOR": "1"}
     r = subprocess.run(
-        [sys.executable, "-m", "agent.demo"], cwd=REPO, env=env,
+        [sys.executable, "-m", "gce_watchdog.testing.demo"], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

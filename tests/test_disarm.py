@@ -1,4 +1,4 @@
-"""Disarm switch (agent/disarm.py): local file with an expiry, metadata attribute, CLI."""
+"""Disarm switch (daemon/disarm.py): local file with an expiry, metadata attribute, CLI."""
 
 from __future__ import annotations
 
@@ -10,19 +10,18 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from agent import config as cfgmod
-from agent import protocol
-from agent.disarm import (
+from gce_watchdog.daemon.disarm import (
     MAX_DISARM_S,
     DisarmGate,
     disarm_path,
     disarm_status,
 )
-from agent.serial import Emitter, MemorySink
-from agent.state import SeqAllocator
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire import protocol
+from hypothesis import given
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_800_000_000.0  # a fixed wall clock for the pure checks
@@ -164,9 +163,9 @@ def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
             f'[agent]\nstate_dir = "{tmp / "state"}"\nrun_dir = "{tmp / "run"}"\n'
             f'[serial]\ndevice = "{tmp / "serial.log"}"\n'
         )
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
     return subprocess.run(
-        [sys.executable, "-m", "agent", *args, "--config", str(cfg)],
+        [sys.executable, "-m", "gce_watchdog", *args, "--config", str(cfg)],
         capture_output=True,
         text=True,
         timeout=60,

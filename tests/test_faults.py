@@ -19,15 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from gce_watchdog.faults import faults
+from gce_watchdog.faults.faults import CHAIN_IN, CHAIN_OUT, Cut, Deps, FaultError, Paths, Result
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire.protocol import Event, decode_all
 from hypothesis import given
 from hypothesis import strategies as st
 from netns import EGRESS_IP, METADATA_IP, PY, VM_ADDR, Topology
-
-from agent import faults
-from agent.faults import CHAIN_IN, CHAIN_OUT, Cut, Deps, FaultError, Paths, Result
-from agent.protocol import Event, decode_all
-from agent.serial import Emitter, MemorySink
-from agent.state import SeqAllocator
 
 ALL_CUTS = [Cut(*bits) for bits in itertools.product([False, True], repeat=4)]
 NOW = 1_800_000_000.0
@@ -416,7 +415,7 @@ def test_status_shows_expiry_and_overdue(tmp_path: Path) -> None:
 def test_cli_usage_errors_exit_2_before_touching_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from agent.cli import main
+    from gce_watchdog.cli import main
 
     assert main(["fault", "inject", "--ttl", "10m"]) == 2
     assert "nothing to cut" in capsys.readouterr().err
@@ -437,7 +436,7 @@ def write_config(d: Path) -> Path:
 
 
 def fault_cli(topo: Topology, cfg: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return topo.run_in(topo.vm, [PY, "-m", "agent", "fault", *args, "--config", str(cfg)])
+    return topo.run_in(topo.vm, [PY, "-m", "gce_watchdog", "fault", *args, "--config", str(cfg)])
 
 
 def fault_events(d: Path) -> list[Event]:
@@ -557,7 +556,7 @@ def test_real_ttl_reverts_after_the_cli_is_killed(topo: Topology, tmp_path: Path
     ttl = 2.0
     cli = topo.popen_in(
         topo.vm,
-        [PY, "-m", "agent", "fault", "inject", "--metadata", "--egress443",
+        [PY, "-m", "gce_watchdog", "fault", "inject", "--metadata", "--egress443",
          "--ttl", f"{ttl}s", "--config", str(cfg)],
         start_new_session=True,  # its own process group, like an SSH session's shell
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -598,7 +597,7 @@ def test_real_systemd_path_timer_command_clears(topo: Topology, tmp_path: Path) 
     deps = Deps(
         run=run,
         systemd_usable=lambda: True,
-        python=[PY, "-m", "agent"],
+        python=[PY, "-m", "gce_watchdog"],
         emit=lambda e, f, t: em.emit(e, f, t, sync=True) is not None,
     )
     paths = Paths(tmp_path / "run", str(cfg))
@@ -627,14 +626,14 @@ def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
     cfg.chmod(0o644)
     tmp_path.chmod(0o755)
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    probe = [*nobody, PY, "-c", "import agent.faults"]
+    probe = [*nobody, PY, "-c", "import gce_watchdog.faults.faults"]
     if subprocess.run(probe, capture_output=True, cwd="/").returncode:
         # e.g. the checkout or the interpreter lives under a 0700 directory (a private home or
         # a mktemp -d clone): uid 65534 cannot import the agent from there
         pytest.skip(f"uid 65534 cannot import the agent with {PY}")
     r = subprocess.run(
         ["ip", "netns", "exec", topo.vm, "setpriv", "--reuid=65534", "--regid=65534",
-         "--clear-groups", PY, "-m", "agent", "fault", "inject", "--metadata", "--ttl", "1m",
+         "--clear-groups", PY, "-m", "gce_watchdog", "fault", "inject", "--metadata", "--ttl", "1m",
          "--config", str(cfg)],
         capture_output=True, text=True, timeout=30, cwd="/",
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """gce-watchdog fetch: the retry policy (pure, property-tested) and real downloads against local
-HTTP(S) and DNS servers on 127.0.0.1 (agent.simgce.FakeDNS for name resolution)."""
+HTTP(S) and DNS servers on 127.0.0.1 (gce_watchdog.testing.simgce.FakeDNS for name resolution)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from agent import cli, protocol
-from agent.fetch import (
+from gce_watchdog import cli
+from gce_watchdog.bootstrap.fetch import (
     EX_CANTCREAT,
     EX_DATAERR,
     EX_TEMPFAIL,
@@ -40,9 +37,12 @@ from agent.fetch import (
     parse_url,
     run_fetch,
 )
-from agent.serial import Emitter, MemorySink
-from agent.simgce import FakeDNS
-from agent.state import SeqAllocator
+from gce_watchdog.testing.simgce import FakeDNS
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire import protocol
+from hypothesis import given
+from hypothesis import strategies as st
 
 BODY = os.urandom(300_000)  # several read chunks, so "closed mid-body" really is mid-body
 
@@ -531,7 +531,7 @@ def test_ten_minute_dns_outage_on_a_fake_clock(tmp_path: Path) -> None:
     """The incident's case, in virtual time: bounded lines, deadline met to the millisecond."""
     import random
 
-    from agent.fetch import FetchError
+    from gce_watchdog.bootstrap.fetch import FetchError
 
     class Clock:
         t = 0.0

@@ -14,10 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-from agent import config as cfgmod
-from agent.actions import RunResult
-from agent.install import (
+from gce_watchdog.bootstrap.install import (
     UNIT,
     InstallError,
     InstallOptions,
@@ -26,6 +23,8 @@ from agent.install import (
     template,
     uninstall,
 )
+from gce_watchdog.daemon.actions import RunResult
+from gce_watchdog.vm import config as cfgmod
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT_PATH = Path("etc/systemd/system") / UNIT
@@ -186,12 +185,12 @@ def test_uninstall_live_disables_and_stops(tmp_path: Path) -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agent", *args],
+        [sys.executable, "-m", "gce_watchdog", *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        env={**os.environ, "PYTHONPATH": str(REPO / "agent"), **(env or {})},
     )
 
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from agent import ladder
-from agent.ladder import (
+from gce_watchdog.daemon import ladder
+from gce_watchdog.daemon.ladder import (
     Climb,
     Hold,
     LadderState,
@@ -22,6 +19,8 @@ from agent.ladder import (
     classify,
     step,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 OK, FAIL, UNK = Verdict.OK, Verdict.FAIL, Verdict.UNKNOWN
 # One representative observation per tick class (classify is tested on all 9 pairs below).
@@ -180,4 +179,4 @@ def test_step_is_pure_same_input_same_output() -> None:
         [Observation(a, b) for a in Verdict for b in Verdict],
     ):
         assert step(st_, o, 10) == step(st_, o, 10)
-    assert ladder.step.__module__ == "agent.ladder"
+    assert ladder.step.__module__ == "gce_watchdog.daemon.ladder"

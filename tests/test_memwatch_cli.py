@@ -13,9 +13,8 @@ from pathlib import Path
 
 import fake_pynvml
 import pytest
-
-from agent.memwatch import GIB, MIB
-from agent.memwatch.cli import (
+from gce_watchdog.memory import GIB, MIB
+from gce_watchdog.memory.cli import (
     EXIT_CANNOT_RUN,
     EXIT_FAIL,
     EXIT_NOT_ENOUGH_DATA,
@@ -25,7 +24,7 @@ from agent.memwatch.cli import (
     judge,
     parse_size,
 )
-from agent.memwatch.detector import DetectorParams
+from gce_watchdog.memory.detector import DetectorParams
 
 REPO = Path(__file__).resolve().parents[1]
 # Scaled for seconds: 50 ms samples, 2 warm-up, 30 judged, a 64 MiB band.
@@ -43,7 +42,7 @@ _HOLD = "import time\nkeep = bytearray(b'\\x01' * (32 << 20))\ntime.sleep(2.2)\n
 
 def _memwatch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agent", "memwatch", *args],
+        [sys.executable, "-m", "gce_watchdog", "memwatch", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -116,7 +115,7 @@ def test_sigterm_is_forwarded_to_the_command(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "agent",
+            "gce_watchdog",
             "memwatch",
             *FAST,
             "--out",
@@ -236,7 +235,7 @@ def test_parse_size_rejects(text: str) -> None:
 def test_memwatch_is_registered_and_cheap() -> None:
     # The CLI imports every module at start-up; memwatch must not pull psutil/pynvml at import.
     code = (
-        "import sys; import agent.memwatch.cli; "
+        "import sys; import gce_watchdog.memory.cli; "
         "print('psutil' in sys.modules, 'pynvml' in sys.modules)"
     )
     r = subprocess.run(
@@ -245,7 +244,7 @@ def test_memwatch_is_registered_and_cheap() -> None:
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO / "agent")},
     )
     assert r.stdout.split() == ["False", "False"]
     r = _memwatch("--help")

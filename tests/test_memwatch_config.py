@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-from agent import config as cfgmod
+from gce_watchdog.vm import config as cfgmod
 
 
 def test_defaults_report_only() -> None:

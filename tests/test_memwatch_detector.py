@@ -5,11 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from agent.memwatch import GIB, MIB
-from agent.memwatch.detector import (
+from gce_watchdog.memory import GIB, MIB
+from gce_watchdog.memory.detector import (
     DetectorParams,
     Status,
     Verdict,
@@ -18,6 +15,8 @@ from agent.memwatch.detector import (
     mann_kendall,
     theil_sen,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 P = DetectorParams()  # warm-up 10, window 30, band 1 GiB, alpha 0.01
 PERIOD = 30.0  # the agent's default sampling period

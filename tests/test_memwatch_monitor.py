@@ -8,14 +8,13 @@ from pathlib import Path
 
 import fake_pynvml
 import pytest
-
-from agent import config as cfgmod
-from agent.memwatch import GIB
-from agent.memwatch.monitor import MemoryMonitor, _pack
-from agent.memwatch.samplers import GpuSampler, TopProcess
-from agent.protocol import MAX_LINE, Event, decode_all
-from agent.serial import Emitter, MemorySink
-from agent.state import SeqAllocator
+from gce_watchdog.memory import GIB
+from gce_watchdog.memory.monitor import MemoryMonitor, _pack
+from gce_watchdog.memory.samplers import GpuSampler, TopProcess
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire.protocol import MAX_LINE, Event, decode_all
 
 
 class FakeClock:
@@ -262,8 +261,8 @@ def test_a_failing_reader_does_not_kill_the_thread(tmp_path: Path) -> None:
 
 
 def test_climb_that_wobbles_is_one_climb_line(tmp_path: Path) -> None:
-    from agent.memwatch.detector import Status, Verdict
-    from agent.memwatch.monitor import OK_AFTER
+    from gce_watchdog.memory.detector import Status, Verdict
+    from gce_watchdog.memory.monitor import OK_AFTER
 
     mon, sink, _ = _monitor(tmp_path, FakeClock(), Host(), None)
     climb = Verdict(Status.CLIMB, 40, "c", range_bytes=2 * GIB, slope_bytes_per_s=1e6)

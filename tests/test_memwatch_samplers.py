@@ -15,10 +15,9 @@ from collections.abc import Iterator
 import fake_pynvml
 import psutil
 import pytest
-
-from agent.memwatch import GIB, MIB
-from agent.memwatch.detector import DetectorParams, Status, detect
-from agent.memwatch.samplers import GpuSampler, host_gauges, top_processes, tree_rss
+from gce_watchdog.memory import GIB, MIB
+from gce_watchdog.memory.detector import DetectorParams, Status, detect
+from gce_watchdog.memory.samplers import GpuSampler, host_gauges, top_processes, tree_rss
 
 # A child that grows by STEP_MIB every 50 ms (touching every page so it is resident), or holds.
 _CHILD = r"""

@@ -1,4 +1,4 @@
-"""Metadata watcher (agent/metawatch.py) against the simulated metadata server (real HTTP)."""
+"""Metadata watcher (daemon/metawatch.py) against the simulated metadata server (real HTTP)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from agent import config as cfgmod
-from agent import protocol
-from agent.metawatch import (
+from gce_watchdog.daemon.metawatch import (
     InstanceInfo,
     MdResponse,
     MetadataClient,
@@ -21,10 +18,12 @@ from agent.metawatch import (
     metadata_root,
     parse_disarm_value,
 )
-from agent.serial import Emitter, MemorySink
-from agent.simgce import FakeMetadataServer
-from agent.simgce import InstanceInfo as SimInfo
-from agent.state import SeqAllocator
+from gce_watchdog.testing.simgce import FakeMetadataServer
+from gce_watchdog.testing.simgce import InstanceInfo as SimInfo
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire import protocol
 
 
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:

@@ -14,17 +14,16 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeClock, FakeNotifier, ScriptedProber, result
+from gce_watchdog import __version__
+from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.daemon.metrics import MetricsExporter, Snapshot, printable, render
+from gce_watchdog.daemon.probes import ProbeResult
+from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from agent import __version__
-from agent import config as cfgmod
-from agent.daemon import Agent, Deps, LadderStore
-from agent.ladder import Verdict
-from agent.metrics import MetricsExporter, Snapshot, printable, render
-from agent.probes import ProbeResult
-from agent.serial import Emitter, MemorySink
-from agent.state import SeqAllocator
 
 # -- a strict parser for the text exposition format (0.0.4) ---------------------------------------
 

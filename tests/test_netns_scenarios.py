@@ -1,7 +1,7 @@
 """End-to-end outage scenarios on a real network (tests/netns.py): the agent runs as a real process
-inside the "vm" namespace (``ip netns exec``), talks to the simulated GCE (agent.simgce) in the
+inside the "vm" namespace (``ip netns exec``), talks to the simulated GCE (testing.simgce) in the
 "gce" namespace over a veth pair, and writes its serial lines to a file that the tests decode with
-agent.protocol.decode_all. Outages are the operator's own ``gce-watchdog fault inject|clear``
+wire.protocol.decode_all. Outages are the operator's own ``gce-watchdog fault inject|clear``
 (iptables inside the vm namespace), except flapping, which drops the VM's packets on the gce side
 (iptables in the gce namespace) because it must change state every tick.
 
@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gce_watchdog.faults import faults
+from gce_watchdog.wire.protocol import Event, decode_all
 from netns import PY, VM_ADDR, SimHandle, Topology
-
-from agent import faults
-from agent.protocol import Event, decode_all
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -95,7 +94,7 @@ dry_run_op = "none"
         log = open(self.d / "agent.stderr", "ab")  # noqa: SIM115 - closed right after Popen
         self.agent = self.topo.popen_in(
             self.topo.vm,
-            [PY, "-m", "agent", "run", "--config", str(self.cfg)],
+            [PY, "-m", "gce_watchdog", "run", "--config", str(self.cfg)],
             stdout=log,
             stderr=log,
         )
@@ -114,7 +113,7 @@ dry_run_op = "none"
 
     def fault(self, *args: str) -> subprocess.CompletedProcess[str]:
         r = self.topo.run_in(
-            self.topo.vm, [PY, "-m", "agent", "fault", *args, "--config", str(self.cfg)]
+            self.topo.vm, [PY, "-m", "gce_watchdog", "fault", *args, "--config", str(self.cfg)]
         )
         assert r.returncode == 0, f"fault {args}: {r.stdout}{r.stderr}"
         return r
@@ -356,7 +355,7 @@ def test_killed_fault_cli_still_reverts_at_ttl_and_the_agent_recovers(scene: Sce
     ttl = 3.0  # about six ticks: well under the threshold
     cli = scene.topo.popen_in(
         scene.topo.vm,
-        [PY, "-m", "agent", "fault", "inject", "--metadata", "--egress443",
+        [PY, "-m", "gce_watchdog", "fault", "inject", "--metadata", "--egress443",
          "--ttl", f"{ttl}s", "--config", str(scene.cfg)],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

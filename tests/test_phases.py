@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from agent import cli, protocol
-from agent.phases import ExitStatus
-from agent.state import read_phase
+from gce_watchdog import cli
+from gce_watchdog.bootstrap.phases import ExitStatus
+from gce_watchdog.vm.state import read_phase
+from gce_watchdog.wire import protocol
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def _wait_for(path: Path, timeout: float = 20.0) -> None:
 def _spawn_exec(tmp_path: Path, child_code: str) -> subprocess.Popen[bytes]:
     cfg = str(_config(tmp_path))
     return subprocess.Popen(
-        [sys.executable, "-m", "agent", "exec", "--config", cfg, "--", sys.executable, "-c",
+        [sys.executable, "-m", "gce_watchdog", "exec", "--config", cfg, "--", sys.executable, "-c",
          child_code],
         cwd=REPO,
     )  # fmt: skip
@@ -195,7 +195,7 @@ def test_terminal_line_survives_sigkill_right_after_return(
     full = [argv[0], "--config", cfg, *argv[1:]]
     code = (
         "import os, signal, sys\n"
-        "from agent.cli import main\n"
+        "from gce_watchdog.cli import main\n"
         f"rc = main({full!r})\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )

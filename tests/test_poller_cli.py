@@ -10,10 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from agent.cli import main
-from agent.poller.synth import Writer, splice
-from agent.simcompute import FakeComputeAPI, Fault
+from gce_watchdog.cli import main
+from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
+from gce_watchdog.testing.synth import Writer, splice
 
 P, Z = "test-project", "us-central1-a"
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +49,7 @@ def test_parse_json_from_stdin_in_a_real_process() -> None:
         [
             sys.executable,
             "-m",
-            "agent",
+            "gce_watchdog",
             "parse",
             "-",
             "--json",

@@ -9,10 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
-from agent.poller.synth import (
+from gce_watchdog.poller.timeline import Timeline, parse_bytes
+from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
+from gce_watchdog.testing.synth import (
     KERNEL_MSG,
     Writer,
     corpus_dir,
@@ -24,9 +23,9 @@ from agent.poller.synth import (
     truncate,
     with_nuls,
 )
-from agent.poller.timeline import Timeline, parse_bytes
-from agent.poller.verdict import InstanceState, Policy, VerdictKind, decide
-from agent.protocol import Event, decode_all, decode_line, encode
+from gce_watchdog.wire.protocol import Event, decode_all, decode_line, encode
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "serial-corpus"
 needs_corpus = pytest.mark.skipif(

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from agent.poller.ledger import Ledger
+from gce_watchdog.poller.ledger import Ledger
 
 RACERS = 8
 WAIT_S = 60  # every process/barrier wait is bounded

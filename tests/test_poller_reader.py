@@ -9,11 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from google.oauth2.credentials import Credentials
-
-from agent.poller.ledger import Ledger
-from agent.poller.poller import Poller
-from agent.poller.reader import (
+from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.poller import Poller
+from gce_watchdog.poller.reader import (
     AuthError,
     ComputeClient,
     CursorStore,
@@ -21,10 +19,11 @@ from agent.poller.reader import (
     RetryPolicy,
     SerialReader,
 )
-from agent.poller.synth import KERNEL_MSG, Writer
-from agent.poller.timeline import parse_bytes
-from agent.poller.verdict import Policy, VerdictKind
-from agent.simcompute import FakeComputeAPI, Fault
+from gce_watchdog.poller.timeline import parse_bytes
+from gce_watchdog.poller.verdict import Policy, VerdictKind
+from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
+from gce_watchdog.testing.synth import KERNEL_MSG, Writer
+from google.oauth2.credentials import Credentials
 
 P, Z = "test-project", "us-central1-a"
 

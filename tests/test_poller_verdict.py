@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from agent.poller.verdict import (
+from gce_watchdog.poller.verdict import (
     InstanceState,
     Policy,
     VerdictKind,
     decide,
     latest_boot_events,
 )
-from agent.protocol import Event, make_event
+from gce_watchdog.wire.protocol import Event, make_event
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 T0 = 1_764_475_094_000
 B1, B2 = "aaaa0001", "bbbb0002"

@@ -7,16 +7,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from agent.ladder import Verdict
-from agent.probes import (
+from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.daemon.probes import (
     AddressCache,
     DnsPythonResolver,
     EgressProbe,
     Prober,
     probe_metadata,
 )
-from agent.simgce import FakeDNS, FakeMetadataServer, TcpListener
+from gce_watchdog.testing.simgce import FakeDNS, FakeMetadataServer, TcpListener
 
 
 @pytest.fixture
@@ -118,13 +117,13 @@ def test_egress_without_any_address_fails_with_reason(tmp_path: Path) -> None:
 def test_tick_runs_probes_concurrently() -> None:
     def slow_md():  # type: ignore[no-untyped-def]
         time.sleep(0.4)
-        from agent.probes import ProbeResult
+        from gce_watchdog.daemon.probes import ProbeResult
 
         return ProbeResult(Verdict.FAIL, "timeout", 400)
 
     def slow_eg():  # type: ignore[no-untyped-def]
         time.sleep(0.4)
-        from agent.probes import ProbeResult
+        from gce_watchdog.daemon.probes import ProbeResult
 
         return ProbeResult(Verdict.FAIL, "timeout", 400), "-"
 
@@ -202,7 +201,7 @@ def test_metadata_absurd_status_line_is_a_failure_not_an_exception() -> None:
 
 
 def test_tick_turns_a_raising_probe_into_unknown() -> None:
-    from agent.probes import ProbeResult
+    from gce_watchdog.daemon.probes import ProbeResult
 
     def boom() -> ProbeResult:
         raise KeyError("a bug in a probe")

@@ -7,11 +7,17 @@ import zlib
 from pathlib import Path
 
 import pytest
+from gce_watchdog.wire import protocol
+from gce_watchdog.wire.protocol import (
+    Event,
+    ProtocolError,
+    Rejected,
+    decode_all,
+    decode_line,
+    encode,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from agent import protocol
-from agent.protocol import Event, ProtocolError, Rejected, decode_all, decode_line, encode
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "serial-corpus"
 

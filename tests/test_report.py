@@ -12,21 +12,27 @@ from pathlib import Path
 
 import pytest
 from fakes import FakeClock, FakeNotifier, ScriptedProber
+from gce_watchdog.cli import main
+from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.daemon.probes import ProbeResult, TickResult
+from gce_watchdog.daemon.service import Agent, Deps, LadderStore, TickReport
+from gce_watchdog.poller.timeline import parse_bytes
+from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
+from gce_watchdog.report import html, text
+from gce_watchdog.report.model import build_report
+from gce_watchdog.testing.synth import (
+    T0_MS,
+    corpus_dir,
+    corpus_lines,
+    interleave,
+    realistic_dump,
+    splice,
+)
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire.protocol import format_ts
 from test_poller_decode import _scenario_one_boot_with_damage
-
-from agent import config as cfgmod
-from agent.cli import main
-from agent.daemon import Agent, Deps, LadderStore, TickReport
-from agent.ladder import Verdict
-from agent.poller.synth import T0_MS, corpus_dir, corpus_lines, interleave, realistic_dump, splice
-from agent.poller.timeline import parse_bytes
-from agent.poller.verdict import InstanceState, Policy, VerdictKind, decide
-from agent.probes import ProbeResult, TickResult
-from agent.protocol import format_ts
-from agent.report import html, text
-from agent.report.model import build_report
-from agent.serial import Emitter, MemorySink
-from agent.state import SeqAllocator
 
 REPO = Path(__file__).resolve().parents[1]
 needs_corpus = pytest.mark.skipif(corpus_dir() is None, reason="serial corpus not found")
@@ -223,7 +229,7 @@ def test_poller_damage_scenario_reports_rejects_gaps_and_shutdown() -> None:
 
 
 def test_routine_lines_in_a_row_collapse_into_one_row() -> None:
-    from agent.poller.synth import Writer
+    from gce_watchdog.testing.synth import Writer
 
     w = Writer(boot="cccc0003")
     for k in range(5):
@@ -262,7 +268,7 @@ def test_no_line_of_ours_and_empty_input() -> None:
 def test_png_is_a_valid_image_of_the_expected_size_with_three_axes(tmp_path: Path) -> None:
     import io
 
-    from agent.report import plot
+    from gce_watchdog.report import plot
 
     data, _, _ = wedge_and_reboot(tmp_path)
     r = build_report(data, source="vm.log")
@@ -290,7 +296,7 @@ def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> N
     if HAVE_MPL:
         import io
 
-        from agent.report import plot
+        from gce_watchdog.report import plot
 
         buf = io.BytesIO()
         plot.write_png(r, buf)
@@ -371,7 +377,7 @@ def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     log.write_bytes(b"console\n")
     code = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from agent.cli import main\n"
+        "from gce_watchdog.cli import main\n"
         f"rc1 = main(['report', {str(log)!r}, '--png', {str(tmp_path / 'o.png')!r}])\n"
         f"rc2 = main(['report', {str(log)!r}, '--html', {str(tmp_path / 'o.html')!r}])\n"
         "print('RC', rc1, rc2)\n"
@@ -399,7 +405,7 @@ def test_render_time_of_a_1mib_log() -> None:
     if HAVE_MPL:
         import io
 
-        from agent.report import plot
+        from gce_watchdog.report import plot
 
         t1 = time.perf_counter()
         plot.write_png(r, io.BytesIO())

@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 from fakes import FakeClock, FakeNotifier, ScriptedProber, result
-
-from agent import config as cfgmod
-from agent.daemon import Agent, Deps, LadderStore
-from agent.protocol import decode_all
-from agent.serial import Emitter, SerialPort
-from agent.state import SeqAllocator
+from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, SerialPort
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire.protocol import decode_all
 
 
 def test_lines_reach_a_file_in_order_and_decode(tmp_path: Path) -> None:

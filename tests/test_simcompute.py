@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-
-from agent.simcompute import FakeComputeAPI, Fault
+from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 
 P, Z = "test-project", "us-central1-a"
 AUTH = {"Authorization": "Bearer tok"}

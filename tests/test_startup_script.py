@@ -1,5 +1,5 @@
 """The real start-up script, end to end, against a temporary root and local servers
-(agent.simgce's metadata and file servers): phases, setup_failed, the pre-agent emitter."""
+(testing.simgce's metadata and file servers): phases, setup_failed, the pre-agent emitter."""
 
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from agent import protocol
-from agent.serial import Emitter, MemorySink
-from agent.simgce import FakeMetadataServer, StaticFileServer
-from agent.state import SeqAllocator, read_boot_id, read_phase, short_boot
+from gce_watchdog.testing.simgce import FakeMetadataServer, StaticFileServer
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase, short_boot
+from gce_watchdog.wire import protocol
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "startup" / "startup-script.sh"
@@ -85,7 +84,7 @@ class Vm:
         prefix = self.root / "opt/gce-watchdog"
         (prefix / "bin").mkdir(parents=True)
         shim = prefix / "bin/gce-watchdog"
-        shim.write_text(f'#!/bin/sh\nexec "{PY}" -m agent "$@"\n')
+        shim.write_text(f'#!/bin/sh\nexec "{PY}" -m gce_watchdog "$@"\n')
         shim.chmod(0o755)
         (prefix / ".baked").write_text("gce-watchdog test\n")
 
@@ -334,7 +333,7 @@ def _shim_wheel(dest: Path) -> Path:
     files = {
         "gcewd_shim.py": (
             "import os, sys\n"
-            f"def main():\n    os.execv({PY!r}, [{PY!r}, '-m', 'agent', *sys.argv[1:]])\n"
+            f"def main():\n    os.execv({PY!r}, [{PY!r}, '-m', 'gce_watchdog', *sys.argv[1:]])\n"
         ),
         "gce_watchdog-0.1.0.dist-info/METADATA": (
             "Metadata-Version: 2.1\nName: gce-watchdog\nVersion: 0.1.0\n"

@@ -16,12 +16,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from agent import config as cfgmod
-from agent.install import HIDDEN_PREFIXES, default_exec, render_unit, template
+from gce_watchdog.bootstrap.install import HIDDEN_PREFIXES, default_exec, render_unit, template
+from gce_watchdog.vm import config as cfgmod
 
 REPO = Path(__file__).resolve().parents[1]
-UNIT_SRC = REPO / "agent" / "data" / "gce-watchdog.service"
+UNIT_SRC = REPO / "agent" / "gce_watchdog" / "data" / "gce-watchdog.service"
 DOC = REPO / "docs" / "systemd.md"
 TARGET_EXPOSURE = 2.5  # the target for `systemd-analyze security --offline=true`
 

@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 
 import pytest
+from gce_watchdog.poller.verdict import VerdictKind
+from gce_watchdog.wire.protocol import Event
 
-from agent.poller.verdict import VerdictKind
-from agent.protocol import Event
 from e2e import observe, vm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]

@@ -1,3 +1,0 @@
-from agent.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,3 @@
+from gce_watchdog.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Bootstrap: downloads that survive DNS failures (fetch), job phases, and installation."""

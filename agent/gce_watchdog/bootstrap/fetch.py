@@ -1,0 +1,885 @@
+"""``gce-watchdog fetch URL -o PATH``: a download that survives a VM whose DNS is not ready yet.
+
+Shape (deciding is separated from doing):
+
+- :class:`RetryPolicy` is the pure decision core: given the attempt number, the time spent, the
+  server's ``Retry-After`` and a jitter sample, it says how long to wait, or to give up. It never
+  lets a wait carry the run past the deadline.
+- :class:`RateLimit` decides which failed attempts get a serial line (a 10-minute DNS outage must
+  not flood the console).
+- :func:`run_fetch` performs attempts with tenacity (stop and wait rules both ask the policy),
+  through two narrow interfaces: a :class:`Resolver` (dnspython by default) and the HTTP attempt,
+  which connects to the address that resolver returned (never re-resolving through the system
+  resolver) while sending the URL's host in the ``Host`` header and in TLS SNI.
+
+Exit codes (``docs/bootstrap.md``): 0 ok, 64 bad arguments, 65 checksum mismatch, 69 refused by
+the server, 73 cannot write the target, 75 gave up at the deadline.
+
+Heavy imports (dnspython, http.client, ssl, tenacity) happen inside the functions that use them:
+this module is imported by every ``gce-watchdog`` invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import random
+
+    from gce_watchdog.vm.console import Emitter
+
+EX_OK = 0
+EX_USAGE = 64  # sysexits.h: bad command line
+EX_DATAERR = 65  # sysexits.h: the data was wrong (checksum mismatch)
+EX_UNAVAILABLE = 69  # sysexits.h: the server refused (4xx other than 408/429, bad redirect, TLS)
+EX_CANTCREAT = 73  # sysexits.h: cannot create the output file
+EX_TEMPFAIL = 75  # sysexits.h: temporary failure; gave up at the deadline
+
+DEFAULT_DEADLINE = 600.0  # 10 min: covers a fresh Spot VM's DNS start-up with a wide margin
+# One DNS attempt: dnspython retries its servers within this lifetime. 5 s is the guest agent's
+# spacing between DNS look-ups before it fetches start-up scripts.
+DNS_LIFETIME = 5.0
+CONNECT_TIMEOUT = 10.0  # TCP + TLS handshake; a SYN that is dropped shows up here
+READ_TIMEOUT = 30.0  # between two received chunks; a stalled transfer is retried
+MAX_REDIRECTS = 10  # what curl and requests allow by default (30 / 30), kept smaller
+CHUNK = 64 * 1024
+SERIAL_EVERY = 60.0  # at most one serial line per minute for failed attempts after the first
+PROGRESS_EVERY = 0.5  # seconds between progress repaints on a terminal
+
+# Attempts that fail for these reasons are retried; anything else is final.
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504}) | frozenset(range(505, 600))
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: each attempt ends in one of these (or success).
+
+
+class FetchError(Exception):
+    """A failed attempt. ``kind`` is a short token for serial lines (``dns``, ``http503`` ...)."""
+
+    retryable = True
+    rc = EX_TEMPFAIL
+
+    def __init__(self, kind: str, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retry_after = retry_after
+
+
+class Refused(FetchError):
+    """The server (or the URL) says no, and asking again will not change that."""
+
+    retryable = False
+    rc = EX_UNAVAILABLE
+
+
+class ChecksumMismatch(FetchError):
+    retryable = False
+    rc = EX_DATAERR
+
+
+class LocalError(FetchError):
+    """The target cannot be written (permissions, disk full, not a directory)."""
+
+    retryable = False
+    rc = EX_CANTCREAT
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure decision core.
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When to try again. Exponential back-off with jitter, bounded by an absolute deadline.
+
+    A wait is ``min(max_wait, initial * multiplier**(attempt-1))`` shortened by up to ``jitter`` of
+    itself (so many VMs booting together spread out), at least the server's ``Retry-After``, and
+    never longer than the time left minus ``min_attempt``: the last attempt starts before the
+    deadline instead of the run overshooting it by a full back-off step.
+    """
+
+    deadline: float  # seconds from the start of the run
+    initial: float = 1.0
+    multiplier: float = 2.0
+    max_wait: float = 30.0  # with a 10-min deadline: one try every ~30 s once DNS stays down
+    jitter: float = 0.5
+    # An attempt needs some time to be worth starting (DNS round trip + TCP handshake).
+    min_attempt: float = 1.0
+
+    def backoff(self, attempt: int, u: float) -> float:
+        """The jittered back-off after failed attempt ``attempt`` (1-based); u in [0, 1)."""
+        base = min(self.max_wait, self.initial * self.multiplier ** min(attempt - 1, 64))
+        return base * (1.0 - self.jitter * u)
+
+    def next_wait(
+        self, attempt: int, elapsed: float, retry_after: float | None, u: float
+    ) -> float | None:
+        """Seconds to wait before the next attempt, or None to give up now."""
+        slack = self.deadline - elapsed - min(self.min_attempt, self.deadline / 10)
+        if slack < 0:
+            return None
+        if retry_after is not None and retry_after > slack:
+            return None  # the server asked us to come back after the deadline
+        wait = max(self.backoff(attempt, u), retry_after or 0.0)
+        return min(wait, slack)
+
+
+@dataclass
+class RateLimit:
+    """Which failed attempts get a serial line: the first, then at most one per ``every`` s.
+
+    ``suppressed`` counts the attempts not reported since the last line; the caller puts it on the
+    next line it writes (``supp=N``) so nothing is silently lost.
+    """
+
+    every: float
+    last: float | None = None
+    suppressed: int = 0
+
+    def allow(self, now: float) -> bool:
+        if self.last is None or now - self.last >= self.every:
+            self.last = now
+            return True
+        self.suppressed += 1
+        return False
+
+    def take_suppressed(self) -> int:
+        n, self.suppressed = self.suppressed, 0
+        return n
+
+
+def parse_retry_after(value: str | None, now_wall: float) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent/bad."""
+    if not value:
+        return None
+    v = value.strip()
+    if v.isdigit():
+        return float(v)
+    from email.utils import parsedate_to_datetime
+
+    try:
+        when = parsedate_to_datetime(v)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - now_wall)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments.
+
+
+@dataclass(frozen=True)
+class Url:
+    scheme: str
+    host: str
+    port: int
+    target: str  # path + query, what goes on the request line
+
+    @property
+    def netloc(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return h if self.port == default else f"{h}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.netloc}{self.target}"
+
+
+def parse_url(raw: str) -> Url:
+    """An http(s) URL with a host; raises ValueError with a readable message otherwise."""
+    from urllib.parse import urlsplit
+
+    raw = raw.strip()
+    bad = next((c for c in raw if ord(c) <= 0x20 or ord(c) == 0x7F), None)
+    if bad is not None:
+        # http.client refuses these on the request line: without this check every attempt would
+        # fail the same way and the fetch would retry to its deadline instead of exiting 64.
+        raise ValueError(
+            f"bad URL {raw!r}: it contains {'a space' if bad == ' ' else repr(bad)}; "
+            "percent-encode it (a space is %20)"
+        )
+    try:
+        s = urlsplit(raw)
+        port = s.port
+    except ValueError as e:
+        raise ValueError(f"bad URL {raw!r}: {e}") from None
+    if s.scheme not in ("http", "https"):
+        raise ValueError(f"bad URL {raw!r}: only http:// and https:// are supported")
+    if not s.hostname:
+        raise ValueError(f"bad URL {raw!r}: no host")
+    if s.username or s.password:
+        raise ValueError(f"bad URL {raw!r}: credentials in URLs are not supported")
+    target = (s.path or "/") + (f"?{s.query}" if s.query else "")
+    return Url(s.scheme, s.hostname, port or (443 if s.scheme == "https" else 80), target)
+
+
+def parse_dns_server(raw: str) -> tuple[str, int]:
+    """``IP``, ``IP:PORT`` or ``[IPv6]:PORT`` -> (ip, port); raises ValueError."""
+    import ipaddress
+
+    s = raw.strip()
+    host, port = s, 53
+    if s.startswith("["):
+        host, _, rest = s[1:].partition("]")
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                raise ValueError(f"bad DNS server {raw!r}: want IP or IP:PORT")
+            port = int(rest[1:])
+    elif s.count(":") == 1:
+        host, _, p = s.partition(":")
+        if not p.isdigit():
+            raise ValueError(f"bad DNS server {raw!r}: want IP or IP:PORT")
+        port = int(p)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"bad DNS server {raw!r}: {host!r} is not an IP address") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"bad DNS server {raw!r}: port out of range")
+    return host, port
+
+
+_SHA_RE = re.compile(r"[0-9a-fA-F]{64}\Z")
+
+
+@dataclass(frozen=True)
+class FetchRequest:
+    url: Url
+    output: Path
+    deadline: float = DEFAULT_DEADLINE
+    sha256: str | None = None
+    mode: int = 0o644
+    dns_servers: tuple[tuple[str, int], ...] = ()
+    ca_file: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Side-effect interfaces and their real implementations.
+
+
+class Resolver(Protocol):
+    def resolve(self, host: str, timeout: float) -> list[str]:
+        """Addresses for host, or raise FetchError(kind='dns'). Bounded by timeout."""
+        ...
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def hosts_file_lookup(path: str | Path, host: str) -> list[str]:
+    """Addresses for host in an /etc/hosts style file (what the system resolver reads first)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    want = host.rstrip(".").lower()
+    out: list[str] = []
+    for line in text.splitlines():
+        parts = line.split("#", 1)[0].split()
+        if len(parts) >= 2 and want in (n.lower() for n in parts[1:]) and _is_ip(parts[0]):
+            out.append(parts[0])
+    return out
+
+
+@dataclass
+class DnsResolver:
+    """dnspython resolver: the given servers, else /etc/hosts then /etc/resolv.conf.
+
+    With no servers the system configuration is re-read on every attempt: early in boot
+    resolv.conf may not exist yet, and that is one of the failures we wait out.
+    """
+
+    servers: tuple[tuple[str, int], ...] = ()
+    hosts_path: str = "/etc/hosts"
+    resolv_conf: str = "/etc/resolv.conf"
+
+    def resolve(self, host: str, timeout: float) -> list[str]:
+        if _is_ip(host):
+            return [host]
+        if not self.servers:
+            found = hosts_file_lookup(self.hosts_path, host)
+            if found:
+                return found
+        import dns.exception
+        import dns.nameserver
+        import dns.resolver
+
+        try:
+            if self.servers:
+                r = dns.resolver.Resolver(configure=False)
+                r.nameservers = [
+                    dns.nameserver.Do53Nameserver(ip, port) for ip, port in self.servers
+                ]
+            else:
+                r = dns.resolver.Resolver(filename=self.resolv_conf)
+        except dns.resolver.NoResolverConfiguration:
+            raise FetchError("dns", f"no DNS servers configured in {self.resolv_conf}") from None
+        except OSError as e:
+            raise FetchError("dns", f"cannot read {self.resolv_conf}: {e.strerror}") from None
+        timeout = max(0.05, timeout)
+        r.timeout = timeout
+        r.lifetime = timeout
+        try:
+            ans = r.resolve(host, "A", lifetime=timeout)
+            return [rr.to_text() for rr in ans]
+        except dns.resolver.NoAnswer:
+            pass  # no A record: an IPv6-only name
+        except dns.resolver.NXDOMAIN:
+            # Retried too: a resolver that is still starting (or a VPC zone not yet attached)
+            # can say NXDOMAIN for a name that resolves a minute later. The deadline bounds it.
+            raise FetchError("dns", f"{host}: no such name (NXDOMAIN)") from None
+        except dns.resolver.LifetimeTimeout:
+            raise FetchError("dns", f"{host}: DNS timed out after {timeout:.1f}s") from None
+        except dns.resolver.NoNameservers as e:
+            raise FetchError("dns", f"{host}: DNS servers failed ({_short(e)})") from None
+        except dns.exception.DNSException as e:
+            raise FetchError("dns", f"{host}: {_short(e)}") from None
+        try:
+            ans = r.resolve(host, "AAAA", lifetime=timeout)
+            return [rr.to_text() for rr in ans]
+        except dns.exception.DNSException as e:
+            raise FetchError("dns", f"{host}: no address ({_short(e)})") from None
+
+
+def _short(e: BaseException, limit: int = 160) -> str:
+    s = " ".join(str(e).split()) or type(e).__name__
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+_CONN_CLASSES: tuple[Any, Any] | None = None
+
+
+def _connection_classes() -> tuple[Any, Any]:
+    """HTTP(S) connections that dial a fixed address but speak to the URL's host name.
+
+    Built on first use so ``http.client`` and ``ssl`` are not imported by every CLI call.
+    """
+    global _CONN_CLASSES
+    if _CONN_CLASSES is not None:
+        return _CONN_CLASSES
+    import http.client
+    import socket
+    import ssl
+
+    class PinnedHTTP(http.client.HTTPConnection):
+        def __init__(self, host: str, port: int, addr: str, timeout: float) -> None:
+            super().__init__(host, port, timeout=timeout)
+            self.addr = addr
+
+        def connect(self) -> None:
+            # The address our resolver found, not getaddrinfo(self.host): the system resolver is
+            # exactly what may not work yet.
+            self.sock = socket.create_connection((self.addr, self.port), self.timeout)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    class PinnedHTTPS(PinnedHTTP):
+        def __init__(
+            self, host: str, port: int, addr: str, timeout: float, ctx: ssl.SSLContext
+        ) -> None:
+            super().__init__(host, port, addr, timeout)
+            self.ctx = ctx
+
+        def connect(self) -> None:
+            super().connect()
+            # SNI and certificate check against the URL's host name.
+            self.sock = self.ctx.wrap_socket(self.sock, server_hostname=self.host)
+
+    _CONN_CLASSES = (PinnedHTTP, PinnedHTTPS)
+    return _CONN_CLASSES
+
+
+# ---------------------------------------------------------------------------------------------
+# One attempt.
+
+
+@dataclass
+class Progress:
+    """A one-line progress display on a terminal (stderr only when it is a tty)."""
+
+    stream: IO[str] | None
+    clock: Callable[[], float]
+    last: float | None = None
+
+    def show(self, got: int, total: int | None, force: bool = False) -> None:
+        if self.stream is None:
+            return
+        now = self.clock()
+        if not force and self.last is not None and now - self.last < PROGRESS_EVERY:
+            return
+        self.last = now
+        mib = got / 1048576
+        if total:
+            msg = f"\r  {mib:8.1f} / {total / 1048576:.1f} MiB {100 * got // total:3d}%"
+        else:
+            msg = f"\r  {mib:8.1f} MiB"
+        self.stream.write(msg)
+        self.stream.flush()
+
+    def done(self) -> None:
+        if self.stream is not None and self.last is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.last = None
+
+
+@dataclass
+class Attempt:
+    """Everything one HTTP attempt needs; ``run()`` returns bytes written or raises FetchError."""
+
+    req: FetchRequest
+    resolver: Resolver
+    clock: Callable[[], float]
+    wall: Callable[[], float]
+    deadline_at: float  # clock() value of the deadline
+    progress: Progress
+    budget: float = DEFAULT_DEADLINE  # the whole run's deadline, in seconds
+    ssl_context: Any = None
+    resolved: dict[str, list[str]] = field(default_factory=dict)
+
+    def left(self) -> float:
+        return self.deadline_at - self.clock()
+
+    def run(self) -> int:
+        url = self.req.url
+        for _ in range(MAX_REDIRECTS + 1):
+            nxt = self._one(url)
+            if isinstance(nxt, int):
+                return nxt
+            if url.scheme == "https" and nxt.scheme == "http":
+                raise Refused("redirect", f"refusing redirect from https to plain http: {nxt}")
+            url = nxt
+        raise Refused("redirect", f"more than {MAX_REDIRECTS} redirects")
+
+    def _one(self, url: Url) -> int | Url:
+        import http.client
+        import ssl
+
+        # A short deadline still gets several DNS attempts: one may use at most a fifth of it.
+        lifetime = min(DNS_LIFETIME, self.budget / 5, self.left())
+        addrs = self.resolver.resolve(url.host, max(0.05, lifetime))
+        self.resolved[url.host] = addrs
+        last: FetchError | None = None
+        for addr in addrs[:3]:  # a few addresses, not a long list: the deadline is shared
+            try:
+                return self._request(url, addr)
+            except FetchError as e:
+                if not e.retryable or e.kind not in ("connect", "refused"):
+                    raise
+                last = e
+            except ssl.SSLCertVerificationError as e:
+                # Retrying will not fix a certificate that does not match.
+                raise Refused("tls", f"{url.host}: certificate check failed: {_short(e)}") from None
+            except ssl.SSLError as e:
+                raise FetchError("tls", f"{url.host}: TLS error: {_short(e)}") from None
+            except http.client.HTTPException as e:
+                raise FetchError(
+                    "protocol", f"{url.host}: bad HTTP response: {_short(e)}"
+                ) from None
+            except OSError as e:  # anything the narrower handlers above did not classify
+                raise FetchError("network", f"{url.host}: {_short(e)}") from None
+        assert last is not None
+        raise last
+
+    def _request(self, url: Url, addr: str) -> int | Url:
+        import ssl
+
+        http_cls, https_cls = _connection_classes()
+        timeout = max(0.05, min(CONNECT_TIMEOUT, self.left()))
+        if url.scheme == "https":
+            if self.ssl_context is None:
+                self.ssl_context = ssl.create_default_context(cafile=self.req.ca_file)
+            conn = https_cls(url.host, url.port, addr, timeout, self.ssl_context)
+        else:
+            conn = http_cls(url.host, url.port, addr, timeout)
+        try:
+            try:
+                conn.connect()
+            except ConnectionRefusedError:
+                raise FetchError("refused", f"{addr}:{url.port}: connection refused") from None
+            except TimeoutError:
+                raise FetchError("connect", f"{addr}:{url.port}: connect timed out") from None
+            except ssl.SSLError:
+                raise
+            except OSError as e:
+                raise FetchError("connect", f"{addr}:{url.port}: {e.strerror or e}") from None
+            try:
+                conn.sock.settimeout(max(0.05, min(READ_TIMEOUT, self.left())))
+                conn.putrequest("GET", url.target, skip_accept_encoding=True)
+                conn.putheader("User-Agent", "gce-watchdog-fetch/1")
+                conn.putheader("Accept-Encoding", "identity")
+                conn.putheader("Connection", "close")
+                conn.endheaders()
+                resp = conn.getresponse()
+            except TimeoutError:
+                raise FetchError("timeout", f"{url.host}: no response in time") from None
+            except ssl.SSLError:
+                raise
+            except OSError as e:
+                raise FetchError("connect", f"{url.host}: {e.strerror or _short(e)}") from None
+            return self._response(url, conn, resp)
+        finally:
+            conn.close()
+
+    def _response(self, url: Url, conn: Any, resp: Any) -> int | Url:
+        from urllib.parse import urljoin
+
+        status: int = resp.status
+        if status in (301, 302, 303, 307, 308):
+            loc = resp.getheader("Location")
+            if not loc:
+                raise Refused(f"http{status}", f"HTTP {status} without a Location header")
+            try:
+                return parse_url(urljoin(str(url), loc))
+            except ValueError as e:
+                raise Refused("redirect", str(e)) from None
+        if status in RETRY_STATUS:
+            ra = parse_retry_after(resp.getheader("Retry-After"), self.wall())
+            raise FetchError(f"http{status}", f"HTTP {status} {resp.reason}".strip(), ra)
+        if not 200 <= status < 300:
+            raise Refused(f"http{status}", f"HTTP {status} {resp.reason} for {url}".strip())
+        return self._stream(url, conn, resp)
+
+    def _stream(self, url: Url, conn: Any, resp: Any) -> int:
+        import hashlib
+        import http.client
+        import tempfile
+
+        out = self.req.output
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
+        except OSError as e:
+            raise LocalError("local", f"cannot write beside {out}: {e.strerror or e}") from None
+        total: int | None = resp.length  # Content-Length, None when chunked
+        got = 0
+        h = hashlib.sha256()
+        try:
+            with os.fdopen(fd, "wb") as f:
+                while True:
+                    left = self.left()
+                    if left <= 0:
+                        raise FetchError("deadline", f"deadline reached after {got} bytes")
+                    conn.sock.settimeout(max(0.05, min(READ_TIMEOUT, left)))
+                    try:
+                        chunk = resp.read(CHUNK)
+                    except (TimeoutError, OSError) as e:
+                        raise FetchError(
+                            "timeout" if isinstance(e, TimeoutError) else "closed",
+                            f"transfer stalled after {got} bytes: {_short(e)}",
+                        ) from None
+                    except http.client.IncompleteRead:
+                        raise FetchError(
+                            "closed", f"connection closed after {got} bytes (chunked body)"
+                        ) from None
+                    if not chunk:
+                        break
+                    try:
+                        f.write(chunk)
+                    except OSError as e:
+                        raise LocalError("local", f"writing {out}: {e.strerror or e}") from None
+                    h.update(chunk)
+                    got += len(chunk)
+                    self.progress.show(got, total)
+                if total is not None and got < total:
+                    raise FetchError("closed", f"connection closed after {got} of {total} bytes")
+                self.progress.show(got, total, force=True)
+                if self.req.sha256 and h.hexdigest() != self.req.sha256.lower():
+                    raise ChecksumMismatch(
+                        "checksum",
+                        f"sha256 mismatch: got {h.hexdigest()}, want {self.req.sha256.lower()}",
+                    )
+                try:
+                    os.fchmod(f.fileno(), self.req.mode)
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as e:
+                    raise LocalError("local", f"writing {out}: {e.strerror or e}") from None
+            try:
+                os.replace(tmp, out)
+            except OSError as e:
+                raise LocalError("local", f"cannot rename onto {out}: {e.strerror or e}") from None
+            _fsync_dir(out.parent)
+            return got
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: attempts under the policy, reported on serial and stderr.
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    rc: int
+    attempts: int
+    elapsed: float
+    message: str
+    bytes: int = 0
+
+
+@dataclass
+class FetchDeps:
+    """The side effects of a run; tests inject fakes or short intervals."""
+
+    emitter: Emitter | None = None
+    resolver: Resolver | None = None
+    clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time
+    sleep: Callable[[float], None] = time.sleep
+    rng: random.Random | None = None  # jitter source; a fresh Random when None
+    stderr: IO[str] | None = None
+    progress: IO[str] | None = None  # a tty stream, or None for no progress display
+    serial_every: float = SERIAL_EVERY
+    policy: RetryPolicy | None = None
+
+
+def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
+    """Download req.url to req.output under the retry policy; never raises FetchError."""
+    import random
+
+    import tenacity
+
+    from gce_watchdog.bootstrap.phases import fit_text
+
+    rng = deps.rng or random.Random()  # noqa: S311 - jitter, not cryptography
+    policy = deps.policy or RetryPolicy(deadline=req.deadline)
+    resolver = deps.resolver or DnsResolver(req.dns_servers)
+    clock = deps.clock
+    t0 = clock()
+    attempt = Attempt(
+        req,
+        resolver,
+        clock,
+        deps.wall,
+        t0 + policy.deadline,
+        Progress(deps.progress, clock),
+        budget=policy.deadline,
+    )
+    limit = RateLimit(deps.serial_every)
+    jitter: dict[int, float] = {}
+    host = req.url.host[:40]
+    dst = req.output.name[:40] or "-"
+
+    def say(msg: str) -> None:
+        if deps.stderr is not None:
+            deps.stderr.write(f"gce-watchdog fetch: {msg}\n")
+            deps.stderr.flush()
+
+    def plan(rs: tenacity.RetryCallState) -> float | None:
+        exc = rs.outcome.exception() if rs.outcome else None
+        ra = exc.retry_after if isinstance(exc, FetchError) else None
+        u = jitter.setdefault(rs.attempt_number, rng.random())
+        return policy.next_wait(rs.attempt_number, clock() - t0, ra, u)
+
+    def wait(rs: tenacity.RetryCallState) -> float:
+        return plan(rs) or 0.0
+
+    def stop(rs: tenacity.RetryCallState) -> bool:
+        return plan(rs) is None
+
+    def before_sleep(rs: tenacity.RetryCallState) -> None:
+        exc = rs.outcome.exception() if rs.outcome else None
+        assert isinstance(exc, FetchError)
+        w = plan(rs) or 0.0
+        attempt.progress.done()
+        say(f"attempt {rs.attempt_number} failed ({exc.kind}): {exc.message}; retrying in {w:.1f}s")
+        if deps.emitter is not None and limit.allow(clock()):
+            fields: dict[str, object] = {
+                "out": "retry",
+                "att": rs.attempt_number,
+                "host": host,
+                "err": exc.kind,
+                "wait": f"{int(w * 1000)}ms",
+            }
+            supp = limit.take_suppressed()
+            if supp:
+                fields["supp"] = supp
+            deps.emitter.emit("fetch", fields, fit_text("fetch", fields, exc.message))
+
+    retrying = tenacity.Retrying(
+        stop=stop,
+        wait=wait,
+        retry=tenacity.retry_if_exception(lambda e: isinstance(e, FetchError) and e.retryable),
+        sleep=deps.sleep,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    n = 0
+    rc, out, message, nbytes = EX_OK, "ok", "", 0
+    try:
+        for att in retrying:
+            with att:
+                n = att.retry_state.attempt_number
+                nbytes = attempt.run()
+        message = f"{nbytes} bytes to {req.output} in {clock() - t0:.1f}s after {n} attempt(s)"
+    except FetchError as e:
+        elapsed = clock() - t0
+        rc = e.rc
+        if e.retryable:
+            out = "gave_up"
+            message = f"gave up after {n} attempts in {elapsed:.1f}s, last error: {e.message}"
+            if e.retry_after is not None:
+                message += f" (server asked to retry after {e.retry_after:.0f}s)"
+        else:
+            out = {EX_DATAERR: "checksum", EX_CANTCREAT: "local"}.get(e.rc, "refused")
+            message = f"attempt {n} failed, not retrying: {e.message}"
+        last_kind = e.kind
+    else:
+        last_kind = ""
+    attempt.progress.done()
+    elapsed = clock() - t0
+    say(message if rc else f"ok: {message}")
+    if deps.emitter is not None:
+        fields = {"out": out, "att": n, "host": host, "dst": dst, "rc": rc, "dur": f"{elapsed:.1f}"}
+        if rc == EX_OK:
+            fields["bytes"] = nbytes
+        else:
+            fields["err"] = last_kind
+        supp = limit.take_suppressed()
+        if supp:
+            fields["supp"] = supp
+        deps.emitter.emit("fetch", fields, fit_text("fetch", fields, message), sync=True)
+    return FetchResult(rc, n, elapsed, message, nbytes)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+
+def register(sub: Any) -> None:
+    from gce_watchdog.bootstrap.phases import usage_errors_exit_64
+    from gce_watchdog.vm.runtime import add_config_arg
+
+    p = sub.add_parser(
+        "fetch",
+        help="download a file, waiting out DNS and network failures until a deadline",
+        description=(
+            "Download URL to PATH. Waits for DNS, retries connection errors, timeouts, HTTP 5xx, "
+            "408 and 429 (honouring Retry-After) with jittered exponential back-off until the "
+            "deadline. Exit codes: 0 ok, 64 bad arguments, 65 checksum mismatch, 69 refused by "
+            "the server, 73 cannot write PATH, 75 gave up at the deadline."
+        ),
+    )
+    p.add_argument("url", metavar="URL")
+    p.add_argument("-o", "--output", metavar="PATH", required=True)
+    p.add_argument("--sha256", metavar="HEX", help="expected SHA-256 of the file (64 hex digits)")
+    p.add_argument("--mode", default="0644", help="permissions of PATH, octal (default 0644)")
+    p.add_argument("--deadline", default="10m", help="give up after this long (default 10m)")
+    p.add_argument(
+        "--dns-server",
+        metavar="IP[:PORT]",
+        action="append",
+        default=[],
+        help="resolve with this DNS server (repeatable); default /etc/hosts + /etc/resolv.conf",
+    )
+    p.add_argument("--ca-file", metavar="PATH", help="trust these CA certificates for https")
+    add_config_arg(p)
+    usage_errors_exit_64(p)
+    p.set_defaults(func=cmd_fetch)
+
+
+def request_from_args(args: argparse.Namespace) -> FetchRequest:
+    """Validate the arguments; raises ValueError with every problem found."""
+    from gce_watchdog.vm.config import parse_duration
+
+    errors: list[str] = []
+    url: Url | None = None
+    try:
+        url = parse_url(args.url)
+    except ValueError as e:
+        errors.append(str(e))
+    if args.sha256 is not None and not _SHA_RE.match(args.sha256):
+        errors.append(f"--sha256 must be 64 hex digits, got {args.sha256!r}")
+    mode = 0o644
+    try:
+        mode = int(args.mode, 8)
+        if not 0 <= mode <= 0o7777:
+            raise ValueError
+    except ValueError:
+        errors.append(f"--mode must be octal permissions like 0644, got {args.mode!r}")
+    deadline = DEFAULT_DEADLINE
+    try:
+        deadline = parse_duration(args.deadline)
+        if deadline <= 0:
+            errors.append("--deadline must be > 0")
+    except ValueError as e:
+        errors.append(f"--deadline: {e}")
+    servers: list[tuple[str, int]] = []
+    for s in args.dns_server:
+        try:
+            servers.append(parse_dns_server(s))
+        except ValueError as e:
+            errors.append(str(e))
+    out = Path(args.output)
+    if not args.output or args.output.endswith("/") or out.is_dir():
+        errors.append(f"-o must name a file, got {args.output!r}")
+    if args.ca_file and not os.path.isfile(args.ca_file):
+        errors.append(f"--ca-file {args.ca_file!r}: no such file")
+    if errors or url is None:
+        raise ValueError("; ".join(errors))
+    return FetchRequest(url, out, deadline, args.sha256, mode, tuple(servers), args.ca_file or None)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from gce_watchdog.bootstrap.phases import open_best_effort
+    from gce_watchdog.vm.runtime import load_config_or_exit
+
+    try:
+        req = request_from_args(args)
+    except ValueError as e:
+        print(f"gce-watchdog fetch: {e}", file=sys.stderr)
+        return EX_USAGE
+    cfg = load_config_or_exit(args)
+    emitter, port = open_best_effort(cfg)
+    try:
+        deps = FetchDeps(
+            emitter=emitter,
+            stderr=sys.stderr,
+            progress=sys.stderr if sys.stderr.isatty() else None,
+        )
+        return run_fetch(req, deps).rc
+    finally:
+        if port is not None:
+            port.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gce_watchdog.bootstrap.fetch`` (same as ``gce-watchdog fetch``)."""
+    from gce_watchdog.cli import main as cli_main
+
+    return cli_main(["fetch", *(argv if argv is not None else sys.argv[1:])])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

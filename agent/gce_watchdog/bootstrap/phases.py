@@ -1,0 +1,321 @@
+"""Job phases and terminal events: ``gce-watchdog phase``, ``setup-failed`` and ``exec``.
+
+These lines decide money (the poller fails a job over, or does not, because of them), so each is
+emitted with ``sync=True`` (written and drained before ``emit`` returns) and the port is closed
+(draining anything queued) before the command returns: the last line is the one you lose otherwise.
+The phase is also recorded in the state directory (``state.write_phase``) so the agent's heartbeat
+lines carry it.
+
+``exec -- CMD ARGS`` runs the workload as an argv (never through a shell), forwards SIGTERM, SIGINT
+and SIGHUP to it, writes an ``exit`` line with the exit code or signal and the duration, and returns
+the child's status the way shells do (128 + signal number for a signal death; 127 when the command
+is not found, 126 when it cannot be executed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gce_watchdog.vm.config import Config
+    from gce_watchdog.vm.console import Emitter, LineSink, SerialPort
+
+PHASES = ("bootstrap", "workload", "done")
+SETUP_FAILED = "setup_failed"  # also recorded as the phase in the state directory
+EX_USAGE = 64  # sysexits.h: bad command line
+EX_NOTFOUND = 127  # shell convention: command not found
+EX_NOEXEC = 126  # shell convention: found but cannot be executed
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def usage_errors_exit_64(p: argparse.ArgumentParser) -> None:
+    """argparse exits 2 on bad arguments; these commands document sysexits' EX_USAGE (64)."""
+
+    def error(message: str) -> Any:
+        p.print_usage(sys.stderr)
+        p.exit(EX_USAGE, f"{p.prog}: error: {message}\n")
+
+    p.error = error  # type: ignore[method-assign]
+
+
+@dataclass
+class _Confirming:
+    """Wraps a sink to remember whether the last line was confirmed written (and drained)."""
+
+    sink: LineSink
+    last_ok: bool = True
+
+    def submit(self, line: str, sync: bool = False) -> Callable[[], bool]:
+        waiter = self.sink.submit(line, sync=sync)
+
+        def wait() -> bool:
+            self.last_ok = waiter()
+            return self.last_ok
+
+        return wait
+
+    @property
+    def dropped(self) -> int:
+        return self.sink.dropped
+
+
+def fit_text(event: str, fields: dict[str, object], text: str) -> str:
+    """The text, shortened (with "...") so the line stays within protocol.MAX_LINE.
+
+    make_event would drop a too-long text altogether; for a failure reason the first 60 characters
+    are worth much more than nothing. Sized for the widest seq and boot a line can carry.
+    """
+    from gce_watchdog.wire import protocol
+
+    clean = protocol.sanitize_text(text)
+    probe = protocol.make_event(event, "f" * 8, 10**12, 0, fields)
+    room = protocol.MAX_LINE - len(protocol.encode(probe)) - len(" | ")
+    if len(clean) <= room:
+        return clean
+    return clean[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
+
+
+def open_best_effort(cfg: Config) -> tuple[Emitter, SerialPort | None]:
+    """An emitter on the configured port (device, else fallback file).
+
+    When neither can be opened the lines go nowhere (a warning on stderr says so) and the command
+    carries on: a bootstrap must not fail because the console is unusable.
+    """
+    from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort
+    from gce_watchdog.vm.runtime import boot_of
+    from gce_watchdog.vm.state import SeqAllocator
+
+    s = cfg.serial
+    boot = boot_of(cfg)
+    seq = SeqAllocator(cfg.agent.state_dir, boot)
+    port = SerialPort(s.device, s.fallback_file, s.queue_size, s.sync_timeout)
+    try:
+        port.open()
+    except OSError as e:
+        print(
+            f"gce-watchdog: cannot open {s.device} or {s.fallback_file}: {e}; "
+            "lines are not written",
+            file=sys.stderr,
+        )
+        return Emitter(_Confirming(MemorySink()), seq, boot), None
+    return Emitter(_Confirming(port), seq, boot), port
+
+
+def emit_terminal(
+    cfg: Config,
+    event: str,
+    fields: dict[str, object],
+    text: str = "",
+    phase: str | None = None,
+    opened: tuple[Emitter, SerialPort | None] | None = None,
+) -> bool:
+    """Record the phase (if given), write one line synchronously and close the port (draining).
+
+    Returns whether the line was confirmed written; a warning is printed when it was not.
+    """
+    from gce_watchdog.vm.state import write_phase
+
+    if phase is not None:
+        try:
+            write_phase(cfg.agent.state_dir, phase)
+        except OSError as e:
+            print(
+                f"gce-watchdog: cannot record phase in {cfg.agent.state_dir}: {e}", file=sys.stderr
+            )
+    emitter, port = opened or open_best_effort(cfg)
+    try:
+        emitter.emit(event, fields, fit_text(event, fields, text), sync=True)
+    finally:
+        if port is not None:
+            port.close()
+    ok = port is not None and getattr(emitter.sink, "last_ok", True)
+    if not ok:
+        print(f"gce-watchdog: the {event} line was not confirmed written", file=sys.stderr)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# exec
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a child ended: exactly one of rc and sig is set."""
+
+    rc: int | None
+    sig: int | None
+
+    @staticmethod
+    def from_returncode(code: int) -> ExitStatus:
+        """subprocess's returncode: negative for a signal death."""
+        return ExitStatus(None, -code) if code < 0 else ExitStatus(code, None)
+
+    @property
+    def shell_status(self) -> int:
+        return 128 + self.sig if self.sig is not None else (self.rc or 0)
+
+    @property
+    def sig_name(self) -> str:
+        if self.sig is None:
+            return "-"
+        try:
+            return signal.Signals(self.sig).name
+        except ValueError:
+            return f"SIG{self.sig}"
+
+    def fields(self, dur: float) -> dict[str, object]:
+        return {
+            "rc": "-" if self.rc is None else self.rc,
+            "sig": self.sig_name,
+            "dur": f"{dur:.3f}",
+        }
+
+
+class _Forwarder:
+    """Forwards signals to the child; signals that arrive before it exists are replayed."""
+
+    def __init__(self) -> None:
+        self.child: Any = None
+        self.pending: list[int] = []
+        self.forwarded: list[int] = []
+
+    def handler(self, signum: int, frame: object) -> None:
+        if self.child is None:
+            self.pending.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.child.send_signal(signum)
+            self.forwarded.append(signum)
+
+    def attach(self, child: Any) -> None:
+        self.child = child
+        while self.pending:
+            self.handler(self.pending.pop(0), None)
+
+
+def run_exec(
+    cfg: Config,
+    argv: Sequence[str],
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """Phase workload, run argv, forward signals, write the `exit` line drained; child's status."""
+    import subprocess
+
+    emit_terminal(cfg, "phase", {"ph": "workload"}, phase="workload")
+    opened = open_best_effort(cfg)  # opened before the child runs: no surprise at the end
+    fwd = _Forwarder()
+    old = {s: signal.signal(s, fwd.handler) for s in FORWARDED}
+    t0 = clock()
+    text = ""
+    try:
+        try:
+            child = subprocess.Popen(list(argv))  # argv, no shell
+        except FileNotFoundError:
+            status, text = ExitStatus(EX_NOTFOUND, None), f"command not found: {argv[0]}"
+        except OSError as e:
+            status, text = ExitStatus(EX_NOEXEC, None), f"cannot run {argv[0]}: {e.strerror}"
+        else:
+            fwd.attach(child)
+            status = ExitStatus.from_returncode(child.wait())
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    dur = clock() - t0
+    if text:
+        print(f"gce-watchdog exec: {text}", file=sys.stderr)
+    elif status.sig is not None:
+        text = f"workload killed by {status.sig_name}"
+    else:
+        text = f"workload exited with {status.rc}"
+    emit_terminal(cfg, "exit", status.fields(dur), text, opened=opened)
+    return status.shell_status
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def register(sub: Any) -> None:
+    from gce_watchdog.vm.runtime import add_config_arg
+
+    p = sub.add_parser(
+        "phase",
+        help="record the job phase (serial line written and drained before returning)",
+    )
+    p.add_argument("phase", choices=PHASES)
+    add_config_arg(p)
+    usage_errors_exit_64(p)
+    p.set_defaults(func=cmd_phase)
+
+    f = sub.add_parser(
+        "setup-failed",
+        help="record that bootstrap failed (the job is broken: the poller must not fail over)",
+    )
+    f.add_argument("--step", required=True, help="the bootstrap step that failed")
+    f.add_argument("--reason", required=True, help="why, one line")
+    f.add_argument("--exit-code", type=int, default=None, help="the failed command's exit code")
+    add_config_arg(f)
+    usage_errors_exit_64(f)
+    f.set_defaults(func=cmd_setup_failed)
+
+    e = sub.add_parser(
+        "exec",
+        help="run the workload: phase workload, the command, then a drained `exit` line",
+        description=(
+            "Run CMD ARGS (no shell), forwarding SIGTERM/SIGINT/SIGHUP, and return its status "
+            "(128+N for a death by signal N, 127 not found, 126 not executable)."
+        ),
+    )
+    add_config_arg(e)
+    e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+    usage_errors_exit_64(e)
+    e.set_defaults(func=cmd_exec)
+
+
+def cmd_phase(args: argparse.Namespace) -> int:
+    from gce_watchdog.vm.runtime import load_config_or_exit
+
+    cfg = load_config_or_exit(args)
+    emit_terminal(cfg, "phase", {"ph": args.phase}, phase=args.phase)
+    return 0
+
+
+def cmd_setup_failed(args: argparse.Namespace) -> int:
+    from gce_watchdog.vm.runtime import load_config_or_exit
+    from gce_watchdog.wire.protocol import sanitize_value
+
+    step, reason = args.step.strip(), args.reason.strip()
+    if not step or not reason:
+        print("gce-watchdog setup-failed: --step and --reason must not be empty", file=sys.stderr)
+        return EX_USAGE
+    cfg = load_config_or_exit(args)
+    fields: dict[str, object] = {
+        "step": sanitize_value(step, 32),
+        "reason": sanitize_value(reason, 32),
+        "rc": "-" if args.exit_code is None else args.exit_code,
+    }
+    emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
+    return 0
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    from gce_watchdog.vm.runtime import load_config_or_exit
+
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv or not argv[0]:
+        print(
+            "gce-watchdog exec: usage: gce-watchdog exec [--config PATH] -- CMD [ARGS...]",
+            file=sys.stderr,
+        )
+        return EX_USAGE
+    cfg = load_config_or_exit(args)
+    return run_exec(cfg, argv)

@@ -1,0 +1,581 @@
+"""The shutdown action chain, run once when the ladder reaches its threshold.
+
+Steps, each announced on the serial console before it is taken and its outcome written after it
+(every line synchronous, i.e. drained before the step starts):
+
+1. ``shutdown`` line: reason, rung, action and the planned chain.
+2. ``linger``: keep the VM up (and RUNNING, so the poller can still read serial output through the
+   Compute API) for ``actions.linger``, repeating the verdict line every ``actions.repeat_every``
+   and pinging the systemd watchdog. A recovery during the linger does NOT cancel the decision
+   (docs/actions.md: the poller may already have failed the job over).
+3. ``delete`` / ``stop`` (when ``agent.action`` says so): the Compute API on this very instance,
+   with a ``requestId`` that stays the same across retries, under a hard deadline.
+4. ``poweroff``: ``actions.poweroff_cmd``; still up after ``poweroff_wait``: ``force``
+   (``actions.force_cmd``); still up after ``force_wait``: ``kernel`` (reboot(2), then sysrq).
+
+``agent.action = "dry-run"`` runs the chain but replaces steps 3-4 with ``status=dry_run`` lines.
+Every edge (commands, clock, Compute API, kernel) is injectable; nothing here runs at import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter
+
+# Waits between API attempts: 1 s doubling, capped at 4 s, with jitter (the step has 30 s in all).
+API_WAIT_FIRST_S = 1.0
+API_WAIT_MAX_S = 4.0
+# How long the kernel step lets sync(2) run before powering off anyway (a wedged disk must not
+# keep a wedged VM alive).
+SYNC_BOUND_S = 5.0
+# reboot(2) magic numbers (linux/reboot.h).
+LINUX_REBOOT_MAGIC1 = 0xFEE1DEAD
+LINUX_REBOOT_MAGIC2 = 672274793
+LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
+# Lines keep a bounded excerpt of stderr / API error messages.
+DETAIL_MAX = 90
+
+
+# -- edges -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What running a command did: ``rc`` None means it did not run to an exit code."""
+
+    rc: int | None
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+
+Runner = Callable[[Sequence[str], float], RunResult]
+
+
+def run_command(argv: Sequence[str], timeout: float) -> RunResult:
+    """Run an argv (never a shell) with a bound; stdin is /dev/null, stderr's tail is kept."""
+    try:
+        p = subprocess.run(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=timeout,
+            check=False,
+        )
+    except FileNotFoundError:
+        return RunResult(None, f"not found: {argv[0]}")
+    except subprocess.TimeoutExpired:
+        return RunResult(None, f"timed out after {timeout:g}s")
+    except OSError as e:
+        return RunResult(None, f"cannot run {argv[0]}: {e.strerror or e}")
+    lines = p.stderr.decode("utf-8", "replace").strip().splitlines()
+    return RunResult(p.returncode, lines[-1][:DETAIL_MAX] if lines else "")
+
+
+class ChainClock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        """Wait up to ``seconds`` for ``event``; True when it is set."""
+        ...
+
+
+class RealChainClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds))
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        return event.wait(max(0.0, seconds))
+
+
+@dataclass(frozen=True)
+class ApiResult:
+    """One Compute API attempt. ``retryable``: a timeout, a connection error, 429 or 5xx."""
+
+    ok: bool
+    http: int | None = None
+    detail: str = ""
+    retryable: bool = False
+    timeout: bool = False
+
+
+class ComputeApi(Protocol):
+    def act(self, op: str, inst: InstanceInfo, request_id: str) -> ApiResult:
+        """One attempt of ``instances.<op>`` (delete or stop) on ``inst``; never raises."""
+        ...
+
+
+class GoogleComputeApi:
+    """The Compute API through google-auth's Compute Engine credentials.
+
+    The token comes from the metadata server google-auth is pointed at (``GCE_METADATA_HOST`` /
+    ``GCE_METADATA_IP``, read by google-auth when it is first imported). Every request carries an
+    explicit ``timeout`` (google-auth's default is 120 s) and ``max_allowed_time``.
+    """
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._session: Any = None
+
+    def _get_session(self) -> Any:
+        if self._session is None:
+            import google.auth.compute_engine
+            import google.auth.transport.requests
+
+            gce: Any = google.auth.compute_engine
+            transport: Any = google.auth.transport.requests
+            self._session = transport.AuthorizedSession(gce.Credentials())
+        return self._session
+
+    def url(self, op: str, inst: InstanceInfo) -> tuple[str, str]:
+        path = f"{self.base_url}/projects/{inst.project}/zones/{inst.zone}/instances/{inst.name}"
+        return ("DELETE", path) if op == "delete" else ("POST", path + "/stop")
+
+    def act(self, op: str, inst: InstanceInfo, request_id: str) -> ApiResult:
+        method, url = self.url(op, inst)
+        try:
+            session = self._get_session()
+            r = session.request(
+                method,
+                url,
+                params={"requestId": request_id},
+                timeout=self.timeout,
+                max_allowed_time=self.timeout,
+            )
+        except Exception as e:  # an edge: every failure becomes a result
+            return _api_exception(e)
+        if 200 <= r.status_code < 300:
+            try:
+                name = str(r.json().get("name", "-"))
+            except ValueError:
+                name = "-"
+            return ApiResult(True, r.status_code, name)
+        return ApiResult(
+            False,
+            r.status_code,
+            _api_error_message(r),
+            retryable=r.status_code == 429 or r.status_code >= 500,
+        )
+
+
+def _api_exception(e: Exception) -> ApiResult:
+    """Map a transport/auth exception to a result (imported lazily: google-auth is heavy)."""
+    import google.auth.exceptions
+    import requests
+
+    text = f"{type(e).__name__}: {e}"[:DETAIL_MAX]
+    if isinstance(e, requests.exceptions.Timeout):
+        return ApiResult(False, None, text, retryable=True, timeout=True)
+    if isinstance(e, requests.exceptions.ConnectionError | google.auth.exceptions.TransportError):
+        return ApiResult(False, None, text, retryable=True)
+    if isinstance(e, google.auth.exceptions.RefreshError):
+        # Token fetch failed (metadata server unreachable or refusing): worth another try.
+        return ApiResult(False, None, "token: " + text, retryable=True)
+    return ApiResult(False, None, text, retryable=False)
+
+
+def _api_error_message(r: Any) -> str:
+    try:
+        err = r.json().get("error", {})
+        msg = str(err.get("message") or "")
+    except (ValueError, AttributeError):
+        msg = ""
+    return (msg or r.reason or f"HTTP {r.status_code}")[:DETAIL_MAX]
+
+
+class Kernel(Protocol):
+    def poweroff(self, method: str) -> str:
+        """Power off now by ``method`` (reboot | sysrq). Returns only on failure: the error."""
+        ...
+
+
+@dataclass
+class RealKernel:
+    """The kernel's own power-off, for when PID 1 cannot do it any more."""
+
+    sysrq_path: str = "/proc/sysrq-trigger"
+
+    def poweroff(self, method: str) -> str:
+        _bounded_sync(SYNC_BOUND_S)
+        if method == "reboot":
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            rc = libc.reboot(ctypes.c_int(LINUX_REBOOT_CMD_POWER_OFF))
+            if rc == 0:
+                return "reboot(2) returned 0 but the system is still up"
+            return f"reboot(2): {os.strerror(ctypes.get_errno())}"
+        if method == "sysrq":
+            try:
+                with open(self.sysrq_path, "w") as f:
+                    f.write("o")
+            except OSError as e:
+                return f"{self.sysrq_path}: {e.strerror or e}"
+            return "sysrq o written but the system is still up"
+        return f"unknown method {method!r}"
+
+
+def _bounded_sync(bound: float) -> None:
+    t = threading.Thread(target=os.sync, name="sync", daemon=True)
+    t.start()
+    t.join(bound)
+
+
+# -- retry policy as a value ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Stop after ``attempts`` or when the next wait would cross ``deadline``; jittered waits."""
+
+    attempts: int
+    deadline: float
+    first_wait: float = API_WAIT_FIRST_S
+    max_wait: float = API_WAIT_MAX_S
+
+    def wait_before(self, attempt: int, jitter: float) -> float:
+        """Wait before attempt number ``attempt`` (2, 3, ...); ``jitter`` in [0, 1)."""
+        top = min(self.max_wait, self.first_wait * 2 ** (attempt - 2))
+        return float(top / 2 + jitter * top / 2)
+
+
+# -- the chain ----------------------------------------------------------------------------------
+
+
+@dataclass
+class StepOutcome:
+    step: str
+    status: str  # ok | fail | timeout | stuck | skip | dry_run
+    detail: str = ""
+
+
+@dataclass
+class ChainResult:
+    reason: str
+    plan: list[str]
+    steps: list[StepOutcome] = field(default_factory=list)
+
+    def status(self, step: str) -> str | None:
+        """The last status written for ``step`` (None if the step never ran)."""
+        found = [s.status for s in self.steps if s.step == step]
+        return found[-1] if found else None
+
+
+class ActionChain:
+    """Runs the shutdown chain for a config; constructors only store values."""
+
+    def __init__(
+        self,
+        cfg: cfgmod.Config,
+        emitter: Emitter,
+        keepalive: Callable[[], object],
+        runner: Runner = run_command,
+        clock: ChainClock | None = None,
+        api: ComputeApi | None = None,
+        kernel: Kernel | None = None,
+        instance: Callable[[], InstanceInfo | None] | None = None,
+        jitter: Callable[[], float] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.emitter = emitter
+        self.keepalive = keepalive
+        self.runner = runner
+        self.clock: ChainClock = clock or RealChainClock()
+        self.api: ComputeApi = api or GoogleComputeApi(
+            cfg.actions.api_base, cfg.actions.api_timeout
+        )
+        self.kernel: Kernel = kernel or RealKernel(cfg.actions.sysrq_path)
+        self.instance = instance or (lambda: load_instance_cache(cfg.agent.state_dir))
+        if jitter is None:
+            import random
+
+            jitter = random.random
+        self.jitter = jitter
+        self.last_result: ChainResult | None = None
+
+    # -- plan ----------------------------------------------------------------------------------
+    @property
+    def action(self) -> str:
+        return self.cfg.agent.action
+
+    @property
+    def dry_run(self) -> bool:
+        return self.action == "dry-run"
+
+    def api_op(self) -> str | None:
+        """The Compute API self-action of this chain (None: none)."""
+        if self.action in ("delete", "stop"):
+            return self.action
+        if self.dry_run and self.cfg.actions.dry_run_op != "none":
+            return self.cfg.actions.dry_run_op
+        return None
+
+    def plan(self) -> list[str]:
+        """Step names in order (the ``chain=`` field of the ``shutdown`` line)."""
+        a = self.cfg.actions
+        steps = ["linger"] if a.linger > 0 else []
+        op = self.api_op()
+        if op:
+            steps.append(op)
+        steps += ["poweroff", "force"]
+        if a.kernel:
+            steps.append("kernel")
+        return steps
+
+    # -- run -----------------------------------------------------------------------------------
+    def execute(self, reason: str, rung: int, threshold: int) -> None:
+        """Run the whole chain; returns only if the machine is still up at its end.
+
+        The outcome of every step is kept in :attr:`last_result`.
+        """
+        plan = self.plan()
+        res = ChainResult(reason, plan)
+        self.last_result = res
+        r = f"{rung}/{threshold}"
+        self._ping()
+        self.emitter.emit(
+            "shutdown",
+            {"reason": reason, "rung": r, "action": self.action, "chain": "+".join(plan)},
+            _verdict_text(reason, r),
+            sync=True,
+        )
+        if "linger" in plan:
+            self._linger(res, reason, r)
+        op = self.api_op()
+        if op:
+            self._api_step(res, op)
+        if self.dry_run:
+            self._dry_run_power(res)
+            return
+        a = self.cfg.actions
+        # On a real machine a successful step never returns from its wait: the power goes off.
+        self._command_step(res, "poweroff", a.poweroff_cmd, a.poweroff_wait)
+        self._command_step(res, "force", a.force_cmd, a.force_wait)
+        if a.kernel:
+            self._kernel_step(res)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def _line(
+        self, res: ChainResult, step: str, status: str, fields: Mapping[str, object], text: str = ""
+    ) -> None:
+        # A very long instance name is shortened by make_event, never refused.
+        self.emitter.emit("action", {"step": step, "status": status, **fields}, text, sync=True)
+        if status != "start":
+            res.steps.append(StepOutcome(step, status, text))
+
+    def _ping(self) -> None:
+        with contextlib.suppress(Exception):  # best effort at the edge: never stop the chain
+            self.keepalive()
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, pinging systemd at least every ``repeat_every``."""
+        end = self.clock.monotonic() + seconds
+        step = self.cfg.actions.repeat_every
+        for _ in range(int(seconds / step) + 2):  # bounded: one pass per slice
+            left = end - self.clock.monotonic()
+            if left <= 0:
+                return
+            self._ping()
+            self.clock.sleep(min(step, left))
+
+    def _linger(self, res: ChainResult, reason: str, r: str) -> None:
+        a = self.cfg.actions
+        t0 = self.clock.monotonic()
+        self._line(
+            res,
+            "linger",
+            "start",
+            {"ms": int(a.linger * 1000)},
+            f"keeping the VM up {a.linger:g}s so the poller reads the verdict",
+        )
+        end = t0 + a.linger
+        rep = 0
+        for _ in range(int(a.linger / a.repeat_every) + 2):  # bounded: one pass per repeat
+            self._ping()
+            left = end - self.clock.monotonic()
+            if left <= 0:
+                break
+            self.clock.sleep(min(a.repeat_every, left))
+            left = end - self.clock.monotonic()
+            if left <= 0:
+                break
+            rep += 1
+            self.emitter.emit(
+                "shutdown",
+                {
+                    "reason": reason,
+                    "rung": r,
+                    "action": self.action,
+                    "rep": rep,
+                    "left": f"{int(left * 1000)}ms",
+                },
+                _verdict_text(reason, r) + f", {left:.0f}s to go",
+            )
+        ms = int((self.clock.monotonic() - t0) * 1000)
+        self._line(res, "linger", "ok", {"ms": ms, "reps": rep})
+
+    def _api_step(self, res: ChainResult, op: str) -> None:
+        inst = self.instance()
+        if inst is None:
+            self._line(
+                res,
+                op,
+                "skip",
+                {"why": "no_instance"},
+                "instance identity unknown (metadata never read): cannot call the API",
+            )
+            return
+        fields = {"inst": inst.name, "zone": inst.zone}
+        if self.dry_run:
+            self._line(
+                res, op, "dry_run", fields, f"dry-run: would call instances.{op} on {inst.name}"
+            )
+            return
+        rid = str(uuid.uuid4())  # one id for every retry: GCE acts at most once per requestId
+        self._line(res, op, "start", {**fields, "rid": rid}, f"instances.{op} on {inst.name}")
+        a = self.cfg.actions
+        policy = RetryPolicy(a.api_attempts, a.api_deadline)
+        t0 = self.clock.monotonic()
+        done = threading.Event()
+        box: list[tuple[ApiResult, int]] = []
+
+        def work() -> None:
+            box.append(self._api_attempts(op, inst, rid, policy, t0))
+            done.set()
+
+        threading.Thread(target=work, name="compute-api", daemon=True).start()
+        # The hard bound: whatever google-auth does inside (its token fetch retries on its own),
+        # the chain moves on at the deadline; the abandoned thread is a daemon thread.
+        end = t0 + a.api_deadline
+        for _ in range(int(a.api_deadline / a.repeat_every) + 2):
+            self._ping()
+            left = end - self.clock.monotonic()
+            if left <= 0 or self.clock.wait(done, min(a.repeat_every, left)):
+                break
+        ms = int((self.clock.monotonic() - t0) * 1000)
+        if not box:
+            self._line(
+                res,
+                op,
+                "timeout",
+                {"ms": ms, "rid": rid},
+                f"instances.{op}: no answer within {a.api_deadline:g}s, moving on",
+            )
+            return
+        result, tries = box[0]
+        extra: dict[str, object] = {"http": result.http or "-", "tries": tries, "ms": ms}
+        if result.ok:
+            self._line(res, op, "ok", {**extra, "opn": result.detail or "-"}, f"{op} accepted")
+        elif result.timeout or result.retryable:
+            self._line(
+                res,
+                op,
+                "timeout" if result.timeout else "fail",
+                extra,
+                f"gave up after {tries} attempts, last error: {result.detail}",
+            )
+        else:
+            self._line(res, op, "fail", extra, f"instances.{op} refused: {result.detail}".strip())
+
+    def _api_attempts(
+        self, op: str, inst: InstanceInfo, rid: str, policy: RetryPolicy, t0: float
+    ) -> tuple[ApiResult, int]:
+        """Try until success, a final answer, ``attempts`` or the deadline (runs in a thread)."""
+        result = ApiResult(False, None, "not attempted", retryable=True)
+        tries = 0
+        for attempt in range(1, policy.attempts + 1):
+            if attempt > 1:
+                wait = policy.wait_before(attempt, self.jitter())
+                if self.clock.monotonic() - t0 + wait >= policy.deadline:
+                    break
+                self.clock.sleep(wait)
+            tries = attempt
+            try:
+                result = self.api.act(op, inst, rid)
+            except Exception as e:
+                result = ApiResult(False, None, f"{type(e).__name__}: {e}"[:DETAIL_MAX])
+            if result.ok or not result.retryable:
+                break
+        return result, tries
+
+    def _command_step(self, res: ChainResult, step: str, argv: list[str], wait: float) -> None:
+        """Run one power-off command; if it was accepted, wait (bounded) for the power to go."""
+        self._ping()
+        self._line(res, step, "start", {"argv": ",".join(argv)}, " ".join(argv))
+        out = self.runner(argv, self.cfg.actions.command_timeout)
+        self._ping()
+        if not out.ok:
+            self._line(
+                res,
+                step,
+                "fail",
+                {"rc": "-" if out.rc is None else out.rc},
+                out.detail or f"{argv[0]} failed",
+            )
+            return
+        self._line(res, step, "ok", {"rc": 0}, f"accepted; waiting up to {wait:g}s")
+        self._pause(wait)
+        self._line(
+            res,
+            step,
+            "stuck",
+            {"ms": int(wait * 1000)},
+            f"still running {wait:g}s after {step} was accepted",
+        )
+
+    def _kernel_step(self, res: ChainResult) -> None:
+        for how in self.cfg.actions.kernel:
+            self._line(res, "kernel", "start", {"how": how}, f"kernel power-off by {how}")
+            self._ping()
+            err = self.kernel.poweroff(how)
+            if not err:
+                self._line(res, "kernel", "ok", {"how": how})
+                return
+            self._line(res, "kernel", "fail", {"how": how}, err)
+
+    def _dry_run_power(self, res: ChainResult) -> None:
+        a = self.cfg.actions
+        for step, argv in (("poweroff", a.poweroff_cmd), ("force", a.force_cmd)):
+            text = "dry-run: would run " + " ".join(argv)
+            self._line(res, step, "dry_run", {"argv": ",".join(argv)}, text)
+        if a.kernel:
+            how = "+".join(a.kernel)
+            self._line(res, "kernel", "dry_run", {"how": how}, f"dry-run: would power off by {how}")
+
+
+def _verdict_text(reason: str, r: str) -> str:
+    if reason == "ladder":
+        return f"shutting down: BOTH reachability probes FAILED ({r})"
+    return f"shutting down: {reason} ({r})"
+
+
+__all__ = [
+    "ActionChain",
+    "ApiResult",
+    "ChainResult",
+    "GoogleComputeApi",
+    "RealKernel",
+    "RetryPolicy",
+    "RunResult",
+    "run_command",
+]

@@ -1,0 +1,254 @@
+"""Disarm switch: keep the ladder reporting, but never act, for a bounded time.
+
+Two sources, either one disarms:
+
+- the instance metadata attribute ``watch.disarm_attribute`` (read by :mod:`daemon.metawatch` while
+  the metadata server answers; it ages out ``watch.disarm_hold`` after its last confirmation);
+- the local state file ``<state_dir>/disarm.json`` written by ``gce-watchdog disarm --for 2h``
+  and removed by ``gce-watchdog arm``.
+
+Disarming always expires: the local switch takes a duration of at most :data:`MAX_DISARM_S`
+(24 h) and re-arms by itself at its expiry; a file that claims more is capped at read time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import getpass
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter
+from gce_watchdog.vm.state import atomic_write, read_json
+
+DISARM_FILE = "disarm.json"
+# The longest a local disarm may last. A VM left disarmed by mistake costs money; a day covers a
+# debugging session or an overnight experiment, and `disarm` can be run again to extend.
+MAX_DISARM_S = 24 * 3600.0
+# A disarm set "in the future" by more than this (the clock jumped back) is not trusted.
+CLOCK_SLACK_S = 300.0
+
+
+@dataclass(frozen=True)
+class LocalDisarm:
+    set_at: float  # wall clock, seconds
+    until: float  # wall clock, seconds
+    reason: str = ""
+    by: str = ""
+
+    @property
+    def effective_until(self) -> float:
+        return min(self.until, self.set_at + MAX_DISARM_S)
+
+
+def disarm_path(cfg: cfgmod.Config) -> Path:
+    return Path(cfg.agent.state_dir) / DISARM_FILE
+
+
+def read_local(cfg: cfgmod.Config) -> LocalDisarm | str | None:
+    """The local disarm, None when there is none, or an error text for an unusable file."""
+    p = disarm_path(cfg)
+    if not p.exists():
+        return None
+    raw = read_json(p)
+    if not isinstance(raw, dict):
+        return f"{p} is not valid JSON"
+    try:
+        set_at, until = float(raw["set_at"]), float(raw["until"])
+    except (KeyError, TypeError, ValueError, OverflowError):  # Overflow: an int float() can't hold
+        return f"{p} lacks set_at/until"
+    return LocalDisarm(set_at, until, str(raw.get("reason", "")), str(raw.get("by", "")))
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def disarm_status(cfg: cfgmod.Config, now_wall: float, metadata_disarm: bool) -> tuple[bool, str]:
+    """``(armed, why)``. ``why`` is short and token-like (it goes into serial line fields).
+
+    Disarmed: ``metadata`` or ``local-until-<ISO time>``. Armed: ``armed``, ``expired`` (a local
+    disarm ran out) or ``bad-disarm-file`` (an unreadable file never disarms).
+    """
+    if metadata_disarm:
+        return False, "metadata"
+    local = read_local(cfg)
+    if local is None:
+        return True, "armed"
+    if isinstance(local, str):
+        return True, "bad-disarm-file"
+    if local.set_at - CLOCK_SLACK_S <= now_wall < local.effective_until:
+        return False, f"local-until-{iso(local.effective_until)}"
+    return True, "expired"
+
+
+class DisarmGate:
+    """The daemon's ``armed()`` input: combines both sources and reports changes on the console.
+
+    Reports ``disarm``/``arm`` lines for what only the agent can see: the metadata attribute
+    appearing or going, a local disarm expiring, and the state found at start-up. (The CLI reports
+    its own ``disarm``/``arm`` when an operator runs it.)
+    """
+
+    def __init__(
+        self,
+        cfg: cfgmod.Config,
+        emitter: Emitter,
+        metadata_disarm: Callable[[], bool],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.emitter = emitter
+        self.metadata_disarm = metadata_disarm
+        self.wall = wall
+        self._last: tuple[bool, str] | None = None
+
+    def __call__(self) -> tuple[bool, str]:
+        md = False
+        with contextlib.suppress(Exception):  # an unknown metadata answer never disarms
+            md = bool(self.metadata_disarm())
+        armed, why = disarm_status(self.cfg, self.wall(), md)
+        prev = self._last
+        self._last = (armed, why)
+        if prev is None:
+            if not armed:
+                self._emit("disarm", "metadata" if why == "metadata" else "local", why, "at start")
+        elif prev[0] != armed:
+            if not armed:
+                if why == "metadata":  # a local disarm was reported by the CLI that set it
+                    self._emit("disarm", "metadata", why, "metadata attribute set")
+            elif prev[1] == "metadata":
+                self._emit("arm", "metadata", why, "metadata disarm ended")
+            elif why != "armed":  # expired or unreadable (a removed file: the CLI reported it)
+                self._emit("arm", "local", why, "local disarm ended")
+        return armed, why
+
+    def _emit(self, event: str, src: str, why: str, text: str) -> None:
+        with contextlib.suppress(Exception):  # best effort at the edge: the ladder goes on
+            self.emitter.emit(event, {"src": src, "why": why}, text, sync=True)
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def register(sub: Any) -> None:
+    from gce_watchdog.vm.runtime import add_config_arg
+
+    d = sub.add_parser(
+        "disarm",
+        help="stop the watchdog from acting for a while (it still reports); always expires",
+        description=(
+            "Disarm the watchdog for a bounded time: the ladder still climbs and is reported, "
+            "and at the threshold the agent writes 'disarmed: would shut down' instead of acting. "
+            f"At most {MAX_DISARM_S / 3600:g}h; it re-arms by itself at expiry."
+        ),
+    )
+    add_config_arg(d)
+    d.add_argument(
+        "--for",
+        dest="duration",
+        default=None,
+        metavar="DURATION",
+        help=f"how long, e.g. 30m, 2h (required unless --status; at most {MAX_DISARM_S / 3600:g}h)",
+    )
+    d.add_argument("--reason", default="", help="why (shown on the serial console)")
+    d.add_argument("--status", action="store_true", help="print the local switch's state")
+    d.set_defaults(func=cmd_disarm)
+    a = sub.add_parser("arm", help="end a local disarm now")
+    add_config_arg(a)
+    a.set_defaults(func=cmd_arm)
+
+
+def _who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def _emit_cli(cfg: cfgmod.Config, event: str, fields: dict[str, object], text: str) -> bool:
+    """Write one line on the serial console (best effort: the switch itself already changed)."""
+    from gce_watchdog.vm.runtime import make_emitter
+
+    try:
+        em, port = make_emitter(cfg)
+    except OSError as e:
+        print(f"gce-watchdog: note: serial line not written: {e}", file=sys.stderr)
+        return False
+    try:
+        em.emit(event, fields, text, sync=True)
+    finally:
+        port.close()
+    return True
+
+
+def cmd_disarm(args: argparse.Namespace) -> int:
+    from gce_watchdog.vm.runtime import load_config_or_exit
+
+    cfg = load_config_or_exit(args)
+    now = time.time()
+    if args.status:
+        armed, why = disarm_status(cfg, now, False)
+        print(
+            f"{'armed' if armed else 'disarmed'} ({why}); the metadata attribute "
+            f"{cfg.watch.disarm_attribute!r} is checked by the running agent"
+        )
+        return 0
+    if args.duration is None:
+        print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
+        return 2
+    try:
+        secs = cfgmod.parse_duration(args.duration)
+    except ValueError as e:
+        print(f"gce-watchdog disarm: --for: {e}", file=sys.stderr)
+        return 2
+    if not 0 < secs <= MAX_DISARM_S:
+        print(
+            f"gce-watchdog disarm: --for must be more than 0 and at most "
+            f"{MAX_DISARM_S / 3600:g}h (got {args.duration}); run it again later to extend",
+            file=sys.stderr,
+        )
+        return 2
+    until = now + secs
+    rec = {"set_at": now, "until": until, "reason": args.reason[:200], "by": _who()}
+    import json
+
+    try:
+        atomic_write(disarm_path(cfg), (json.dumps(rec, sort_keys=True) + "\n").encode(), 0o644)
+    except OSError as e:
+        print(f"gce-watchdog disarm: cannot write {disarm_path(cfg)}: {e}", file=sys.stderr)
+        return 1
+    _emit_cli(
+        cfg,
+        "disarm",
+        {"src": "local", "until": iso(until), "dur": f"{int(secs)}s", "by": rec["by"]},
+        args.reason or "disarmed by an operator",
+    )
+    print(f"disarmed until {iso(until)} (re-arms by itself then; `gce-watchdog arm` ends it now)")
+    return 0
+
+
+def cmd_arm(args: argparse.Namespace) -> int:
+    from gce_watchdog.vm.runtime import load_config_or_exit
+
+    cfg = load_config_or_exit(args)
+    p = disarm_path(cfg)
+    was = "armed" if disarm_status(cfg, time.time(), False)[0] else "disarmed"
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        print(f"gce-watchdog arm: cannot remove {p}: {e}", file=sys.stderr)
+        return 1
+    _emit_cli(cfg, "arm", {"src": "local", "was": was, "by": _who()}, "armed by an operator")
+    print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
+    return 0

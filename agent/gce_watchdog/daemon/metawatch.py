@@ -1,0 +1,408 @@
+"""Background watcher of the metadata server (never on the tick's path).
+
+While the metadata server answers, :class:`MetadataWatcher`:
+
+- caches the instance's identity (project, zone, name, id) in ``<state_dir>/instance.json``, so the
+  action chain can call the Compute API on itself after the network has wedged (and after a
+  restart of the agent);
+- reads the disarm attribute (``watch.disarm_attribute``); a disarm stays valid for
+  ``watch.disarm_hold`` after it was last confirmed, so it too always expires;
+- long-polls ``instance/preempted`` and ``instance/maintenance-event`` with wait-for-change (ETag,
+  ``timeout_sec``, a client timeout 10 s above the server's), and writes a ``preempted`` line the
+  moment GCE announces a preemption (about 30 s before the VM is stopped), or a ``maintenance``
+  line.
+
+Every request runs in the watcher's own threads with its own timeout; the daemon only reads
+attributes, so the watcher can never delay a tick. Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter
+from gce_watchdog.vm.state import atomic_write
+
+INSTANCE_CACHE = "instance.json"
+FLAVOR = "Metadata-Flavor"
+# The metadata server answers a wait-for-change request after at most timeout_sec; the client waits
+# this much longer so that the server, not the client, ends an idle long poll (guest-agent: 60+10).
+CLIENT_MARGIN_S = 10.0
+# Back-off between failed requests: 1 s doubling to 60 s, with full jitter, reset on success.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+# A long poll that returns at once with an unchanged ETag (a server that ignores wait_for_change)
+# must not turn into a busy loop: at least this long between two such requests.
+MIN_POLL_GAP_S = 1.0
+# Values must be safe to put in a Compute API URL path.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    """Who this VM is, as the Compute API names it."""
+
+    project: str
+    zone: str
+    name: str
+    id: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"project": self.project, "zone": self.zone, "name": self.name, "id": self.id}
+
+    @classmethod
+    def from_json(cls, raw: object) -> InstanceInfo | None:
+        """The info from a parsed cache file, or None when anything is missing or unsafe."""
+        if not isinstance(raw, dict):
+            return None
+        vals = [raw.get(k) for k in ("project", "zone", "name", "id")]
+        if not all(isinstance(v, str) and _NAME_RE.match(v) for v in vals):
+            return None
+        return cls(*(str(v) for v in vals))
+
+
+def load_instance_cache(state_dir: str | Path) -> InstanceInfo | None:
+    try:
+        raw = json.loads((Path(state_dir) / INSTANCE_CACHE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return InstanceInfo.from_json(raw)
+
+
+def save_instance_cache(state_dir: str | Path, info: InstanceInfo) -> None:
+    blob = (json.dumps(info.to_json(), sort_keys=True) + "\n").encode()
+    atomic_write(Path(state_dir) / INSTANCE_CACHE, blob)
+
+
+def metadata_root(cfg: cfgmod.Config) -> str:
+    """The metadata root URL (``.../computeMetadata/v1/``): watch.metadata_root or metadata.url."""
+    if cfg.watch.metadata_root:
+        return cfg.watch.metadata_root.rstrip("/") + "/"
+    url = cfg.metadata.url
+    marker = "/computeMetadata/v1/"
+    i = url.find(marker)
+    if i >= 0:
+        return url[: i + len(marker)]
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{marker}"
+
+
+class MetadataError(Exception):
+    """A request to the metadata server failed (connection, timeout, bad answer)."""
+
+
+@dataclass(frozen=True)
+class MdResponse:
+    status: int
+    body: str
+    etag: str
+
+
+class MetadataClient:
+    """GET on the metadata server with the flavor header; one connection per request.
+
+    Connections in flight are tracked so :meth:`abort` can cut a long poll short on stop.
+    """
+
+    def __init__(self, root: str) -> None:
+        parts = urlsplit(root)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"metadata root must be an http:// URL, got {root!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.base_path = parts.path.rstrip("/") + "/"
+        self._lock = threading.Lock()
+        self._live: set[http.client.HTTPConnection] = set()
+        self._aborted = False
+
+    def get(self, path: str, params: dict[str, str] | None, timeout: float) -> MdResponse:
+        url = self.base_path + path + (("?" + urlencode(params)) if params else "")
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        with self._lock:
+            if self._aborted:
+                raise MetadataError("watcher stopped")
+            self._live.add(conn)
+        try:
+            conn.request("GET", url, headers={FLAVOR: "Google"})
+            resp = conn.getresponse()
+            body = resp.read(1 << 20).decode("utf-8", "replace")
+            # Only the real metadata server (or a faithful fake) answers with the flavor header;
+            # anything else (a proxy, a captive portal) must not be believed.
+            if resp.getheader(FLAVOR) != "Google":
+                raise MetadataError(f"HTTP {resp.status} without {FLAVOR}: Google")
+            return MdResponse(resp.status, body, resp.getheader("ETag") or "")
+        except (OSError, http.client.HTTPException) as e:
+            raise MetadataError(f"{type(e).__name__}: {e}") from None
+        finally:
+            with self._lock:
+                self._live.discard(conn)
+            conn.close()
+
+    def abort(self) -> None:
+        """Make requests in flight fail now, and every later one at once."""
+        with self._lock:
+            self._aborted = True
+            live = list(self._live)
+        for conn in live:
+            if conn.sock is not None:
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass
+class Backoff:
+    """Exponential back-off with full jitter, capped; ``reset()`` after a success."""
+
+    first: float = BACKOFF_FIRST_S
+    cap: float = BACKOFF_MAX_S
+    rng: random.Random | None = None
+    _n: int = 0
+
+    def next(self) -> float:
+        top = min(self.cap, self.first * (2**self._n))
+        self._n = min(self._n + 1, 32)
+        r = self.rng or random
+        return float(top / 2 + r.uniform(0, top / 2))
+
+    def reset(self) -> None:
+        self._n = 0
+
+
+MonoClock = Callable[[], float]
+
+
+class MetadataWatcher:
+    """Threads that watch the metadata server; see the module docstring.
+
+    ``clock`` (monotonic seconds) only ages the disarm confirmation; ``client`` is the HTTP edge.
+    """
+
+    def __init__(
+        self,
+        cfg: cfgmod.Config,
+        emitter: Emitter,
+        clock: MonoClock = time.monotonic,
+        client: MetadataClient | None = None,
+        log: Callable[..., object] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.emitter = emitter
+        self.clock = clock
+        self.client = client or MetadataClient(metadata_root(cfg))
+        self.log = log
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._instance: InstanceInfo | None = None
+        self._disarm_value = False
+        self._disarm_confirmed: float | None = None
+        self._preempted = False
+        self._maintenance = "NONE"
+        self.refreshes = 0  # successful identity/attribute refreshes (tests, `check`)
+
+    # -- what the daemon reads (cheap, never blocks on the network) ------------------------------
+    @property
+    def instance(self) -> InstanceInfo | None:
+        with self._lock:
+            return self._instance
+
+    @property
+    def disarm_requested(self) -> bool:
+        """True while the disarm attribute is set and was confirmed within ``disarm_hold``."""
+        with self._lock:
+            if not self._disarm_value or self._disarm_confirmed is None:
+                return False
+            return self.clock() - self._disarm_confirmed < self.cfg.watch.disarm_hold
+
+    @property
+    def preempted(self) -> bool:
+        with self._lock:
+            return self._preempted
+
+    @property
+    def maintenance(self) -> str:
+        with self._lock:
+            return self._maintenance
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> MetadataWatcher:
+        with self._lock:
+            self._instance = load_instance_cache(self.cfg.agent.state_dir)
+        if not self.cfg.watch.enabled:
+            return self
+        targets: list[tuple[str, Callable[[], None]]] = [("mdwatch-info", self._info_loop)]
+        targets.append(("mdwatch-preempt", lambda: self._watch("instance/preempted", self._on_pre)))
+        targets.append(
+            ("mdwatch-maint", lambda: self._watch("instance/maintenance-event", self._on_maint))
+        )
+        for name, fn in targets:
+            t = threading.Thread(target=fn, name=name, daemon=True)
+            self._threads.append(t)
+            t.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self.client.abort()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._threads = [t for t in self._threads if t.is_alive()]
+
+    # -- identity and the disarm attribute -------------------------------------------------------
+    def refresh_once(self) -> bool:
+        """Read identity and the disarm attribute once; True when the identity was read."""
+        w = self.cfg.watch
+        t = w.request_timeout
+        got: dict[str, str] = {}
+        try:
+            for key, path in (
+                ("id", "instance/id"),
+                ("name", "instance/name"),
+                ("zone", "instance/zone"),
+                ("project", "project/project-id"),
+            ):
+                r = self.client.get(path, None, t)
+                if r.status != 200:
+                    raise MetadataError(f"{path}: HTTP {r.status}")
+                got[key] = r.body.strip()
+        except MetadataError as e:
+            self._note("identity read failed", error=str(e))
+            return False
+        got["zone"] = got["zone"].rsplit("/", 1)[-1]  # projects/NUM/zones/ZONE -> ZONE
+        info = InstanceInfo.from_json(got)
+        if info is None:
+            self._note("identity has unexpected values", values=got)
+            return False
+        with self._lock:
+            changed = info != self._instance
+            self._instance = info
+        if changed:
+            try:
+                save_instance_cache(self.cfg.agent.state_dir, info)
+            except OSError as e:
+                self._note("cannot write the instance cache", error=str(e))
+        self._read_disarm()
+        self.refreshes += 1
+        return True
+
+    def _read_disarm(self) -> None:
+        path = "instance/attributes/" + self.cfg.watch.disarm_attribute
+        try:
+            r = self.client.get(path, None, self.cfg.watch.request_timeout)
+        except MetadataError as e:
+            self._note("disarm attribute read failed", error=str(e))
+            return  # unknown: keep the last answer, which ages out after disarm_hold
+        if r.status == 404:
+            value = False
+        elif r.status == 200:
+            value = parse_disarm_value(r.body)
+        else:
+            return
+        with self._lock:
+            self._disarm_value = value
+            self._disarm_confirmed = self.clock()
+
+    def _info_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stop.is_set():
+            if self.refresh_once():
+                backoff.reset()
+                wait = float(self.cfg.watch.refresh)
+            else:
+                wait = min(backoff.next(), self.cfg.watch.refresh)
+            if self._stop.wait(wait):
+                return
+
+    # -- long polls ------------------------------------------------------------------------------
+    def _watch(self, path: str, on_value: Callable[[str], None]) -> None:
+        """Follow one key with wait-for-change; on_value gets the first and every new value."""
+        w = self.cfg.watch
+        etag = ""
+        backoff = Backoff()
+        while not self._stop.is_set():
+            params: dict[str, str] = {}
+            timeout = float(w.request_timeout)
+            if etag:
+                params = {
+                    "wait_for_change": "true",
+                    "last_etag": etag,
+                    "timeout_sec": str(int(w.poll_timeout)),
+                }
+                timeout = w.poll_timeout + CLIENT_MARGIN_S
+            t0 = time.monotonic()
+            try:
+                r = self.client.get(path, params, timeout)
+                if r.status != 200:
+                    raise MetadataError(f"{path}: HTTP {r.status}")
+            except MetadataError as e:
+                if self._stop.is_set():
+                    return
+                self._note("long poll failed", path=path, error=str(e))
+                etag = ""  # start over with a plain read: the value may have changed meanwhile
+                if self._stop.wait(backoff.next()):
+                    return
+                continue
+            backoff.reset()
+            if not r.etag:
+                # A server without ETags cannot long-poll: read it every `refresh` instead.
+                on_value(r.body.strip())
+                if self._stop.wait(w.refresh):
+                    return
+                continue
+            if r.etag == etag:
+                # The server's timeout_sec ended the poll with no change; never a busy loop.
+                gap = MIN_POLL_GAP_S - (time.monotonic() - t0)
+                if gap > 0 and self._stop.wait(gap):
+                    return
+                continue
+            etag = r.etag
+            on_value(r.body.strip())
+
+    def _on_pre(self, value: str) -> None:
+        now = value.upper() == "TRUE"
+        with self._lock:
+            was, self._preempted = self._preempted, now
+            inst = self._instance
+        if now and not was:
+            self.emitter.emit(
+                "preempted",
+                {"inst": inst.id if inst else "-", "src": "metadata"},
+                "GCE is preempting this VM (spot reclaim, not a wedge)",
+                sync=True,
+            )
+
+    def _on_maint(self, value: str) -> None:
+        value = value or "NONE"
+        with self._lock:
+            was, self._maintenance = self._maintenance, value
+        if value != was:
+            self.emitter.emit(
+                "maintenance",
+                {"event": value, "was": was},
+                f"host maintenance event: {value}",
+                sync=True,
+            )
+
+    def _note(self, msg: str, **kw: Any) -> None:
+        if self.log is not None:
+            with contextlib.suppress(Exception):
+                self.log(msg, **kw)
+
+
+def parse_disarm_value(body: str) -> bool:
+    """An attribute value that disarms: true/1/yes/on (any case); anything else does not."""
+    return body.strip().lower() in ("true", "1", "yes", "on")

@@ -1,0 +1,485 @@
+"""Reachability probes. Each returns a verdict with a short reason and its latency; none raises.
+
+One bounded attempt per tick: the ladder is the retry. :class:`Prober` runs both probes of a tick
+concurrently, so a tick costs the slowest timeout, not their sum.
+
+- Metadata: ``GET`` with ``Metadata-Flavor: Google`` over a plain socket (no proxies, by
+  construction), under one hard deadline for connect + request + response headers. Passes only on
+  HTTP 200 whose response carries ``Metadata-Flavor: Google``.
+- Egress: TCP connect to port 443 of the configured targets; passes if any address of any target
+  accepts. On GCE the metadata server is also the DNS server, so an egress probe that needed DNS
+  would fail together with the metadata probe. Names are resolved with dnspython (bounded) when DNS
+  works; the last good addresses are kept (and persisted) and used when it does not. DNS health is
+  reported as its own field and never fails the egress verdict by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.vm.state import read_json, write_json
+
+Clock = Callable[[], float]
+_MAX_HEADER = 16 * 1024  # bytes of response we read at most; the metadata answer is tiny
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    verdict: Verdict
+    reason: str
+    latency_ms: int
+    detail: str = ""  # metadata: the first bytes of the body (the instance id for instance/id)
+
+
+@dataclass(frozen=True)
+class TickResult:
+    metadata: ProbeResult
+    egress: ProbeResult
+    dns: str  # "ok" | "fail" | "-" (no names to resolve)
+
+
+def _errno_reason(e: OSError) -> str:
+    if isinstance(e, TimeoutError | socket.timeout):
+        return "timeout"
+    if isinstance(e, ConnectionRefusedError):
+        return "refused"
+    if isinstance(e, ConnectionResetError):
+        return "reset"
+    return {
+        errno.ENETUNREACH: "net_unreachable",
+        errno.EHOSTUNREACH: "host_unreachable",
+        errno.EPERM: "blocked",  # a local firewall DROP/REJECT on output
+        errno.EACCES: "blocked",
+        errno.EADDRNOTAVAIL: "no_route",
+        errno.EMFILE: "local_error",
+        errno.ENFILE: "local_error",
+        errno.ENOBUFS: "local_error",
+    }.get(e.errno or 0, f"errno_{e.errno}")
+
+
+# -- metadata probe ------------------------------------------------------------------------------
+
+
+def _content_length(head: bytes) -> int:
+    for ln in head.split(b"\r\n")[1:]:
+        k, _, v = ln.partition(b":")
+        if k.strip().lower() == b"content-length" and v.strip().isdigit():
+            return int(v.strip())
+    return 0
+
+
+def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> ProbeResult:
+    """One GET of url with a hard deadline of ``timeout`` seconds. Never raises."""
+    t0 = clock()
+
+    def done(verdict: Verdict, reason: str, detail: str = "") -> ProbeResult:
+        return ProbeResult(verdict, reason, int((clock() - t0) * 1000), detail)
+
+    try:
+        u = urlsplit(url)
+        host = u.hostname or ""
+        port = u.port or 80
+        path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        if u.scheme != "http" or not host:
+            return done(Verdict.UNKNOWN, "bad_url")
+        deadline = t0 + timeout
+
+        def left() -> float:
+            rem = deadline - clock()
+            if rem <= 0:
+                raise TimeoutError
+            return rem
+
+        with socket.create_connection((host, port), timeout=left()) as s:
+            req = (
+                f"GET {path} HTTP/1.1\r\nHost: {host}\r\nMetadata-Flavor: Google\r\n"
+                "User-Agent: gce-watchdog\r\nConnection: close\r\n\r\n"
+            ).encode()
+            s.settimeout(left())
+            s.sendall(req)
+            buf = b""
+            while b"\r\n\r\n" not in buf and len(buf) < _MAX_HEADER:
+                s.settimeout(left())
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                buf += chunk
+            head, sep, body = buf.partition(b"\r\n\r\n")
+            # The body (the instance id for instance/id) is only a detail, read while time is
+            # left: its first bytes, at most 64, often arrive in a segment after the headers.
+            want = min(_content_length(head), 64)
+            try:
+                while sep and len(body) < want:
+                    s.settimeout(left())
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    body += chunk
+            except OSError:
+                body = b""
+    except OSError as e:
+        return done(Verdict.FAIL, _errno_reason(e))
+    except Exception as e:  # a probe never raises: anything unexpected is "unknown"
+        return done(Verdict.UNKNOWN, f"internal_{type(e).__name__}")
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2) if lines and lines[0] else []
+    if (
+        not sep
+        or len(parts) < 2
+        or not parts[0].startswith(b"HTTP/")
+        or not (len(parts[1]) == 3 and parts[1].isdigit())  # int() refuses > 4300 digits
+    ):
+        return done(Verdict.FAIL, "bad_response" if buf else "closed")
+    status = int(parts[1])
+    if status != 200:
+        return done(Verdict.FAIL, f"http_{status}")
+    flavor = b""
+    for ln in lines[1:]:
+        k, _, v = ln.partition(b":")
+        if k.strip().lower() == b"metadata-flavor":
+            flavor = v.strip()
+    if flavor != b"Google":
+        return done(Verdict.FAIL, "bad_flavor")
+    return done(Verdict.OK, "ok", body[:64].decode("ascii", "replace").strip())
+
+
+# -- egress probe --------------------------------------------------------------------------------
+
+
+class Resolver(Protocol):
+    def resolve(self, host: str, lifetime: float) -> list[str]:
+        """IPv4/IPv6 addresses of host; raises on any failure."""
+        ...
+
+
+class DnsPythonResolver:
+    """A-record look-ups with dnspython's message codec over our own UDP socket.
+
+    ``servers``: ``IP`` or ``IP:PORT`` items; empty means the ``nameserver`` lines of
+    ``resolv_conf``, re-read on every look-up (DHCP may change them). The query goes to every
+    server at once and the first valid answer wins, under ONE hard deadline (``lifetime``): a
+    silent resolver costs exactly the budget, never more. dnspython builds and parses the
+    messages (``dns.message``); its stub resolver (``dns.resolver``/``dns.query``) is not used,
+    because it pulls in asyncio and ssl (+2 MiB resident) for nothing the probe needs.
+    """
+
+    def __init__(self, servers: Sequence[str] = (), resolv_conf: str = "/etc/resolv.conf") -> None:
+        self.servers = [_ip_port(s, 53) for s in servers]
+        self.resolv_conf = resolv_conf
+
+    def _targets(self) -> list[tuple[str, int]]:
+        if self.servers:
+            return self.servers
+        out: list[tuple[str, int]] = []
+        with contextlib.suppress(OSError):
+            for line in Path(self.resolv_conf).read_text().splitlines():
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver" and _is_ip(parts[1]):
+                    out.append((parts[1], 53))
+        return out[:3]  # resolv.conf(5): at most three are used
+
+    def resolve(self, host: str, lifetime: float) -> list[str]:
+        import dns.flags
+        import dns.message
+        import dns.rcode
+        import dns.rdatatype
+
+        targets = self._targets()
+        if not targets:
+            raise OSError("no nameserver configured")
+        deadline = time.monotonic() + lifetime
+        q = dns.message.make_query(host.rstrip(".") + ".", dns.rdatatype.A)
+        wire = q.to_wire()
+        socks: list[socket.socket] = []
+        sel = selectors.DefaultSelector()
+        try:
+            for ip, port in targets:
+                fam = socket.AF_INET6 if ":" in ip else socket.AF_INET
+                s = socket.socket(fam, socket.SOCK_DGRAM)
+                socks.append(s)
+                s.setblocking(False)
+                with contextlib.suppress(OSError):  # EPERM from a local DROP: try the others
+                    s.sendto(wire, (ip, port))
+                    sel.register(s, selectors.EVENT_READ, (ip, port))
+            last = "timeout"
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for key, _ in sel.select(left):
+                    sock: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        data, src = sock.recvfrom(4096)
+                    except OSError:
+                        sel.unregister(sock)
+                        continue
+                    if (src[0], src[1]) != key.data:
+                        continue  # not from the server we asked: ignore (spoofing, strays)
+                    try:
+                        r = dns.message.from_wire(data)
+                    except Exception:  # noqa: S112 - garbage: wait for a valid answer
+                        continue
+                    if not q.is_response(r) or r.flags & dns.flags.TC:
+                        continue
+                    if r.rcode() != dns.rcode.NOERROR:
+                        last = dns.rcode.to_text(r.rcode())
+                        sel.unregister(sock)
+                        continue
+                    # CNAME chains are followed by dnspython; the final RRset holds the A records
+                    chain = (
+                        r.resolve_chaining() if isinstance(r, dns.message.QueryMessage) else None
+                    )
+                    answer = chain.answer if chain is not None else None
+                    addrs = (
+                        [rd.to_text() for rd in answer]
+                        if answer is not None and answer.rdtype == dns.rdatatype.A
+                        else []
+                    )
+                    if addrs:
+                        return addrs
+                    last = "no_answer"
+                    sel.unregister(sock)
+            raise OSError(f"DNS look-up of {host} failed: {last}")
+        finally:
+            sel.close()
+            for s in socks:
+                s.close()
+
+
+def _ip_port(s: str, default: int) -> tuple[str, int]:
+    if s.count(":") == 1:
+        host, _, port = s.partition(":")
+        return host, int(port)
+    return s.strip("[]"), default
+
+
+class AddressCache:
+    """Last good addresses per name, persisted as JSON so they survive an agent restart."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path else None
+        raw = read_json(self.path) if self.path else None
+        self._data: dict[str, list[str]] = {}
+        if isinstance(raw, dict):
+            for k, v in raw.items():
+                if isinstance(k, str) and isinstance(v, list):
+                    self._data[k] = [a for a in v if isinstance(a, str) and _is_ip(a)]
+
+    def get(self, host: str) -> list[str]:
+        return list(self._data.get(host, []))
+
+    def put(self, host: str, addrs: list[str]) -> None:
+        if addrs and self._data.get(host) != addrs:
+            self._data[host] = list(addrs)
+            if self.path is not None:
+                # Best effort: the in-memory copy still works.
+                with contextlib.suppress(OSError):
+                    write_json(self.path, self._data)
+
+
+def _is_ip(s: str) -> bool:
+    try:
+        ipaddress.ip_address(s)
+    except ValueError:
+        return False
+    return True
+
+
+def connect_any(addrs: Sequence[tuple[str, int]], timeout: float, clock: Clock) -> str:
+    """Start a non-blocking connect to every address at once; "ok" as soon as one succeeds,
+    else the most telling failure reason once all failed or the deadline passed."""
+    if not addrs:
+        return "no_address"
+    t0 = clock()
+    sel = selectors.DefaultSelector()
+    socks: list[socket.socket] = []
+    reasons: list[str] = []
+    try:
+        for host, port in addrs:
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+            try:
+                s = socket.socket(fam, socket.SOCK_STREAM)
+            except OSError as e:
+                reasons.append(_errno_reason(e))
+                continue
+            socks.append(s)
+            s.setblocking(False)
+            rc = s.connect_ex((host, port))
+            if rc == 0:
+                return "ok"
+            if rc not in (errno.EINPROGRESS, errno.EWOULDBLOCK):
+                reasons.append(_errno_reason(OSError(rc, "")))
+                continue
+            sel.register(s, selectors.EVENT_WRITE)
+        while sel.get_map():
+            left = t0 + timeout - clock()
+            if left <= 0:
+                reasons.append("timeout")
+                break
+            for key, _ in sel.select(left):
+                s = key.fileobj  # type: ignore[assignment]
+                sel.unregister(s)
+                err = s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err == 0:
+                    return "ok"
+                reasons.append(_errno_reason(OSError(err, "")))
+    finally:
+        sel.close()
+        for s in socks:
+            s.close()
+    for preferred in ("timeout", "refused", "blocked"):
+        if preferred in reasons:
+            return preferred
+    return reasons[0] if reasons else "timeout"
+
+
+class EgressProbe:
+    """TCP connect to the targets' port, resolving names with a fallback to cached addresses."""
+
+    def __init__(
+        self,
+        targets: Sequence[tuple[str, int]],
+        timeout: float,
+        dns_timeout: float,
+        resolver: Resolver | None,
+        cache: AddressCache,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.targets = list(targets)
+        self.timeout = timeout
+        self.dns_timeout = dns_timeout
+        self.resolver = resolver
+        self.cache = cache
+        self.clock = clock
+
+    def __call__(self) -> tuple[ProbeResult, str]:
+        t0 = self.clock()
+        try:
+            addrs, dns = self._addresses(t0)
+            left = self.timeout - (self.clock() - t0)
+            reason = connect_any(addrs, max(left, 0.001), self.clock)
+        except Exception as e:  # never raise out of a probe
+            ms = int((self.clock() - t0) * 1000)
+            return ProbeResult(Verdict.UNKNOWN, f"internal_{type(e).__name__}", ms), "-"
+        ms = int((self.clock() - t0) * 1000)
+        verdict = Verdict.OK if reason == "ok" else Verdict.FAIL
+        return ProbeResult(verdict, reason, ms), dns
+
+    def _addresses(self, t0: float) -> tuple[list[tuple[str, int]], str]:
+        out: list[tuple[str, int]] = []
+        names = 0
+        resolved = 0
+        for host, port in self.targets:
+            if _is_ip(host):
+                out.append((host, port))
+                continue
+            names += 1
+            fresh: list[str] = []
+            left = self.dns_timeout - (self.clock() - t0)
+            if self.resolver is not None and left > 0.01:
+                try:
+                    fresh = self.resolver.resolve(host, left)
+                except Exception:
+                    fresh = []
+            if fresh:
+                resolved += 1
+                self.cache.put(host, fresh)
+            out.extend((a, port) for a in (fresh or self.cache.get(host)))
+        dns = "-" if names == 0 else ("ok" if resolved else "fail")
+        return out, dns
+
+
+# -- both together -------------------------------------------------------------------------------
+
+
+class Prober:
+    """Runs the metadata and egress probes of one tick concurrently."""
+
+    def __init__(
+        self,
+        metadata: Callable[[], ProbeResult],
+        egress: Callable[[], tuple[ProbeResult, str]],
+        timeout: float,
+    ) -> None:
+        self._metadata = metadata
+        self._egress = egress
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe")
+        self._lock = threading.Lock()
+
+    def tick(self) -> TickResult:
+        # Hard cap: the probes bound themselves; this only guards against a bug or a stuck
+        # thread. A probe past the cap counts as a failure with reason "deadline".
+        cap = self.timeout + 1.0
+        with self._lock:
+            try:
+                fm: Future[ProbeResult] = self._pool.submit(self._metadata)
+                fe: Future[tuple[ProbeResult, str]] = self._pool.submit(self._egress)
+            except RuntimeError as e:  # cannot start a thread (memory pressure): unknown
+                r = _internal(e)
+                return TickResult(r, r, "-")
+            late = ProbeResult(Verdict.FAIL, "deadline", int(cap * 1000))
+            md = _result(fm, cap, lambda: late, _internal)
+            eg = _result(fe, cap, lambda: (late, "-"), lambda e: (_internal(e), "-"))
+        return TickResult(md, eg[0], eg[1])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _internal(e: BaseException) -> ProbeResult:
+    return ProbeResult(Verdict.UNKNOWN, f"internal_{type(e).__name__}", 0)
+
+
+def _result(
+    f: Future[Any],
+    timeout: float,
+    on_timeout: Callable[[], Any],
+    on_error: Callable[[Exception], Any],
+) -> Any:
+    try:
+        return f.result(timeout=timeout)
+    except FutureTimeout:
+        # Still queued behind a stuck worker: drop it, or every tick would add to the backlog.
+        f.cancel()
+        return on_timeout()
+    except Exception as e:  # a probe that broke its "never raises" contract must not stop ticks
+        return on_error(e)
+
+
+def build_prober(cfg: Any, clock: Clock = time.monotonic) -> Prober:
+    """The real prober for a config (``gce_watchdog.vm.config.Config``)."""
+    from gce_watchdog.vm.config import split_host_port
+
+    timeout = cfg.agent.probe_timeout
+    targets = [split_host_port(t) for t in cfg.egress.targets]
+    resolver: Resolver | None
+    if any(not _is_ip(h) for h, _ in targets):
+        try:
+            resolver = DnsPythonResolver(cfg.egress.dns_servers)
+        except Exception:  # no usable resolver config at all: cached addresses only
+            resolver = None
+    else:
+        resolver = None
+    cache = AddressCache(Path(cfg.agent.state_dir) / "dns-cache.json")
+    egress = EgressProbe(targets, timeout, cfg.egress.dns_timeout, resolver, cache, clock)
+    url = cfg.metadata.url
+
+    def metadata() -> ProbeResult:
+        return probe_metadata(url, timeout, clock)
+
+    return Prober(metadata, egress, timeout)

@@ -1,0 +1,507 @@
+"""The agent daemon: ticks on the monotonic clock, feeds the ladder, performs its actions.
+
+``main``-style wiring lives in :func:`build_agent` (real edges) and the ``run``/``check``
+commands; :class:`Agent` only sees the small interfaces in :class:`Deps`, so tests swap every edge
+for a hand-written fake and drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from gce_watchdog import __version__
+from gce_watchdog.daemon import ladder
+from gce_watchdog.daemon.ladder import LadderState, Observation, Verdict
+from gce_watchdog.daemon.probes import ProbeResult, TickResult
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
+from gce_watchdog.vm.state import (
+    SeqAllocator,
+    read_boot_id,
+    read_json,
+    read_phase,
+    write_json,
+)
+
+EX_TEMPFAIL = 75  # another agent holds the lock: try again later
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def wall(self) -> float: ...
+
+    def wait(self, seconds: float, stop: threading.Event) -> bool:
+        """Sleep up to ``seconds``; True if ``stop`` was set meanwhile."""
+        ...
+
+
+class RealClock:
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+    def wait(self, seconds: float, stop: threading.Event) -> bool:
+        return stop.wait(max(seconds, 0.0))
+
+
+class Notify(Protocol):
+    watchdog_interval: float
+
+    def notify(self, *assignments: str) -> bool: ...
+
+
+class Service(Protocol):
+    """Something that runs beside the ladder (memory monitor, metadata watcher)."""
+
+    def start(self) -> Any: ...
+
+    def stop(self, timeout: float = ...) -> Any: ...
+
+
+class LadderStore:
+    """The rung persisted per boot, so a restarted agent continues its ladder."""
+
+    def __init__(self, path: str | Path, boot_id: str) -> None:
+        self.path = Path(path)
+        self.boot_id = boot_id
+
+    def load(self, threshold: int) -> LadderState:
+        raw = read_json(self.path)
+        if not isinstance(raw, dict) or raw.get("boot_id") != self.boot_id:
+            return LadderState()
+        try:
+            rung = int(raw.get("rung", 0))
+        except (TypeError, ValueError, OverflowError):  # Overflow: int(Infinity)
+            return LadderState()
+        # A lowered threshold since the last run: clamp, the ladder refuses rungs above it.
+        return LadderState(
+            rung=max(0, min(rung, threshold)),
+            fired=bool(raw.get("fired", False)),
+            warned=bool(raw.get("warned", False)),
+        )
+
+    def save(self, st: LadderState) -> bool:
+        try:
+            write_json(
+                self.path,
+                {"boot_id": self.boot_id, "rung": st.rung, "fired": st.fired, "warned": st.warned},
+            )
+            return True
+        except OSError:
+            return False  # best effort: the ladder goes on in memory
+
+
+@dataclass(frozen=True)
+class TickReport:
+    n: int
+    result: TickResult
+    state: LadderState
+    actions: tuple[ladder.Action, ...]
+    duration: float
+
+
+ShutdownHook = Callable[[str, int, int], None]
+
+
+@dataclass
+class Deps:
+    emitter: Emitter
+    prober: Callable[[], TickResult]
+    clock: Clock
+    notifier: Notify
+    store: LadderStore
+    on_shutdown: ShutdownHook
+    armed: Callable[[], tuple[bool, str]] = lambda: (True, "")
+    uptime: Callable[[], float] = lambda: math.inf
+    phase: Callable[[], str] = lambda: "unknown"
+    instance_id: Callable[[], str] = lambda: "-"
+    tick_hooks: list[Callable[[TickReport], None]] = field(default_factory=list)
+    services: list[Service] = field(default_factory=list)
+
+
+def _probe_field(r: ProbeResult) -> str:
+    return f"{r.verdict.value}/{r.reason}/{r.latency_ms}"
+
+
+class Agent:
+    def __init__(self, cfg: cfgmod.Config, deps: Deps) -> None:
+        self.cfg = cfg
+        self.d = deps
+        self.threshold = cfg.agent.threshold
+        self.state = LadderState()
+        self.ticks = 0
+        self.healthy_streak = 0
+        self.overruns = 0
+
+    # -- one tick -------------------------------------------------------------------------------
+    def tick_once(self) -> TickReport:
+        d, thr = self.d, self.threshold
+        t0 = d.clock.monotonic()
+        res = d.prober()
+        armed, why = d.armed()
+        obs = Observation(
+            metadata=res.metadata.verdict,
+            egress=res.egress.verdict,
+            in_grace=d.uptime() < self.cfg.agent.boot_grace,
+            armed=armed,
+        )
+        prev = self.state
+        self.state, actions = ladder.step(prev, obs, thr)
+        self.ticks += 1
+        if self.state != prev:
+            d.store.save(self.state)
+
+        rung = f"{self.state.rung}/{thr}"
+        healthy = res.metadata.verdict is Verdict.OK and res.egress.verdict is Verdict.OK
+        dropped = d.emitter.sink.dropped
+        drop = {"drop": dropped} if dropped else {}
+        for a in actions:
+            if isinstance(a, ladder.Recovered):
+                d.emitter.emit(
+                    "recovered",
+                    {
+                        "from": a.from_rung,
+                        "rung": rung,
+                        "md": res.metadata.verdict,
+                        "eg": res.egress.verdict,
+                    },
+                    f"reachability restored after {a.from_rung}/{thr}",
+                )
+        if not healthy or self.state.rung > 0:
+            self.healthy_streak = 0
+            both = any(isinstance(a, ladder.Climb) for a in actions)
+            grace = any(isinstance(a, ladder.Hold) and a.why == "grace" for a in actions)
+            if both:
+                text = f"BOTH reachability probes FAILED ({self.state.rung}/{thr})"
+            elif grace:
+                text = "BOTH reachability probes FAILED (boot grace, not counted)"
+            elif self.state.fired:
+                text = f"shutdown already decided ({self.state.rung}/{thr})"
+            else:
+                text = "one reachability probe failed, ladder holds"
+            d.emitter.emit(
+                "tick",
+                {
+                    "rung": rung,
+                    "md": _probe_field(res.metadata),
+                    "eg": _probe_field(res.egress),
+                    "dns": res.dns,
+                    "ph": d.phase(),
+                    **drop,
+                },
+                text,
+            )
+        else:
+            self.healthy_streak += 1
+            if self.healthy_streak % self.cfg.agent.heartbeat_every == 0:
+                d.emitter.emit(
+                    "heartbeat",
+                    {
+                        "rung": rung,
+                        "ph": d.phase(),
+                        "ticks": self.ticks,
+                        "dns": res.dns,
+                        "mdl": res.metadata.latency_ms,
+                        "egl": res.egress.latency_ms,
+                        "drop": dropped,
+                    },
+                )
+        d.notifier.notify("WATCHDOG=1", f"STATUS=rung {rung}, {self._status(res)}")
+        for a in actions:
+            if isinstance(a, ladder.WouldShutdown):
+                d.emitter.emit(
+                    "would_shutdown",
+                    {"rung": rung, "why": why or "disarmed"},
+                    f"disarmed: would shut down ({rung})",
+                    sync=True,
+                )
+            elif isinstance(a, ladder.Shutdown):
+                d.on_shutdown("ladder", a.rung, a.threshold)
+        report = TickReport(self.ticks, res, self.state, actions, d.clock.monotonic() - t0)
+        for hook in d.tick_hooks:
+            with contextlib.suppress(Exception):  # an exporter must never break the ladder
+                hook(report)
+        return report
+
+    @staticmethod
+    def _status(res: TickResult) -> str:
+        return f"metadata {res.metadata.verdict.value}, egress {res.egress.verdict.value}"
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
+        d, cfg = self.d, self.cfg
+        self.state = d.store.load(self.threshold)
+        d.emitter.emit(
+            "start",
+            {
+                "v": __version__,
+                "inst": d.instance_id(),
+                "bootid": d.store.boot_id,  # the full kernel boot id (the header carries 8 hex)
+                "cfg": cfgmod.digest(cfg),
+                "pid": os.getpid(),
+                "rung": f"{self.state.rung}/{self.threshold}",
+            },
+            f"gce-watchdog {__version__} started, every {cfg.agent.interval:g}s",
+            sync=True,
+        )
+        for svc in d.services:
+            with contextlib.suppress(Exception):
+                svc.start()
+        d.notifier.notify("READY=1", f"STATUS=starting, rung {self.state.rung}/{self.threshold}")
+        interval = cfg.agent.interval
+        # Ping systemd at least twice per WatchdogSec even when the tick interval is longer.
+        ping_every = d.notifier.watchdog_interval / 2 if d.notifier.watchdog_interval else 0.0
+        t0 = d.clock.monotonic()
+        k = 0
+        reason = "sigterm"
+        try:
+            while not stop.is_set():
+                self.tick_once()
+                if max_ticks is not None and self.ticks >= max_ticks:
+                    reason = "max_ticks"
+                    break
+                # Next slot on the fixed grid t0 + k*interval: a slow tick does not shift the
+                # schedule; slots already missed are skipped (and counted), never bunched up.
+                k += 1
+                now = d.clock.monotonic()
+                due = t0 + k * interval
+                if now > due:
+                    missed = math.floor((now - due) / interval) + 1
+                    self.overruns += missed
+                    k += missed
+                    due = t0 + k * interval
+                while not stop.is_set():
+                    left = due - d.clock.monotonic()
+                    if left <= 0:
+                        break
+                    chunk = min(left, ping_every) if ping_every else left
+                    if d.clock.wait(chunk, stop):
+                        break
+                    if ping_every and due - d.clock.monotonic() > 0:
+                        d.notifier.notify("WATCHDOG=1")
+            else:
+                reason = getattr(stop, "reason", "sigterm")
+        finally:
+            for svc in d.services:
+                with contextlib.suppress(Exception):
+                    svc.stop(2.0)
+            d.notifier.notify("STOPPING=1")
+            d.emitter.emit(
+                "stop",
+                {
+                    "reason": reason,
+                    "ticks": self.ticks,
+                    "rung": f"{self.state.rung}/{self.threshold}",
+                },
+                "gce-watchdog stopped",
+                sync=True,
+            )
+        return 0
+
+
+# -- real wiring ---------------------------------------------------------------------------------
+
+
+def read_uptime(path: str = "/proc/uptime") -> float:
+    try:
+        return float(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return math.inf  # unknown uptime: no grace (never delay a real outage's ladder)
+
+
+class AgentLock:
+    """One ladder per VM: an exclusive flock in the run directory."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = Path(run_dir) / "agent.lock"
+        self.fd = -1
+
+    def acquire(self) -> str | None:
+        """None on success, else a message naming the holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            self.fd = -1
+            return f"another gce-watchdog agent (pid {holder}) holds {self.path}"
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        return None
+
+
+def _instance_id(state_dir: str, known: Any) -> str:
+    """The numeric instance id for the `start` line: the watcher's, else its cache, else "-"."""
+    from gce_watchdog.daemon.metawatch import load_instance_cache
+
+    info = known or load_instance_cache(state_dir)
+    return str(info.id) if info is not None else "-"
+
+
+def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
+    """The real edges for a config. Returns the agent and the prober (to close)."""
+    from gce_watchdog.daemon.actions import ActionChain
+    from gce_watchdog.daemon.disarm import DisarmGate
+    from gce_watchdog.daemon.metawatch import MetadataWatcher
+    from gce_watchdog.daemon.metrics import MetricsExporter
+    from gce_watchdog.daemon.probes import build_prober
+    from gce_watchdog.memory.monitor import MemoryMonitor
+
+    a = cfg.agent
+    boot_id = read_boot_id(a.boot_id_path)
+    prober = build_prober(cfg)
+    watcher = MetadataWatcher(cfg, emitter)
+
+    def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
+        notifier.notify("WATCHDOG=1", "STATUS=shutdown chain running")
+
+    chain = ActionChain(cfg, emitter, keepalive=keepalive, instance=lambda: watcher.instance)
+    services: list[Service] = [watcher]
+    monitor = MemoryMonitor(cfg, emitter) if cfg.memory.enabled else None
+    if monitor is not None:
+        services.append(monitor)
+    exporter = MetricsExporter(
+        cfg,
+        dropped=lambda: emitter.sink.dropped,
+        memory=(lambda: monitor.latest) if monitor is not None else None,
+    )
+    deps = Deps(
+        emitter=emitter,
+        prober=prober.tick,
+        clock=RealClock(),
+        notifier=notifier,
+        store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
+        # The exporter writes the "decided" metrics before the chain (which may never return).
+        on_shutdown=exporter.wrap_shutdown(chain.execute),
+        armed=DisarmGate(cfg, emitter, lambda: watcher.disarm_requested),
+        uptime=read_uptime,
+        phase=lambda: read_phase(a.state_dir),
+        # One identity cache: the metadata watcher's (instance.json, learnt while healthy).
+        instance_id=lambda: _instance_id(a.state_dir, watcher.instance),
+        services=services,
+        tick_hooks=[exporter],
+    )
+    return Agent(cfg, deps), prober
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def register(sub: Any) -> None:
+    from gce_watchdog.vm.runtime import add_config_arg
+
+    r = sub.add_parser("run", help="run the watchdog agent (what the systemd unit starts)")
+    add_config_arg(r)
+    r.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (tests)")
+    r.set_defaults(func=cmd_run)
+    c = sub.add_parser("check", help="run one tick of both probes and print the result")
+    add_config_arg(c)
+    c.set_defaults(func=cmd_check)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gce_watchdog.daemon.sdnotify import Notifier
+    from gce_watchdog.vm import logs
+    from gce_watchdog.vm.runtime import boot_of, load_config_or_exit, make_emitter
+
+    cfg = load_config_or_exit(args)
+    logs.setup()
+    log = logs.get()
+    lock = AgentLock(cfg.agent.run_dir)
+    try:
+        held = lock.acquire()
+    except OSError as e:
+        held = f"cannot use lock {lock.path}: {e.strerror}"
+    if held:
+        print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
+        return EX_TEMPFAIL
+    port: SerialPort | None = None
+    try:
+        emitter, port = make_emitter(cfg, log=log.info)
+        if port.open_error:
+            log.warning("serial_fallback", error=port.open_error, target=port.target)
+    except OSError as e:
+        # No console at all: keep watching (the lines still reach the journal) rather than
+        # crash-loop and leave a wedged VM unguarded.
+        log.error(
+            "serial_unavailable",
+            error=str(e),
+            device=cfg.serial.device,
+            fallback=cfg.serial.fallback_file,
+        )
+        boot = boot_of(cfg)
+        sink = DiscardSink()
+        emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=log.info)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.reason = "sigint" if signum == signal.SIGINT else "sigterm"  # type: ignore[attr-defined]
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    agent, prober = build_agent(cfg, emitter, Notifier())
+    try:
+        return agent.run(stop, max_ticks=args.max_ticks)
+    finally:
+        prober.close()
+        if port is not None:
+            port.close()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Exit 0: both paths up. 1: one path down (the ladder would hold). 2: both down (it would
+    climb). 78: invalid config."""
+    from gce_watchdog.daemon.probes import build_prober
+    from gce_watchdog.vm.runtime import load_config_or_exit
+
+    cfg = load_config_or_exit(args)
+    prober = build_prober(cfg)
+    try:
+        res = prober.tick()
+    finally:
+        prober.close()
+    st = LadderStore(
+        Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
+    )
+    rung = st.load(cfg.agent.threshold).rung
+    rows = [
+        (
+            "metadata",
+            res.metadata.verdict.value,
+            res.metadata.reason,
+            f"{res.metadata.latency_ms} ms",
+        ),
+        ("egress", res.egress.verdict.value, res.egress.reason, f"{res.egress.latency_ms} ms"),
+        ("dns", res.dns, "", ""),
+    ]
+    print(f"{'probe':<10}{'verdict':<9}{'reason':<18}latency")
+    for name, v, why, lat in rows:
+        print(f"{name:<10}{v:<9}{why:<18}{lat}")
+    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
+    print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
+    if res.metadata.verdict is Verdict.OK and res.egress.verdict is Verdict.OK:
+        print("verdict: HEALTHY")
+        return 0
+    if cls is ladder.TickClass.BOTH_FAIL:
+        print("verdict: OUTAGE (both paths down: the ladder would climb)")
+        return 2
+    print("verdict: DEGRADED (one path down or unknown: the ladder would not climb)")
+    return 1

@@ -1,0 +1,1 @@
+"""Fault injection: the iptables rule plan and the firewall that applies it."""

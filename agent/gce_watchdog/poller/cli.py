@@ -1,0 +1,351 @@
+"""``gce-watchdog poll`` and ``gce-watchdog parse``.
+
+Exit codes (also in docs/poller.md):
+
+==  =====================================================================================
+0   every instance was read and decided (whatever the verdicts) / the dump was parsed
+2   usage error (bad arguments, invalid project, zone or instance name, bad duration)
+66  ``parse``: the input file cannot be read (EX_NOINPUT)
+69  ``poll``: at least one instance could not be read (API unreachable, gave up after
+    retries); the others were still decided and reported (EX_UNAVAILABLE)
+74  ``poll``: the ledger or cursor directory cannot be opened or written (EX_IOERR)
+77  ``poll``: no credentials, or the API rejected them (EX_NOPERM)
+==  =====================================================================================
+
+Heavy modules (google-auth, sqlite3, json) are imported inside the handlers: ``cli`` imports
+this module on every ``gce-watchdog`` start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+EX_USAGE = 2
+EX_NOINPUT = 66
+EX_UNAVAILABLE = 69
+EX_IOERR = 74
+EX_NOPERM = 77
+
+
+def _state_home() -> Path:
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "poll",
+        help="read serial port 1 of instances through the Compute API and decide failover",
+        description="Poll instances' serial port 1, decide per instance, record FAILOVER "
+        "decisions exactly once in the ledger, optionally delete (reap) failed-over instances.",
+    )
+    p.add_argument("--project", required=True)
+    p.add_argument("--zone", required=True)
+    p.add_argument("instances", nargs="+", metavar="INSTANCE")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--once", action="store_true", help="poll each instance once and exit")
+    mode.add_argument("--interval", default="30s", help="time between polls (default 30s)")
+    p.add_argument(
+        "--max-polls", type=int, default=0, help="stop after N rounds (default 0: until SIGTERM)"
+    )
+    p.add_argument(
+        "--ledger",
+        default=None,
+        help="SQLite ledger shared by every poller (default $XDG_STATE_HOME/gce-watchdog/"
+        "ledger.sqlite)",
+    )
+    p.add_argument(
+        "--cursor-dir",
+        default=None,
+        help="per-instance cursors (default $XDG_STATE_HOME/gce-watchdog/cursors)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per instance per poll")
+    p.add_argument(
+        "--api-base",
+        default=os.environ.get("GCE_WATCHDOG_COMPUTE_API") or None,
+        help="Compute API base URL (default https://compute.googleapis.com/compute/v1)",
+    )
+    p.add_argument(
+        "--access-token-file",
+        default=None,
+        help="read a bearer token from this file instead of application default credentials",
+    )
+    p.add_argument("--reap", action="store_true", help="delete an instance after its failover")
+    p.add_argument(
+        "--api-attempts",
+        type=int,
+        default=5,
+        help="attempts per API call on rate limits and transient errors (default 5)",
+    )
+    p.add_argument("--drain-timeout", default="15m", help="silence that means a wedge (15m)")
+    p.set_defaults(func=cmd_poll)
+
+    q = sub.add_parser(
+        "parse",
+        help="decode a saved serial dump into a timeline and a verdict",
+        description="Decode a saved serial-port dump (FILE, or - for stdin): events per boot, "
+        "sequence and byte gaps, rejected lines, and the verdict.",
+    )
+    q.add_argument("file", metavar="FILE|-")
+    q.add_argument("--json", action="store_true")
+    q.add_argument(
+        "--now",
+        default=None,
+        help="time to judge silence against: ISO-8601 UTC, 'last' (the last line's time), "
+        "or omitted for the current time",
+    )
+    q.add_argument("--status", default=None, help="instance status to assume (e.g. TERMINATED)")
+    q.add_argument("--spot", action="store_true", help="the instance is a Spot VM")
+    q.add_argument("--drain-timeout", default="15m")
+    q.set_defaults(func=cmd_parse)
+
+
+def _policy(args: argparse.Namespace) -> Any:
+    from gce_watchdog.poller.verdict import Policy
+    from gce_watchdog.vm.config import parse_duration
+
+    return Policy(drain_timeout_s=parse_duration(args.drain_timeout))
+
+
+# -- parse --------------------------------------------------------------------------------------
+
+
+def cmd_parse(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from gce_watchdog.poller.timeline import Timeline
+    from gce_watchdog.poller.verdict import InstanceState, decide
+    from gce_watchdog.wire.protocol import format_ts, parse_ts
+
+    try:
+        policy = _policy(args)
+    except ValueError as e:
+        print(f"gce-watchdog parse: --drain-timeout: {e}", file=sys.stderr)
+        return EX_USAGE
+    tl = Timeline()
+    total = 0
+    try:
+        if args.file == "-":
+            src = sys.stdin.buffer
+            while chunk := src.read(1 << 16):
+                total += len(chunk)
+                tl.feed(chunk)
+        else:
+            with open(args.file, "rb") as f:
+                while chunk := f.read(1 << 16):
+                    total += len(chunk)
+                    tl.feed(chunk)
+    except OSError as e:
+        print(f"gce-watchdog parse: cannot read {args.file}: {e.strerror or e}", file=sys.stderr)
+        return EX_NOINPUT
+    tl.finish()
+    if args.now is None:
+        now = time.time()
+    elif args.now == "last":
+        now = max((ev.ts_ms for ev in tl.events), default=0) / 1000
+    else:
+        raw = args.now.replace("+00:00", "Z")
+        if "." not in raw:
+            raw = raw.rstrip("Z") + ".000Z"
+        ms = parse_ts(raw)
+        if ms is None:
+            print(
+                f"gce-watchdog parse: --now {args.now!r}: want YYYY-MM-DDTHH:MM:SS[.mmm]Z or "
+                "'last'",
+                file=sys.stderr,
+            )
+            return EX_USAGE
+        now = ms / 1000
+    verdict = decide(tl.events, InstanceState(args.status, args.spot), now, policy)
+    if args.json:
+        print(json.dumps(_timeline_json(tl, verdict, total), sort_keys=True))
+        return 0
+    out = sys.stdout
+    print(f"{args.file}: {total} bytes, {tl.lines} lines", file=out)
+    print(f"boots ({len(tl.boots)}):", file=out)
+    for b in sorted(tl.boots.values(), key=lambda b: b.order):
+        print(
+            f"  {b.boot}  seq {b.first_seq}..{b.max_seq}  {b.count} lines  lost {b.lost}  "
+            f"{format_ts(b.first_ts_ms)} .. {format_ts(b.last_ts_ms)}",
+            file=out,
+        )
+    print(f"events ({len(tl.events)}):", file=out)
+    for ev in tl.events:
+        kv = " ".join(f"{k}={v}" for k, v in ev.fields)
+        text = f" | {ev.text}" if ev.text else ""
+        print(f"  {format_ts(ev.ts_ms)} {ev.boot} #{ev.seq} {ev.event} {kv}{text}", file=out)
+    print(f"gaps: {len(tl.seq_gaps)} sequence, {tl.lost_lines} lines lost", file=out)
+    for g in tl.seq_gaps:
+        print(f"  boot {g.boot}: after seq {g.after} came {g.next} ({g.missing} lost)", file=out)
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(tl.reject_reasons.items()))
+    print(f"rejected: {tl.rejected}" + (f" ({reasons})" if reasons else ""), file=out)
+    for s in tl.reject_samples:
+        print(f"  {s.rstrip()!r}", file=out)
+    print(f"duplicates: {tl.duplicates}", file=out)
+    act = "FAILOVER" if verdict.failover else "no failover"
+    print(f"verdict: {verdict.kind.value} ({act}): {verdict.reason}", file=out)
+    for item in verdict.evidence:
+        print(f"  {item}", file=out)
+    return 0
+
+
+def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {
+        "bytes": total,
+        "lines": tl.lines,
+        "boots": [
+            {**asdict(b), "lost": b.lost} for b in sorted(tl.boots.values(), key=lambda b: b.order)
+        ],
+        "events": [e.to_json() for e in tl.events],
+        "seq_gaps": [{**asdict(g), "missing": g.missing} for g in tl.seq_gaps],
+        "lost_lines": tl.lost_lines,
+        "rejected": tl.rejected,
+        "reject_reasons": tl.reject_reasons,
+        "reject_samples": tl.reject_samples,
+        "duplicates": tl.duplicates,
+        "verdict": {
+            "kind": verdict.kind.value,
+            "failover": verdict.failover,
+            "reason": verdict.reason,
+            "boot": verdict.boot,
+            "evidence": list(verdict.evidence),
+        },
+    }
+
+
+# -- poll ---------------------------------------------------------------------------------------
+
+
+def cmd_poll(args: argparse.Namespace) -> int:
+    from gce_watchdog.poller.reader import validate_target
+    from gce_watchdog.vm.config import parse_duration
+
+    errs = validate_target(args.project, args.zone, list(args.instances))
+    interval, policy = 0.0, None
+    try:
+        interval = 0.0 if args.once else parse_duration(args.interval)
+        if not args.once and interval <= 0:
+            errs.append("--interval must be > 0")
+        policy = _policy(args)
+    except ValueError as exc:
+        errs.append(str(exc))
+    if args.api_attempts < 1:
+        errs.append("--api-attempts must be >= 1")
+    if args.max_polls < 0:
+        errs.append("--max-polls must be >= 0")
+    if errs:
+        for msg in errs:
+            print(f"gce-watchdog poll: {msg}", file=sys.stderr)
+        return EX_USAGE
+    return _run_poll(args, interval, policy)
+
+
+def _credentials(args: argparse.Namespace) -> Any:
+    if not args.access_token_file:
+        return None
+    from google.oauth2.credentials import Credentials
+
+    token = Path(args.access_token_file).read_text().strip()
+    if not token:
+        raise ValueError(f"{args.access_token_file} is empty")
+    return Credentials(token)  # type: ignore[no-untyped-call]
+
+
+def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
+    import signal
+    import sqlite3
+    import threading
+
+    from gce_watchdog.poller.ledger import Ledger
+    from gce_watchdog.poller.poller import Poller
+    from gce_watchdog.poller.reader import (
+        DEFAULT_API_BASE,
+        AuthError,
+        ComputeClient,
+        CursorStore,
+        RetryPolicy,
+    )
+
+    state = _state_home() / "gce-watchdog"
+    try:
+        creds = _credentials(args)
+        retry = RetryPolicy(attempts=args.api_attempts)
+        client = ComputeClient.create(creds, args.api_base or DEFAULT_API_BASE, retry=retry)
+    except (OSError, ValueError) as e:
+        print(f"gce-watchdog poll: --access-token-file: {e}", file=sys.stderr)
+        return EX_NOPERM
+    except AuthError as e:
+        print(f"gce-watchdog poll: {e}", file=sys.stderr)
+        return EX_NOPERM
+    try:
+        ledger = Ledger(args.ledger or state / "ledger.sqlite")
+        store = CursorStore(args.cursor_dir or state / "cursors")
+    except (OSError, sqlite3.Error) as e:
+        print(f"gce-watchdog poll: cannot open the ledger: {e}", file=sys.stderr)
+        return EX_IOERR
+    poller = Poller(client, store, args.project, args.zone, ledger, policy, args.reap)
+    stop = threading.Event()
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            old[sig] = signal.signal(sig, lambda *_: stop.set())
+    rc = 0
+    rounds = 0
+    try:
+        while not stop.is_set():
+            rounds += 1
+            rc = 0
+            for name in args.instances:
+                try:
+                    out = poller.poll(name)
+                except AuthError as e:
+                    print(f"gce-watchdog poll: {e}", file=sys.stderr)
+                    return EX_NOPERM
+                except (OSError, sqlite3.Error) as e:
+                    print(f"gce-watchdog poll: ledger/cursor write failed: {e}", file=sys.stderr)
+                    return EX_IOERR
+                if out.error:
+                    rc = EX_UNAVAILABLE
+                _print_outcome(out, args.json)
+            for key in store.corrupt:
+                print(f"gce-watchdog poll: cursor {key} was unreadable; restarted", file=sys.stderr)
+            store.corrupt.clear()
+            if args.once or (args.max_polls and rounds >= args.max_polls):
+                break
+            stop.wait(interval)
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        ledger.close()
+        client.close()
+    return rc
+
+
+def _print_outcome(out: Any, as_json: bool) -> None:
+    if as_json:
+        import json
+
+        print(json.dumps(out.to_json(), sort_keys=True), flush=True)
+        return
+    if out.error:
+        print(f"{out.instance}: ERROR {out.error}", flush=True)
+        return
+    v = out.verdict
+    line = f"{out.instance} id={out.instance_id or '-'} status={out.status} boot={v.boot or '-'}"
+    line += f" verdict={v.kind.value} action={out.action}"
+    if out.decision is not None:
+        line += f" token={out.decision.token}"
+    if out.reaped:
+        line += f" reaped={out.reaped}"
+    if out.reap_error:
+        line += f" reap_error={out.reap_error!r}"
+    if out.read is not None:
+        line += f" new={out.read.new}B lost={out.read.lost}B"
+    line += f" | {v.reason}"
+    print(line, flush=True)

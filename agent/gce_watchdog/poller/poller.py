@@ -1,0 +1,190 @@
+"""One poll of one instance: read new serial output, decide, record a failover once, reap.
+
+The wiring of the reader (I/O), the verdict (pure) and the ledger (durable). Errors reading the
+API produce an outcome with ``error`` set and **no verdict**: a poller that cannot see the
+serial port must not mistake its own blindness for the VM's silence (an API outage would
+otherwise look like every VM wedged at once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gce_watchdog.poller.ledger import Decision, Ledger
+from gce_watchdog.poller.reader import (
+    AuthError,
+    ComputeAPIError,
+    ComputeClient,
+    CursorStore,
+    InstanceInfo,
+    ReadResult,
+    SerialReader,
+)
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide
+
+
+@dataclass(frozen=True)
+class PollOutcome:
+    """Everything one poll learned about one instance (rendered by the CLI as text or JSON)."""
+
+    instance: str
+    instance_id: str
+    status: str
+    verdict: Verdict | None
+    read: ReadResult | None = None
+    decision: Decision | None = None
+    reaped: str | None = None  # the delete operation's name, or "gone"
+    reap_error: str | None = None
+    error: str | None = None
+    lost_lines: int = 0
+    lost_bytes: int = 0
+    rejected: int = 0
+
+    @property
+    def action(self) -> str:
+        """``failover`` only for the poll whose ledger claim won; ``already_decided`` after."""
+        if self.verdict is None:
+            return "error"
+        if not self.verdict.failover:
+            return "none"
+        if self.decision is None:
+            return "failover_unrecorded"
+        return "failover" if self.decision.won else "already_decided"
+
+    def to_json(self) -> dict[str, Any]:
+        v = self.verdict
+        d = self.decision
+        return {
+            "instance": self.instance,
+            "instance_id": self.instance_id,
+            "status": self.status,
+            "verdict": v.kind.value if v else None,
+            "failover": v.failover if v else None,
+            "action": self.action,
+            "reason": v.reason if v else None,
+            "boot": v.boot if v else None,
+            "evidence": list(v.evidence) if v else [],
+            "decision": None
+            if d is None
+            else {
+                "token": d.token,
+                "won": d.won,
+                "owner": d.owner,
+                "decided_at": d.decided_at,
+                "request_id": d.request_id,
+            },
+            "reaped": self.reaped,
+            "reap_error": self.reap_error,
+            "error": self.error,
+            "read": None
+            if self.read is None
+            else {
+                "fetched_bytes": self.read.fetched,
+                "new_bytes": self.read.new,
+                "lost_bytes": self.read.lost,
+                "reset": self.read.reset,
+                "new_events": self.read.new_events,
+            },
+            "lost_lines": self.lost_lines,
+            "lost_bytes_total": self.lost_bytes,
+            "rejected": self.rejected,
+        }
+
+
+class Poller:
+    """Polls instances of one project/zone. ``ledger`` None: decide but record nothing."""
+
+    def __init__(
+        self,
+        client: ComputeClient,
+        store: CursorStore,
+        project: str,
+        zone: str,
+        ledger: Ledger | None = None,
+        policy: Policy | None = None,
+        reap: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.reader = SerialReader(client, store)
+        self.project = project
+        self.zone = zone
+        self.ledger = ledger
+        self.policy = policy or Policy()
+        self.reap = reap
+        self.clock = clock
+
+    def poll(self, name: str) -> PollOutcome:
+        """Poll one instance. Raises AuthError (affects every instance); other errors are
+        reported in the outcome."""
+        p, z = self.project, self.zone
+        try:
+            info = self.client.get_instance(p, z, name)
+        except AuthError:
+            raise
+        except ComputeAPIError as e:
+            return PollOutcome(name, "", "", None, error=str(e))
+        read = None
+        if info is not None:
+            try:
+                read = self.reader.read(p, z, name, info.id)
+            except AuthError:
+                raise
+            except ComputeAPIError as e:
+                if info.status == "RUNNING":
+                    return PollOutcome(name, "", "", None, error=str(e))
+                # GCE serves serial output only while the instance runs: a VM that is off (or
+                # stopping) answers with an error, which means "no new bytes", not "no verdict".
+                # Decide on what was read while it ran (the linger exists for exactly this).
+        cur = self.reader.cursor(p, z, name)
+        tl = cur.timeline
+        state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
+        verdict = decide(tl.events, state, self.clock(), self.policy)
+        instance_id = info.id if info else cur.instance_id
+        decision = None
+        reaped = reap_error = None
+        if verdict.failover and self.ledger is not None:
+            key = instance_id or f"name:{name}"
+            decision = self.ledger.claim(
+                key, verdict.boot or "-", verdict.kind.value, verdict.reason, name, self.clock()
+            )
+            if self.reap and decision.reaped_at is None:
+                reaped, reap_error = self._reap(name, info, decision)
+            elif decision.reaped_at is not None:
+                reaped = decision.reap_result
+        return PollOutcome(
+            name,
+            instance_id,
+            info.status if info else "MISSING",
+            verdict,
+            read,
+            decision,
+            reaped,
+            reap_error,
+            lost_lines=tl.lost_lines,
+            lost_bytes=tl.lost_bytes,
+            rejected=tl.rejected,
+        )
+
+    def _reap(
+        self, name: str, info: InstanceInfo | None, decision: Decision
+    ) -> tuple[str | None, str | None]:
+        assert self.ledger is not None
+        if info is None:
+            self.ledger.mark_reaped(decision.instance_id, decision.boot, "gone", self.clock())
+            return "gone", None
+        try:
+            op = self.client.delete_instance(self.project, self.zone, name, decision.request_id)
+        except AuthError as e:
+            return None, str(e)
+        except ComputeAPIError as e:
+            if e.status == 404:
+                self.ledger.mark_reaped(decision.instance_id, decision.boot, "gone", self.clock())
+                return "gone", None
+            return None, str(e)  # the next poll retries with the same requestId
+        result = str(op.get("name", "operation"))
+        self.ledger.mark_reaped(decision.instance_id, decision.boot, result, self.clock())
+        return result, None

@@ -1,0 +1,231 @@
+"""The poller's decision: a pure function of (events, instance state, now, policy).
+
+No clock, no I/O. ``docs/poller.md`` has the decision table with the reason for every row; the
+rules below are in the same order. In short:
+
+1. Only the latest boot's events count (the boot of the most recent line; an earlier boot's
+   shutdown says nothing about the VM that is running now).
+2. The first terminal event of that boot (by ``seq``) decides: ``setup_failed``, ``shutdown``,
+   ``preempted``, ``exit`` (rc 0 or not) and ``phase ph=done``. First, because what follows a
+   terminal event is its consequence (a ladder shutdown kills the workload, which then logs a
+   signal exit), never new information about the job.
+3. Without a terminal event, the instance status decides: off (TERMINATED, STOPPED, SUSPENDED,
+   or gone) means preempted for a Spot VM and an unexplained stop otherwise; in transition
+   (STOPPING, PROVISIONING, ...) means wait.
+4. Running (or unknown, e.g. a saved dump) and silent for longer than the drain timeout while
+   in a non-terminal phase: a suspected wedge the agent could not even report. Otherwise healthy.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gce_watchdog.wire.protocol import Event, encode
+
+# Three missed heartbeats: the agent writes one every heartbeat_every (10) healthy ticks of 30 s,
+# i.e. every 300 s, and a tick line every 30 s while the ladder climbs, so 900 s of no line at all
+# cannot be an agent at work.
+DEFAULT_DRAIN_TIMEOUT_S = 900.0
+
+OFF_STATES = frozenset({"TERMINATED", "STOPPED", "SUSPENDED", "MISSING"})
+TRANSITIONAL_STATES = frozenset(
+    {"STOPPING", "SUSPENDING", "PROVISIONING", "STAGING", "REPAIRING", "PENDING_STOP"}
+)
+TERMINAL_PHASES = frozenset({"done"})
+
+
+class VerdictKind(enum.Enum):
+    """The documented set of verdicts; ``failover`` says what the poller does about each."""
+
+    HEALTHY = "healthy"
+    SELF_SHUTDOWN = "self_shutdown"
+    SUSPECTED_WEDGE = "suspected_wedge"
+    SETUP_FAILED = "setup_failed"
+    PREEMPTED = "preempted"
+    TERMINATED_UNEXPLAINED = "terminated_unexplained"
+    WORKLOAD_OK = "workload_ok"
+    WORKLOAD_FAILED = "workload_failed"
+    UNKNOWN = "unknown"
+
+    @property
+    def failover(self) -> bool:
+        return self in _FAILOVER
+
+
+_FAILOVER = frozenset(
+    {
+        VerdictKind.SELF_SHUTDOWN,
+        VerdictKind.SUSPECTED_WEDGE,
+        VerdictKind.PREEMPTED,
+        VerdictKind.TERMINATED_UNEXPLAINED,
+    }
+)
+
+
+@dataclass(frozen=True)
+class InstanceState:
+    """What the Compute API says about the instance; ``status`` None = not known (a saved dump)."""
+
+    status: str | None = None
+    spot: bool = False
+
+
+@dataclass(frozen=True)
+class Policy:
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.drain_timeout_s > 0:
+            raise ValueError(f"drain_timeout_s must be > 0, got {self.drain_timeout_s!r}")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: VerdictKind
+    reason: str
+    boot: str | None = None  # the boot the verdict is about (None: no line of ours at all)
+    evidence: tuple[str, ...] = ()  # the deciding lines (encoded) and observations
+
+    @property
+    def failover(self) -> bool:
+        return self.kind.failover
+
+
+def latest_boot_events(events: Sequence[Event]) -> list[Event]:
+    """The events of the boot of the most recent line, sorted by ``seq``."""
+    if not events:
+        return []
+    boot = events[-1].boot
+    return sorted((e for e in events if e.boot == boot), key=lambda e: e.seq)
+
+
+def terminal_kind(ev: Event) -> VerdictKind | None:
+    """The verdict a terminal event decides (rows 1-5), or None for any other event."""
+    name = ev.event
+    if name == "setup_failed":
+        return VerdictKind.SETUP_FAILED
+    if name == "shutdown":
+        return VerdictKind.SELF_SHUTDOWN
+    if name == "preempted":
+        return VerdictKind.PREEMPTED
+    if name == "exit":
+        return VerdictKind.WORKLOAD_OK if ev.get("rc") == "0" else VerdictKind.WORKLOAD_FAILED
+    if name == "phase" and ev.get("ph") in TERMINAL_PHASES:
+        return VerdictKind.WORKLOAD_OK
+    return None
+
+
+def _describe(kind: VerdictKind, ev: Event) -> str:
+    f = ev.fields_dict
+    if kind is VerdictKind.SETUP_FAILED:
+        return (
+            f"bootstrap failed at step {f.get('step', '?')} ({f.get('reason', '?')}, "
+            f"rc {f.get('rc', '?')}): the job itself is broken, failing over would repeat it"
+        )
+    if kind is VerdictKind.SELF_SHUTDOWN:
+        return (
+            f"the agent shut the VM down (reason {f.get('reason', '?')}, rung "
+            f"{f.get('rung', '?')}): the job is not running anywhere"
+        )
+    if kind is VerdictKind.PREEMPTED:
+        detail = " ".join(f"{k}={v}" for k, v in ev.fields) or "no details"
+        return f"the agent saw a preemption notice ({detail})"
+    if ev.event == "phase":
+        return "the job reported phase done"
+    if kind is VerdictKind.WORKLOAD_OK:
+        return "the workload exited with rc 0"
+    return f"the workload exited with rc {f.get('rc', '?')} signal {f.get('sig', '-')}"
+
+
+def _last_phase(events: Sequence[Event]) -> str | None:
+    for ev in reversed(events):
+        if ev.event in ("phase", "tick", "heartbeat"):
+            ph = ev.get("ph")
+            if ph and ph != "-":
+                return ph
+    return None
+
+
+def decide(events: Sequence[Event], instance: InstanceState, now: float, policy: Policy) -> Verdict:
+    """Decide what the poller does about one VM.
+
+    ``events`` in stream order (several boots allowed), ``now`` in seconds since the epoch.
+    """
+    mine = latest_boot_events(events)
+    boot = mine[0].boot if mine else None
+    status = instance.status
+    status_ev = f"status={status or 'unknown'}" + (" spot" if instance.spot else "")
+
+    # Row 1-5: the first terminal event of the latest boot.
+    for ev in mine:
+        kind = terminal_kind(ev)
+        if kind is not None:
+            return Verdict(kind, _describe(kind, ev), boot, (encode(ev), status_ev))
+
+    # Row 6-7: no terminal line and the instance is off (or gone).
+    if status in OFF_STATES:
+        tail: tuple[str, ...] = (encode(mine[-1]),) if mine else ()
+        if instance.spot:
+            return Verdict(
+                VerdictKind.PREEMPTED,
+                f"Spot VM is {status} without a terminal line: presumed preempted by GCE",
+                boot,
+                (status_ev, *tail),
+            )
+        return Verdict(
+            VerdictKind.TERMINATED_UNEXPLAINED,
+            f"instance is {status} without a terminal line: the job is not running anywhere",
+            boot,
+            (status_ev, *tail),
+        )
+
+    # Row 8: in transition: the next poll sees where it lands.
+    if status in TRANSITIONAL_STATES:
+        reason = f"instance is {status}: deciding on a later poll"
+        return Verdict(VerdictKind.UNKNOWN, reason, boot, (status_ev,))
+
+    # Row 9: nothing of ours yet.
+    if not mine:
+        return Verdict(
+            VerdictKind.UNKNOWN,
+            "no protocol line yet (booting, or agent not installed)",
+            None,
+            (status_ev,),
+        )
+
+    last = max(mine, key=lambda e: e.ts_ms)
+    silent_s = max(0.0, now - last.ts_ms / 1000.0)
+    phase = _last_phase(mine)
+    lifecycle = [e for e in mine if e.event in ("start", "stop")]
+    agent_stopped = bool(lifecycle) and lifecycle[-1].event == "stop"
+    evidence = (encode(last), status_ev, f"silent={silent_s:.0f}s", f"phase={phase or 'unknown'}")
+
+    if silent_s > policy.drain_timeout_s:
+        # Row 10: the agent stopped cleanly (service stopped by an operator): no evidence.
+        if agent_stopped:
+            return Verdict(
+                VerdictKind.UNKNOWN,
+                f"agent stopped cleanly and silent for {silent_s:.0f}s: no evidence either way",
+                boot,
+                evidence,
+            )
+        # Row 11: silent in a non-terminal phase past the drain timeout.
+        return Verdict(
+            VerdictKind.SUSPECTED_WEDGE,
+            f"no line for {silent_s:.0f}s (drain timeout {policy.drain_timeout_s:.0f}s) in phase "
+            f"{phase or 'unknown'}: suspected wedge the agent could not report",
+            boot,
+            evidence,
+        )
+
+    # Row 12: alive.
+    rung = last.get("rung")
+    extra = f", ladder at {rung}" if rung and not rung.startswith("0/") else ""
+    return Verdict(
+        VerdictKind.HEALTHY,
+        f"last line {silent_s:.0f}s ago in phase {phase or 'unknown'}{extra}",
+        boot,
+        evidence,
+    )

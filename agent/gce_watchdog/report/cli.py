@@ -1,0 +1,225 @@
+"""``gce-watchdog report SERIAL_LOG [--png OUT.png] [--html OUT.html] [--json]``.
+
+Exit codes (also in docs/report.md):
+
+==  ======================================================================================
+0   the report was written (whatever the verdict)
+2   usage error (bad --now, --drain-timeout or --band-gib)
+66  the input cannot be read (EX_NOINPUT)
+69  --png asked for but matplotlib is not installed: pip install 'gce-watchdog[report]'
+    (EX_UNAVAILABLE)
+73  an output file cannot be written (EX_CANTCREAT)
+==  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from dataclasses import asdict
+from typing import Any
+
+EX_USAGE = 2
+EX_NOINPUT = 66
+EX_UNAVAILABLE = 69
+EX_CANTCREAT = 73
+_CHUNK = 1 << 16
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "report",
+        help="timeline report of a serial log: table, PNG plot, HTML page",
+        description="Decode a saved serial-port dump (or the agent's own serial file) into a "
+        "timeline: boots, phases, ladder per tick, probe latencies, injected faults, memory, "
+        "the action chain and the poller's verdict. The plot needs gce-watchdog[report].",
+    )
+    p.add_argument("file", metavar="SERIAL_LOG", help="the dump, or - for stdin")
+    p.add_argument("--png", metavar="OUT.png", help="write the timeline plot (needs matplotlib)")
+    p.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument(
+        "--now",
+        default=None,
+        help="time silence is judged against: ISO-8601 UTC, 'last' (the last line), 'now' "
+        "(the current time); default: the file's modification time (when the dump was saved), "
+        "the current time for stdin",
+    )
+    p.add_argument("--status", default=None, help="instance status to assume (e.g. TERMINATED)")
+    p.add_argument("--spot", action="store_true", help="the instance is a Spot VM")
+    p.add_argument("--drain-timeout", default="15m", help="silence that means a wedge (15m)")
+    p.add_argument(
+        "--band-gib", type=float, default=1.0, help="memory pass band width in GiB (1.0)"
+    )
+    p.set_defaults(func=cmd_report)
+
+
+def _now(arg: str | None, path: str) -> float | str | None:
+    """Seconds, None (= the last line), or an error message."""
+    import time
+
+    from gce_watchdog.wire.protocol import parse_ts
+
+    if arg is None:
+        if path == "-":
+            return time.time()
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            return time.time()  # the read below reports the real problem
+    if arg == "last":
+        return None
+    if arg == "now":
+        return time.time()
+    raw = arg.replace("+00:00", "Z")
+    if "." not in raw:
+        raw = raw.rstrip("Z") + ".000Z"
+    ms = parse_ts(raw)
+    if ms is None:
+        return f"--now {arg!r}: want YYYY-MM-DDTHH:MM:SS[.mmm]Z, 'last' or 'now'"
+    return ms / 1000
+
+
+def _read(path: str) -> Any:
+    if path == "-":
+        src = sys.stdin.buffer
+        while chunk := src.read(_CHUNK):
+            yield chunk
+        return
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            yield chunk
+
+
+def _write(path: str, data: bytes) -> str | None:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror or e}"
+    return None
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from gce_watchdog.poller.verdict import InstanceState, Policy
+    from gce_watchdog.report.model import build_report
+    from gce_watchdog.vm.config import parse_duration
+
+    def fail(rc: int, msg: str) -> int:
+        print(f"gce-watchdog report: {msg}", file=sys.stderr)
+        return rc
+
+    try:
+        policy = Policy(drain_timeout_s=parse_duration(args.drain_timeout))
+    except ValueError as e:
+        return fail(EX_USAGE, f"--drain-timeout: {e}")
+    if not args.band_gib > 0:
+        return fail(EX_USAGE, f"--band-gib must be > 0, got {args.band_gib}")
+    now = _now(args.now, args.file)
+    if isinstance(now, str):
+        return fail(EX_USAGE, now)
+    plot: Any = None
+    if args.png:
+        # Before reading a large log: a missing extra is known at once.
+        from gce_watchdog.report import plot as plot_mod
+
+        try:
+            plot_mod._mpl()
+        except plot_mod.MatplotlibMissing as e:
+            return fail(EX_UNAVAILABLE, f"--png: {e}")
+        plot = plot_mod
+    try:
+        report = build_report(
+            _read(args.file),
+            source=args.file,
+            now=now,
+            instance=InstanceState(args.status, args.spot),
+            policy=policy,
+            band_gib=args.band_gib,
+        )
+    except OSError as e:
+        return fail(EX_NOINPUT, f"cannot read {args.file}: {e.strerror or e}")
+
+    png: bytes | None = None
+    note = ""
+    if args.png or args.html:
+        if plot is None:
+            from gce_watchdog.report import plot as plot_mod
+
+            plot = plot_mod
+        buf = io.BytesIO()
+        try:
+            plot.write_png(report, buf)
+            png = buf.getvalue()
+        except plot.MatplotlibMissing as e:  # only reachable for --html without --png
+            note = f"no plot: {e}"
+            print(f"gce-watchdog report: --html: {note}", file=sys.stderr)
+    if args.png and png is not None:
+        err = _write(args.png, png)
+        if err:
+            return fail(EX_CANTCREAT, err)
+    if args.html:
+        from gce_watchdog.report.html import render as render_html
+
+        err = _write(args.html, render_html(report, png, note).encode("utf-8"))
+        if err:
+            return fail(EX_CANTCREAT, err)
+    if args.json:
+        print(json.dumps(to_json(report), sort_keys=True))
+        return 0
+    from gce_watchdog.report.text import render as render_text
+
+    width = max(80, _columns())
+    for line in render_text(report, width):
+        print(line)
+    for kind, path in (("plot", args.png), ("page", args.html)):
+        if path:
+            print(f"{kind} written to {path}")
+    return 0
+
+
+def _columns() -> int:
+    try:
+        return os.get_terminal_size().columns
+    except OSError:
+        return 160  # not a terminal (a pipe, a file): wide enough for most rows
+
+
+def to_json(r: Any) -> dict[str, Any]:
+    """The report as plain JSON-able data (series included)."""
+    from gce_watchdog.wire.protocol import format_ts
+
+    v = r.verdict
+    return {
+        "source": r.source,
+        "bytes": r.size,
+        "lines": r.lines,
+        "boots": [{**asdict(s.info), "lost": s.info.lost} for s in r.sections],
+        "events": [e.to_json() for e in r.events],
+        "dropped_events": r.dropped_events,
+        "seq_gaps": [{**asdict(g), "missing": g.missing} for g in r.seq_gaps],
+        "lost_lines": r.lost_lines,
+        "rejected": r.rejected,
+        "reject_reasons": r.reject_reasons,
+        "duplicates": r.duplicates,
+        "threshold": r.threshold,
+        "rungs": [asdict(p) for p in r.rungs],
+        "probes": [asdict(p) for p in r.probes],
+        "memory": [asdict(p) for p in r.memory],
+        "faults": [asdict(w) for w in r.faults],
+        "markers": [asdict(m) for m in r.markers],
+        "actions": [
+            {"ts": format_ts(e.ts_ms), "boot": e.boot, "event": e.event, "fields": dict(e.fields)}
+            for e in r.actions
+        ],
+        "verdict": {
+            "kind": v.kind.value,
+            "failover": v.failover,
+            "reason": v.reason,
+            "boot": v.boot,
+            "evidence": list(v.evidence),
+        },
+    }

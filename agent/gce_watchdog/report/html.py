@@ -1,0 +1,114 @@
+"""One self-contained HTML file: the PNG as a data URI, the summary, and every event in a table.
+
+Nothing is loaded from anywhere (no scripts, no fonts, no external CSS): the file can be mailed or
+attached to a ticket. Everything from the log is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+
+from gce_watchdog.report.model import Report
+from gce_watchdog.report.text import duration, fault_line, verdict_line
+from gce_watchdog.wire.protocol import format_ts
+
+MAX_ROWS = 50_000  # event rows in the table (~10 MB of HTML); the rest is counted
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+h1{font-size:1.3em} h2{font-size:1.1em;margin-top:1.5em}
+.verdict{padding:.6em 1em;border-radius:4px;background:#eef5ee;border:1px solid #9c9}
+.verdict.failover{background:#fbeaea;border-color:#d99}
+table{border-collapse:collapse;font-size:12px;font-family:ui-monospace,monospace}
+td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
+tr.key td{background:#fff7e0} tr.shutdown td{background:#fde0e0}
+img{max-width:100%;border:1px solid #ddd}
+.note{color:#666}
+"""
+_KEY = frozenset(
+    {
+        "start",
+        "stop",
+        "phase",
+        "setup_failed",
+        "exit",
+        "recovered",
+        "fault",
+        "would_shutdown",
+        "preempted",
+        "memory_climb",
+        "action",
+    }
+)
+
+
+def render(r: Report, png: bytes | None, png_note: str = "") -> str:
+    """The page. ``png`` None: no plot (``png_note`` says why)."""
+    e = escape
+    v = r.verdict
+    out: list[str] = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>gce-watchdog report: {e(r.source or '-')}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>gce-watchdog report: {e(r.source or '-')}</h1>",
+        f'<p class="verdict{" failover" if v.failover else ""}">{e(verdict_line(r))}</p>',
+    ]
+    if v.evidence:
+        out.append("<ul>" + "".join(f"<li><code>{e(x)}</code></li>" for x in v.evidence) + "</ul>")
+    if png is not None:
+        b64 = base64.b64encode(png).decode("ascii")
+        out.append(f'<p><img alt="timeline" src="data:image/png;base64,{b64}"></p>')
+    else:
+        out.append(f'<p class="note">{e(png_note or "no plot")}</p>')
+    out.append(
+        f"<p>{r.size} bytes, {r.lines} console lines, {len(r.events)} events of ours; "
+        f"{r.rejected} rejected, {r.duplicates} duplicates, {len(r.seq_gaps)} sequence gaps, "
+        f"{r.lost_lines} lines lost.</p>"
+    )
+    out.append(
+        "<h2>Boots</h2><table><tr><th>boot</th><th>seq</th><th>lines</th><th>lost</th>"
+        "<th>from</th><th>to</th><th>span</th></tr>"
+    )
+    for sec in r.sections:
+        b = sec.info
+        out.append(
+            f"<tr><td>{e(b.boot)}</td><td>{b.first_seq}..{b.max_seq}</td><td>{b.count}</td>"
+            f"<td>{b.lost}</td><td>{format_ts(b.first_ts_ms)}</td><td>{format_ts(b.last_ts_ms)}"
+            f"</td><td>{duration(b.last_ts_ms - b.first_ts_ms)}</td></tr>"
+        )
+    out.append("</table>")
+    if r.seq_gaps:
+        out.append("<h2>Sequence gaps</h2><ul>")
+        out.extend(
+            f"<li>boot {e(g.boot)}: after seq {g.after} came {g.next} ({g.missing} lost)</li>"
+            for g in r.seq_gaps
+        )
+        out.append("</ul>")
+    if r.rejected:
+        reasons = ", ".join(f"{k} {n}" for k, n in sorted(r.reject_reasons.items()))
+        out.append(f"<h2>Rejected lines: {r.rejected} ({e(reasons)})</h2><ul>")
+        out.extend(f"<li><code>{e(s.rstrip())}</code></li>" for s in r.reject_samples)
+        out.append("</ul>")
+    if r.faults:
+        out.append("<h2>Injected faults</h2><ul>")
+        out.extend(f"<li>{e(fault_line(w).strip())}</li>" for w in r.faults)
+        out.append("</ul>")
+    out.append(
+        "<h2>Events</h2><table><tr><th>time (UTC)</th><th>boot</th><th>seq</th>"
+        "<th>event</th><th>fields</th><th>text</th></tr>"
+    )
+    for ev in r.events[:MAX_ROWS]:
+        cls = "shutdown" if ev.event == "shutdown" else "key" if ev.event in _KEY else ""
+        kv = " ".join(f"{k}={val}" for k, val in ev.fields)
+        out.append(
+            f'<tr class="{cls}"><td>{format_ts(ev.ts_ms)}</td><td>{e(ev.boot)}</td>'
+            f"<td>{ev.seq}</td><td>{e(ev.event)}</td><td>{e(kv)}</td><td>{e(ev.text)}</td></tr>"
+        )
+    out.append("</table>")
+    if len(r.events) > MAX_ROWS or r.dropped_events:
+        more = len(r.events) - MAX_ROWS if len(r.events) > MAX_ROWS else 0
+        out.append(f'<p class="note">{more + r.dropped_events} more events not shown.</p>')
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"

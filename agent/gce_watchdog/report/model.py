@@ -1,0 +1,382 @@
+"""The report's data: a pure function of a serial dump (no clock, no I/O, no matplotlib).
+
+Decoding and loss accounting are :class:`gce_watchdog.poller.timeline.Timeline`; the verdict is
+:func:`gce_watchdog.poller.verdict.decide`. This module only turns decoded events into what a person
+looks at: one section per boot, series on one time axis, windows and markers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gce_watchdog.poller.timeline import BootInfo, SeqGap, Timeline
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide
+from gce_watchdog.wire.protocol import Event, parse_ts
+
+PROBES = ("metadata", "egress")
+VERDICTS = ("ok", "fail", "unknown")
+# Events kept for the report. The agent's own fallback file can grow past the 1 MB the Compute API
+# keeps; 200k lines (~30 MB of ours, ~70 days of 30 s ticks) bounds memory at a few hundred MB.
+MAX_EVENTS = 200_000
+# Events that mark a point in time on the plot and in the table.
+MARKER_EVENTS = frozenset(
+    {
+        "start",
+        "stop",
+        "phase",
+        "setup_failed",
+        "exit",
+        "shutdown",
+        "would_shutdown",
+        "preempted",
+        "recovered",
+        "memory_climb",
+        "memory_ok",
+    }
+)
+_RUNG_RE = re.compile(r"(\d+)/(\d+)\Z")
+_GPU_FIELD_RE = re.compile(r"g(\d+)\Z")
+
+
+@dataclass(frozen=True)
+class RungPoint:
+    ts_ms: int
+    boot: str
+    rung: int
+    threshold: int
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    ts_ms: int
+    boot: str
+    probe: str  # "metadata" | "egress"
+    verdict: str  # "ok" | "fail" | "unknown"
+    reason: str  # "" when the line does not say
+    latency_ms: int | None  # None when the line does not say (e.g. `recovered`)
+
+
+@dataclass(frozen=True)
+class MemPoint:
+    ts_ms: int
+    boot: str
+    gauge: str  # host_used, swap_used, gpu<i>_used (the memory monitor's names)
+    gib: float
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    fault_id: str
+    cut: str
+    boot: str
+    start_ms: int
+    end_ms: int
+    # How it ended: "clear", "expire", "install_failed"; "reboot" (the boot ended: iptables rules
+    # do not survive one), "until" (no end line, but its planned end passed within the log) or
+    # "open" (still on where the log ends).
+    end: str
+    planned_end_ms: int | None = None
+
+
+@dataclass(frozen=True)
+class Marker:
+    ts_ms: int
+    boot: str
+    kind: str  # the event name
+    label: str
+
+
+@dataclass
+class BootSection:
+    info: BootInfo
+    events: list[Event] = field(default_factory=list)  # stream order
+
+    @property
+    def boot(self) -> str:
+        return self.info.boot
+
+
+@dataclass
+class Report:
+    source: str
+    size: int
+    lines: int
+    events: list[Event]  # every event kept, stream order
+    dropped_events: int  # events beyond MAX_EVENTS (not kept; accounting still exact)
+    sections: list[BootSection]
+    seq_gaps: list[SeqGap]
+    lost_lines: int
+    rejected: int
+    reject_reasons: dict[str, int]
+    reject_samples: list[str]
+    duplicates: int
+    rungs: list[RungPoint]
+    probes: list[ProbePoint]
+    memory: list[MemPoint]
+    faults: list[FaultWindow]
+    markers: list[Marker]
+    actions: list[Event]  # `shutdown` (first per boot) and `action` lines: the chain
+    threshold: int | None  # from the latest rung field seen
+    band_gib: float
+    verdict: Verdict
+
+    @property
+    def start_ms(self) -> int | None:
+        return min((e.ts_ms for e in self.events), default=None)
+
+    @property
+    def end_ms(self) -> int | None:
+        return max((e.ts_ms for e in self.events), default=None)
+
+
+def parse_rung(value: str | None) -> tuple[int, int] | None:
+    m = _RUNG_RE.match(value or "")
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _int(value: str | None) -> int | None:
+    if value is None:
+        return None
+    v = value.removesuffix("ms")
+    return int(v) if v.isdigit() else None
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def probe_points(ev: Event) -> list[ProbePoint]:
+    """Probe observations in one line.
+
+    ``tick`` lines carry ``md``/``eg`` as ``verdict/reason/latency_ms`` (the agent) or as a bare
+    verdict with ``mdr``/``mdl`` beside it (older writers); ``heartbeat`` lines are written only
+    after healthy ticks and carry the latencies ``mdl``/``egl``; ``recovered`` carries verdicts.
+    """
+    out: list[ProbePoint] = []
+    for probe, key in (("metadata", "md"), ("egress", "eg")):
+        if ev.event == "heartbeat":
+            lat = _int(ev.get(f"{key}l"))
+            if lat is not None:
+                out.append(ProbePoint(ev.ts_ms, ev.boot, probe, "ok", "ok", lat))
+            continue
+        if ev.event not in ("tick", "recovered"):
+            continue
+        raw = ev.get(key)
+        if raw is None:
+            continue
+        verdict, _, rest = raw.partition("/")
+        reason, _, lat_s = rest.partition("/")
+        if verdict not in VERDICTS:
+            continue
+        lat = _int(lat_s) if lat_s else _int(ev.get(f"{key}l"))
+        reason = reason or ev.get(f"{key}r") or ""
+        out.append(ProbePoint(ev.ts_ms, ev.boot, probe, verdict, reason, lat))
+    return out
+
+
+def mem_points(ev: Event) -> list[MemPoint]:
+    """Gauges of a ``mem`` line (GiB): ``hu`` host used, ``sw`` swap used, ``g<i>`` GPU i used."""
+    out: list[MemPoint] = []
+    for k, v in ev.fields:
+        if k == "hu":
+            gauge = "host_used"
+        elif k == "sw":
+            gauge = "swap_used"
+        elif m := _GPU_FIELD_RE.match(k):
+            gauge = f"gpu{m.group(1)}_used"
+        else:
+            continue
+        gib = _float(v)
+        if gib is not None:
+            out.append(MemPoint(ev.ts_ms, ev.boot, gauge, gib))
+    return out
+
+
+def _label(ev: Event) -> str:
+    f = ev.fields_dict
+    if ev.event == "phase":
+        return f.get("ph", "?")
+    if ev.event == "start":
+        return f"agent start {f.get('v', '')}".strip()
+    if ev.event == "stop":
+        return f"agent stop ({f.get('reason', '?')})"
+    if ev.event == "shutdown":
+        return f"SHUTDOWN {f.get('rung', '')} {f.get('action', '')}".strip()
+    if ev.event == "would_shutdown":
+        return f"would shut down {f.get('rung', '')}".strip()
+    if ev.event == "setup_failed":
+        return f"setup_failed {f.get('step', '?')}"
+    if ev.event == "exit":
+        return f"exit rc={f.get('rc', '?')}"
+    if ev.event == "recovered":
+        return f"recovered from {f.get('from', '?')}"
+    if ev.event in ("memory_climb", "memory_ok"):
+        return f"{ev.event} {f.get('g', '?')}"
+    return ev.event
+
+
+def _fault_windows(events: list[Event], boot_end: dict[str, int]) -> list[FaultWindow]:
+    open_: dict[str, tuple[Event, int | None]] = {}
+    out: list[FaultWindow] = []
+    for ev in events:
+        if ev.event != "fault":
+            continue
+        op, fid = ev.get("op"), ev.get("id", "-") or "-"
+        if op == "inject":
+            until = ev.get("until")
+            planned = None
+            if until:
+                ms = parse_ts(until.replace("Z", ".000Z") if "." not in until else until)
+                planned = ms
+            open_[fid] = (ev, planned)
+        elif op in ("clear", "expire"):
+            start = open_.pop(fid, None)
+            if start is None:
+                continue  # its inject line was lost: nothing to draw from
+            inj, planned = start
+            end = "install_failed" if ev.get("why") == "install_failed" else op
+            out.append(
+                FaultWindow(
+                    fid, inj.get("cut", "?") or "?", inj.boot, inj.ts_ms, ev.ts_ms, end, planned
+                )
+            )
+    log_end = max((e.ts_ms for e in events), default=0)
+    latest = events[-1].boot if events else ""
+    for fid, (inj, planned) in open_.items():
+        if inj.boot != latest:  # that boot ended: the rules went with it
+            end_ms, how = boot_end.get(inj.boot, inj.ts_ms), "reboot"
+        elif planned is not None and planned <= log_end:
+            end_ms, how = planned, "until"
+        else:
+            end_ms, how = log_end, "open"
+        out.append(
+            FaultWindow(
+                fid,
+                inj.get("cut", "?") or "?",
+                inj.boot,
+                inj.ts_ms,
+                max(end_ms, inj.ts_ms),
+                how,
+                planned,
+            )
+        )
+    out.sort(key=lambda w: w.start_ms)
+    return out
+
+
+def from_timeline(
+    tl: Timeline,
+    events: list[Event],
+    *,
+    source: str = "",
+    size: int = 0,
+    dropped_events: int = 0,
+    now: float | None = None,
+    instance: InstanceState | None = None,
+    policy: Policy | None = None,
+    band_gib: float = 1.0,
+) -> Report:
+    """Build the report from a finished timeline and every event it yielded (stream order).
+
+    ``now`` (Unix seconds) is what silence is judged against; None: the last line's time (a saved
+    dump is judged as of its end, never as a wedge just because it is old).
+    """
+    by_boot: dict[str, BootSection] = {
+        b.boot: BootSection(b) for b in sorted(tl.boots.values(), key=lambda b: b.order)
+    }
+    rungs: list[RungPoint] = []
+    probes: list[ProbePoint] = []
+    memory: list[MemPoint] = []
+    markers: list[Marker] = []
+    actions: list[Event] = []
+    threshold: int | None = None
+    shutdown_seen: set[str] = set()
+    for ev in events:
+        sec = by_boot.get(ev.boot)
+        if sec is not None:
+            sec.events.append(ev)
+        r = parse_rung(ev.get("rung"))
+        if r is not None:
+            rungs.append(RungPoint(ev.ts_ms, ev.boot, r[0], r[1]))
+            threshold = r[1]
+        probes.extend(probe_points(ev))
+        if ev.event == "mem":
+            memory.extend(mem_points(ev))
+        if ev.event == "shutdown":
+            if ev.boot in shutdown_seen or ev.get("rep"):
+                continue  # the linger repeats the verdict line; the first one is the decision
+            shutdown_seen.add(ev.boot)
+            actions.append(ev)
+        elif ev.event == "action":
+            actions.append(ev)
+        if ev.event in MARKER_EVENTS:
+            markers.append(Marker(ev.ts_ms, ev.boot, ev.event, _label(ev)))
+    boot_end = {b.boot: b.last_ts_ms for b in tl.boots.values()}
+    judged_at = now if now is not None else max((e.ts_ms for e in events), default=0) / 1000
+    verdict = decide(events, instance or InstanceState(), judged_at, policy or Policy())
+    return Report(
+        source=source,
+        size=size,
+        lines=tl.lines,
+        events=events,
+        dropped_events=dropped_events,
+        sections=list(by_boot.values()),
+        seq_gaps=list(tl.seq_gaps),
+        lost_lines=tl.lost_lines,
+        rejected=tl.rejected,
+        reject_reasons=tl.reject_reasons,
+        reject_samples=list(tl.reject_samples),
+        duplicates=tl.duplicates,
+        rungs=rungs,
+        probes=probes,
+        memory=memory,
+        faults=_fault_windows(events, boot_end),
+        markers=markers,
+        actions=actions,
+        threshold=threshold,
+        band_gib=band_gib,
+        verdict=verdict,
+    )
+
+
+def build_report(
+    data: bytes | Iterable[bytes],
+    *,
+    source: str = "",
+    now: float | None = None,
+    instance: InstanceState | None = None,
+    policy: Policy | None = None,
+    band_gib: float = 1.0,
+) -> Report:
+    """Decode a dump (bytes, or chunks in order) and build its report."""
+    tl = Timeline()
+    kept: list[Event] = []
+    dropped = size = 0
+    chunks: Iterable[bytes] = [data] if isinstance(data, bytes | bytearray) else data
+
+    def keep(new: list[Event]) -> None:
+        nonlocal dropped
+        room = MAX_EVENTS - len(kept)
+        kept.extend(new[: max(room, 0)])
+        dropped += max(0, len(new) - max(room, 0))
+
+    for chunk in chunks:
+        size += len(chunk)
+        keep(tl.feed(bytes(chunk)))
+    keep(tl.finish())
+    return from_timeline(
+        tl,
+        kept,
+        source=source,
+        size=size,
+        dropped_events=dropped,
+        now=now,
+        instance=instance,
+        policy=policy,
+        band_gib=band_gib,
+    )

@@ -1,0 +1,171 @@
+"""The terminal view: one compact table per boot, the faults, the action chain, what was lost,
+and a one-line verdict. No optional dependency."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from gce_watchdog.report.model import FaultWindow, Report
+from gce_watchdog.wire.protocol import Event, format_ts
+
+# Shown per table; the rest is summarised (the HTML and --json have every event).
+MAX_ROWS_PER_BOOT = 200
+MAX_GAPS_SHOWN = 10
+# Fields shown in their own columns (not repeated in the detail column).
+_COLUMN_FIELDS = frozenset({"rung", "md", "eg", "mdr", "mdl", "egr", "egl"})
+
+
+def clock(ts_ms: int) -> str:
+    return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).strftime("%m-%d %H:%M:%S")
+
+
+def duration(ms: int) -> str:
+    s = max(0, ms) // 1000
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def probe_cell(ev: Event, key: str) -> str:
+    """``fail timeout 5001ms`` from ``md=fail/timeout/5001`` (or ``md``/``mdr``/``mdl``)."""
+    if ev.event == "heartbeat":
+        lat = ev.get(f"{key}l")
+        return f"ok {lat}ms" if lat else ""
+    raw = ev.get(key)
+    if raw is None:
+        return ""
+    verdict, _, rest = raw.partition("/")
+    reason, _, lat = rest.partition("/")
+    reason = reason or ev.get(f"{key}r") or ""
+    lat = lat or ev.get(f"{key}l") or ""
+    return " ".join(
+        p for p in (verdict, reason if reason != "ok" else "", f"{lat}ms" if lat else "") if p
+    )
+
+
+def detail(ev: Event) -> str:
+    kv = " ".join(f"{k}={v}" for k, v in ev.fields if k not in _COLUMN_FIELDS)
+    if ev.text:
+        return f"{kv} | {ev.text}" if kv else ev.text
+    return kv
+
+
+@dataclass
+class Row:
+    first: Event
+    last: Event
+    count: int = 1
+
+
+def _collapse_key(ev: Event) -> tuple[Any, ...] | None:
+    """Routine lines that say the same thing in a row collapse into one row with a count."""
+    if ev.event == "heartbeat":
+        return ("heartbeat", ev.get("rung"), ev.get("ph"))
+    if ev.event == "tick":
+        md = (ev.get("md") or "").partition("/")[0]
+        eg = (ev.get("eg") or "").partition("/")[0]
+        return ("tick", ev.get("rung"), md, eg)
+    if ev.event == "mem":
+        return ("mem", ev.get("climb"))
+    return None
+
+
+def rows(events: list[Event]) -> list[Row]:
+    out: list[Row] = []
+    prev_key: tuple[Any, ...] | None = None
+    for ev in events:
+        key = _collapse_key(ev)
+        if key is not None and key == prev_key and out:
+            out[-1].last = ev
+            out[-1].count += 1
+            continue
+        out.append(Row(ev, ev))
+        prev_key = key
+    return out
+
+
+def fault_line(w: FaultWindow) -> str:
+    how = {
+        "clear": "cleared",
+        "expire": "expired",
+        "install_failed": "install failed",
+        "reboot": "ended by a reboot",
+        "until": "planned end passed, no clear/expire line",
+        "open": "still on where the log ends",
+    }.get(w.end, w.end)
+    return (
+        f"  {w.fault_id} cut={w.cut} boot {w.boot} {clock(w.start_ms)} .. {clock(w.end_ms)} "
+        f"({duration(w.end_ms - w.start_ms)}, {how})"
+    )
+
+
+def verdict_line(r: Report) -> str:
+    v = r.verdict
+    act = "FAILOVER" if v.failover else "no failover"
+    return f"verdict: {v.kind.value} ({act}): {v.reason}"
+
+
+def render(r: Report, width: int = 120) -> Iterator[str]:
+    """The report as terminal lines."""
+    n_ev = len(r.events) + r.dropped_events
+    yield f"{r.source or '-'}: {r.size} bytes, {r.lines} console lines, {n_ev} events of ours"
+    if not r.events:
+        yield "no gce-watchdog line in this log (agent not installed yet, or another port?)"
+    for i, sec in enumerate(r.sections, 1):
+        b = sec.info
+        yield ""
+        yield (
+            f"boot {b.boot} ({i} of {len(r.sections)}): seq {b.first_seq}..{b.max_seq}, "
+            f"{b.count} lines, {b.lost} lost, {format_ts(b.first_ts_ms)} .. "
+            f"{format_ts(b.last_ts_ms)} ({duration(b.last_ts_ms - b.first_ts_ms)})"
+        )
+        yield (
+            f"  {'time (UTC)':<14} {'seq':>6}  {'event':<14} {'rung':<6} {'metadata':<22} "
+            f"{'egress':<22} detail"
+        )
+        table = rows(sec.events)
+        shown = (
+            table
+            if len(table) <= MAX_ROWS_PER_BOOT
+            else (table[: MAX_ROWS_PER_BOOT // 2] + table[-MAX_ROWS_PER_BOOT // 2 :])
+        )
+        for j, row in enumerate(shown):
+            if len(shown) < len(table) and j == MAX_ROWS_PER_BOOT // 2:
+                yield f"  ... {len(table) - len(shown)} rows left out (--html has every event)"
+            ev = row.last
+            name = row.first.event + (f" x{row.count}" if row.count > 1 else "")
+            extra = f" (until {clock(ev.ts_ms)})" if row.count > 1 else ""
+            line = (
+                f"  {clock(row.first.ts_ms):<14} {row.first.seq:>6}  {name:<14} "
+                f"{ev.get('rung') or '':<6} {probe_cell(ev, 'md'):<22} "
+                f"{probe_cell(ev, 'eg'):<22} {detail(ev)}{extra}"
+            )
+            yield line if len(line) <= width else line[: width - 3] + "..."
+    if r.faults:
+        yield ""
+        yield f"injected faults ({len(r.faults)}):"
+        yield from (fault_line(w) for w in r.faults)
+    if r.actions:
+        yield ""
+        yield "action chain:"
+        for ev in r.actions:
+            yield f"  {clock(ev.ts_ms)} {ev.boot} {ev.event:<9} {detail(ev)}"
+    yield ""
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.reject_reasons.items()))
+    yield (
+        f"decode: {r.rejected} rejected"
+        + (f" ({reasons})" if reasons else "")
+        + f", {r.duplicates} duplicates, {len(r.seq_gaps)} sequence gaps, "
+        f"{r.lost_lines} lines lost"
+        + (f", {r.dropped_events} events beyond the report's limit" if r.dropped_events else "")
+    )
+    for g in r.seq_gaps[:MAX_GAPS_SHOWN]:
+        yield f"  boot {g.boot}: after seq {g.after} came {g.next} ({g.missing} lost)"
+    if len(r.seq_gaps) > MAX_GAPS_SHOWN:
+        yield f"  ... and {len(r.seq_gaps) - MAX_GAPS_SHOWN} more gaps"
+    yield verdict_line(r)

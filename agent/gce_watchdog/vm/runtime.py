@@ -1,0 +1,50 @@
+"""Wiring shared by the CLI commands: config loading with clear errors, logging, the emitter.
+
+This is the only place (with each command's handler) where real implementations are chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, SerialPort, open_emitter
+from gce_watchdog.vm.state import read_boot_id, short_boot
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help=f"config file (default {cfgmod.DEFAULT_PATH}; missing default file = all defaults)",
+    )
+
+
+def load_config_or_exit(args: argparse.Namespace) -> cfgmod.Config:
+    """Load the config named by --config; print every error and exit 78 when invalid."""
+    try:
+        return cfgmod.load(getattr(args, "config", None))
+    except cfgmod.InvalidConfig as e:
+        print(f"gce-watchdog: {e}", file=sys.stderr)
+        raise SystemExit(cfgmod.EX_CONFIG) from None
+
+
+def boot_of(cfg: cfgmod.Config) -> str:
+    return short_boot(read_boot_id(cfg.agent.boot_id_path))
+
+
+def make_emitter(cfg: cfgmod.Config, log: Any = None) -> tuple[Emitter, SerialPort]:
+    """A real serial port (device, else the fallback file) and an emitter numbering lines."""
+    s = cfg.serial
+    return open_emitter(
+        s.device,
+        s.fallback_file,
+        cfg.agent.state_dir,
+        boot_of(cfg),
+        queue_size=s.queue_size,
+        sync_timeout=s.sync_timeout,
+        log=log,
+    )
