@@ -5,8 +5,8 @@ Usage::
 
     python bench/bench_decode.py RESULTS.json [--size BYTES] [--every N] [--repeats R]
 
-The dump is real GCE serial output from the corpus (``/work/shared/serial-corpus``, or
-``GCE_WATCHDOG_SERIAL_CORPUS``) with one of our lines after every ``N`` console lines (default
+The dump is real GCE serial output from the corpus (the repository's ``tests/data/serial-corpus``,
+or ``GCE_WATCHDOG_SERIAL_CORPUS``) with one of our lines after every ``N`` console lines (default
 20: a degrading agent writing a tick per 30 s tick between the console output of a busy VM).
 Both sides read the same bytes in the same run:
 

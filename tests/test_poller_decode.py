@@ -8,7 +8,6 @@ import random
 import time
 from pathlib import Path
 
-import pytest
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 from gce_watchdog.testing.synth import (
@@ -27,10 +26,19 @@ from gce_watchdog.wire.protocol import Event, decode_all, decode_line, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-CORPUS = Path(__file__).resolve().parents[2] / "shared" / "serial-corpus"
-needs_corpus = pytest.mark.skipif(
-    corpus_dir() is None, reason=f"serial corpus not found at {CORPUS}"
-)
+CORPUS = Path(__file__).resolve().parent / "data" / "serial-corpus"
+
+
+def test_the_corpus_is_vendored_with_its_sources() -> None:
+    """A clean clone holds the real corpus: no test may skip for want of it."""
+    assert corpus_dir() == CORPUS
+    files = corpus_files()
+    assert len(files) == 10
+    assert sum(f.stat().st_size for f in files) > 1_000_000
+    sources = (CORPUS / "SOURCES.md").read_text()
+    assert all(f.name in sources for f in files)
+    # kept byte for byte: the gcpdiag dumps still carry their CRLF endings
+    assert b"\r\n" in (CORPUS / "debian11-workbench-notebook-boot-ok.log").read_bytes()
 
 
 def _file_lines(name: str) -> list[bytes]:
@@ -49,7 +57,6 @@ def _weave(console: list[bytes], inserts: dict[int, bytes]) -> bytes:
     return bytes(out)
 
 
-@needs_corpus
 def test_nothing_in_the_real_corpus_decodes_as_ours() -> None:
     files = corpus_files()
     assert len(files) >= 5
@@ -110,7 +117,6 @@ def _scenario_one_boot_with_damage() -> tuple[bytes, list[Event], Writer]:
     return _weave(console, ins), keep, w
 
 
-@needs_corpus
 def test_realistic_log_with_damage_exact_events_and_verdict() -> None:
     data, expected, w = _scenario_one_boot_with_damage()
     tl = parse_bytes(data)
@@ -134,7 +140,6 @@ def test_realistic_log_with_damage_exact_events_and_verdict() -> None:
     assert "reason=ladder" in v.evidence[0]
 
 
-@needs_corpus
 def test_reboot_in_the_middle_only_latest_boot_decides() -> None:
     first = _file_lines("debian11-uefi-boot-ssh-restart-killed-oslogin.log")
     second = _file_lines("bigip-ve-centos7-cloud-init-reboot.log")
@@ -167,7 +172,6 @@ def test_reboot_in_the_middle_only_latest_boot_decides() -> None:
     assert v.boot == "bbbb0002"
 
 
-@needs_corpus
 def test_silent_workload_is_a_wedge_only_after_the_drain_timeout() -> None:
     console = _file_lines("debian11-workbench-notebook-boot-ok.log")
     w = Writer(boot="cccc0003")
@@ -185,7 +189,6 @@ def test_silent_workload_is_a_wedge_only_after_the_drain_timeout() -> None:
     assert v.kind is VerdictKind.SUSPECTED_WEDGE and v.failover
 
 
-@needs_corpus
 def test_realistic_dump_builder_is_decoded_exactly() -> None:
     data, expected = realistic_dump(256 * 1024)
     assert 256 * 1024 - 300 < len(data) <= 256 * 1024
@@ -199,7 +202,7 @@ def test_realistic_dump_builder_is_decoded_exactly() -> None:
 
 
 def _small_realistic() -> tuple[bytes, list[Event]]:
-    lines = corpus_lines()[:400] if corpus_dir() else [b"[    0.0] kernel line\r\n"] * 400
+    lines = corpus_lines()[:400]
     w = Writer(boot="dddd0004", step_ms=1000)
     ins = {i: w.line("tick", {"rung": f"{i % 10}/10", "ph": "workload"}) for i in range(0, 400, 9)}
     ins[126] = splice(ins[126])
@@ -311,7 +314,6 @@ def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
     assert events and all(encode(e) in known for e in events)
 
 
-@needs_corpus
 def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     import importlib.util
 

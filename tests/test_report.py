@@ -22,7 +22,6 @@ from gce_watchdog.report import html, text
 from gce_watchdog.report.model import build_report
 from gce_watchdog.testing.synth import (
     T0_MS,
-    corpus_dir,
     corpus_lines,
     interleave,
     realistic_dump,
@@ -35,7 +34,6 @@ from gce_watchdog.wire.protocol import format_ts
 from test_poller_decode import _scenario_one_boot_with_damage
 
 REPO = Path(__file__).resolve().parents[1]
-needs_corpus = pytest.mark.skipif(corpus_dir() is None, reason="serial corpus not found")
 try:
     import matplotlib  # noqa: F401
 
@@ -165,7 +163,6 @@ def wedge_and_reboot(tmp: Path) -> tuple[bytes, list[str], list[str]]:
     return data, b1, b2
 
 
-@needs_corpus
 def test_agent_log_timeline_faults_memory_and_verdict(tmp_path: Path) -> None:
     data, b1, b2 = wedge_and_reboot(tmp_path)
     r = build_report(data, source="vm.log")
@@ -215,7 +212,6 @@ def test_agent_log_timeline_faults_memory_and_verdict(tmp_path: Path) -> None:
     assert out.rstrip().splitlines()[-1].startswith("verdict: healthy (no failover)")
 
 
-@needs_corpus
 def test_poller_damage_scenario_reports_rejects_gaps_and_shutdown() -> None:
     data, expected, _ = _scenario_one_boot_with_damage()
     r = build_report(data, source="damaged.log", instance=InstanceState("TERMINATED"))
@@ -264,7 +260,6 @@ def test_no_line_of_ours_and_empty_input() -> None:
 
 
 @needs_mpl
-@needs_corpus
 def test_png_is_a_valid_image_of_the_expected_size_with_three_axes(tmp_path: Path) -> None:
     import io
 
@@ -288,7 +283,6 @@ def test_png_is_a_valid_image_of_the_expected_size_with_three_axes(tmp_path: Pat
     assert png_size(buf2.getvalue()) == (1400, 1000)
 
 
-@needs_corpus
 def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> None:
     data, _, _ = wedge_and_reboot(tmp_path)
     r = build_report(data, source="vm<1>.log")
@@ -316,7 +310,6 @@ def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> N
 
 
 @needs_mpl
-@needs_corpus
 def test_cli_writes_png_html_and_prints_the_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -332,7 +325,6 @@ def test_cli_writes_png_html_and_prints_the_table(
     assert "verdict: healthy (no failover)" in out and f"plot written to {png}" in out
 
 
-@needs_corpus
 def test_cli_json_and_default_now_is_the_files_mtime(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -393,7 +385,6 @@ def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     assert "no plot" in page and "gce-watchdog[report]" in page
 
 
-@needs_corpus
 def test_render_time_of_a_1mib_log() -> None:
     data, expected = realistic_dump(1024 * 1024)
     t0 = time.perf_counter()

@@ -1,9 +1,9 @@
 """Realistic serial dumps for tests, the e2e test and the benchmarks.
 
-Real GCE serial output (``/work/shared/serial-corpus``: kernel, systemd, guest agent, start-up
-script lines, CRLF endings, ANSI escapes) interleaved with our protocol lines, plus the damage
-a real console does to them. Every builder returns the bytes and the events a correct decoder
-must return, so tests can compare exactly.
+Real GCE serial output (the repository's ``tests/data/serial-corpus``: kernel, systemd, guest
+agent, start-up script lines, CRLF endings, ANSI escapes) interleaved with our protocol lines,
+plus the damage a real console does to them. Every builder returns the bytes and the events a
+correct decoder must return, so tests can compare exactly.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 
 from gce_watchdog.wire.protocol import Event, encode, make_event
 
-# The corpus lives beside the repository: <repo>/../shared/serial-corpus.
-DEFAULT_CORPUS = Path(__file__).resolve().parents[4] / "shared" / "serial-corpus"
+# The corpus is vendored in the repository (tests/data/serial-corpus, with its SOURCES.md); an
+# installed wheel has no tests/, so there GCE_WATCHDOG_SERIAL_CORPUS names it.
+DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "tests" / "data" / "serial-corpus"
 KERNEL_MSG = b'[  123.456789] audit: type=1400 audit(1700000000.123:42): apparmor="DENIED"'
 T0_MS = 1_764_475_094_000  # 2025-11-30T03:58:14Z: a fixed, realistic start time
 
