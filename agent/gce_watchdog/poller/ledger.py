@@ -22,11 +22,16 @@ import socket
 import sqlite3
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 # A claim holds the write lock for a few milliseconds; 30 s covers a busy disk and many pollers.
 BUSY_TIMEOUT_MS = 30_000
+# Opening retries "database is locked" that SQLite returns without calling its busy handler (the
+# deadlock case: several processes switching a fresh file to WAL at once each hold a shared lock
+# and want an exclusive one). Backoff from 10 ms doubling to 250 ms, for BUSY_TIMEOUT_MS in all.
+_OPEN_BACKOFF_S = (0.01, 0.25)
 # Namespace for requestIds derived from decisions (any fixed UUID works; this one is ours).
 _REQUEST_NS = uuid.UUID("6b0f2a4e-8a1d-4c1e-9a55-0d1f3c2b7e11")
 
@@ -77,7 +82,13 @@ class Decision:
 class Ledger:
     """Open (and create) the ledger at ``path``. Use as a context manager or call close()."""
 
-    def __init__(self, path: str | Path, owner: str = "") -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        owner: str = "",
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.path = Path(path)
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,13 +96,56 @@ class Ledger:
         self._db = sqlite3.connect(
             str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None
         )
-        self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self._db.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
-        self._db.execute("PRAGMA synchronous = FULL")  # a won claim survives power loss
-        self._db.execute("BEGIN IMMEDIATE")
-        for stmt in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
-            self._db.execute(stmt)
-        self._db.execute("COMMIT")
+        try:
+            self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+            self._db.execute("PRAGMA synchronous = FULL")  # a won claim survives power loss
+            self._open_retrying(sleep, clock)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _open_retrying(self, sleep: Callable[[float], None], clock: Callable[[], float]) -> None:
+        """Switch to WAL and create the schema, retrying SQLITE_BUSY up to BUSY_TIMEOUT_MS.
+
+        The busy timeout covers plain waits, but SQLite answers "database is locked" at once,
+        without waiting, where waiting could deadlock: a connection that holds a shared lock and
+        needs a write lock while another connection holds one. ``PRAGMA journal_mode = WAL`` on
+        a fresh file does exactly that, so pollers started together failed there.
+        """
+        deadline = clock() + BUSY_TIMEOUT_MS / 1000
+        wait, cap = _OPEN_BACKOFF_S
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._init_schema()
+                return
+            except sqlite3.OperationalError as e:
+                msg = str(e)
+                if "locked" not in msg and "busy" not in msg:
+                    raise
+                if clock() + wait > deadline:
+                    raise sqlite3.OperationalError(
+                        f"{msg} (gave up opening {self.path} after {attempt} attempts)"
+                    ) from e
+            sleep(wait)
+            wait = min(wait * 2, cap)
+
+    def _init_schema(self) -> None:
+        db = self._db
+        # Read first: a ledger already in WAL (every open but the first) needs no write lock.
+        (mode,) = db.execute("PRAGMA journal_mode").fetchone()
+        if str(mode).lower() != "wal":
+            db.execute("PRAGMA journal_mode = WAL")  # readers never block the writer
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for stmt in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
+                db.execute(stmt)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self._db.close()
