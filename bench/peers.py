@@ -129,7 +129,8 @@ fallback_file = "{d}/serial-fallback.log"
 
 def agent_launch(py: str, cfg: Path) -> Launch:
     d = cfg.parent
-    return Launch([py, "-m", "gce_watchdog", "run", "--config", str(cfg)], d / "serial.log", None, d)
+    argv = [py, "-m", "gce_watchdog", "run", "--config", str(cfg)]
+    return Launch(argv, d / "serial.log", None, d)
 
 
 def both_script(d: Path, timeout: float, eg_ip: str, eg_port: int = 443) -> tuple[Path, Path]:

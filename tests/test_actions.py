@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from gce_watchdog.daemon.actions import ActionChain, ApiResult, RetryPolicy, RunResult
+from gce_watchdog.daemon.actions import ActionChain, ApiResult, RetryPolicy
 from gce_watchdog.daemon.metawatch import InstanceInfo, save_instance_cache
+from gce_watchdog.lib.proc import RunResult
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator

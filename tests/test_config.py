@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.vm import config as cfgmod
 
 
@@ -91,13 +92,13 @@ def test_bad_toml_is_reported(tmp_path: Path) -> None:
     ("raw", "want"), [(30, 30.0), ("500ms", 0.5), ("10m", 600.0), ("2h", 7200.0), (1.5, 1.5)]
 )
 def test_durations(raw: object, want: float) -> None:
-    assert cfgmod.parse_duration(raw) == want
+    assert parse_duration(raw) == want
 
 
 @pytest.mark.parametrize("raw", [True, "ten", "-1s", None])
 def test_bad_durations(raw: object) -> None:
     with pytest.raises(ValueError):
-        cfgmod.parse_duration(raw)
+        parse_duration(raw)
 
 
 def test_config_check_cli_exit_codes(tmp_path: Path) -> None:

@@ -33,10 +33,10 @@ from gce_watchdog.bootstrap.fetch import (
     RetryPolicy,
     hosts_file_lookup,
     parse_dns_server,
-    parse_retry_after,
     parse_url,
     run_fetch,
 )
+from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.testing.simgce import FakeDNS
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator

@@ -23,7 +23,7 @@ from gce_watchdog.bootstrap.install import (
     template,
     uninstall,
 )
-from gce_watchdog.daemon.actions import RunResult
+from gce_watchdog.lib.proc import RunResult
 from gce_watchdog.vm import config as cfgmod
 
 REPO = Path(__file__).resolve().parents[1]

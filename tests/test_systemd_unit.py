@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.bootstrap.install import HIDDEN_PREFIXES, default_exec, render_unit, template
+from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.vm import config as cfgmod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_required_settings() -> None:
     assert s["DefaultDependencies"] == ["no"]
     assert "Conflicts" not in s
     # WatchdogSec must comfortably exceed one default tick (interval + probe timeout).
-    wd = cfgmod.parse_duration(s["WatchdogSec"][0])
+    wd = parse_duration(s["WatchdogSec"][0])
     a = cfgmod.Config().agent
     assert wd >= 2 * (a.interval + a.probe_timeout)
     # The chain's keepalive runs every actions.repeat_every (checked <= 30 s by the config).

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from gce_watchdog.lib.httpdate import parse_retry_after
+
 if TYPE_CHECKING:
     import random
 
@@ -157,24 +159,6 @@ class RateLimit:
     def take_suppressed(self) -> int:
         n, self.suppressed = self.suppressed, 0
         return n
-
-
-def parse_retry_after(value: str | None, now_wall: float) -> float | None:
-    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent/bad."""
-    if not value:
-        return None
-    v = value.strip()
-    if v.isdigit():
-        return float(v)
-    from email.utils import parsedate_to_datetime
-
-    try:
-        when = parsedate_to_datetime(v)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - now_wall)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -811,7 +795,7 @@ def register(sub: Any) -> None:
 
 def request_from_args(args: argparse.Namespace) -> FetchRequest:
     """Validate the arguments; raises ValueError with every problem found."""
-    from gce_watchdog.vm.config import parse_duration
+    from gce_watchdog.lib.durations import parse_duration
 
     errors: list[str] = []
     url: Url | None = None

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.state import atomic_write
 
 if TYPE_CHECKING:  # imported lazily: the CLI imports this module on every command
-    from gce_watchdog.daemon.actions import RunResult
+    from gce_watchdog.lib.proc import RunResult
 
 UNIT = "gce-watchdog.service"
 UNIT_DIR = "etc/systemd/system"
@@ -214,7 +214,7 @@ def uninstall(
 
 
 def _real_runner() -> Runner:
-    from gce_watchdog.daemon.actions import run_command
+    from gce_watchdog.lib.proc import run_command
 
     return run_command
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import threading
 import time
 import uuid
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
+from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 
@@ -43,47 +43,12 @@ SYNC_BOUND_S = 5.0
 LINUX_REBOOT_MAGIC1 = 0xFEE1DEAD
 LINUX_REBOOT_MAGIC2 = 672274793
 LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
-# Lines keep a bounded excerpt of stderr / API error messages.
-DETAIL_MAX = 90
 
 
 # -- edges -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """What running a command did: ``rc`` None means it did not run to an exit code."""
-
-    rc: int | None
-    detail: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.rc == 0
-
-
 Runner = Callable[[Sequence[str], float], RunResult]
-
-
-def run_command(argv: Sequence[str], timeout: float) -> RunResult:
-    """Run an argv (never a shell) with a bound; stdin is /dev/null, stderr's tail is kept."""
-    try:
-        p = subprocess.run(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=timeout,
-            check=False,
-        )
-    except FileNotFoundError:
-        return RunResult(None, f"not found: {argv[0]}")
-    except subprocess.TimeoutExpired:
-        return RunResult(None, f"timed out after {timeout:g}s")
-    except OSError as e:
-        return RunResult(None, f"cannot run {argv[0]}: {e.strerror or e}")
-    lines = p.stderr.decode("utf-8", "replace").strip().splitlines()
-    return RunResult(p.returncode, lines[-1][:DETAIL_MAX] if lines else "")
 
 
 class ChainClock(Protocol):

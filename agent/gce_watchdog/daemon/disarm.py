@@ -25,9 +25,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.lib.files import atomic_write, read_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
-from gce_watchdog.vm.state import atomic_write, read_json
 
 DISARM_FILE = "disarm.json"
 # The longest a local disarm may last. A VM left disarmed by mistake costs money; a day covers a
@@ -206,7 +207,7 @@ def cmd_disarm(args: argparse.Namespace) -> int:
         print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
         return 2
     try:
-        secs = cfgmod.parse_duration(args.duration)
+        secs = parse_duration(args.duration)
     except ValueError as e:
         print(f"gce-watchdog disarm: --for: {e}", file=sys.stderr)
         return 2

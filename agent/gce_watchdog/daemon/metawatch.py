@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
-from gce_watchdog.vm.state import atomic_write
 
 INSTANCE_CACHE = "instance.json"
 FLAVOR = "Metadata-Flavor"

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from gce_watchdog.daemon.ladder import Verdict
-from gce_watchdog.vm.state import read_json, write_json
+from gce_watchdog.lib.files import read_json, write_json
 
 Clock = Callable[[], float]
 _MAX_HEADER = 16 * 1024  # bytes of response we read at most; the metadata answer is tiny

@@ -25,15 +25,10 @@ from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.ladder import LadderState, Observation, Verdict
 from gce_watchdog.daemon.probes import ProbeResult, TickResult
+from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
-from gce_watchdog.vm.state import (
-    SeqAllocator,
-    read_boot_id,
-    read_json,
-    read_phase,
-    write_json,
-)
+from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase
 
 EX_TEMPFAIL = 75  # another agent holds the lock: try again later
 

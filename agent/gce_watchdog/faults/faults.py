@@ -39,6 +39,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gce_watchdog.lib import proc
+from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.vm import config as cfgmod
 
 CHAIN_OUT = "GCEWD-FAULT"
@@ -187,7 +189,7 @@ def parse_iso(s: str) -> float | None:
 
 
 def parse_ttl(value: str) -> float:
-    ttl = cfgmod.parse_duration(value)
+    ttl = parse_duration(value)
     if not MIN_TTL <= ttl <= MAX_TTL:
         raise ValueError(
             f"--ttl must be between {MIN_TTL:g}s and {MAX_TTL / 3600:g}h, got {ttl:g}s"
@@ -248,15 +250,14 @@ Runner = Callable[[Sequence[str]], Result]
 
 def run_argv(argv: Sequence[str]) -> Result:
     """Run an argv (never a shell string), bounded; a missing binary is rc 127."""
-    try:
-        r = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=CMD_TIMEOUT, check=False
-        )
-    except FileNotFoundError as e:
-        return Result(127, "", str(e))
-    except subprocess.TimeoutExpired:
+    r = proc.run(argv, CMD_TIMEOUT, stdout=True, stderr=True)
+    if r.timed_out:
         return Result(124, "", f"timed out after {CMD_TIMEOUT:g}s")
-    return Result(r.returncode, r.stdout, r.stderr)
+    if isinstance(r.error, FileNotFoundError):
+        return Result(127, "", str(r.error))
+    if r.error is not None:
+        raise r.error
+    return Result(r.rc if r.rc is not None else 1, r.out, r.err)
 
 
 def systemd_usable() -> bool:
@@ -438,14 +439,14 @@ class Injected:
 
 
 def _read_state(paths: Paths) -> dict[str, Any]:
-    from gce_watchdog.vm.state import read_json
+    from gce_watchdog.lib.files import read_json
 
     raw = read_json(paths.state)
     return raw if isinstance(raw, dict) else {}
 
 
 def _write_state(paths: Paths, obj: dict[str, Any]) -> None:
-    from gce_watchdog.vm.state import write_json
+    from gce_watchdog.lib.files import write_json
 
     write_json(paths.state, obj)
 

@@ -24,9 +24,9 @@ from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
+from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import MIN_WINDOW, DetectorParams, Status, Verdict, detect
-from gce_watchdog.vm.config import parse_duration
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
@@ -424,7 +424,7 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     overall, per = judge(run, params, gate)
     target: dict[str, Any] = {"pid": args.pid, "argv": argv or None}
     if args.out:
-        from gce_watchdog.vm.state import atomic_write
+        from gce_watchdog.lib.files import atomic_write
 
         doc = to_json(run, params, gate, overall, per, target)
         atomic_write(args.out, (json.dumps(doc, indent=1) + "\n").encode())

@@ -17,8 +17,6 @@ when a gauge starts climbing, ``memory_ok`` when it stops, ``memory_action`` whe
 
 from __future__ import annotations
 
-import os
-import subprocess
 import threading
 import time
 from collections import deque
@@ -26,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
+from gce_watchdog.lib import proc
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import DetectorParams, Status, Verdict, detect
 from gce_watchdog.memory.samplers import GpuSampler, TopProcess, host_gauges, top_processes
@@ -59,21 +58,12 @@ def _eta_text(seconds: float | None) -> str:
 
 def run_argv(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> int | str:
     """Run an operator-configured argv (never a shell), bounded by ``timeout``."""
-    try:
-        done = subprocess.run(
-            list(argv),
-            env={**os.environ, **env},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
+    r = proc.run(argv, timeout, env=env)
+    if r.timed_out:
         return "timeout"
-    except OSError as e:
-        return f"oserror_{e.errno}"
-    return done.returncode
+    if r.rc is None:
+        return f"oserror_{r.error.errno if r.error else None}"
+    return r.rc
 
 
 class MemoryMonitor:

@@ -104,8 +104,8 @@ def register(sub: Any) -> None:
 
 
 def _policy(args: argparse.Namespace) -> Any:
+    from gce_watchdog.lib.durations import parse_duration
     from gce_watchdog.poller.verdict import Policy
-    from gce_watchdog.vm.config import parse_duration
 
     return Policy(drain_timeout_s=parse_duration(args.drain_timeout))
 
@@ -223,8 +223,8 @@ def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
 
 
 def cmd_poll(args: argparse.Namespace) -> int:
+    from gce_watchdog.lib.durations import parse_duration
     from gce_watchdog.poller.reader import validate_target
-    from gce_watchdog.vm.config import parse_duration
 
     errs = validate_target(args.project, args.zone, list(args.instances))
     interval, policy = 0.0, None

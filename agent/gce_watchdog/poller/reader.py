@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.poller.timeline import Timeline
-from gce_watchdog.vm.state import atomic_write
 
 if TYPE_CHECKING:  # pragma: no cover
     import requests
@@ -259,7 +259,7 @@ class ComputeClient:
             raise NotFoundError(text, 404, reason)
         if r.status_code == 401 or (r.status_code == 403 and reason not in RATE_LIMIT_REASONS):
             raise AuthError(text, r.status_code, reason)
-        from gce_watchdog.bootstrap.fetch import parse_retry_after
+        from gce_watchdog.lib.httpdate import parse_retry_after
 
         after = parse_retry_after(r.headers.get("Retry-After"), time.time())
         raise ComputeAPIError(text, r.status_code, reason, after)

@@ -104,9 +104,9 @@ def _write(path: str, data: bytes) -> str | None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from gce_watchdog.lib.durations import parse_duration
     from gce_watchdog.poller.verdict import InstanceState, Policy
     from gce_watchdog.report.model import build_report
-    from gce_watchdog.vm.config import parse_duration
 
     def fail(rc: int, msg: str) -> int:
         print(f"gce-watchdog report: {msg}", file=sys.stderr)

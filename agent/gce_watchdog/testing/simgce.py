@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Self
 from urllib.parse import parse_qs, urlsplit
 
-from gce_watchdog.vm.state import atomic_write
+from gce_watchdog.lib.files import atomic_write
 
 FLAVOR = "Metadata-Flavor"
 TOKEN = "ya29.fake-token-for-tests"  # noqa: S105 - a fake token for the fake server

@@ -21,25 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gce_watchdog.lib.durations import parse_duration
+
 DEFAULT_PATH = Path("/etc/gce-watchdog/config.toml")
 EX_CONFIG = 78  # sysexits.h: configuration error
-
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
-
-
-def parse_duration(value: object) -> float:
-    """Seconds from a number or a string like ``"500ms"``, ``"30s"``, ``"10m"``, ``"2h"``."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a duration, got {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION_RE.match(value)
-        if m:
-            return float(m.group(1)) * _UNITS[m.group(2)]
-    raise ValueError(f"expected a duration like 30, '30s', '10m' or '2h', got {value!r}")
-
 
 class Duration(float):
     """Marker type: a float number of seconds that may be written as '30s', '10m', ..."""

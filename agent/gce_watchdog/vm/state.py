@@ -1,19 +1,16 @@
-"""Small durable state in the state directory: atomic JSON files, the boot id, the line counter.
+"""Small durable state in the state directory: the boot id, the line counter, the job phase.
 
-Every file is written to a temporary name, fsynced and renamed, so a crash or power loss leaves
-either the old or the new content, never a torn file. Readers treat a missing or unreadable file
-as "no state" and never raise.
+Files are written atomically (``gce_watchdog.lib.files``); readers treat a missing or unreadable
+file as "no state" and never raise.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import json
 import os
-import threading
 from pathlib import Path
-from typing import Any
+
+from gce_watchdog.lib.files import atomic_write
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -30,46 +27,6 @@ def read_boot_id(path: str = BOOT_ID_PATH) -> str:
 def short_boot(boot_id: str) -> str:
     """The 8-hex form used on the wire."""
     return (boot_id + "0" * 8)[:8]
-
-
-def atomic_write(path: str | Path, data: bytes, mode: int = 0o644) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    # Per thread, not only per process: a probe thread that outlived its tick may write the same
-    # file as the next tick's.
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        try:
-            view = memoryview(data)
-            while view:  # a short write must not become a short file
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):
-        dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-def write_json(path: str | Path, obj: Any) -> None:
-    atomic_write(path, (json.dumps(obj, sort_keys=True) + "\n").encode())
-
-
-def read_json(path: str | Path) -> Any:
-    """The parsed file, or None when missing or corrupt."""
-    try:
-        return json.loads(Path(path).read_bytes())
-    except (OSError, ValueError):
-        return None
 
 
 class SeqAllocator:
