@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from gce_watchdog.daemon.ladder import Verdict
 from gce_watchdog.lib.files import read_json, write_json
+from gce_watchdog.lib.netaddr import parse_host_port
 
 Clock = Callable[[], float]
 _MAX_HEADER = 16 * 1024  # bytes of response we read at most; the metadata answer is tiny
@@ -463,10 +464,8 @@ def _result(
 
 def build_prober(cfg: Any, clock: Clock = time.monotonic) -> Prober:
     """The real prober for a config (``gce_watchdog.vm.config.Config``)."""
-    from gce_watchdog.vm.config import split_host_port
-
     timeout = cfg.agent.probe_timeout
-    targets = [split_host_port(t) for t in cfg.egress.targets]
+    targets = [parse_host_port(t) for t in cfg.egress.targets]
     resolver: Resolver | None
     if any(not _is_ip(h) for h, _ in targets):
         try:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.lib.netaddr import parse_dns_server, parse_host_port
 
 DEFAULT_PATH = Path("/etc/gce-watchdog/config.toml")
 EX_CONFIG = 78  # sysexits.h: configuration error
@@ -43,23 +44,21 @@ def _at_least_one(v: int) -> str | None:
 
 
 def _host_port_list(v: list[str]) -> str | None:
-    bad = [t for t in v if _split_host_port(t) is None]
+    bad = [t for t in v if not _parses(parse_host_port, t)]
     return f"not host:port: {', '.join(map(repr, bad))}" if bad else None
 
 
-def _split_host_port(t: str) -> tuple[str, int] | None:
-    host, sep, port = t.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        return None
-    return host, int(port)
+def _dns_server_list(v: list[str]) -> str | None:
+    bad = [t for t in v if not _parses(parse_dns_server, t)]
+    return f"not IP, IP:PORT or [IPv6]:PORT: {', '.join(map(repr, bad))}" if bad else None
 
 
-def split_host_port(t: str) -> tuple[str, int]:
-    hp = _split_host_port(t)
-    if hp is None:
-        raise ValueError(f"not host:port: {t!r}")
-    return hp
+def _parses(parse: Callable[[str], object], t: str) -> bool:
+    try:
+        parse(t)
+    except ValueError:
+        return False
+    return True
 
 
 def _abs_path(v: str) -> str | None:
@@ -115,7 +114,8 @@ class EgressSection:
         default_factory=lambda: ["www.google.com:443", "one.one.one.one:443"],
         metadata=_check(_host_port_list),
     )
-    dns_servers: list[str] = field(default_factory=list)  # empty: the system's resolv.conf
+    # empty: the system's resolv.conf
+    dns_servers: list[str] = field(default_factory=list, metadata=_check(_dns_server_list))
     dns_timeout: Duration = field(default=Duration(2.0), metadata=_check(_positive))
 
 
