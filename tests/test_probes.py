@@ -216,3 +216,11 @@ def test_tick_turns_a_raising_probe_into_unknown() -> None:
         p.close()
     assert (r.metadata.verdict, r.metadata.reason) == (Verdict.UNKNOWN, "internal_KeyError")
     assert r.egress.verdict is Verdict.OK
+
+
+def test_resolver_reaches_a_bracketed_ipv6_server_with_a_port() -> None:
+    # "[::1]:5353" used to be split into host "::1]:5353", port 53: dns=fail forever, silently.
+    with FakeDNS(host="::1", records={"v6.test": ["192.0.2.9"]}) as dns:
+        r = DnsPythonResolver([f"[::1]:{dns.port}"])
+        assert r.resolve("v6.test", 1.0) == ["192.0.2.9"]
+        assert dns.answered >= 1

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from gce_watchdog.daemon.ladder import Verdict
 from gce_watchdog.lib.files import read_json, write_json
-from gce_watchdog.lib.netaddr import parse_host_port
+from gce_watchdog.lib.netaddr import parse_dns_server, parse_host_port
 
 Clock = Callable[[], float]
 _MAX_HEADER = 16 * 1024  # bytes of response we read at most; the metadata answer is tiny
@@ -179,7 +179,7 @@ class DnsPythonResolver:
     """
 
     def __init__(self, servers: Sequence[str] = (), resolv_conf: str = "/etc/resolv.conf") -> None:
-        self.servers = [_ip_port(s, 53) for s in servers]
+        self.servers = [parse_dns_server(s) for s in servers]
         self.resolv_conf = resolv_conf
 
     def _targets(self) -> list[tuple[str, int]]:
@@ -259,13 +259,6 @@ class DnsPythonResolver:
             sel.close()
             for s in socks:
                 s.close()
-
-
-def _ip_port(s: str, default: int) -> tuple[str, int]:
-    if s.count(":") == 1:
-        host, _, port = s.partition(":")
-        return host, int(port)
-    return s.strip("[]"), default
 
 
 class AddressCache:

@@ -346,7 +346,7 @@ class TcpListener(_SocketService):
 
 
 class FakeDNS(_SocketService):
-    """UDP DNS server answering A queries from a table.
+    """UDP DNS server answering A and AAAA queries from a table (IPv4 or IPv6 ``host``).
 
     ``answer_after``: seconds after start before it answers at all (silence before: a resolver
     that is not ready yet). ``mode``: ``ok``, ``silent`` (never answers), ``servfail``.
@@ -372,7 +372,8 @@ class FakeDNS(_SocketService):
         self._t0 = 0.0
 
     def _make_socket(self) -> socket.socket:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        s = socket.socket(fam, socket.SOCK_DGRAM)
         s.bind((self.host, self.port))
         self._t0 = self._clock()
         return s
@@ -402,8 +403,12 @@ class FakeDNS(_SocketService):
                 ips = self.records.get(name)
                 if ips is None:
                     r.set_rcode(dns.rcode.NXDOMAIN)
-                elif question.rdtype == dns.rdatatype.A:
-                    r.answer.append(dns.rrset.from_text(question.name, 60, "IN", "A", *ips))
+                elif question.rdtype in (dns.rdatatype.A, dns.rdatatype.AAAA):
+                    v6 = question.rdtype == dns.rdatatype.AAAA
+                    mine = [ip for ip in ips if (":" in ip) == v6]
+                    if mine:  # none: NOERROR with no data, as a real server says
+                        rtype = "AAAA" if v6 else "A"
+                        r.answer.append(dns.rrset.from_text(question.name, 60, "IN", rtype, *mine))
         self.answered += 1
         with contextlib.suppress(OSError):
             sock.sendto(r.to_wire(), addr)
