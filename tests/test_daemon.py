@@ -34,7 +34,15 @@ def make(
 ):
     clock = clock or FakeClock()
     sink = MemorySink()
-    shutdowns: list[tuple[str, int, int]] = []
+    shutdowns: list[tuple[str, int, int]] = []  # decisions (a resumed chain is not one)
+    resumed: list[str] = []
+
+    def on_shutdown(*a: object, resume_at: str | None = None, **k: object) -> None:
+        if resume_at is None:
+            shutdowns.append(a)  # type: ignore[arg-type]
+        else:
+            resumed.append(resume_at)
+
     cfg = cfgmod.replace(
         cfgmod.Config(),
         agent={"interval": 30.0, "probe_timeout": 5.0, "heartbeat_every": 3, **agent_kw},
@@ -45,7 +53,7 @@ def make(
         clock=clock,
         notifier=notifier or FakeNotifier(),
         store=LadderStore(tmp_path / "ladder.json", boot),
-        on_shutdown=lambda *a: shutdowns.append(a),
+        on_shutdown=on_shutdown,
     )
     return Agent(cfg, deps), sink, shutdowns, clock
 

@@ -107,7 +107,7 @@ def make_agent(
     tmp: Path,
     script: list,
     exporter_kw: dict[str, object] | None = None,
-    on_shutdown: Callable[[str, int, int], None] | None = None,
+    on_shutdown: Callable[..., None] | None = None,
 ) -> tuple[Agent, MetricsExporter, MemorySink, Path]:
     prom = tmp / "textfile"
     prom.mkdir()
@@ -123,7 +123,7 @@ def make_agent(
         clock=clock,
         notifier=FakeNotifier(),
         store=LadderStore(tmp / "ladder.json", "b1"),
-        on_shutdown=on_shutdown or (lambda *a: None),
+        on_shutdown=on_shutdown or (lambda *a, **k: None),
         tick_hooks=[exp],
     )
     return Agent(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
@@ -223,7 +223,7 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
     seen: list[Series] = []
     path_box: list[Path] = []
 
-    def chain(reason: str, rung: int, thr: int) -> None:  # a real chain would never return
+    def chain(reason: str, rung: int, thr: int, **k: object) -> None:  # a real one never returns
         seen.append(read(path_box[0]))
 
     prom = tmp_path / "textfile"

@@ -78,7 +78,7 @@ def agent_lines(
     (tmp / boot).mkdir()
     em = Emitter(sink, SeqAllocator(tmp / boot, boot), boot, clock.wall)
 
-    def on_shutdown(reason: str, rung: int, thr: int) -> None:  # what the action chain writes
+    def on_shutdown(reason: str, rung: int, thr: int, **k: object) -> None:  # the chain writes
         em.emit(
             "shutdown",
             {

@@ -81,7 +81,7 @@ def test_stalled_pty_never_stalls_the_ladder(tmp_path: Path) -> None:
             clock=clock,
             notifier=FakeNotifier(),
             store=LadderStore(tmp_path / "ladder.json", "boot"),
-            on_shutdown=lambda reason, rung, thr: fired.append(agent.ticks),
+            on_shutdown=lambda reason, rung, thr, **k: fired.append(agent.ticks),
         )
         agent = Agent(cfg, deps)
         t0 = time.monotonic()

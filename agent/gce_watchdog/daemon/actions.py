@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
@@ -308,36 +309,91 @@ class ActionChain:
         return steps
 
     # -- run -----------------------------------------------------------------------------------
-    def execute(self, reason: str, rung: int, threshold: int) -> None:
+    def execute(
+        self,
+        reason: str,
+        rung: int,
+        threshold: int,
+        *,
+        resume_at: str | None = None,
+        linger_left: float | None = None,
+        progress: Callable[[str], object] | None = None,
+    ) -> None:
         """Run the whole chain; returns only if the machine is still up at its end.
 
-        The outcome of every step is kept in :attr:`last_result`.
+        ``resume_at``: a step name (or ``"end"``, a chain that already ran through) to continue a
+        chain an earlier run of the agent started; steps before it are not taken again (the
+        ``shutdown`` line is written again, saying so). ``linger_left``: what is left of a resumed
+        linger. ``progress(step)`` is called before each step, so the caller can persist how far
+        the chain got. An exception in any step is written to the console and the chain goes on
+        with the next step: once decided, the chain always reaches the power-off steps. The
+        outcome of every step is kept in :attr:`last_result`.
         """
         plan = self.plan()
         res = ChainResult(reason, plan)
         self.last_result = res
         r = f"{rung}/{threshold}"
+        first = _order(resume_at)
+        todo = [s for s in plan if _order(s) >= first]
+
+        def run(step: str, fn: Callable[[], None]) -> None:
+            if progress is not None:
+                try:
+                    progress(step)
+                except Exception as e:  # persisting progress is best effort
+                    self._error(res, step, e, "cannot record the chain's progress")
+            try:
+                fn()
+            except Exception as e:
+                self._error(res, step, e)
+
         self._ping()
-        self.emitter.emit(
-            "shutdown",
-            {"reason": reason, "rung": r, "action": self.action, "chain": "+".join(plan)},
-            _verdict_text(reason, r),
-            sync=True,
-        )
-        if "linger" in plan:
-            self._linger(res, reason, r)
-        op = self.api_op()
-        if op:
-            self._api_step(res, op)
-        if self.dry_run:
-            self._dry_run_power(res)
-            return
+        run("shutdown", lambda: self._announce(reason, r, plan, resume_at))
         a = self.cfg.actions
-        # On a real machine a successful step never returns from its wait: the power goes off.
-        self._command_step(res, "poweroff", a.poweroff_cmd, a.poweroff_wait)
-        self._command_step(res, "force", a.force_cmd, a.force_wait)
-        if a.kernel:
-            self._kernel_step(res)
+        for step in todo:
+            if step == "linger":
+                left = a.linger if linger_left is None else linger_left
+                run(step, partial(self._linger, res, reason, r, left))
+            elif step in ("delete", "stop"):
+                run(step, partial(self._api_step, res, step))
+            elif self.dry_run:
+                run(step, partial(self._dry_run_step, res, step))
+            elif step == "poweroff":
+                run(step, partial(self._command_step, res, step, a.poweroff_cmd, a.poweroff_wait))
+            elif step == "force":
+                run(step, partial(self._command_step, res, step, a.force_cmd, a.force_wait))
+            elif step == "kernel":
+                run(step, partial(self._kernel_step, res))
+
+    def _announce(self, reason: str, r: str, plan: list[str], resume_at: str | None) -> None:
+        fields: dict[str, object] = {
+            "reason": reason,
+            "rung": r,
+            "action": self.action,
+            "chain": "+".join(plan),
+        }
+        text = _verdict_text(reason, r)
+        if resume_at is not None:  # no `chain` on a resumed line: room for the text
+            del fields["chain"]
+            fields["resume"] = "poweroff" if resume_at == "end" else resume_at
+            text = (
+                "shutdown chain ended with the VM still up: powering off again"
+                if resume_at == "end"
+                else f"resuming the shutdown chain at {resume_at} (agent restarted)"
+            )
+        self.emitter.emit("shutdown", fields, text, sync=True)
+
+    def _error(self, res: ChainResult, step: str, e: BaseException, what: str = "") -> None:
+        """An exception in a step: say so on the console (best effort) and go on."""
+        text = f"{what or 'step raised'}: {type(e).__name__}: {e}"[:DETAIL_MAX] + ", going on"
+        res.steps.append(StepOutcome(step, "error", text))
+        with contextlib.suppress(Exception):
+            self.emitter.emit(
+                "action",
+                {"step": step, "status": "error", "err": type(e).__name__},
+                text,
+                sync=True,
+            )
 
     # -- steps ---------------------------------------------------------------------------------
     def _line(
@@ -363,19 +419,19 @@ class ActionChain:
             self._ping()
             self.clock.sleep(min(step, left))
 
-    def _linger(self, res: ChainResult, reason: str, r: str) -> None:
+    def _linger(self, res: ChainResult, reason: str, r: str, linger: float) -> None:
         a = self.cfg.actions
         t0 = self.clock.monotonic()
         self._line(
             res,
             "linger",
             "start",
-            {"ms": int(a.linger * 1000)},
-            f"keeping the VM up {a.linger:g}s so the poller reads the verdict",
+            {"ms": int(linger * 1000)},
+            f"keeping the VM up {linger:g}s so the poller reads the verdict",
         )
-        end = t0 + a.linger
+        end = t0 + linger
         rep = 0
-        for _ in range(int(a.linger / a.repeat_every) + 2):  # bounded: one pass per repeat
+        for _ in range(int(linger / a.repeat_every) + 2):  # bounded: one pass per repeat
             self._ping()
             left = end - self.clock.monotonic()
             if left <= 0:
@@ -512,20 +568,46 @@ class ActionChain:
         for how in self.cfg.actions.kernel:
             self._line(res, "kernel", "start", {"how": how}, f"kernel power-off by {how}")
             self._ping()
-            err = self.kernel.poweroff(how)
+            try:
+                err = self.kernel.poweroff(how)
+            except Exception as e:  # the next method is still worth a try
+                self._error(res, "kernel", e)
+                continue
             if not err:
                 self._line(res, "kernel", "ok", {"how": how})
                 return
             self._line(res, "kernel", "fail", {"how": how}, err)
 
-    def _dry_run_power(self, res: ChainResult) -> None:
+    def _dry_run_step(self, res: ChainResult, step: str) -> None:
         a = self.cfg.actions
-        for step, argv in (("poweroff", a.poweroff_cmd), ("force", a.force_cmd)):
-            text = "dry-run: would run " + " ".join(argv)
-            self._line(res, step, "dry_run", {"argv": ",".join(argv)}, text)
-        if a.kernel:
+        if step == "kernel":
             how = "+".join(a.kernel)
             self._line(res, "kernel", "dry_run", {"how": how}, f"dry-run: would power off by {how}")
+            return
+        argv = a.poweroff_cmd if step == "poweroff" else a.force_cmd
+        text = "dry-run: would run " + " ".join(argv)
+        self._line(res, step, "dry_run", {"argv": ",".join(argv)}, text)
+
+
+# Every step in its fixed order; a resumed chain skips the steps before its mark. "end": the chain
+# ran through with the VM still up, so a new attempt starts again at the power-off.
+STEP_ORDER = ("shutdown", "linger", "delete", "stop", "poweroff", "force", "kernel")
+
+
+def _order(step: str | None) -> int:
+    if step is None:
+        return 0
+    if step == "end":
+        return STEP_ORDER.index("poweroff")
+    return STEP_ORDER.index(step) if step in STEP_ORDER else 0
+
+
+def step_after(step: str) -> str:
+    """The step to resume at when ``step`` could not finish (the next one; then the power-off)."""
+    i = _order(step)
+    if step not in STEP_ORDER or i + 1 >= len(STEP_ORDER):
+        return "end"
+    return STEP_ORDER[i + 1]
 
 
 def _verdict_text(reason: str, r: str) -> str:

@@ -75,11 +75,9 @@ class InstanceInfo:
 
 
 def load_instance_cache(state_dir: str | Path) -> InstanceInfo | None:
-    try:
-        raw = json.loads((Path(state_dir) / INSTANCE_CACHE).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return InstanceInfo.from_json(raw)
+    from gce_watchdog.lib.files import read_json
+
+    return InstanceInfo.from_json(read_json(Path(state_dir) / INSTANCE_CACHE))
 
 
 def save_instance_cache(state_dir: str | Path, info: InstanceInfo) -> None:

@@ -25,7 +25,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gce_watchdog import __version__
 from gce_watchdog.daemon.ladder import Shutdown, Verdict, WouldShutdown
@@ -224,17 +224,16 @@ class MetricsExporter:
         self.last = snap
         return snap
 
-    def wrap_shutdown(
-        self, hook: Callable[[str, int, int], None]
-    ) -> Callable[[str, int, int], None]:
+    def wrap_shutdown(self, hook: Callable[..., None]) -> Callable[..., None]:
         """Wrap ``Deps.on_shutdown`` so the file says "decided" before the chain runs.
 
         Tick hooks run after ``on_shutdown`` returns, and a real shutdown chain never returns (the
         power goes off): without this the last file would still show the rung below threshold.
         """
 
-        def wrapped(reason: str, rung: int, threshold: int) -> None:
-            if self.enabled:
+        def wrapped(reason: str, rung: int, threshold: int, **resume: Any) -> None:
+            # A resumed chain (agent restarted, or a new power-off attempt) is the same decision.
+            if self.enabled and resume.get("resume_at") is None:
                 try:
                     self.shutdowns += 1
                     self._announced = True
@@ -252,7 +251,7 @@ class MetricsExporter:
                 except Exception as e:
                     self.errors += 1
                     self.last_error = f"shutdown: {type(e).__name__}: {e}"
-            hook(reason, rung, threshold)
+            hook(reason, rung, threshold, **resume)
 
         return wrapped
 

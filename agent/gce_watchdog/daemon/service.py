@@ -68,36 +68,80 @@ class Service(Protocol):
     def stop(self, timeout: float = ...) -> Any: ...
 
 
+# A chain that ran through with the VM still up is tried again (from the power-off) this often.
+CHAIN_RETRY_S = 60.0
+
+
+@dataclass(frozen=True)
+class ChainMark:
+    """How far the shutdown chain of this boot got: persisted before each step.
+
+    ``step``: the step being taken (``shutdown``, ``linger``, ``delete``, ``stop``, ``poweroff``,
+    ``force``, ``kernel``), or ``end`` when the chain ran through and the VM is still up.
+    ``since``: wall time of the decision (a resumed linger only waits what is left of it).
+    """
+
+    step: str
+    since: float
+
+
+def _finite(v: object) -> float | None:
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        try:
+            f = float(v)
+        except OverflowError:
+            return None
+        return f if math.isfinite(f) else None
+    return None
+
+
 class LadderStore:
-    """The rung persisted per boot, so a restarted agent continues its ladder."""
+    """The rung persisted per boot, so a restarted agent continues its ladder (and its chain)."""
 
     def __init__(self, path: str | Path, boot_id: str) -> None:
         self.path = Path(path)
         self.boot_id = boot_id
 
     def load(self, threshold: int) -> LadderState:
+        return self.load_full(threshold)[0]
+
+    def load_full(self, threshold: int) -> tuple[LadderState, ChainMark | None]:
+        """The state and the chain's mark. Any content at all (garbage, wrong types) gives a
+        usable answer, never an exception: a file nobody can parse starts the ladder at 0."""
         raw = read_json(self.path)
         if not isinstance(raw, dict) or raw.get("boot_id") != self.boot_id:
-            return LadderState()
-        try:
-            rung = int(raw.get("rung", 0))
-        except (TypeError, ValueError, OverflowError):  # Overflow: int(Infinity)
-            return LadderState()
+            return LadderState(), None
+        rung_f = _finite(raw.get("rung", 0))
+        if rung_f is None or rung_f != int(rung_f):
+            return LadderState(), None
+        chain = raw.get("chain")
+        mark: ChainMark | None = None
+        if isinstance(chain, dict) and isinstance(chain.get("step"), str):
+            mark = ChainMark(str(chain["step"])[:16], _finite(chain.get("since")) or 0.0)
+        fired = raw.get("fired") is True or mark is not None
+        if fired and mark is None:  # decided, step unknown (an older file): from the start
+            mark = ChainMark("shutdown", 0.0)
         # A lowered threshold since the last run: clamp, the ladder refuses rungs above it.
-        return LadderState(
-            rung=max(0, min(rung, threshold)),
-            fired=bool(raw.get("fired", False)),
-            warned=bool(raw.get("warned", False)),
-        )
+        rung = max(0, min(int(rung_f), threshold))
+        if fired:
+            rung = threshold
+        return LadderState(rung=rung, fired=fired, warned=raw.get("warned") is True), mark
 
-    def save(self, st: LadderState) -> bool:
+    def save(self, st: LadderState, mark: ChainMark | None = None) -> bool:
+        chain = None if mark is None else {"step": mark.step, "since": mark.since}
         try:
             write_json(
                 self.path,
-                {"boot_id": self.boot_id, "rung": st.rung, "fired": st.fired, "warned": st.warned},
+                {
+                    "boot_id": self.boot_id,
+                    "rung": st.rung,
+                    "fired": st.fired,
+                    "warned": st.warned,
+                    "chain": chain,
+                },
             )
             return True
-        except OSError:
+        except (OSError, ValueError):
             return False  # best effort: the ladder goes on in memory
 
 
@@ -110,7 +154,19 @@ class TickReport:
     duration: float
 
 
-ShutdownHook = Callable[[str, int, int], None]
+class ShutdownHook(Protocol):
+    """The action chain (``ActionChain.execute``): see there for the keyword arguments."""
+
+    def __call__(
+        self,
+        reason: str,
+        rung: int,
+        threshold: int,
+        *,
+        resume_at: str | None = None,
+        linger_left: float | None = None,
+        progress: Callable[[str], object] | None = None,
+    ) -> None: ...
 
 
 @dataclass
@@ -142,6 +198,10 @@ class Agent:
         self.ticks = 0
         self.healthy_streak = 0
         self.overruns = 0
+        self.tick_errors = 0
+        self.mark: ChainMark | None = None  # the shutdown chain's progress (None: not decided)
+        self.chain_running = False
+        self._chain_ended: float | None = None  # monotonic time the last chain returned
 
     # -- one tick -------------------------------------------------------------------------------
     def tick_once(self) -> TickReport:
@@ -158,8 +218,11 @@ class Agent:
         prev = self.state
         self.state, actions = ladder.step(prev, obs, thr)
         self.ticks += 1
-        if self.state != prev:
-            d.store.save(self.state)
+        decided = any(isinstance(a, ladder.Shutdown) for a in actions)
+        if decided:  # persisted before the chain: a restart resumes it, never forgets it
+            self.mark = ChainMark("shutdown", d.clock.wall())
+        if self.state != prev or decided:
+            d.store.save(self.state, self.mark)
 
         rung = f"{self.state.rung}/{thr}"
         healthy = res.metadata.verdict is Verdict.OK and res.egress.verdict is Verdict.OK
@@ -225,13 +288,103 @@ class Agent:
                     f"disarmed: would shut down ({rung})",
                     sync=True,
                 )
-            elif isinstance(a, ladder.Shutdown):
-                d.on_shutdown("ladder", a.rung, a.threshold)
+        if decided:
+            self.run_chain(None)
+        else:
+            resume = self.chain_due()
+            if resume is not None:
+                self.run_chain(resume)
         report = TickReport(self.ticks, res, self.state, actions, d.clock.monotonic() - t0)
         for hook in d.tick_hooks:
             with contextlib.suppress(Exception):  # an exporter must never break the ladder
                 hook(report)
         return report
+
+    # -- the shutdown chain ---------------------------------------------------------------------
+    def chain_due(self) -> str | None:
+        """Where a decided chain must (re)start now, or None (not decided, running, or it ran
+        through less than CHAIN_RETRY_S ago)."""
+        if not self.state.fired or self.chain_running:
+            return None
+        m = self.mark
+        if m is None:
+            return "shutdown"
+        ended = self._chain_ended
+        if (
+            m.step == "end"
+            and ended is not None
+            and self.d.clock.monotonic() - ended < CHAIN_RETRY_S
+        ):
+            return None
+        return m.step
+
+    def run_chain(self, resume_at: str | None) -> None:
+        """Run (or resume) the chain; whatever it raises, the next attempt goes on further."""
+        from gce_watchdog.daemon.actions import step_after
+
+        d = self.d
+        if self.mark is None:
+            self.mark = ChainMark("shutdown", d.clock.wall())
+        since = self.mark.since
+        linger_left = None
+        if resume_at == "linger":
+            full = self.cfg.actions.linger
+            spent = d.clock.wall() - since
+            linger_left = full if spent < 0 else max(0.0, full - spent)
+
+        def progress(step: str) -> None:
+            self.mark = ChainMark(step, since)
+            d.store.save(self.state, self.mark)
+
+        self.chain_running = True
+        try:
+            d.on_shutdown(
+                "ladder",
+                self.state.rung,
+                self.threshold,
+                resume_at=None if resume_at == "shutdown" else resume_at,
+                linger_left=linger_left,
+                progress=progress,
+            )
+            progress("end")
+        except Exception as e:
+            nxt = step_after(self.mark.step)
+            self._report_error("chain", e, f"shutdown chain failed at {self.mark.step}")
+            with contextlib.suppress(Exception):
+                progress(nxt)
+        finally:
+            self.chain_running = False
+            self._chain_ended = d.clock.monotonic()
+
+    def _report_error(self, where: str, e: BaseException, what: str = "") -> None:
+        """An unexpected exception: an ``error`` line (best effort), and the agent goes on."""
+        text = f"{what or where + ' raised'}: {type(e).__name__}: {e}"
+        with contextlib.suppress(Exception):
+            self.d.emitter.emit("error", {"where": where, "err": type(e).__name__}, text[:100])
+
+    def request_stop(self, stop: threading.Event, reason: str, signame: str) -> None:
+        """A signal asked the agent to stop (called from the signal handler).
+
+        While the shutdown chain runs it goes on (it was decided; systemd stopping units during
+        the power-off it started sends SIGTERM too): a ``signal`` line says so, written from a
+        thread because the handler may have interrupted the emitter itself. The loop stops after
+        the chain, if the VM is still up then.
+        """
+        stop.reason = reason  # type: ignore[attr-defined]
+        stop.set()
+        if self.chain_running:
+            step = self.mark.step if self.mark is not None else "-"
+
+            def say() -> None:
+                with contextlib.suppress(Exception):
+                    self.d.emitter.emit(
+                        "signal",
+                        {"sig": signame, "step": step},
+                        f"{signame} during the shutdown chain: the chain goes on",
+                        sync=True,
+                    )
+
+            threading.Thread(target=say, name="signal-line", daemon=True).start()
 
     @staticmethod
     def _status(res: TickResult) -> str:
@@ -240,7 +393,7 @@ class Agent:
     # -- the loop -------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
         d, cfg = self.d, self.cfg
-        self.state = d.store.load(self.threshold)
+        self.state, self.mark = d.store.load_full(self.threshold)
         d.emitter.emit(
             "start",
             {
@@ -258,6 +411,9 @@ class Agent:
             with contextlib.suppress(Exception):
                 svc.start()
         d.notifier.notify("READY=1", f"STATUS=starting, rung {self.state.rung}/{self.threshold}")
+        resume = self.chain_due()
+        if resume is not None:  # restarted in the middle of a decided chain: go on with it
+            self.run_chain(resume)
         interval = cfg.agent.interval
         # Ping systemd at least twice per WatchdogSec even when the tick interval is longer.
         ping_every = d.notifier.watchdog_interval / 2 if d.notifier.watchdog_interval else 0.0
@@ -266,7 +422,15 @@ class Agent:
         reason = "sigterm"
         try:
             while not stop.is_set():
-                self.tick_once()
+                before = self.ticks
+                try:
+                    self.tick_once()
+                except Exception as e:  # no state file, no edge may end the watch
+                    self.tick_errors += 1
+                    self.ticks = max(self.ticks, before + 1)
+                    self._report_error("tick", e)
+                    with contextlib.suppress(Exception):
+                        d.notifier.notify("WATCHDOG=1", "STATUS=tick failed")
                 if max_ticks is not None and self.ticks >= max_ticks:
                     reason = "max_ticks"
                     break
@@ -446,13 +610,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=log.info)
     stop = threading.Event()
 
+    agent, prober = build_agent(cfg, emitter, Notifier())
+
     def on_signal(signum: int, _frame: object) -> None:
-        stop.reason = "sigint" if signum == signal.SIGINT else "sigterm"  # type: ignore[attr-defined]
-        stop.set()
+        reason = "sigint" if signum == signal.SIGINT else "sigterm"
+        agent.request_stop(stop, reason, signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    agent, prober = build_agent(cfg, emitter, Notifier())
     try:
         return agent.run(stop, max_ticks=args.max_ticks)
     finally:

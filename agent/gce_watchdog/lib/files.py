@@ -46,9 +46,18 @@ def write_json(path: str | Path, obj: Any) -> None:
     atomic_write(path, (json.dumps(obj, sort_keys=True) + "\n").encode())
 
 
+# State files are a few hundred bytes; anything longer is not ours and is not read whole.
+STATE_FILE_MAX = 64 * 1024
+
+
 def read_json(path: str | Path) -> Any:
-    """The parsed file, or None when missing or corrupt."""
+    """The parsed file, or None when missing, corrupt, nested too deep or too big: any content
+    at all gives an answer, never an exception."""
     try:
-        return json.loads(Path(path).read_bytes())
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            data = f.read(STATE_FILE_MAX + 1)
+        if len(data) > STATE_FILE_MAX:
+            return None
+        return json.loads(data)
+    except (OSError, ValueError, RecursionError):
         return None

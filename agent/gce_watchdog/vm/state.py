@@ -75,8 +75,10 @@ PHASE_FILE = "phase"
 
 def read_phase(state_dir: str | Path) -> str:
     try:
-        return (Path(state_dir) / PHASE_FILE).read_text().strip() or "unknown"
-    except OSError:
+        with open(Path(state_dir) / PHASE_FILE, "rb") as f:
+            raw = f.read(256)
+        return raw.decode("utf-8").strip() or "unknown"
+    except (OSError, ValueError):  # ValueError: not UTF-8 (anyone with root may write it)
         return "unknown"
 
 
