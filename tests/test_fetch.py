@@ -31,12 +31,12 @@ from gce_watchdog.bootstrap.fetch import (
     Progress,
     RateLimit,
     RetryPolicy,
-    hosts_file_lookup,
-    parse_dns_server,
     parse_url,
     run_fetch,
 )
+from gce_watchdog.lib.dns import hosts_file_lookup
 from gce_watchdog.lib.httpdate import parse_retry_after
+from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.testing.simgce import FakeDNS
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator

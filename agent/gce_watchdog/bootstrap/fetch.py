@@ -32,7 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from gce_watchdog.lib import dns as dnslib
 from gce_watchdog.lib.httpdate import parse_retry_after
+from gce_watchdog.lib.netaddr import parse_dns_server
 
 if TYPE_CHECKING:
     import random
@@ -210,32 +212,6 @@ def parse_url(raw: str) -> Url:
     return Url(s.scheme, s.hostname, port or (443 if s.scheme == "https" else 80), target)
 
 
-def parse_dns_server(raw: str) -> tuple[str, int]:
-    """``IP``, ``IP:PORT`` or ``[IPv6]:PORT`` -> (ip, port); raises ValueError."""
-    import ipaddress
-
-    s = raw.strip()
-    host, port = s, 53
-    if s.startswith("["):
-        host, _, rest = s[1:].partition("]")
-        if rest:
-            if not rest.startswith(":") or not rest[1:].isdigit():
-                raise ValueError(f"bad DNS server {raw!r}: want IP or IP:PORT")
-            port = int(rest[1:])
-    elif s.count(":") == 1:
-        host, _, p = s.partition(":")
-        if not p.isdigit():
-            raise ValueError(f"bad DNS server {raw!r}: want IP or IP:PORT")
-        port = int(p)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"bad DNS server {raw!r}: {host!r} is not an IP address") from None
-    if not 0 < port < 65536:
-        raise ValueError(f"bad DNS server {raw!r}: port out of range")
-    return host, port
-
-
 _SHA_RE = re.compile(r"[0-9a-fA-F]{64}\Z")
 
 
@@ -260,89 +236,22 @@ class Resolver(Protocol):
         ...
 
 
-def _is_ip(host: str) -> bool:
-    import ipaddress
-
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def hosts_file_lookup(path: str | Path, host: str) -> list[str]:
-    """Addresses for host in an /etc/hosts style file (what the system resolver reads first)."""
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return []
-    want = host.rstrip(".").lower()
-    out: list[str] = []
-    for line in text.splitlines():
-        parts = line.split("#", 1)[0].split()
-        if len(parts) >= 2 and want in (n.lower() for n in parts[1:]) and _is_ip(parts[0]):
-            out.append(parts[0])
-    return out
-
-
 @dataclass
 class DnsResolver:
-    """dnspython resolver: the given servers, else /etc/hosts then /etc/resolv.conf.
-
-    With no servers the system configuration is re-read on every attempt: early in boot
-    resolv.conf may not exist yet, and that is one of the failures we wait out.
-    """
+    """The one resolver (``gce_watchdog.lib.dns``): /etc/hosts then resolv.conf when no servers
+    are given (both re-read on every attempt: early in boot resolv.conf may not exist yet, and
+    that is one of the failures we wait out), A and AAAA from every server at once."""
 
     servers: tuple[tuple[str, int], ...] = ()
-    hosts_path: str = "/etc/hosts"
-    resolv_conf: str = "/etc/resolv.conf"
+    hosts_path: str = dnslib.HOSTS_PATH
+    resolv_conf: str = dnslib.RESOLV_CONF
 
     def resolve(self, host: str, timeout: float) -> list[str]:
-        if _is_ip(host):
-            return [host]
-        if not self.servers:
-            found = hosts_file_lookup(self.hosts_path, host)
-            if found:
-                return found
-        import dns.exception
-        import dns.nameserver
-        import dns.resolver
-
+        r = dnslib.DnsResolver(self.servers, self.hosts_path, self.resolv_conf)
         try:
-            if self.servers:
-                r = dns.resolver.Resolver(configure=False)
-                r.nameservers = [
-                    dns.nameserver.Do53Nameserver(ip, port) for ip, port in self.servers
-                ]
-            else:
-                r = dns.resolver.Resolver(filename=self.resolv_conf)
-        except dns.resolver.NoResolverConfiguration:
-            raise FetchError("dns", f"no DNS servers configured in {self.resolv_conf}") from None
-        except OSError as e:
-            raise FetchError("dns", f"cannot read {self.resolv_conf}: {e.strerror}") from None
-        timeout = max(0.05, timeout)
-        r.timeout = timeout
-        r.lifetime = timeout
-        try:
-            ans = r.resolve(host, "A", lifetime=timeout)
-            return [rr.to_text() for rr in ans]
-        except dns.resolver.NoAnswer:
-            pass  # no A record: an IPv6-only name
-        except dns.resolver.NXDOMAIN:
-            # Retried too: a resolver that is still starting (or a VPC zone not yet attached)
-            # can say NXDOMAIN for a name that resolves a minute later. The deadline bounds it.
-            raise FetchError("dns", f"{host}: no such name (NXDOMAIN)") from None
-        except dns.resolver.LifetimeTimeout:
-            raise FetchError("dns", f"{host}: DNS timed out after {timeout:.1f}s") from None
-        except dns.resolver.NoNameservers as e:
-            raise FetchError("dns", f"{host}: DNS servers failed ({_short(e)})") from None
-        except dns.exception.DNSException as e:
-            raise FetchError("dns", f"{host}: {_short(e)}") from None
-        try:
-            ans = r.resolve(host, "AAAA", lifetime=timeout)
-            return [rr.to_text() for rr in ans]
-        except dns.exception.DNSException as e:
-            raise FetchError("dns", f"{host}: no address ({_short(e)})") from None
+            return r.resolve(host, max(0.05, timeout))
+        except dnslib.DnsError as e:
+            raise FetchError("dns", str(e)) from None
 
 
 def _short(e: BaseException, limit: int = 160) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import ipaddress
 import selectors
 import socket
 import threading
@@ -27,12 +26,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit
 
 from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.lib.dns import DnsResolver, Resolver
 from gce_watchdog.lib.files import read_json, write_json
-from gce_watchdog.lib.netaddr import parse_dns_server, parse_host_port
+from gce_watchdog.lib.netaddr import is_ip, parse_host_port
 
 Clock = Callable[[], float]
 _MAX_HEADER = 16 * 1024  # bytes of response we read at most; the metadata answer is tiny
@@ -161,106 +161,6 @@ def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> P
 # -- egress probe --------------------------------------------------------------------------------
 
 
-class Resolver(Protocol):
-    def resolve(self, host: str, lifetime: float) -> list[str]:
-        """IPv4/IPv6 addresses of host; raises on any failure."""
-        ...
-
-
-class DnsPythonResolver:
-    """A-record look-ups with dnspython's message codec over our own UDP socket.
-
-    ``servers``: ``IP`` or ``IP:PORT`` items; empty means the ``nameserver`` lines of
-    ``resolv_conf``, re-read on every look-up (DHCP may change them). The query goes to every
-    server at once and the first valid answer wins, under ONE hard deadline (``lifetime``): a
-    silent resolver costs exactly the budget, never more. dnspython builds and parses the
-    messages (``dns.message``); its stub resolver (``dns.resolver``/``dns.query``) is not used,
-    because it pulls in asyncio and ssl (+2 MiB resident) for nothing the probe needs.
-    """
-
-    def __init__(self, servers: Sequence[str] = (), resolv_conf: str = "/etc/resolv.conf") -> None:
-        self.servers = [parse_dns_server(s) for s in servers]
-        self.resolv_conf = resolv_conf
-
-    def _targets(self) -> list[tuple[str, int]]:
-        if self.servers:
-            return self.servers
-        out: list[tuple[str, int]] = []
-        with contextlib.suppress(OSError):
-            for line in Path(self.resolv_conf).read_text().splitlines():
-                parts = line.split()
-                if len(parts) >= 2 and parts[0] == "nameserver" and _is_ip(parts[1]):
-                    out.append((parts[1], 53))
-        return out[:3]  # resolv.conf(5): at most three are used
-
-    def resolve(self, host: str, lifetime: float) -> list[str]:
-        import dns.flags
-        import dns.message
-        import dns.rcode
-        import dns.rdatatype
-
-        targets = self._targets()
-        if not targets:
-            raise OSError("no nameserver configured")
-        deadline = time.monotonic() + lifetime
-        q = dns.message.make_query(host.rstrip(".") + ".", dns.rdatatype.A)
-        wire = q.to_wire()
-        socks: list[socket.socket] = []
-        sel = selectors.DefaultSelector()
-        try:
-            for ip, port in targets:
-                fam = socket.AF_INET6 if ":" in ip else socket.AF_INET
-                s = socket.socket(fam, socket.SOCK_DGRAM)
-                socks.append(s)
-                s.setblocking(False)
-                with contextlib.suppress(OSError):  # EPERM from a local DROP: try the others
-                    s.sendto(wire, (ip, port))
-                    sel.register(s, selectors.EVENT_READ, (ip, port))
-            last = "timeout"
-            while sel.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                for key, _ in sel.select(left):
-                    sock: socket.socket = key.fileobj  # type: ignore[assignment]
-                    try:
-                        data, src = sock.recvfrom(4096)
-                    except OSError:
-                        sel.unregister(sock)
-                        continue
-                    if (src[0], src[1]) != key.data:
-                        continue  # not from the server we asked: ignore (spoofing, strays)
-                    try:
-                        r = dns.message.from_wire(data)
-                    except Exception:  # noqa: S112 - garbage: wait for a valid answer
-                        continue
-                    if not q.is_response(r) or r.flags & dns.flags.TC:
-                        continue
-                    if r.rcode() != dns.rcode.NOERROR:
-                        last = dns.rcode.to_text(r.rcode())
-                        sel.unregister(sock)
-                        continue
-                    # CNAME chains are followed by dnspython; the final RRset holds the A records
-                    chain = (
-                        r.resolve_chaining() if isinstance(r, dns.message.QueryMessage) else None
-                    )
-                    answer = chain.answer if chain is not None else None
-                    addrs = (
-                        [rd.to_text() for rd in answer]
-                        if answer is not None and answer.rdtype == dns.rdatatype.A
-                        else []
-                    )
-                    if addrs:
-                        return addrs
-                    last = "no_answer"
-                    sel.unregister(sock)
-            raise OSError(f"DNS look-up of {host} failed: {last}")
-        finally:
-            sel.close()
-            for s in socks:
-                s.close()
-
-
 class AddressCache:
     """Last good addresses per name, persisted as JSON so they survive an agent restart."""
 
@@ -271,7 +171,7 @@ class AddressCache:
         if isinstance(raw, dict):
             for k, v in raw.items():
                 if isinstance(k, str) and isinstance(v, list):
-                    self._data[k] = [a for a in v if isinstance(a, str) and _is_ip(a)]
+                    self._data[k] = [a for a in v if isinstance(a, str) and is_ip(a)]
 
     def get(self, host: str) -> list[str]:
         return list(self._data.get(host, []))
@@ -283,14 +183,6 @@ class AddressCache:
                 # Best effort: the in-memory copy still works.
                 with contextlib.suppress(OSError):
                     write_json(self.path, self._data)
-
-
-def _is_ip(s: str) -> bool:
-    try:
-        ipaddress.ip_address(s)
-    except ValueError:
-        return False
-    return True
 
 
 def connect_any(addrs: Sequence[tuple[str, int]], timeout: float, clock: Clock) -> str:
@@ -378,7 +270,7 @@ class EgressProbe:
         names = 0
         resolved = 0
         for host, port in self.targets:
-            if _is_ip(host):
+            if is_ip(host):
                 out.append((host, port))
                 continue
             names += 1
@@ -460,9 +352,9 @@ def build_prober(cfg: Any, clock: Clock = time.monotonic) -> Prober:
     timeout = cfg.agent.probe_timeout
     targets = [parse_host_port(t) for t in cfg.egress.targets]
     resolver: Resolver | None
-    if any(not _is_ip(h) for h, _ in targets):
+    if any(not is_ip(h) for h, _ in targets):
         try:
-            resolver = DnsPythonResolver(cfg.egress.dns_servers)
+            resolver = DnsResolver.from_strings(cfg.egress.dns_servers)
         except Exception:  # no usable resolver config at all: cached addresses only
             resolver = None
     else:

@@ -1,0 +1,69 @@
+"""The one resolver (lib/dns): /etc/hosts, A and AAAA, every server at once, one hard deadline.
+
+Against FakeDNS, a real UDP server answering with dnspython's wire format."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from gce_watchdog.lib.dns import DnsError, DnsResolver
+from gce_watchdog.testing.simgce import FakeDNS
+
+
+def test_literal_ip_needs_no_server() -> None:
+    r = DnsResolver(resolv_conf="/nonexistent")
+    assert r.resolve("192.0.2.1", 0.1) == ["192.0.2.1"]
+    assert r.resolve("::1", 0.1) == ["::1"]
+
+
+def test_hosts_file_first_without_servers(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n10.9.8.7 files.internal  # comment\n")
+    r = DnsResolver(hosts_path=str(hosts), resolv_conf=str(tmp_path / "none"))
+    assert r.resolve("FILES.internal.", 0.5) == ["10.9.8.7"]
+    with pytest.raises(DnsError, match="no DNS servers configured"):
+        r.resolve("other.internal", 0.5)
+
+
+def test_explicit_servers_skip_the_hosts_file(tmp_path: Path) -> None:
+    hosts = tmp_path / "hosts"
+    hosts.write_text("10.9.8.7 a.test\n")
+    with FakeDNS(records={"a.test": ["192.0.2.5"]}) as dns:
+        r = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"], hosts_path=str(hosts))
+        assert r.resolve("a.test", 1.0) == ["192.0.2.5"]
+
+
+def test_aaaa_when_there_is_no_a_record() -> None:
+    with FakeDNS(
+        records={"v6only.test": ["2001:db8::7"], "both.test": ["192.0.2.1", "2001:db8::1"]}
+    ) as dns:
+        r = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
+        assert r.resolve("v6only.test", 1.0) == ["2001:db8::7"]
+        assert r.resolve("both.test", 1.0) == ["192.0.2.1"]  # IPv4 preferred
+
+
+def test_every_server_at_once_under_one_deadline() -> None:
+    with FakeDNS(records={}) as silent, FakeDNS(records={"a.test": ["192.0.2.8"]}) as good:
+        silent.mode = "silent"
+        r = DnsResolver.from_strings([f"127.0.0.1:{silent.port}", f"127.0.0.1:{good.port}"])
+        t0 = time.monotonic()
+        assert r.resolve("a.test", 2.0) == ["192.0.2.8"]
+        assert time.monotonic() - t0 < 1.0  # the good one answered; the silent one cost nothing
+        assert silent.queries >= 1  # it was asked too
+        good.mode = "silent"
+        t0 = time.monotonic()
+        with pytest.raises(DnsError, match="timed out"):
+            r.resolve("a.test", 0.3)
+        assert time.monotonic() - t0 < 0.45
+
+
+def test_rcodes_are_named() -> None:
+    with FakeDNS(records={"a.test": ["192.0.2.1"]}) as dns:
+        r = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
+        with pytest.raises(DnsError, match="NXDOMAIN"):
+            r.resolve("missing.test", 1.0)
+        dns.mode = "servfail"
+        with pytest.raises(DnsError, match="SERVFAIL"):
+            r.resolve("a.test", 1.0)
