@@ -296,6 +296,22 @@ def test_injecting_twice_replaces_never_stacks(tmp_path: Path) -> None:
     assert w.fw.ours() == n and w.fw.hooks() == 2
     inst = faults.Firewall(w.deps).installed()
     assert inst is not None and inst.fault_id == b.fault_id
+    # The replaced fault gets its clear line, between the two injects, naming its successor.
+    assert [(e.get("op"), e.get("id"), e.get("why")) for e in w.events()] == [
+        ("inject", a.fault_id, None),
+        ("clear", a.fault_id, "replaced"),
+        ("inject", b.fault_id, None),
+    ]
+    assert w.events()[1].get("by") == b.fault_id
+    # The report closes the first window at the replacement, not at its planned end.
+    from gce_watchdog.report.model import build_report
+    from gce_watchdog.wire.protocol import encode
+
+    r = build_report(b"".join(encode(e).encode() + b"\n" for e in w.events()))
+    assert [(f.fault_id, f.end) for f in r.faults] == [
+        (a.fault_id, "replaced"),
+        (b.fault_id, "open"),
+    ]
     # A different cut replaces the rules too (the DNS chain rules go away).
     faults.inject(w.deps, w.paths, Cut(dns=True), 60)
     faults.inject(w.deps, w.paths, Cut(metadata=True), 60)
@@ -313,7 +329,7 @@ def test_old_reverter_cannot_clear_the_replacement(tmp_path: Path) -> None:
     assert removed is not None and removed.fault_id == b.fault_id
     assert w.fw.clean()
     ops = [e.get("op") for e in w.events()]
-    assert ops == ["inject", "inject", "expire"]
+    assert ops == ["inject", "clear", "inject", "expire"]  # the clear: a replaced
 
 
 def test_clear_removes_everything_and_says_so(tmp_path: Path) -> None:

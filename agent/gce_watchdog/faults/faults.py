@@ -527,6 +527,17 @@ def inject(deps: Deps, paths: Paths, cut: Cut, ttl: float, revert_with: str = "a
         if problems:
             raise FaultError("could not remove the previous fault: " + "; ".join(problems))
         fault_id = secrets.token_hex(4)
+        if old.get("id"):
+            # Its rules are gone: say so, or its window reads as open until its planned end.
+            old_cut = Cut.parse(str(old.get("cut", "none")))
+            _emit(
+                deps,
+                "clear",
+                str(old["id"]),
+                old_cut,
+                {"why": "replaced", "by": fault_id},
+                f"fault replaced: {old_cut.label} restored before the new fault",
+            )
         now = deps.now()
         until = now + ttl
         revert = _schedule(deps, paths, fault_id, until, revert_with)

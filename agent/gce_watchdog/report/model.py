@@ -73,7 +73,8 @@ class FaultWindow:
     boot: str
     start_ms: int
     end_ms: int
-    # How it ended: "clear", "expire", "install_failed"; "reboot" (the boot ended: iptables rules
+    # How it ended: "clear", "expire", "install_failed", "replaced" (a new inject took its place);
+    # "reboot" (the boot ended: iptables rules
     # do not survive one), "until" (no end line, but its planned end passed within the log) or
     # "open" (still on where the log ends).
     end: str
@@ -239,7 +240,8 @@ def _fault_windows(events: list[Event], boot_end: dict[str, int]) -> list[FaultW
             if start is None:
                 continue  # its inject line was lost: nothing to draw from
             inj, planned = start
-            end = "install_failed" if ev.get("why") == "install_failed" else op
+            why = ev.get("why")
+            end = why if why in ("install_failed", "replaced") else op
             out.append(
                 FaultWindow(
                     fid, inj.get("cut", "?") or "?", inj.boot, inj.ts_ms, ev.ts_ms, end, planned
