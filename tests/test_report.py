@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fakes import FakeClock, FakeNotifier, ScriptedProber
@@ -260,7 +262,7 @@ def test_no_line_of_ours_and_empty_input() -> None:
 
 
 @needs_mpl
-def test_png_is_a_valid_image_of_the_expected_size_with_three_axes(tmp_path: Path) -> None:
+def test_png_is_a_valid_image_of_the_expected_size_with_four_axes(tmp_path: Path) -> None:
     import io
 
     from gce_watchdog.report import plot
@@ -268,11 +270,11 @@ def test_png_is_a_valid_image_of_the_expected_size_with_three_axes(tmp_path: Pat
     data, _, _ = wedge_and_reboot(tmp_path)
     r = build_report(data, source="vm.log")
     fig = plot.figure(r)
-    assert len(fig.axes) == plot.N_AXES == 3
+    assert len(fig.axes) == plot.N_AXES == 4
     labels = [ax.get_ylabel() for ax in fig.axes]
-    assert labels == ["ladder rung", "probe latency (ms)", "memory (GiB)"]
+    assert labels == ["events", "ladder rung", "probe latency (ms)", "memory (GiB)"]
     # the threshold line and the shaded fault window are drawn
-    assert any(ln.get_label() == "threshold 10" for ln in fig.axes[0].get_lines())
+    assert any(ln.get_label() == "threshold 10" for ln in fig.axes[1].get_lines())
     assert all(len(ax.patches) >= 1 for ax in fig.axes)
     buf = io.BytesIO()
     plot.write_png(r, buf)
@@ -281,6 +283,132 @@ def test_png_is_a_valid_image_of_the_expected_size_with_three_axes(tmp_path: Pat
     buf2 = io.BytesIO()
     plot.write_png(build_report(b"console only\n"), buf2)
     assert png_size(buf2.getvalue()) == (1400, 1000)
+
+
+def _drawn_texts(fig: Any) -> list[tuple[str, Any]]:
+    """(text, window bbox) of every text the renderer draws: titles, labels, legends, the
+    tick labels inside the view (matplotlib keeps stale ones outside it, undrawn)."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    rend = fig.canvas.get_renderer()
+    stale: set[int] = set()
+    for ax in fig.axes:
+        for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim())):
+            lo, hi = min(lo, hi), max(lo, hi)
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                if not lo <= tick.get_loc() <= hi:
+                    stale.update({id(tick.label1), id(tick.label2)})
+    return [
+        (t.get_text(), t.get_window_extent(rend))
+        for t in fig.findobj(Text)
+        if t.get_visible() and t.get_text().strip() and id(t) not in stale
+    ]
+
+
+def _overlaps(fig: Any) -> list[tuple[str, str]]:
+    boxes = _drawn_texts(fig)
+    return [
+        (a, b)
+        for i, (a, ba) in enumerate(boxes)
+        for b, bb in boxes[i + 1 :]
+        if ba.overlaps(bb) and ba.intersection(ba, bb).width * ba.intersection(ba, bb).height > 1
+    ]
+
+
+def _marker_labels(fig: Any) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].texts if t.get_gid() == "marker-label"]
+
+
+def _log(lines: list[tuple[int, str, dict[str, object], str]], boot: str = "aaaa0001") -> bytes:
+    """A serial dump of our lines: (ms after T0, event, fields, text)."""
+    from gce_watchdog.wire.protocol import encode, make_event
+
+    return b"".join(
+        encode(make_event(name, boot, i, T0_MS + dt, f, t)).encode() + b"\n"
+        for i, (dt, name, f, t) in enumerate(lines)
+    )
+
+
+@needs_mpl
+def test_png_labels_never_overlap_and_every_marker_is_labelled(tmp_path: Path) -> None:
+    from gce_watchdog.report import plot
+
+    data, _, _ = wedge_and_reboot(tmp_path)
+    r = build_report(data, source="vm.log")
+    fig = plot.figure(r)
+    assert _overlaps(fig) == []
+    texts = " ".join(_marker_labels(fig))
+    for want in ("bootstrap", "workload", "SHUTDOWN 10/10", "memory_climb gpu0", "boot bbbb0002"):
+        assert want in texts
+    # a crowd: 40 phase changes in 4 s, a shutdown inside them, labels cannot all fit
+    crowd = [(k * 100, "phase", {"ph": f"step{k}"}, "") for k in range(40)]
+    crowd.append((2050, "shutdown", {"reason": "ladder", "rung": "10/10"}, ""))
+    crowd.append((600_000, "stop", {"reason": "sigterm"}, ""))
+    r2 = build_report(_log(crowd))
+    fig2 = plot.figure(r2)
+    assert _overlaps(fig2) == []
+    labels = _marker_labels(fig2)
+    # every marker is in exactly one label: named, or counted in a "+N"
+    named = sum(len(t.split(" +")[0].split(" · ")) for t in labels)
+    counted = sum(int(t.rsplit("+", 1)[1]) for t in labels if re.search(r" \+\d+\Z", t))
+    assert named + counted == len(r2.markers) == 42
+    # the overlap check itself finds an overlap when there is one
+    fig2.axes[1].text(0.5, 0.5, "AAAA", transform=fig2.axes[1].transAxes)
+    fig2.axes[1].text(0.5, 0.5, "BBBB", transform=fig2.axes[1].transAxes)
+    assert ("AAAA", "BBBB") in _overlaps(fig2)
+
+
+@needs_mpl
+def test_png_setup_failed_without_ladder_data_is_labelled() -> None:
+    from gce_watchdog.report import plot
+
+    r = build_report(
+        _log(
+            [
+                (0, "phase", {"ph": "bootstrap"}, ""),
+                (16_000, "setup_failed", {"step": "fetch", "rc": "6"}, "uv download failed"),
+            ]
+        )
+    )
+    fig = plot.figure(r)
+    assert r.rungs == []
+    assert any("setup_failed fetch" in t for t in _marker_labels(fig))
+    assert _overlaps(fig) == []
+
+
+@needs_mpl
+def test_png_time_axis_fits_the_data_and_reads_as_clock_time() -> None:
+    import matplotlib.dates as mdates
+    from gce_watchdog.report import plot
+
+    # a 16 s log: the axis must not be 75 s wide, every tick label is HH:MM:SS
+    r = build_report(_log([(k * 1000, "heartbeat", {"rung": "0/10"}, "") for k in range(17)]))
+    fig = plot.figure(r)
+    lo, hi = fig.axes[-1].get_xlim()
+    assert 16 <= (hi - lo) * 86_400 <= 18.5
+    fig.canvas.draw()
+    ticks = [t for t in fig.axes[-1].get_xticklabels() if t.get_text()]
+    visible = [t for t in ticks if lo <= t.get_position()[0] <= hi]
+    assert len(visible) >= 3
+    assert all(re.fullmatch(r"\d\d:\d\d:\d\d", t.get_text()) for t in visible)
+    assert fig.axes[-1].get_xlabel() == "time (UTC), " + format_ts(T0_MS)[:10]
+    assert mdates.num2date(lo).timestamp() * 1000 < T0_MS
+
+
+@needs_mpl
+def test_png_dry_run_shutdown_is_not_drawn_as_a_real_one() -> None:
+    from gce_watchdog.report import plot
+
+    line = {"reason": "ladder", "rung": "10/10", "action": "dry-run"}
+    r = build_report(_log([(0, "heartbeat", {"rung": "0/10"}, ""), (9000, "shutdown", line, "")]))
+    fig = plot.figure(r)
+    assert "DRY RUN" in fig.texts[0].get_text() if fig.texts else False
+    assert any(t.startswith("DRY RUN: would shut down 10/10") for t in _marker_labels(fig))
+    real = build_report(_log([(9000, "shutdown", {**line, "action": "poweroff"}, "")]))
+    fig_real = plot.figure(real)
+    assert "DRY RUN" not in fig_real.texts[0].get_text()
+    assert any(t.startswith("SHUTDOWN 10/10") for t in _marker_labels(fig_real))
 
 
 def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> None:
@@ -403,3 +531,39 @@ def test_render_time_of_a_1mib_log() -> None:
         t_png = time.perf_counter() - t1
     print(f"1 MiB log: decode+table {t_text * 1000:.0f} ms, png {t_png * 1000:.0f} ms")
     assert t_text < 10 and t_png < 30  # generous: 2 shared CI cores
+
+
+def test_html_event_tables_have_the_terminal_tables_columns(tmp_path: Path) -> None:
+    data, _, _ = wedge_and_reboot(tmp_path)
+    r = build_report(data, source="vm.log")
+    term = list(text.render(r, width=400))
+    page = html.render(r, None, "no plot")
+    heads = re.findall(r"<h3>boot (\w+)</h3><table><tr>(.*?)</tr>", page)
+    assert [b for b, _ in heads] == [s.boot for s in r.sections]
+    for _, head in heads:
+        assert re.findall(r"<th>(.*?)</th>", head) == list(text.COLUMNS)
+    term_head = next(ln for ln in term if ln.lstrip().startswith("time (UTC)"))
+    assert term_head.split() == "time (UTC) seq event rung metadata egress detail".split()
+    # a failing tick's cells are the same in both
+    tick = next(e for e in r.events if e.event == "tick" and (e.get("md") or "").startswith("fail"))
+    row = next(ln for ln in page.splitlines() if f"<td>{tick.seq}</td><td>tick</td>" in ln)
+    assert "<td>fail timeout 5001ms</td>" in row and "<td>fail connect_timeout 5002ms</td>" in row
+
+
+def test_human_output_shows_units_and_the_wire_keeps_its_compact_fields() -> None:
+    from gce_watchdog.wire.protocol import encode, human_fields, human_value, make_event
+
+    ev = make_event(
+        "tick",
+        "aaaa0001",
+        7,
+        T0_MS,
+        {"rung": "3/10", "md": "fail/timeout/500", "eg": "ok/ok/3", "mdl": "12"},
+    )
+    assert human_fields(ev.fields) == "rung=3/10 md=fail timeout 500ms eg=ok 3ms mdl=12ms"
+    assert " md=fail/timeout/500 eg=ok/ok/3 " in encode(ev)
+    assert human_value("md", "unknown/dns") == "unknown dns"
+    assert human_value("ph", "fail/timeout/500") == "fail/timeout/500"  # only probe fields
+    r = build_report(encode(ev).encode() + b"\n")
+    [line] = [ln for ln in text.render(r, width=400) if " tick " in ln]
+    assert "fail timeout 500ms" in line and "ok 3ms" in line and "/500" not in line

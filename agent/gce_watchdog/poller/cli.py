@@ -119,7 +119,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
 
     from gce_watchdog.poller.timeline import Timeline
     from gce_watchdog.poller.verdict import InstanceState, decide
-    from gce_watchdog.wire.protocol import format_ts, parse_ts
+    from gce_watchdog.wire.protocol import format_ts, human_fields, parse_ts
 
     try:
         policy = _policy(args)
@@ -175,7 +175,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
         )
     print(f"events ({len(tl.events)}):", file=out)
     for ev in tl.events:
-        kv = " ".join(f"{k}={v}" for k, v in ev.fields)
+        kv = human_fields(ev.fields)
         text = f" | {ev.text}" if ev.text else ""
         print(f"  {format_ts(ev.ts_ms)} {ev.boot} #{ev.seq} {ev.event} {kv}{text}", file=out)
     print(f"gaps: {len(tl.seq_gaps)} sequence, {tl.lost_lines} lines lost", file=out)

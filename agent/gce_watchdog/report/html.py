@@ -10,7 +10,7 @@ import base64
 from html import escape
 
 from gce_watchdog.report.model import Report
-from gce_watchdog.report.text import duration, fault_line, verdict_line
+from gce_watchdog.report.text import COLUMNS, cells, duration, fault_line, verdict_line
 from gce_watchdog.wire.protocol import format_ts
 
 MAX_ROWS = 50_000  # event rows in the table (~10 MB of HTML); the rest is counted
@@ -95,20 +95,22 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
         out.append("<h2>Injected faults</h2><ul>")
         out.extend(f"<li>{e(fault_line(w).strip())}</li>" for w in r.faults)
         out.append("</ul>")
-    out.append(
-        "<h2>Events</h2><table><tr><th>time (UTC)</th><th>boot</th><th>seq</th>"
-        "<th>event</th><th>fields</th><th>text</th></tr>"
-    )
-    for ev in r.events[:MAX_ROWS]:
-        cls = "shutdown" if ev.event == "shutdown" else "key" if ev.event in _KEY else ""
-        kv = " ".join(f"{k}={val}" for k, val in ev.fields)
-        out.append(
-            f'<tr class="{cls}"><td>{format_ts(ev.ts_ms)}</td><td>{e(ev.boot)}</td>'
-            f"<td>{ev.seq}</td><td>{e(ev.event)}</td><td>{e(kv)}</td><td>{e(ev.text)}</td></tr>"
-        )
-    out.append("</table>")
-    if len(r.events) > MAX_ROWS or r.dropped_events:
-        more = len(r.events) - MAX_ROWS if len(r.events) > MAX_ROWS else 0
+    # One table per boot with the terminal table's columns (every event: no collapsing here).
+    out.append("<h2>Events</h2>")
+    head = "<tr>" + "".join(f"<th>{e(c)}</th>" for c in COLUMNS) + "</tr>"
+    shown = 0
+    for sec in r.sections:
+        if shown >= MAX_ROWS:
+            break
+        out.append(f"<h3>boot {e(sec.boot)}</h3><table>{head}")
+        for ev in sec.events[: MAX_ROWS - shown]:
+            cls = "shutdown" if ev.event == "shutdown" else "key" if ev.event in _KEY else ""
+            row = "".join(f"<td>{e(c)}</td>" for c in cells(ev, format_ts(ev.ts_ms)))
+            out.append(f'<tr class="{cls}">{row}</tr>')
+            shown += 1
+        out.append("</table>")
+    if shown < len(r.events) or r.dropped_events:
+        more = len(r.events) - shown
         out.append(f'<p class="note">{more + r.dropped_events} more events not shown.</p>')
     out.append("</body></html>")
     return "\n".join(out) + "\n"

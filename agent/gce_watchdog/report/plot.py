@@ -1,12 +1,17 @@
-"""The PNG: three stacked axes on one UTC time axis (matplotlib, the ``report`` extra).
+"""The PNG: an event strip and three data axes on one UTC clock-time axis (matplotlib, the
+``report`` extra).
 
+0. the event strip: one horizontal label per marker (phase, start, stop, setup_failed, exit,
+   recovered, shutdown, memory_climb, boots, fault windows), laid out in rows so that no two
+   labels overlap; markers too close to tell apart share a label;
 1. ladder rung per boot (step line) with the threshold line;
 2. probe latency per probe (log scale), marker shape by verdict;
 3. memory per gauge (GiB) with the pass band (``band_gib`` wide, centred on the gauge's median
-   in each boot) and ``memory_climb`` markers.
+   in each boot).
 
-On every axis: shaded fault-injection windows, a dashed line at each boot, a red line at a
-shutdown; phase changes and other key events are marked on the ladder axis. Rendered with the Agg
+A marker's line crosses every axis (a real shutdown solid red, a dry-run one dashed orange), fault
+windows are shaded on every axis. The time axis spans the data (plus 2 %) and reads as clock time
+(``HH:MM:SS``; ``MM-DD HH:MM`` past a day), the date in the axis label. Rendered with the Agg
 canvas directly (no pyplot: no global figure state, no display needed).
 """
 
@@ -15,14 +20,16 @@ from __future__ import annotations
 import importlib
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import IO, Any
 
-from gce_watchdog.report.model import Report
+from gce_watchdog.report.model import Marker, Report
 
 WIDTH_PX = 1400
 HEIGHT_PX = 1000
 DPI = 100
-N_AXES = 3
+N_AXES = 4  # the event strip and three data axes
 _DAY_MS = 86_400_000
 _VERDICT_MARKER = {"ok": "o", "fail": "x", "unknown": "^"}
 _PROBE_COLOUR = {"metadata": "tab:blue", "egress": "tab:green"}
@@ -35,7 +42,47 @@ _MARKER_COLOUR = {
     "recovered": "tab:green",
     "would_shutdown": "tab:red",
     "preempted": "tab:orange",
+    "shutdown": "red",
+    "dry_run": "tab:orange",
+    "memory_climb": "tab:red",
+    "memory_ok": "tab:green",
+    "boot": "black",
+    "fault": "darkorange",
 }
+_LABEL_FONT = 7
+_LABEL_GAP_PX = 6  # clear space between two labels on one row
+_STRIP_ROWS = 6  # label rows in the event strip
+# A shared label lists this many markers by name, then "+N": a label is read at a glance.
+_CLUSTER_NAMES = 2
+# Which markers a shared label names first (lower first): decisions, then failures, then context.
+_RANK = {
+    "shutdown": 0,
+    "dry_run": 0,
+    "setup_failed": 1,
+    "would_shutdown": 1,
+    "preempted": 2,
+    "memory_climb": 2,
+    "boot": 2,
+    "exit": 3,
+    "recovered": 3,
+    "fault": 3,
+    "phase": 4,
+}
+
+
+@dataclass(frozen=True)
+class StripLabel:
+    """One label in the event strip: the markers it stands for (time order) and its text."""
+
+    x: float  # matplotlib date number of the first marker
+    kinds: tuple[str, ...]
+    texts: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        shown = " · ".join(self.texts[:_CLUSTER_NAMES])
+        more = len(self.texts) - _CLUSTER_NAMES
+        return f"{shown} +{more}" if more > 0 else shown
 
 
 class MatplotlibMissing(RuntimeError):
@@ -58,6 +105,24 @@ def _x(ts_ms: int) -> float:
     return ts_ms / _DAY_MS
 
 
+def dry_run_shutdown(m: Marker, r: Report) -> bool:
+    """A shutdown decided with ``agent.action = "dry-run"``: nothing was powered off."""
+    if m.kind != "shutdown":
+        return False
+    for ev in r.actions:
+        if ev.boot == m.boot and ev.event == "shutdown" and ev.ts_ms == m.ts_ms:
+            return (ev.get("action") or "").replace("_", "-") == "dry-run"
+    return False
+
+
+def _title(r: Report) -> str:
+    v = r.verdict
+    line = f"verdict {v.kind.value} ({'FAILOVER' if v.failover else 'no failover'}): {v.reason}"
+    if any(dry_run_shutdown(m, r) for m in r.markers):
+        line = "DRY RUN: the agent decided to shut down but powered nothing off\n" + line
+    return f"gce-watchdog report: {r.source or '-'}\n" + line[:220]
+
+
 def figure(r: Report) -> Any:
     """The matplotlib Figure (tests count its axes); raises MatplotlibMissing."""
     _mpl()
@@ -68,29 +133,135 @@ def figure(r: Report) -> Any:
 
     fig = mfig.Figure(figsize=(WIDTH_PX / DPI, HEIGHT_PX / DPI), dpi=DPI)
     agg.FigureCanvasAgg(fig)
-    axes = fig.subplots(N_AXES, 1, sharex=True, gridspec_kw={"height_ratios": [3, 3, 3]})
-    ax_l, ax_p, ax_m = axes
-    v = r.verdict
-    fig.suptitle(
-        f"gce-watchdog report: {r.source or '-'}\nverdict {v.kind.value}"
-        f" ({'FAILOVER' if v.failover else 'no failover'}): {v.reason}"[:220],
-        fontsize=10,
-    )
+    axes = fig.subplots(N_AXES, 1, sharex=True, gridspec_kw={"height_ratios": [1.1, 3, 3, 3]})
+    ax_s, ax_l, ax_p, ax_m = axes
+    fig.suptitle(_title(r), fontsize=10)
     _ladder(ax_l, r)
     _probes(ax_p, r)
     _memory(ax_m, r)
     for ax in axes:
         _shared(ax, r)
     start, end = r.start_ms, r.end_ms
+    span_ms = 0
     if start is not None and end is not None:
-        pad = max((end - start) * 0.02, 30_000)
+        span_ms = end - start
+        # 2 % each side so the first and last points are not on the frame; 1 s at least so a
+        # log of one line still has a visible axis.
+        pad = max(span_ms * 0.02, 1_000)
         ax_m.set_xlim(_x(int(start - pad)), _x(int(end + pad)))
-        loc = mdates.AutoDateLocator()
+        loc = mdates.AutoDateLocator(minticks=4, maxticks=9)
         ax_m.xaxis.set_major_locator(loc)
-        ax_m.xaxis.set_major_formatter(mdates.ConciseDateFormatter(loc))
-    ax_m.set_xlabel("time (UTC)")
-    fig.subplots_adjust(left=0.07, right=0.83, top=0.92, bottom=0.06, hspace=0.12)
+        fmt = "%H:%M:%S" if span_ms < _DAY_MS else "%m-%d %H:%M"
+        ax_m.xaxis.set_major_formatter(mdates.DateFormatter(fmt, tz=UTC))
+        first = datetime.fromtimestamp(start / 1000, tz=UTC).strftime("%Y-%m-%d")
+        last = datetime.fromtimestamp(end / 1000, tz=UTC).strftime("%Y-%m-%d")
+        ax_m.set_xlabel(f"time (UTC), {first}" + (f" .. {last}" if last != first else ""))
+    else:
+        ax_m.set_xlabel("time (UTC)")
+    fig.subplots_adjust(left=0.07, right=0.83, top=0.91, bottom=0.06, hspace=0.12)
+    _strip(ax_s, fig, _strip_items(r))
     return fig
+
+
+def _strip_items(r: Report) -> list[tuple[float, str, str]]:
+    """(x, kind, text) of everything the event strip labels, in time order."""
+    items: list[tuple[float, str, str]] = []
+    for m in r.markers:
+        if m.kind == "shutdown" and dry_run_shutdown(m, r):
+            label = m.label.replace("SHUTDOWN", "would shut down").removesuffix(" dry-run")
+            items.append((_x(m.ts_ms), "dry_run", f"DRY RUN: {label}"))
+        else:
+            items.append((_x(m.ts_ms), m.kind, m.label))
+    for i, sec in enumerate(r.sections):
+        if i:  # the first boot starts at the left edge anyway
+            items.append((_x(sec.info.first_ts_ms), "boot", f"boot {sec.boot}"))
+    for w in r.faults:
+        items.append((_x(w.start_ms), "fault", f"fault {w.cut}"))
+    items.sort(key=lambda t: t[0])
+    return items
+
+
+def layout_strip(
+    items: list[tuple[float, str, str]], width_of: Any, x_px: Any, right_px: float, rows: int
+) -> list[tuple[StripLabel, int]]:
+    """Labels and their rows, no two overlapping on a row.
+
+    ``width_of(text)`` measures a label in pixels, ``x_px(x)`` places a date number in pixels.
+    Markers closer than ``merge_px`` share a label; if the labels do not fit in ``rows`` rows,
+    ``merge_px`` doubles and the layout starts over (at worst one label for everything: it
+    always ends). Every marker is in exactly one label.
+    """
+    merge_px = 2.0
+    while True:
+        clusters: list[list[tuple[float, str, str]]] = []
+        for it in items:
+            if clusters and x_px(it[0]) - x_px(clusters[-1][0][0]) <= merge_px:
+                clusters[-1].append(it)
+            else:
+                clusters.append([it])
+        labels = []
+        for c in clusters:
+            ranked = sorted(c, key=lambda it: _RANK.get(it[1], 5))  # stable: time order within
+            labels.append(
+                StripLabel(c[0][0], tuple(k for _, k, _ in ranked), tuple(t for _, _, t in ranked))
+            )
+        row_end = [float("-inf")] * rows
+        placed: list[tuple[StripLabel, int]] = []
+        for lab in labels:
+            x0 = x_px(lab.x)
+            w = width_of(lab.text)
+            if x0 + w > right_px:  # near the right edge: the label ends at its marker
+                x0 -= w
+            row = next((k for k in range(rows) if x0 >= row_end[k] + _LABEL_GAP_PX), None)
+            if row is None:
+                break
+            row_end[row] = x0 + w
+            placed.append((lab, row))
+        else:
+            return placed
+        merge_px *= 2
+
+
+def _strip(ax: Any, fig: Any, items: list[tuple[float, str, str]]) -> None:
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    ax.set_ylabel("events", rotation=0, ha="right", va="center")
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    if not items:
+        ax.text(0.5, 0.5, "no marker event", transform=ax.transAxes, ha="center", color="gray")
+        return
+    renderer = fig.canvas.get_renderer()
+    to_px = ax.transData.transform
+    probe = ax.text(0, 0, "", fontsize=_LABEL_FONT)
+
+    def width_of(s: str) -> float:
+        probe.set_text(s)
+        return float(probe.get_window_extent(renderer).width) + 2
+
+    def x_px(x: float) -> float:
+        return float(to_px((x, 0.5))[0])
+
+    right = float(ax.get_window_extent(renderer).x1)
+    placed = layout_strip(items, width_of, x_px, right, _STRIP_ROWS)
+    inv = ax.transData.inverted()
+    for lab, row in placed:
+        x0 = x_px(lab.x)
+        w = width_of(lab.text)
+        left = x0 - w if x0 + w > right else x0 + 1
+        y = 1 - (row + 0.5) / _STRIP_ROWS
+        colour = _MARKER_COLOUR.get(lab.kinds[0], "tab:gray")
+        ax.text(
+            float(inv.transform((left, 0))[0]),
+            y,
+            lab.text,
+            fontsize=_LABEL_FONT,
+            color=colour,
+            va="center",
+            ha="left",
+            gid="marker-label",
+        )
+    probe.remove()
 
 
 def _ladder(ax: Any, r: Report) -> None:
@@ -108,23 +279,6 @@ def _ladder(ax: Any, r: Report) -> None:
         ax.set_ylim(-0.5, thr + 1.5)
     if not r.rungs:
         ax.text(0.5, 0.5, "no rung in any line", transform=ax.transAxes, ha="center", color="gray")
-    ymax = (thr if thr is not None else 10) + 1
-    for m in r.markers:
-        if m.kind in ("shutdown", "memory_climb", "memory_ok"):
-            continue  # shutdown: a line on every axis; memory: on the memory axis
-        c = _MARKER_COLOUR.get(m.kind, "tab:gray")
-        ax.axvline(_x(m.ts_ms), color=c, ls=":", lw=1)
-        ax.text(
-            _x(m.ts_ms),
-            ymax,
-            m.label,
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=7,
-            color=c,
-            clip_on=True,
-        )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
 
@@ -194,7 +348,9 @@ def _memory(ax: Any, r: Report) -> None:
             ax.plot(xs, ys, ".-", color=c, lw=1, ms=3, label=gauge if j == 0 else None)
             mid = statistics.median(ys)
             half = r.band_gib / 2
-            lo, hi = (xs[0], xs[-1]) if len(xs) > 1 else (xs[0] - 1e-4, xs[0] + 1e-4)
+            # one sample: a band 1 s wide, visible without stretching the axis
+            one = 0.5 / 86_400
+            lo, hi = (xs[0], xs[-1]) if len(xs) > 1 else (xs[0] - one, xs[0] + one)
             ax.fill_between(
                 [lo, hi],
                 mid - half,
@@ -204,20 +360,6 @@ def _memory(ax: Any, r: Report) -> None:
                 lw=0,
                 label=f"pass band {r.band_gib:g} GiB" if i == 0 and j == 0 else None,
             )
-    climbs = [m for m in r.markers if m.kind == "memory_climb"]
-    for m in climbs:
-        ax.axvline(_x(m.ts_ms), color="tab:red", ls=":", lw=1)
-        ax.text(
-            _x(m.ts_ms),
-            1.0,
-            m.label,
-            transform=ax.get_xaxis_transform(),
-            rotation=90,
-            va="top",
-            ha="right",
-            fontsize=7,
-            color="tab:red",
-        )
     if not series:
         ax.text(
             0.5, 0.5, "no mem line in this log", transform=ax.transAxes, ha="center", color="gray"
@@ -227,42 +369,20 @@ def _memory(ax: Any, r: Report) -> None:
 
 
 def _shared(ax: Any, r: Report) -> None:
-    for k, w in enumerate(r.faults):
+    """Fault windows, boot lines and marker lines on one axis (their labels: the event strip)."""
+    for w in r.faults:
         ax.axvspan(_x(w.start_ms), _x(w.end_ms), color="tab:orange", alpha=0.15, lw=0)
-        if k < 8:  # labels beyond a handful only clutter; the table lists them all
-            ax.text(
-                _x(w.start_ms),
-                0.02,
-                f"fault {w.cut}",
-                transform=ax.get_xaxis_transform(),
-                fontsize=7,
-                color="tab:orange",
-                va="bottom",
-            )
     for i, sec in enumerate(r.sections):
-        if i:  # the first boot's start is the left edge anyway
+        if i:
             ax.axvline(_x(sec.info.first_ts_ms), color="black", ls="--", lw=0.8)
-            ax.text(
-                _x(sec.info.first_ts_ms),
-                0.98,
-                f" boot {sec.boot}",
-                transform=ax.get_xaxis_transform(),
-                fontsize=7,
-                va="top",
-            )
     for m in r.markers:
         if m.kind == "shutdown":
-            ax.axvline(_x(m.ts_ms), color="red", lw=1.8)
-            ax.text(
-                _x(m.ts_ms),
-                0.5,
-                f" {m.label}",
-                transform=ax.get_xaxis_transform(),
-                fontsize=7,
-                color="red",
-                rotation=90,
-                va="center",
-            )
+            if dry_run_shutdown(m, r):
+                ax.axvline(_x(m.ts_ms), color=_MARKER_COLOUR["dry_run"], ls="--", lw=1.5)
+            else:
+                ax.axvline(_x(m.ts_ms), color="red", lw=1.8)
+        else:
+            ax.axvline(_x(m.ts_ms), color=_MARKER_COLOUR.get(m.kind, "tab:gray"), ls=":", lw=1)
     ax.grid(True, alpha=0.3)
 
 

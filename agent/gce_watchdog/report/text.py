@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gce_watchdog.report.model import FaultWindow, Report
-from gce_watchdog.wire.protocol import Event, format_ts
+from gce_watchdog.wire.protocol import Event, format_ts, human_fields, human_value
 
 # Shown per table; the rest is summarised (the HTML and --json have every event).
 MAX_ROWS_PER_BOOT = 200
@@ -43,16 +43,31 @@ def probe_cell(ev: Event, key: str) -> str:
     reason, _, lat = rest.partition("/")
     reason = reason or ev.get(f"{key}r") or ""
     lat = lat or ev.get(f"{key}l") or ""
-    return " ".join(
-        p for p in (verdict, reason if reason != "ok" else "", f"{lat}ms" if lat else "") if p
-    )
+    return human_value(key, f"{verdict}/{reason}/{lat}")
 
 
 def detail(ev: Event) -> str:
-    kv = " ".join(f"{k}={v}" for k, v in ev.fields if k not in _COLUMN_FIELDS)
+    kv = human_fields(ev.fields, skip=_COLUMN_FIELDS)
     if ev.text:
         return f"{kv} | {ev.text}" if kv else ev.text
     return kv
+
+
+# The event table's columns, in the terminal and in the HTML page alike.
+COLUMNS = ("time (UTC)", "seq", "event", "rung", "metadata", "egress", "detail")
+
+
+def cells(ev: Event, time: str) -> tuple[str, ...]:
+    """One event's cells under COLUMNS (``time`` formatted by the caller)."""
+    return (
+        time,
+        str(ev.seq),
+        ev.event,
+        ev.get("rung") or "",
+        probe_cell(ev, "md"),
+        probe_cell(ev, "eg"),
+        detail(ev),
+    )
 
 
 @dataclass
@@ -94,6 +109,7 @@ def fault_line(w: FaultWindow) -> str:
         "clear": "cleared",
         "expire": "expired",
         "install_failed": "install failed",
+        "replaced": "replaced by the next fault",
         "reboot": "ended by a reboot",
         "until": "planned end passed, no clear/expire line",
         "open": "still on where the log ends",
@@ -124,9 +140,10 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
             f"{b.count} lines, {b.lost} lost, {format_ts(b.first_ts_ms)} .. "
             f"{format_ts(b.last_ts_ms)} ({duration(b.last_ts_ms - b.first_ts_ms)})"
         )
+        head = COLUMNS
         yield (
-            f"  {'time (UTC)':<14} {'seq':>6}  {'event':<14} {'rung':<6} {'metadata':<22} "
-            f"{'egress':<22} detail"
+            f"  {head[0]:<14} {head[1]:>6}  {head[2]:<14} {head[3]:<6} {head[4]:<22} "
+            f"{head[5]:<22} {head[6]}"
         )
         table = rows(sec.events)
         shown = (
@@ -140,10 +157,10 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
             ev = row.last
             name = row.first.event + (f" x{row.count}" if row.count > 1 else "")
             extra = f" (until {clock(ev.ts_ms)})" if row.count > 1 else ""
+            c = cells(ev, clock(row.first.ts_ms))
             line = (
-                f"  {clock(row.first.ts_ms):<14} {row.first.seq:>6}  {name:<14} "
-                f"{ev.get('rung') or '':<6} {probe_cell(ev, 'md'):<22} "
-                f"{probe_cell(ev, 'eg'):<22} {detail(ev)}{extra}"
+                f"  {c[0]:<14} {row.first.seq:>6}  {name:<14} {c[3]:<6} {c[4]:<22} {c[5]:<22} "
+                f"{c[6]}{extra}"
             )
             yield line if len(line) <= width else line[: width - 3] + "..."
     if r.faults:
