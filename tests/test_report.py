@@ -543,7 +543,7 @@ def test_html_event_tables_have_the_terminal_tables_columns(tmp_path: Path) -> N
     for _, head in heads:
         assert re.findall(r"<th>(.*?)</th>", head) == list(text.COLUMNS)
     term_head = next(ln for ln in term if ln.lstrip().startswith("time (UTC)"))
-    assert term_head.split() == "time (UTC) seq event rung metadata egress detail".split()
+    assert term_head.split()[2:] == ["seq", "event", "rung", "metadata", "egress", "detail"]
     # a failing tick's cells are the same in both
     tick = next(e for e in r.events if e.event == "tick" and (e.get("md") or "").startswith("fail"))
     row = next(ln for ln in page.splitlines() if f"<td>{tick.seq}</td><td>tick</td>" in ln)
