@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import re
+import stat
 import tomllib
 import types
 import typing
@@ -26,6 +29,7 @@ from gce_watchdog.lib.netaddr import parse_dns_server, parse_host_port
 
 DEFAULT_PATH = Path("/etc/gce-watchdog/config.toml")
 EX_CONFIG = 78  # sysexits.h: configuration error
+
 
 class Duration(float):
     """Marker type: a float number of seconds that may be written as '30s', '10m', ..."""
@@ -41,6 +45,50 @@ def _non_negative(v: float) -> str | None:
 
 def _at_least_one(v: int) -> str | None:
     return None if v >= 1 else "must be >= 1"
+
+
+def _fmt(v: float) -> str:
+    """A bound as operators write it: 100ms, 30s, 1h."""
+    if v < 1:
+        return f"{v * 1000:g}ms"
+    if v >= 3600 and v % 3600 == 0:
+        return f"{v / 3600:g}h"
+    return f"{v:g}s"
+
+
+def _within(
+    lo: float, hi: float, lo_open: bool = False, zero_ok: bool = False, why: str = ""
+) -> Callable[[float], str | None]:
+    """A duration check: finite, ``lo`` (exclusive with ``lo_open``) up to ``hi``; ``zero_ok``:
+    0 is also allowed (it switches the thing off). ``why`` is added to the message."""
+
+    def check(v: float) -> str | None:
+        if zero_ok and v == 0:
+            return None
+        ok = (v > lo if lo_open else v >= lo) and v <= hi
+        if ok:
+            return None
+        low = f"more than {_fmt(lo)}" if lo_open else f"at least {_fmt(lo)}"
+        zero = "0 or " if zero_ok else ""
+        return f"must be {zero}{low} and at most {_fmt(hi)}" + (f": {why}" if why else "")
+
+    return check
+
+
+def _count(lo: int, hi: int, why: str = "") -> Callable[[int], str | None]:
+    def check(v: int) -> str | None:
+        if lo <= v <= hi:
+            return None
+        return f"must be between {lo} and {hi}" + (f": {why}" if why else "")
+
+    return check
+
+
+# Bounds on durations: a value outside them disables the agent or floods the console (issue 16).
+MIN_INTERVAL = 0.1  # the floor on console output: at most 10 tick lines a second
+MAX_INTERVAL = 3600.0
+MAX_THRESHOLD = 10_000
+DAY = 86400.0
 
 
 def _host_port_list(v: list[str]) -> str | None:
@@ -87,17 +135,27 @@ def _check(fn: Callable[[Any], str | None], doc: str = "") -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class AgentSection:
-    interval: Duration = field(default=Duration(30.0), metadata=_check(_positive))
-    probe_timeout: Duration = field(default=Duration(5.0), metadata=_check(_positive))
-    threshold: int = field(default=10, metadata=_check(_at_least_one))
-    heartbeat_every: int = field(default=10, metadata=_check(_at_least_one))
+    interval: Duration = field(
+        default=Duration(30.0),
+        metadata=_check(
+            _within(MIN_INTERVAL, MAX_INTERVAL, why="the floor keeps the console readable")
+        ),
+    )
+    probe_timeout: Duration = field(
+        default=Duration(5.0), metadata=_check(_within(0, MAX_INTERVAL, lo_open=True))
+    )
+    threshold: int = field(
+        default=10,
+        metadata=_check(_count(1, MAX_THRESHOLD, "a higher one would never shut down")),
+    )
+    heartbeat_every: int = field(default=10, metadata=_check(_count(1, 1_000_000)))
     state_dir: str = field(default="/var/lib/gce-watchdog", metadata=_check(_abs_path))
     run_dir: str = field(default="/run/gce-watchdog", metadata=_check(_abs_path))
     boot_id_path: str = field(default="/proc/sys/kernel/random/boot_id", metadata=_check(_abs_path))
     action: str = field(
         default="poweroff", metadata=_check(_one_of("poweroff", "stop", "delete", "dry-run"))
     )
-    boot_grace: Duration = field(default=Duration(0.0), metadata=_check(_non_negative))
+    boot_grace: Duration = field(default=Duration(0.0), metadata=_check(_within(0, DAY)))
 
 
 @dataclass(frozen=True)
@@ -116,7 +174,9 @@ class EgressSection:
     )
     # empty: the system's resolv.conf
     dns_servers: list[str] = field(default_factory=list, metadata=_check(_dns_server_list))
-    dns_timeout: Duration = field(default=Duration(2.0), metadata=_check(_positive))
+    dns_timeout: Duration = field(
+        default=Duration(2.0), metadata=_check(_within(0, MAX_INTERVAL, lo_open=True))
+    )
 
 
 @dataclass(frozen=True)
@@ -125,8 +185,10 @@ class SerialSection:
     fallback_file: str = field(
         default="/var/log/gce-watchdog/serial.log", metadata=_check(_abs_path)
     )
-    queue_size: int = field(default=256, metadata=_check(_at_least_one))
-    sync_timeout: Duration = field(default=Duration(5.0), metadata=_check(_positive))
+    queue_size: int = field(default=256, metadata=_check(_count(1, 65_536)))
+    sync_timeout: Duration = field(
+        default=Duration(5.0), metadata=_check(_within(0, 60.0, lo_open=True))
+    )
 
 
 @dataclass(frozen=True)
@@ -134,23 +196,29 @@ class MemorySection:
     """Memory watch (docs/memory-watch.md). Reports only, unless on_climb opts into an action."""
 
     enabled: bool = True
-    period: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    period: Duration = field(default=Duration(30.0), metadata=_check(_within(0, DAY, lo_open=True)))
     # Samples taken during the first `warmup` after start are not judged (model load, caches).
-    warmup: Duration = field(default=Duration(300.0), metadata=_check(_non_negative))
+    warmup: Duration = field(default=Duration(300.0), metadata=_check(_within(0, 7 * DAY)))
     # The team's pass band: at least 30 samples after warm-up, range < band_gib.
     window: int = field(default=30, metadata=_check(lambda v: None if v >= 30 else "must be >= 30"))
     # Samples kept per gauge (sliding window judged each period): 240 x 30 s = 2 h of history.
-    max_window: int = field(default=240, metadata=_check(_at_least_one))
-    band_gib: float = field(default=1.0, metadata=_check(_positive))
+    max_window: int = field(default=240, metadata=_check(_count(1, 100_000)))
+    band_gib: float = field(
+        default=1.0, metadata=_check(lambda v: None if 0 < v <= 1e6 else "must be in (0, 1e6]")
+    )
     alpha: float = field(
         default=0.01, metadata=_check(lambda v: None if 0 < v < 0.5 else "must be in (0, 0.5)")
     )
     gpu: bool = True
     # At most one compact `mem` line per serial_every (0: none); the console is shared and slow.
-    serial_every: Duration = field(default=Duration(600.0), metadata=_check(_non_negative))
+    serial_every: Duration = field(
+        default=Duration(600.0), metadata=_check(_within(MIN_INTERVAL, DAY, zero_ok=True))
+    )
     on_climb: str = field(default="report", metadata=_check(_one_of("report", "command")))
     climb_command: list[str] = field(default_factory=list)
-    climb_command_timeout: Duration = field(default=Duration(60.0), metadata=_check(_positive))
+    climb_command_timeout: Duration = field(
+        default=Duration(60.0), metadata=_check(_within(0, 3600.0, lo_open=True))
+    )
 
 
 @dataclass(frozen=True)
@@ -158,29 +226,41 @@ class ActionsSection:
     """The shutdown action chain (docs/actions.md). The action itself is ``agent.action``."""
 
     # Two polls of a 30 s poller plus 15 s of margin: the poller reads the verdict while RUNNING.
-    linger: Duration = field(default=Duration(75.0), metadata=_check(_non_negative))
+    linger: Duration = field(default=Duration(75.0), metadata=_check(_within(0, 3600.0)))
     # The verdict line is repeated this often during the linger (and systemd is pinged).
-    repeat_every: Duration = field(default=Duration(5.0), metadata=_check(_positive))
+    repeat_every: Duration = field(
+        default=Duration(5.0), metadata=_check(_within(MIN_INTERVAL, 30.0))
+    )
     api_base: str = field(
         default="https://compute.googleapis.com/compute/v1", metadata=_check(_http_url)
     )
     # One API request (connect + read). google-auth's default is 120 s; a wedged VM waits it all.
-    api_timeout: Duration = field(default=Duration(10.0), metadata=_check(_positive))
-    api_attempts: int = field(default=3, metadata=_check(_at_least_one))
+    api_timeout: Duration = field(
+        default=Duration(10.0), metadata=_check(_within(0, 600.0, lo_open=True))
+    )
+    api_attempts: int = field(default=3, metadata=_check(_count(1, 100)))
     # Hard bound on the whole API step (token + every attempt + waits between them).
-    api_deadline: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    api_deadline: Duration = field(
+        default=Duration(30.0), metadata=_check(_within(0, 600.0, lo_open=True))
+    )
     poweroff_cmd: list[str] = field(
         default_factory=lambda: ["systemctl", "poweroff"], metadata=_check(_argv)
     )
     # A graceful poweroff stops every unit (systemd's default stop timeout is 90 s) before the
     # machine goes off; still up after this long means it is stuck: force it.
-    poweroff_wait: Duration = field(default=Duration(120.0), metadata=_check(_positive))
+    poweroff_wait: Duration = field(
+        default=Duration(120.0), metadata=_check(_within(0, 3600.0, lo_open=True))
+    )
     force_cmd: list[str] = field(
         default_factory=lambda: ["systemctl", "poweroff", "--force"], metadata=_check(_argv)
     )
-    force_wait: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    force_wait: Duration = field(
+        default=Duration(30.0), metadata=_check(_within(0, 3600.0, lo_open=True))
+    )
     # Each command's own bound (systemctl's D-Bus timeout is 25 s).
-    command_timeout: Duration = field(default=Duration(30.0), metadata=_check(_positive))
+    command_timeout: Duration = field(
+        default=Duration(30.0), metadata=_check(_within(0, 600.0, lo_open=True))
+    )
     # Kernel last resort, tried in order: reboot(2) POWER_OFF, then 'o' to /proc/sysrq-trigger.
     kernel: list[str] = field(
         default_factory=lambda: ["reboot", "sysrq"],
@@ -217,15 +297,22 @@ class WatchSection:
         ),
     )
     # A metadata disarm last confirmed longer ago than this (metadata unreachable) expires.
-    disarm_hold: Duration = field(default=Duration(7200.0), metadata=_check(_positive))
+    disarm_hold: Duration = field(
+        default=Duration(7200.0),
+        metadata=_check(_within(0, DAY, lo_open=True, why="every disarm expires")),
+    )
     # How often instance identity and the disarm attribute are re-read while healthy.
-    refresh: Duration = field(default=Duration(60.0), metadata=_check(_positive))
+    refresh: Duration = field(
+        default=Duration(60.0), metadata=_check(_within(0, DAY, lo_open=True))
+    )
     # timeout_sec of the wait-for-change long polls (the client waits 10 s longer).
     poll_timeout: Duration = field(
         default=Duration(60.0),
         metadata=_check(lambda v: None if 1 <= v <= 3600 else "must be between 1s and 1h"),
     )
-    request_timeout: Duration = field(default=Duration(3.0), metadata=_check(_positive))
+    request_timeout: Duration = field(
+        default=Duration(3.0), metadata=_check(_within(0, 60.0, lo_open=True))
+    )
 
 
 def _prom_file(v: str) -> str | None:
@@ -294,7 +381,13 @@ def _type_name(tp: Any) -> str:
 def _coerce(tp: Any, value: Any) -> Any:
     """Return the value as type tp, or raise ValueError with a message."""
     if tp is Duration:
-        return Duration(parse_duration(value))
+        try:
+            d = parse_duration(value)
+        except OverflowError:  # an integer too big for a float
+            raise ValueError(f"expected a finite duration, got {value!r}") from None
+        if not math.isfinite(d):
+            raise ValueError(f"expected a finite duration, got {value!r}")
+        return Duration(d)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -303,7 +396,13 @@ def _coerce(tp: Any, value: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            try:
+                f = float(value)
+            except OverflowError:
+                raise ValueError(f"expected a finite number, got {value!r}") from None
+            if not math.isfinite(f):
+                raise ValueError(f"expected a finite number, got {value!r}")
+            return f
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -454,6 +553,45 @@ def from_dict(raw: dict[str, Any], source: str = "") -> Config:
     return cfg
 
 
+# A config file is a few KiB; a bigger one is not a config (and /dev/zero has no end).
+CONFIG_MAX_BYTES = 1024 * 1024
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def read_config_bytes(p: Path) -> bytes:
+    """The bytes of a config file: a regular file (a symlink to one is fine) of at most
+    CONFIG_MAX_BYTES. FIFOs, devices (a link to /dev/zero), sockets and directories are refused
+    without reading them (opened non-blocking: a FIFO with no writer never hangs the check)."""
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise InvalidConfig([ConfigError(str(p), f"is {kind}, not a regular file: refused")])
+        chunks: list[bytes] = []
+        size = 0
+        while size <= CONFIG_MAX_BYTES:
+            b = os.read(fd, 65536)
+            if not b:
+                break
+            chunks.append(b)
+            size += len(b)
+        if size > CONFIG_MAX_BYTES:
+            raise InvalidConfig(
+                [ConfigError(str(p), f"larger than {CONFIG_MAX_BYTES // 1024} KiB: not a config")]
+            )
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def load(path: str | Path | None = None) -> Config:
     """Load the config file; a missing default file means all defaults.
 
@@ -463,17 +601,21 @@ def load(path: str | Path | None = None) -> Config:
     explicit = path is not None
     p = Path(path) if path is not None else DEFAULT_PATH
     try:
-        data = p.read_bytes()
+        data = read_config_bytes(p)
     except FileNotFoundError:
         if explicit:
             raise InvalidConfig([ConfigError(str(p), "file not found")]) from None
         return Config()
     except OSError as e:
-        raise InvalidConfig([ConfigError(str(p), f"cannot read: {e.strerror}")]) from None
+        raise InvalidConfig([ConfigError(str(p), f"cannot read: {e.strerror or e}")]) from None
     try:
         raw = tomllib.loads(data.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InvalidConfig([ConfigError(str(p), f"not valid TOML: {e}")]) from None
+    except RecursionError:
+        raise InvalidConfig(
+            [ConfigError(str(p), "nested too deeply (arrays or tables within each other)")]
+        ) from None
     return from_dict(raw, str(p))
 
 
