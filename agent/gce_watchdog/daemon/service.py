@@ -593,7 +593,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EX_TEMPFAIL
     port: SerialPort | None = None
     try:
-        emitter, port = make_emitter(cfg, log=log.info)
+        emitter, port = make_emitter(cfg, log=logs.mirror(log))
         if port.open_error:
             log.warning("serial_fallback", error=port.open_error, target=port.target)
     except OSError as e:
@@ -607,7 +607,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         boot = boot_of(cfg)
         sink = DiscardSink()
-        emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=log.info)
+        emitter = Emitter(
+            sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=logs.mirror(log)
+        )
     stop = threading.Event()
 
     agent, prober = build_agent(cfg, emitter, Notifier())
