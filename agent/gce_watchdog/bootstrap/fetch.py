@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 from gce_watchdog.lib import dns as dnslib
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.netaddr import parse_dns_server
+from gce_watchdog.lib.retry import Backoff
 
 if TYPE_CHECKING:
     import random
@@ -123,8 +124,7 @@ class RetryPolicy:
 
     def backoff(self, attempt: int, u: float) -> float:
         """The jittered back-off after failed attempt ``attempt`` (1-based); u in [0, 1)."""
-        base = min(self.max_wait, self.initial * self.multiplier ** min(attempt - 1, 64))
-        return base * (1.0 - self.jitter * u)
+        return Backoff(self.initial, self.multiplier, self.max_wait, self.jitter).wait(attempt, u)
 
     def next_wait(
         self, attempt: int, elapsed: float, retry_after: float | None, u: float

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
+from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 
@@ -221,8 +222,9 @@ class RetryPolicy:
 
     def wait_before(self, attempt: int, jitter: float) -> float:
         """Wait before attempt number ``attempt`` (2, 3, ...); ``jitter`` in [0, 1)."""
-        top = min(self.max_wait, self.first_wait * 2 ** (attempt - 2))
-        return float(top / 2 + jitter * top / 2)
+        # the wait after failed attempt n-1: at least half of the step, ``jitter`` of the rest
+        backoff = Backoff(self.first_wait, 2.0, self.max_wait, jitter=0.5)
+        return backoff.wait(attempt - 1, 1.0 - jitter)
 
 
 # -- the chain ----------------------------------------------------------------------------------

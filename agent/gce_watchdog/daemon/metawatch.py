@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import random
 import re
 import socket
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 
@@ -160,23 +160,8 @@ class MetadataClient:
                     conn.sock.shutdown(socket.SHUT_RDWR)
 
 
-@dataclass
-class Backoff:
-    """Exponential back-off with full jitter, capped; ``reset()`` after a success."""
-
-    first: float = BACKOFF_FIRST_S
-    cap: float = BACKOFF_MAX_S
-    rng: random.Random | None = None
-    _n: int = 0
-
-    def next(self) -> float:
-        top = min(self.cap, self.first * (2**self._n))
-        self._n = min(self._n + 1, 32)
-        r = self.rng or random
-        return float(top / 2 + r.uniform(0, top / 2))
-
-    def reset(self) -> None:
-        self._n = 0
+# Waits while the metadata server is unreachable: 1 s doubling to 60 s, at least half of each.
+BACKOFF = Backoff(BACKOFF_FIRST_S, 2.0, BACKOFF_MAX_S, jitter=0.5)
 
 
 MonoClock = Callable[[], float]
@@ -315,7 +300,7 @@ class MetadataWatcher:
             self._disarm_confirmed = self.clock()
 
     def _info_loop(self) -> None:
-        backoff = Backoff()
+        backoff = BACKOFF.counter()
         while not self._stop.is_set():
             if self.refresh_once():
                 backoff.reset()
@@ -330,7 +315,7 @@ class MetadataWatcher:
         """Follow one key with wait-for-change; on_value gets the first and every new value."""
         w = self.cfg.watch
         etag = ""
-        backoff = Backoff()
+        backoff = BACKOFF.counter()
         while not self._stop.is_set():
             params: dict[str, str] = {}
             timeout = float(w.request_timeout)

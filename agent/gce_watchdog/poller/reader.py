@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.lib.retry import Backoff, tenacity_wait
 from gce_watchdog.poller.timeline import Timeline
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -109,7 +110,8 @@ class RetryPolicy:
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
         import tenacity
 
-        backoff = tenacity.wait_random_exponential(multiplier=self.initial_s, max=self.max_wait_s)
+        # full jitter: any wait up to the exponential step
+        backoff = tenacity_wait(Backoff(self.initial_s, 2.0, self.max_wait_s, jitter=1.0))
 
         def wait(rs: tenacity.RetryCallState) -> float:
             w = float(backoff(rs))
