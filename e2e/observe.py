@@ -20,9 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from gce_watchdog.lib.compute import ComputeClient
 from gce_watchdog.poller.ledger import Ledger
 from gce_watchdog.poller.poller import Poller, PollOutcome
-from gce_watchdog.poller.reader import ComputeClient, CursorStore
+from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import Policy
 from gce_watchdog.testing.simcompute import FakeComputeAPI

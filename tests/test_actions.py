@@ -511,7 +511,7 @@ class E2E:
 def e2e(tmp_path: Path) -> Iterator[E2E]:
     from gce_watchdog.testing.simcompute import FakeComputeAPI
     from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
-    from gce_watchdog.testing.simgce import InstanceInfo as SimInfo
+    from gce_watchdog.testing.simgce import SimInstance as SimInfo
 
     record = tmp_path / "argv.log"
     recorder = tmp_path / "record.sh"

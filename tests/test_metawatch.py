@@ -19,7 +19,7 @@ from gce_watchdog.daemon.metawatch import (
     parse_disarm_value,
 )
 from gce_watchdog.testing.simgce import FakeMetadataServer
-from gce_watchdog.testing.simgce import InstanceInfo as SimInfo
+from gce_watchdog.testing.simgce import SimInstance as SimInfo
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator

@@ -9,16 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gce_watchdog.lib.compute import AuthError, ComputeClient, GaveUpError, RetryPolicy
 from gce_watchdog.poller.ledger import Ledger
 from gce_watchdog.poller.poller import Poller
-from gce_watchdog.poller.reader import (
-    AuthError,
-    ComputeClient,
-    CursorStore,
-    GaveUpError,
-    RetryPolicy,
-    SerialReader,
-)
+from gce_watchdog.poller.reader import CursorStore, SerialReader
 from gce_watchdog.poller.timeline import parse_bytes
 from gce_watchdog.poller.verdict import Policy, VerdictKind
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault

@@ -30,6 +30,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
+from gce_watchdog.lib.compute import ComputeClient
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
@@ -92,27 +93,19 @@ class ComputeApi(Protocol):
 
 
 class GoogleComputeApi:
-    """The Compute API through google-auth's Compute Engine credentials.
+    """The chain's edge on the one Compute API client (``gce_watchdog.lib.compute``), acting as the
+    VM's own service account. Every request carries an explicit ``timeout`` and
+    ``max_allowed_time`` (google-auth's default is 120 s); every failure becomes a result."""
 
-    The token comes from the metadata server google-auth is pointed at (``GCE_METADATA_HOST`` /
-    ``GCE_METADATA_IP``, read by google-auth when it is first imported). Every request carries an
-    explicit ``timeout`` (google-auth's default is 120 s) and ``max_allowed_time``.
-    """
-
-    def __init__(self, base_url: str, timeout: float) -> None:
+    def __init__(self, base_url: str, timeout: float, client: ComputeClient | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self._session: Any = None
+        self._client = client  # None: made on first use (google-auth is imported then)
 
-    def _get_session(self) -> Any:
-        if self._session is None:
-            import google.auth.compute_engine
-            import google.auth.transport.requests
-
-            gce: Any = google.auth.compute_engine
-            transport: Any = google.auth.transport.requests
-            self._session = transport.AuthorizedSession(gce.Credentials())
-        return self._session
+    def _get_client(self) -> ComputeClient:
+        if self._client is None:
+            self._client = ComputeClient.on_vm(self.base_url, self.timeout)
+        return self._client
 
     def url(self, op: str, inst: InstanceInfo) -> tuple[str, str]:
         path = f"{self.base_url}/projects/{inst.project}/zones/{inst.zone}/instances/{inst.name}"
@@ -121,14 +114,7 @@ class GoogleComputeApi:
     def act(self, op: str, inst: InstanceInfo, request_id: str) -> ApiResult:
         method, url = self.url(op, inst)
         try:
-            session = self._get_session()
-            r = session.request(
-                method,
-                url,
-                params={"requestId": request_id},
-                timeout=self.timeout,
-                max_allowed_time=self.timeout,
-            )
+            r = self._get_client().send(method, url, {"requestId": request_id})
         except Exception as e:  # an edge: every failure becomes a result
             return _api_exception(e)
         if 200 <= r.status_code < 300:

@@ -223,8 +223,8 @@ def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
 
 
 def cmd_poll(args: argparse.Namespace) -> int:
+    from gce_watchdog.lib.compute import validate_target
     from gce_watchdog.lib.durations import parse_duration
-    from gce_watchdog.poller.reader import validate_target
 
     errs = validate_target(args.project, args.zone, list(args.instances))
     interval, policy = 0.0, None
@@ -262,15 +262,10 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
     import sqlite3
     import threading
 
+    from gce_watchdog.lib.compute import DEFAULT_API_BASE, AuthError, ComputeClient, RetryPolicy
     from gce_watchdog.poller.ledger import Ledger
     from gce_watchdog.poller.poller import Poller
-    from gce_watchdog.poller.reader import (
-        DEFAULT_API_BASE,
-        AuthError,
-        ComputeClient,
-        CursorStore,
-        RetryPolicy,
-    )
+    from gce_watchdog.poller.reader import CursorStore
 
     state = _state_home() / "gce-watchdog"
     try:

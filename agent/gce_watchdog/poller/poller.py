@@ -13,16 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.ledger import Decision, Ledger
-from gce_watchdog.poller.reader import (
-    AuthError,
-    ComputeAPIError,
-    ComputeClient,
-    CursorStore,
-    InstanceInfo,
-    ReadResult,
-    SerialReader,
-)
+from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide
 
 
@@ -170,7 +163,7 @@ class Poller:
         )
 
     def _reap(
-        self, name: str, info: InstanceInfo | None, decision: Decision
+        self, name: str, info: InstanceStatus | None, decision: Decision
     ) -> tuple[str | None, str | None]:
         assert self.ledger is not None
         if info is None:

@@ -44,7 +44,7 @@ MODES = ("ok", "slow", "hang", "http_503", "bad_flavor", "refuse")
 
 
 @dataclass
-class InstanceInfo:
+class SimInstance:
     id: str = "4520031799277582145"
     name: str = "sim-vm-1"
     zone: str = "us-central1-a"
@@ -76,11 +76,11 @@ class FakeMetadataServer:
     """A real HTTP metadata server on (host, port); port 0 picks a free one."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, info: InstanceInfo | None = None
+        self, host: str = "127.0.0.1", port: int = 0, info: SimInstance | None = None
     ) -> None:
         self.host = host
         self.port = port
-        self.info = info or InstanceInfo()
+        self.info = info or SimInstance()
         self.mode = "ok"
         self.delay = 0.0  # seconds, for mode "slow"
         self.requests: list[str] = []
@@ -462,7 +462,7 @@ class SimGCE:
         files: str | None = None,
         files_addr: tuple[str, int] = ("127.0.0.1", 0),
         dns_after: float = 0.0,
-        info: InstanceInfo | None = None,
+        info: SimInstance | None = None,
     ) -> None:
         self.metadata = FakeMetadataServer(*metadata, info=info)
         self.tcp = TcpListener(*tcp) if tcp else None
@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-file", default=None, help="write the bound ports here as JSON")
     a = p.parse_args(argv)
 
-    info = InstanceInfo()
+    info = SimInstance()
     if a.instance_name:
         info.name = a.instance_name
     for kv in a.attr:

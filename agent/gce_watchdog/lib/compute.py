@@ -1,0 +1,321 @@
+"""The one Compute API client, for the poller and the agent's action chain.
+
+:class:`ComputeClient` wraps a google-auth ``AuthorizedSession`` with explicit timeouts: the
+poller's on application default credentials (:meth:`ComputeClient.create`) with a retry policy
+for rate limits and transient errors, the action chain's on the VM's own service account through
+the metadata server (:meth:`ComputeClient.on_vm`), one attempt per call (the chain retries under
+its own deadline). :meth:`ComputeClient.send` is the one transport call both use; :meth:`call`
+maps a response to a JSON object or a typed error (:class:`ComputeAPIError`). google-auth and
+requests are imported on first use: they are heavy, and the daemon only needs them on its way
+down.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gce_watchdog.lib.httpdate import parse_retry_after
+from gce_watchdog.lib.retry import Backoff, tenacity_wait
+
+if TYPE_CHECKING:  # pragma: no cover
+    import requests
+
+DEFAULT_API_BASE = "https://compute.googleapis.com/compute/v1"
+SCOPES = ("https://www.googleapis.com/auth/compute",)
+# Connect: a TCP+TLS handshake to googleapis.com takes well under a second; 10 s rides out a
+# congested link without hanging a poll of many instances.
+CONNECT_TIMEOUT_S = 10.0
+# Read: a 1 MiB serial response is usually served in < 2 s; 30 s is the tail we tolerate.
+READ_TIMEOUT_S = 30.0
+# Rate-limit reasons GCE puts in error.errors[].reason (with 403 or 429).
+RATE_LIMIT_REASONS = frozenset({"rateLimitExceeded", "userRateLimitExceeded"})
+TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+_NAME_RE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+_PROJECT_RE = re.compile(r"[a-z][-a-z0-9:.]{4,61}[a-z0-9]\Z")
+
+
+class ComputeAPIError(Exception):
+    """A Compute API call failed; ``status`` is the HTTP status (0: no response)."""
+
+    def __init__(
+        self, message: str, status: int = 0, reason: str = "", retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.retry_after = retry_after  # the response's Retry-After, in seconds, if it had one
+
+    @property
+    def transient(self) -> bool:
+        return (
+            self.status == 0
+            or self.status in TRANSIENT_STATUS
+            or (self.status == 403 and self.reason in RATE_LIMIT_REASONS)
+        )
+
+
+class AuthError(ComputeAPIError):
+    """No usable credentials, or the API rejected them (401/403): not retried."""
+
+
+class NotFoundError(ComputeAPIError):
+    """404: the instance (or project/zone) does not exist."""
+
+
+class GaveUpError(ComputeAPIError):
+    """The retry policy's attempts ran out; the message names the last error."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retry transient API errors: ``attempts`` tries, jittered exponential waits, then give up.
+
+    A response's ``Retry-After`` is honoured as the least wait before the next try, capped at
+    ``max_wait_s`` (one poll interval: a poller that sleeps longer misses its own schedule).
+    ``sleep`` is injectable so tests never wait.
+    """
+
+    attempts: int = 5
+    initial_s: float = 1.0  # first wait ~1 s: GCE's rate limits are per 100-second windows
+    max_wait_s: float = 30.0  # a single wait never exceeds one poll interval
+    sleep: Callable[[float], None] = time.sleep
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("attempts must be >= 1")
+
+    def call(self, what: str, fn: Callable[[], Any]) -> Any:
+        import tenacity
+
+        # full jitter: any wait up to the exponential step
+        backoff = tenacity_wait(Backoff(self.initial_s, 2.0, self.max_wait_s, jitter=1.0))
+
+        def wait(rs: tenacity.RetryCallState) -> float:
+            w = float(backoff(rs))
+            e = rs.outcome.exception() if rs.outcome is not None else None
+            after = e.retry_after if isinstance(e, ComputeAPIError) else None
+            return w if after is None else min(self.max_wait_s, max(w, after))
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.attempts),
+            wait=wait,
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, ComputeAPIError) and e.transient
+            ),
+            sleep=self.sleep,
+            reraise=False,
+        )
+        try:
+            return retrying(fn)
+        except tenacity.RetryError as e:
+            last = e.last_attempt.exception()
+            status = last.status if isinstance(last, ComputeAPIError) else 0
+            reason = last.reason if isinstance(last, ComputeAPIError) else ""
+            raise GaveUpError(
+                f"{what}: gave up after {self.attempts} attempts, last error: {last}",
+                status,
+                reason,
+            ) from last
+
+
+class HTTPSession(Protocol):
+    """The part of requests.Session / AuthorizedSession the client uses."""
+
+    def request(self, method: str, url: str, **kwargs: Any) -> requests.Response: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SerialChunk:
+    contents: bytes
+    start: int
+    next: int
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    """What the API says about an instance (the poller's view; the VM's own identity is
+    ``gce_watchdog.daemon.metawatch.InstanceStatus``)."""
+
+    name: str
+    id: str
+    status: str
+    spot: bool
+    termination_action: str = ""
+
+
+def validate_target(project: str, zone: str, names: list[str]) -> list[str]:
+    """Every problem with the project, zone and instance names, for one clear error message."""
+    errs = []
+    if not _PROJECT_RE.match(project):
+        errs.append(f"project {project!r} is not a valid project id")
+    if not re.match(r"[a-z]+-[a-z]+\d+-[a-z]\Z", zone):
+        errs.append(f"zone {zone!r} is not a zone name like us-central1-a")
+    errs += [f"instance {n!r} is not a valid instance name" for n in names if not _NAME_RE.match(n)]
+    return errs
+
+
+class ComputeClient:
+    """The Compute API calls the poller needs, through one authorized session."""
+
+    def __init__(
+        self,
+        session: HTTPSession,
+        api_base: str = DEFAULT_API_BASE,
+        timeout: float | tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
+        retry: RetryPolicy | None = None,
+        max_allowed_time: float | None = None,
+    ) -> None:
+        self.session = session
+        self.api_base = api_base.rstrip("/")
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        # google-auth's bound on the whole call, token refresh included (its default is 120 s)
+        self.max_allowed_time = max_allowed_time
+
+    @classmethod
+    def create(
+        cls,
+        credentials: Any = None,
+        api_base: str = DEFAULT_API_BASE,
+        timeout: float | tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
+        retry: RetryPolicy | None = None,
+    ) -> ComputeClient:
+        """A client on an ``AuthorizedSession``; ``credentials`` None = application defaults.
+
+        Tests pass ``google.oauth2.credentials.Credentials("token")`` to talk to the fake API.
+        """
+        import google.auth
+        import google.auth.exceptions
+        from google.auth.transport.requests import AuthorizedSession
+
+        if credentials is None:
+            try:
+                credentials, _ = google.auth.default(scopes=list(SCOPES))
+            except google.auth.exceptions.DefaultCredentialsError as e:
+                raise AuthError(
+                    "no Google credentials: run `gcloud auth application-default login`, set "
+                    f"GOOGLE_APPLICATION_CREDENTIALS, or run on GCE with a service account ({e})"
+                ) from None
+        session = AuthorizedSession(credentials)  # type: ignore[no-untyped-call]
+        return cls(session, api_base, timeout, retry)
+
+    @classmethod
+    def on_vm(cls, api_base: str, timeout: float) -> ComputeClient:
+        """A client acting as this VM's service account (token from the metadata server that
+        google-auth is pointed at: ``GCE_METADATA_HOST``/``GCE_METADATA_IP``), one attempt per
+        call, ``timeout`` bounding each request and its token refresh."""
+        import google.auth.compute_engine
+        import google.auth.transport.requests
+
+        gce: Any = google.auth.compute_engine
+        transport: Any = google.auth.transport.requests
+        session = transport.AuthorizedSession(gce.Credentials())
+        return cls(session, api_base, timeout, RetryPolicy(attempts=1), max_allowed_time=timeout)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def instance_url(self, project: str, zone: str, name: str, suffix: str = "") -> str:
+        return f"{self.api_base}/projects/{project}/zones/{zone}/instances/{name}{suffix}"
+
+    _url = instance_url
+
+    def send(self, method: str, url: str, params: dict[str, str]) -> requests.Response:
+        """One request, bounded; transport and token errors are raised as they come."""
+        kw: dict[str, Any] = {"params": params, "timeout": self.timeout}
+        if self.max_allowed_time is not None:
+            kw["max_allowed_time"] = self.max_allowed_time
+        return self.session.request(method, url, **kw)
+
+    def _once(self, method: str, url: str, params: dict[str, str]) -> dict[str, Any]:
+        import google.auth.exceptions
+        import requests
+
+        try:
+            r = self.send(method, url, params)
+        except google.auth.exceptions.RefreshError as e:
+            raise AuthError(f"credentials could not be refreshed: {e}", 401) from None
+        except google.auth.exceptions.TransportError as e:
+            raise ComputeAPIError(f"{method} {url}: token endpoint unreachable: {e}") from None
+        except requests.Timeout:
+            c, rd = self.timeout if isinstance(self.timeout, tuple) else (self.timeout,) * 2
+            raise ComputeAPIError(
+                f"{method} {url}: timed out (connect {c:g}s, read {rd:g}s)"
+            ) from None
+        except requests.RequestException as e:
+            raise ComputeAPIError(f"{method} {url}: {type(e).__name__}: {e}") from None
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if r.status_code == 200 and isinstance(body, dict):
+            return body
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        errs = err.get("errors") if isinstance(err, dict) else None
+        reason = ""
+        if isinstance(errs, list) and errs and isinstance(errs[0], dict):
+            reason = str(errs[0].get("reason", ""))
+        message = str(err.get("message", "")) if isinstance(err, dict) else ""
+        text = f"{method} {url}: HTTP {r.status_code}" + (f" {reason}" if reason else "")
+        text += f": {message or r.reason or 'no error message'}"
+        if r.status_code == 200:
+            raise ComputeAPIError(f"{method} {url}: response is not a JSON object", 200)
+        if r.status_code == 404:
+            raise NotFoundError(text, 404, reason)
+        if r.status_code == 401 or (r.status_code == 403 and reason not in RATE_LIMIT_REASONS):
+            raise AuthError(text, r.status_code, reason)
+        after = parse_retry_after(r.headers.get("Retry-After"), time.time())
+        raise ComputeAPIError(text, r.status_code, reason, after)
+
+    def _call(self, method: str, url: str, params: dict[str, str]) -> dict[str, Any]:
+        result: dict[str, Any] = self.retry.call(
+            f"{method} {url}", lambda: self._once(method, url, params)
+        )
+        return result
+
+    def serial_port_output(
+        self, project: str, zone: str, name: str, start: int, port: int = 1
+    ) -> SerialChunk:
+        body = self._call(
+            "GET",
+            self._url(project, zone, name, "/serialPort"),
+            {"port": str(port), "start": str(start)},
+        )
+        try:
+            contents = str(body.get("contents", "")).encode("utf-8", errors="replace")
+            return SerialChunk(contents, int(body["start"]), int(body["next"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ComputeAPIError(f"malformed serialPortOutput response: {e!r}", 200) from None
+
+    def get_instance(self, project: str, zone: str, name: str) -> InstanceStatus | None:
+        """The instance, or None when it does not exist (deleted, e.g. a reaped Spot VM)."""
+        try:
+            body = self._call("GET", self._url(project, zone, name), {})
+        except NotFoundError:
+            return None
+        sched = body.get("scheduling") or {}
+        spot = sched.get("provisioningModel") == "SPOT" or bool(sched.get("preemptible"))
+        return InstanceStatus(
+            name=str(body.get("name", name)),
+            id=str(body.get("id", "")),
+            status=str(body.get("status", "")),
+            spot=spot,
+            termination_action=str(sched.get("instanceTerminationAction", "")),
+        )
+
+    def delete_instance(
+        self, project: str, zone: str, name: str, request_id: str
+    ) -> dict[str, Any]:
+        """Delete with a requestId: retries (ours or another poller's) are one request to GCE."""
+        return self._call("DELETE", self._url(project, zone, name), {"requestId": request_id})
+
+    def stop_instance(self, project: str, zone: str, name: str, request_id: str) -> dict[str, Any]:
+        return self._call(
+            "POST", self._url(project, zone, name, "/stop"), {"requestId": request_id}
+        )
