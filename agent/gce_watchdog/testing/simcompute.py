@@ -31,7 +31,7 @@ Usage::
     with FakeComputeAPI(token="t") as api:
         api.add_instance("vm-1", spot=True)
         api.append_serial("vm-1", b"hello\\n")
-        client = ComputeClient.create(credentials, api_base=api.base_url)  # gce_watchdog.lib.compute
+        client = ComputeClient.create(credentials, api_base=api.base_url)  # lib.compute
 """
 
 from __future__ import annotations
