@@ -139,7 +139,11 @@ class VmSpec:
     name: str
     startup_script: str
     attributes: Mapping[str, str] = field(default_factory=dict)
-    dns_after: float = 0.0  # the fake DNS stays silent this long after it starts
+    # A resolver that comes up late, timed by the guest, never by the harness: the fake DNS ignores
+    # the guest's first dns_silent_queries queries, and then every query until dns_after seconds
+    # after the guest's first one. Every query is logged to sim/simgce.log (`dns TS NAME how`).
+    dns_silent_queries: int = 0
+    dns_after: float = 0.0
     dns_never: bool = False
     config: str | None = None  # the agent's config.toml, installed by the image's runner
     startup_env: Mapping[str, str] = field(default_factory=dict)  # GCEWD_* for the script
@@ -161,6 +165,16 @@ class VmResult:
 
     def serial(self) -> bytes:
         return self.serial_log.read_bytes() if self.serial_log.exists() else b""
+
+    def dns_queries(self) -> list[tuple[str, bool]]:
+        """(name, answered) for every query the fake DNS got from the guest, in order."""
+        path = self.outdir / "sim" / "simgce.log"
+        out: list[tuple[str, bool]] = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            parts = line.split()
+            if len(parts) == 4 and parts[0] == "dns":
+                out.append((parts[2], parts[3] == "answered"))
+        return out
 
     def summary(self) -> str:
         ms = " ".join(f"{k}={v:.1f}s" for k, v in self.milestones.items())
@@ -234,6 +248,9 @@ def _simgce_args(spec: VmSpec, outdir: Path, www: Path) -> list[str]:
         path = adir / key
         path.write_text(value)
         args += ["--attr-file", f"{key}={path}"]
+    args += ["--dns-log"]
+    if spec.dns_silent_queries > 0:
+        args += ["--dns-silent-queries", str(spec.dns_silent_queries)]
     if spec.dns_after > 0:
         args += ["--dns-after", str(spec.dns_after)]
     if spec.dns_never:
@@ -370,7 +387,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--startup-script", required=True, help="file served as startup-script")
     b.add_argument("--attr", action="append", default=[], help="KEY=VALUE instance attribute")
     b.add_argument("--attr-file", action="append", default=[], help="KEY=PATH attribute")
-    b.add_argument("--dns-after", type=float, default=0.0, help="DNS silent for SECONDS")
+    b.add_argument(
+        "--dns-after",
+        type=float,
+        default=0.0,
+        help="DNS silent until SECONDS after the first query",
+    )
+    b.add_argument(
+        "--dns-silent-queries", type=int, default=0, help="DNS ignores the guest's first N queries"
+    )
     b.add_argument("--dns-never", action="store_true", help="DNS never answers")
     b.add_argument("--config", default=None, help="agent config.toml installed before the script")
     b.add_argument("--env", action="append", default=[], help="GCEWD_NAME=VALUE for the script")
@@ -396,6 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         startup_script=Path(a.startup_script).read_text(),
         attributes=attrs,
         dns_after=a.dns_after,
+        dns_silent_queries=a.dns_silent_queries,
         dns_never=a.dns_never,
         config=Path(a.config).read_text() if a.config else None,
         startup_env=_kv(a.env),

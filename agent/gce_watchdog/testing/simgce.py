@@ -348,8 +348,11 @@ class TcpListener(_SocketService):
 class FakeDNS(_SocketService):
     """UDP DNS server answering A and AAAA queries from a table (IPv4 or IPv6 ``host``).
 
-    ``answer_after``: seconds after start before it answers at all (silence before: a resolver
-    that is not ready yet). ``mode``: ``ok``, ``silent`` (never answers), ``servfail``.
+    A resolver that is not ready yet is silence, measured from the client's side only, never from
+    when this server started (a slow boot must not eat the silence, docs/e2e.md):
+    ``silent_queries``: the first N queries get no answer; ``answer_after``: no answer for this
+    many seconds from the first query seen. ``mode``: ``ok``, ``silent`` (never answers),
+    ``servfail``. ``on_query(name, answered)`` is called for every query (a log, a test's event).
     """
 
     name = "fake-dns"
@@ -361,22 +364,34 @@ class FakeDNS(_SocketService):
         records: dict[str, list[str]] | None = None,
         answer_after: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        silent_queries: int = 0,
+        on_query: Callable[[str, bool], None] | None = None,
     ) -> None:
         super().__init__(host, port)
         self.records = {k.rstrip(".").lower(): v for k, v in (records or {}).items()}
         self.answer_after = answer_after
+        self.silent_queries = silent_queries
         self.mode = "ok"
         self.queries = 0
         self.answered = 0
         self._clock = clock
-        self._t0 = 0.0
+        self._first: float | None = None  # when the first query arrived
+        self._on_query = on_query
 
     def _make_socket(self) -> socket.socket:
         fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         s = socket.socket(fam, socket.SOCK_DGRAM)
         s.bind((self.host, self.port))
-        self._t0 = self._clock()
         return s
+
+    def _silent(self) -> bool:
+        """Whether the query just counted gets no answer."""
+        now = self._clock()
+        if self._first is None:
+            self._first = now
+        if self.mode == "silent" or self.queries <= self.silent_queries:
+            return True
+        return now - self._first < self.answer_after
 
     def _serve_one(self, sock: socket.socket) -> None:
         import dns.flags
@@ -387,11 +402,15 @@ class FakeDNS(_SocketService):
 
         data, addr = sock.recvfrom(4096)
         self.queries += 1
-        if self.mode == "silent" or self._clock() - self._t0 < self.answer_after:
-            return
+        silent = self._silent()
         try:
             q = dns.message.from_wire(data)
         except Exception:  # garbage in, no answer out
+            return
+        if self._on_query is not None:
+            name = q.question[0].name.to_text() if q.question else "?"
+            self._on_query(name, not silent)
+        if silent:
             return
         r = dns.message.make_response(q)
         r.flags |= dns.flags.RA
@@ -463,11 +482,23 @@ class SimGCE:
         files_addr: tuple[str, int] = ("127.0.0.1", 0),
         dns_after: float = 0.0,
         info: SimInstance | None = None,
+        dns_silent_queries: int = 0,
+        on_dns_query: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.metadata = FakeMetadataServer(*metadata, info=info)
         self.tcp = TcpListener(*tcp) if tcp else None
         self._tcp_addr = tcp
-        self.dns = FakeDNS(*dns, records=records, answer_after=dns_after) if dns else None
+        self.dns = (
+            FakeDNS(
+                *dns,
+                records=records,
+                answer_after=dns_after,
+                silent_queries=dns_silent_queries,
+                on_query=on_dns_query,
+            )
+            if dns
+            else None
+        )
         self.files = StaticFileServer(files, *files_addr) if files else None
 
     def start(self) -> SimGCE:
@@ -588,13 +619,26 @@ def _addr(s: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _print_query(name: str, answered: bool) -> None:
+    print(f"dns {time.time():.3f} {name} {'answered' if answered else 'silent'}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gce_watchdog.testing.simgce", description=__doc__)
     p.add_argument("--metadata", default="127.0.0.1:0", help="HOST:PORT of the metadata server")
     p.add_argument("--tcp", default=None, help="HOST:PORT of the 443 stand-in listener")
     p.add_argument("--dns", default=None, help="HOST:PORT of the UDP DNS server")
     p.add_argument("--record", action="append", default=[], help="NAME=IP[,IP] DNS A record")
-    p.add_argument("--dns-after", type=float, default=0.0, help="seconds before DNS answers")
+    p.add_argument(
+        "--dns-after",
+        type=float,
+        default=0.0,
+        help="no DNS answer until SECONDS after the first query",
+    )
+    p.add_argument(
+        "--dns-silent-queries", type=int, default=0, help="the first N DNS queries get no answer"
+    )
+    p.add_argument("--dns-log", action="store_true", help="print every DNS query on stdout")
     p.add_argument("--dns-never", action="store_true", help="DNS never answers")
     p.add_argument("--attr", action="append", default=[], help="KEY=VALUE instance attribute")
     p.add_argument("--attr-file", action="append", default=[], help="KEY=PATH attribute from file")
@@ -627,6 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         files_addr=_addr(a.files_addr),
         dns_after=a.dns_after,
         info=info,
+        dns_silent_queries=a.dns_silent_queries,
+        on_dns_query=_print_query if a.dns_log else None,
     )
     if a.dns_never and sim.dns is not None:
         sim.dns.mode = "silent"
