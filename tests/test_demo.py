@@ -13,18 +13,33 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_demo_shows_the_shutdown_and_the_recovery() -> None:
+def test_demo_shows_the_shutdown_and_the_recovery(tmp_path: Path) -> None:
     env = {**os.environ, "NO_COLOR": "1"}
+    logs = tmp_path / "demo"
     r = subprocess.run(
-        [sys.executable, "-m", "gce_watchdog.testing.demo"], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=180,
+        [sys.executable, "-m", "gce_watchdog.testing.demo", "--dir", str(logs)], cwd=REPO,
+        env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     out = r.stdout
     for i in range(1, 11):
-        assert f"BOTH reachability probes FAILED ({i}/10)" in out
+        # each line shown once: live, as the agent writes it (VM 2 climbs to 9/10 too)
+        want = 2 if i < 10 else 1
+        assert out.count(f"BOTH reachability probes FAILED ({i}/10)\n") == want, i
     assert "=> SHUTDOWN decided at 10/10" in out
     assert "self_shutdown: FAIL OVER" in out
     assert "=> no shutdown; recovered from 9/10" in out
     assert "healthy: no failover" in out
     assert out.count("0 rejected, 0 sequence gaps") == 2
+    # one name per VM, in the heading, the agent's instance line and the chain's delete step
+    assert "== VM 1 (sim-vm-1)" in out and "== VM 2 (sim-vm-2)" in out
+    assert "instance   inst=4520031799277582145 name=sim-vm-1" in out
+    assert "step=delete status=dry_run inst=sim-vm-1" in out
+    assert "sim-vm-2" not in out.split("== VM 2")[0]
+    # human units, not the wire's compact form
+    assert "md=fail timeout 500ms" in out and "md=fail/timeout" not in out
+    # the logs it names are there
+    assert f"Logs kept in {logs}:" in out
+    for vm in ("vm1", "vm2"):
+        assert (logs / vm / "ttyS0").stat().st_size > 0
+        assert str(logs / vm / "ttyS0") in out

@@ -2,13 +2,19 @@
 
 1. healthy ticks, then both paths go down: the ladder climbs 1/10 .. 10/10 to a (dry-run) shutdown;
 2. a second VM whose 9-tick outage clears in time: it recovers, no shutdown;
-3. both captured serial logs decoded with the protocol module into a timeline.
+3. both captured serial logs decoded again, whole, with the poller's verdict on each.
+
+Each line is shown once, as the agent writes it. The serial logs and the agents' own logs are kept
+(the last lines say where, and how to make a report of them); ``--clean`` removes them instead,
+and says so.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,8 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gce_watchdog.testing.simgce import SimGCE
-from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all
+from gce_watchdog.testing.simgce import InstanceInfo, SimGCE
+from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all, human_fields
 
 TICK = 1.0
 BOLD, DIM, RED, GREEN, YELLOW, RESET = (
@@ -48,7 +54,7 @@ def colour(e: Event) -> str:
 
 
 def show(e: Event, t0: float) -> None:
-    fields = " ".join(f"{k}={v}" for k, v in e.fields if k not in ("v", "cfg", "pid"))
+    fields = human_fields(e.fields, skip=("v", "cfg", "pid"))
     text = f"  {DIM}| {e.text}{RESET}" if e.text else ""
     dt = max(e.ts_ms / 1000 - t0, 0.0)
     print(f"  {dt:6.1f}s  #{e.seq:<3} {colour(e)}{e.event:<10}{RESET} {fields}{text}", flush=True)
@@ -144,9 +150,15 @@ def stop_agent(p: subprocess.Popen[bytes]) -> None:
             p.wait(5)
 
 
+# One simulated instance per VM, named the same in the headings and in the agent's own lines
+# (its `instance` line, the chain's delete step).
+VM1 = InstanceInfo(id="4520031799277582145", name="sim-vm-1")
+VM2 = InstanceInfo(id="4520031799277582146", name="sim-vm-2")
+
+
 def scenario_wedge(d: Path) -> Path:
-    say("VM 1: healthy, then BOTH paths go dark (metadata hangs, 443 refused)")
-    with SimGCE() as sim:
+    say(f"VM 1 ({VM1.name}): healthy, then BOTH paths go dark (metadata hangs, 443 refused)")
+    with SimGCE(info=VM1) as sim:
         cfg = write_config(d, sim)
         p = run_agent(cfg, d / "agent.log")
         w = Watch(d / "ttyS0", time.time())
@@ -165,8 +177,8 @@ def scenario_wedge(d: Path) -> Path:
 
 
 def scenario_recovery(d: Path) -> Path:
-    say("VM 2: a 9-tick outage that clears before 10/10")
-    with SimGCE() as sim:
+    say(f"VM 2 ({VM2.name}): a 9-tick outage that clears before 10/10")
+    with SimGCE(info=VM2) as sim:
         cfg = write_config(d, sim)
         p = run_agent(cfg, d / "agent.log")
         w = Watch(d / "ttyS0", time.time())
@@ -197,12 +209,11 @@ def poller_verdict(path: Path, status: str) -> str:
     return f"{v.kind.value}: {action}; {v.reason}"
 
 
-def timeline(path: Path, title: str, status: str) -> None:
+def summary(path: Path, title: str, status: str) -> None:
+    """The whole log decoded again (each line was shown once, live): what a poller concludes."""
     events, stats = decode_all(path.read_bytes())
-    say(f"Timeline decoded from {title}'s serial log ({path})")
+    say(f"{title}: the serial log decoded again, whole")
     t0 = events[0].ts_ms / 1000 if events else 0.0
-    for e in events:
-        show(e, t0)
     shut = [e for e in events if e.event == "shutdown"]
     rec = [e for e in events if e.event == "recovered"]
     seqs = [e.seq for e in events]
@@ -216,29 +227,45 @@ def timeline(path: Path, title: str, status: str) -> None:
         else "no shutdown"
     )
     print(f"  => {verdict}; {stats.events} lines, {stats.rejected} rejected, {gaps} sequence gaps")
-    print(f"  => poller, instance {status}: {BOLD}{poller_verdict(path, status)}{RESET}")
+    what = f"instance {status}" + (" (as a real poweroff leaves it)" if shut else "")
+    print(f"  => poller, {what}: {BOLD}{poller_verdict(path, status)}{RESET}")
 
 
-def main() -> int:
-    with tempfile.TemporaryDirectory(prefix="gce-watchdog-demo-") as tmp:
-        root = Path(tmp)
-        (root / "vm1").mkdir()
-        (root / "vm2").mkdir()
-        print(
-            f"{BOLD}gce-watchdog demo{RESET}: the real agent (`gce-watchdog run`) probing a "
-            "simulated GCE on 127.0.0.1\n(fake metadata server + a 443 stand-in), 1 s ticks, "
-            "threshold 10, action dry-run."
-        )
-        s1 = scenario_wedge(root / "vm1")
-        s2 = scenario_recovery(root / "vm2")
-        timeline(s1, "VM 1", "TERMINATED")  # it powered itself off
-        timeline(s2, "VM 2", "RUNNING")
-        print(
-            "\nWhat you saw: both probes must fail in the same tick to climb; one passing probe "
-            "resets the ladder.\nEvery line is protocol v1 (docs/serial-protocol.md): the poller "
-            "finds it among kernel output\nwith `grep -F GCEWD1`, checks its CRC, and tells a "
-            "wedge (fail over) from a recovery."
-        )
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m gce_watchdog.testing.demo",
+        description="The real agent against a simulated GCE on loopback (what `make demo` runs).",
+    )
+    ap.add_argument("--dir", help="where to keep the logs (default: a new directory in $TMPDIR)")
+    ap.add_argument("--clean", action="store_true", help="remove the logs at the end")
+    args = ap.parse_args(argv)
+    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="gce-watchdog-demo-"))
+    (root / "vm1").mkdir(parents=True, exist_ok=True)
+    (root / "vm2").mkdir(parents=True, exist_ok=True)
+    print(
+        f"{BOLD}gce-watchdog demo{RESET}: the real agent (`gce-watchdog run`) probing a "
+        "simulated GCE on 127.0.0.1\n(fake metadata server + a 443 stand-in), 1 s ticks, "
+        "threshold 10, action dry-run."
+    )
+    s1 = scenario_wedge(root / "vm1")
+    s2 = scenario_recovery(root / "vm2")
+    # A real chain would have left VM 1 TERMINATED: the poller is asked about that case.
+    summary(s1, f"VM 1 ({VM1.name})", "TERMINATED")
+    summary(s2, f"VM 2 ({VM2.name})", "RUNNING")
+    print(
+        "\nWhat you saw: both probes must fail in the same tick to climb; one passing probe "
+        "resets the ladder.\nEvery line is protocol v1 (docs/serial-protocol.md): the poller "
+        "finds it among kernel output\nwith `grep -F GCEWD1`, checks its CRC, and tells a "
+        "wedge (fail over) from a recovery."
+    )
+    if args.clean:
+        shutil.rmtree(root)
+        print(f"\nThe logs were removed ({root}).")
+    else:
+        print(f"\nLogs kept in {root}:")
+        for vm in ("vm1", "vm2"):
+            print(f"  {root / vm / 'ttyS0'}  (serial), {root / vm / 'agent.log'}  (journal lines)")
+        print(f"Report: gce-watchdog report {s1} --html vm1.html   Remove: rm -r {root}")
     return 0
 
 
