@@ -104,11 +104,28 @@ def test_parse_disarm_value(value: str, disarmed: bool) -> None:
 
 
 def test_identity_is_read_and_cached(tmp_path: Path, md: FakeMetadataServer) -> None:
-    w, _, _ = make(tmp_path, md)
+    w, sink, _ = make(tmp_path, md)
     assert w.refresh_once()
     want = InstanceInfo("sim-project", "europe-west4-b", "vm-7", "77")
     assert w.instance == want
     assert load_instance_cache(tmp_path) == want
+    # said once on the console when first learnt (the start line had no cache to name it from)
+    assert w.refresh_once()
+    [ev] = [e for e in events(sink) if e.event == "instance"]
+    assert ev.fields_dict == {
+        "inst": "77",
+        "name": "vm-7",
+        "zone": "europe-west4-b",
+        "proj": "sim-project",
+    }
+    # a restart that finds the same identity in its cache says nothing new
+    w2, sink2, _ = make(tmp_path, md)
+    w2.start()
+    try:
+        assert w2.refresh_once()
+    finally:
+        w2.stop()
+    assert not [e for e in events(sink2) if e.event == "instance"]
 
 
 def test_cache_serves_a_restart_while_metadata_is_down(

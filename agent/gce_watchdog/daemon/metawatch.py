@@ -274,6 +274,13 @@ class MetadataWatcher:
             changed = info != self._instance
             self._instance = info
         if changed:
+            # The `start` line names the instance from the cache; on a first boot it has none
+            # (inst=-), so the identity is said once here when it is first learnt (or changes).
+            self.emitter.emit(
+                "instance",
+                {"inst": info.id, "name": info.name, "zone": info.zone, "proj": info.project},
+                f"this VM is {info.name} in {info.zone}",
+            )
             try:
                 save_instance_cache(self.cfg.agent.state_dir, info)
             except OSError as e:

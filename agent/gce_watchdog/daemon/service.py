@@ -181,6 +181,7 @@ class Deps:
     uptime: Callable[[], float] = lambda: math.inf
     phase: Callable[[], str] = lambda: "unknown"
     instance_id: Callable[[], str] = lambda: "-"
+    instance_name: Callable[[], str] = lambda: "-"
     tick_hooks: list[Callable[[TickReport], None]] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
 
@@ -399,6 +400,7 @@ class Agent:
             {
                 "v": __version__,
                 "inst": d.instance_id(),
+                "name": d.instance_name(),
                 "bootid": d.store.boot_id,  # the full kernel boot id (the header carries 8 hex)
                 "cfg": cfgmod.digest(cfg),
                 "pid": os.getpid(),
@@ -506,12 +508,13 @@ class AgentLock:
         return None
 
 
-def _instance_id(state_dir: str, known: Any) -> str:
-    """The numeric instance id for the `start` line: the watcher's, else its cache, else "-"."""
+def _instance_id(state_dir: str, known: Any, attr: str = "id") -> str:
+    """The instance's id (or name) for the `start` line: the watcher's, else its cache, else
+    "-"."""
     from gce_watchdog.daemon.metawatch import load_instance_cache
 
     info = known or load_instance_cache(state_dir)
-    return str(info.id) if info is not None else "-"
+    return str(getattr(info, attr)) if info is not None else "-"
 
 
 def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
@@ -554,6 +557,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         phase=lambda: read_phase(a.state_dir),
         # One identity cache: the metadata watcher's (instance.json, learnt while healthy).
         instance_id=lambda: _instance_id(a.state_dir, watcher.instance),
+        instance_name=lambda: _instance_id(a.state_dir, watcher.instance, "name"),
         services=services,
         tick_hooks=[exporter],
     )

@@ -52,6 +52,7 @@ _EVENT = {
     "exit": NOTICE,
     "memory_ok": NOTICE,
     "arm": NOTICE,
+    "instance": NOTICE,
     "heartbeat": INFO,
     "mem": INFO,
     "action": INFO,
