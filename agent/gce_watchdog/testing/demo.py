@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gce_watchdog.testing.simgce import InstanceInfo, SimGCE
+from gce_watchdog.testing.simgce import SimGCE, SimInstance
 from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all, human_fields
 
 TICK = 1.0
@@ -152,8 +152,8 @@ def stop_agent(p: subprocess.Popen[bytes]) -> None:
 
 # One simulated instance per VM, named the same in the headings and in the agent's own lines
 # (its `instance` line, the chain's delete step).
-VM1 = InstanceInfo(id="4520031799277582145", name="sim-vm-1")
-VM2 = InstanceInfo(id="4520031799277582146", name="sim-vm-2")
+VM1 = SimInstance(id="4520031799277582145", name="sim-vm-1")
+VM2 = SimInstance(id="4520031799277582146", name="sim-vm-2")
 
 
 def scenario_wedge(d: Path) -> Path:
