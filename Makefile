@@ -5,8 +5,11 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
-# Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck.
-APT_TEST := iptables iproute2 systemd procps shellcheck
+# Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck;
+# nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test).
+# The tests start their own nginx on a loopback port from a temp config; the package's own service
+# is never started (policy-rc.d during the install) and disabled afterwards.
+APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl
 
 .PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean
 
@@ -26,8 +29,14 @@ venv: $(STAMP)
 apt-test:
 	@missing=""; for p in $(APT_TEST); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
-	  if [ "$$(id -u)" = 0 ]; then echo "apt-get install$$missing"; apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  if [ "$$(id -u)" = 0 ]; then echo "apt-get install$$missing"; \
+	    guard=""; [ -e /usr/sbin/policy-rc.d ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	      chmod 755 /usr/sbin/policy-rc.d; guard=1; }; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends $$missing; rc=$$?; \
+	    [ -z "$$guard" ] || rm -f /usr/sbin/policy-rc.d; \
+	    case " $$missing " in *" nginx "*) systemctl disable nginx.service >/dev/null 2>&1 || \
+	      update-rc.d nginx disable >/dev/null 2>&1 || true;; esac; [ $$rc = 0 ]; \
 	  else echo "not root: cannot install$$missing (those tests will skip)"; fi; \
 	fi
 

@@ -100,6 +100,15 @@ class LocalError(FetchError):
     rc = EX_CANTCREAT
 
 
+class Interrupted(BaseException):
+    """fetch itself was told to stop (SIGTERM, SIGINT): raised from the signal handler so every
+    ``finally`` runs (the ``.part`` file goes) and the outcome line is still written."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure decision core.
 
@@ -167,12 +176,30 @@ class RateLimit:
 # Arguments.
 
 
+# What a printed URL keeps: scheme, host, port and path. Userinfo (a password, a token), the query
+# (a signed URL's signature) and the fragment are removed everywhere a URL is shown (stderr, the
+# console, the journal, files): the serial console is readable by anyone allowed
+# getSerialPortOutput. Matches any string, URL or not.
+_SHOWN_RE = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)?(?P<auth>[^/?#]*@)?(?P<rest>[^?#]*)"
+)
+
+
+def redact_url(raw: str) -> str:
+    """raw without userinfo, query and fragment (also when raw is not a valid URL)."""
+    m = _SHOWN_RE.match(raw)
+    assert m is not None  # every group is optional
+    return (m["scheme"] or "") + m["rest"]
+
+
 @dataclass(frozen=True)
 class Url:
     scheme: str
     host: str
     port: int
     target: str  # path + query, what goes on the request line
+    # user:password from the URL, sent as HTTP Basic auth to this origin only (never shown)
+    auth: tuple[str, str] | None = field(default=None, repr=False, compare=False)
 
     @property
     def netloc(self) -> str:
@@ -180,36 +207,56 @@ class Url:
         h = f"[{self.host}]" if ":" in self.host else self.host
         return h if self.port == default else f"{h}:{self.port}"
 
+    @property
+    def origin(self) -> tuple[str, str, int]:
+        return (self.scheme, self.host, self.port)
+
+    @property
+    def shown(self) -> str:
+        """The URL as messages show it: no credentials, no query."""
+        return f"{self.scheme}://{self.netloc}{self.target.partition('?')[0]}"
+
     def __str__(self) -> str:
-        return f"{self.scheme}://{self.netloc}{self.target}"
+        return self.shown
 
 
 def parse_url(raw: str) -> Url:
-    """An http(s) URL with a host; raises ValueError with a readable message otherwise."""
-    from urllib.parse import urlsplit
+    """An http(s) URL with a host; raises ValueError with a readable message otherwise.
+
+    ``user:password@`` becomes HTTP Basic auth (percent-decoded). Messages never repeat the
+    userinfo, query or fragment of raw.
+    """
+    from urllib.parse import unquote, urlsplit
 
     raw = raw.strip()
+    shown = redact_url(raw)
     bad = next((c for c in raw if ord(c) <= 0x20 or ord(c) == 0x7F), None)
     if bad is not None:
         # http.client refuses these on the request line: without this check every attempt would
         # fail the same way and the fetch would retry to its deadline instead of exiting 64.
         raise ValueError(
-            f"bad URL {raw!r}: it contains {'a space' if bad == ' ' else repr(bad)}; "
+            f"bad URL {shown!r}: it contains {'a space' if bad == ' ' else repr(bad)}; "
             "percent-encode it (a space is %20)"
         )
     try:
         s = urlsplit(raw)
         port = s.port
     except ValueError as e:
-        raise ValueError(f"bad URL {raw!r}: {e}") from None
+        raise ValueError(f"bad URL {shown!r}: {e}") from None
     if s.scheme not in ("http", "https"):
-        raise ValueError(f"bad URL {raw!r}: only http:// and https:// are supported")
+        raise ValueError(f"bad URL {shown!r}: only http:// and https:// are supported")
     if not s.hostname:
-        raise ValueError(f"bad URL {raw!r}: no host")
-    if s.username or s.password:
-        raise ValueError(f"bad URL {raw!r}: credentials in URLs are not supported")
+        raise ValueError(f"bad URL {shown!r}: no host")
+    auth = None
+    if s.username is not None or s.password is not None:
+        auth = (unquote(s.username or ""), unquote(s.password or ""))
     target = (s.path or "/") + (f"?{s.query}" if s.query else "")
-    return Url(s.scheme, s.hostname, port or (443 if s.scheme == "https" else 80), target)
+    return Url(s.scheme, s.hostname, port or (443 if s.scheme == "https" else 80), target, auth)
+
+
+def _full(url: Url) -> str:
+    """The URL with its query (never printed: only to resolve a relative Location)."""
+    return f"{url.scheme}://{url.netloc}{url.target}"
 
 
 _SHA_RE = re.compile(r"[0-9a-fA-F]{64}\Z")
@@ -275,21 +322,29 @@ def _connection_classes() -> tuple[Any, Any]:
     import ssl
 
     class PinnedHTTP(http.client.HTTPConnection):
-        def __init__(self, host: str, port: int, addr: str, timeout: float) -> None:
+        def __init__(self, host: str, port: int, addr: str, timeout: float, cutoff: Cutoff) -> None:
             super().__init__(host, port, timeout=timeout)
             self.addr = addr
+            self.cutoff = cutoff
 
         def connect(self) -> None:
             # The address our resolver found, not getaddrinfo(self.host): the system resolver is
             # exactly what may not work yet.
             self.sock = socket.create_connection((self.addr, self.port), self.timeout)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.cutoff.arm(self.sock)  # from here on the deadline bounds every byte
 
     class PinnedHTTPS(PinnedHTTP):
         def __init__(
-            self, host: str, port: int, addr: str, timeout: float, ctx: ssl.SSLContext
+            self,
+            host: str,
+            port: int,
+            addr: str,
+            timeout: float,
+            cutoff: Cutoff,
+            ctx: ssl.SSLContext,
         ) -> None:
-            super().__init__(host, port, addr, timeout)
+            super().__init__(host, port, addr, timeout, cutoff)
             self.ctx = ctx
 
         def connect(self) -> None:
@@ -299,6 +354,43 @@ def _connection_classes() -> tuple[Any, Any]:
 
     _CONN_CLASSES = (PinnedHTTP, PinnedHTTPS)
     return _CONN_CLASSES
+
+
+class Cutoff:
+    """The hard deadline of one connection: at ``at`` (a clock() value) the socket is shut down.
+
+    Socket timeouts bound one read, not a transfer: a server that sends one byte a second, or a
+    header line every 2 s, never trips them. A timer thread shutting the socket down makes every
+    blocked read return at once; ``fired`` tells the reader that the end it saw was the deadline
+    (an HTTP/1.0 body that ends at the deadline would otherwise look complete).
+    """
+
+    def __init__(self, seconds: float) -> None:
+        import threading
+
+        self.fired = False
+        self._sock: Any = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(max(0.0, seconds), self._cut)
+        self._timer.daemon = True
+
+    def arm(self, sock: Any) -> None:
+        with self._lock:
+            self._sock = sock
+        if not self._timer.is_alive() and not self.fired:
+            self._timer.start()
+
+    def _cut(self) -> None:
+        import socket
+
+        with self._lock:
+            self.fired = True
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,16 +486,19 @@ class Attempt:
         raise last
 
     def _request(self, url: Url, addr: str) -> int | Url:
+        import base64
+        import http.client
         import ssl
 
         http_cls, https_cls = _connection_classes()
         timeout = max(0.05, min(CONNECT_TIMEOUT, self.left()))
+        cutoff = Cutoff(self.left())
         if url.scheme == "https":
             if self.ssl_context is None:
                 self.ssl_context = ssl.create_default_context(cafile=self.req.ca_file)
-            conn = https_cls(url.host, url.port, addr, timeout, self.ssl_context)
+            conn = https_cls(url.host, url.port, addr, timeout, cutoff, self.ssl_context)
         else:
-            conn = http_cls(url.host, url.port, addr, timeout)
+            conn = http_cls(url.host, url.port, addr, timeout, cutoff)
         try:
             try:
                 conn.connect()
@@ -412,28 +507,45 @@ class Attempt:
             except TimeoutError:
                 raise FetchError("connect", f"{addr}:{url.port}: connect timed out") from None
             except ssl.SSLError:
+                if cutoff.fired:
+                    raise self._deadline(0) from None
                 raise
             except OSError as e:
+                if cutoff.fired:
+                    raise self._deadline(0) from None
                 raise FetchError("connect", f"{addr}:{url.port}: {e.strerror or e}") from None
+            # The socket itself: after a response that closes the connection (HTTP/1.0,
+            # `Connection: close`) http.client drops conn.sock while the body is still to be read.
+            sock = conn.sock
             try:
-                conn.sock.settimeout(max(0.05, min(READ_TIMEOUT, self.left())))
+                sock.settimeout(max(0.05, min(READ_TIMEOUT, self.left())))
                 conn.putrequest("GET", url.target, skip_accept_encoding=True)
                 conn.putheader("User-Agent", "gce-watchdog-fetch/1")
+                # The bytes as stored on the server: a .tar.gz stays the file its sha256 names.
                 conn.putheader("Accept-Encoding", "identity")
                 conn.putheader("Connection", "close")
+                if url.auth is not None:
+                    cred = base64.b64encode(f"{url.auth[0]}:{url.auth[1]}".encode()).decode()
+                    conn.putheader("Authorization", f"Basic {cred}")
                 conn.endheaders()
                 resp = conn.getresponse()
-            except TimeoutError:
-                raise FetchError("timeout", f"{url.host}: no response in time") from None
-            except ssl.SSLError:
-                raise
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:
+                if cutoff.fired:
+                    raise self._deadline(0) from None
+                if isinstance(e, TimeoutError):
+                    raise FetchError("timeout", f"{url.host}: no response in time") from None
+                if isinstance(e, ssl.SSLError | http.client.HTTPException):
+                    raise
                 raise FetchError("connect", f"{url.host}: {e.strerror or _short(e)}") from None
-            return self._response(url, conn, resp)
+            return self._response(url, sock, resp, cutoff)
         finally:
+            cutoff.cancel()
             conn.close()
 
-    def _response(self, url: Url, conn: Any, resp: Any) -> int | Url:
+    def _deadline(self, got: int) -> FetchError:
+        return FetchError("deadline", f"deadline of {self.budget:g}s reached after {got} bytes")
+
+    def _response(self, url: Url, sock: Any, resp: Any, cutoff: Cutoff) -> int | Url:
         from urllib.parse import urljoin
 
         status: int = resp.status
@@ -442,17 +554,22 @@ class Attempt:
             if not loc:
                 raise Refused(f"http{status}", f"HTTP {status} without a Location header")
             try:
-                return parse_url(urljoin(str(url), loc))
+                nxt = parse_url(urljoin(_full(url), loc))
             except ValueError as e:
                 raise Refused("redirect", str(e)) from None
+            # Credentials go to the origin they were given for, never across a redirect (curl's
+            # rule); a Location with its own userinfo brings its own.
+            if nxt.auth is None and nxt.origin == url.origin:
+                nxt = Url(nxt.scheme, nxt.host, nxt.port, nxt.target, url.auth)
+            return nxt
         if status in RETRY_STATUS:
             ra = parse_retry_after(resp.getheader("Retry-After"), self.wall())
             raise FetchError(f"http{status}", f"HTTP {status} {resp.reason}".strip(), ra)
         if not 200 <= status < 300:
-            raise Refused(f"http{status}", f"HTTP {status} {resp.reason} for {url}".strip())
-        return self._stream(url, conn, resp)
+            raise Refused(f"http{status}", f"HTTP {status} {resp.reason} for {url.shown}".strip())
+        return self._stream(url, sock, resp, cutoff)
 
-    def _stream(self, url: Url, conn: Any, resp: Any) -> int:
+    def _stream(self, url: Url, sock: Any, resp: Any, cutoff: Cutoff) -> int:
         import hashlib
         import http.client
         import tempfile
@@ -470,21 +587,28 @@ class Attempt:
             with os.fdopen(fd, "wb") as f:
                 while True:
                     left = self.left()
-                    if left <= 0:
-                        raise FetchError("deadline", f"deadline reached after {got} bytes")
-                    conn.sock.settimeout(max(0.05, min(READ_TIMEOUT, left)))
+                    if left <= 0 or cutoff.fired:
+                        raise self._deadline(got)
+                    with contextlib.suppress(OSError):  # already shut down: the read says so
+                        sock.settimeout(max(0.05, min(READ_TIMEOUT, left)))
                     try:
-                        chunk = resp.read(CHUNK)
-                    except (TimeoutError, OSError) as e:
+                        # read1: what has arrived (at most CHUNK), not a wait for a full CHUNK.
+                        chunk = resp.read1(CHUNK)
+                    except (OSError, http.client.HTTPException) as e:
+                        if cutoff.fired:
+                            raise self._deadline(got) from None
+                        if isinstance(e, http.client.IncompleteRead):
+                            raise FetchError(
+                                "closed", f"connection closed after {got} bytes (chunked body)"
+                            ) from None
                         raise FetchError(
                             "timeout" if isinstance(e, TimeoutError) else "closed",
                             f"transfer stalled after {got} bytes: {_short(e)}",
                         ) from None
-                    except http.client.IncompleteRead:
-                        raise FetchError(
-                            "closed", f"connection closed after {got} bytes (chunked body)"
-                        ) from None
                     if not chunk:
+                        cutoff.cancel()
+                        if cutoff.fired:  # the end we saw was the deadline's shutdown
+                            raise self._deadline(got)
                         break
                     try:
                         f.write(chunk)
@@ -636,6 +760,13 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
                 n = att.retry_state.attempt_number
                 nbytes = attempt.run()
         message = f"{nbytes} bytes to {req.output} in {clock() - t0:.1f}s after {n} attempt(s)"
+    except (Interrupted, KeyboardInterrupt) as e:
+        import signal
+
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        name = signal.Signals(signum).name
+        rc, out, last_kind = 128 + signum, "killed", name.lower()
+        message = f"stopped by {name} during attempt {n} after {clock() - t0:.1f}s"
     except FetchError as e:
         elapsed = clock() - t0
         rc = e.rc
@@ -650,6 +781,14 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
         last_kind = e.kind
     else:
         last_kind = ""
+    if out == "killed":
+        attempt.progress.done()
+        say(message)
+        if deps.emitter is not None:
+            fields = {"out": out, "att": n, "host": host, "dst": dst, "rc": rc, "err": last_kind}
+            fields["dur"] = f"{clock() - t0:.1f}"
+            deps.emitter.emit("fetch", fields, fit_text("fetch", fields, message), sync=True)
+        return FetchResult(rc, n, clock() - t0, message, 0)
     attempt.progress.done()
     elapsed = clock() - t0
     say(message if rc else f"ok: {message}")
@@ -737,11 +876,41 @@ def request_from_args(args: argparse.Namespace) -> FetchRequest:
     out = Path(args.output)
     if not args.output or args.output.endswith("/") or out.is_dir():
         errors.append(f"-o must name a file, got {args.output!r}")
+    else:
+        why = _not_regular(out)
+        if why:
+            errors.append(f"-o {args.output!r} is {why}: fetch only writes regular files")
     if args.ca_file and not os.path.isfile(args.ca_file):
         errors.append(f"--ca-file {args.ca_file!r}: no such file")
     if errors or url is None:
         raise ValueError("; ".join(errors))
     return FetchRequest(url, out, deadline, args.sha256, mode, tuple(servers), args.ca_file or None)
+
+
+def _not_regular(path: Path) -> str | None:
+    """What path is when it exists and is not a regular file (following symlinks), else None.
+
+    fetch replaces its target by renaming a temp file onto it: onto /dev/null that would replace
+    the device node with a file (as root, for every process on the machine)."""
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # absent (or unreadable: the write says why later)
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kinds = [
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((what for test, what in kinds if test(st.st_mode)), "not a regular file")
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -756,12 +925,21 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
     emitter, port = open_best_effort(cfg)
     try:
+        import signal
+
         deps = FetchDeps(
             emitter=emitter,
             stderr=sys.stderr,
             progress=sys.stderr if sys.stderr.isatty() else None,
         )
-        return run_fetch(req, deps).rc
+        old = {
+            sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            return run_fetch(req, deps).rc
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
     finally:
         if port is not None:
             port.close()

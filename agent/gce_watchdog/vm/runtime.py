@@ -6,6 +6,7 @@ This is the only place (with each command's handler) where real implementations 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -15,11 +16,16 @@ from gce_watchdog.vm.state import read_boot_id, short_boot
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
+    # GCEWD_CONFIG (what the start-up script exports to bootstrap steps) is the default, so a step
+    # that runs `gce-watchdog fetch` writes to the console and state dir it was configured for.
     p.add_argument(
         "--config",
         metavar="PATH",
-        default=None,
-        help=f"config file (default {cfgmod.DEFAULT_PATH}; missing default file = all defaults)",
+        default=os.environ.get("GCEWD_CONFIG") or None,
+        help=(
+            f"config file (default $GCEWD_CONFIG, else {cfgmod.DEFAULT_PATH}; "
+            "missing default file = all defaults)"
+        ),
     )
 
 
