@@ -9,12 +9,13 @@ from pathlib import Path
 import fake_pynvml
 import pytest
 from gce_watchdog.memory import GIB
-from gce_watchdog.memory.monitor import MemoryMonitor, _pack
+from gce_watchdog.memory.monitor import MemoryMonitor
 from gce_watchdog.memory.samplers import GpuSampler, TopProcess
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import MAX_LINE, Event, decode_all
+from gce_watchdog.wire.vocab import pack_fields as _pack
 
 
 class FakeClock:

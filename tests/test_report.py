@@ -551,7 +551,8 @@ def test_html_event_tables_have_the_terminal_tables_columns(tmp_path: Path) -> N
 
 
 def test_human_output_shows_units_and_the_wire_keeps_its_compact_fields() -> None:
-    from gce_watchdog.wire.protocol import encode, human_fields, human_value, make_event
+    from gce_watchdog.wire.protocol import encode, make_event
+    from gce_watchdog.wire.vocab import human_fields, human_value
 
     ev = make_event(
         "tick",

@@ -36,6 +36,7 @@ from gce_watchdog.lib import dns as dnslib
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.lib.retry import Backoff
+from gce_watchdog.wire import vocab
 
 if TYPE_CHECKING:
     import random
@@ -687,7 +688,6 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
 
     import tenacity
 
-    from gce_watchdog.bootstrap.phases import fit_text
 
     rng = deps.rng or random.Random()  # noqa: S311 - jitter, not cryptography
     policy = deps.policy or RetryPolicy(deadline=req.deadline)
@@ -742,7 +742,7 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
             supp = limit.take_suppressed()
             if supp:
                 fields["supp"] = supp
-            deps.emitter.emit("fetch", fields, fit_text("fetch", fields, exc.message))
+            deps.emitter.emit(vocab.FETCH, fields, vocab.fit_text(vocab.FETCH, fields, exc.message))
 
     retrying = tenacity.Retrying(
         stop=stop,
@@ -801,7 +801,8 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
         supp = limit.take_suppressed()
         if supp:
             fields["supp"] = supp
-        deps.emitter.emit("fetch", fields, fit_text("fetch", fields, message), sync=True)
+        text = vocab.fit_text(vocab.FETCH, fields, message)
+        deps.emitter.emit(vocab.FETCH, fields, text, sync=True)
     return FetchResult(rc, n, elapsed, message, nbytes)
 
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gce_watchdog.wire import vocab
+
 if TYPE_CHECKING:
     from gce_watchdog.vm.config import Config
     from gce_watchdog.vm.console import Emitter, LineSink, SerialPort
@@ -64,22 +66,6 @@ class _Confirming:
     @property
     def dropped(self) -> int:
         return self.sink.dropped
-
-
-def fit_text(event: str, fields: dict[str, object], text: str) -> str:
-    """The text, shortened (with "...") so the line stays within protocol.MAX_LINE.
-
-    make_event would drop a too-long text altogether; for a failure reason the first 60 characters
-    are worth much more than nothing. Sized for the widest seq and boot a line can carry.
-    """
-    from gce_watchdog.wire import protocol
-
-    clean = protocol.sanitize_text(text)
-    probe = protocol.make_event(event, "f" * 8, 10**12, 0, fields)
-    room = protocol.MAX_LINE - len(protocol.encode(probe)) - len(" | ")
-    if len(clean) <= room:
-        return clean
-    return clean[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
 
 
 def open_best_effort(cfg: Config) -> tuple[Emitter, SerialPort | None]:
@@ -131,7 +117,7 @@ def emit_terminal(
             )
     emitter, port = opened or open_best_effort(cfg)
     try:
-        emitter.emit(event, fields, fit_text(event, fields, text), sync=True)
+        emitter.emit(event, fields, vocab.fit_text(event, fields, text), sync=True)
     finally:
         if port is not None:
             port.close()

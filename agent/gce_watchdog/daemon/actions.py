@@ -35,6 +35,7 @@ from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
+from gce_watchdog.wire import vocab
 
 # Waits between API attempts: 1 s doubling, capped at 4 s, with jitter (the step has 30 s in all).
 API_WAIT_FIRST_S = 1.0
@@ -369,7 +370,7 @@ class ActionChain:
                 if resume_at == "end"
                 else f"resuming the shutdown chain at {resume_at} (agent restarted)"
             )
-        self.emitter.emit("shutdown", fields, text, sync=True)
+        self.emitter.emit(vocab.SHUTDOWN, fields, text, sync=True)
 
     def _error(self, res: ChainResult, step: str, e: BaseException, what: str = "") -> None:
         """An exception in a step: say so on the console (best effort) and go on."""
@@ -377,7 +378,7 @@ class ActionChain:
         res.steps.append(StepOutcome(step, "error", text))
         with contextlib.suppress(Exception):
             self.emitter.emit(
-                "action",
+                vocab.ACTION,
                 {"step": step, "status": "error", "err": type(e).__name__},
                 text,
                 sync=True,
@@ -388,7 +389,7 @@ class ActionChain:
         self, res: ChainResult, step: str, status: str, fields: Mapping[str, object], text: str = ""
     ) -> None:
         # A very long instance name is shortened by make_event, never refused.
-        self.emitter.emit("action", {"step": step, "status": status, **fields}, text, sync=True)
+        self.emitter.emit(vocab.ACTION, {"step": step, "status": status, **fields}, text, sync=True)
         if status != "start":
             res.steps.append(StepOutcome(step, status, text))
 
@@ -430,7 +431,7 @@ class ActionChain:
                 break
             rep += 1
             self.emitter.emit(
-                "shutdown",
+                vocab.SHUTDOWN,
                 {
                     "reason": reason,
                     "rung": r,

@@ -29,6 +29,7 @@ from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write, read_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
+from gce_watchdog.wire import vocab
 
 DISARM_FILE = "disarm.json"
 # The longest a local disarm may last. A VM left disarmed by mistake costs money; a day covers a
@@ -121,15 +122,16 @@ class DisarmGate:
         self._last = (armed, why)
         if prev is None:
             if not armed:
-                self._emit("disarm", "metadata" if why == "metadata" else "local", why, "at start")
+                src = "metadata" if why == "metadata" else "local"
+                self._emit(vocab.DISARM, src, why, "at start")
         elif prev[0] != armed:
             if not armed:
                 if why == "metadata":  # a local disarm was reported by the CLI that set it
-                    self._emit("disarm", "metadata", why, "metadata attribute set")
+                    self._emit(vocab.DISARM, "metadata", why, "metadata attribute set")
             elif prev[1] == "metadata":
-                self._emit("arm", "metadata", why, "metadata disarm ended")
+                self._emit(vocab.ARM, "metadata", why, "metadata disarm ended")
             elif why != "armed":  # expired or unreadable (a removed file: the CLI reported it)
-                self._emit("arm", "local", why, "local disarm ended")
+                self._emit(vocab.ARM, "local", why, "local disarm ended")
         return armed, why
 
     def _emit(self, event: str, src: str, why: str, text: str) -> None:
@@ -229,7 +231,7 @@ def cmd_disarm(args: argparse.Namespace) -> int:
         return 1
     _emit_cli(
         cfg,
-        "disarm",
+        vocab.DISARM,
         {"src": "local", "until": iso(until), "dur": f"{int(secs)}s", "by": rec["by"]},
         args.reason or "disarmed by an operator",
     )
@@ -250,6 +252,6 @@ def cmd_arm(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"gce-watchdog arm: cannot remove {p}: {e}", file=sys.stderr)
         return 1
-    _emit_cli(cfg, "arm", {"src": "local", "was": was, "by": _who()}, "armed by an operator")
+    _emit_cli(cfg, vocab.ARM, {"src": "local", "was": was, "by": _who()}, "armed by an operator")
     print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
     return 0

@@ -35,6 +35,7 @@ from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
+from gce_watchdog.wire import vocab
 
 INSTANCE_CACHE = "instance.json"
 FLAVOR = "Metadata-Flavor"
@@ -369,7 +370,7 @@ class MetadataWatcher:
             inst = self._instance
         if now and not was:
             self.emitter.emit(
-                "preempted",
+                vocab.PREEMPTED,
                 {"inst": inst.id if inst else "-", "src": "metadata"},
                 "GCE is preempting this VM (spot reclaim, not a wedge)",
                 sync=True,
@@ -381,7 +382,7 @@ class MetadataWatcher:
             was, self._maintenance = self._maintenance, value
         if value != was:
             self.emitter.emit(
-                "maintenance",
+                vocab.MAINTENANCE,
                 {"event": value, "was": was},
                 f"host maintenance event: {value}",
                 sync=True,

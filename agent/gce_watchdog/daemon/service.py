@@ -29,6 +29,7 @@ from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase
+from gce_watchdog.wire import vocab
 
 EX_TEMPFAIL = 75  # another agent holds the lock: try again later
 
@@ -187,7 +188,7 @@ class Deps:
 
 
 def _probe_field(r: ProbeResult) -> str:
-    return f"{r.verdict.value}/{r.reason}/{r.latency_ms}"
+    return vocab.encode_probe(r.verdict.value, r.reason, r.latency_ms)
 
 
 class Agent:
@@ -232,7 +233,7 @@ class Agent:
         for a in actions:
             if isinstance(a, ladder.Recovered):
                 d.emitter.emit(
-                    "recovered",
+                    vocab.RECOVERED,
                     {
                         "from": a.from_rung,
                         "rung": rung,
@@ -254,7 +255,7 @@ class Agent:
             else:
                 text = "one reachability probe failed, ladder holds"
             d.emitter.emit(
-                "tick",
+                vocab.TICK,
                 {
                     "rung": rung,
                     "md": _probe_field(res.metadata),
@@ -269,7 +270,7 @@ class Agent:
             self.healthy_streak += 1
             if self.healthy_streak % self.cfg.agent.heartbeat_every == 0:
                 d.emitter.emit(
-                    "heartbeat",
+                    vocab.HEARTBEAT,
                     {
                         "rung": rung,
                         "ph": d.phase(),
@@ -284,7 +285,7 @@ class Agent:
         for a in actions:
             if isinstance(a, ladder.WouldShutdown):
                 d.emitter.emit(
-                    "would_shutdown",
+                    vocab.WOULD_SHUTDOWN,
                     {"rung": rung, "why": why or "disarmed"},
                     f"disarmed: would shut down ({rung})",
                     sync=True,
@@ -361,7 +362,7 @@ class Agent:
         """An unexpected exception: an ``error`` line (best effort), and the agent goes on."""
         text = f"{what or where + ' raised'}: {type(e).__name__}: {e}"
         with contextlib.suppress(Exception):
-            self.d.emitter.emit("error", {"where": where, "err": type(e).__name__}, text[:100])
+            self.d.emitter.emit(vocab.ERROR, {"where": where, "err": type(e).__name__}, text[:100])
 
     def request_stop(self, stop: threading.Event, reason: str, signame: str) -> None:
         """A signal asked the agent to stop (called from the signal handler).
@@ -379,7 +380,7 @@ class Agent:
             def say() -> None:
                 with contextlib.suppress(Exception):
                     self.d.emitter.emit(
-                        "signal",
+                        vocab.SIGNAL,
                         {"sig": signame, "step": step},
                         f"{signame} during the shutdown chain: the chain goes on",
                         sync=True,
@@ -396,7 +397,7 @@ class Agent:
         d, cfg = self.d, self.cfg
         self.state, self.mark = d.store.load_full(self.threshold)
         d.emitter.emit(
-            "start",
+            vocab.START,
             {
                 "v": __version__,
                 "inst": d.instance_id(),
@@ -463,7 +464,7 @@ class Agent:
                     svc.stop(2.0)
             d.notifier.notify("STOPPING=1")
             d.emitter.emit(
-                "stop",
+                vocab.STOP,
                 {
                     "reason": reason,
                     "ticks": self.ticks,

@@ -42,6 +42,7 @@ from typing import Any
 from gce_watchdog.lib import proc
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.wire import vocab
 
 CHAIN_OUT = "GCEWD-FAULT"
 CHAIN_IN = "GCEWD-FAULT-IN"
@@ -640,7 +641,7 @@ def _emit(
     if deps.emit is None:
         return
     fields: dict[str, object] = {"op": op, "id": fault_id, "cut": cut.label, **extra}
-    if not deps.emit("fault", fields, text):
+    if not deps.emit(vocab.FAULT, fields, text):
         deps.out("gce-watchdog fault: warning: the serial line was not written (port stalled)")
 
 

@@ -30,7 +30,7 @@ from gce_watchdog.memory.detector import DetectorParams, Status, Verdict, detect
 from gce_watchdog.memory.samplers import GpuSampler, TopProcess, host_gauges, top_processes
 from gce_watchdog.vm.config import Config
 from gce_watchdog.vm.console import Emitter
-from gce_watchdog.wire.protocol import MAX_LINE
+from gce_watchdog.wire import vocab
 
 HostReader = Callable[[], dict[str, int]]
 TopReader = Callable[[], list[TopProcess]]
@@ -40,9 +40,6 @@ CommandRunner = Callable[[Sequence[str], Mapping[str, str], float], "int | str"]
 # A climb is over only after this many consecutive periods without one: a leak whose test statistic
 # wobbles around the significance level must not write a climb/ok pair every period.
 OK_AFTER = 3
-# Worst case of the fixed part of a line: marker, boot, a 10-digit seq, timestamp, event name,
-# the " #crc" suffix and separators. Used to split `mem` lines with many GPUs (a2-megagpu-16g).
-_LINE_OVERHEAD = 6 + 1 + 8 + 1 + 10 + 1 + 24 + 1 + 3 + 10
 
 
 def _gib(v: float) -> str:
@@ -223,7 +220,7 @@ class MemoryMonitor:
         if quiet + 1 >= OK_AFTER:
             del self._climbing[name]
             self.emitter.emit(
-                "memory_ok",
+                vocab.MEMORY_OK,
                 {"g": name, "st": str(v.status), "rng": _gib(v.range_bytes), "n": v.samples},
                 f"{name} memory no longer climbing ({v.status})",
             )
@@ -247,7 +244,7 @@ class MemoryMonitor:
             f"{name} memory climbing {v.slope_gib_per_min:.3f} GiB/min, "
             f"{_eta_text(v.seconds_to_full)}"
         )
-        self.emitter.emit("memory_climb", fields, text)
+        self.emitter.emit(vocab.MEMORY_CLIMB, fields, text)
         if self.cfg.on_climb == "command":
             self._act(name, v)
 
@@ -261,7 +258,7 @@ class MemoryMonitor:
         res = self._run_command(self.cfg.climb_command, env, self.cfg.climb_command_timeout)
         ok = isinstance(res, int) and res == 0
         self.emitter.emit(
-            "memory_action",
+            vocab.MEMORY_ACTION,
             {
                 "g": name,
                 "act": "command",
@@ -281,7 +278,7 @@ class MemoryMonitor:
 
     def _emit_gpu(self, st: str, text: str) -> None:
         fields: dict[str, object] = {"st": st, "n": self._gpu.count if st == "ok" else 0}
-        self.emitter.emit("memory_gpu", fields, text)
+        self.emitter.emit(vocab.MEMORY_GPU, fields, text)
 
     def _maybe_mem_line(self, now: float, gauges: Mapping[str, int]) -> None:
         every = self.cfg.serial_every
@@ -306,8 +303,8 @@ class MemoryMonitor:
             for k, v in sorted(gauges.items(), key=lambda kv: _gpu_index(kv[0]))
             if k.startswith("gpu") and k.endswith("_used")
         ]
-        for fields in _pack(head, gpus):
-            self.emitter.emit("mem", fields)
+        for fields in vocab.pack_fields(head, gpus):
+            self.emitter.emit(vocab.MEM, fields)
 
     def _top_field(self) -> str:
         try:
@@ -329,20 +326,3 @@ def _gpu_index(key: str) -> int:
     return int(digits) if digits else -1
 
 
-def _pack(
-    head: Sequence[tuple[str, object]], rest: Sequence[tuple[str, object]]
-) -> list[list[tuple[str, object]]]:
-    """Split fields over as few lines as fit in MAX_LINE (head fields on the first line)."""
-    lines: list[list[tuple[str, object]]] = []
-    cur = list(head)
-    size = _LINE_OVERHEAD + sum(len(k) + len(str(v)) + 2 for k, v in cur)
-    for k, v in rest:
-        add = len(k) + len(str(v)) + 2
-        if size + add > MAX_LINE and cur:
-            lines.append(cur)
-            cur, size = [], _LINE_OVERHEAD
-        cur.append((k, v))
-        size += add
-    if cur:
-        lines.append(cur)
-    return lines

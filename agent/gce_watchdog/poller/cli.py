@@ -119,7 +119,8 @@ def cmd_parse(args: argparse.Namespace) -> int:
 
     from gce_watchdog.poller.timeline import Timeline
     from gce_watchdog.poller.verdict import InstanceState, decide
-    from gce_watchdog.wire.protocol import format_ts, human_fields, parse_ts
+    from gce_watchdog.wire.protocol import format_ts, parse_ts
+    from gce_watchdog.wire.vocab import human_fields
 
     try:
         policy = _policy(args)

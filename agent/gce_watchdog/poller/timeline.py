@@ -21,12 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gce_watchdog.poller.verdict import terminal_kind
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_line, encode
 
 # Events a verdict can depend on; they survive compaction (see verdict.py's table).
-KEY_EVENTS = frozenset(
-    {"start", "stop", "phase", "setup_failed", "exit", "shutdown", "preempted", "recovered"}
-)
+KEY_EVENTS = vocab.VERDICT_EVENTS
 MAX_EVENTS = 4096  # in-memory events before compaction (~10 days of 5-minute heartbeats)
 KEEP_KEY_EVENTS = 512  # key events kept per compaction (a boot has a handful)
 KEEP_RECENT = 64  # routine events (tick/heartbeat) kept: the latest show rung and liveness

@@ -22,6 +22,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event, encode
 
 # Three missed heartbeats: the agent writes one every heartbeat_every (10) healthy ticks of 30 s,
@@ -104,15 +105,15 @@ def latest_boot_events(events: Sequence[Event]) -> list[Event]:
 def terminal_kind(ev: Event) -> VerdictKind | None:
     """The verdict a terminal event decides (rows 1-5), or None for any other event."""
     name = ev.event
-    if name == "setup_failed":
+    if name == vocab.SETUP_FAILED:
         return VerdictKind.SETUP_FAILED
-    if name == "shutdown":
+    if name == vocab.SHUTDOWN:
         return VerdictKind.SELF_SHUTDOWN
-    if name == "preempted":
+    if name == vocab.PREEMPTED:
         return VerdictKind.PREEMPTED
-    if name == "exit":
+    if name == vocab.EXIT:
         return VerdictKind.WORKLOAD_OK if ev.get("rc") == "0" else VerdictKind.WORKLOAD_FAILED
-    if name == "phase" and ev.get("ph") in TERMINAL_PHASES:
+    if name == vocab.PHASE and ev.get("ph") in TERMINAL_PHASES:
         return VerdictKind.WORKLOAD_OK
     return None
 
@@ -132,7 +133,7 @@ def _describe(kind: VerdictKind, ev: Event) -> str:
     if kind is VerdictKind.PREEMPTED:
         detail = " ".join(f"{k}={v}" for k, v in ev.fields) or "no details"
         return f"the agent saw a preemption notice ({detail})"
-    if ev.event == "phase":
+    if ev.event == vocab.PHASE:
         return "the job reported phase done"
     if kind is VerdictKind.WORKLOAD_OK:
         return "the workload exited with rc 0"
@@ -141,7 +142,7 @@ def _describe(kind: VerdictKind, ev: Event) -> str:
 
 def _last_phase(events: Sequence[Event]) -> str | None:
     for ev in reversed(events):
-        if ev.event in ("phase", "tick", "heartbeat"):
+        if ev.event in (vocab.PHASE, vocab.TICK, vocab.HEARTBEAT):
             ph = ev.get("ph")
             if ph and ph != "-":
                 return ph
@@ -198,8 +199,8 @@ def decide(events: Sequence[Event], instance: InstanceState, now: float, policy:
     last = max(mine, key=lambda e: e.ts_ms)
     silent_s = max(0.0, now - last.ts_ms / 1000.0)
     phase = _last_phase(mine)
-    lifecycle = [e for e in mine if e.event in ("start", "stop")]
-    agent_stopped = bool(lifecycle) and lifecycle[-1].event == "stop"
+    lifecycle = [e for e in mine if e.event in (vocab.START, vocab.STOP)]
+    agent_stopped = bool(lifecycle) and lifecycle[-1].event == vocab.STOP
     evidence = (encode(last), status_ev, f"silent={silent_s:.0f}s", f"phase={phase or 'unknown'}")
 
     if silent_s > policy.drain_timeout_s:

@@ -11,6 +11,7 @@ from html import escape
 
 from gce_watchdog.report.model import Report
 from gce_watchdog.report.text import COLUMNS, cells, duration, fault_line, verdict_line
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import format_ts
 
 MAX_ROWS = 50_000  # event rows in the table (~10 MB of HTML); the rest is counted
@@ -26,21 +27,7 @@ tr.key td{background:#fff7e0} tr.shutdown td{background:#fde0e0}
 img{max-width:100%;border:1px solid #ddd}
 .note{color:#666}
 """
-_KEY = frozenset(
-    {
-        "start",
-        "stop",
-        "phase",
-        "setup_failed",
-        "exit",
-        "recovered",
-        "fault",
-        "would_shutdown",
-        "preempted",
-        "memory_climb",
-        "action",
-    }
-)
+_KEY = vocab.HIGHLIGHT_EVENTS
 
 
 def render(r: Report, png: bytes | None, png_note: str = "") -> str:
@@ -104,7 +91,7 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
             break
         out.append(f"<h3>boot {e(sec.boot)}</h3><table>{head}")
         for ev in sec.events[: MAX_ROWS - shown]:
-            cls = "shutdown" if ev.event == "shutdown" else "key" if ev.event in _KEY else ""
+            cls = "shutdown" if ev.event == vocab.SHUTDOWN else "key" if ev.event in _KEY else ""
             row = "".join(f"<td>{e(c)}</td>" for c in cells(ev, format_ts(ev.ts_ms)))
             out.append(f'<tr class="{cls}">{row}</tr>')
             shown += 1

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from gce_watchdog.poller.timeline import BootInfo, SeqGap, Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event, parse_ts
 
 PROBES = ("metadata", "egress")
@@ -21,21 +22,7 @@ VERDICTS = ("ok", "fail", "unknown")
 # keeps; 200k lines (~30 MB of ours, ~70 days of 30 s ticks) bounds memory at a few hundred MB.
 MAX_EVENTS = 200_000
 # Events that mark a point in time on the plot and in the table.
-MARKER_EVENTS = frozenset(
-    {
-        "start",
-        "stop",
-        "phase",
-        "setup_failed",
-        "exit",
-        "shutdown",
-        "would_shutdown",
-        "preempted",
-        "recovered",
-        "memory_climb",
-        "memory_ok",
-    }
-)
+MARKER_EVENTS = vocab.MARKER_EVENTS
 _RUNG_RE = re.compile(r"(\d+)/(\d+)\Z")
 _GPU_FIELD_RE = re.compile(r"g(\d+)\Z")
 
@@ -160,18 +147,18 @@ def probe_points(ev: Event) -> list[ProbePoint]:
     """
     out: list[ProbePoint] = []
     for probe, key in (("metadata", "md"), ("egress", "eg")):
-        if ev.event == "heartbeat":
+        if ev.event == vocab.HEARTBEAT:
             lat = _int(ev.get(f"{key}l"))
             if lat is not None:
                 out.append(ProbePoint(ev.ts_ms, ev.boot, probe, "ok", "ok", lat))
             continue
-        if ev.event not in ("tick", "recovered"):
+        if ev.event not in (vocab.TICK, vocab.RECOVERED):
             continue
         raw = ev.get(key)
         if raw is None:
             continue
-        verdict, _, rest = raw.partition("/")
-        reason, _, lat_s = rest.partition("/")
+        pf = vocab.decode_probe(raw)
+        verdict, reason, lat_s = pf.verdict, pf.reason, pf.latency
         if verdict not in VERDICTS:
             continue
         lat = _int(lat_s) if lat_s else _int(ev.get(f"{key}l"))
@@ -200,23 +187,23 @@ def mem_points(ev: Event) -> list[MemPoint]:
 
 def _label(ev: Event) -> str:
     f = ev.fields_dict
-    if ev.event == "phase":
+    if ev.event == vocab.PHASE:
         return f.get("ph", "?")
-    if ev.event == "start":
+    if ev.event == vocab.START:
         return f"agent start {f.get('v', '')}".strip()
-    if ev.event == "stop":
+    if ev.event == vocab.STOP:
         return f"agent stop ({f.get('reason', '?')})"
-    if ev.event == "shutdown":
+    if ev.event == vocab.SHUTDOWN:
         return f"SHUTDOWN {f.get('rung', '')} {f.get('action', '')}".strip()
-    if ev.event == "would_shutdown":
+    if ev.event == vocab.WOULD_SHUTDOWN:
         return f"would shut down {f.get('rung', '')}".strip()
-    if ev.event == "setup_failed":
+    if ev.event == vocab.SETUP_FAILED:
         return f"setup_failed {f.get('step', '?')}"
-    if ev.event == "exit":
+    if ev.event == vocab.EXIT:
         return f"exit rc={f.get('rc', '?')}"
-    if ev.event == "recovered":
+    if ev.event == vocab.RECOVERED:
         return f"recovered from {f.get('from', '?')}"
-    if ev.event in ("memory_climb", "memory_ok"):
+    if ev.event in (vocab.MEMORY_CLIMB, vocab.MEMORY_OK):
         return f"{ev.event} {f.get('g', '?')}"
     return ev.event
 
@@ -225,7 +212,7 @@ def _fault_windows(events: list[Event], boot_end: dict[str, int]) -> list[FaultW
     open_: dict[str, tuple[Event, int | None]] = {}
     out: list[FaultWindow] = []
     for ev in events:
-        if ev.event != "fault":
+        if ev.event != vocab.FAULT:
             continue
         op, fid = ev.get("op"), ev.get("id", "-") or "-"
         if op == "inject":
@@ -307,14 +294,14 @@ def from_timeline(
             rungs.append(RungPoint(ev.ts_ms, ev.boot, r[0], r[1]))
             threshold = r[1]
         probes.extend(probe_points(ev))
-        if ev.event == "mem":
+        if ev.event == vocab.MEM:
             memory.extend(mem_points(ev))
-        if ev.event == "shutdown":
+        if ev.event == vocab.SHUTDOWN:
             if ev.boot in shutdown_seen or ev.get("rep"):
                 continue  # the linger repeats the verdict line; the first one is the decision
             shutdown_seen.add(ev.boot)
             actions.append(ev)
-        elif ev.event == "action":
+        elif ev.event == vocab.ACTION:
             actions.append(ev)
         if ev.event in MARKER_EVENTS:
             markers.append(Marker(ev.ts_ms, ev.boot, ev.event, _label(ev)))

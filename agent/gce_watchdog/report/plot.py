@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from gce_watchdog.report.model import Marker, Report
+from gce_watchdog.wire import vocab
 
 WIDTH_PX = 1400
 HEIGHT_PX = 1000
@@ -107,10 +108,10 @@ def _x(ts_ms: int) -> float:
 
 def dry_run_shutdown(m: Marker, r: Report) -> bool:
     """A shutdown decided with ``agent.action = "dry-run"``: nothing was powered off."""
-    if m.kind != "shutdown":
+    if m.kind != vocab.SHUTDOWN:
         return False
     for ev in r.actions:
-        if ev.boot == m.boot and ev.event == "shutdown" and ev.ts_ms == m.ts_ms:
+        if ev.boot == m.boot and ev.event == vocab.SHUTDOWN and ev.ts_ms == m.ts_ms:
             return (ev.get("action") or "").replace("_", "-") == "dry-run"
     return False
 
@@ -167,7 +168,7 @@ def _strip_items(r: Report) -> list[tuple[float, str, str]]:
     """(x, kind, text) of everything the event strip labels, in time order."""
     items: list[tuple[float, str, str]] = []
     for m in r.markers:
-        if m.kind == "shutdown" and dry_run_shutdown(m, r):
+        if m.kind == vocab.SHUTDOWN and dry_run_shutdown(m, r):
             label = m.label.replace("SHUTDOWN", "would shut down").removesuffix(" dry-run")
             items.append((_x(m.ts_ms), "dry_run", f"DRY RUN: {label}"))
         else:
@@ -376,7 +377,7 @@ def _shared(ax: Any, r: Report) -> None:
         if i:
             ax.axvline(_x(sec.info.first_ts_ms), color="black", ls="--", lw=0.8)
     for m in r.markers:
-        if m.kind == "shutdown":
+        if m.kind == vocab.SHUTDOWN:
             if dry_run_shutdown(m, r):
                 ax.axvline(_x(m.ts_ms), color=_MARKER_COLOUR["dry_run"], ls="--", lw=1.5)
             else:

@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gce_watchdog.report.model import FaultWindow, Report
-from gce_watchdog.wire.protocol import Event, format_ts, human_fields, human_value
+from gce_watchdog.wire import vocab
+from gce_watchdog.wire.protocol import Event, format_ts
 
 # Shown per table; the rest is summarised (the HTML and --json have every event).
 MAX_ROWS_PER_BOOT = 200
@@ -33,21 +34,20 @@ def duration(ms: int) -> str:
 
 def probe_cell(ev: Event, key: str) -> str:
     """``fail timeout 5001ms`` from ``md=fail/timeout/5001`` (or ``md``/``mdr``/``mdl``)."""
-    if ev.event == "heartbeat":
+    if ev.event == vocab.HEARTBEAT:
         lat = ev.get(f"{key}l")
         return f"ok {lat}ms" if lat else ""
     raw = ev.get(key)
     if raw is None:
         return ""
-    verdict, _, rest = raw.partition("/")
-    reason, _, lat = rest.partition("/")
-    reason = reason or ev.get(f"{key}r") or ""
-    lat = lat or ev.get(f"{key}l") or ""
-    return human_value(key, f"{verdict}/{reason}/{lat}")
+    pf = vocab.decode_probe(raw)
+    reason = pf.reason or ev.get(f"{key}r") or ""
+    lat = pf.latency or ev.get(f"{key}l") or ""
+    return vocab.human_value(key, vocab.encode_probe(pf.verdict, reason, lat))
 
 
 def detail(ev: Event) -> str:
-    kv = human_fields(ev.fields, skip=_COLUMN_FIELDS)
+    kv = vocab.human_fields(ev.fields, skip=_COLUMN_FIELDS)
     if ev.text:
         return f"{kv} | {ev.text}" if kv else ev.text
     return kv
@@ -79,13 +79,13 @@ class Row:
 
 def _collapse_key(ev: Event) -> tuple[Any, ...] | None:
     """Routine lines that say the same thing in a row collapse into one row with a count."""
-    if ev.event == "heartbeat":
+    if ev.event == vocab.HEARTBEAT:
         return ("heartbeat", ev.get("rung"), ev.get("ph"))
-    if ev.event == "tick":
-        md = (ev.get("md") or "").partition("/")[0]
-        eg = (ev.get("eg") or "").partition("/")[0]
+    if ev.event == vocab.TICK:
+        md = vocab.decode_probe(ev.get("md") or "").verdict
+        eg = vocab.decode_probe(ev.get("eg") or "").verdict
         return ("tick", ev.get("rung"), md, eg)
-    if ev.event == "mem":
+    if ev.event == vocab.MEM:
         return ("mem", ev.get("climb"))
     return None
 

@@ -18,6 +18,8 @@ from typing import IO, Any, TextIO
 
 import structlog
 
+from gce_watchdog.wire import vocab
+
 # syslog(3) priorities, the numbers the <N> prefix carries.
 EMERG, ALERT, CRIT, ERR, WARNING, NOTICE, INFO, DEBUG = range(8)
 NAMES = ("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug")
@@ -63,20 +65,20 @@ _ACTION_FAILED = frozenset({"error", "fail", "timeout", "stuck"})  # a step that
 
 def priority_of(event: str, fields: Mapping[str, object]) -> int:
     """The syslog priority of one serial event mirrored to the journal (pure)."""
-    if event == "shutdown":
+    if event == vocab.SHUTDOWN:
         # a dry run decides the same, but powers nothing off: an alarm, not an emergency
         return CRIT if str(fields.get("action", "")).replace("_", "-") == "dry-run" else ALERT
-    if event == "action":
+    if event == vocab.ACTION:
         return ERR if str(fields.get("status", "")) in _ACTION_FAILED else INFO
-    if event == "fault" and fields.get("op") in ("clear", "expire"):
+    if event == vocab.FAULT and fields.get("op") in ("clear", "expire"):
         return ERR if fields.get("why") == "install_failed" else NOTICE
-    if event == "stop" and fields.get("reason") not in (None, "sigterm", "sigint", "max_ticks"):
+    if event == vocab.STOP and fields.get("reason") not in (None, "sigterm", "sigint", "max_ticks"):
         return ERR  # the agent stopped for a reason nobody asked for
-    if event == "exit" and str(fields.get("rc", "0")) != "0":
+    if event == vocab.EXIT and str(fields.get("rc", "0")) != "0":
         return ERR
-    if event == "memory_gpu" and fields.get("st") not in (None, "ok", "absent"):
+    if event == vocab.MEMORY_GPU and fields.get("st") not in (None, "ok", "absent"):
         return WARNING
-    if event == "memory_action" and str(fields.get("rc", "0")) != "0":
+    if event == vocab.MEMORY_ACTION and str(fields.get("rc", "0")) != "0":
         return ERR
     return _EVENT.get(event, INFO)
 

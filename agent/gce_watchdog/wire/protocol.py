@@ -105,28 +105,6 @@ def format_ts(ts_ms: int) -> str:
     return dt.strftime("%Y-%m-%dT%H:%M:%S") + f".{ts_ms % 1000:03d}Z"
 
 
-def human_value(key: str, value: str) -> str:
-    """A field's value as a person reads it; the wire keeps the compact form.
-
-    A probe result ``md``/``eg`` = ``verdict/reason/latency_ms`` reads ``fail timeout 500ms``
-    (``ok 3ms``: the reason "ok" is left out); a latency ``mdl``/``egl`` gets its ``ms``.
-    """
-    if key in ("md", "eg") and "/" in value:
-        verdict, _, rest = value.partition("/")
-        reason, _, lat = rest.partition("/")
-        parts = [verdict, reason if reason != "ok" else "", f"{lat}ms" if lat.isdigit() else lat]
-        return " ".join(p for p in parts if p)
-    if key in ("mdl", "egl") and value.isdigit():
-        return f"{value}ms"
-    return value
-
-
-def human_fields(fields: Iterable[tuple[str, str]], skip: Iterable[str] = ()) -> str:
-    """``k=v`` pairs for people (:func:`human_value`), ``skip`` keys left out."""
-    left_out = set(skip)
-    return " ".join(f"{k}={human_value(k, v)}" for k, v in fields if k not in left_out)
-
-
 def parse_ts(s: str) -> int | None:
     m = _TS_RE.match(s)
     if not m:

@@ -1,0 +1,162 @@
+"""The event vocabulary of the serial protocol: every event name, the field codecs that writers
+and readers share, and fitting a line into :data:`~gce_watchdog.wire.protocol.MAX_LINE`.
+
+Writers (the agent, the CLI commands, the start-up script's helpers) and readers (the poller, the
+report) use these constants instead of string literals, so a renamed event or field is one edit and
+a typo is an import error. ``docs/serial-protocol.md`` is the table of what each event carries.
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gce_watchdog.wire import protocol
+
+# -- event names (docs/serial-protocol.md, "Events") ---------------------------------------------
+# the agent
+START = "start"
+TICK = "tick"
+HEARTBEAT = "heartbeat"
+RECOVERED = "recovered"
+SHUTDOWN = "shutdown"
+WOULD_SHUTDOWN = "would_shutdown"
+ACTION = "action"
+STOP = "stop"
+SIGNAL = "signal"
+ERROR = "error"
+PREEMPTED = "preempted"
+MAINTENANCE = "maintenance"
+DISARM = "disarm"
+ARM = "arm"
+# the memory watch (in the agent)
+MEM = "mem"
+MEMORY_GPU = "memory_gpu"
+MEMORY_CLIMB = "memory_climb"
+MEMORY_OK = "memory_ok"
+MEMORY_ACTION = "memory_action"
+# the job's commands and the start-up script
+PHASE = "phase"
+SETUP_FAILED = "setup_failed"
+EXIT = "exit"
+FETCH = "fetch"
+BOOTSTRAP_STEP = "bootstrap_step"
+# the fault CLI
+FAULT = "fault"
+
+ALL_EVENTS = frozenset(
+    {
+        START, TICK, HEARTBEAT, RECOVERED, SHUTDOWN, WOULD_SHUTDOWN, ACTION, STOP, SIGNAL, ERROR,
+        PREEMPTED, MAINTENANCE, DISARM, ARM, MEM, MEMORY_GPU, MEMORY_CLIMB, MEMORY_OK,
+        MEMORY_ACTION, PHASE, SETUP_FAILED, EXIT, FETCH, BOOTSTRAP_STEP, FAULT,
+    }
+)  # fmt: skip
+
+# -- the event sets, one per meaning -------------------------------------------------------------
+# What a poller verdict can depend on (poller/verdict.py's table): these survive the timeline's
+# compaction.
+VERDICT_EVENTS = frozenset({START, STOP, PHASE, SETUP_FAILED, EXIT, SHUTDOWN, PREEMPTED, RECOVERED})
+# What a person wants to see as a point in time on the report's plot and in its table: the verdict
+# inputs, plus what the agent decided while disarmed and the memory watch's turns.
+MARKER_EVENTS = VERDICT_EVENTS | {WOULD_SHUTDOWN, MEMORY_CLIMB, MEMORY_OK}
+# Rows the HTML report highlights: the markers, except shutdown (it has a colour of its own) and
+# memory_ok (the end of something already highlighted), plus the chain's steps and faults.
+HIGHLIGHT_EVENTS = (MARKER_EVENTS - {SHUTDOWN, MEMORY_OK}) | {ACTION, FAULT}
+
+# -- field codecs --------------------------------------------------------------------------------
+# A probe result on ``tick``/``recovered`` lines: ``md``/``eg`` = ``verdict/reason/latency_ms``.
+PROBE_KEYS = {"metadata": "md", "egress": "eg"}
+
+
+@dataclass(frozen=True)
+class ProbeField:
+    """One probe's result as a line carries it. ``latency`` is the raw text (may be empty)."""
+
+    verdict: str
+    reason: str
+    latency: str
+
+    @property
+    def latency_ms(self) -> int | None:
+        return int(self.latency) if self.latency.isdigit() else None
+
+
+def encode_probe(verdict: str, reason: str, latency_ms: int | str) -> str:
+    """``fail/timeout/5001``: the value of ``md``/``eg``."""
+    return f"{verdict}/{reason}/{latency_ms}"
+
+
+def decode_probe(raw: str) -> ProbeField:
+    """The inverse of :func:`encode_probe`; a bare ``fail`` (older writers) has empty parts."""
+    verdict, _, rest = raw.partition("/")
+    reason, _, latency = rest.partition("/")
+    return ProbeField(verdict, reason, latency)
+
+
+# -- fields for people ---------------------------------------------------------------------------
+
+
+def human_value(key: str, value: str) -> str:
+    """A field's value as a person reads it; the wire keeps the compact form.
+
+    A probe result ``md``/``eg`` = ``verdict/reason/latency_ms`` reads ``fail timeout 500ms``
+    (``ok 3ms``: the reason "ok" is left out); a latency ``mdl``/``egl`` gets its ``ms``.
+    """
+    if key in PROBE_KEYS.values() and "/" in value:
+        pf = decode_probe(value)
+        lat = pf.latency
+        parts = [
+            pf.verdict,
+            pf.reason if pf.reason != "ok" else "",
+            f"{lat}ms" if lat.isdigit() else lat,
+        ]
+        return " ".join(p for p in parts if p)
+    if key in ("mdl", "egl") and value.isdigit():
+        return f"{value}ms"
+    return value
+
+
+def human_fields(fields: Iterable[tuple[str, str]], skip: Iterable[str] = ()) -> str:
+    """``k=v`` pairs for people (:func:`human_value`), ``skip`` keys left out."""
+    left_out = set(skip)
+    return " ".join(f"{k}={human_value(k, v)}" for k, v in fields if k not in left_out)
+
+
+# -- fitting a line into MAX_LINE ----------------------------------------------------------------
+# Worst case of the fixed part of a line: marker, boot, a 10-digit seq, timestamp, event name,
+# the " #crc" suffix and separators. Used to split `mem` lines with many GPUs (a2-megagpu-16g).
+LINE_OVERHEAD = 6 + 1 + 8 + 1 + 10 + 1 + 24 + 1 + 3 + 10
+
+
+def fit_text(event: str, fields: Mapping[str, object], text: str) -> str:
+    """The text, shortened (with "...") so the line stays within protocol.MAX_LINE.
+
+    make_event would drop a too-long text altogether; for a failure reason the first 60 characters
+    are worth much more than nothing. Sized for the widest seq and boot a line can carry.
+    """
+    clean = protocol.sanitize_text(text)
+    probe = protocol.make_event(event, "f" * 8, 10**12, 0, fields)
+    room = protocol.MAX_LINE - len(protocol.encode(probe)) - len(" | ")
+    if len(clean) <= room:
+        return clean
+    return clean[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
+
+
+def pack_fields(
+    head: Sequence[tuple[str, object]], rest: Sequence[tuple[str, object]]
+) -> list[list[tuple[str, object]]]:
+    """Split fields over as few lines as fit in MAX_LINE (head fields on the first line)."""
+    lines: list[list[tuple[str, object]]] = []
+    cur = list(head)
+    size = LINE_OVERHEAD + sum(len(k) + len(str(v)) + 2 for k, v in cur)
+    for k, v in rest:
+        add = len(k) + len(str(v)) + 2
+        if size + add > protocol.MAX_LINE and cur:
+            lines.append(cur)
+            cur, size = [], LINE_OVERHEAD
+        cur.append((k, v))
+        size += add
+    if cur:
+        lines.append(cur)
+    return lines
