@@ -278,7 +278,7 @@ class MetadataWatcher:
             # The `start` line names the instance from the cache; on a first boot it has none
             # (inst=-), so the identity is said once here when it is first learnt (or changes).
             self.emitter.emit(
-                "instance",
+                vocab.INSTANCE,
                 {"inst": info.id, "name": info.name, "zone": info.zone, "proj": info.project},
                 f"this VM is {info.name} in {info.zone}",
             )

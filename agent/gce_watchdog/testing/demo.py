@@ -24,7 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gce_watchdog.testing.simgce import SimGCE, SimInstance
-from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all, human_fields
+from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all
+from gce_watchdog.wire.vocab import human_fields
 
 TICK = 1.0
 BOLD, DIM, RED, GREEN, YELLOW, RESET = (
