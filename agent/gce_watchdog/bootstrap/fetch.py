@@ -787,7 +787,8 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
         if deps.emitter is not None:
             fields = {"out": out, "att": n, "host": host, "dst": dst, "rc": rc, "err": last_kind}
             fields["dur"] = f"{clock() - t0:.1f}"
-            deps.emitter.emit("fetch", fields, fit_text("fetch", fields, message), sync=True)
+            text = vocab.fit_text(vocab.FETCH, fields, message)
+            deps.emitter.emit(vocab.FETCH, fields, text, sync=True)
         return FetchResult(rc, n, clock() - t0, message, 0)
     attempt.progress.done()
     elapsed = clock() - t0
