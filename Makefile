@@ -6,10 +6,12 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 # Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck;
-# nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test).
-# The tests start their own nginx on a loopback port from a temp config; the package's own service
-# is never started (policy-rc.d during the install) and disabled afterwards.
-APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl
+# nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test);
+# postgresql: the ledger's contract suite (tests/pgserver.py runs its own initdb and pg_ctl in a
+# temp dir on a loopback port).
+# The tests start their own servers from temp configs; the packages' own services are never
+# started (policy-rc.d during the install) and disabled afterwards.
+APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql
 
 .PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean
 
@@ -36,7 +38,9 @@ apt-test:
 	      --no-install-recommends $$missing; rc=$$?; \
 	    [ -z "$$guard" ] || rm -f /usr/sbin/policy-rc.d; \
 	    case " $$missing " in *" nginx "*) systemctl disable nginx.service >/dev/null 2>&1 || \
-	      update-rc.d nginx disable >/dev/null 2>&1 || true;; esac; [ $$rc = 0 ]; \
+	      update-rc.d nginx disable >/dev/null 2>&1 || true;; esac; \
+	    case " $$missing " in *" postgresql "*) systemctl disable postgresql.service >/dev/null 2>&1 || \
+	      update-rc.d postgresql disable >/dev/null 2>&1 || true;; esac; [ $$rc = 0 ]; \
 	  else echo "not root: cannot install$$missing (those tests will skip)"; fi; \
 	fi
 

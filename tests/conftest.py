@@ -16,3 +16,32 @@ def topo() -> Iterator[Topology]:
         pytest.skip(f"netns: {why}")
     with Topology() as t:
         yield t
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """One real PostgreSQL server for the session (tests/pgserver.py), stopped at the end."""
+    from pgserver import postgres_server, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"postgresql: {why}")
+    with postgres_server() as url:
+        yield url
+
+
+@pytest.fixture
+def pg_database(postgres_url: str) -> Iterator[str]:
+    """A fresh, empty database on the session's server for one test; dropped afterwards."""
+    import uuid
+
+    import psycopg
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(postgres_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield postgres_url.rsplit("/", 1)[0] + "/" + name
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -10,106 +10,34 @@ from typing import Any
 import pytest
 from gce_watchdog.poller.ledger import Ledger
 
-RACERS = 8
 WAIT_S = 60  # every process/barrier wait is bounded
 
-
-def _race(path: str, barrier: Any, results: Any, keys: list[tuple[str, str]]) -> None:
-    """One poller process: open its own ledger, wait for the others, claim every key."""
-    with Ledger(path, owner=f"racer-{mp.current_process().pid}") as led:
-        barrier.wait(timeout=WAIT_S)
-        for iid, boot in keys:
-            d = led.claim(iid, boot, "self_shutdown", "ladder 10/10", "vm")
-            results.put((iid, boot, d.won, d.token, d.owner))
+# The semantics (one winner, tokens, announcements, the ledger deciding) are the contract suite,
+# tests/test_ledger_contract.py, run on SQLite and PostgreSQL. Here: what only SQLite has.
 
 
-def _run_racers(path: Path, keys: list[tuple[str, str]]) -> list[tuple[str, str, bool, int, str]]:
-    ctx = mp.get_context("spawn")  # a fresh interpreter per racer, like separate pollers
-    barrier = ctx.Barrier(RACERS)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_race, args=(str(path), barrier, results, keys)) for _ in range(RACERS)
-    ]
-    try:
-        for p in procs:
-            p.start()
-        out = [results.get(timeout=WAIT_S) for _ in range(RACERS * len(keys))]
-        for p in procs:
-            p.join(timeout=WAIT_S)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return out
-
-
-def test_eight_processes_racing_one_key_one_winner(tmp_path: Path) -> None:
-    db = tmp_path / "ledger.sqlite"
-    out = _run_racers(db, [("4000000000000000001", "aaaa0001")])
-    winners = [r for r in out if r[2]]
-    assert len(winners) == 1
-    assert {r[3] for r in out} == {winners[0][3]}  # everyone sees the winner's token
-    assert {r[4] for r in out} == {winners[0][4]}  # and the winner's name
-    with Ledger(db) as led:
-        rows = led.all()
-    assert len(rows) == 1 and rows[0].token == 1
-
-
-def test_racing_many_keys_gives_unique_increasing_tokens(tmp_path: Path) -> None:
-    db = tmp_path / "ledger.sqlite"
-    keys = [(f"id-{i}", f"{i:08x}") for i in range(12)]
-    out = _run_racers(db, keys)
-    per_key: dict[tuple[str, str], list[tuple[bool, int]]] = {}
-    for iid, boot, won, token, _ in out:
-        per_key.setdefault((iid, boot), []).append((won, token))
-    assert len(per_key) == len(keys)
-    for claims in per_key.values():
-        assert sum(w for w, _ in claims) == 1
-        assert len({t for _, t in claims}) == 1
-    with Ledger(db) as led:
-        tokens = [d.token for d in led.all()]
-    assert tokens == list(range(1, len(keys) + 1))  # one token per decision, no holes
-
-
-def test_claim_is_durable_and_a_second_run_is_already_decided(tmp_path: Path) -> None:
+def test_sqlite_ledger_is_wal_and_upgrades_an_older_file(tmp_path: Path) -> None:
     db = tmp_path / "sub" / "ledger.sqlite"
-    with Ledger(db, owner="first") as led:
-        d1 = led.claim("id-1", "aaaa0001", "suspected_wedge", "silent 901s", "vm-1", now=100.0)
-        assert d1.won and d1.token == 1 and d1.decided_at == 100.0
-    with Ledger(db, owner="second") as led:
-        d2 = led.claim("id-1", "aaaa0001", "self_shutdown", "other reason", "vm-1", now=200.0)
-        assert not d2.won
-        assert (d2.token, d2.owner, d2.verdict, d2.decided_at) == (
-            1,
-            "first",
-            "suspected_wedge",
-            100.0,
-        )
-        assert d2.request_id == d1.request_id  # a retried reap uses the same requestId
-        # a new boot of the same instance is a new incarnation: its own decision
-        d3 = led.claim("id-1", "bbbb0002", "preempted", "spot", "vm-1", now=300.0)
-        assert d3.won and d3.token == 2 and d3.request_id != d1.request_id
-        led.mark_reaped("id-1", "aaaa0001", "operation-1", now=400.0)
-        got = led.get("id-1", "aaaa0001")
-        assert got is not None and got.reaped_at == 400.0 and got.reap_result == "operation-1"
-        assert led.get("id-9", "x") is None
+    db.parent.mkdir()
+    old = sqlite3.connect(db)  # the schema of the first release: no announcement columns
+    old.executescript(
+        "CREATE TABLE decisions (instance_id TEXT NOT NULL, boot TEXT NOT NULL,"
+        " token INTEGER NOT NULL UNIQUE, verdict TEXT NOT NULL, reason TEXT NOT NULL,"
+        " instance TEXT NOT NULL, owner TEXT NOT NULL, decided_at REAL NOT NULL,"
+        " reaped_at REAL, reap_result TEXT, PRIMARY KEY (instance_id, boot));"
+        "CREATE TABLE fence (id INTEGER PRIMARY KEY CHECK (id = 1), last_token INTEGER NOT NULL);"
+        "INSERT INTO fence VALUES (1, 1);"
+        "INSERT INTO decisions VALUES ('id-1', 'b', 1, 'self_shutdown', 'r', 'vm', 'old', 5.0,"
+        " NULL, NULL);"
+    )
+    old.close()
+    with Ledger(db, owner="new") as led:
+        got = led.get("id-1", "b")
+        assert got is not None and got.announced_at == 5.0  # printed by the old poller
+        assert led.pending_announcements() == []
+        assert led.claim("id-2", "b", "self_shutdown", "r").token == 2
     mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
-
-
-def test_unique_constraint_is_the_second_line_of_defence(tmp_path: Path) -> None:
-    db = tmp_path / "ledger.sqlite"
-    with Ledger(db) as led:
-        led.claim("id-1", "b", "self_shutdown", "r")
-    raw = sqlite3.connect(db)
-    with pytest.raises(sqlite3.IntegrityError):
-        raw.execute(
-            "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance, owner,"
-            " decided_at) VALUES ('id-1', 'b', 99, 'x', 'y', '', 'z', 0)"
-        )
-    raw.close()
 
 
 def test_open_waits_out_a_writer_that_sqlite_would_not_wait_for(tmp_path: Path) -> None:

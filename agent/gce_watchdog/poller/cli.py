@@ -54,8 +54,15 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--ledger",
         default=None,
-        help="SQLite ledger shared by every poller (default $XDG_STATE_HOME/gce-watchdog/"
-        "ledger.sqlite)",
+        help="the ledger shared by every poller: a SQLite file (default $XDG_STATE_HOME/"
+        "gce-watchdog/ledger.sqlite) or a postgresql:// URL for pollers on several hosts "
+        "(needs the [postgres] extra; a password belongs in ~/.pgpass or PGPASSWORD, not here)",
+    )
+    p.add_argument(
+        "--announce-lease",
+        default="5m",
+        help="how long a claimed decision stays with its claimer before another poller may "
+        "announce it (default 5m; covers a slow --reap DELETE)",
     )
     p.add_argument(
         "--cursor-dir",
@@ -236,6 +243,12 @@ def cmd_poll(args: argparse.Namespace) -> int:
         policy = _policy(args)
     except ValueError as exc:
         errs.append(str(exc))
+    try:
+        args.announce_lease_s = parse_duration(args.announce_lease)
+        if args.announce_lease_s <= 0:
+            errs.append("--announce-lease must be > 0")
+    except ValueError as exc:
+        errs.append(f"--announce-lease: {exc}")
     if args.api_attempts < 1:
         errs.append("--api-attempts must be >= 1")
     if args.max_polls < 0:
@@ -264,7 +277,7 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
     import threading
 
     from gce_watchdog.lib.compute import DEFAULT_API_BASE, AuthError, ComputeClient, RetryPolicy
-    from gce_watchdog.poller.ledger import Ledger
+    from gce_watchdog.poller.ledger import open_ledger
     from gce_watchdog.poller.poller import Poller
     from gce_watchdog.poller.reader import CursorStore
 
@@ -280,11 +293,22 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
         print(f"gce-watchdog poll: {e}", file=sys.stderr)
         return EX_NOPERM
     try:
-        ledger = Ledger(args.ledger or state / "ledger.sqlite")
-        store = CursorStore(args.cursor_dir or state / "cursors")
-    except (OSError, sqlite3.Error) as e:
-        print(f"gce-watchdog poll: cannot open the ledger: {e}", file=sys.stderr)
+        ledger = open_ledger(
+            args.ledger or state / "ledger.sqlite", announce_lease_s=args.announce_lease_s
+        )
+    except ImportError as e:
+        print(f"gce-watchdog poll: a postgresql ledger needs psycopg: {e}", file=sys.stderr)
         return EX_IOERR
+    except Exception as e:  # the driver's own errors (sqlite3.Error, psycopg.Error)
+        print(f"gce-watchdog poll: cannot open the ledger: {_redact(e)}", file=sys.stderr)
+        return EX_IOERR
+    try:
+        store = CursorStore(args.cursor_dir or state / "cursors")
+    except OSError as e:
+        ledger.close()
+        print(f"gce-watchdog poll: cannot open the cursor directory: {e}", file=sys.stderr)
+        return EX_IOERR
+    ledger_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, *ledger.errors)
     poller = Poller(client, store, args.project, args.zone, ledger, policy, args.reap)
     stop = threading.Event()
     old = {}
@@ -300,15 +324,16 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
             for name in args.instances:
                 try:
                     out = poller.poll(name)
+                    if out.error:
+                        rc = EX_UNAVAILABLE
+                    _print_outcome(out, args.json)
+                    poller.announced(out)  # after the line is out: pending until then
                 except AuthError as e:
                     print(f"gce-watchdog poll: {e}", file=sys.stderr)
                     return EX_NOPERM
-                except (OSError, sqlite3.Error) as e:
+                except ledger_errors as e:
                     print(f"gce-watchdog poll: ledger/cursor write failed: {e}", file=sys.stderr)
                     return EX_IOERR
-                if out.error:
-                    rc = EX_UNAVAILABLE
-                _print_outcome(out, args.json)
             for key in store.corrupt:
                 print(f"gce-watchdog poll: cursor {key} was unreadable; restarted", file=sys.stderr)
             store.corrupt.clear()
@@ -321,6 +346,13 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
         ledger.close()
         client.close()
     return rc
+
+
+def _redact(e: BaseException) -> str:
+    """An error's text without a password a connection URL may carry (user:secret@host)."""
+    import re
+
+    return re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", str(e))
 
 
 def _print_outcome(out: Any, as_json: bool) -> None:

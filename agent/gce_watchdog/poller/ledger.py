@@ -35,6 +35,13 @@ _OPEN_BACKOFF_S = (0.01, 0.25)
 # Namespace for requestIds derived from decisions (any fixed UUID works; this one is ours).
 _REQUEST_NS = uuid.UUID("6b0f2a4e-8a1d-4c1e-9a55-0d1f3c2b7e11")
 
+# A decision is announced (the poller prints ``action=failover``) by whoever holds its
+# announcement lease: the claimer first. Only if the lease runs out unannounced (the claimer died
+# between its claim and its announcement) does another poller take it over. The lease covers a
+# slow DELETE (--reap runs before the announcement line is printed): 5 attempts of at most 30 s
+# read timeout each plus their waits stay under 5 min.
+ANNOUNCE_LEASE_S = 300.0
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS decisions (
     instance_id TEXT NOT NULL,
@@ -53,8 +60,20 @@ CREATE TABLE IF NOT EXISTS fence (
     id         INTEGER PRIMARY KEY CHECK (id = 1),
     last_token INTEGER NOT NULL
 );
-INSERT OR IGNORE INTO fence (id, last_token) VALUES (1, 0);
+INSERT OR IGNORE INTO fence (id, last_token) VALUES (1, 0)
 """
+# Columns added after the first release: (name, SQL type). A ledger written by an older poller
+# gets them on open; its decisions were printed when they were made, so they count as announced.
+_ADDED_COLUMNS = (
+    ("announced_at", "REAL"),
+    ("announced_by", "TEXT"),
+    ("announce_owner", "TEXT"),
+    ("announce_until", "REAL"),
+)
+_COLUMNS = (
+    "instance_id, boot, token, verdict, reason, instance, owner, decided_at, reaped_at,"
+    " reap_result, announced_at, announced_by"
+)
 
 
 @dataclass(frozen=True)
@@ -72,6 +91,8 @@ class Decision:
     won: bool
     reaped_at: float | None = None
     reap_result: str | None = None
+    announced_at: float | None = None
+    announced_by: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -79,8 +100,221 @@ class Decision:
         return str(uuid.uuid5(_REQUEST_NS, f"{self.instance_id}/{self.boot}/{self.token}"))
 
 
-class Ledger:
-    """Open (and create) the ledger at ``path``. Use as a context manager or call close()."""
+# Keys without a boot: the verdict came from no line of ours ("-"), or without an instance id
+# ("name:..."). Such a claim is an opinion about the instance, not about one boot of it.
+NO_BOOT = "-"
+
+
+def _row(row: tuple[object, ...], won: bool = False) -> Decision:
+    iid, boot, token, verdict, reason, inst, owner, at, reaped_at, reap_result, ann_at, ann_by = row
+    return Decision(
+        str(iid),
+        str(boot),
+        int(token),  # type: ignore[call-overload]
+        str(verdict),
+        str(reason),
+        str(inst),
+        str(owner),
+        float(at),  # type: ignore[arg-type]
+        won,
+        None if reaped_at is None else float(reaped_at),  # type: ignore[arg-type]
+        None if reap_result is None else str(reap_result),
+        None if ann_at is None else float(ann_at),  # type: ignore[arg-type]
+        None if ann_by is None else str(ann_by),
+    )
+
+
+class BaseLedger:
+    """The ledger's semantics over a SQL connection; backends supply transactions and dialect.
+
+    - ``claim``: one decision per (instance id, boot); the winner gets the next fencing token
+      (+1 per decision across the whole ledger, never reused) and the announcement lease.
+    - The ledger decides, not the cursor: a claim without boot evidence (boot ``-``) or without an
+      instance id (``name:...``), or any claim for an instance whose VM was already reaped, returns
+      the instance's existing decision (``won=False``). A poller with a fresh cursor dir that finds
+      a reaped VM gone gets ``already_decided``, never a second decision.
+    - ``take_announcement`` / ``mark_announced``: a claimed decision is announced by its claimer,
+      or, if the claimer died first (its lease ran out), by exactly one later poller.
+    """
+
+    owner: str
+    announce_lease_s: float
+    # The driver's exception types: the CLI treats these as "ledger unavailable" (exit 74).
+    errors: tuple[type[BaseException], ...] = ()
+
+    # -- what a backend supplies -----------------------------------------------------------
+
+    def _begin_write(self) -> None:
+        """Start a transaction that holds the ledger's claim lock until commit/rollback."""
+        raise NotImplementedError
+
+    def _exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        """Run one statement (``?`` placeholders); rows for a SELECT/RETURNING, else []."""
+        raise NotImplementedError
+
+    def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
+        raise NotImplementedError
+
+    def _commit(self) -> None:
+        self._exec("COMMIT")
+
+    def _rollback(self) -> None:
+        self._exec("ROLLBACK")
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> BaseLedger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the semantics ---------------------------------------------------------------------
+
+    def claim(
+        self,
+        instance_id: str,
+        boot: str,
+        verdict: str,
+        reason: str,
+        instance: str = "",
+        now: float | None = None,
+    ) -> Decision:
+        """Record a FAILOVER decision for (instance_id, boot) unless one exists.
+
+        Returns the new decision with ``won=True`` and a fresh fencing token, or the existing one
+        with ``won=False`` ("already decided"), whoever and whenever decided it.
+        """
+        decided_at = time.time() if now is None else now
+        self._begin_write()
+        try:
+            row = self._get(instance_id, boot)
+            if row is None:
+                row = self._settled(instance_id, boot, instance)
+            if row is not None:
+                self._commit()
+                return row
+            (last,) = self._exec("SELECT last_token FROM fence WHERE id = 1")[0]
+            token = int(last) + 1  # type: ignore[call-overload]
+            self._exec("UPDATE fence SET last_token = ? WHERE id = 1", (token,))
+            self._exec(
+                "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance,"
+                " owner, decided_at, announce_owner, announce_until)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    instance_id,
+                    boot,
+                    token,
+                    verdict,
+                    reason,
+                    instance,
+                    self.owner,
+                    decided_at,
+                    self.owner,
+                    decided_at + self.announce_lease_s,
+                ),
+            )
+            self._commit()
+        except BaseException:
+            self._rollback()
+            raise
+        return Decision(
+            instance_id, boot, token, verdict, reason, instance, self.owner, decided_at, True
+        )
+
+    def _settled(self, instance_id: str, boot: str, instance: str) -> Decision | None:
+        """The instance's decision that rules out a new one (see the class docstring)."""
+        latest = self.find_instance(instance_id, instance)
+        if latest is None:
+            return None
+        if boot == NO_BOOT or instance_id.startswith("name:") or latest.reaped_at is not None:
+            return latest
+        return None
+
+    def find_instance(self, instance_id: str, instance: str = "") -> Decision | None:
+        """The latest decision for this instance, by id, or by name when it has none."""
+        if instance_id and not instance_id.startswith("name:"):
+            rows = self._select("WHERE instance_id = ? ORDER BY token DESC LIMIT 1", (instance_id,))
+        else:
+            rows = self._select(
+                "WHERE instance = ? OR instance_id = ? ORDER BY token DESC LIMIT 1",
+                (instance, instance_id),
+            )
+        return _row(rows[0]) if rows else None
+
+    def get(self, instance_id: str, boot: str) -> Decision | None:
+        return self._get(instance_id, boot)
+
+    def _get(self, instance_id: str, boot: str) -> Decision | None:
+        rows = self._select("WHERE instance_id = ? AND boot = ?", (instance_id, boot))
+        return _row(rows[0]) if rows else None
+
+    def take_announcement(self, instance_id: str, boot: str, now: float | None = None) -> bool:
+        """Take over announcing a decision nobody announced and whose lease has run out.
+
+        True for exactly one caller per lapse; that caller announces, then ``mark_announced``.
+        """
+        at = time.time() if now is None else now
+        n = self._rowcount(
+            "UPDATE decisions SET announce_owner = ?, announce_until = ?"
+            " WHERE instance_id = ? AND boot = ? AND announced_at IS NULL"
+            " AND (announce_until IS NULL OR announce_until <= ?)",
+            (self.owner, at + self.announce_lease_s, instance_id, boot, at),
+        )
+        return n == 1
+
+    def mark_announced(self, instance_id: str, boot: str, now: float | None = None) -> bool:
+        """Record that this owner printed the announcement; False if it was announced before."""
+        at = time.time() if now is None else now
+        n = self._rowcount(
+            "UPDATE decisions SET announced_at = ?, announced_by = ?"
+            " WHERE instance_id = ? AND boot = ? AND announced_at IS NULL",
+            (at, self.owner, instance_id, boot),
+        )
+        return n == 1
+
+    def pending_announcements(self) -> list[Decision]:
+        """Decisions claimed but never announced (their claimer died, or is announcing now)."""
+        rows = self._select("WHERE announced_at IS NULL ORDER BY token")
+        return [_row(r) for r in rows]
+
+    def mark_reaped(
+        self, instance_id: str, boot: str, result: str, now: float | None = None
+    ) -> None:
+        """Record that the instance of this decision was deleted (``result``: operation name)."""
+        at = time.time() if now is None else now
+        self._rowcount(
+            "UPDATE decisions SET reaped_at = ?, reap_result = ?"
+            " WHERE instance_id = ? AND boot = ?",
+            (at, result, instance_id, boot),
+        )
+
+    def all(self) -> list[Decision]:
+        return [_row(r) for r in self._select("ORDER BY token")]
+
+    def _select(self, tail: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        # Only constants are joined here (_COLUMNS and literal clauses); values are parameters.
+        return self._exec(f"SELECT {_COLUMNS} FROM decisions {tail}", params)  # noqa: S608
+
+
+def open_ledger(
+    spec: str | Path, owner: str = "", announce_lease_s: float = ANNOUNCE_LEASE_S
+) -> BaseLedger:
+    """A ledger from ``--ledger``: a ``postgresql://`` URL (psycopg 3, the [postgres] extra) or a
+    SQLite file path."""
+    text = str(spec)
+    if text.startswith(("postgresql://", "postgres://")):
+        from gce_watchdog.poller.ledger_pg import PostgresLedger
+
+        return PostgresLedger(text, owner, announce_lease_s=announce_lease_s)
+    return Ledger(spec, owner, announce_lease_s=announce_lease_s)
+
+
+class Ledger(BaseLedger):
+    """The SQLite ledger at ``path`` (created if missing). A context manager, or call close()."""
+
+    errors = (sqlite3.Error,)
 
     def __init__(
         self,
@@ -88,8 +322,10 @@ class Ledger:
         owner: str = "",
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        announce_lease_s: float = ANNOUNCE_LEASE_S,
     ) -> None:
         self.path = Path(path)
+        self.announce_lease_s = announce_lease_s
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: no implicit transactions; we issue BEGIN IMMEDIATE ourselves.
@@ -141,6 +377,15 @@ class Ledger:
         try:
             for stmt in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
                 db.execute(stmt)
+            have = {str(r[1]) for r in db.execute("PRAGMA table_info(decisions)")}
+            missing = [(n, t) for n, t in _ADDED_COLUMNS if n not in have]
+            for name, sqltype in missing:
+                db.execute(f"ALTER TABLE decisions ADD COLUMN {name} {sqltype}")
+            if missing:  # an older ledger: what it holds was announced when it was decided
+                db.execute(
+                    "UPDATE decisions SET announced_at = decided_at, announced_by = owner"
+                    " WHERE announced_at IS NULL"
+                )
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -153,89 +398,17 @@ class Ledger:
     def __enter__(self) -> Ledger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _begin_write(self) -> None:
+        # IMMEDIATE takes the write lock before reading: two processes cannot both see
+        # "no decision yet".
+        self._db.execute("BEGIN IMMEDIATE")
 
-    def claim(
-        self,
-        instance_id: str,
-        boot: str,
-        verdict: str,
-        reason: str,
-        instance: str = "",
-        now: float | None = None,
-    ) -> Decision:
-        """Record a FAILOVER decision for (instance_id, boot) unless one exists.
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
 
-        Returns the new decision with ``won=True`` and a fresh fencing token, or the existing one
-        with ``won=False`` ("already decided"), whoever and whenever decided it.
-        """
-        decided_at = time.time() if now is None else now
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            row = self._get(instance_id, boot)
-            if row is not None:
-                db.execute("COMMIT")
-                return row
-            (last,) = db.execute("SELECT last_token FROM fence WHERE id = 1").fetchone()
-            token = int(last) + 1
-            db.execute("UPDATE fence SET last_token = ? WHERE id = 1", (token,))
-            db.execute(
-                "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance,"
-                " owner, decided_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (instance_id, boot, token, verdict, reason, instance, self.owner, decided_at),
-            )
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        return Decision(
-            instance_id, boot, token, verdict, reason, instance, self.owner, decided_at, True
-        )
+    def _exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        return [tuple(r) for r in self._db.execute(sql, params).fetchall()]
 
-    def get(self, instance_id: str, boot: str) -> Decision | None:
-        return self._get(instance_id, boot)
-
-    def _get(self, instance_id: str, boot: str) -> Decision | None:
-        row = self._db.execute(
-            "SELECT token, verdict, reason, instance, owner, decided_at, reaped_at, reap_result"
-            " FROM decisions WHERE instance_id = ? AND boot = ?",
-            (instance_id, boot),
-        ).fetchone()
-        if row is None:
-            return None
-        token, verdict, reason, instance, owner, decided_at, reaped_at, reap_result = row
-        return Decision(
-            instance_id,
-            boot,
-            int(token),
-            verdict,
-            reason,
-            instance,
-            owner,
-            float(decided_at),
-            False,
-            reaped_at,
-            reap_result,
-        )
-
-    def mark_reaped(
-        self, instance_id: str, boot: str, result: str, now: float | None = None
-    ) -> None:
-        """Record that the instance of this decision was deleted (``result``: operation name)."""
-        at = time.time() if now is None else now
-        self._db.execute(
-            "UPDATE decisions SET reaped_at = ?, reap_result = ?"
-            " WHERE instance_id = ? AND boot = ?",
-            (at, result, instance_id, boot),
-        )
-
-    def all(self) -> list[Decision]:
-        rows = self._db.execute("SELECT instance_id, boot FROM decisions ORDER BY token").fetchall()
-        out = []
-        for iid, boot in rows:
-            d = self._get(iid, boot)
-            if d is not None:
-                out.append(d)
-        return out
+    def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
+        return int(self._db.execute(sql, params).rowcount)

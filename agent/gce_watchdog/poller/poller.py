@@ -8,13 +8,14 @@ otherwise look like every VM wedged at once).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
-from gce_watchdog.poller.ledger import Decision, Ledger
+from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide
 
@@ -35,17 +36,20 @@ class PollOutcome:
     lost_lines: int = 0
     lost_bytes: int = 0
     rejected: int = 0
+    # This poll announces the decision: its claim won, or it took over the announcement of a
+    # decision whose claimer died before announcing it (the lease lapsed).
+    announce: bool = False
 
     @property
     def action(self) -> str:
-        """``failover`` only for the poll whose ledger claim won; ``already_decided`` after."""
+        """``failover`` for the one poll that announces a decision; ``already_decided`` after."""
         if self.verdict is None:
             return "error"
         if not self.verdict.failover:
             return "none"
         if self.decision is None:
             return "failover_unrecorded"
-        return "failover" if self.decision.won else "already_decided"
+        return "failover" if self.announce else "already_decided"
 
     def to_json(self) -> dict[str, Any]:
         v = self.verdict
@@ -96,7 +100,7 @@ class Poller:
         store: CursorStore,
         project: str,
         zone: str,
-        ledger: Ledger | None = None,
+        ledger: BaseLedger | None = None,
         policy: Policy | None = None,
         reap: bool = False,
         clock: Callable[[], float] = time.time,
@@ -127,7 +131,12 @@ class Poller:
             except AuthError:
                 raise
             except ComputeAPIError as e:
-                if info.status == "RUNNING":
+                if e.status == 404:
+                    # Deleted between the two calls (another poller reaped it): look again, and
+                    # if it is gone, decide as for a missing VM (the ledger knows its decision).
+                    with contextlib.suppress(ComputeAPIError):  # else the first answer stands
+                        info = self.client.get_instance(p, z, name)
+                if info is not None and info.status == "RUNNING":
                     return PollOutcome(name, "", "", None, error=str(e))
                 # GCE serves serial output only while the instance runs: a VM that is off (or
                 # stopping) answers with an error, which means "no new bytes", not "no verdict".
@@ -139,10 +148,24 @@ class Poller:
         instance_id = info.id if info else cur.instance_id
         decision = None
         reaped = reap_error = None
+        announce = False
         if verdict.failover and self.ledger is not None:
             key = instance_id or f"name:{name}"
+            now = self.clock()
             decision = self.ledger.claim(
-                key, verdict.boot or "-", verdict.kind.value, verdict.reason, name, self.clock()
+                key,
+                verdict.boot or NO_BOOT,
+                verdict.kind.value,
+                verdict.reason,
+                self.path(name),
+                now,
+            )
+            # The ledger decides, not the cursor: an existing decision (even one for another key
+            # of the same instance) is what this poll reports. Its announcement is ours if we
+            # won it, or if its claimer died before announcing and the lease lapsed.
+            announce = decision.won or (
+                decision.announced_at is None
+                and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
             )
             if self.reap and decision.reaped_at is None:
                 reaped, reap_error = self._reap(name, info, decision)
@@ -160,7 +183,20 @@ class Poller:
             lost_lines=tl.lost_lines,
             lost_bytes=tl.lost_bytes,
             rejected=tl.rejected,
+            announce=announce,
         )
+
+    def path(self, name: str) -> str:
+        """The instance's name as the ledger records it: unique across projects and zones."""
+        return f"{self.project}/{self.zone}/{name}"
+
+    def announced(self, out: PollOutcome) -> bool:
+        """Call once the outcome of an announcing poll was written (printed and flushed): the
+        decision is no longer pending. False if another poller had announced it already."""
+        if not out.announce or out.decision is None or self.ledger is None:
+            return False
+        d = out.decision
+        return self.ledger.mark_announced(d.instance_id, d.boot, self.clock())
 
     def _reap(
         self, name: str, info: InstanceStatus | None, decision: Decision

@@ -1,0 +1,123 @@
+"""The PostgreSQL ledger: the same semantics as the SQLite one, shared by pollers on many hosts.
+
+``--ledger postgresql://user@host/db`` (psycopg 3, the ``[postgres]`` extra). The connection runs
+in autocommit mode and every write that must be atomic is an explicit transaction:
+
+- a claim takes ``SELECT ... FROM fence WHERE id = 1 FOR UPDATE`` first. That row lock plays the
+  part of SQLite's ``BEGIN IMMEDIATE``: claims are serialised across every host, so two pollers
+  cannot both see "no decision yet", and the fencing token (``fence.last_token + 1`` in the same
+  transaction) has no holes and never goes back. Claims are rare (one per failover), so one lock
+  for all of them costs nothing measurable; reads never take it.
+- the primary key on ``(instance_id, boot)`` is the second line of defence, as in SQLite;
+- the announcement lease and the "announced" mark are single conditional ``UPDATE``s, atomic
+  under PostgreSQL's row locking at READ COMMITTED.
+
+A claim returns only after ``COMMIT`` returned, i.e. after the server made it durable
+(``synchronous_commit`` as configured on the server; keep the default ``on``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import psycopg
+
+from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, BaseLedger
+
+# A statement that waits this long for a lock is cancelled, so a stuck peer cannot hold every
+# poller forever (the same bound as SQLite's busy timeout).
+LOCK_TIMEOUT_MS = 30_000
+# Connecting to the database: a poller that cannot reach it exits 74 rather than hang.
+CONNECT_TIMEOUT_S = 10
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS decisions (
+        instance_id    TEXT NOT NULL,
+        boot           TEXT NOT NULL,
+        token          BIGINT NOT NULL UNIQUE,
+        verdict        TEXT NOT NULL,
+        reason         TEXT NOT NULL,
+        instance       TEXT NOT NULL,
+        owner          TEXT NOT NULL,
+        decided_at     DOUBLE PRECISION NOT NULL,
+        reaped_at      DOUBLE PRECISION,
+        reap_result    TEXT,
+        announced_at   DOUBLE PRECISION,
+        announced_by   TEXT,
+        announce_owner TEXT,
+        announce_until DOUBLE PRECISION,
+        PRIMARY KEY (instance_id, boot)
+    )""",
+    """CREATE TABLE IF NOT EXISTS fence (
+        id         INTEGER PRIMARY KEY CHECK (id = 1),
+        last_token BIGINT NOT NULL
+    )""",
+    "INSERT INTO fence (id, last_token) VALUES (1, 0) ON CONFLICT (id) DO NOTHING",
+    "CREATE INDEX IF NOT EXISTS decisions_instance ON decisions (instance)",
+    # Last: DDL is transactional, so this index existing means the whole schema is committed.
+    "CREATE INDEX IF NOT EXISTS decisions_pending ON decisions (token) WHERE announced_at IS NULL",
+)
+# Serialises schema creation when pollers start together (CREATE TABLE IF NOT EXISTS alone can
+# fail with a unique violation on pg_type when two sessions create the same table at once). The
+# DDL runs only when the schema is missing: CREATE INDEX IF NOT EXISTS still takes a SHARE lock
+# on its table, which deadlocks against a running claim (seen with 8 pollers starting at once).
+_SCHEMA_LOCK_KEY = 0x6763_6577_6400  # "gcewd" as an advisory lock key
+
+
+class PostgresLedger(BaseLedger):
+    """The ledger in the PostgreSQL database at ``url``. A context manager, or call close()."""
+
+    errors = (psycopg.Error,)
+
+    def __init__(
+        self, url: str, owner: str = "", announce_lease_s: float = ANNOUNCE_LEASE_S
+    ) -> None:
+        self.url = url
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.announce_lease_s = announce_lease_s
+        self._db: psycopg.Connection[Any] = psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            application_name="gce-watchdog-poller",
+            options=f"-c lock_timeout={LOCK_TIMEOUT_MS}",
+        )
+        try:
+            if not self._schema_ready():
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._schema_ready():
+                        for stmt in _SCHEMA:
+                            self._db.execute(stmt)
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _schema_ready(self) -> bool:
+        row = self._db.execute("SELECT to_regclass('decisions_pending') IS NOT NULL").fetchone()
+        return bool(row and row[0])
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> PostgresLedger:
+        return self
+
+    def _begin_write(self) -> None:
+        self._db.execute("BEGIN")
+        self._db.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
+
+    def _rollback(self) -> None:
+        if self._db.closed:
+            return
+        self._db.execute("ROLLBACK")
+
+    def _exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        cur = self._db.execute(sql.replace("?", "%s"), params)
+        return [tuple(r) for r in cur.fetchall()] if cur.description else []
+
+    def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
+        cur = self._db.execute(sql.replace("?", "%s"), params)
+        return int(cur.rowcount)
