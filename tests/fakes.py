@@ -6,8 +6,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gce_watchdog.daemon.ladder import Verdict
-from gce_watchdog.daemon.probes import ProbeResult, TickResult
+from gce_watchdog.daemon.ladder import ProbeVerdict
+from gce_watchdog.daemon.tick import ProbeResult, TickResult
 
 
 class FakeClock:
@@ -52,8 +52,9 @@ def result(md: str, eg: str, reason: str = "", dns: str = "ok") -> TickResult:
     """A tick result from verdict names ("ok", "fail", "unknown")."""
 
     def pr(v: str) -> ProbeResult:
-        verdict = Verdict(v)
-        why = "ok" if verdict is Verdict.OK else (reason or ("timeout" if v == "fail" else "x"))
+        verdict = ProbeVerdict(v)
+        fallback = "timeout" if v == "fail" else "x"
+        why = "ok" if verdict is ProbeVerdict.OK else (reason or fallback)
         return ProbeResult(verdict, why, 5)
 
     return TickResult(pr(md), pr(eg), dns)

@@ -11,10 +11,10 @@ from gce_watchdog.daemon.ladder import (
     Hold,
     LadderState,
     Observation,
+    ProbeVerdict,
     Recovered,
     Shutdown,
     TickClass,
-    Verdict,
     WouldShutdown,
     classify,
     step,
@@ -22,7 +22,7 @@ from gce_watchdog.daemon.ladder import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-OK, FAIL, UNK = Verdict.OK, Verdict.FAIL, Verdict.UNKNOWN
+OK, FAIL, UNK = ProbeVerdict.OK, ProbeVerdict.FAIL, ProbeVerdict.UNKNOWN
 # One representative observation per tick class (classify is tested on all 9 pairs below).
 REP = {
     TickClass.BOTH_FAIL: Observation(FAIL, FAIL),
@@ -45,7 +45,7 @@ REP = {
         (UNK, UNK, TickClass.INCONCLUSIVE),
     ],
 )
-def test_classify_all_nine_pairs(md: Verdict, eg: Verdict, want: TickClass) -> None:
+def test_classify_all_nine_pairs(md: ProbeVerdict, eg: ProbeVerdict, want: TickClass) -> None:
     assert classify(md, eg) is want
 
 
@@ -176,7 +176,7 @@ def test_properties(obs: list[Observation], threshold: int) -> None:
 def test_step_is_pure_same_input_same_output() -> None:
     for st_, o in itertools.product(
         [LadderState(), LadderState(rung=4), LadderState(rung=10, warned=True)],
-        [Observation(a, b) for a in Verdict for b in Verdict],
+        [Observation(a, b) for a in ProbeVerdict for b in ProbeVerdict],
     ):
         assert step(st_, o, 10) == step(st_, o, 10)
     assert ladder.step.__module__ == "gce_watchdog.daemon.ladder"

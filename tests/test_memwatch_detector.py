@@ -7,9 +7,9 @@ import random
 import pytest
 from gce_watchdog.memory import GIB, MIB
 from gce_watchdog.memory.detector import (
+    ClimbVerdict,
     DetectorParams,
     Status,
-    Verdict,
     clean,
     detect,
     mann_kendall,
@@ -225,7 +225,7 @@ def test_any_finite_series_gets_a_verdict_with_consistent_numbers(
     values: list[float], period: float
 ) -> None:
     v = detect(_series(values, period), P)
-    assert isinstance(v, Verdict)
+    assert isinstance(v, ClimbVerdict)
     assert v.samples == max(0, len(values) - P.warmup)
     if v.status is Status.NOT_ENOUGH_DATA:
         assert v.samples < P.window

@@ -262,12 +262,12 @@ def test_a_failing_reader_does_not_kill_the_thread(tmp_path: Path) -> None:
 
 
 def test_climb_that_wobbles_is_one_climb_line(tmp_path: Path) -> None:
-    from gce_watchdog.memory.detector import Status, Verdict
+    from gce_watchdog.memory.detector import ClimbVerdict, Status
     from gce_watchdog.memory.monitor import OK_AFTER
 
     mon, sink, _ = _monitor(tmp_path, FakeClock(), Host(), None)
-    climb = Verdict(Status.CLIMB, 40, "c", range_bytes=2 * GIB, slope_bytes_per_s=1e6)
-    other = Verdict(Status.UNSTABLE, 40, "u", range_bytes=2 * GIB)
+    climb = ClimbVerdict(Status.CLIMB, 40, "c", range_bytes=2 * GIB, slope_bytes_per_s=1e6)
+    other = ClimbVerdict(Status.UNSTABLE, 40, "u", range_bytes=2 * GIB)
     # climb, then below the significance level for fewer than OK_AFTER periods, then climb again
     for v in [climb, other, other, climb, other] + [other] * OK_AFTER:
         mon._transition("gpu0", v)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from gce_watchdog import __version__
-from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.daemon.metrics import MetricsExporter, Snapshot, printable, render
-from gce_watchdog.daemon.probes import ProbeResult
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.daemon.tick import ProbeResult
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -156,7 +156,7 @@ def test_values_follow_the_ladder_through_a_scripted_outage(tmp_path: Path) -> N
         assert val(s, "ladder_fired") == (1 if rep.state.fired else 0)
         r = script[n - 1]
         for probe, pr in (("metadata", r.metadata), ("egress", r.egress)):
-            for v in Verdict:  # a state set: exactly one verdict is 1
+            for v in ProbeVerdict:  # a state set: exactly one verdict is 1
                 assert val(s, "probe_verdict", probe=probe, verdict=v.value) == (
                     1 if v is pr.verdict else 0
                 )
@@ -370,7 +370,7 @@ def test_metrics_config_defaults_and_errors() -> None:
 @given(
     rung=st.integers(0, 1000),
     lat=st.integers(0, 10**7),
-    verdict=st.sampled_from(list(Verdict)),
+    verdict=st.sampled_from(list(ProbeVerdict)),
     dns=st.sampled_from(["ok", "fail", "-"]),
     mem=st.dictionaries(
         st.text(min_size=1, max_size=20), st.floats(allow_nan=True, allow_infinity=True), max_size=5
@@ -378,7 +378,7 @@ def test_metrics_config_defaults_and_errors() -> None:
     ticks=st.integers(0, 2**62),
 )
 def test_render_always_parses(
-    rung: int, lat: int, verdict: Verdict, dns: str, mem: dict[str, float], ticks: int
+    rung: int, lat: int, verdict: ProbeVerdict, dns: str, mem: dict[str, float], ticks: int
 ) -> None:
     pr = ProbeResult(verdict, "x", lat)
     snap = Snapshot(

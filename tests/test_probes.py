@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.daemon.probes import (
     AddressCache,
     EgressProbe,
@@ -32,7 +32,7 @@ def free_port() -> int:
 
 def test_metadata_ok_returns_instance_id(mds: FakeMetadataServer) -> None:
     r = probe_metadata(mds.url, 2.0)
-    assert (r.verdict, r.reason, r.detail) == (Verdict.OK, "ok", mds.info.id)
+    assert (r.verdict, r.reason, r.detail) == (ProbeVerdict.OK, "ok", mds.info.id)
     assert mds.count("/instance/id") == 1
 
 
@@ -42,7 +42,7 @@ def test_metadata_ok_returns_instance_id(mds: FakeMetadataServer) -> None:
 def test_metadata_bad_answers(mds: FakeMetadataServer, mode: str, reason: str) -> None:
     mds.set_mode(mode)
     r = probe_metadata(mds.url, 2.0)
-    assert (r.verdict, r.reason) == (Verdict.FAIL, reason)
+    assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, reason)
 
 
 def test_metadata_slow_server_times_out_within_deadline(mds: FakeMetadataServer) -> None:
@@ -50,14 +50,14 @@ def test_metadata_slow_server_times_out_within_deadline(mds: FakeMetadataServer)
     t0 = time.monotonic()
     r = probe_metadata(mds.url, 0.3)
     took = time.monotonic() - t0
-    assert (r.verdict, r.reason) == (Verdict.FAIL, "timeout")
+    assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "timeout")
     assert took < 1.0  # hard deadline, not per-read
 
 
 def test_metadata_refused_and_bad_url() -> None:
     r = probe_metadata(f"http://127.0.0.1:{free_port()}/computeMetadata/v1/instance/id", 1.0)
-    assert (r.verdict, r.reason) == (Verdict.FAIL, "refused")
-    assert probe_metadata("https://x/", 1.0).verdict is Verdict.UNKNOWN
+    assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "refused")
+    assert probe_metadata("https://x/", 1.0).verdict is ProbeVerdict.UNKNOWN
 
 
 def test_metadata_requires_google_flavor_header(mds: FakeMetadataServer) -> None:
@@ -82,10 +82,10 @@ def test_egress_connects_to_any_target(tmp_path: Path) -> None:
             AddressCache(tmp_path / "c.json"),
         )
         r, dns = p()
-        assert (r.verdict, r.reason, dns) == (Verdict.OK, "ok", "-")
+        assert (r.verdict, r.reason, dns) == (ProbeVerdict.OK, "ok", "-")
     p = EgressProbe([("127.0.0.1", dead)], 1.0, 0.5, None, AddressCache(None))
     r, _ = p()
-    assert (r.verdict, r.reason) == (Verdict.FAIL, "refused")
+    assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "refused")
 
 
 def test_egress_uses_cached_addresses_when_dns_fails(tmp_path: Path) -> None:
@@ -94,15 +94,15 @@ def test_egress_uses_cached_addresses_when_dns_fails(tmp_path: Path) -> None:
         resolver = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
         p = EgressProbe([("egress.test", up.port)], 1.5, 0.5, resolver, AddressCache(cache_file))
         r, d = p()
-        assert (r.verdict, d) == (Verdict.OK, "ok")
+        assert (r.verdict, d) == (ProbeVerdict.OK, "ok")
         assert cache_file.exists()
         dns.mode = "silent"  # DNS wedged: the probe must still reach 443 on the cached address
         r, d = p()
-        assert (r.verdict, d) == (Verdict.OK, "fail")
+        assert (r.verdict, d) == (ProbeVerdict.OK, "fail")
         # a restarted agent (new cache object, same file) keeps the addresses
         p2 = EgressProbe([("egress.test", up.port)], 1.5, 0.5, resolver, AddressCache(cache_file))
         r, d = p2()
-        assert (r.verdict, d) == (Verdict.OK, "fail")
+        assert (r.verdict, d) == (ProbeVerdict.OK, "fail")
 
 
 def test_egress_without_any_address_fails_with_reason(tmp_path: Path) -> None:
@@ -111,21 +111,21 @@ def test_egress_without_any_address_fails_with_reason(tmp_path: Path) -> None:
         resolver = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
         p = EgressProbe([("nowhere.test", 443)], 1.0, 0.5, resolver, AddressCache(None))
         r, d = p()
-    assert (r.verdict, r.reason, d) == (Verdict.FAIL, "no_address", "fail")
+    assert (r.verdict, r.reason, d) == (ProbeVerdict.FAIL, "no_address", "fail")
 
 
 def test_tick_runs_probes_concurrently() -> None:
     def slow_md():  # type: ignore[no-untyped-def]
         time.sleep(0.4)
-        from gce_watchdog.daemon.probes import ProbeResult
+        from gce_watchdog.daemon.tick import ProbeResult
 
-        return ProbeResult(Verdict.FAIL, "timeout", 400)
+        return ProbeResult(ProbeVerdict.FAIL, "timeout", 400)
 
     def slow_eg():  # type: ignore[no-untyped-def]
         time.sleep(0.4)
-        from gce_watchdog.daemon.probes import ProbeResult
+        from gce_watchdog.daemon.tick import ProbeResult
 
-        return ProbeResult(Verdict.FAIL, "timeout", 400), "-"
+        return ProbeResult(ProbeVerdict.FAIL, "timeout", 400), "-"
 
     p = Prober(slow_md, slow_eg, timeout=0.5)
     try:
@@ -134,7 +134,7 @@ def test_tick_runs_probes_concurrently() -> None:
         took = time.monotonic() - t0
     finally:
         p.close()
-    assert r.metadata.verdict is Verdict.FAIL and r.egress.verdict is Verdict.FAIL
+    assert r.metadata.verdict is ProbeVerdict.FAIL and r.egress.verdict is ProbeVerdict.FAIL
     assert took < 0.75  # concurrent: ~0.4 s, not 0.8 s
 
 
@@ -145,7 +145,7 @@ def test_probe_exceptions_become_unknown_not_raise() -> None:
 
     p = EgressProbe([("x.test", 443)], 0.5, 0.2, Boom(), AddressCache(None))
     r, d = p()
-    assert r.verdict is Verdict.FAIL and r.reason == "no_address" and d == "fail"
+    assert r.verdict is ProbeVerdict.FAIL and r.reason == "no_address" and d == "fail"
 
 
 def test_resolver_hard_deadline_and_rcodes(tmp_path: Path) -> None:
@@ -197,25 +197,25 @@ def test_metadata_absurd_status_line_is_a_failure_not_an_exception() -> None:
     finally:
         t.join(2.0)
         srv.close()
-    assert (r.verdict, r.reason) == (Verdict.FAIL, "bad_response")
+    assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "bad_response")
 
 
 def test_tick_turns_a_raising_probe_into_unknown() -> None:
-    from gce_watchdog.daemon.probes import ProbeResult
+    from gce_watchdog.daemon.tick import ProbeResult
 
     def boom() -> ProbeResult:
         raise KeyError("a bug in a probe")
 
     def eg() -> tuple[ProbeResult, str]:
-        return ProbeResult(Verdict.OK, "ok", 1), "ok"
+        return ProbeResult(ProbeVerdict.OK, "ok", 1), "ok"
 
     p = Prober(boom, eg, timeout=0.5)
     try:
         r = p.tick()
     finally:
         p.close()
-    assert (r.metadata.verdict, r.metadata.reason) == (Verdict.UNKNOWN, "internal_KeyError")
-    assert r.egress.verdict is Verdict.OK
+    assert (r.metadata.verdict, r.metadata.reason) == (ProbeVerdict.UNKNOWN, "internal_KeyError")
+    assert r.egress.verdict is ProbeVerdict.OK
 
 
 def test_resolver_reaches_a_bracketed_ipv6_server_with_a_port() -> None:

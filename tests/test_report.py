@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from fakes import FakeClock, FakeNotifier, ScriptedProber
 from gce_watchdog.cli import main
-from gce_watchdog.daemon.ladder import Verdict
-from gce_watchdog.daemon.probes import ProbeResult, TickResult
-from gce_watchdog.daemon.service import Agent, Deps, LadderStore, TickReport
+from gce_watchdog.daemon.ladder import ProbeVerdict
+from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
 from gce_watchdog.poller.timeline import parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 from gce_watchdog.report import html, text
@@ -59,7 +59,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 def tr(md: str, eg: str, mdl: int, egl: int) -> TickResult:
     def pr(v: str, lat: int, why: str) -> ProbeResult:
-        return ProbeResult(Verdict(v), "ok" if v == "ok" else why, lat)
+        return ProbeResult(ProbeVerdict(v), "ok" if v == "ok" else why, lat)
 
     return TickResult(pr(md, mdl, "timeout"), pr(eg, egl, "connect_timeout"), "ok")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
-class Verdict(StrEnum):
+class ProbeVerdict(StrEnum):
     OK = "ok"
     FAIL = "fail"
     UNKNOWN = "unknown"
@@ -36,8 +36,8 @@ class TickClass(StrEnum):
 
 @dataclass(frozen=True)
 class Observation:
-    metadata: Verdict
-    egress: Verdict
+    metadata: ProbeVerdict
+    egress: ProbeVerdict
     in_grace: bool = False
     armed: bool = True
 
@@ -81,10 +81,10 @@ class WouldShutdown:
 Action = Climb | Hold | Recovered | Shutdown | WouldShutdown
 
 
-def classify(metadata: Verdict, egress: Verdict) -> TickClass:
-    if metadata is Verdict.OK or egress is Verdict.OK:
+def classify(metadata: ProbeVerdict, egress: ProbeVerdict) -> TickClass:
+    if metadata is ProbeVerdict.OK or egress is ProbeVerdict.OK:
         return TickClass.ANY_OK
-    if metadata is Verdict.FAIL and egress is Verdict.FAIL:
+    if metadata is ProbeVerdict.FAIL and egress is ProbeVerdict.FAIL:
         return TickClass.BOTH_FAIL
     return TickClass.INCONCLUSIVE
 

@@ -25,15 +25,12 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from gce_watchdog import __version__
-from gce_watchdog.daemon.ladder import Shutdown, Verdict, WouldShutdown
-from gce_watchdog.daemon.probes import ProbeResult
+from gce_watchdog.daemon.ladder import ProbeVerdict, Shutdown, WouldShutdown
+from gce_watchdog.daemon.tick import ProbeResult, TickReport
 from gce_watchdog.vm.config import Config
-
-if TYPE_CHECKING:
-    from gce_watchdog.daemon.service import TickReport
 
 T = TypeVar("T")
 
@@ -110,7 +107,7 @@ def _samples(s: Snapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
     for probe, r in (("metadata", s.metadata), ("egress", s.egress)):
         if r is None:
             continue
-        for v in Verdict:  # a state set: every verdict present, so a change never leaves gaps
+        for v in ProbeVerdict:  # a state set: every verdict present, so a change never leaves gaps
             out["probe_verdict"].append(({"probe": probe, "verdict": v.value}, v is r.verdict))
         out["probe_latency_seconds"].append(({"probe": probe}, r.latency_ms / 1000))
     if s.dns in ("ok", "fail"):  # "-": no names to resolve, nothing to say

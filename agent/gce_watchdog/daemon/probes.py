@@ -24,33 +24,18 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gce_watchdog.daemon.ladder import Verdict
+from gce_watchdog.daemon.ladder import ProbeVerdict
+from gce_watchdog.daemon.tick import ProbeResult, TickResult
 from gce_watchdog.lib.dns import DnsResolver, Resolver
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.lib.netaddr import is_ip, parse_host_port
 
 Clock = Callable[[], float]
 _MAX_HEADER = 16 * 1024  # bytes of response we read at most; the metadata answer is tiny
-
-
-@dataclass(frozen=True)
-class ProbeResult:
-    verdict: Verdict
-    reason: str
-    latency_ms: int
-    detail: str = ""  # metadata: the first bytes of the body (the instance id for instance/id)
-
-
-@dataclass(frozen=True)
-class TickResult:
-    metadata: ProbeResult
-    egress: ProbeResult
-    dns: str  # "ok" | "fail" | "-" (no names to resolve)
 
 
 def _errno_reason(e: OSError) -> str:
@@ -87,7 +72,7 @@ def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> P
     """One GET of url with a hard deadline of ``timeout`` seconds. Never raises."""
     t0 = clock()
 
-    def done(verdict: Verdict, reason: str, detail: str = "") -> ProbeResult:
+    def done(verdict: ProbeVerdict, reason: str, detail: str = "") -> ProbeResult:
         return ProbeResult(verdict, reason, int((clock() - t0) * 1000), detail)
 
     try:
@@ -96,7 +81,7 @@ def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> P
         port = u.port or 80
         path = (u.path or "/") + (f"?{u.query}" if u.query else "")
         if u.scheme != "http" or not host:
-            return done(Verdict.UNKNOWN, "bad_url")
+            return done(ProbeVerdict.UNKNOWN, "bad_url")
         deadline = t0 + timeout
 
         def left() -> float:
@@ -133,9 +118,9 @@ def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> P
             except OSError:
                 body = b""
     except OSError as e:
-        return done(Verdict.FAIL, _errno_reason(e))
+        return done(ProbeVerdict.FAIL, _errno_reason(e))
     except Exception as e:  # a probe never raises: anything unexpected is "unknown"
-        return done(Verdict.UNKNOWN, f"internal_{type(e).__name__}")
+        return done(ProbeVerdict.UNKNOWN, f"internal_{type(e).__name__}")
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2) if lines and lines[0] else []
     if (
@@ -144,18 +129,18 @@ def probe_metadata(url: str, timeout: float, clock: Clock = time.monotonic) -> P
         or not parts[0].startswith(b"HTTP/")
         or not (len(parts[1]) == 3 and parts[1].isdigit())  # int() refuses > 4300 digits
     ):
-        return done(Verdict.FAIL, "bad_response" if buf else "closed")
+        return done(ProbeVerdict.FAIL, "bad_response" if buf else "closed")
     status = int(parts[1])
     if status != 200:
-        return done(Verdict.FAIL, f"http_{status}")
+        return done(ProbeVerdict.FAIL, f"http_{status}")
     flavor = b""
     for ln in lines[1:]:
         k, _, v = ln.partition(b":")
         if k.strip().lower() == b"metadata-flavor":
             flavor = v.strip()
     if flavor != b"Google":
-        return done(Verdict.FAIL, "bad_flavor")
-    return done(Verdict.OK, "ok", body[:64].decode("ascii", "replace").strip())
+        return done(ProbeVerdict.FAIL, "bad_flavor")
+    return done(ProbeVerdict.OK, "ok", body[:64].decode("ascii", "replace").strip())
 
 
 # -- egress probe --------------------------------------------------------------------------------
@@ -260,9 +245,9 @@ class EgressProbe:
             reason = connect_any(addrs, max(left, 0.001), self.clock)
         except Exception as e:  # never raise out of a probe
             ms = int((self.clock() - t0) * 1000)
-            return ProbeResult(Verdict.UNKNOWN, f"internal_{type(e).__name__}", ms), "-"
+            return ProbeResult(ProbeVerdict.UNKNOWN, f"internal_{type(e).__name__}", ms), "-"
         ms = int((self.clock() - t0) * 1000)
-        verdict = Verdict.OK if reason == "ok" else Verdict.FAIL
+        verdict = ProbeVerdict.OK if reason == "ok" else ProbeVerdict.FAIL
         return ProbeResult(verdict, reason, ms), dns
 
     def _addresses(self, t0: float) -> tuple[list[tuple[str, int]], str]:
@@ -318,7 +303,7 @@ class Prober:
             except RuntimeError as e:  # cannot start a thread (memory pressure): unknown
                 r = _internal(e)
                 return TickResult(r, r, "-")
-            late = ProbeResult(Verdict.FAIL, "deadline", int(cap * 1000))
+            late = ProbeResult(ProbeVerdict.FAIL, "deadline", int(cap * 1000))
             md = _result(fm, cap, lambda: late, _internal)
             eg = _result(fe, cap, lambda: (late, "-"), lambda e: (_internal(e), "-"))
         return TickResult(md, eg[0], eg[1])
@@ -328,7 +313,7 @@ class Prober:
 
 
 def _internal(e: BaseException) -> ProbeResult:
-    return ProbeResult(Verdict.UNKNOWN, f"internal_{type(e).__name__}", 0)
+    return ProbeResult(ProbeVerdict.UNKNOWN, f"internal_{type(e).__name__}", 0)
 
 
 def _result(

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 
 from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
-from gce_watchdog.daemon.ladder import LadderState, Observation, Verdict
-from gce_watchdog.daemon.probes import ProbeResult, TickResult
+from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
+from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
@@ -146,15 +146,6 @@ class LadderStore:
             return False  # best effort: the ladder goes on in memory
 
 
-@dataclass(frozen=True)
-class TickReport:
-    n: int
-    result: TickResult
-    state: LadderState
-    actions: tuple[ladder.Action, ...]
-    duration: float
-
-
 class ShutdownHook(Protocol):
     """The action chain (``ActionChain.execute``): see there for the keyword arguments."""
 
@@ -227,7 +218,7 @@ class Agent:
             d.store.save(self.state, self.mark)
 
         rung = f"{self.state.rung}/{thr}"
-        healthy = res.metadata.verdict is Verdict.OK and res.egress.verdict is Verdict.OK
+        healthy = res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK
         dropped = d.emitter.sink.dropped
         drop = {"drop": dropped} if dropped else {}
         for a in actions:
@@ -612,9 +603,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         boot = boot_of(cfg)
         sink = DiscardSink()
-        emitter = Emitter(
-            sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=logs.mirror(log)
-        )
+        emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=logs.mirror(log))
     stop = threading.Event()
 
     agent, prober = build_agent(cfg, emitter, Notifier())
@@ -664,7 +653,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{name:<10}{v:<9}{why:<18}{lat}")
     cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
     print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
-    if res.metadata.verdict is Verdict.OK and res.egress.verdict is Verdict.OK:
+    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
         print("verdict: HEALTHY")
         return 0
     if cls is ladder.TickClass.BOTH_FAIL:

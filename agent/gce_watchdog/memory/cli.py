@@ -26,7 +26,7 @@ from typing import Any
 
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.memory import GIB
-from gce_watchdog.memory.detector import MIN_WINDOW, DetectorParams, Status, Verdict, detect
+from gce_watchdog.memory.detector import MIN_WINDOW, ClimbVerdict, DetectorParams, Status, detect
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
@@ -312,14 +312,14 @@ def _gauge_kind(name: str) -> str:
 
 def judge(
     run: Run, params: DetectorParams, gate: Sequence[str]
-) -> tuple[str, dict[str, tuple[Verdict, bool]]]:
+) -> tuple[str, dict[str, tuple[ClimbVerdict, bool]]]:
     """Overall verdict (PASS, FAIL, NOT_ENOUGH_DATA) and per-gauge (verdict, gated)."""
     names = ["host_used", "tree_rss"]
     gpu_used = sorted(
         {k for row in run.samples for k in row if k.startswith("gpu") and k.endswith("_used")},
         key=lambda k: int("".join(c for c in k if c.isdigit()) or 0),
     )
-    per: dict[str, tuple[Verdict, bool]] = {}
+    per: dict[str, tuple[ClimbVerdict, bool]] = {}
     last = run.samples[-1] if run.samples else {}
     for name in names + gpu_used:
         series = [(row["t"], row[name]) for row in run.samples if name in row]
@@ -341,7 +341,7 @@ def to_json(
     params: DetectorParams,
     gate: Sequence[str],
     overall: str,
-    per: dict[str, tuple[Verdict, bool]],
+    per: dict[str, tuple[ClimbVerdict, bool]],
     target: dict[str, Any],
 ) -> dict[str, Any]:
     return {
@@ -375,7 +375,7 @@ def to_json(
     }
 
 
-def _line(name: str, v: Verdict, gated: bool) -> str:
+def _line(name: str, v: ClimbVerdict, gated: bool) -> str:
     word = {
         Status.PASS: "PASS",
         Status.NOT_ENOUGH_DATA: "NOT ENOUGH DATA",

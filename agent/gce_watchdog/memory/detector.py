@@ -1,4 +1,4 @@
-"""The pure climb detector: a series of ``(t_seconds, bytes)`` in, a :class:`Verdict` out.
+"""The pure climb detector: a series of ``(t_seconds, bytes)`` in, a :class:`ClimbVerdict` out.
 
 No clock, no I/O. The method (see ``docs/memory-watch.md`` for the why):
 
@@ -72,7 +72,7 @@ class DetectorParams:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class ClimbVerdict:
     """What the detector concluded about one gauge, with the numbers behind it."""
 
     status: Status
@@ -238,14 +238,14 @@ def detect(
     samples: Iterable[tuple[float, float]],
     params: DetectorParams | None = None,
     capacity: float | None = None,
-) -> Verdict:
+) -> ClimbVerdict:
     """Judge one gauge's series. ``capacity`` (bytes) enables the time-to-full projection."""
     p = params or DetectorParams()
     series = clean(samples)[p.warmup :]
     n = len(series)
     cap = capacity if capacity is not None and capacity > 0 else None
     if n < p.window:
-        return Verdict(
+        return ClimbVerdict(
             Status.NOT_ENOUGH_DATA,
             n,
             f"{n} of {p.window} samples after a warm-up of {p.warmup}",
@@ -262,7 +262,7 @@ def detect(
     z, pval = mann_kendall(bys)
     slope, intercept = theil_sen(rel, bys)
     rise = slope * span
-    base = Verdict(
+    base = ClimbVerdict(
         Status.PASS,
         n,
         "",

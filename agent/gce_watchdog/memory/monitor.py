@@ -26,7 +26,7 @@ from typing import Any
 
 from gce_watchdog.lib import proc
 from gce_watchdog.memory import GIB
-from gce_watchdog.memory.detector import DetectorParams, Status, Verdict, detect
+from gce_watchdog.memory.detector import ClimbVerdict, DetectorParams, Status, detect
 from gce_watchdog.memory.samplers import GpuSampler, TopProcess, host_gauges, top_processes
 from gce_watchdog.vm.config import Config
 from gce_watchdog.vm.console import Emitter
@@ -94,7 +94,7 @@ class MemoryMonitor:
             max_points=max(self.cfg.max_window, 2 * self.cfg.window),
         )
         self._hist: dict[str, deque[tuple[float, float]]] = {}
-        self._verdicts: dict[str, Verdict] = {}
+        self._verdicts: dict[str, ClimbVerdict] = {}
         self._climbing: dict[str, int] = {}  # gauge -> periods without a climb since it climbed
         self._latest: Mapping[str, int] = MappingProxyType({})
         self._started_at: float | None = None
@@ -114,7 +114,7 @@ class MemoryMonitor:
         return self._latest
 
     @property
-    def verdicts(self) -> Mapping[str, Verdict]:
+    def verdicts(self) -> Mapping[str, ClimbVerdict]:
         """The last verdict per judged gauge (``host``, ``gpu0``, ...)."""
         return MappingProxyType(dict(self._verdicts))
 
@@ -174,7 +174,7 @@ class MemoryMonitor:
 
     # --- one period ------------------------------------------------------------------------------
 
-    def tick(self) -> dict[str, Verdict]:
+    def tick(self) -> dict[str, ClimbVerdict]:
         """Take one sample, judge every gauge, write the lines due. Returns the verdicts."""
         if self._started_at is None:
             self.open()
@@ -188,7 +188,7 @@ class MemoryMonitor:
         self._latest = MappingProxyType(gauges)
         started = self._started_at if self._started_at is not None else now
         judge = now >= started + self.cfg.warmup
-        verdicts: dict[str, Verdict] = {}
+        verdicts: dict[str, ClimbVerdict] = {}
         for name, (gauge, cap_gauge) in self._judged(gauges).items():
             hist = self._hist.setdefault(name, deque(maxlen=self.cfg.max_window))
             if judge:
@@ -207,7 +207,7 @@ class MemoryMonitor:
                 out[dev] = (key, f"{dev}_total")
         return out
 
-    def _transition(self, name: str, v: Verdict) -> None:
+    def _transition(self, name: str, v: ClimbVerdict) -> None:
         quiet = self._climbing.get(name)
         if v.status is Status.CLIMB:
             self._climbing[name] = 0
@@ -225,7 +225,7 @@ class MemoryMonitor:
                 f"{name} memory no longer climbing ({v.status})",
             )
 
-    def _climb_line(self, name: str, v: Verdict) -> None:
+    def _climb_line(self, name: str, v: ClimbVerdict) -> None:
         fields: dict[str, object] = {
             "g": name,
             "slope": f"{v.slope_gib_per_min:.3f}",
@@ -248,7 +248,7 @@ class MemoryMonitor:
         if self.cfg.on_climb == "command":
             self._act(name, v)
 
-    def _act(self, name: str, v: Verdict) -> None:
+    def _act(self, name: str, v: ClimbVerdict) -> None:
         env = {
             "GCEWD_MEM_GAUGE": name,
             "GCEWD_MEM_SLOPE_GIB_MIN": f"{v.slope_gib_per_min:.4f}",
@@ -324,5 +324,3 @@ class MemoryMonitor:
 def _gpu_index(key: str) -> int:
     digits = "".join(c for c in key[3:] if c.isdigit())
     return int(digits) if digits else -1
-
-
