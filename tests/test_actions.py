@@ -480,6 +480,7 @@ class E2E:
         ]
         lines += [f"{k} = {json.dumps(v)}" for k, v in a.items()]
         path = self.tmp / "config.toml"
+        (self.tmp / "serial.log").touch()  # the "serial device" (a missing one is unusable)
         path.write_text("\n".join(lines) + "\n")
         return path
 
@@ -635,6 +636,7 @@ def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) 
 
     with SimGCE() as sim:
         assert sim.tcp is not None
+        (tmp_path / "ttyS0").touch()  # the "serial device" (a missing one is unusable)
         cfg = tmp_path / "config.toml"
         cfg.write_text(
             f"""

@@ -518,6 +518,7 @@ kernel = []
 [serial]
 device = "{serial}"
 """)
+        serial.touch()  # the "serial device"
         sim.outage(True)
         cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
         p = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.DEVNULL)

@@ -152,6 +152,7 @@ def test_boot_grace_reports_but_does_not_climb(tmp_path: Path) -> None:
 
 def _config(tmp_path: Path, sim: SimGCE, **agent: object) -> Path:
     assert sim.tcp is not None
+    (tmp_path / "ttyS0").touch()  # the "serial device" (a missing one is unusable: fallback)
     extra = "".join(f"{k} = {v!r}\n".replace("'", '"') for k, v in agent.items())
     p = tmp_path / "config.toml"
     p.write_text(f"""

@@ -159,6 +159,7 @@ def test_gate_survives_a_broken_metadata_source(tmp_path: Path) -> None:
 def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     cfg = tmp / "config.toml"
     if not cfg.exists():
+        (tmp / "serial.log").touch()  # the "serial device" (a missing one is unusable)
         cfg.write_text(
             f'[agent]\nstate_dir = "{tmp / "state"}"\nrun_dir = "{tmp / "run"}"\n'
             f'[serial]\ndevice = "{tmp / "serial.log"}"\n'

@@ -444,6 +444,7 @@ def test_cli_usage_errors_exit_2_before_touching_anything(
 
 def write_config(d: Path) -> Path:
     cfg = d / "agent.toml"
+    (d / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg.write_text(
         f'[agent]\nstate_dir = "{d}/state"\nrun_dir = "{d}/run"\n'
         f'[serial]\ndevice = "{d}/serial.log"\nfallback_file = "{d}/serial-fallback.log"\n'

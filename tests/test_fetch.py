@@ -278,6 +278,7 @@ def test_dns_broken_then_fixed_downloads_with_retries_recorded(tmp_path: Path) -
 
 
 def _config(tmp_path: Path) -> Path:
+    (tmp_path / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg = tmp_path / "config.toml"
     cfg.write_text(
         f'[agent]\nstate_dir = "{tmp_path}/state"\n'

@@ -63,6 +63,7 @@ class Scene:
 
     def configure(self, interval: float, threshold: int, probe_timeout: float = 0.3) -> None:
         self.interval, self.threshold = interval, threshold
+        self.serial.touch()  # the "serial device" (a missing one is unusable: fallback file)
         self.cfg.write_text(
             f"""
 [agent]

@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _config(tmp_path: Path, device: str | None = None, fallback: str | None = None) -> Path:
     cfg = tmp_path / "config.toml"
+    if device is None:
+        (tmp_path / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg.write_text(
         f'[agent]\nstate_dir = "{tmp_path}/state"\n'
         f'[serial]\ndevice = "{device or tmp_path / "serial.log"}"\n'

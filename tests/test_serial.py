@@ -17,6 +17,7 @@ from gce_watchdog.wire.protocol import decode_all
 
 def test_lines_reach_a_file_in_order_and_decode(tmp_path: Path) -> None:
     f = tmp_path / "ttyS0"
+    f.touch()  # a device that exists (a missing one is unusable)
     with SerialPort(str(f)) as port:
         em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
         for i in range(50):
@@ -121,6 +122,7 @@ def test_a_failed_write_answers_a_sync_caller_at_once() -> None:
 
 def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> None:
     f = tmp_path / "ttyS0"
+    f.touch()
     with SerialPort(str(f), queue_size=4096) as port:
         em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
 

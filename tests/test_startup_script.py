@@ -98,6 +98,7 @@ def vm(tmp_path: Path) -> Iterator[Vm]:
     state = root / "var/lib/gce-watchdog"
     cfg = root / "etc/gce-watchdog/config.toml"
     cfg.parent.mkdir(parents=True)
+    (root / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg.write_text(
         f'[agent]\nstate_dir = "{state}"\nboot_id_path = "{boot}"\n'
         f'[serial]\ndevice = "{root}/serial.log"\nfallback_file = "{root}/fallback.log"\n'

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 PHASES = ("bootstrap", "workload", "done")
 SETUP_FAILED = "setup_failed"  # also recorded as the phase in the state directory
 EX_USAGE = 64  # sysexits.h: bad command line
+EX_IOERR = 74  # sysexits.h: the line could not be written (callers fall back to their own)
 EX_NOTFOUND = 127  # shell convention: command not found
 EX_NOEXEC = 126  # shell convention: found but cannot be executed
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -269,8 +270,8 @@ def cmd_phase(args: argparse.Namespace) -> int:
     from gce_watchdog.vm.runtime import load_config_or_exit
 
     cfg = load_config_or_exit(args)
-    emit_terminal(cfg, "phase", {"ph": args.phase}, phase=args.phase)
-    return 0
+    ok = emit_terminal(cfg, "phase", {"ph": args.phase}, phase=args.phase)
+    return 0 if ok else EX_IOERR
 
 
 def cmd_setup_failed(args: argparse.Namespace) -> int:
@@ -287,8 +288,8 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
         "reason": sanitize_value(reason, 32),
         "rc": "-" if args.exit_code is None else args.exit_code,
     }
-    emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
-    return 0
+    ok = emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
+    return 0 if ok else EX_IOERR
 
 
 def cmd_exec(args: argparse.Namespace) -> int:

@@ -12,8 +12,10 @@ import contextlib
 import fcntl
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +30,7 @@ from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
-from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase
+from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase, untrusted_dir
 from gce_watchdog.wire import vocab
 
 EX_TEMPFAIL = 75  # another agent holds the lock: try again later
@@ -195,6 +197,7 @@ class Agent:
         self.mark: ChainMark | None = None  # the shutdown chain's progress (None: not decided)
         self.chain_running = False
         self._chain_ended: float | None = None  # monotonic time the last chain returned
+        self.notes: list[tuple[str, str]] = []  # (what, text): `warn` lines after `start`
 
     # -- one tick -------------------------------------------------------------------------------
     def tick_once(self) -> TickReport:
@@ -401,6 +404,9 @@ class Agent:
             f"gce-watchdog {__version__} started, every {cfg.agent.interval:g}s",
             sync=True,
         )
+        for what, text in self.notes:
+            with contextlib.suppress(Exception):
+                d.emitter.emit(vocab.WARN, {"what": what}, text[:100], sync=True)
         for svc in d.services:
             with contextlib.suppress(Exception):
                 svc.start()
@@ -487,7 +493,9 @@ class AgentLock:
     def acquire(self) -> str | None:
         """None on success, else a message naming the holder."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # O_NOFOLLOW: a link planted at agent.lock is refused, never truncated through.
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.fd = os.open(self.path, flags, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -579,11 +587,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
     logs.setup()
     log = logs.get()
+    notes: list[tuple[str, str]] = []  # (what, text): written on the console after `start`
+
+    def note(what: str, text: str) -> None:
+        print(f"gce-watchdog: {text}", file=sys.stderr)
+        log.warning(what, text=text)
+        notes.append((what, text))
+
+    private_state: str | None = None
+    why = untrusted_dir(cfg.agent.state_dir)
+    if why:
+        # Not trusted (a planted disarm.json, links): not read, not written. The ladder, the
+        # line counter and the disarm switch live in a private directory for this run only.
+        private_state = tempfile.mkdtemp(prefix="gce-watchdog-state-")
+        note(
+            "state_dir",
+            f"state dir {cfg.agent.state_dir} {why}: not used, state kept in {private_state} "
+            "for this run only",
+        )
+        cfg = cfgmod.replace(cfg, agent={"state_dir": private_state})
     lock = AgentLock(cfg.agent.run_dir)
-    try:
-        held = lock.acquire()
-    except OSError as e:
-        held = f"cannot use lock {lock.path}: {e.strerror}"
+    held: str | None = None
+    why = untrusted_dir(cfg.agent.run_dir)
+    if why:
+        note("run_dir", f"run dir {cfg.agent.run_dir} {why}: running without the agent lock")
+    else:
+        try:
+            held = lock.acquire()
+        except OSError as e:
+            note(
+                "run_dir", f"cannot use {lock.path} ({e.strerror}): running without the agent lock"
+            )
     if held:
         print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
         return EX_TEMPFAIL
@@ -607,6 +641,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     agent, prober = build_agent(cfg, emitter, Notifier())
+    agent.notes.extend(notes)
 
     def on_signal(signum: int, _frame: object) -> None:
         reason = "sigint" if signum == signal.SIGINT else "sigterm"
@@ -620,6 +655,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         prober.close()
         if port is not None:
             port.close()
+        if private_state is not None:
+            shutil.rmtree(private_state, ignore_errors=True)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

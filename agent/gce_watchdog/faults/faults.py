@@ -69,6 +69,7 @@ EX_FAIL = 1
 EX_USAGE = 2
 EX_UNAVAILABLE = 69  # sysexits.h: iptables missing
 EX_NOPERM = 77  # sysexits.h: not root
+EX_IOERR = 74  # sysexits.h: done, but its serial line could not be written
 
 
 class FaultError(Exception):
@@ -305,6 +306,7 @@ class Deps:
     python: Sequence[str] = field(default_factory=lambda: [sys.executable, "-m", "gce_watchdog"])
     emit: Callable[[str, dict[str, object], str], bool] | None = None
     out: Callable[[str], None] = print
+    unwritten: int = 0  # fault lines that could not be written (the command then exits 74)
 
 
 @dataclass(frozen=True)
@@ -642,6 +644,7 @@ def _emit(
         return
     fields: dict[str, object] = {"op": op, "id": fault_id, "cut": cut.label, **extra}
     if not deps.emit(vocab.FAULT, fields, text):
+        deps.unwritten += 1
         deps.out("gce-watchdog fault: warning: the serial line was not written (port stalled)")
 
 
@@ -718,6 +721,7 @@ def _deps_from_args(
                 f"gce-watchdog fault: warning: no serial port ({e}); no fault line written",
                 file=sys.stderr,
             )
+            deps.emit = _unwritable(deps)
         else:
 
             def emit_fn(event: str, fields: dict[str, object], text: str) -> bool:
@@ -727,6 +731,15 @@ def _deps_from_args(
 
             deps.emit = emit_fn
     return deps, Paths(Path(cfg.agent.run_dir), getattr(args, "config", None)), port
+
+
+def _unwritable(deps: Deps) -> Callable[[str, dict[str, object], str], bool]:
+    """The emit of a command with no serial port at all: every line counts as not written."""
+
+    def emit(event: str, fields: dict[str, object], text: str) -> bool:
+        return False
+
+    return emit
 
 
 def _run_op(
@@ -751,7 +764,15 @@ def _run_op(
     before()
     deps, paths, port = _deps_from_args(args, emit, cfg)
     try:
-        return op(deps, paths)
+        rc = op(deps, paths)
+        if rc == EX_OK and deps.unwritten:
+            # Done, but the console does not say so: callers must be able to tell and fall back.
+            print(
+                f"gce-watchdog fault: {deps.unwritten} serial line(s) not written (exit 74)",
+                file=sys.stderr,
+            )
+            return EX_IOERR
+        return rc
     except FaultError as e:
         print(f"gce-watchdog fault: {e}", file=sys.stderr)
         return EX_UNAVAILABLE if isinstance(e, ToolMissing) else EX_FAIL

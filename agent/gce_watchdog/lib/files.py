@@ -20,7 +20,10 @@ def atomic_write(path: str | Path, data: bytes, mode: int = 0o644) -> None:
     # Per thread, not only per process: a probe thread that outlived its tick may write the same
     # file as the next tick's.
     tmp = p.with_name(f".{p.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    # O_NOFOLLOW: a link planted at the temporary name is refused, never written through (the
+    # rename itself replaces a link at the final name, it does not follow it).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(tmp, flags, mode)
     try:
         try:
             view = memoryview(data)
@@ -52,9 +55,10 @@ STATE_FILE_MAX = 64 * 1024
 
 def read_json(path: str | Path) -> Any:
     """The parsed file, or None when missing, corrupt, nested too deep or too big: any content
-    at all gives an answer, never an exception."""
+    at all gives an answer, never an exception. A symlink is not followed (None)."""
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
             data = f.read(STATE_FILE_MAX + 1)
         if len(data) > STATE_FILE_MAX:
             return None

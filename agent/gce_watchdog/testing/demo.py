@@ -64,6 +64,7 @@ def show(e: Event, t0: float) -> None:
 def write_config(d: Path, sim: SimGCE) -> Path:
     assert sim.tcp is not None
     p = d / "config.toml"
+    (d / "ttyS0").touch()  # the "serial device": a missing one is unusable (fallback file)
     p.write_text(
         f"""# demo config: 1 s ticks instead of 30 s, dry-run instead of a real poweroff
 [agent]

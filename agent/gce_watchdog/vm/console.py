@@ -14,6 +14,7 @@ out, which is reported as False).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import stat
@@ -70,22 +71,29 @@ class DiscardSink:
         return lambda: False
 
 
-def _open_port(path: str) -> tuple[int, bool]:
-    """Open a tty or a regular file for appending; returns (fd, is_tty)."""
+def _open_port(path: str, create: bool = False) -> tuple[int, bool]:
+    """Open a tty (or an existing regular file) for appending; returns (fd, is_tty).
+
+    The serial device is never created, nor its directory: a missing device means the console
+    is unusable and the caller uses the fallback file. ``create`` is for that fallback file (its
+    directory is ours: /var/log/gce-watchdog).
+    """
     flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC | os.O_APPEND
+    if create:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o640), False
+    # O_NONBLOCK for the open only (a tty waiting for carrier, a FIFO with no reader must not
+    # hang us), then blocking writes in the writer thread.
+    fd = os.open(path, flags | os.O_NONBLOCK)
     try:
-        st = os.stat(path)
-        is_char = stat.S_ISCHR(st.st_mode)
-    except FileNotFoundError:
-        is_char = False
-    if is_char:
-        # O_NONBLOCK only for the open (a tty waiting for carrier must not hang us), then blocking
-        # writes in the writer thread.
-        fd = os.open(path, flags | os.O_NONBLOCK)
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISCHR(mode) or stat.S_ISREG(mode)):
+            raise OSError(errno.EINVAL, "not a character device or a regular file")
         os.set_blocking(fd, True)
-        return fd, os.isatty(fd)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return os.open(path, flags | os.O_CREAT, 0o640), False
+        return fd, stat.S_ISCHR(mode) and os.isatty(fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class _Waiter:
@@ -133,7 +141,7 @@ class SerialPort:
             self.open_error = f"{self.device}: {e.strerror or e}"
             if not self.fallback:
                 raise
-            self._fd, self._tty = _open_port(self.fallback)
+            self._fd, self._tty = _open_port(self.fallback, create=True)
             self.target = self.fallback
         self._thread = threading.Thread(target=self._run, name="serial-writer", daemon=True)
         self._thread.start()

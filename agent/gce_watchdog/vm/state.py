@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from gce_watchdog.lib.files import atomic_write
@@ -27,6 +28,36 @@ def read_boot_id(path: str = BOOT_ID_PATH) -> str:
 def short_boot(boot_id: str) -> str:
     """The 8-hex form used on the wire."""
     return (boot_id + "0" * 8)[:8]
+
+
+def untrusted_dir(path: str | Path, euid: int | None = None) -> str | None:
+    """Why a state or run directory must not be trusted by an agent running as root, or None.
+
+    As root, a directory owned by another user, writable by group or others, or a symlink could
+    have been prepared by someone else (a planted ``disarm.json``, a link where the lock goes).
+    A directory that does not exist yet is fine: the agent creates it (root, 0755). Not root:
+    nothing to check (the kernel's permissions are the owner's).
+    """
+    if (os.geteuid() if euid is None else euid) != 0:
+        return None
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != 0:
+        return f"is owned by uid {st.st_uid}, not root"
+    if st.st_mode & 0o022:
+        who = " and ".join(
+            w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit
+        )
+        return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 class SeqAllocator:
@@ -53,7 +84,8 @@ class SeqAllocator:
 
     def _next_locked(self) -> int:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # a planted link: refused
+        fd = os.open(self.path, flags, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, 64, 0).decode("ascii", "replace").split()
@@ -75,7 +107,8 @@ PHASE_FILE = "phase"
 
 def read_phase(state_dir: str | Path) -> str:
     try:
-        with open(Path(state_dir) / PHASE_FILE, "rb") as f:
+        fd = os.open(Path(state_dir) / PHASE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
             raw = f.read(256)
         return raw.decode("utf-8").strip() or "unknown"
     except (OSError, ValueError):  # ValueError: not UTF-8 (anyone with root may write it)
