@@ -207,13 +207,15 @@ def test_terminal_line_survives_sigkill_right_after_return(
     assert evs and evs[-1].event == event
 
 
-def test_unusable_serial_port_does_not_fail_the_command(
+def test_unusable_serial_port_records_the_phase_and_exits_74(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # The phase is still recorded, but the line was not written: exit 74 (issue 16), so the
+    # start-up script falls back to its own emitter instead of believing the console says it.
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     cfg = str(_config(tmp_path, device=f"{blocker}/ttyS0", fallback=f"{blocker}/serial.log"))
-    assert _run(["phase", "bootstrap", "--config", cfg]) == 0
+    assert _run(["phase", "bootstrap", "--config", cfg]) == 74
     assert read_phase(tmp_path / "state") == "bootstrap"
     err = capsys.readouterr().err
     assert "lines are not written" in err and "not confirmed" in err

@@ -47,6 +47,7 @@ _EVENT = {
     "tick": WARNING,  # only written while a probe fails: the ladder climbs or holds
     "fault": WARNING,  # an injected outage is on (clear/expire: notice)
     "signal": WARNING,
+    "warn": WARNING,
     "start": NOTICE,
     "stop": NOTICE,
     "recovered": NOTICE,
