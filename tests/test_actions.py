@@ -187,7 +187,10 @@ def rig(
         ("poweroff", {}, ["linger", "poweroff", "force", "kernel"]),
         ("delete", {}, ["linger", "delete", "poweroff", "force", "kernel"]),
         ("stop", {"kernel": []}, ["linger", "stop", "poweroff", "force"]),
-        ("dry-run", {}, ["linger", "delete", "poweroff", "force", "kernel"]),
+        # a dry run rehearses the default action's chain (poweroff), or the one it names
+        ("dry-run", {}, ["linger", "poweroff", "force", "kernel"]),
+        ("dry-run", {"dry_run_op": "delete"}, ["linger", "delete", "poweroff", "force", "kernel"]),
+        ("dry-run", {"dry_run_op": "stop"}, ["linger", "stop", "poweroff", "force", "kernel"]),
         ("dry-run", {"dry_run_op": "none", "linger": 0}, ["poweroff", "force", "kernel"]),
     ],
 )
@@ -332,8 +335,15 @@ def test_no_cached_identity_skips_the_api_but_not_the_chain(tmp_path: Path) -> N
     assert ("action", "poweroff", "start") in r.steps()
 
 
+def test_dry_run_reports_the_chain_the_default_action_would_run(tmp_path: Path) -> None:
+    cfg = cfgmod.Config()
+    real = rig(tmp_path / "real", cfg.agent.action)
+    dry = rig(tmp_path / "dry", "dry-run")
+    assert dry.chain.plan() == real.chain.plan()  # the default config, switched to dry-run
+
+
 def test_dry_run_never_runs_a_real_action(tmp_path: Path) -> None:
-    r = rig(tmp_path, "dry-run", linger=10.0)
+    r = rig(tmp_path, "dry-run", linger=10.0, dry_run_op="delete")
     r.chain.execute("ladder", 10, 10)
     assert r.runner.calls == []
     assert r.kernel.calls == []
@@ -353,7 +363,7 @@ def test_dry_run_never_runs_a_real_action(tmp_path: Path) -> None:
 
 def test_default_cache_reader_uses_the_state_dir(tmp_path: Path) -> None:
     save_instance_cache(tmp_path, INST)
-    cfg = make_cfg(tmp_path, "dry-run", linger=0)
+    cfg = make_cfg(tmp_path, "dry-run", linger=0, dry_run_op="delete")
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
     chain = ActionChain(cfg, em, lambda: None, runner=FakeRunner(), kernel=FakeKernel())
@@ -614,7 +624,7 @@ def test_e2e_poweroff_fails_and_the_chain_escalates(e2e: E2E) -> None:
 
 
 def test_e2e_dry_run_touches_nothing(e2e: E2E) -> None:
-    _, events = e2e.run(e2e.config("dry-run"))
+    _, events = e2e.run(e2e.config("dry-run", dry_run_op="delete"))  # rehearse a delete
     assert not e2e.record.exists()
     assert not (e2e.tmp / "kernel.log").exists()
     assert e2e.api.calls == []  # type: ignore[attr-defined]

@@ -281,7 +281,7 @@ class ActionChain:
         """The Compute API self-action of this chain (None: none)."""
         if self.action in ("delete", "stop"):
             return self.action
-        if self.dry_run and self.cfg.actions.dry_run_op != "none":
+        if self.dry_run and self.cfg.actions.dry_run_op in ("delete", "stop"):
             return self.cfg.actions.dry_run_op
         return None
 

@@ -273,8 +273,12 @@ class ActionsSection:
         ),
     )
     sysrq_path: str = field(default="/proc/sysrq-trigger", metadata=_check(_abs_path))
-    # The self-action a dry run (agent.action = "dry-run") reports it would have taken.
-    dry_run_op: str = field(default="delete", metadata=_check(_one_of("delete", "stop", "none")))
+    # The action a dry run (agent.action = "dry-run") rehearses: its chain is the one that action
+    # would really run. Default: agent.action's own default, so switching a default config to
+    # dry-run reports the chain it would otherwise have run. "none" is the old name of "poweroff".
+    dry_run_op: str = field(
+        default="poweroff", metadata=_check(_one_of("poweroff", "delete", "stop", "none"))
+    )
 
 
 @dataclass(frozen=True)
