@@ -50,6 +50,7 @@ demo: $(STAMP)
 test: $(STAMP) apt-test
 	$(VENV)/bin/ruff check agent tests bench
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 	@$(MAKE) --no-print-directory e2e-if-possible
 
@@ -59,6 +60,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check agent tests bench
 	$(VENV)/bin/ruff format --check agent tests bench e2e
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 # Benchmarks (docs/performance.md): the agent vs monit and watchdog(8) in network namespaces.
 # BENCH_ARGS: --quick (about 2 min), --no-peers, --no-doc. The peers are installed as root when

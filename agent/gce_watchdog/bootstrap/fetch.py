@@ -27,7 +27,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
@@ -688,7 +688,6 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
 
     import tenacity
 
-
     rng = deps.rng or random.Random()  # noqa: S311 - jitter, not cryptography
     policy = deps.policy or RetryPolicy(deadline=req.deadline)
     resolver = deps.resolver or DnsResolver(req.dns_servers)
@@ -947,12 +946,10 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             port.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gce_watchdog.bootstrap.fetch`` (same as ``gce-watchdog fetch``)."""
-    from gce_watchdog.cli import main as cli_main
-
-    return cli_main(["fetch", *(argv if argv is not None else sys.argv[1:])])
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # ``python -m gce_watchdog.bootstrap.fetch ARGS`` is ``gce-watchdog fetch ARGS``: the package's
+    # entry point runs it (by name, so this library module does not import the CLI above it).
+    import runpy
+
+    sys.argv[1:1] = ["fetch"]
+    runpy.run_module("gce_watchdog", run_name="__main__", alter_sys=True)

@@ -140,7 +140,7 @@ class SerialChunk:
 @dataclass(frozen=True)
 class InstanceStatus:
     """What the API says about an instance (the poller's view; the VM's own identity is
-    ``gce_watchdog.daemon.metawatch.InstanceStatus``)."""
+    ``gce_watchdog.daemon.metawatch.InstanceInfo``)."""
 
     name: str
     id: str
