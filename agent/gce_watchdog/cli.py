@@ -18,14 +18,13 @@ from gce_watchdog import __version__
 # and each parser it adds sets `func=handler(args) -> int`.
 MODULES: tuple[str, ...] = (
     "gce_watchdog.vm.cli",
-    "gce_watchdog.daemon.service",
+    "gce_watchdog.daemon.cli",
     "gce_watchdog.faults.faults",
     "gce_watchdog.bootstrap.fetch",
     "gce_watchdog.bootstrap.phases",
     "gce_watchdog.poller.cli",
     "gce_watchdog.memory.cli",
     "gce_watchdog.report.cli",
-    "gce_watchdog.daemon.disarm",
     "gce_watchdog.bootstrap.install",
 )
 

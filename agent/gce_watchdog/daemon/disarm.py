@@ -13,20 +13,14 @@ Disarming always expires: the local switch takes a duration of at most :data:`MA
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import getpass
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
-from gce_watchdog.lib.durations import parse_duration
-from gce_watchdog.lib.files import atomic_write, read_json
+from gce_watchdog.lib.files import read_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
@@ -137,121 +131,3 @@ class DisarmGate:
     def _emit(self, event: str, src: str, why: str, text: str) -> None:
         with contextlib.suppress(Exception):  # best effort at the edge: the ladder goes on
             self.emitter.emit(event, {"src": src, "why": why}, text, sync=True)
-
-
-# -- CLI ------------------------------------------------------------------------------------------
-
-
-def register(sub: Any) -> None:
-    from gce_watchdog.vm.runtime import add_config_arg
-
-    d = sub.add_parser(
-        "disarm",
-        help="stop the watchdog from acting for a while (it still reports); always expires",
-        description=(
-            "Disarm the watchdog for a bounded time: the ladder still climbs and is reported, "
-            "and at the threshold the agent writes 'disarmed: would shut down' instead of acting. "
-            f"At most {MAX_DISARM_S / 3600:g}h; it re-arms by itself at expiry."
-        ),
-    )
-    add_config_arg(d)
-    d.add_argument(
-        "--for",
-        dest="duration",
-        default=None,
-        metavar="DURATION",
-        help=f"how long, e.g. 30m, 2h (required unless --status; at most {MAX_DISARM_S / 3600:g}h)",
-    )
-    d.add_argument("--reason", default="", help="why (shown on the serial console)")
-    d.add_argument("--status", action="store_true", help="print the local switch's state")
-    d.set_defaults(func=cmd_disarm)
-    a = sub.add_parser("arm", help="end a local disarm now")
-    add_config_arg(a)
-    a.set_defaults(func=cmd_arm)
-
-
-def _who() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return str(os.getuid())
-
-
-def _emit_cli(cfg: cfgmod.Config, event: str, fields: dict[str, object], text: str) -> bool:
-    """Write one line on the serial console (best effort: the switch itself already changed)."""
-    from gce_watchdog.vm.runtime import make_emitter
-
-    try:
-        em, port = make_emitter(cfg)
-    except OSError as e:
-        print(f"gce-watchdog: note: serial line not written: {e}", file=sys.stderr)
-        return False
-    try:
-        em.emit(event, fields, text, sync=True)
-    finally:
-        port.close()
-    return True
-
-
-def cmd_disarm(args: argparse.Namespace) -> int:
-    from gce_watchdog.vm.runtime import load_config_or_exit
-
-    cfg = load_config_or_exit(args)
-    now = time.time()
-    if args.status:
-        armed, why = disarm_status(cfg, now, False)
-        print(
-            f"{'armed' if armed else 'disarmed'} ({why}); the metadata attribute "
-            f"{cfg.watch.disarm_attribute!r} is checked by the running agent"
-        )
-        return 0
-    if args.duration is None:
-        print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
-        return 2
-    try:
-        secs = parse_duration(args.duration)
-    except ValueError as e:
-        print(f"gce-watchdog disarm: --for: {e}", file=sys.stderr)
-        return 2
-    if not 0 < secs <= MAX_DISARM_S:
-        print(
-            f"gce-watchdog disarm: --for must be more than 0 and at most "
-            f"{MAX_DISARM_S / 3600:g}h (got {args.duration}); run it again later to extend",
-            file=sys.stderr,
-        )
-        return 2
-    until = now + secs
-    rec = {"set_at": now, "until": until, "reason": args.reason[:200], "by": _who()}
-    import json
-
-    try:
-        atomic_write(disarm_path(cfg), (json.dumps(rec, sort_keys=True) + "\n").encode(), 0o644)
-    except OSError as e:
-        print(f"gce-watchdog disarm: cannot write {disarm_path(cfg)}: {e}", file=sys.stderr)
-        return 1
-    _emit_cli(
-        cfg,
-        vocab.DISARM,
-        {"src": "local", "until": iso(until), "dur": f"{int(secs)}s", "by": rec["by"]},
-        args.reason or "disarmed by an operator",
-    )
-    print(f"disarmed until {iso(until)} (re-arms by itself then; `gce-watchdog arm` ends it now)")
-    return 0
-
-
-def cmd_arm(args: argparse.Namespace) -> int:
-    from gce_watchdog.vm.runtime import load_config_or_exit
-
-    cfg = load_config_or_exit(args)
-    p = disarm_path(cfg)
-    was = "armed" if disarm_status(cfg, time.time(), False)[0] else "disarmed"
-    try:
-        p.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        print(f"gce-watchdog arm: cannot remove {p}: {e}", file=sys.stderr)
-        return 1
-    _emit_cli(cfg, vocab.ARM, {"src": "local", "was": was, "by": _who()}, "armed by an operator")
-    print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
-    return 0

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.lib.files import atomic_write, read_json
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
@@ -76,8 +76,6 @@ class InstanceInfo:
 
 
 def load_instance_cache(state_dir: str | Path) -> InstanceInfo | None:
-    from gce_watchdog.lib.files import read_json
-
     return InstanceInfo.from_json(read_json(Path(state_dir) / INSTANCE_CACHE))
 
 

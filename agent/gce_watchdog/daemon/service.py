@@ -7,15 +7,10 @@ for a hand-written fake and drive it with a fake clock.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import math
 import os
-import shutil
-import signal
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -25,12 +20,18 @@ from typing import Any, Protocol
 
 from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
+from gce_watchdog.daemon.actions import ActionChain, step_after
+from gce_watchdog.daemon.disarm import DisarmGate
 from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
+from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache
+from gce_watchdog.daemon.metrics import MetricsExporter
+from gce_watchdog.daemon.probes import build_prober
 from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
 from gce_watchdog.lib.files import read_json, write_json
+from gce_watchdog.memory.monitor import MemoryMonitor
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
-from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase, untrusted_dir
+from gce_watchdog.vm.console import Emitter
+from gce_watchdog.vm.state import read_boot_id, read_phase
 from gce_watchdog.wire import vocab
 
 EX_TEMPFAIL = 75  # another agent holds the lock: try again later
@@ -316,8 +317,6 @@ class Agent:
 
     def run_chain(self, resume_at: str | None) -> None:
         """Run (or resume) the chain; whatever it raises, the next attempt goes on further."""
-        from gce_watchdog.daemon.actions import step_after
-
         d = self.d
         if self.mark is None:
             self.mark = ChainMark("shutdown", d.clock.wall())
@@ -511,21 +510,12 @@ class AgentLock:
 def _instance_id(state_dir: str, known: Any, attr: str = "id") -> str:
     """The instance's id (or name) for the `start` line: the watcher's, else its cache, else
     "-"."""
-    from gce_watchdog.daemon.metawatch import load_instance_cache
-
     info = known or load_instance_cache(state_dir)
     return str(getattr(info, attr)) if info is not None else "-"
 
 
 def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
     """The real edges for a config. Returns the agent and the prober (to close)."""
-    from gce_watchdog.daemon.actions import ActionChain
-    from gce_watchdog.daemon.disarm import DisarmGate
-    from gce_watchdog.daemon.metawatch import MetadataWatcher
-    from gce_watchdog.daemon.metrics import MetricsExporter
-    from gce_watchdog.daemon.probes import build_prober
-    from gce_watchdog.memory.monitor import MemoryMonitor
-
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
     prober = build_prober(cfg)
@@ -562,139 +552,3 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         tick_hooks=[exporter],
     )
     return Agent(cfg, deps), prober
-
-
-# -- commands ------------------------------------------------------------------------------------
-
-
-def register(sub: Any) -> None:
-    from gce_watchdog.vm.runtime import add_config_arg
-
-    r = sub.add_parser("run", help="run the watchdog agent (what the systemd unit starts)")
-    add_config_arg(r)
-    r.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (tests)")
-    r.set_defaults(func=cmd_run)
-    c = sub.add_parser("check", help="run one tick of both probes and print the result")
-    add_config_arg(c)
-    c.set_defaults(func=cmd_check)
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from gce_watchdog.daemon.sdnotify import Notifier
-    from gce_watchdog.vm import logs
-    from gce_watchdog.vm.runtime import boot_of, load_config_or_exit, make_emitter
-
-    cfg = load_config_or_exit(args)
-    logs.setup()
-    log = logs.get()
-    notes: list[tuple[str, str]] = []  # (what, text): written on the console after `start`
-
-    def note(what: str, text: str) -> None:
-        print(f"gce-watchdog: {text}", file=sys.stderr)
-        log.warning(what, text=text)
-        notes.append((what, text))
-
-    private_state: str | None = None
-    why = untrusted_dir(cfg.agent.state_dir)
-    if why:
-        # Not trusted (a planted disarm.json, links): not read, not written. The ladder, the
-        # line counter and the disarm switch live in a private directory for this run only.
-        private_state = tempfile.mkdtemp(prefix="gce-watchdog-state-")
-        note(
-            "state_dir",
-            f"state dir {cfg.agent.state_dir} {why}: not used, state kept in {private_state} "
-            "for this run only",
-        )
-        cfg = cfgmod.replace(cfg, agent={"state_dir": private_state})
-    lock = AgentLock(cfg.agent.run_dir)
-    held: str | None = None
-    why = untrusted_dir(cfg.agent.run_dir)
-    if why:
-        note("run_dir", f"run dir {cfg.agent.run_dir} {why}: running without the agent lock")
-    else:
-        try:
-            held = lock.acquire()
-        except OSError as e:
-            note(
-                "run_dir", f"cannot use {lock.path} ({e.strerror}): running without the agent lock"
-            )
-    if held:
-        print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
-        return EX_TEMPFAIL
-    port: SerialPort | None = None
-    try:
-        emitter, port = make_emitter(cfg, log=logs.mirror(log))
-        if port.open_error:
-            log.warning("serial_fallback", error=port.open_error, target=port.target)
-    except OSError as e:
-        # No console at all: keep watching (the lines still reach the journal) rather than
-        # crash-loop and leave a wedged VM unguarded.
-        log.error(
-            "serial_unavailable",
-            error=str(e),
-            device=cfg.serial.device,
-            fallback=cfg.serial.fallback_file,
-        )
-        boot = boot_of(cfg)
-        sink = DiscardSink()
-        emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=logs.mirror(log))
-    stop = threading.Event()
-
-    agent, prober = build_agent(cfg, emitter, Notifier())
-    agent.notes.extend(notes)
-
-    def on_signal(signum: int, _frame: object) -> None:
-        reason = "sigint" if signum == signal.SIGINT else "sigterm"
-        agent.request_stop(stop, reason, signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    try:
-        return agent.run(stop, max_ticks=args.max_ticks)
-    finally:
-        prober.close()
-        if port is not None:
-            port.close()
-        if private_state is not None:
-            shutil.rmtree(private_state, ignore_errors=True)
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    """Exit 0: both paths up. 1: one path down (the ladder would hold). 2: both down (it would
-    climb). 78: invalid config."""
-    from gce_watchdog.daemon.probes import build_prober
-    from gce_watchdog.vm.runtime import load_config_or_exit
-
-    cfg = load_config_or_exit(args)
-    prober = build_prober(cfg)
-    try:
-        res = prober.tick()
-    finally:
-        prober.close()
-    st = LadderStore(
-        Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
-    )
-    rung = st.load(cfg.agent.threshold).rung
-    rows = [
-        (
-            "metadata",
-            res.metadata.verdict.value,
-            res.metadata.reason,
-            f"{res.metadata.latency_ms} ms",
-        ),
-        ("egress", res.egress.verdict.value, res.egress.reason, f"{res.egress.latency_ms} ms"),
-        ("dns", res.dns, "", ""),
-    ]
-    print(f"{'probe':<10}{'verdict':<9}{'reason':<18}latency")
-    for name, v, why, lat in rows:
-        print(f"{name:<10}{v:<9}{why:<18}{lat}")
-    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
-    print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
-    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
-        print("verdict: HEALTHY")
-        return 0
-    if cls is ladder.TickClass.BOTH_FAIL:
-        print("verdict: OUTAGE (both paths down: the ladder would climb)")
-        return 2
-    print("verdict: DEGRADED (one path down or unknown: the ladder would not climb)")
-    return 1

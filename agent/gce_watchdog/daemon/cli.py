@@ -1,0 +1,263 @@
+"""The agent's commands: ``run`` (what the systemd unit starts), ``check`` (one tick, printed),
+``disarm`` and ``arm`` (the local switch). argparse code only; the agent lives in service.py."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gce_watchdog.daemon import ladder
+from gce_watchdog.daemon.disarm import MAX_DISARM_S, disarm_path, disarm_status, iso
+from gce_watchdog.daemon.ladder import ProbeVerdict
+from gce_watchdog.daemon.probes import build_prober
+from gce_watchdog.daemon.sdnotify import Notifier
+from gce_watchdog.daemon.service import EX_TEMPFAIL, AgentLock, LadderStore, build_agent
+from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm import logs
+from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
+from gce_watchdog.vm.runtime import add_config_arg, boot_of, load_config_or_exit, make_emitter
+from gce_watchdog.vm.state import SeqAllocator, read_boot_id, untrusted_dir
+from gce_watchdog.wire import vocab
+
+
+def register(sub: Any) -> None:
+    r = sub.add_parser("run", help="run the watchdog agent (what the systemd unit starts)")
+    add_config_arg(r)
+    r.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (tests)")
+    r.set_defaults(func=cmd_run)
+    c = sub.add_parser("check", help="run one tick of both probes and print the result")
+    add_config_arg(c)
+    c.set_defaults(func=cmd_check)
+    register_disarm(sub)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = load_config_or_exit(args)
+    logs.setup()
+    log = logs.get()
+    notes: list[tuple[str, str]] = []  # (what, text): written on the console after `start`
+
+    def note(what: str, text: str) -> None:
+        print(f"gce-watchdog: {text}", file=sys.stderr)
+        log.warning(what, text=text)
+        notes.append((what, text))
+
+    private_state: str | None = None
+    why = untrusted_dir(cfg.agent.state_dir)
+    if why:
+        # Not trusted (a planted disarm.json, links): not read, not written. The ladder, the
+        # line counter and the disarm switch live in a private directory for this run only.
+        private_state = tempfile.mkdtemp(prefix="gce-watchdog-state-")
+        note(
+            "state_dir",
+            f"state dir {cfg.agent.state_dir} {why}: not used, state kept in {private_state} "
+            "for this run only",
+        )
+        cfg = cfgmod.replace(cfg, agent={"state_dir": private_state})
+    lock = AgentLock(cfg.agent.run_dir)
+    held: str | None = None
+    why = untrusted_dir(cfg.agent.run_dir)
+    if why:
+        note("run_dir", f"run dir {cfg.agent.run_dir} {why}: running without the agent lock")
+    else:
+        try:
+            held = lock.acquire()
+        except OSError as e:
+            note(
+                "run_dir", f"cannot use {lock.path} ({e.strerror}): running without the agent lock"
+            )
+    if held:
+        print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
+        return EX_TEMPFAIL
+    port: SerialPort | None = None
+    try:
+        emitter, port = make_emitter(cfg, log=logs.mirror(log))
+        if port.open_error:
+            log.warning("serial_fallback", error=port.open_error, target=port.target)
+    except OSError as e:
+        # No console at all: keep watching (the lines still reach the journal) rather than
+        # crash-loop and leave a wedged VM unguarded.
+        log.error(
+            "serial_unavailable",
+            error=str(e),
+            device=cfg.serial.device,
+            fallback=cfg.serial.fallback_file,
+        )
+        boot = boot_of(cfg)
+        sink = DiscardSink()
+        emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=logs.mirror(log))
+    stop = threading.Event()
+
+    agent, prober = build_agent(cfg, emitter, Notifier())
+    agent.notes.extend(notes)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        reason = "sigint" if signum == signal.SIGINT else "sigterm"
+        agent.request_stop(stop, reason, signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return agent.run(stop, max_ticks=args.max_ticks)
+    finally:
+        prober.close()
+        if port is not None:
+            port.close()
+        if private_state is not None:
+            shutil.rmtree(private_state, ignore_errors=True)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Exit 0: both paths up. 1: one path down (the ladder would hold). 2: both down (it would
+    climb). 78: invalid config."""
+    cfg = load_config_or_exit(args)
+    prober = build_prober(cfg)
+    try:
+        res = prober.tick()
+    finally:
+        prober.close()
+    st = LadderStore(
+        Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
+    )
+    rung = st.load(cfg.agent.threshold).rung
+    rows = [
+        (
+            "metadata",
+            res.metadata.verdict.value,
+            res.metadata.reason,
+            f"{res.metadata.latency_ms} ms",
+        ),
+        ("egress", res.egress.verdict.value, res.egress.reason, f"{res.egress.latency_ms} ms"),
+        ("dns", res.dns, "", ""),
+    ]
+    print(f"{'probe':<10}{'verdict':<9}{'reason':<18}latency")
+    for name, v, why, lat in rows:
+        print(f"{name:<10}{v:<9}{why:<18}{lat}")
+    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
+    print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
+    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
+        print("verdict: HEALTHY")
+        return 0
+    if cls is ladder.TickClass.BOTH_FAIL:
+        print("verdict: OUTAGE (both paths down: the ladder would climb)")
+        return 2
+    print("verdict: DEGRADED (one path down or unknown: the ladder would not climb)")
+    return 1
+
+
+def register_disarm(sub: Any) -> None:
+    d = sub.add_parser(
+        "disarm",
+        help="stop the watchdog from acting for a while (it still reports); always expires",
+        description=(
+            "Disarm the watchdog for a bounded time: the ladder still climbs and is reported, "
+            "and at the threshold the agent writes 'disarmed: would shut down' instead of acting. "
+            f"At most {MAX_DISARM_S / 3600:g}h; it re-arms by itself at expiry."
+        ),
+    )
+    add_config_arg(d)
+    d.add_argument(
+        "--for",
+        dest="duration",
+        default=None,
+        metavar="DURATION",
+        help=f"how long, e.g. 30m, 2h (required unless --status; at most {MAX_DISARM_S / 3600:g}h)",
+    )
+    d.add_argument("--reason", default="", help="why (shown on the serial console)")
+    d.add_argument("--status", action="store_true", help="print the local switch's state")
+    d.set_defaults(func=cmd_disarm)
+    a = sub.add_parser("arm", help="end a local disarm now")
+    add_config_arg(a)
+    a.set_defaults(func=cmd_arm)
+
+
+def _who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def _emit_cli(cfg: cfgmod.Config, event: str, fields: dict[str, object], text: str) -> bool:
+    """Write one line on the serial console (best effort: the switch itself already changed)."""
+    try:
+        em, port = make_emitter(cfg)
+    except OSError as e:
+        print(f"gce-watchdog: note: serial line not written: {e}", file=sys.stderr)
+        return False
+    try:
+        em.emit(event, fields, text, sync=True)
+    finally:
+        port.close()
+    return True
+
+
+def cmd_disarm(args: argparse.Namespace) -> int:
+    cfg = load_config_or_exit(args)
+    now = time.time()
+    if args.status:
+        armed, why = disarm_status(cfg, now, False)
+        print(
+            f"{'armed' if armed else 'disarmed'} ({why}); the metadata attribute "
+            f"{cfg.watch.disarm_attribute!r} is checked by the running agent"
+        )
+        return 0
+    if args.duration is None:
+        print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
+        return 2
+    try:
+        secs = parse_duration(args.duration)
+    except ValueError as e:
+        print(f"gce-watchdog disarm: --for: {e}", file=sys.stderr)
+        return 2
+    if not 0 < secs <= MAX_DISARM_S:
+        print(
+            f"gce-watchdog disarm: --for must be more than 0 and at most "
+            f"{MAX_DISARM_S / 3600:g}h (got {args.duration}); run it again later to extend",
+            file=sys.stderr,
+        )
+        return 2
+    until = now + secs
+    rec = {"set_at": now, "until": until, "reason": args.reason[:200], "by": _who()}
+    import json
+
+    try:
+        atomic_write(disarm_path(cfg), (json.dumps(rec, sort_keys=True) + "\n").encode(), 0o644)
+    except OSError as e:
+        print(f"gce-watchdog disarm: cannot write {disarm_path(cfg)}: {e}", file=sys.stderr)
+        return 1
+    _emit_cli(
+        cfg,
+        vocab.DISARM,
+        {"src": "local", "until": iso(until), "dur": f"{int(secs)}s", "by": rec["by"]},
+        args.reason or "disarmed by an operator",
+    )
+    print(f"disarmed until {iso(until)} (re-arms by itself then; `gce-watchdog arm` ends it now)")
+    return 0
+
+
+def cmd_arm(args: argparse.Namespace) -> int:
+    cfg = load_config_or_exit(args)
+    p = disarm_path(cfg)
+    was = "armed" if disarm_status(cfg, time.time(), False)[0] else "disarmed"
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        print(f"gce-watchdog arm: cannot remove {p}: {e}", file=sys.stderr)
+        return 1
+    _emit_cli(cfg, vocab.ARM, {"src": "local", "was": was, "by": _who()}, "armed by an operator")
+    print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
+    return 0
