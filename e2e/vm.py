@@ -208,6 +208,8 @@ def qemu_argv(
         "-netdev", f"tap,id=n0,ifname={TAP},script=no,downscript=no",
         "-device", "virtio-net-pci,netdev=n0",
         "-device", "virtio-rng-pci",
+        # The DMI product name of a GCE VM: the agent arms only where it says so (issue 16).
+        "-smbios", "type=1,product=Google Compute Engine",
         # Serial port 1 (ttyS0) to a file: what getSerialPortOutput would return.
         "-chardev", f"file,id=s0,path={serial_log}",
         "-serial", "chardev:s0",

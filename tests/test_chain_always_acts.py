@@ -493,6 +493,8 @@ def test_real_sigterm_during_the_linger_of_a_real_agent(tmp_path: Path) -> None:
     def evs() -> list[protocol.Event]:
         return protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []
 
+    dmi = tmp_path / "product_name"  # this test acts: it must look like GCE
+    dmi.write_text("Google Compute Engine\n")
     with SimGCE() as sim:
         assert sim.tcp is not None
         cfg = tmp_path / "config.toml"
@@ -504,6 +506,7 @@ threshold = 2
 state_dir = "{tmp_path}/state"
 run_dir = "{tmp_path}/run"
 action = "poweroff"
+dmi_product_path = "{dmi}"
 [metadata]
 url = "{sim.metadata.url}"
 [egress]

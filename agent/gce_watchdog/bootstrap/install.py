@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.platform import Platform, detect
 
 if TYPE_CHECKING:  # imported lazily: the CLI imports this module on every command
     from gce_watchdog.lib.proc import RunResult
@@ -140,6 +141,9 @@ class InstallOptions:
     config_path: str = str(cfgmod.DEFAULT_PATH)
     start: bool = True
     live: bool | None = None  # a running systemd to talk to; None: detect (only for root /)
+    # The machine the unit will run on; None: read its DMI product name when root is / (an image
+    # built under --root runs elsewhere).
+    platform: Platform | None = None
 
 
 def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print) -> int:
@@ -157,6 +161,17 @@ def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print
         write_if_changed(cfg_file, template("config.toml"))
         cfg = cfgmod.load(cfg_file)
         out(f"config: {opts.config_path} written (defaults)")
+    plat = opts.platform
+    if plat is None and root == Path("/"):
+        plat = detect(cfg.agent.dmi_product_path)
+    if plat is not None and not plat.gce:
+        if cfg.agent.allow_non_gce and cfg.agent.action != "dry-run":
+            out(f"warning: not a GCE VM ({plat.why}); agent.allow_non_gce = true: it WILL act")
+        else:
+            out(
+                f"warning: not a GCE VM ({plat.why}): installed disarmed, the agent watches and "
+                "reports but never acts here (agent.allow_non_gce = true to change that)"
+            )
     exec_path = opts.exec_path or default_exec()
     if root != Path("/") and exec_path.startswith(str(root).rstrip("/") + "/"):
         exec_path = "/" + exec_path[len(str(root).rstrip("/")) + 1 :]

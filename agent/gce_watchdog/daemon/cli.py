@@ -118,6 +118,21 @@ def cmd_run(args: argparse.Namespace) -> int:
             shutil.rmtree(private_state, ignore_errors=True)
 
 
+def platform_line(cfg: cfgmod.Config) -> tuple[bool, str]:
+    """Whether this is GCE, and what `check` says about acting on this machine."""
+    from gce_watchdog.vm.platform import arming, detect
+
+    plat = detect(cfg.agent.dmi_product_path)
+    if plat.gce:
+        return True, f"platform: GCE ({plat.why}): the agent acts ({cfg.agent.action})"
+    may_act, why_not = arming(plat, cfg.agent.allow_non_gce)
+    if cfg.agent.action == "dry-run":
+        return False, f"platform: not GCE ({plat.why}); action dry-run: nothing is done anyway"
+    if may_act:
+        return False, f"platform: not GCE ({plat.why}), agent.allow_non_gce = true: the agent acts"
+    return False, f"platform: {why_not}"
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Exit 0: both paths up. 1: one path down (the ladder would hold). 2: both down (it would
     climb). 78: invalid config."""
@@ -146,6 +161,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{name:<10}{v:<9}{why:<18}{lat}")
     cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
     print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
+    gce, line = platform_line(cfg)
+    print(line)
+    if res.metadata.verdict is not ProbeVerdict.OK:
+        hint = "" if gce else ": outside GCE there is none"
+        print(
+            f"metadata: no metadata server answered at {cfg.metadata.url} "
+            f"({res.metadata.reason}){hint}"
+        )
     if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
         print("verdict: HEALTHY")
         return 0

@@ -534,6 +534,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         dropped=lambda: emitter.sink.dropped,
         memory=(lambda: monitor.latest) if monitor is not None else None,
     )
+    armed, gce_note = platform_gate(cfg, DisarmGate(cfg, emitter, lambda: watcher.disarm_requested))
     deps = Deps(
         emitter=emitter,
         prober=prober.tick,
@@ -542,7 +543,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
         # The exporter writes the "decided" metrics before the chain (which may never return).
         on_shutdown=exporter.wrap_shutdown(chain.execute),
-        armed=DisarmGate(cfg, emitter, lambda: watcher.disarm_requested),
+        armed=armed,
         uptime=read_uptime,
         phase=lambda: read_phase(a.state_dir),
         # One identity cache: the metadata watcher's (instance.json, learnt while healthy).
@@ -551,4 +552,26 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         services=services,
         tick_hooks=[exporter],
     )
-    return Agent(cfg, deps), prober
+    agent = Agent(cfg, deps)
+    if gce_note:
+        agent.notes.append(("gce", gce_note))
+    return agent, prober
+
+
+def platform_gate(
+    cfg: cfgmod.Config, gate: Callable[[], tuple[bool, str]]
+) -> tuple[Callable[[], tuple[bool, str]], str]:
+    """The ``armed`` input on this machine, and what to say at start ("" when nothing).
+
+    Off GCE (the DMI product name) and without ``agent.allow_non_gce`` the agent is never armed:
+    it climbs and reports (``would_shutdown why=not-gce``) but runs no chain. A dry run is left
+    alone: it never acts anyway.
+    """
+    from gce_watchdog.vm.platform import arming, detect
+
+    if cfg.agent.action == "dry-run":
+        return gate, ""
+    may_act, why_not = arming(detect(cfg.agent.dmi_product_path), cfg.agent.allow_non_gce)
+    if may_act:
+        return gate, ""
+    return (lambda: (False, "not-gce")), why_not

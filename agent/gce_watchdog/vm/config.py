@@ -155,6 +155,11 @@ class AgentSection:
     action: str = field(
         default="poweroff", metadata=_check(_one_of("poweroff", "stop", "delete", "dry-run"))
     )
+    # The agent acts only where this file says "Google Compute Engine" (docs/agent.md).
+    dmi_product_path: str = field(
+        default="/sys/class/dmi/id/product_name", metadata=_check(_abs_path)
+    )
+    allow_non_gce: bool = False
     boot_grace: Duration = field(default=Duration(0.0), metadata=_check(_within(0, DAY)))
 
 
