@@ -20,12 +20,10 @@ MODULES: tuple[str, ...] = (
     "gce_watchdog.vm.cli",
     "gce_watchdog.daemon.cli",
     "gce_watchdog.faults.faults",
-    "gce_watchdog.bootstrap.fetch",
-    "gce_watchdog.bootstrap.phases",
+    "gce_watchdog.bootstrap.cli",
     "gce_watchdog.poller.cli",
     "gce_watchdog.memory.cli",
     "gce_watchdog.report.cli",
-    "gce_watchdog.bootstrap.install",
 )
 
 

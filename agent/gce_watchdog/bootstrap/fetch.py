@@ -21,7 +21,6 @@ this module is imported by every ``gce-watchdog`` invocation.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import re
@@ -34,7 +33,6 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.lib import dns as dnslib
 from gce_watchdog.lib.httpdate import parse_retry_after
-from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.wire import vocab
 
@@ -808,142 +806,6 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
 
 # ---------------------------------------------------------------------------------------------
 # CLI.
-
-
-def register(sub: Any) -> None:
-    from gce_watchdog.bootstrap.phases import usage_errors_exit_64
-    from gce_watchdog.vm.runtime import add_config_arg
-
-    p = sub.add_parser(
-        "fetch",
-        help="download a file, waiting out DNS and network failures until a deadline",
-        description=(
-            "Download URL to PATH. Waits for DNS, retries connection errors, timeouts, HTTP 5xx, "
-            "408 and 429 (honouring Retry-After) with jittered exponential back-off until the "
-            "deadline. Exit codes: 0 ok, 64 bad arguments, 65 checksum mismatch, 69 refused by "
-            "the server, 73 cannot write PATH, 75 gave up at the deadline."
-        ),
-    )
-    p.add_argument("url", metavar="URL")
-    p.add_argument("-o", "--output", metavar="PATH", required=True)
-    p.add_argument("--sha256", metavar="HEX", help="expected SHA-256 of the file (64 hex digits)")
-    p.add_argument("--mode", default="0644", help="permissions of PATH, octal (default 0644)")
-    p.add_argument("--deadline", default="10m", help="give up after this long (default 10m)")
-    p.add_argument(
-        "--dns-server",
-        metavar="IP[:PORT]",
-        action="append",
-        default=[],
-        help="resolve with this DNS server (repeatable); default /etc/hosts + /etc/resolv.conf",
-    )
-    p.add_argument("--ca-file", metavar="PATH", help="trust these CA certificates for https")
-    add_config_arg(p)
-    usage_errors_exit_64(p)
-    p.set_defaults(func=cmd_fetch)
-
-
-def request_from_args(args: argparse.Namespace) -> FetchRequest:
-    """Validate the arguments; raises ValueError with every problem found."""
-    from gce_watchdog.lib.durations import parse_duration
-
-    errors: list[str] = []
-    url: Url | None = None
-    try:
-        url = parse_url(args.url)
-    except ValueError as e:
-        errors.append(str(e))
-    if args.sha256 is not None and not _SHA_RE.match(args.sha256):
-        errors.append(f"--sha256 must be 64 hex digits, got {args.sha256!r}")
-    mode = 0o644
-    try:
-        mode = int(args.mode, 8)
-        if not 0 <= mode <= 0o7777:
-            raise ValueError
-    except ValueError:
-        errors.append(f"--mode must be octal permissions like 0644, got {args.mode!r}")
-    deadline = DEFAULT_DEADLINE
-    try:
-        deadline = parse_duration(args.deadline)
-        if deadline <= 0:
-            errors.append("--deadline must be > 0")
-    except ValueError as e:
-        errors.append(f"--deadline: {e}")
-    servers: list[tuple[str, int]] = []
-    for s in args.dns_server:
-        try:
-            servers.append(parse_dns_server(s))
-        except ValueError as e:
-            errors.append(str(e))
-    out = Path(args.output)
-    if not args.output or args.output.endswith("/") or out.is_dir():
-        errors.append(f"-o must name a file, got {args.output!r}")
-    else:
-        why = _not_regular(out)
-        if why:
-            errors.append(f"-o {args.output!r} is {why}: fetch only writes regular files")
-    if args.ca_file and not os.path.isfile(args.ca_file):
-        errors.append(f"--ca-file {args.ca_file!r}: no such file")
-    if errors or url is None:
-        raise ValueError("; ".join(errors))
-    return FetchRequest(url, out, deadline, args.sha256, mode, tuple(servers), args.ca_file or None)
-
-
-def _not_regular(path: Path) -> str | None:
-    """What path is when it exists and is not a regular file (following symlinks), else None.
-
-    fetch replaces its target by renaming a temp file onto it: onto /dev/null that would replace
-    the device node with a file (as root, for every process on the machine)."""
-    import stat
-
-    try:
-        st = path.stat()
-    except OSError:
-        return None  # absent (or unreadable: the write says why later)
-    if stat.S_ISREG(st.st_mode):
-        return None
-    kinds = [
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-    ]
-    return next((what for test, what in kinds if test(st.st_mode)), "not a regular file")
-
-
-def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted(signum)
-
-
-def cmd_fetch(args: argparse.Namespace) -> int:
-    from gce_watchdog.bootstrap.phases import open_best_effort
-    from gce_watchdog.vm.runtime import load_config_or_exit
-
-    try:
-        req = request_from_args(args)
-    except ValueError as e:
-        print(f"gce-watchdog fetch: {e}", file=sys.stderr)
-        return EX_USAGE
-    cfg = load_config_or_exit(args)
-    emitter, port = open_best_effort(cfg)
-    try:
-        import signal
-
-        deps = FetchDeps(
-            emitter=emitter,
-            stderr=sys.stderr,
-            progress=sys.stderr if sys.stderr.isatty() else None,
-        )
-        old = {
-            sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)
-        }
-        try:
-            return run_fetch(req, deps).rc
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-    finally:
-        if port is not None:
-            port.close()
 
 
 if __name__ == "__main__":

@@ -12,17 +12,16 @@ start-up script installs the agent under ``/opt/gce-watchdog``), unless ``--exec
 
 from __future__ import annotations
 
-import argparse
-import os
 import re
 import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.lib.proc import run_command
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.platform import Platform, detect
 
@@ -229,8 +228,6 @@ def uninstall(
 
 
 def _real_runner() -> Runner:
-    from gce_watchdog.lib.proc import run_command
-
     return run_command
 
 
@@ -252,74 +249,3 @@ def _systemctl(runner: Runner, out: Out, *args: str) -> None:
     r = runner(["systemctl", *args], SYSTEMCTL_TIMEOUT_S)
     if not r.ok:
         raise InstallError(f"systemctl {' '.join(args)} failed (rc {r.rc}): {r.detail}")
-
-
-# -- CLI ------------------------------------------------------------------------------------------
-
-
-def _root_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--root",
-        default=None,
-        metavar="DIR",
-        help="install into DIR instead of / (an image, a test); default $GCEWD_ROOT or /",
-    )
-
-
-def register(sub: Any) -> None:
-    i = sub.add_parser(
-        "install",
-        help="install the systemd unit and a default config, enable and start it (idempotent)",
-    )
-    _root_arg(i)
-    i.add_argument("--no-start", action="store_true", help="enable the unit but do not start it")
-    i.add_argument(
-        "--exec",
-        dest="exec_path",
-        default=None,
-        metavar="PATH",
-        help="the gce-watchdog executable the unit runs (default: the one beside this Python)",
-    )
-    i.add_argument(
-        "--config",
-        default=str(cfgmod.DEFAULT_PATH),
-        metavar="PATH",
-        help=f"config file the agent reads (default {cfgmod.DEFAULT_PATH}; written if missing)",
-    )
-    i.set_defaults(func=cmd_install)
-    u = sub.add_parser("uninstall", help="stop, disable and remove the systemd unit")
-    _root_arg(u)
-    u.add_argument("--purge", action="store_true", help="also remove config, state and logs")
-    u.set_defaults(func=cmd_uninstall)
-
-
-def _root(args: argparse.Namespace) -> Path:
-    return Path(args.root or os.environ.get("GCEWD_ROOT") or "/").absolute()
-
-
-def cmd_install(args: argparse.Namespace) -> int:
-    opts = InstallOptions(
-        root=_root(args),
-        exec_path=args.exec_path,
-        config_path=args.config,
-        start=not args.no_start,
-    )
-    try:
-        return install(opts)
-    except InstallError as e:
-        print(f"gce-watchdog install: {e}", file=sys.stderr)
-        return e.code
-    except OSError as e:
-        print(f"gce-watchdog install: {e}", file=sys.stderr)
-        return 1
-
-
-def cmd_uninstall(args: argparse.Namespace) -> int:
-    try:
-        return uninstall(_root(args), args.purge)
-    except InstallError as e:
-        print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
-        return e.code
-    except OSError as e:
-        print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
-        return 1

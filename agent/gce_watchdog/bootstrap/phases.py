@@ -14,7 +14,6 @@ is not found, 126 when it cannot be executed).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import signal
 import sys
@@ -23,6 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort
+from gce_watchdog.vm.runtime import boot_of
+from gce_watchdog.vm.state import SeqAllocator, write_phase
 from gce_watchdog.wire import vocab
 
 if TYPE_CHECKING:
@@ -36,16 +38,6 @@ EX_IOERR = 74  # sysexits.h: the line could not be written (callers fall back to
 EX_NOTFOUND = 127  # shell convention: command not found
 EX_NOEXEC = 126  # shell convention: found but cannot be executed
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def usage_errors_exit_64(p: argparse.ArgumentParser) -> None:
-    """argparse exits 2 on bad arguments; these commands document sysexits' EX_USAGE (64)."""
-
-    def error(message: str) -> Any:
-        p.print_usage(sys.stderr)
-        p.exit(EX_USAGE, f"{p.prog}: error: {message}\n")
-
-    p.error = error  # type: ignore[method-assign]
 
 
 @dataclass
@@ -75,10 +67,6 @@ def open_best_effort(cfg: Config) -> tuple[Emitter, SerialPort | None]:
     When neither can be opened the lines go nowhere (a warning on stderr says so) and the command
     carries on: a bootstrap must not fail because the console is unusable.
     """
-    from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort
-    from gce_watchdog.vm.runtime import boot_of
-    from gce_watchdog.vm.state import SeqAllocator
-
     s = cfg.serial
     boot = boot_of(cfg)
     seq = SeqAllocator(cfg.agent.state_dir, boot)
@@ -107,8 +95,6 @@ def emit_terminal(
 
     Returns whether the line was confirmed written; a warning is printed when it was not.
     """
-    from gce_watchdog.vm.state import write_phase
-
     if phase is not None:
         try:
             write_phase(cfg.agent.state_dir, phase)
@@ -227,82 +213,3 @@ def run_exec(
 
 # ---------------------------------------------------------------------------------------------
 # CLI
-
-
-def register(sub: Any) -> None:
-    from gce_watchdog.vm.runtime import add_config_arg
-
-    p = sub.add_parser(
-        "phase",
-        help="record the job phase (serial line written and drained before returning)",
-    )
-    p.add_argument("phase", choices=PHASES)
-    add_config_arg(p)
-    usage_errors_exit_64(p)
-    p.set_defaults(func=cmd_phase)
-
-    f = sub.add_parser(
-        "setup-failed",
-        help="record that bootstrap failed (the job is broken: the poller must not fail over)",
-    )
-    f.add_argument("--step", required=True, help="the bootstrap step that failed")
-    f.add_argument("--reason", required=True, help="why, one line")
-    f.add_argument("--exit-code", type=int, default=None, help="the failed command's exit code")
-    add_config_arg(f)
-    usage_errors_exit_64(f)
-    f.set_defaults(func=cmd_setup_failed)
-
-    e = sub.add_parser(
-        "exec",
-        help="run the workload: phase workload, the command, then a drained `exit` line",
-        description=(
-            "Run CMD ARGS (no shell), forwarding SIGTERM/SIGINT/SIGHUP, and return its status "
-            "(128+N for a death by signal N, 127 not found, 126 not executable)."
-        ),
-    )
-    add_config_arg(e)
-    e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
-    usage_errors_exit_64(e)
-    e.set_defaults(func=cmd_exec)
-
-
-def cmd_phase(args: argparse.Namespace) -> int:
-    from gce_watchdog.vm.runtime import load_config_or_exit
-
-    cfg = load_config_or_exit(args)
-    ok = emit_terminal(cfg, "phase", {"ph": args.phase}, phase=args.phase)
-    return 0 if ok else EX_IOERR
-
-
-def cmd_setup_failed(args: argparse.Namespace) -> int:
-    from gce_watchdog.vm.runtime import load_config_or_exit
-    from gce_watchdog.wire.protocol import sanitize_value
-
-    step, reason = args.step.strip(), args.reason.strip()
-    if not step or not reason:
-        print("gce-watchdog setup-failed: --step and --reason must not be empty", file=sys.stderr)
-        return EX_USAGE
-    cfg = load_config_or_exit(args)
-    fields: dict[str, object] = {
-        "step": sanitize_value(step, 32),
-        "reason": sanitize_value(reason, 32),
-        "rc": "-" if args.exit_code is None else args.exit_code,
-    }
-    ok = emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
-    return 0 if ok else EX_IOERR
-
-
-def cmd_exec(args: argparse.Namespace) -> int:
-    from gce_watchdog.vm.runtime import load_config_or_exit
-
-    argv = list(args.argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-    if not argv or not argv[0]:
-        print(
-            "gce-watchdog exec: usage: gce-watchdog exec [--config PATH] -- CMD [ARGS...]",
-            file=sys.stderr,
-        )
-        return EX_USAGE
-    cfg = load_config_or_exit(args)
-    return run_exec(cfg, argv)

@@ -1,0 +1,318 @@
+"""The bootstrap commands: ``fetch``, ``phase``, ``setup-failed``, ``exec``, ``install`` and
+``uninstall``. argparse code only; the work is done in fetch.py, phases.py and install.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from gce_watchdog.bootstrap.fetch import (
+    _SHA_RE,
+    DEFAULT_DEADLINE,
+    EX_USAGE,
+    FetchDeps,
+    FetchRequest,
+    Interrupted,
+    Url,
+    parse_url,
+    run_fetch,
+)
+from gce_watchdog.bootstrap.install import InstallError, InstallOptions, install, uninstall
+from gce_watchdog.bootstrap.phases import (
+    EX_IOERR,
+    PHASES,
+    SETUP_FAILED,
+    emit_terminal,
+    open_best_effort,
+    run_exec,
+)
+from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.lib.netaddr import parse_dns_server
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit
+from gce_watchdog.wire.protocol import sanitize_value
+
+
+def usage_errors_exit_64(p: argparse.ArgumentParser) -> None:
+    """argparse exits 2 on bad arguments; these commands document sysexits' EX_USAGE (64)."""
+
+    def error(message: str) -> Any:
+        p.print_usage(sys.stderr)
+        p.exit(EX_USAGE, f"{p.prog}: error: {message}\n")
+
+    p.error = error  # type: ignore[method-assign]
+
+
+def register(sub: Any) -> None:
+    register_fetch(sub)
+    register_phases(sub)
+    register_install(sub)
+
+
+def register_phases(sub: Any) -> None:
+    p = sub.add_parser(
+        "phase",
+        help="record the job phase (serial line written and drained before returning)",
+    )
+    p.add_argument("phase", choices=PHASES)
+    add_config_arg(p)
+    usage_errors_exit_64(p)
+    p.set_defaults(func=cmd_phase)
+
+    f = sub.add_parser(
+        "setup-failed",
+        help="record that bootstrap failed (the job is broken: the poller must not fail over)",
+    )
+    f.add_argument("--step", required=True, help="the bootstrap step that failed")
+    f.add_argument("--reason", required=True, help="why, one line")
+    f.add_argument("--exit-code", type=int, default=None, help="the failed command's exit code")
+    add_config_arg(f)
+    usage_errors_exit_64(f)
+    f.set_defaults(func=cmd_setup_failed)
+
+    e = sub.add_parser(
+        "exec",
+        help="run the workload: phase workload, the command, then a drained `exit` line",
+        description=(
+            "Run CMD ARGS (no shell), forwarding SIGTERM/SIGINT/SIGHUP, and return its status "
+            "(128+N for a death by signal N, 127 not found, 126 not executable)."
+        ),
+    )
+    add_config_arg(e)
+    e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+    usage_errors_exit_64(e)
+    e.set_defaults(func=cmd_exec)
+
+
+def cmd_phase(args: argparse.Namespace) -> int:
+    cfg = load_config_or_exit(args)
+    ok = emit_terminal(cfg, "phase", {"ph": args.phase}, phase=args.phase)
+    return 0 if ok else EX_IOERR
+
+
+def cmd_setup_failed(args: argparse.Namespace) -> int:
+    step, reason = args.step.strip(), args.reason.strip()
+    if not step or not reason:
+        print("gce-watchdog setup-failed: --step and --reason must not be empty", file=sys.stderr)
+        return EX_USAGE
+    cfg = load_config_or_exit(args)
+    fields: dict[str, object] = {
+        "step": sanitize_value(step, 32),
+        "reason": sanitize_value(reason, 32),
+        "rc": "-" if args.exit_code is None else args.exit_code,
+    }
+    ok = emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
+    return 0 if ok else EX_IOERR
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv or not argv[0]:
+        print(
+            "gce-watchdog exec: usage: gce-watchdog exec [--config PATH] -- CMD [ARGS...]",
+            file=sys.stderr,
+        )
+        return EX_USAGE
+    cfg = load_config_or_exit(args)
+    return run_exec(cfg, argv)
+
+
+def register_fetch(sub: Any) -> None:
+    p = sub.add_parser(
+        "fetch",
+        help="download a file, waiting out DNS and network failures until a deadline",
+        description=(
+            "Download URL to PATH. Waits for DNS, retries connection errors, timeouts, HTTP 5xx, "
+            "408 and 429 (honouring Retry-After) with jittered exponential back-off until the "
+            "deadline. Exit codes: 0 ok, 64 bad arguments, 65 checksum mismatch, 69 refused by "
+            "the server, 73 cannot write PATH, 75 gave up at the deadline."
+        ),
+    )
+    p.add_argument("url", metavar="URL")
+    p.add_argument("-o", "--output", metavar="PATH", required=True)
+    p.add_argument("--sha256", metavar="HEX", help="expected SHA-256 of the file (64 hex digits)")
+    p.add_argument("--mode", default="0644", help="permissions of PATH, octal (default 0644)")
+    p.add_argument("--deadline", default="10m", help="give up after this long (default 10m)")
+    p.add_argument(
+        "--dns-server",
+        metavar="IP[:PORT]",
+        action="append",
+        default=[],
+        help="resolve with this DNS server (repeatable); default /etc/hosts + /etc/resolv.conf",
+    )
+    p.add_argument("--ca-file", metavar="PATH", help="trust these CA certificates for https")
+    add_config_arg(p)
+    usage_errors_exit_64(p)
+    p.set_defaults(func=cmd_fetch)
+
+
+def request_from_args(args: argparse.Namespace) -> FetchRequest:
+    """Validate the arguments; raises ValueError with every problem found."""
+    errors: list[str] = []
+    url: Url | None = None
+    try:
+        url = parse_url(args.url)
+    except ValueError as e:
+        errors.append(str(e))
+    if args.sha256 is not None and not _SHA_RE.match(args.sha256):
+        errors.append(f"--sha256 must be 64 hex digits, got {args.sha256!r}")
+    mode = 0o644
+    try:
+        mode = int(args.mode, 8)
+        if not 0 <= mode <= 0o7777:
+            raise ValueError
+    except ValueError:
+        errors.append(f"--mode must be octal permissions like 0644, got {args.mode!r}")
+    deadline = DEFAULT_DEADLINE
+    try:
+        deadline = parse_duration(args.deadline)
+        if deadline <= 0:
+            errors.append("--deadline must be > 0")
+    except ValueError as e:
+        errors.append(f"--deadline: {e}")
+    servers: list[tuple[str, int]] = []
+    for s in args.dns_server:
+        try:
+            servers.append(parse_dns_server(s))
+        except ValueError as e:
+            errors.append(str(e))
+    out = Path(args.output)
+    if not args.output or args.output.endswith("/") or out.is_dir():
+        errors.append(f"-o must name a file, got {args.output!r}")
+    else:
+        why = _not_regular(out)
+        if why:
+            errors.append(f"-o {args.output!r} is {why}: fetch only writes regular files")
+    if args.ca_file and not os.path.isfile(args.ca_file):
+        errors.append(f"--ca-file {args.ca_file!r}: no such file")
+    if errors or url is None:
+        raise ValueError("; ".join(errors))
+    return FetchRequest(url, out, deadline, args.sha256, mode, tuple(servers), args.ca_file or None)
+
+
+def _not_regular(path: Path) -> str | None:
+    """What path is when it exists and is not a regular file (following symlinks), else None.
+
+    fetch replaces its target by renaming a temp file onto it: onto /dev/null that would replace
+    the device node with a file (as root, for every process on the machine)."""
+    import stat
+
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # absent (or unreadable: the write says why later)
+    if stat.S_ISREG(st.st_mode):
+        return None
+    kinds = [
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ]
+    return next((what for test, what in kinds if test(st.st_mode)), "not a regular file")
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    raise Interrupted(signum)
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    try:
+        req = request_from_args(args)
+    except ValueError as e:
+        print(f"gce-watchdog fetch: {e}", file=sys.stderr)
+        return EX_USAGE
+    cfg = load_config_or_exit(args)
+    emitter, port = open_best_effort(cfg)
+    try:
+        import signal
+
+        deps = FetchDeps(
+            emitter=emitter,
+            stderr=sys.stderr,
+            progress=sys.stderr if sys.stderr.isatty() else None,
+        )
+        old = {
+            sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            return run_fetch(req, deps).rc
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+    finally:
+        if port is not None:
+            port.close()
+
+
+def _root_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--root",
+        default=None,
+        metavar="DIR",
+        help="install into DIR instead of / (an image, a test); default $GCEWD_ROOT or /",
+    )
+
+
+def register_install(sub: Any) -> None:
+    i = sub.add_parser(
+        "install",
+        help="install the systemd unit and a default config, enable and start it (idempotent)",
+    )
+    _root_arg(i)
+    i.add_argument("--no-start", action="store_true", help="enable the unit but do not start it")
+    i.add_argument(
+        "--exec",
+        dest="exec_path",
+        default=None,
+        metavar="PATH",
+        help="the gce-watchdog executable the unit runs (default: the one beside this Python)",
+    )
+    i.add_argument(
+        "--config",
+        default=str(cfgmod.DEFAULT_PATH),
+        metavar="PATH",
+        help=f"config file the agent reads (default {cfgmod.DEFAULT_PATH}; written if missing)",
+    )
+    i.set_defaults(func=cmd_install)
+    u = sub.add_parser("uninstall", help="stop, disable and remove the systemd unit")
+    _root_arg(u)
+    u.add_argument("--purge", action="store_true", help="also remove config, state and logs")
+    u.set_defaults(func=cmd_uninstall)
+
+
+def _root(args: argparse.Namespace) -> Path:
+    return Path(args.root or os.environ.get("GCEWD_ROOT") or "/").absolute()
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    opts = InstallOptions(
+        root=_root(args),
+        exec_path=args.exec_path,
+        config_path=args.config,
+        start=not args.no_start,
+    )
+    try:
+        return install(opts)
+    except InstallError as e:
+        print(f"gce-watchdog install: {e}", file=sys.stderr)
+        return e.code
+    except OSError as e:
+        print(f"gce-watchdog install: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    try:
+        return uninstall(_root(args), args.purge)
+    except InstallError as e:
+        print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
+        return e.code
+    except OSError as e:
+        print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
+        return 1
