@@ -319,3 +319,15 @@ class ComputeClient:
         return self._call(
             "POST", self._url(project, zone, name, "/stop"), {"requestId": request_id}
         )
+
+    def aggregated_instances(
+        self, project: str, filter: str = "", page_token: str = "", max_results: int = 500
+    ) -> dict[str, Any]:
+        """One page of ``instances.aggregatedList`` (``items`` keyed ``zones/ZONE``), with
+        ``returnPartialSuccess`` so one unreachable zone does not fail the whole list."""
+        params = {"maxResults": str(max_results), "returnPartialSuccess": "true"}
+        if filter:
+            params["filter"] = filter
+        if page_token:
+            params["pageToken"] = page_token
+        return self._call("GET", f"{self.api_base}/projects/{project}/aggregated/instances", params)

@@ -42,12 +42,41 @@ def register(sub: Any) -> None:
         description="Poll instances' serial port 1, decide per instance, record FAILOVER "
         "decisions exactly once in the ledger, optionally delete (reap) failed-over instances.",
     )
-    p.add_argument("--project", required=True)
-    p.add_argument("--zone", required=True)
-    p.add_argument("instances", nargs="+", metavar="INSTANCE")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--once", action="store_true", help="poll each instance once and exit")
-    mode.add_argument("--interval", default="30s", help="time between polls (default 30s)")
+    p.add_argument(
+        "--project",
+        required=True,
+        action="append",
+        help="the project (repeat it with --label to poll the labelled VMs of several)",
+    )
+    p.add_argument("--zone", default=None, help="the zone of the INSTANCEs (not with --label)")
+    p.add_argument("instances", nargs="*", metavar="INSTANCE")
+    p.add_argument(
+        "--label",
+        default=None,
+        metavar="KEY[=VALUE]",
+        help="poll every instance carrying this label in every zone of the projects "
+        "(instances.aggregatedList), instead of INSTANCE names: new VMs are picked up, "
+        "deleted ones finalized through the ledger",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=16,
+        help="polls running at once (default 16); a slow VM never holds a round past its interval",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=1200,
+        help="Compute API requests per minute per project (default 1200, below GCE's default "
+        "read quota of 1500); the interval is stretched, with a warning, when the fleet needs more",
+    )
+    p.add_argument("--once", action="store_true", help="poll each instance once and exit")
+    p.add_argument(
+        "--interval",
+        default="30s",
+        help="time between polls (default 30s; with --once, what --budget is checked against)",
+    )
     p.add_argument(
         "--max-polls", type=int, default=0, help="stop after N rounds (default 0: until SIGTERM)"
     )
@@ -234,11 +263,31 @@ def cmd_poll(args: argparse.Namespace) -> int:
     from gce_watchdog.lib.compute import validate_target
     from gce_watchdog.lib.durations import parse_duration
 
-    errs = validate_target(args.project, args.zone, list(args.instances))
+    errs: list[str] = []
+    if args.label is not None:
+        from gce_watchdog.poller.fleet import parse_label
+
+        if args.instances or args.zone:
+            errs.append("--label polls every zone: give neither INSTANCE names nor --zone")
+        try:
+            parse_label(args.label)
+        except ValueError as exc:
+            errs.append(f"--label: {exc}")
+        for project in args.project:  # (any valid zone: only the project is checked here)
+            errs += validate_target(project, "us-central1-a", [])
+    elif len(args.project) != 1 or not args.zone or not args.instances:
+        errs.append("give one --project, --zone and INSTANCE names, or --label")
+    else:
+        errs += validate_target(args.project[0], args.zone, list(args.instances))
+    if args.workers < 1:
+        errs.append("--workers must be >= 1")
+    if not args.budget > 0:
+        errs.append("--budget must be > 0 requests per minute")
     interval, policy = 0.0, None
     try:
-        interval = 0.0 if args.once else parse_duration(args.interval)
-        if not args.once and interval <= 0:
+        args.interval_s = parse_duration(args.interval)  # --once: what the budget is planned for
+        interval = 0.0 if args.once else args.interval_s
+        if args.interval_s <= 0:
             errs.append("--interval must be > 0")
         policy = _policy(args)
     except ValueError as exc:
@@ -309,12 +358,31 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
         print(f"gce-watchdog poll: cannot open the cursor directory: {e}", file=sys.stderr)
         return EX_IOERR
     ledger_errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, *ledger.errors)
-    poller = Poller(client, store, args.project, args.zone, ledger, policy, args.reap)
+    from gce_watchdog.poller.fleet_cli import budgeted
+
+    budget = budgeted(client, args.budget, args.workers)
     stop = threading.Event()
     old = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             old[sig] = signal.signal(sig, lambda *_: stop.set())
+    if args.label is not None:
+        from gce_watchdog.poller.fleet_cli import run_fleet
+
+        try:
+            return run_fleet(args, client, store, ledger, policy, interval, budget, stop)
+        except AuthError as e:
+            print(f"gce-watchdog poll: {e}", file=sys.stderr)
+            return EX_NOPERM
+        except ledger_errors as e:
+            print(f"gce-watchdog poll: ledger/cursor write failed: {e}", file=sys.stderr)
+            return EX_IOERR
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+            ledger.close()
+            client.close()
+    poller = Poller(client, store, args.project[0], args.zone, ledger, policy, args.reap)
     rc = 0
     rounds = 0
     try:

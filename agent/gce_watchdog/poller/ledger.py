@@ -17,14 +17,17 @@ delete and GCE treats the retries as one request.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sqlite3
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 # A claim holds the write lock for a few milliseconds; 30 s covers a busy disk and many pollers.
 BUSY_TIMEOUT_MS = 30_000
@@ -124,6 +127,18 @@ def _row(row: tuple[object, ...], won: bool = False) -> Decision:
     )
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(fn: _F) -> _F:
+    @functools.wraps(fn)
+    def wrapper(self: BaseLedger, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return fn(self, *args, **kwargs)
+
+    return cast(_F, wrapper)
+
+
 class BaseLedger:
     """The ledger's semantics over a SQL connection; backends supply transactions and dialect.
 
@@ -139,6 +154,9 @@ class BaseLedger:
 
     owner: str
     announce_lease_s: float
+    # One connection serves every thread of a poller (the fleet's pool): each public method holds
+    # this lock, so a transaction never interleaves with another thread's statements.
+    _lock: threading.RLock
     # The driver's exception types: the CLI treats these as "ledger unavailable" (exit 74).
     errors: tuple[type[BaseException], ...] = ()
 
@@ -172,6 +190,7 @@ class BaseLedger:
 
     # -- the semantics ---------------------------------------------------------------------
 
+    @_locked
     def claim(
         self,
         instance_id: str,
@@ -232,6 +251,7 @@ class BaseLedger:
             return latest
         return None
 
+    @_locked
     def find_instance(self, instance_id: str, instance: str = "") -> Decision | None:
         """The latest decision for this instance, by id, or by name when it has none."""
         if instance_id and not instance_id.startswith("name:"):
@@ -243,6 +263,7 @@ class BaseLedger:
             )
         return _row(rows[0]) if rows else None
 
+    @_locked
     def get(self, instance_id: str, boot: str) -> Decision | None:
         return self._get(instance_id, boot)
 
@@ -250,6 +271,7 @@ class BaseLedger:
         rows = self._select("WHERE instance_id = ? AND boot = ?", (instance_id, boot))
         return _row(rows[0]) if rows else None
 
+    @_locked
     def take_announcement(self, instance_id: str, boot: str, now: float | None = None) -> bool:
         """Take over announcing a decision nobody announced and whose lease has run out.
 
@@ -264,6 +286,7 @@ class BaseLedger:
         )
         return n == 1
 
+    @_locked
     def mark_announced(self, instance_id: str, boot: str, now: float | None = None) -> bool:
         """Record that this owner printed the announcement; False if it was announced before."""
         at = time.time() if now is None else now
@@ -274,11 +297,13 @@ class BaseLedger:
         )
         return n == 1
 
+    @_locked
     def pending_announcements(self) -> list[Decision]:
         """Decisions claimed but never announced (their claimer died, or is announcing now)."""
         rows = self._select("WHERE announced_at IS NULL ORDER BY token")
         return [_row(r) for r in rows]
 
+    @_locked
     def mark_reaped(
         self, instance_id: str, boot: str, result: str, now: float | None = None
     ) -> None:
@@ -290,6 +315,7 @@ class BaseLedger:
             (at, result, instance_id, boot),
         )
 
+    @_locked
     def all(self) -> list[Decision]:
         return [_row(r) for r in self._select("ORDER BY token")]
 
@@ -326,11 +352,15 @@ class Ledger(BaseLedger):
     ) -> None:
         self.path = Path(path)
         self.announce_lease_s = announce_lease_s
+        self._lock = threading.RLock()
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: no implicit transactions; we issue BEGIN IMMEDIATE ourselves.
         self._db = sqlite3.connect(
-            str(self.path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None
+            str(self.path),
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            isolation_level=None,
+            check_same_thread=False,  # shared by the fleet's threads under self._lock
         )
         try:
             self._db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from typing import Any
 
 import psycopg
@@ -77,6 +78,7 @@ class PostgresLedger(BaseLedger):
         self.url = url
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
         self.announce_lease_s = announce_lease_s
+        self._lock = threading.RLock()
         self._db: psycopg.Connection[Any] = psycopg.connect(
             url,
             autocommit=True,

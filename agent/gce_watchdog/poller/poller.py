@@ -9,6 +9,7 @@ otherwise look like every VM wedged at once).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ class PollOutcome:
     # This poll announces the decision: its claim won, or it took over the announcement of a
     # decision whose claimer died before announcing it (the lease lapsed).
     announce: bool = False
+    project: str = ""
+    zone: str = ""
 
     @property
     def action(self) -> str:
@@ -56,6 +59,8 @@ class PollOutcome:
         d = self.decision
         return {
             "instance": self.instance,
+            "project": self.project,
+            "zone": self.zone,
             "instance_id": self.instance_id,
             "status": self.status,
             "verdict": v.kind.value if v else None,
@@ -114,12 +119,16 @@ class Poller:
         self.reap = reap
         self.clock = clock
 
-    def poll(self, name: str) -> PollOutcome:
+    def poll(self, name: str, known: InstanceStatus | None = None) -> PollOutcome:
         """Poll one instance. Raises AuthError (affects every instance); other errors are
-        reported in the outcome."""
+        reported in the outcome. ``known``: the instance as a list call just returned it (fleet
+        discovery), which saves the GET."""
+        return dataclasses.replace(self._poll(name, known), project=self.project, zone=self.zone)
+
+    def _poll(self, name: str, known: InstanceStatus | None) -> PollOutcome:
         p, z = self.project, self.zone
         try:
-            info = self.client.get_instance(p, z, name)
+            info = known if known is not None else self.client.get_instance(p, z, name)
         except AuthError:
             raise
         except ComputeAPIError as e:

@@ -7,6 +7,13 @@ few ``compute/v1`` calls this project makes, under ``/compute/v1`` like the real
     GET    /compute/v1/projects/{p}/zones/{z}/instances/{name}
     DELETE /compute/v1/projects/{p}/zones/{z}/instances/{name}?requestId=UUID
     POST   /compute/v1/projects/{p}/zones/{z}/instances/{name}/stop?requestId=UUID
+    GET    /compute/v1/projects/{p}/aggregated/instances?filter=F&maxResults=N&pageToken=T
+
+``instances.aggregatedList`` answers as the API does: ``items`` keyed ``zones/ZONE``, each with an
+``instances`` list, or, for a known zone with none that match, a ``warning`` with code
+``NO_RESULTS_ON_PAGE``; ``nextPageToken`` while more remain (``maxResults`` 0..500, default 500).
+The fake's filter understands the label forms the poller sends: ``labels.KEY = "VALUE"`` (AIP-160)
+and ``labels.KEY:*`` (has the label); any other filter is a 400, like a malformed one on GCE.
 
 Semantics copied from the API reference of ``instances.getSerialPortOutput``:
 
@@ -51,6 +58,10 @@ from urllib.parse import parse_qs, urlsplit
 DEFAULT_WINDOW = 1024 * 1024  # the API keeps "the most recent 1 MB" of serial output
 DEFAULT_HANG_S = 30.0  # longer than any client read timeout a test would use
 
+_LIST_RE = re.compile(r"^/compute/v1/projects/(?P<project>[^/]+)/aggregated/instances$")
+_LABEL_EQ_RE = re.compile(r'^labels\.(?P<key>[a-z][-_a-z0-9]*)\s*=\s*"(?P<value>[-_a-z0-9]*)"$')
+_LABEL_HAS_RE = re.compile(r"^labels\.(?P<key>[a-z][-_a-z0-9]*):\*$")
+MAX_RESULTS = 500  # the API's default and maximum page size for aggregatedList
 _PATH_RE = re.compile(
     r"^/compute/v1/projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)"
     r"(?P<rest>/serialPort|/stop)?$"
@@ -66,7 +77,7 @@ class Fault(enum.Enum):
     SERVER_ERROR = "server_error"  # 503 backendError
 
 
-ENDPOINTS = ("serial", "get", "delete", "stop")
+ENDPOINTS = ("serial", "get", "delete", "stop", "list")
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,7 @@ class FakeInstance:
     deleted: bool = False
     total: int = 0  # bytes ever written to serial port 1
     retained: bytearray = field(default_factory=bytearray)
+    labels: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +132,10 @@ class FakeComputeAPI:
         self.operations: dict[str, dict[str, Any]] = {}  # requestId -> operation
         self._instances: dict[tuple[str, str, str], FakeInstance] = {}
         self._faults: dict[str, _FaultPlan] = {}
+        # per-instance and per-project faults (a slow VM; a project out of quota)
+        self._instance_faults: dict[str, _FaultPlan] = {}
+        self._project_faults: dict[str, _FaultPlan] = {}
+        self.zones: set[tuple[str, str]] = set()  # (project, zone) pairs a list reports
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._ids = itertools.count(4_000_000_000_000_000_001)
@@ -174,6 +190,7 @@ class FakeComputeAPI:
         spot: bool = False,
         termination_action: str = "STOP",
         instance_id: str | None = None,
+        labels: dict[str, str] | None = None,
     ) -> FakeInstance:
         inst = FakeInstance(
             name=name,
@@ -183,9 +200,11 @@ class FakeComputeAPI:
             status=status,
             spot=spot,
             termination_action=termination_action,
+            labels=dict(labels or {}),
         )
         with self._lock:
             self._instances[(project, zone, name)] = inst
+            self.zones.add((project, zone))
         return inst
 
     def instance(self, name: str) -> FakeInstance:
@@ -228,32 +247,56 @@ class FakeComputeAPI:
             else:
                 self._faults[endpoint] = _FaultPlan(fault, count)
 
+    def set_instance_fault(self, name: str, fault: Fault | None, count: int = -1) -> None:
+        """Every call about instance ``name`` (get, serial, delete, stop) fails this way."""
+        with self._lock:
+            if fault is None:
+                self._instance_faults.pop(name, None)
+            else:
+                self._instance_faults[name] = _FaultPlan(fault, count)
+
+    def set_project_fault(self, project: str, fault: Fault | None, count: int = -1) -> None:
+        """Every call in ``project`` fails this way (e.g. its rate quota is spent)."""
+        with self._lock:
+            if fault is None:
+                self._project_faults.pop(project, None)
+            else:
+                self._project_faults[project] = _FaultPlan(fault, count)
+
     def calls_to(self, endpoint: str) -> list[Call]:
         with self._lock:
             return [c for c in self.calls if c.endpoint == endpoint]
 
     # -- request handling (called from server threads) --------------------------------------
 
-    def _take_fault(self, endpoint: str) -> Fault | None:
+    def _take_fault(self, endpoint: str, project: str = "", name: str = "") -> Fault | None:
         with self._lock:
-            plan = self._faults.get(endpoint)
-            if plan is None:
-                return None
-            if plan.remaining > 0:
-                plan.remaining -= 1
-                if plan.remaining == 0:
-                    del self._faults[endpoint]
-            return plan.fault
+            for table, key in (
+                (self._faults, endpoint),
+                (self._project_faults, project),
+                (self._instance_faults, name),
+            ):
+                plan = table.get(key) if key else None
+                if plan is None:
+                    continue
+                if plan.remaining > 0:
+                    plan.remaining -= 1
+                    if plan.remaining == 0:
+                        del table[key]
+                return plan.fault
+            return None
 
     def _handle(
         self, method: str, raw_path: str, auth: str | None
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         parts = urlsplit(raw_path)
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-        m = _PATH_RE.match(parts.path)
-        rest = m.group("rest") if m else None
+        m = _PATH_RE.match(parts.path) or _LIST_RE.match(parts.path)
+        rest = m.group("rest") if m and "rest" in m.groupdict() else None
         endpoint = "unknown"
-        if m:
+        if m and "name" not in m.groupdict():
+            endpoint = "list" if method == "GET" else "unknown"
+        elif m:
             endpoint = {None: "get" if method == "GET" else "delete", "/serialPort": "serial"}.get(
                 rest, "stop"
             )
@@ -287,7 +330,8 @@ class FakeComputeAPI:
             )
         if m is None or endpoint == "unknown":
             return 404, _error(404, "The requested URL was not found.", "notFound"), {}
-        fault = self._take_fault(endpoint)
+        groups = m.groupdict()
+        fault = self._take_fault(endpoint, groups["project"], groups.get("name") or "")
         if fault is Fault.HANG:
             self._closing.wait(self.hang_s)
         elif fault is Fault.REFUSE:
@@ -305,6 +349,8 @@ class FakeComputeAPI:
             )
         elif fault is Fault.SERVER_ERROR:
             return 503, _error(503, "Backend Error", "backendError"), {}
+        if endpoint == "list":
+            return self._list(m.group("project"), query)
         project, zone, name = m.group("project"), m.group("zone"), m.group("name")
         with self._lock:
             inst = self._instances.get((project, zone, name))
@@ -334,6 +380,68 @@ class FakeComputeAPI:
             if query.get("requestId"):
                 self.operations[query["requestId"]] = op
             return 200, op, {}
+
+    def _list(
+        self, project: str, query: dict[str, str]
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        flt = query.get("filter", "").strip()
+        match: Any = None
+        if flt:
+            eq, has = _LABEL_EQ_RE.match(flt), _LABEL_HAS_RE.match(flt)
+            if eq:
+                match = lambda i: i.labels.get(eq["key"]) == eq["value"]  # noqa: E731
+            elif has:
+                match = lambda i: has["key"] in i.labels  # noqa: E731
+            else:
+                return 400, _error(400, f"Invalid value for field 'filter': '{flt}'", "invalid"), {}
+        try:
+            size = int(query.get("maxResults", str(MAX_RESULTS)))
+            offset = int(query.get("pageToken") or "0", 16) if query.get("pageToken") else 0
+        except ValueError:
+            return 400, _error(400, "Invalid value for 'maxResults' or 'pageToken'", "invalid"), {}
+        if not 0 <= size <= MAX_RESULTS:
+            return (
+                400,
+                _error(400, f"Invalid value for field 'maxResults': '{size}'", "invalid"),
+                {},
+            )
+        size = size or MAX_RESULTS
+        with self._lock:
+            if not any(p == project for p, _ in self.zones):
+                what = f"projects/{project}"
+                return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+            matching = sorted(
+                (i for (p, _, _), i in self._instances.items() if p == project and not i.deleted),
+                key=lambda i: (i.zone, i.name),
+            )
+            matching = [i for i in matching if match is None or match(i)]
+            page = [
+                _instance_json(i) | {"labels": dict(i.labels)}
+                for i in matching[offset : offset + size]
+            ]
+            zones = sorted(z for p, z in self.zones if p == project)
+        items: dict[str, Any] = {}
+        for z in zones:
+            here = [i for i in page if i["zone"].endswith(f"/zones/{z}")]
+            if here:
+                items[f"zones/{z}"] = {"instances": here}
+            else:
+                items[f"zones/{z}"] = {
+                    "warning": {
+                        "code": "NO_RESULTS_ON_PAGE",
+                        "message": "There are no results for scope 'zones/" + z + "' on this page.",
+                        "data": [{"key": "scope", "value": f"zones/{z}"}],
+                    }
+                }
+        body: dict[str, Any] = {
+            "kind": "compute#instanceAggregatedList",
+            "id": f"projects/{project}/aggregated/instances",
+            "items": items,
+            "selfLink": f"https://www.googleapis.com/compute/v1/projects/{project}/aggregated/instances",
+        }
+        if offset + size < len(matching):
+            body["nextPageToken"] = format(offset + size, "x")
+        return 200, body, {}
 
     def _serial(
         self, inst: FakeInstance, query: dict[str, str]

@@ -1,0 +1,337 @@
+"""Polling a whole fleet: discovery by label, a bounded pool, a per-project request budget.
+
+- **Discovery.** ``instances.aggregatedList`` per project with a label filter (``labels.KEY =
+  "VALUE"``), every page, every zone. The list already carries each instance's status, id and
+  provisioning model, so a poll needs no ``instances.get``: one serial-port read per VM per round.
+- **Gone VMs.** An instance listed in an earlier round and absent now (deleted: reaped by us or by
+  someone else) is polled once more by name; the GET answers 404, the verdict is taken on what its
+  cursor holds, and the ledger decides whether that is a new decision or the one already made.
+  Zones the list reports unreachable keep their instances: absence there proves nothing.
+- **The pool.** Polls run in a thread pool of ``workers``. A round waits for its polls until its
+  deadline (the interval); a poll still running then is reported as slow and left to finish
+  in the background, and that instance is not polled again until it has (one slow or huge VM never
+  holds the others, and never has two polls at once).
+- **The budget.** Every request (list, get, serial, delete, and every retry) takes a token from
+  its project's bucket (``per_minute`` per 60 s). A 429, or a 403 ``rateLimitExceeded``, pauses
+  that project, and only that project, for its ``Retry-After`` (or ``RATE_LIMIT_PAUSE_S``).
+  ``plan_interval`` stretches the interval when the fleet needs more requests per round than the
+  budget allows, and says so.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gce_watchdog.lib.compute import ComputeClient, HTTPSession, InstanceStatus
+from gce_watchdog.lib.httpdate import parse_retry_after
+from gce_watchdog.poller.ledger import BaseLedger
+from gce_watchdog.poller.poller import Poller, PollOutcome
+from gce_watchdog.poller.reader import CursorStore
+from gce_watchdog.poller.verdict import Policy
+
+# GCE's default read quota is 1,500 requests per minute per project (instances.get,
+# getSerialPortOutput and aggregatedList count against the read/list groups:
+# https://cloud.google.com/compute/api-quota). The default budget stays 20 % below it, leaving
+# room for gcloud, the console and other tools of the same project.
+DEFAULT_BUDGET_PER_MIN = 1200
+# Requests per VM per round in steady state: one getSerialPortOutput (the list gives the status).
+CALLS_PER_VM = 1
+# A rate-limited project without a Retry-After waits this long: GCE refills quotas per minute.
+RATE_LIMIT_PAUSE_S = 10.0
+# No single Retry-After pauses a project longer than one quota window.
+MAX_PAUSE_S = 60.0
+DEFAULT_WORKERS = 16
+# The token bucket holds at most this many seconds' worth of requests: a burst at a round's start,
+# then the steady rate.
+BURST_S = 10.0
+_PROJECT_IN_URL = re.compile(r"/projects/([^/?]+)")
+_LABEL_RE = re.compile(r"[a-z][-_a-z0-9]{0,62}\Z")
+_VALUE_RE = re.compile(r"[-_a-z0-9]{0,63}\Z")
+# A serial read's worst case: connect + read timeout, then the retries (RetryPolicy).
+SLOW_POLL_NOTE = "still polling at the round's deadline; its next poll waits for this one"
+
+
+@dataclass(frozen=True, order=True)
+class Target:
+    project: str
+    zone: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.project}/{self.zone}/{self.name}"
+
+
+def parse_label(spec: str) -> tuple[str, str | None]:
+    """``KEY=VALUE`` or ``KEY`` (any value) as GCE label syntax allows; ValueError otherwise."""
+    key, sep, value = spec.partition("=")
+    if not _LABEL_RE.match(key):
+        raise ValueError(f"label key {key!r}: lower-case letters, digits, - and _, 1-63")
+    if sep and not _VALUE_RE.match(value):
+        raise ValueError(f"label value {value!r}: lower-case letters, digits, - and _, 0-63")
+    return key, (value if sep else None)
+
+
+def label_filter(key: str, value: str | None) -> str:
+    """The aggregatedList filter (AIP-160) for instances carrying the label."""
+    return f"labels.{key}:*" if value is None else f'labels.{key} = "{value}"'
+
+
+@dataclass(frozen=True)
+class Discovery:
+    instances: dict[Target, InstanceStatus]
+    unreachable: frozenset[tuple[str, str]]  # (project, zone) the list could not answer for
+    pages: int
+
+
+def _status(body: dict[str, Any]) -> InstanceStatus:
+    sched = body.get("scheduling") or {}
+    return InstanceStatus(
+        name=str(body.get("name", "")),
+        id=str(body.get("id", "")),
+        status=str(body.get("status", "")),
+        spot=sched.get("provisioningModel") == "SPOT" or bool(sched.get("preemptible")),
+        termination_action=str(sched.get("instanceTerminationAction", "")),
+    )
+
+
+def discover(client: ComputeClient, projects: Iterable[str], flt: str) -> Discovery:
+    """Every instance matching ``flt`` in every zone of ``projects`` (all pages)."""
+    found: dict[Target, InstanceStatus] = {}
+    unreachable: set[tuple[str, str]] = set()
+    pages = 0
+    for project in projects:
+        token = ""
+        while True:
+            body = client.aggregated_instances(project, flt, token)
+            pages += 1
+            items = body.get("items") or {}
+            for scope, entry in items.items():
+                if not str(scope).startswith("zones/") or not isinstance(entry, dict):
+                    continue
+                zone = str(scope)[len("zones/") :]
+                warning = entry.get("warning") or {}
+                if warning.get("code") == "UNREACHABLE":
+                    unreachable.add((project, zone))
+                for inst in entry.get("instances") or []:
+                    st = _status(inst)
+                    found[Target(project, zone, st.name)] = st
+            for scope in body.get("unreachables") or []:
+                if str(scope).startswith("zones/"):
+                    unreachable.add((project, str(scope)[len("zones/") :]))
+            token = str(body.get("nextPageToken") or "")
+            if not token:
+                break
+    return Discovery(found, frozenset(unreachable), pages)
+
+
+class ProjectBudget:
+    """A token bucket per project (``per_minute`` requests per 60 s), and per-project pauses.
+
+    ``acquire`` reserves a token and sleeps until it is due, outside the lock: concurrent callers
+    queue in order. Injectable clock and sleep: tests never wait.
+    """
+
+    def __init__(
+        self,
+        per_minute: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if per_minute <= 0:
+            raise ValueError("the request budget must be > 0 per minute")
+        self.rate = per_minute / 60.0
+        self.burst = max(1.0, self.rate * BURST_S)
+        self.clock = clock
+        self.sleep = sleep
+        self._lock = threading.Lock()
+        self._tokens: dict[str, float] = {}
+        self._stamp: dict[str, float] = {}
+        self._paused_until: dict[str, float] = {}
+        self.used: dict[str, int] = {}
+        self.waited_s: dict[str, float] = {}
+        self.rate_limited: dict[str, int] = {}
+
+    def acquire(self, project: str) -> float:
+        """Take one request's token for ``project``; returns the seconds waited."""
+        with self._lock:
+            now = self.clock()
+            tokens = self._tokens.get(project, self.burst)
+            last = self._stamp.get(project, now)
+            tokens = min(self.burst, tokens + (now - last) * self.rate) - 1.0
+            self._tokens[project] = tokens
+            self._stamp[project] = now
+            wait = max(0.0, -tokens / self.rate, self._paused_until.get(project, now) - now)
+            self.used[project] = self.used.get(project, 0) + 1
+            self.waited_s[project] = self.waited_s.get(project, 0.0) + wait
+        if wait > 0:
+            self.sleep(wait)
+        return wait
+
+    def pause(self, project: str, seconds: float) -> None:
+        """No request for ``project`` before ``seconds`` from now (a 429's Retry-After)."""
+        with self._lock:
+            until = self.clock() + min(MAX_PAUSE_S, max(0.0, seconds))
+            self._paused_until[project] = max(self._paused_until.get(project, 0.0), until)
+            self.rate_limited[project] = self.rate_limited.get(project, 0) + 1
+
+
+class BudgetedSession:
+    """An HTTP session that spends ``budget`` per request and pauses a project on 429."""
+
+    def __init__(self, inner: HTTPSession, budget: ProjectBudget) -> None:
+        self.inner = inner
+        self.budget = budget
+
+    def request(self, method: str, url: str, **kwargs: Any) -> Any:
+        m = _PROJECT_IN_URL.search(url)
+        project = m.group(1) if m else ""
+        self.budget.acquire(project)
+        r = self.inner.request(method, url, **kwargs)
+        limited = r.status_code == 429 or (
+            r.status_code == 403 and "RateLimitExceeded" in r.text.replace("rate", "Rate")
+        )
+        if limited:
+            after = parse_retry_after(r.headers.get("Retry-After"), time.time())
+            self.budget.pause(project, RATE_LIMIT_PAUSE_S if after is None else after)
+        return r
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass(frozen=True)
+class IntervalPlan:
+    interval_s: float
+    calls_per_round: int  # the busiest project's
+    note: str | None  # set when the interval was stretched
+
+
+def plan_interval(
+    per_project_vms: dict[str, int], interval_s: float, per_minute: float, pages: int = 1
+) -> IntervalPlan:
+    """The interval the budget allows: stretched (with a note) when the busiest project needs
+    more requests per round than ``per_minute`` gives it in ``interval_s``."""
+    if not per_project_vms:
+        return IntervalPlan(interval_s, 0, None)
+    project, vms = max(per_project_vms.items(), key=lambda kv: kv[1])
+    calls = vms * CALLS_PER_VM + pages
+    allowed = per_minute * interval_s / 60.0
+    if calls <= allowed:
+        return IntervalPlan(interval_s, calls, None)
+    need = math.ceil(calls * 60.0 / per_minute)
+    note = (
+        f"project {project}: {vms} VMs need about {calls} API requests per round, the budget is "
+        f"{per_minute:g}/min ({allowed:.0f} per {interval_s:g}s round): polling every {need}s "
+        "instead (raise --budget with the project's quota, or use --pubsub for large fleets)"
+    )
+    return IntervalPlan(float(need), calls, note)
+
+
+@dataclass
+class RoundReport:
+    outcomes: int = 0
+    slow: list[Target] = field(default_factory=list)
+    gone: list[Target] = field(default_factory=list)
+    new: list[Target] = field(default_factory=list)
+    discovered: int = 0
+    unreachable: frozenset[tuple[str, str]] = frozenset()
+    pages: int = 0
+
+
+class FleetPoller:
+    """Rounds over a discovered fleet. ``emit`` gets each outcome as it completes, in the caller's
+    thread (print it, then mark it announced)."""
+
+    def __init__(
+        self,
+        client: ComputeClient,
+        store: CursorStore,
+        ledger: BaseLedger | None,
+        projects: list[str],
+        flt: str,
+        policy: Policy | None = None,
+        reap: bool = False,
+        workers: int = DEFAULT_WORKERS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.store = store
+        self.ledger = ledger
+        self.projects = projects
+        self.filter = flt
+        self.policy = policy or Policy()
+        self.reap = reap
+        self.clock = clock
+        self.known: dict[Target, InstanceStatus] = {}
+        self._pollers: dict[tuple[str, str], Poller] = {}
+        self._inflight: dict[Target, cf.Future[PollOutcome]] = {}
+        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="poll")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _poller(self, t: Target) -> Poller:
+        key = (t.project, t.zone)
+        if key not in self._pollers:
+            self._pollers[key] = Poller(
+                self.client, self.store, t.project, t.zone, self.ledger, self.policy, self.reap,
+                clock=self.clock,
+            )  # fmt: skip
+        return self._pollers[key]
+
+    def announced(self, out: PollOutcome) -> bool:
+        """``Poller.announced`` for an outcome of this fleet."""
+        return self._poller(Target(out.project, out.zone, out.instance)).announced(out)
+
+    def round(
+        self, deadline_s: float, emit: Callable[[PollOutcome], None], monotonic: Callable[[], float]
+    ) -> RoundReport:
+        """Discover, poll everything listed (and once more what vanished), emit outcomes until
+        ``deadline_s`` (a ``monotonic`` time). Raises what discovery raises (AuthError etc.)."""
+        found = discover(self.client, self.projects, self.filter)
+        rep = RoundReport(discovered=len(found.instances), unreachable=found.unreachable)
+        rep.pages = found.pages
+        rep.new = sorted(set(found.instances) - set(self.known))
+        rep.gone = sorted(
+            t
+            for t in set(self.known) - set(found.instances)
+            if (t.project, t.zone) not in found.unreachable
+        )
+        jobs: dict[Target, InstanceStatus | None] = dict(found.instances)
+        for t in rep.gone:
+            jobs[t] = None  # poll by name: GET says 404, the ledger finalizes it once
+        for t in self.known:
+            if (t.project, t.zone) in found.unreachable and t not in jobs:
+                jobs[t] = self.known[t]  # keep it: the list said nothing about its zone
+        self.known = {t: st for t, st in jobs.items() if st is not None}
+        futures: dict[cf.Future[PollOutcome], Target] = {}
+        for t, st in sorted(jobs.items(), key=lambda kv: kv[0]):
+            if t in self._inflight:
+                continue  # its previous poll is still running
+            fut = self._pool.submit(self._poller(t).poll, t.name, st)
+            self._inflight[t] = fut
+            futures[fut] = t
+        try:
+            left = None if math.isinf(deadline_s) else max(0.0, deadline_s - monotonic())
+            for fut in cf.as_completed(futures, timeout=left):
+                t = futures[fut]
+                del self._inflight[t]
+                rep.outcomes += 1
+                emit(fut.result())
+        except TimeoutError:
+            pass
+        rep.slow = sorted(t for t, f in self._inflight.items() if not f.done())
+        # polls that finished after the deadline (or were slow in an earlier round) come out now
+        for t, f in list(self._inflight.items()):
+            if f.done():
+                del self._inflight[t]
+                rep.outcomes += 1
+                emit(f.result())
+        return rep
