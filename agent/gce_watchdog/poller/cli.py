@@ -370,7 +370,9 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
         from gce_watchdog.poller.fleet_cli import run_fleet
 
         try:
-            return run_fleet(args, client, store, ledger, policy, interval, budget, stop)
+            return run_fleet(
+                args, client, store, ledger, policy, interval, budget, stop, _print_outcome
+            )
         except AuthError as e:
             print(f"gce-watchdog poll: {e}", file=sys.stderr)
             return EX_NOPERM

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from gce_watchdog.lib.compute import ComputeClient
@@ -61,9 +62,8 @@ def run_fleet(
     interval: float,
     budget: ProjectBudget,
     stop: threading.Event,
+    print_outcome: Callable[[PollOutcome, bool], None],
 ) -> int:
-    from gce_watchdog.poller.cli import _print_outcome
-
     key, value = parse_label(args.label)
     fleet = FleetPoller(
         client, store, ledger, list(args.project), label_filter(key, value), policy, args.reap,
@@ -84,7 +84,7 @@ def run_fleet(
                 nonlocal rc
                 if out.error:
                     rc = EX_UNAVAILABLE
-                _print_outcome(out, args.json)
+                print_outcome(out, args.json)
                 fleet.announced(out)  # after the line is out: pending until then
 
             rep = fleet.round(deadline, emit, time.monotonic)
