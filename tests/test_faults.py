@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from gce_watchdog.faults import faults
-from gce_watchdog.faults.faults import CHAIN_IN, CHAIN_OUT, Cut, Deps, FaultError, Paths, Result
+from gce_watchdog.faults import cli as faults_cli
+from gce_watchdog.faults import firewall
+from gce_watchdog.faults import plan as fplan
+from gce_watchdog.faults.firewall import Deps, Paths, Result
+from gce_watchdog.faults.plan import CHAIN_IN, CHAIN_OUT, Cut, FaultError
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import Event, decode_all
@@ -36,7 +39,7 @@ NOW = 1_800_000_000.0
 
 @given(st.sampled_from(ALL_CUTS), st.sampled_from(["4", "6"]))
 def test_plan_ssh_and_loopback_come_first_and_every_drop_is_port_scoped(cut: Cut, fam: str) -> None:
-    rules = faults.plan(cut, fam, "abcd1234", NOW)
+    rules = fplan.plan(cut, fam, "abcd1234", NOW)
     for chain in (CHAIN_OUT, CHAIN_IN):
         mine = [r.args for r in rules if r.chain == chain]
         head = mine[:3]
@@ -55,7 +58,7 @@ def test_plan_ssh_and_loopback_come_first_and_every_drop_is_port_scoped(cut: Cut
 
 @pytest.mark.parametrize("cut", ALL_CUTS, ids=lambda c: c.label)
 def test_plan_cuts_exactly_what_was_asked(cut: Cut) -> None:
-    drops = [r.args for r in faults.plan(cut, "4", "abcd1234", NOW) if r.args[-1] == "DROP"]
+    drops = [r.args for r in fplan.plan(cut, "4", "abcd1234", NOW) if r.args[-1] == "DROP"]
     md = [a for a in drops if "80" in a]
     eg = [a for a in drops if "443" in a]
     dns_all = [a for a in drops if "53" in a and "-s" not in a]
@@ -75,8 +78,8 @@ def test_plan_cuts_exactly_what_was_asked(cut: Cut) -> None:
 
 def test_plan_v6_uses_the_v6_metadata_address_and_link_local() -> None:
     cut = Cut(metadata=True, egress443=True)
-    args = [r.args for r in faults.plan(cut, "6", "abcd1234", NOW)]
-    assert any(faults.METADATA_V6 in a for a in args)
+    args = [r.args for r in fplan.plan(cut, "6", "abcd1234", NOW)]
+    assert any(fplan.METADATA_V6 in a for a in args)
     assert any("fe80::/10" in a for a in args)
     assert not any(METADATA_IP in a for a in args)
 
@@ -98,28 +101,28 @@ def test_cut_parse_rejects_unknown_parts() -> None:
     [("10m", 600.0), ("90s", 90.0), ("1", 1.0), ("24h", 86400.0)],
 )
 def test_parse_ttl_accepts(text: str, ok: float) -> None:
-    assert faults.parse_ttl(text) == ok
+    assert fplan.parse_ttl(text) == ok
 
 
 @pytest.mark.parametrize("text", ["0", "0.5s", "25h", "soon", "-1m", ""])
 def test_parse_ttl_rejects(text: str) -> None:
     with pytest.raises(ValueError):
-        faults.parse_ttl(text)
+        fplan.parse_ttl(text)
 
 
 def test_parse_listing_reads_id_until_and_cut_back() -> None:
     cut = Cut(metadata=True, dns=True)
-    c = faults.comment("0badcafe", NOW, cut)
+    c = fplan.comment("0badcafe", NOW, cut)
     listing = (
         f"-N {CHAIN_OUT}\n"
         f'-A {CHAIN_OUT} -p tcp -m tcp --dport 22 -m comment --comment "{c}" -j RETURN\n'
         f'-A {CHAIN_OUT} -d 169.254.169.254/32 -p tcp -m comment --comment "{c}" -j DROP\n'
     )
-    inst = faults.parse_listing({"4": listing, "6": ""})
+    inst = fplan.parse_listing({"4": listing, "6": ""})
     assert inst is not None
     assert (inst.fault_id, inst.until, inst.cut.label) == ("0badcafe", NOW, cut.label)
     assert (inst.families, inst.rules) == (("4",), 2)
-    assert faults.parse_listing({"4": f"-N {CHAIN_OUT}\n", "6": ""}) is None
+    assert fplan.parse_listing({"4": f"-N {CHAIN_OUT}\n", "6": ""}) is None
 
 
 # -- operations against a hand-written fake iptables ------------------------------------------
@@ -256,11 +259,11 @@ def make_world(tmp_path: Path, systemd: bool = False, **fake: object) -> World:
 
 def test_inject_installs_both_families_and_records_the_expiry(tmp_path: Path) -> None:
     w = make_world(tmp_path)
-    inj = faults.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 600)
+    inj = firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 600)
     assert inj.families == ("4", "6")
     assert inj.until == NOW + 600
     for fam in ("4", "6"):
-        assert w.fw.ours(fam) == len(faults.plan(inj.cut, fam, inj.fault_id, inj.until))
+        assert w.fw.ours(fam) == len(fplan.plan(inj.cut, fam, inj.fault_id, inj.until))
         assert w.fw.hooks(fam) == 2
     state = json.loads(w.paths.state.read_text())
     assert (state["id"], state["until"], state["cut"]) == (inj.fault_id, NOW + 600, inj.cut.label)
@@ -271,14 +274,14 @@ def test_inject_installs_both_families_and_records_the_expiry(tmp_path: Path) ->
         "id": inj.fault_id,
         "cut": "metadata+egress443",
         "ttl": "600s",
-        "until": faults.iso(NOW + 600),
+        "until": fplan.iso(NOW + 600),
         "rev": "process",
     }
 
 
 def test_reverter_is_scheduled_before_any_rule_goes_in(tmp_path: Path) -> None:
     w = make_world(tmp_path)
-    inj = faults.inject(w.deps, w.paths, Cut(dns=True), 60)
+    inj = firewall.inject(w.deps, w.paths, Cut(dns=True), 60)
     first_append = next(i for i, c in enumerate(w.fw.calls) if "-A" in c)
     assert w.fw.calls.index(["<spawn>"]) < first_append
     [argv] = w.spawned
@@ -289,12 +292,12 @@ def test_reverter_is_scheduled_before_any_rule_goes_in(tmp_path: Path) -> None:
 
 def test_injecting_twice_replaces_never_stacks(tmp_path: Path) -> None:
     w = make_world(tmp_path)
-    a = faults.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 60)
+    a = firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 60)
     n = w.fw.ours()
-    b = faults.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 120)
+    b = firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 120)
     assert a.fault_id != b.fault_id
     assert w.fw.ours() == n and w.fw.hooks() == 2
-    inst = faults.Firewall(w.deps).installed()
+    inst = firewall.Firewall(w.deps).installed()
     assert inst is not None and inst.fault_id == b.fault_id
     # The replaced fault gets its clear line, between the two injects, naming its successor.
     assert [(e.get("op"), e.get("id"), e.get("why")) for e in w.events()] == [
@@ -313,19 +316,19 @@ def test_injecting_twice_replaces_never_stacks(tmp_path: Path) -> None:
         (b.fault_id, "open"),
     ]
     # A different cut replaces the rules too (the DNS chain rules go away).
-    faults.inject(w.deps, w.paths, Cut(dns=True), 60)
-    faults.inject(w.deps, w.paths, Cut(metadata=True), 60)
+    firewall.inject(w.deps, w.paths, Cut(dns=True), 60)
+    firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
     assert not any("53" in r for r in w.fw.chains["4"][CHAIN_IN])
 
 
 def test_old_reverter_cannot_clear_the_replacement(tmp_path: Path) -> None:
     w = make_world(tmp_path)
-    a = faults.inject(w.deps, w.paths, Cut(metadata=True), 60)
-    b = faults.inject(w.deps, w.paths, Cut(metadata=True), 600)
-    removed, msg = faults.clear(w.deps, w.paths, expire_id=a.fault_id)
+    a = firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
+    b = firewall.inject(w.deps, w.paths, Cut(metadata=True), 600)
+    removed, msg = firewall.clear(w.deps, w.paths, expire_id=a.fault_id)
     assert removed is None and "no longer installed" in msg
     assert w.fw.ours() > 0
-    removed, _ = faults.clear(w.deps, w.paths, expire_id=b.fault_id)
+    removed, _ = firewall.clear(w.deps, w.paths, expire_id=b.fault_id)
     assert removed is not None and removed.fault_id == b.fault_id
     assert w.fw.clean()
     ops = [e.get("op") for e in w.events()]
@@ -334,8 +337,8 @@ def test_old_reverter_cannot_clear_the_replacement(tmp_path: Path) -> None:
 
 def test_clear_removes_everything_and_says_so(tmp_path: Path) -> None:
     w = make_world(tmp_path)
-    inj = faults.inject(w.deps, w.paths, Cut(metadata=True, egress443=True, dns=True), 60)
-    removed, msg = faults.clear(w.deps, w.paths)
+    inj = firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True, dns=True), 60)
+    removed, msg = firewall.clear(w.deps, w.paths)
     assert removed is not None and removed.fault_id == inj.fault_id
     assert w.fw.clean() and not w.paths.state.exists()
     last = w.events()[-1]
@@ -345,14 +348,14 @@ def test_clear_removes_everything_and_says_so(tmp_path: Path) -> None:
 
 def test_clear_with_nothing_installed_writes_no_line(tmp_path: Path) -> None:
     w = make_world(tmp_path)
-    removed, msg = faults.clear(w.deps, w.paths)
+    removed, msg = firewall.clear(w.deps, w.paths)
     assert removed is None and msg.startswith("no fault installed")
     assert w.sink.lines == []
 
 
 def test_systemd_timer_when_systemd_runs(tmp_path: Path) -> None:
     w = make_world(tmp_path, systemd=True)
-    inj = faults.inject(w.deps, w.paths, Cut(metadata=True), 90.2)
+    inj = firewall.inject(w.deps, w.paths, Cut(metadata=True), 90.2)
     [call] = [c for c in w.fw.calls if c[0] == "systemd-run"]
     assert "--on-active=91s" in call
     cmd = call[call.index("--") + 1 :]
@@ -360,27 +363,27 @@ def test_systemd_timer_when_systemd_runs(tmp_path: Path) -> None:
     assert "--at" not in cmd  # the timer does the waiting
     assert w.spawned == []
     assert inj.revert == {"kind": "systemd", "unit": f"gcewd-fault-revert-{inj.fault_id}"}
-    faults.clear(w.deps, w.paths)
+    firewall.clear(w.deps, w.paths)
     assert ["systemctl", "stop", f"gcewd-fault-revert-{inj.fault_id}.timer"] in w.fw.calls
 
 
 def test_auto_falls_back_to_a_process_when_systemd_run_fails(tmp_path: Path) -> None:
     w = make_world(tmp_path, systemd=True, fail=("systemd-run",))
-    inj = faults.inject(w.deps, w.paths, Cut(metadata=True), 60)
+    inj = firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
     assert inj.revert["kind"] == "process" and len(w.spawned) == 1
 
 
 def test_forced_systemd_that_fails_installs_nothing(tmp_path: Path) -> None:
     w = make_world(tmp_path, fail=("systemd-run",))
     with pytest.raises(FaultError, match="systemd-run failed"):
-        faults.inject(w.deps, w.paths, Cut(metadata=True), 60, revert_with="systemd")
+        firewall.inject(w.deps, w.paths, Cut(metadata=True), 60, revert_with="systemd")
     assert w.fw.clean() and w.sink.lines == []
 
 
 def test_failed_install_rolls_back(tmp_path: Path) -> None:
     w = make_world(tmp_path, fail=("443", "DROP"))
     with pytest.raises(FaultError, match="443"):
-        faults.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 60)
+        firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 60)
     assert w.fw.clean()
     assert not w.paths.state.exists()
     # The inject line goes out before the first rule; the roll-back says the fault is over.
@@ -392,40 +395,40 @@ def test_failed_install_rolls_back(tmp_path: Path) -> None:
 
 def test_ipv4_only_where_ip6tables_does_not_work(tmp_path: Path) -> None:
     w = make_world(tmp_path, no_v6=True)
-    inj = faults.inject(w.deps, w.paths, Cut(metadata=True), 60)
+    inj = firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
     assert inj.families == ("4",)
     assert w.fw.ours("4") > 0
-    faults.clear(w.deps, w.paths)
+    firewall.clear(w.deps, w.paths)
     assert w.fw.clean()
 
 
 def test_missing_iptables_is_a_clear_error(tmp_path: Path) -> None:
     w = make_world(tmp_path, missing=True)
-    with pytest.raises(faults.ToolMissing, match="apt-get install iptables"):
-        faults.inject(w.deps, w.paths, Cut(metadata=True), 60)
+    with pytest.raises(firewall.ToolMissing, match="apt-get install iptables"):
+        firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
 
 
 def test_nothing_to_cut_is_refused(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     with pytest.raises(FaultError, match="nothing to cut"):
-        faults.inject(w.deps, w.paths, Cut(), 60)
+        firewall.inject(w.deps, w.paths, Cut(), 60)
     assert w.fw.calls == []
 
 
 def test_status_shows_expiry_and_overdue(tmp_path: Path) -> None:
     w = make_world(tmp_path)
-    assert faults.status(w.deps, w.paths) == {"active": False}
-    inj = faults.inject(w.deps, w.paths, Cut(egress443=True), 300)
+    assert firewall.status(w.deps, w.paths) == {"active": False}
+    inj = firewall.inject(w.deps, w.paths, Cut(egress443=True), 300)
     w.clock[0] = NOW + 100
-    s = faults.status(w.deps, w.paths)
+    s = firewall.status(w.deps, w.paths)
     assert s["active"] and s["id"] == inj.fault_id and s["cut"] == "egress443"
-    assert (s["until"], s["remaining_s"], s["overdue"]) == (faults.iso(NOW + 300), 200, False)
+    assert (s["until"], s["remaining_s"], s["overdue"]) == (fplan.iso(NOW + 300), 200, False)
     assert s["revert"]["kind"] == "process"
     w.clock[0] = NOW + 301
-    assert faults.status(w.deps, w.paths)["overdue"] is True
+    assert firewall.status(w.deps, w.paths)["overdue"] is True
     # The expiry lives in the rules' comments too: status works without the state file.
     w.paths.state.unlink()
-    assert faults.status(w.deps, w.paths)["until"] == faults.iso(NOW + 300)
+    assert firewall.status(w.deps, w.paths)["until"] == fplan.iso(NOW + 300)
 
 
 def test_cli_usage_errors_exit_2_before_touching_anything(
@@ -584,7 +587,7 @@ def test_real_ttl_reverts_after_the_cli_is_killed(topo: Topology, tmp_path: Path
     with contextlib.suppress(ProcessLookupError):
         os.killpg(cli.pid, signal.SIGKILL)
     cli.wait(5)
-    state = json.loads((tmp_path / "run" / faults.STATE_FILE).read_text())
+    state = json.loads((tmp_path / "run" / firewall.STATE_FILE).read_text())
     reverter = state["revert"]["pid"]
     assert os.getpgid(reverter) != cli.pid  # not in the killed group
     poll(lambda: rule_count(topo) == 0, ttl + 8, "rules removed at the TTL")
@@ -592,7 +595,7 @@ def test_real_ttl_reverts_after_the_cli_is_killed(topo: Topology, tmp_path: Path
     poll(lambda: len(fault_events(tmp_path)) == 2, 5, "expire line")
     ops = [e.get("op") for e in fault_events(tmp_path)]
     assert ops == ["inject", "expire"]
-    assert not (tmp_path / "run" / faults.STATE_FILE).exists()
+    assert not (tmp_path / "run" / firewall.STATE_FILE).exists()
     st = json.loads(fault_cli(topo, cfg, "status", "--json").stdout)
     assert st == {"active": False}
 
@@ -606,7 +609,7 @@ def test_real_systemd_path_timer_command_clears(topo: Topology, tmp_path: Path) 
         if argv[0] == "systemd-run":
             recorded.append(list(argv))
             return Result(0, "", "")
-        return faults.run_argv(Topology.exec_argv(topo.vm, argv))
+        return firewall.run_argv(Topology.exec_argv(topo.vm, argv))
 
     cfg = write_config(tmp_path)
     sink = MemorySink()
@@ -618,7 +621,7 @@ def test_real_systemd_path_timer_command_clears(topo: Topology, tmp_path: Path) 
         emit=lambda e, f, t: em.emit(e, f, t, sync=True) is not None,
     )
     paths = Paths(tmp_path / "run", str(cfg))
-    inj = faults.inject(deps, paths, Cut(metadata=True), 30)
+    inj = firewall.inject(deps, paths, Cut(metadata=True), 30)
     assert inj.revert["kind"] == "systemd" and rule_count(topo) > 0
     [call] = recorded
     assert call[call.index("--on-active=30s")] == "--on-active=30s"
@@ -633,8 +636,8 @@ def test_without_root_nothing_runs() -> None:
 
     ran: list[bool] = []
     args = argparse.Namespace(config=None, iptables="iptables", ip6tables="ip6tables")
-    rc = faults._run_op(args, True, lambda d, p: ran.append(True) or 0, euid=lambda: 1000)
-    assert rc == faults.EX_NOPERM and ran == []
+    rc = faults_cli._run_op(args, True, lambda d, p: ran.append(True) or 0, euid=lambda: 1000)
+    assert rc == firewall.EX_NOPERM and ran == []
 
 
 @pytest.mark.netns
@@ -643,7 +646,7 @@ def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
     cfg.chmod(0o644)
     tmp_path.chmod(0o755)
     nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    probe = [*nobody, PY, "-c", "import gce_watchdog.faults.faults"]
+    probe = [*nobody, PY, "-c", "import gce_watchdog.faults.firewall"]
     if subprocess.run(probe, capture_output=True, cwd="/").returncode:
         # e.g. the checkout or the interpreter lives under a 0700 directory (a private home or
         # a mktemp -d clone): uid 65534 cannot import the agent from there
@@ -654,7 +657,7 @@ def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
          "--config", str(cfg)],
         capture_output=True, text=True, timeout=30, cwd="/",
     )  # fmt: skip
-    assert r.returncode == faults.EX_NOPERM
+    assert r.returncode == firewall.EX_NOPERM
     assert "must run as root" in r.stderr
     assert rule_count(topo) == 0
 
@@ -663,5 +666,5 @@ def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
 def test_real_missing_iptables_exits_69(topo: Topology, tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
     r = fault_cli(topo, cfg, "inject", "--metadata", "--ttl", "1m", "--iptables", "/nonexistent")
-    assert r.returncode == faults.EX_UNAVAILABLE
+    assert r.returncode == firewall.EX_UNAVAILABLE
     assert "apt-get install iptables" in r.stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gce_watchdog.faults import faults
+from gce_watchdog.faults import plan as fplan
 from gce_watchdog.wire.protocol import Event, decode_all
 from netns import PY, VM_ADDR, SimHandle, Topology
 
@@ -366,7 +366,7 @@ def test_killed_fault_cli_still_reverts_at_ttl_and_the_agent_recovers(scene: Sce
         # In force only once hooked: `fault inject` fills its chains first and hooks them into
         # OUTPUT/INPUT last, so a DROP rule alone can be seen before it applies to anything.
         out = scene.topo.run_in(scene.topo.vm, ["iptables", "-S", "OUTPUT"]).stdout
-        return f"-j {faults.CHAIN_OUT}" in out
+        return f"-j {fplan.CHAIN_OUT}" in out
 
     wait_for(rules_in, 10, "the fault's rules, hooked")
     with contextlib.suppress(ProcessLookupError):

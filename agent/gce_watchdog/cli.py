@@ -19,7 +19,7 @@ from gce_watchdog import __version__
 MODULES: tuple[str, ...] = (
     "gce_watchdog.vm.cli",
     "gce_watchdog.daemon.cli",
-    "gce_watchdog.faults.faults",
+    "gce_watchdog.faults.cli",
     "gce_watchdog.bootstrap.cli",
     "gce_watchdog.poller.cli",
     "gce_watchdog.memory.cli",

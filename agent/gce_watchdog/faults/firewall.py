@@ -21,13 +21,10 @@ without ever cutting their own SSH session, and always undoing itself:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
-import json
 import math
 import os
-import re
 import secrets
 import shutil
 import subprocess
@@ -35,29 +32,28 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gce_watchdog.faults.plan import (
+    CHAIN_IN,
+    CHAIN_OUT,
+    Cut,
+    FaultError,
+    Installed,
+    hooks,
+    iso,
+    parse_listing,
+    plan,
+)
 from gce_watchdog.lib import proc
-from gce_watchdog.lib.durations import parse_duration
-from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.wire import vocab
 
-CHAIN_OUT = "GCEWD-FAULT"
-CHAIN_IN = "GCEWD-FAULT-IN"
-TAG = "gcewd-fault"  # first word of every rule comment of ours
-METADATA_V4 = "169.254.169.254"
-# GCE's metadata server also answers on this IPv6 address on IPv6-enabled VMs.
-METADATA_V6 = "fd20:ce::254"
-LINK_LOCAL = {"4": "169.254.0.0/16", "6": "fe80::/10"}
 STATE_FILE = "fault.json"
 LOCK_FILE = "fault.lock"
 REVERT_LOG = "fault-revert.log"
 
-# A fault is a test, not a configuration: one longer than a day is almost certainly a typo.
-MAX_TTL = 24 * 3600.0
-MIN_TTL = 1.0
 # iptables waits this long for the xtables lock (legacy backend; nft ignores it).
 XT_WAIT = "5"
 CMD_TIMEOUT = 20.0  # one iptables/systemd-run call; they take milliseconds when healthy
@@ -72,169 +68,11 @@ EX_NOPERM = 77  # sysexits.h: not root
 EX_IOERR = 74  # sysexits.h: done, but its serial line could not be written
 
 
-class FaultError(Exception):
-    """A fault operation failed; the message says what and how to recover."""
-
-
 class ToolMissing(FaultError):
     """iptables is not installed."""
 
 
 # -- what to cut (pure) ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Cut:
-    """The paths a fault cuts. ``dns`` covers every DNS server, the metadata one included."""
-
-    metadata: bool = False
-    egress443: bool = False
-    dns: bool = False
-    metadata_dns: bool = False
-
-    PARTS = ("metadata", "metadata-dns", "egress443", "dns")
-
-    def parts(self) -> tuple[str, ...]:
-        on = {
-            "metadata": self.metadata,
-            # Implied by dns (every DNS server), so not listed twice.
-            "metadata-dns": self.metadata_dns and not self.dns,
-            "egress443": self.egress443,
-            "dns": self.dns,
-        }
-        return tuple(p for p in self.PARTS if on[p])
-
-    @property
-    def label(self) -> str:
-        """``metadata+egress443+dns`` style (the ``cut`` field on the wire)."""
-        return "+".join(self.parts()) or "none"
-
-    def __bool__(self) -> bool:
-        return bool(self.parts())
-
-    @classmethod
-    def parse(cls, label: str) -> Cut:
-        parts = set(label.split("+")) - {"none", ""}
-        bad = parts - set(cls.PARTS)
-        if bad:
-            raise ValueError(f"unknown cut part(s): {', '.join(sorted(bad))}")
-        return cls(
-            metadata="metadata" in parts,
-            egress443="egress443" in parts,
-            dns="dns" in parts,
-            metadata_dns="metadata-dns" in parts,
-        )
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One rule to append: chain and match/target arguments (an argv fragment, never a string)."""
-
-    chain: str
-    args: tuple[str, ...]
-
-
-def comment(fault_id: str, until: float, cut: Cut) -> str:
-    return f"{TAG} id={fault_id} until={iso(until)} cut={cut.label}"
-
-
-def plan(cut: Cut, family: str, fault_id: str, until: float) -> list[Rule]:
-    """The rules for one address family ("4" or "6"). Pure: no I/O.
-
-    Order matters: the RETURN rules for SSH and loopback come first, so nothing after them can
-    match the operator's session. RETURN (not ACCEPT) hands the packet back to the host's own
-    rules: a fault must not widen the firewall either.
-    """
-    c = ("-m", "comment", "--comment", comment(fault_id, until, cut))
-    out: list[Rule] = []
-    for chain in (CHAIN_OUT, CHAIN_IN):
-        for flag in ("--dport", "--sport"):
-            out.append(Rule(chain, ("-p", "tcp", flag, "22", *c, "-j", "RETURN")))
-    out.append(Rule(CHAIN_OUT, ("-o", "lo", *c, "-j", "RETURN")))
-    out.append(Rule(CHAIN_IN, ("-i", "lo", *c, "-j", "RETURN")))
-    md = METADATA_V4 if family == "4" else METADATA_V6
-    if cut.metadata:
-        out.append(Rule(CHAIN_OUT, ("-d", md, "-p", "tcp", "--dport", "80", *c, "-j", "DROP")))
-    # DNS is cut by dropping the REPLIES: dropping an outgoing UDP packet makes sendto() fail at
-    # once with EPERM, so a resolver fails in milliseconds; a wedged network is silence.
-    if cut.dns:
-        for proto in ("udp", "tcp"):
-            out.append(Rule(CHAIN_IN, ("-p", proto, "--sport", "53", *c, "-j", "DROP")))
-    elif cut.metadata_dns:
-        for proto in ("udp", "tcp"):
-            out.append(Rule(CHAIN_IN, ("-s", md, "-p", proto, "--sport", "53", *c, "-j", "DROP")))
-    if cut.egress443:
-        out.append(
-            Rule(
-                CHAIN_OUT,
-                ("!", "-d", LINK_LOCAL[family], "-p", "tcp", "--dport", "443", *c, "-j", "DROP"),
-            )
-        )
-    return out
-
-
-def hooks(family: str) -> list[tuple[str, tuple[str, ...]]]:
-    """(builtin chain, rule args) of the jumps into our chains."""
-    c = ("-m", "comment", "--comment", f"{TAG} hook")
-    return [("OUTPUT", (*c, "-j", CHAIN_OUT)), ("INPUT", (*c, "-j", CHAIN_IN))]
-
-
-def iso(ts: float) -> str:
-    return datetime.fromtimestamp(int(ts), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_iso(s: str) -> float | None:
-    try:
-        return datetime.strptime(s, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-    except ValueError:
-        return None
-
-
-def parse_ttl(value: str) -> float:
-    ttl = parse_duration(value)
-    if not MIN_TTL <= ttl <= MAX_TTL:
-        raise ValueError(
-            f"--ttl must be between {MIN_TTL:g}s and {MAX_TTL / 3600:g}h, got {ttl:g}s"
-        )
-    return ttl
-
-
-_COMMENT_RE = re.compile(rf"{TAG} id=([0-9a-f]+) until=(\S+) cut=([a-z0-9+-]+)")
-
-
-@dataclass(frozen=True)
-class Installed:
-    """What the firewall holds, read back from the rules' comments."""
-
-    fault_id: str
-    until: float | None
-    cut: Cut
-    families: tuple[str, ...]
-    rules: int
-
-
-def parse_listing(listings: dict[str, str]) -> Installed | None:
-    """Read our injection back from ``iptables -S`` output per family. Pure."""
-    found: tuple[str, str, str] | None = None
-    fams: list[str] = []
-    n = 0
-    for fam, text in sorted(listings.items()):
-        hit = False
-        for line in text.splitlines():
-            m = _COMMENT_RE.search(line)
-            if m and line.startswith("-A "):
-                found = found or (m.group(1), m.group(2), m.group(3))
-                hit = True
-                n += 1
-        if hit:
-            fams.append(fam)
-    if found is None:
-        return None
-    try:
-        cut = Cut.parse(found[2])
-    except ValueError:
-        cut = Cut()
-    return Installed(found[0], parse_iso(found[1]), cut, tuple(fams), n)
 
 
 # -- side effects, behind small injectable interfaces ----------------------------------------
@@ -442,15 +280,11 @@ class Injected:
 
 
 def _read_state(paths: Paths) -> dict[str, Any]:
-    from gce_watchdog.lib.files import read_json
-
     raw = read_json(paths.state)
     return raw if isinstance(raw, dict) else {}
 
 
 def _write_state(paths: Paths, obj: dict[str, Any]) -> None:
-    from gce_watchdog.lib.files import write_json
-
     write_json(paths.state, obj)
 
 
@@ -646,227 +480,3 @@ def _emit(
     if not deps.emit(vocab.FAULT, fields, text):
         deps.unwritten += 1
         deps.out("gce-watchdog fault: warning: the serial line was not written (port stalled)")
-
-
-# -- CLI -------------------------------------------------------------------------------------------
-
-
-def register(sub: Any) -> None:
-    from gce_watchdog.vm.runtime import add_config_arg
-
-    p = sub.add_parser(
-        "fault",
-        help="inject network faults with iptables (operators; needs root)",
-        description="Cut network paths with iptables for a bounded time, keeping SSH open.",
-    )
-    fsub = p.add_subparsers(dest="fault_command", metavar="ACTION")
-
-    def common(q: argparse.ArgumentParser) -> None:
-        add_config_arg(q)
-        q.add_argument("--iptables", default="iptables", help="iptables binary (default: PATH)")
-        q.add_argument(
-            "--ip6tables", default="ip6tables", help="ip6tables binary, or 'none' for IPv4 only"
-        )
-
-    i = fsub.add_parser("inject", help="install DROP rules until --ttl runs out")
-    i.add_argument("--metadata", action="store_true", help="169.254.169.254 tcp/80")
-    i.add_argument("--egress443", action="store_true", help="tcp/443 to non-link-local addresses")
-    i.add_argument("--dns", action="store_true", help="every DNS server (replies dropped)")
-    i.add_argument("--metadata-dns", action="store_true", help="DNS from the metadata server only")
-    i.add_argument("--ttl", required=True, help="how long the fault lasts, e.g. 90s, 10m (max 24h)")
-    i.add_argument(
-        "--revert-with",
-        choices=("auto", "systemd", "process"),
-        default="auto",
-        help="what removes the rules at the TTL (auto: a systemd timer if systemd runs this "
-        "network namespace, else a detached process)",
-    )
-    i.add_argument("--json", action="store_true", help="machine-readable output")
-    common(i)
-    i.set_defaults(func=cmd_inject)
-
-    s = fsub.add_parser("status", help="show the installed fault and its expiry")
-    s.add_argument("--json", action="store_true", help="machine-readable output")
-    common(s)
-    s.set_defaults(func=cmd_status)
-
-    c = fsub.add_parser("clear", help="remove the fault now")
-    c.add_argument("--expire-id", default=None, help=argparse.SUPPRESS)  # the reverter
-    c.add_argument("--at", type=float, default=None, help=argparse.SUPPRESS)  # reverter's wait
-    common(c)
-    c.set_defaults(func=cmd_clear)
-    p.set_defaults(func=lambda a: (p.print_help(sys.stderr), EX_USAGE)[1])
-
-
-def _deps_from_args(
-    args: argparse.Namespace, emit: bool, cfg: cfgmod.Config
-) -> tuple[Deps, Paths, Any]:
-    from gce_watchdog.vm.runtime import make_emitter
-
-    deps = Deps(
-        iptables=args.iptables,
-        ip6tables=None if args.ip6tables in ("none", "") else args.ip6tables,
-    )
-    port = None
-    if emit:
-        serial_ok: list[bool] = []
-
-        def log(event: str, **kw: object) -> None:
-            serial_ok.append(bool(kw.get("serial_ok", True)))
-
-        try:
-            emitter, port = make_emitter(cfg, log=log)
-        except OSError as e:
-            print(
-                f"gce-watchdog fault: warning: no serial port ({e}); no fault line written",
-                file=sys.stderr,
-            )
-            deps.emit = _unwritable(deps)
-        else:
-
-            def emit_fn(event: str, fields: dict[str, object], text: str) -> bool:
-                serial_ok.clear()
-                emitter.emit(event, fields, text, sync=True)
-                return all(serial_ok)
-
-            deps.emit = emit_fn
-    return deps, Paths(Path(cfg.agent.run_dir), getattr(args, "config", None)), port
-
-
-def _unwritable(deps: Deps) -> Callable[[str, dict[str, object], str], bool]:
-    """The emit of a command with no serial port at all: every line counts as not written."""
-
-    def emit(event: str, fields: dict[str, object], text: str) -> bool:
-        return False
-
-    return emit
-
-
-def _run_op(
-    args: argparse.Namespace,
-    emit: bool,
-    op: Callable[[Deps, Paths], int],
-    euid: Callable[[], int] = os.geteuid,
-    before: Callable[[], None] = lambda: None,
-) -> int:
-    from gce_watchdog.vm.runtime import load_config_or_exit
-
-    if euid() != 0:
-        print(
-            "gce-watchdog fault: must run as root (iptables needs CAP_NET_ADMIN); "
-            "try: sudo gce-watchdog fault ...",
-            file=sys.stderr,
-        )
-        return EX_NOPERM
-    # The config is read before `before` (the reverter's wait): a config edited or broken during
-    # the TTL must not stop the rules from being removed.
-    cfg = load_config_or_exit(args)
-    before()
-    deps, paths, port = _deps_from_args(args, emit, cfg)
-    try:
-        rc = op(deps, paths)
-        if rc == EX_OK and deps.unwritten:
-            # Done, but the console does not say so: callers must be able to tell and fall back.
-            print(
-                f"gce-watchdog fault: {deps.unwritten} serial line(s) not written (exit 74)",
-                file=sys.stderr,
-            )
-            return EX_IOERR
-        return rc
-    except FaultError as e:
-        print(f"gce-watchdog fault: {e}", file=sys.stderr)
-        return EX_UNAVAILABLE if isinstance(e, ToolMissing) else EX_FAIL
-    finally:
-        if port is not None:
-            port.close()
-
-
-def cmd_inject(args: argparse.Namespace) -> int:
-    try:
-        ttl = parse_ttl(args.ttl)
-    except ValueError as e:
-        print(f"gce-watchdog fault: {e}", file=sys.stderr)
-        return EX_USAGE
-    cut = Cut(args.metadata, args.egress443, args.dns, args.metadata_dns)
-    if not cut:
-        print(
-            "gce-watchdog fault: nothing to cut: give --metadata, --egress443, --dns "
-            "and/or --metadata-dns",
-            file=sys.stderr,
-        )
-        return EX_USAGE
-
-    def op(deps: Deps, paths: Paths) -> int:
-        inj = inject(deps, paths, cut, ttl, args.revert_with)
-        if args.json:
-            print(
-                json.dumps(
-                    {
-                        "id": inj.fault_id,
-                        "cut": cut.label,
-                        "ttl": ttl,
-                        "until": iso(inj.until),
-                        "families": list(inj.families),
-                        "revert": inj.revert,
-                    }
-                )
-            )
-        else:
-            how = inj.revert["kind"]
-            print(
-                f"fault {inj.fault_id}: cut {cut.label} until {iso(inj.until)} "
-                f"({int(ttl)}s; reverted by {how}); SSH (tcp/22) stays open; "
-                "undo now: gce-watchdog fault clear"
-            )
-        return EX_OK
-
-    return _run_op(args, True, op)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    def op(deps: Deps, paths: Paths) -> int:
-        st = status(deps, paths)
-        if args.json:
-            print(json.dumps(st, sort_keys=True))
-        elif not st["active"]:
-            extra = (
-                " (a state file is left over; `fault clear` removes it)"
-                if st.get("stale_state")
-                else ""
-            )
-            print("no fault installed" + extra)
-        else:
-            line = (
-                f"fault {st['id']}: cut {st['cut']} (IPv{'+'.join(st['families'])}, "
-                f"{st['rules']} rules) until {st['until']}"
-            )
-            if st.get("overdue"):
-                line += " - OVERDUE: the reverter did not run; `gce-watchdog fault clear`"
-            elif st.get("remaining_s") is not None:
-                line += f" ({st['remaining_s']}s left)"
-            print(line)
-        return EX_OK
-
-    return _run_op(args, False, op)
-
-
-def cmd_clear(args: argparse.Namespace) -> int:
-    def op(deps: Deps, paths: Paths) -> int:
-        _, msg = clear(deps, paths, args.expire_id)
-        print(msg)
-        return EX_OK
-
-    at = args.at
-    return _run_op(args, True, op, before=(lambda: _sleep_until(at)) if at is not None else _noop)
-
-
-def _noop() -> None:
-    return None
-
-
-def _sleep_until(at: float, now: Callable[[], float] = time.time) -> None:
-    """The detached reverter's wait. Wall clock, in chunks, so a clock step is noticed; bounded
-    by MAX_TTL plus a margin however the clock moves."""
-    limit = time.monotonic() + MAX_TTL + 60
-    while (left := at - now()) > 0 and time.monotonic() < limit:
-        time.sleep(min(left, 5.0))
