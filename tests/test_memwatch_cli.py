@@ -14,7 +14,8 @@ from pathlib import Path
 import fake_pynvml
 import pytest
 from gce_watchdog.memory import GIB, MIB
-from gce_watchdog.memory.cli import (
+from gce_watchdog.memory.detector import DetectorParams
+from gce_watchdog.memory.memwatch import (
     EXIT_CANNOT_RUN,
     EXIT_FAIL,
     EXIT_NOT_ENOUGH_DATA,
@@ -24,7 +25,6 @@ from gce_watchdog.memory.cli import (
     judge,
     parse_size,
 )
-from gce_watchdog.memory.detector import DetectorParams
 
 REPO = Path(__file__).resolve().parents[1]
 # Scaled for seconds: 50 ms samples, 2 warm-up, 30 judged, a 64 MiB band.
