@@ -93,7 +93,7 @@ def test_heartbeat_every_k_healthy_ticks_and_no_tick_noise(tmp_path: Path) -> No
     assert names == ["start", "heartbeat", "heartbeat", "heartbeat", "stop"]
 
 
-def test_schedule_is_a_fixed_grid_and_slow_ticks_skip_slots(tmp_path: Path) -> None:
+def test_schedule_is_a_fixed_grid_and_a_slow_tick_is_followed_at_once(tmp_path: Path) -> None:
     notifier = FakeNotifier()
     agent, _, _, clock = make(tmp_path, [result("ok", "ok")], latency=2.0, notifier=notifier)
     t0 = clock.monotonic()
@@ -104,8 +104,11 @@ def test_schedule_is_a_fixed_grid_and_slow_ticks_skip_slots(tmp_path: Path) -> N
     assert sum(1 for m in notifier.messages if m[0] == "WATCHDOG=1") == 4
     slow, _, _, _ = make(tmp_path / "s", [result("ok", "ok")], latency=45.0)
     (tmp_path / "s").mkdir(exist_ok=True)
+    t1 = slow.d.clock.monotonic()
     slow.run(threading.Event(), max_ticks=3)
-    assert slow.overruns == 2  # the 30 s slots that a 45 s tick ran over were skipped
+    # each 45 s tick overran its 30 s slot: the next one started at once (no slot skipped)
+    assert slow.overruns == 2
+    assert slow.d.clock.monotonic() - t1 == pytest.approx(135.0)
 
 
 def test_watchdog_pinged_between_long_ticks(tmp_path: Path) -> None:

@@ -49,6 +49,9 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("tick_duration_seconds", "gauge", "wall time of the last tick (probes and actions)"),
     ("last_tick_timestamp_seconds", "gauge", "Unix time of the last tick (staleness alerts)"),
     ("ticks_total", "counter", "ticks since the agent process started"),
+    ("tick_overruns_total", "counter", "ticks that ran past their slot (next one started at once)"),
+    ("ticks_skipped_total", "counter", "tick slots that got no tick (in stalls)"),
+    ("stalls_total", "counter", "gaps of more than two intervals between two tick starts"),
     ("shutdowns_decided_total", "counter", "shutdowns decided (threshold reached, armed)"),
     ("would_shutdowns_total", "counter", "threshold reached while disarmed: nothing was done"),
     ("serial_lines_dropped_total", "counter", "serial lines lost (queue full or write failed)"),
@@ -70,6 +73,9 @@ class Snapshot:
     tick_duration: float = 0.0
     last_tick: float = 0.0
     ticks: int = 0
+    overruns: int = 0
+    skipped: int = 0
+    stalls: int = 0
     shutdowns: int = 0
     would_shutdowns: int = 0
     dropped: int = 0
@@ -116,6 +122,9 @@ def _samples(s: Snapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
         out["tick_duration_seconds"].append(({}, s.tick_duration))
         out["last_tick_timestamp_seconds"].append(({}, s.last_tick))
     out["ticks_total"].append(({}, s.ticks))
+    out["tick_overruns_total"].append(({}, s.overruns))
+    out["ticks_skipped_total"].append(({}, s.skipped))
+    out["stalls_total"].append(({}, s.stalls))
     out["shutdowns_decided_total"].append(({}, s.shutdowns))
     out["would_shutdowns_total"].append(({}, s.would_shutdowns))
     out["serial_lines_dropped_total"].append(({}, s.dropped))
@@ -212,6 +221,9 @@ class MetricsExporter:
             tick_duration=report.duration,
             last_tick=self.clock(),
             ticks=report.n,
+            overruns=report.overruns,
+            skipped=report.skipped,
+            stalls=report.stalls,
             shutdowns=self.shutdowns,
             would_shutdowns=self.would_shutdowns,
             dropped=self._safe(self.dropped, 0),

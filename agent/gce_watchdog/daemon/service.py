@@ -195,6 +195,8 @@ class Agent:
         self.healthy_streak = 0
         self.overruns = 0
         self.tick_errors = 0
+        self.stalls = 0  # gaps of more than two intervals between tick starts
+        self.skipped = 0  # slots that got no tick (within those gaps)
         self.mark: ChainMark | None = None  # the shutdown chain's progress (None: not decided)
         self.chain_running = False
         self._chain_ended: float | None = None  # monotonic time the last chain returned
@@ -291,7 +293,16 @@ class Agent:
             resume = self.chain_due()
             if resume is not None:
                 self.run_chain(resume)
-        report = TickReport(self.ticks, res, self.state, actions, d.clock.monotonic() - t0)
+        report = TickReport(
+            self.ticks,
+            res,
+            self.state,
+            actions,
+            d.clock.monotonic() - t0,
+            overruns=self.overruns,
+            skipped=self.skipped,
+            stalls=self.stalls,
+        )
         for hook in d.tick_hooks:
             with contextlib.suppress(Exception):  # an exporter must never break the ladder
                 hook(report)
@@ -350,6 +361,21 @@ class Agent:
         finally:
             self.chain_running = False
             self._chain_ended = d.clock.monotonic()
+
+    def _check_gap(self, gap: float, interval: float) -> None:
+        """A gap of more than two intervals between two tick starts (the process was stopped,
+        the machine stalled, a tick hung): a ``stall`` line with the slots that got no tick."""
+        if gap <= 2 * interval:
+            return
+        skipped = max(0, math.floor(gap / interval) - 1)
+        self.stalls += 1
+        self.skipped += skipped
+        with contextlib.suppress(Exception):
+            self.d.emitter.emit(
+                vocab.STALL,
+                {"gap": f"{int(gap * 1000)}ms", "skipped": skipped},
+                f"{gap:.1f}s between two ticks (interval {interval:g}s): {skipped} skipped",
+            )
 
     def _report_error(self, where: str, e: BaseException, what: str = "") -> None:
         """An unexpected exception: an ``error`` line (best effort), and the agent goes on."""
@@ -418,9 +444,14 @@ class Agent:
         ping_every = d.notifier.watchdog_interval / 2 if d.notifier.watchdog_interval else 0.0
         t0 = d.clock.monotonic()
         k = 0
+        last_start: float | None = None
         reason = "sigterm"
         try:
             while not stop.is_set():
+                start = d.clock.monotonic()
+                if last_start is not None:
+                    self._check_gap(start - last_start, interval)
+                last_start = start
                 before = self.ticks
                 try:
                     self.tick_once()
@@ -433,16 +464,18 @@ class Agent:
                 if max_ticks is not None and self.ticks >= max_ticks:
                     reason = "max_ticks"
                     break
-                # Next slot on the fixed grid t0 + k*interval: a slow tick does not shift the
-                # schedule; slots already missed are skipped (and counted), never bunched up.
+                # Next slot on the grid t0 + k*interval: a tick that was quicker than the
+                # interval does not shift the schedule. A tick that overran its slot is followed
+                # by the next one at once and the grid starts again from there: no slot is ever
+                # skipped, so detection stays at threshold x interval (+ one timeout) whatever the
+                # timeout/interval ratio (an overrun is counted and exported).
                 k += 1
                 now = d.clock.monotonic()
                 due = t0 + k * interval
-                if now > due:
-                    missed = math.floor((now - due) / interval) + 1
-                    self.overruns += missed
-                    k += missed
-                    due = t0 + k * interval
+                if now >= due:
+                    self.overruns += 1
+                    t0, k = now, 0
+                    continue
                 while not stop.is_set():
                     left = due - d.clock.monotonic()
                     if left <= 0:

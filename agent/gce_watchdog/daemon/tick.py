@@ -33,3 +33,6 @@ class TickReport:
     state: LadderState
     actions: tuple[ladder.Action, ...]
     duration: float
+    overruns: int = 0  # ticks so far that ran past their slot (the next one started at once)
+    skipped: int = 0  # slots so far that got no tick (inside stalls)
+    stalls: int = 0  # gaps so far of more than two intervals between tick starts

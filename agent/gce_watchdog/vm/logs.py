@@ -48,6 +48,7 @@ _EVENT = {
     "fault": WARNING,  # an injected outage is on (clear/expire: notice)
     "signal": WARNING,
     "warn": WARNING,
+    "stall": WARNING,
     "start": NOTICE,
     "stop": NOTICE,
     "recovered": NOTICE,
