@@ -26,13 +26,12 @@ from gce_watchdog.bootstrap.phases import (
     PHASES,
     SETUP_FAILED,
     emit_terminal,
-    open_best_effort,
     run_exec,
 )
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit
+from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit, open_console
 from gce_watchdog.wire.protocol import sanitize_value
 
 
@@ -228,12 +227,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
         print(f"gce-watchdog fetch: {e}", file=sys.stderr)
         return EX_USAGE
     cfg = load_config_or_exit(args)
-    emitter, port = open_best_effort(cfg)
+    con = open_console(cfg)
     try:
         import signal
 
         deps = FetchDeps(
-            emitter=emitter,
+            emitter=con.emitter,
             stderr=sys.stderr,
             progress=sys.stderr if sys.stderr.isatty() else None,
         )
@@ -246,8 +245,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
     finally:
-        if port is not None:
-            port.close()
+        con.close()
 
 
 def _root_arg(p: argparse.ArgumentParser) -> None:

@@ -22,14 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort
-from gce_watchdog.vm.runtime import boot_of
-from gce_watchdog.vm.state import SeqAllocator, write_phase
+from gce_watchdog.vm.runtime import CommandConsole, open_console
+from gce_watchdog.vm.state import write_phase
 from gce_watchdog.wire import vocab
 
 if TYPE_CHECKING:
     from gce_watchdog.vm.config import Config
-    from gce_watchdog.vm.console import Emitter, LineSink, SerialPort
 
 PHASES = ("bootstrap", "workload", "done")
 SETUP_FAILED = "setup_failed"  # also recorded as the phase in the state directory
@@ -40,56 +38,13 @@ EX_NOEXEC = 126  # shell convention: found but cannot be executed
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-@dataclass
-class _Confirming:
-    """Wraps a sink to remember whether the last line was confirmed written (and drained)."""
-
-    sink: LineSink
-    last_ok: bool = True
-
-    def submit(self, line: str, sync: bool = False) -> Callable[[], bool]:
-        waiter = self.sink.submit(line, sync=sync)
-
-        def wait() -> bool:
-            self.last_ok = waiter()
-            return self.last_ok
-
-        return wait
-
-    @property
-    def dropped(self) -> int:
-        return self.sink.dropped
-
-
-def open_best_effort(cfg: Config) -> tuple[Emitter, SerialPort | None]:
-    """An emitter on the configured port (device, else fallback file).
-
-    When neither can be opened the lines go nowhere (a warning on stderr says so) and the command
-    carries on: a bootstrap must not fail because the console is unusable.
-    """
-    s = cfg.serial
-    boot = boot_of(cfg)
-    seq = SeqAllocator(cfg.agent.state_dir, boot)
-    port = SerialPort(s.device, s.fallback_file, s.queue_size, s.sync_timeout)
-    try:
-        port.open()
-    except OSError as e:
-        print(
-            f"gce-watchdog: cannot open {s.device} or {s.fallback_file}: {e}; "
-            "lines are not written",
-            file=sys.stderr,
-        )
-        return Emitter(_Confirming(MemorySink()), seq, boot), None
-    return Emitter(_Confirming(port), seq, boot), port
-
-
 def emit_terminal(
     cfg: Config,
     event: str,
     fields: dict[str, object],
     text: str = "",
     phase: str | None = None,
-    opened: tuple[Emitter, SerialPort | None] | None = None,
+    opened: CommandConsole | None = None,
 ) -> bool:
     """Record the phase (if given), write one line synchronously and close the port (draining).
 
@@ -102,13 +57,11 @@ def emit_terminal(
             print(
                 f"gce-watchdog: cannot record phase in {cfg.agent.state_dir}: {e}", file=sys.stderr
             )
-    emitter, port = opened or open_best_effort(cfg)
+    con = opened or open_console(cfg)
     try:
-        emitter.emit(event, fields, vocab.fit_text(event, fields, text), sync=True)
+        ok = con.write(event, fields, vocab.fit_text(event, fields, text))
     finally:
-        if port is not None:
-            port.close()
-    ok = port is not None and getattr(emitter.sink, "last_ok", True)
+        con.close()
     if not ok:
         print(f"gce-watchdog: the {event} line was not confirmed written", file=sys.stderr)
     return ok
@@ -182,7 +135,7 @@ def run_exec(
     import subprocess
 
     emit_terminal(cfg, "phase", {"ph": "workload"}, phase="workload")
-    opened = open_best_effort(cfg)  # opened before the child runs: no surprise at the end
+    opened = open_console(cfg)  # opened before the child runs: no surprise at the end
     fwd = _Forwarder()
     old = {s: signal.signal(s, fwd.handler) for s in FORWARDED}
     t0 = clock()

@@ -26,7 +26,13 @@ from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm import logs
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
-from gce_watchdog.vm.runtime import add_config_arg, boot_of, load_config_or_exit, make_emitter
+from gce_watchdog.vm.runtime import (
+    add_config_arg,
+    boot_of,
+    load_config_or_exit,
+    make_emitter,
+    open_console,
+)
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, untrusted_dir
 from gce_watchdog.wire import vocab
 
@@ -214,16 +220,8 @@ def _who() -> str:
 
 def _emit_cli(cfg: cfgmod.Config, event: str, fields: dict[str, object], text: str) -> bool:
     """Write one line on the serial console (best effort: the switch itself already changed)."""
-    try:
-        em, port = make_emitter(cfg)
-    except OSError as e:
-        print(f"gce-watchdog: note: serial line not written: {e}", file=sys.stderr)
-        return False
-    try:
-        em.emit(event, fields, text, sync=True)
-    finally:
-        port.close()
-    return True
+    with open_console(cfg) as con:
+        return con.write(event, fields, text)
 
 
 def cmd_disarm(args: argparse.Namespace) -> int:

@@ -34,7 +34,12 @@ from gce_watchdog.faults.plan import (
     parse_ttl,
 )
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit, make_emitter
+from gce_watchdog.vm.runtime import (
+    CommandConsole,
+    add_config_arg,
+    load_config_or_exit,
+    open_console,
+)
 
 
 def register(sub: Any) -> None:
@@ -84,44 +89,16 @@ def register(sub: Any) -> None:
 
 def _deps_from_args(
     args: argparse.Namespace, emit: bool, cfg: cfgmod.Config
-) -> tuple[Deps, Paths, Any]:
+) -> tuple[Deps, Paths, CommandConsole | None]:
     deps = Deps(
         iptables=args.iptables,
         ip6tables=None if args.ip6tables in ("none", "") else args.ip6tables,
     )
-    port = None
+    console: CommandConsole | None = None
     if emit:
-        serial_ok: list[bool] = []
-
-        def log(event: str, **kw: object) -> None:
-            serial_ok.append(bool(kw.get("serial_ok", True)))
-
-        try:
-            emitter, port = make_emitter(cfg, log=log)
-        except OSError as e:
-            print(
-                f"gce-watchdog fault: warning: no serial port ({e}); no fault line written",
-                file=sys.stderr,
-            )
-            deps.emit = _unwritable(deps)
-        else:
-
-            def emit_fn(event: str, fields: dict[str, object], text: str) -> bool:
-                serial_ok.clear()
-                emitter.emit(event, fields, text, sync=True)
-                return all(serial_ok)
-
-            deps.emit = emit_fn
-    return deps, Paths(Path(cfg.agent.run_dir), getattr(args, "config", None)), port
-
-
-def _unwritable(deps: Deps) -> Callable[[str, dict[str, object], str], bool]:
-    """The emit of a command with no serial port at all: every line counts as not written."""
-
-    def emit(event: str, fields: dict[str, object], text: str) -> bool:
-        return False
-
-    return emit
+        console = open_console(cfg, prog="gce-watchdog fault")
+        deps.emit = console.write
+    return deps, Paths(Path(cfg.agent.run_dir), getattr(args, "config", None)), console
 
 
 def _run_op(
@@ -142,7 +119,7 @@ def _run_op(
     # the TTL must not stop the rules from being removed.
     cfg = load_config_or_exit(args)
     before()
-    deps, paths, port = _deps_from_args(args, emit, cfg)
+    deps, paths, console = _deps_from_args(args, emit, cfg)
     try:
         rc = op(deps, paths)
         if rc == EX_OK and deps.unwritten:
@@ -157,8 +134,8 @@ def _run_op(
         print(f"gce-watchdog fault: {e}", file=sys.stderr)
         return EX_UNAVAILABLE if isinstance(e, ToolMissing) else EX_FAIL
     finally:
-        if port is not None:
-            port.close()
+        if console is not None:
+            console.close()
 
 
 def cmd_inject(args: argparse.Namespace) -> int:

@@ -242,6 +242,24 @@ class Emitter:
         text: str = "",
         sync: bool = False,
     ) -> protocol.Event:
+        return self._emit(event, fields, text, sync)[0]
+
+    def write(
+        self,
+        event: str,
+        fields: Mapping[str, object] | Iterable[tuple[str, object]] = (),
+        text: str = "",
+    ) -> bool:
+        """Emit one line synchronously; True when the port confirmed it written (drained)."""
+        return self._emit(event, fields, text, True)[1]
+
+    def _emit(
+        self,
+        event: str,
+        fields: Mapping[str, object] | Iterable[tuple[str, object]],
+        text: str,
+        sync: bool,
+    ) -> tuple[protocol.Event, bool]:
         # Number and queue under one lock (threads of one process reach the port in seq order);
         # wait for a sync line's drain outside it, so no other thread waits on our drain.
         with self._order:
@@ -254,7 +272,7 @@ class Emitter:
         del self.written[: -self._keep]
         if self.log is not None:
             self.log(event, serial_ok=ok, seq=ev.seq, text=ev.text or None, **ev.fields_dict)
-        return ev
+        return ev, ok
 
 
 def open_emitter(

@@ -11,8 +11,8 @@ import sys
 from typing import Any
 
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import Emitter, SerialPort, open_emitter
-from gce_watchdog.vm.state import read_boot_id, short_boot
+from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort, open_emitter
+from gce_watchdog.vm.state import SeqAllocator, read_boot_id, short_boot
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -54,3 +54,52 @@ def make_emitter(cfg: cfgmod.Config, log: Any = None) -> tuple[Emitter, SerialPo
         sync_timeout=s.sync_timeout,
         log=log,
     )
+
+
+class CommandConsole:
+    """The serial console as a command uses it: the one way a command opens it.
+
+    Opened best effort: the device, else the fallback file; when neither opens, a warning says so
+    on stderr, ``available`` is False and lines go nowhere (a command must not fail because the
+    console is unusable). :meth:`write` writes one line synchronously and says whether it was
+    confirmed written, so the caller can report it (exit 74 for the phase commands).
+    """
+
+    def __init__(self, emitter: Emitter, port: SerialPort | None) -> None:
+        self.emitter = emitter
+        self.port = port
+
+    @property
+    def available(self) -> bool:
+        return self.port is not None
+
+    def write(self, event: str, fields: dict[str, object], text: str = "") -> bool:
+        ok = self.emitter.write(event, fields, text)
+        return ok and self.available
+
+    def close(self) -> None:
+        if self.port is not None:
+            self.port.close()
+
+    def __enter__(self) -> CommandConsole:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_console(cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog") -> CommandConsole:
+    """The console for a command (see :class:`CommandConsole`); the caller closes it."""
+    try:
+        emitter, port = make_emitter(cfg, log=log)
+    except OSError as e:
+        s = cfg.serial
+        print(
+            f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}; lines are not written",
+            file=sys.stderr,
+        )
+        boot = boot_of(cfg)
+        return CommandConsole(
+            Emitter(MemorySink(), SeqAllocator(cfg.agent.state_dir, boot), boot), None
+        )
+    return CommandConsole(emitter, port)
