@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib.durations import parse_duration
@@ -20,6 +21,7 @@ from gce_watchdog.memory.memwatch import (
     EXIT_USAGE,
     collect,
     judge,
+    killed_by,
     parse_size,
     to_json,
 )
@@ -132,6 +134,28 @@ def _line(name: str, v: ClimbVerdict, gated: bool) -> str:
     return s
 
 
+def _unwritable(path: str) -> str | None:
+    """Why the --out file could not be written at the end of the run, or None. Tried for real: a
+    temporary file is created (and removed) in its directory."""
+    import tempfile
+
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    try:
+        if p.is_dir():
+            return "is a directory"
+        if not parent.is_dir():
+            return f"directory {parent} does not exist"
+    except OSError as e:  # e.g. a directory on the way that this user may not enter
+        return f"cannot reach {parent}: {e.strerror or e}"
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=f".{p.name}.", suffix=".check"):
+            pass
+    except OSError as e:
+        return f"cannot write in {parent}: {e.strerror or e}"
+    return None
+
+
 def cmd_memwatch(args: argparse.Namespace) -> int:
     argv = list(args.cmd)
     if argv and argv[0] == "--":
@@ -147,6 +171,11 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     params = DetectorParams(
         warmup=warmup, window=args.min_samples, band=float(args.band), alpha=args.alpha
     )
+    if args.out:
+        why = _unwritable(args.out)
+        if why:  # found out now, not after an hour of sampling (the verdict would be lost)
+            print(f"gce-watchdog memwatch: --out {args.out}: {why}", file=sys.stderr)
+            return EXIT_USAGE
     watching = bool(argv) or args.pid is not None
     gate = args.gate or (("tree", "gpu") if watching else ("host", "gpu"))
     try:
@@ -179,5 +208,8 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
         print(_line(name, v, g))
     if not run.gpu_available:
         print(f"  gpu        absent: {run.gpu_reason}")
+    sig = killed_by(run)
+    if sig is not None:
+        print(f"  command    FAIL: killed by {sig} (not sent by memwatch; an OOM kill is SIGKILL)")
     print(overall.replace("_", " "))
     return {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL}.get(overall, EXIT_NOT_ENOUGH_DATA)

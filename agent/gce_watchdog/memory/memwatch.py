@@ -216,10 +216,21 @@ def _gauge_kind(name: str) -> str:
     return "host"
 
 
+def killed_by(run: Run) -> str | None:
+    """The signal that ended the command on its own (an OOM kill is a SIGKILL nobody here sent),
+    or None: it exited, or memwatch itself stopped it (--duration, a forwarded Ctrl-C)."""
+    if run.signal_name and run.stopped_by == "exit" and not run.forwarded:
+        return run.signal_name
+    return None
+
+
 def judge(
     run: Run, params: DetectorParams, gate: Sequence[str]
 ) -> tuple[str, dict[str, tuple[ClimbVerdict, bool]]]:
-    """Overall verdict (PASS, FAIL, NOT_ENOUGH_DATA) and per-gauge (verdict, gated)."""
+    """Overall verdict (PASS, FAIL, NOT_ENOUGH_DATA) and per-gauge (verdict, gated).
+
+    A command ended by a signal that memwatch did not send is FAIL whatever the gauges say: a
+    SIGKILL out of nowhere is what the kernel's OOM killer looks like."""
     names = ["host_used", "tree_rss"]
     gpu_used = sorted(
         {k for row in run.samples for k in row if k.startswith("gpu") and k.endswith("_used")},
@@ -235,6 +246,8 @@ def judge(
         cap = last.get(cap_key)
         per[name] = (detect(series, params, capacity=cap), _gauge_kind(name) in gate)
     gated = [v for v, g in per.values() if g]
+    if killed_by(run) is not None:
+        return "FAIL", per
     if any(v.status in (Status.CLIMB, Status.STEP, Status.UNSTABLE) for v in gated):
         return "FAIL", per
     if not gated or any(v.status is Status.NOT_ENOUGH_DATA for v in gated):
@@ -269,6 +282,7 @@ def to_json(
             **target,
             "rc": run.rc,
             "signal": run.signal_name,
+            "killed_by": killed_by(run),
             "forwarded_signals": run.forwarded,
         },
         "gpu": {
