@@ -45,3 +45,15 @@ def pg_database(postgres_url: str) -> Iterator[str]:
     finally:
         with psycopg.connect(postgres_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def pubsub_host() -> Iterator[str]:
+    """One real Pub/Sub emulator for the session (tests/pubsub_emulator.py), killed at the end."""
+    from pubsub_emulator import pubsub_emulator, unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"pubsub: {why}")
+    with pubsub_emulator() as host:
+        yield host

@@ -44,8 +44,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--project",
-        required=True,
         action="append",
+        default=[],
         help="the project (repeat it with --label to poll the labelled VMs of several)",
     )
     p.add_argument("--zone", default=None, help="the zone of the INSTANCEs (not with --label)")
@@ -57,6 +57,24 @@ def register(sub: Any) -> None:
         help="poll every instance carrying this label in every zone of the projects "
         "(instances.aggregatedList), instead of INSTANCE names: new VMs are picked up, "
         "deleted ones finalized through the ledger",
+    )
+    p.add_argument(
+        "--pubsub",
+        default=None,
+        metavar="projects/P/subscriptions/S",
+        help="event-driven: decide on serial lines a Cloud Logging sink publishes to this "
+        "subscription (the [pubsub] extra); with --label, a slow Compute API sweep still "
+        "catches stopped and silent VMs and polls those whose console is not exported",
+    )
+    p.add_argument(
+        "--settle",
+        default="2s",
+        help="--pubsub: how long a gap in a boot's line numbers is waited for (default 2s)",
+    )
+    p.add_argument(
+        "--sweep-interval",
+        default="5m",
+        help="--pubsub with --label: time between Compute API sweeps (default 5m)",
     )
     p.add_argument(
         "--workers",
@@ -264,6 +282,20 @@ def cmd_poll(args: argparse.Namespace) -> int:
     from gce_watchdog.lib.durations import parse_duration
 
     errs: list[str] = []
+    if args.pubsub is not None:
+        from gce_watchdog.poller.pubsub import SUBSCRIPTION_RE
+
+        if not SUBSCRIPTION_RE.match(args.pubsub):
+            errs.append(f"--pubsub {args.pubsub!r}: want projects/PROJECT/subscriptions/NAME")
+        if args.instances or args.zone:
+            errs.append("--pubsub takes no INSTANCE names nor --zone (--label for the sweep)")
+        try:
+            args.settle_s = parse_duration(args.settle)
+            args.sweep_s = parse_duration(args.sweep_interval)
+            if args.sweep_s <= 0:
+                errs.append("--sweep-interval must be > 0")
+        except ValueError as exc:
+            errs.append(str(exc))
     if args.label is not None:
         from gce_watchdog.poller.fleet import parse_label
 
@@ -275,6 +307,8 @@ def cmd_poll(args: argparse.Namespace) -> int:
             errs.append(f"--label: {exc}")
         for project in args.project:  # (any valid zone: only the project is checked here)
             errs += validate_target(project, "us-central1-a", [])
+    elif args.pubsub is not None:
+        pass
     elif len(args.project) != 1 or not args.zone or not args.instances:
         errs.append("give one --project, --zone and INSTANCE names, or --label")
     else:
@@ -366,13 +400,13 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             old[sig] = signal.signal(sig, lambda *_: stop.set())
-    if args.label is not None:
+    if args.pubsub is not None or args.label is not None:
         from gce_watchdog.poller.fleet_cli import run_fleet
+        from gce_watchdog.poller.pubsub_cli import run_pubsub
 
         try:
-            return run_fleet(
-                args, client, store, ledger, policy, interval, budget, stop, _print_outcome
-            )
+            run = run_pubsub if args.pubsub is not None else run_fleet
+            return run(args, client, store, ledger, policy, interval, budget, stop, _print_outcome)
         except AuthError as e:
             print(f"gce-watchdog poll: {e}", file=sys.stderr)
             return EX_NOPERM

@@ -291,7 +291,11 @@ class FleetPoller:
         return self._poller(Target(out.project, out.zone, out.instance)).announced(out)
 
     def round(
-        self, deadline_s: float, emit: Callable[[PollOutcome], None], monotonic: Callable[[], float]
+        self,
+        deadline_s: float,
+        emit: Callable[[PollOutcome], None],
+        monotonic: Callable[[], float],
+        select: Callable[[Target, InstanceStatus | None], bool] | None = None,
     ) -> RoundReport:
         """Discover, poll everything listed (and once more what vanished), emit outcomes until
         ``deadline_s`` (a ``monotonic`` time). Raises what discovery raises (AuthError etc.)."""
@@ -315,6 +319,8 @@ class FleetPoller:
         for t, st in sorted(jobs.items(), key=lambda kv: kv[0]):
             if t in self._inflight:
                 continue  # its previous poll is still running
+            if select is not None and not select(t, st):
+                continue  # (the Pub/Sub sweep: only the stopped, the silent, the unheard)
             fut = self._pool.submit(self._poller(t).poll, t.name, st)
             self._inflight[t] = fut
             futures[fut] = t

@@ -1,0 +1,268 @@
+"""Event-driven ingestion: serial lines exported to Cloud Logging, sent to Pub/Sub by a log sink.
+
+With ``serial-port-logging-enable=true`` GCE writes every console line of port 1 to Cloud Logging
+as a LogEntry with ``logName``
+``projects/P/logs/serialconsole.googleapis.com%2Fserial_port_1_output``, ``resource.type``
+``gce_instance`` (labels ``instance_id``, ``zone``, ``project_id``), the line in ``textPayload``
+and the instance name in ``labels["compute.googleapis.com/resource_name"]``. A log sink with
+that filter and a Pub/Sub topic as destination publishes each entry, as JSON, as the data of one
+message.
+
+A worker (``gce-watchdog poll --pubsub projects/P/subscriptions/S``):
+
+1. pulls a batch and decodes each LogEntry; lines that are not ours are acked at once;
+2. puts our lines back in order per (instance id, boot) (``Assembler``: duplicates dropped, a gap
+   waited for ``settle_s``, then declared lost) and decides over each boot's gap-free prefix;
+3. claims a failover in the ledger (durable when ``claim`` returns), announces it, marks it
+   announced;
+4. acks a message only once its line is in the prefix and any claim it led to is durable. A line
+   held behind a gap is not acked: if the worker dies, Pub/Sub redelivers it;
+5. every ``ANNOUNCE_SWEEP_S``, announces pending decisions whose claimer died before announcing
+   (the lease lapsed): a worker killed between claim and ack is covered by the next one.
+
+Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``). Silence and
+stopped instances are not visible in a stream of lines: the slow Compute API sweep
+(``FleetPoller`` over ``--label``) catches those, and polls VMs whose console is not exported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gce_watchdog.poller.assemble import Assembler
+from gce_watchdog.poller.ledger import BaseLedger, Decision
+from gce_watchdog.poller.poller import PollOutcome
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
+from gce_watchdog.wire.protocol import Event, decode_line
+
+SERIAL_LOG_SUFFIX = "/logs/serialconsole.googleapis.com%2Fserial_port_1_output"
+NAME_LABEL = "compute.googleapis.com/resource_name"
+SUBSCRIPTION_RE = re.compile(
+    r"projects/[a-z][-a-z0-9:.]{4,61}[a-z0-9]/subscriptions/[A-Za-z][-\w.~+%]{2,254}\Z"
+)
+# Lines arrive within seconds of each other; a gap still open after this is a lost line.
+DEFAULT_SETTLE_S = 2.0
+# How often a worker looks for decisions whose claimer died before announcing them.
+ANNOUNCE_SWEEP_S = 5.0
+# Messages per pull (the API allows up to 1,000).
+PULL_MAX = 500
+# Only these verdicts are proven by a line; the others need the instance's status or silence.
+LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED})
+
+
+@dataclass(frozen=True)
+class SerialLine:
+    project: str
+    zone: str
+    instance_id: str
+    instance: str  # the name ("" if the entry did not carry it)
+    text: str
+
+
+def parse_log_entry(data: bytes) -> SerialLine | None:
+    """The serial line a sink's message carries, or None (another log, or not a LogEntry)."""
+    try:
+        entry = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(entry, dict) or not str(entry.get("logName", "")).endswith(SERIAL_LOG_SUFFIX):
+        return None
+    res = entry.get("resource") or {}
+    labels = res.get("labels") or {} if isinstance(res, dict) else {}
+    text = entry.get("textPayload")
+    if not isinstance(text, str) or not isinstance(labels, dict) or not labels.get("instance_id"):
+        return None
+    name = (entry.get("labels") or {}).get(NAME_LABEL, "")
+    return SerialLine(
+        str(labels.get("project_id", "")),
+        str(labels.get("zone", "")),
+        str(labels["instance_id"]),
+        str(name),
+        text,
+    )
+
+
+@dataclass
+class _Held:
+    line: SerialLine
+    ack_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerStats:
+    messages: int = 0
+    lines: int = 0  # ours, decoded
+    foreign: int = 0  # acked at once: not our line or not a serial LogEntry
+    decisions: int = 0
+    announced: int = 0
+    acked: int = 0
+    latencies: list[float] = field(default_factory=list)  # publish time -> claim, seconds
+
+
+class PubSubWorker:
+    """Pull, assemble, decide, claim, ack. ``subscriber`` is a ``pubsub_v1.SubscriberClient``."""
+
+    def __init__(
+        self,
+        subscriber: Any,
+        subscription: str,
+        ledger: BaseLedger,
+        emit: Callable[[PollOutcome], None],
+        policy: Policy | None = None,
+        settle_s: float = DEFAULT_SETTLE_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.subscriber = subscriber
+        self.subscription = subscription
+        self.ledger = ledger
+        self.emit = emit
+        self.policy = policy or Policy()
+        self.asm = Assembler(settle_s)
+        self.clock = clock
+        self.stats = WorkerStats()
+        self.last_heard: dict[str, float] = {}  # instance id -> when its last line arrived
+        self._held: dict[tuple[str, str, int], _Held] = {}  # (id, boot, seq) -> its messages
+        self._info: dict[str, SerialLine] = {}  # instance id -> its latest line's identity
+        self._published: dict[tuple[str, str, int], float] = {}
+        self._last_sweep = 0.0
+        self._lock = threading.Lock()
+        # Boots decided here: their later lines and redeliveries are acked without a second look.
+        # Bounded: a boot is decided once, and a worker's lifetime sees a bounded fleet.
+        self._decided: set[tuple[str, str]] = set()
+
+    def pull(self, timeout: float) -> list[Any]:
+        from google.api_core import exceptions as gexc
+
+        try:
+            resp = self.subscriber.pull(
+                request={"subscription": self.subscription, "max_messages": PULL_MAX},
+                timeout=timeout,
+            )
+        except (gexc.DeadlineExceeded, gexc.RetryError):
+            return []
+        return list(resp.received_messages)
+
+    def step(self, timeout: float = 1.0) -> int:
+        """One pull and everything it leads to; returns the number of messages received."""
+        msgs = self.pull(timeout)
+        now = self.clock()
+        to_ack: list[str] = []
+        grown: set[tuple[str, str]] = set()
+        for rm in msgs:
+            self.stats.messages += 1
+            line = parse_log_entry(rm.message.data)
+            ev = decode_line(line.text) if line is not None else None
+            if line is None or not isinstance(ev, Event):
+                self.stats.foreign += 1
+                to_ack.append(rm.ack_id)
+                continue
+            self.stats.lines += 1
+            self.last_heard[line.instance_id] = now
+            self._info[line.instance_id] = line
+            if (line.instance_id, ev.boot) in self._decided:
+                to_ack.append(rm.ack_id)
+                continue
+            key = (line.instance_id, ev.boot, ev.seq)
+            self._held.setdefault(key, _Held(line)).ack_ids.append(rm.ack_id)
+            pub = rm.message.publish_time
+            if pub is not None and key not in self._published:
+                self._published[key] = pub.timestamp()
+            if self.asm.add(line.instance_id, ev, now):
+                grown.add((line.instance_id, ev.boot))
+        grown.update(self.asm.settle(now))
+        for iid, boot in sorted(grown):
+            self._decide(iid, boot, now)
+        to_ack += self._ackable()
+        self.ack(to_ack)
+        if now - self._last_sweep >= ANNOUNCE_SWEEP_S:
+            self._last_sweep = now
+            self.announce_pending(now)
+        return len(msgs)
+
+    def _ackable(self) -> list[str]:
+        """Messages whose line is in its boot's prefix (or whose boot was decided and dropped)."""
+        out = []
+        for key in list(self._held):
+            iid, boot, seq = key
+            s = self.asm.streams.get((iid, boot))
+            if s is None or seq < s.next_seq:
+                out += self._held.pop(key).ack_ids
+                self._published.pop(key, None)
+        return out
+
+    def ack(self, ack_ids: list[str]) -> None:
+        for i in range(0, len(ack_ids), 1000):
+            chunk = ack_ids[i : i + 1000]
+            self.subscriber.acknowledge(
+                request={"subscription": self.subscription, "ack_ids": chunk}
+            )
+            self.stats.acked += len(chunk)
+
+    def _decide(self, iid: str, boot: str, now: float) -> None:
+        events = self.asm.events(iid, boot)
+        if not events:
+            return
+        verdict = decide(events, InstanceState("RUNNING"), now, self.policy)
+        if verdict.kind not in LINE_VERDICTS:
+            return
+        line = self._info[iid]
+        decision = self.ledger.claim(
+            iid,
+            boot,
+            verdict.kind.value,
+            verdict.reason,
+            f"{line.project}/{line.zone}/{line.instance or iid}",
+            now,
+        )  # durable when it returns: only now may the lines that led here be acked
+        self.stats.decisions += decision.won
+        shutdown = [e for e in events if e.event in ("shutdown", "preempted")]
+        pub = self._published.get((iid, boot, shutdown[0].seq)) if shutdown else None
+        if pub is not None and decision.won:
+            self.stats.latencies.append(self.clock() - pub)
+        announce = decision.won or (
+            decision.announced_at is None
+            and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
+        )
+        self._announce(line, verdict, decision, announce)
+        self._decided.add((iid, boot))
+        self.asm.forget(iid, boot)
+
+    def _announce(
+        self, line: SerialLine, verdict: Verdict, decision: Decision, announce: bool
+    ) -> None:
+        out = PollOutcome(
+            line.instance or line.instance_id,
+            decision.instance_id,
+            "",
+            verdict,
+            decision=decision,
+            announce=announce,
+            project=line.project,
+            zone=line.zone,
+        )
+        if announce:
+            with self._lock:
+                self.emit(out)
+                if self.ledger.mark_announced(decision.instance_id, decision.boot, self.clock()):
+                    self.stats.announced += 1
+
+    def announce_pending(self, now: float) -> None:
+        """Announce decisions claimed by a worker that died before announcing them."""
+        for d in self.ledger.pending_announcements():
+            if not self.ledger.take_announcement(d.instance_id, d.boot, now):
+                continue  # its claimer's lease is live, or another worker took it
+            project, _, rest = d.instance.partition("/")
+            zone, _, name = rest.partition("/")
+            line = SerialLine(project, zone, d.instance_id, name, "")
+            verdict = Verdict(VerdictKind(d.verdict), d.reason, d.boot)
+            self._announce(line, verdict, d, True)
+
+    @property
+    def settle_deadline(self) -> float | None:
+        return self.asm.next_deadline()
