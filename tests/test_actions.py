@@ -164,7 +164,7 @@ def rig(
     api = api or FakeApi()
     kernel = fake_kernel or FakeKernel()
     pings = Pings(clock)
-    chain = ActionChain(
+    chain = ActionChain.from_config(
         cfg,
         em,
         pings,
@@ -366,7 +366,7 @@ def test_default_cache_reader_uses_the_state_dir(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, "dry-run", linger=0, dry_run_op="delete")
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
-    chain = ActionChain(cfg, em, lambda: None, runner=FakeRunner(), kernel=FakeKernel())
+    chain = ActionChain.from_config(cfg, em, lambda: None, runner=FakeRunner(), kernel=FakeKernel())
     chain.execute("ladder", 10, 10)
     dry = [protocol.decode_line(x) for x in sink.lines]
     assert any(isinstance(e, protocol.Event) and e.get("inst") == "sim-vm-1" for e in dry)
@@ -435,10 +435,12 @@ class FileKernel:  # stands in for reboot(2): never power off the test machine
 
 em, port = make_emitter(cfg)
 try:
-    w = MetadataWatcher(cfg, em)
+    w = MetadataWatcher.from_config(cfg, em)
     assert w.refresh_once(), "metadata identity not read"
     pings = []
-    chain = ActionChain(cfg, em, lambda: pings.append(time.monotonic()), kernel=FileKernel())
+    chain = ActionChain.from_config(
+        cfg, em, lambda: pings.append(time.monotonic()), kernel=FileKernel()
+    )
     t0 = time.monotonic()
     chain.execute("ladder", 10, 10)
     res = chain.last_result

@@ -186,7 +186,7 @@ def make_rig(
             raise inst_fail.pop()
         return INST
 
-    chain = ActionChain(
+    chain = ActionChain.from_config(
         cfg,
         em,
         lambda: None,
@@ -394,7 +394,7 @@ def real_file_agent(tmp: Path) -> tuple[Agent, MemorySink, list[object]]:
         notifier=FakeNotifier(),
         store=LadderStore(tmp / "ladder.json", "b1"),
         on_shutdown=lambda *a, **k: decided.append(a),
-        armed=DisarmGate(cfg, em, lambda: False, wall=clock.wall),
+        armed=DisarmGate.from_config(cfg, em, lambda: False, wall=clock.wall),
         phase=lambda: read_phase(tmp),
         instance_id=lambda: _instance_id(str(tmp), None),
     )

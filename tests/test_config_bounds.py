@@ -265,7 +265,7 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
         fc = FakeClock()
         sink = MemorySink()
         em = Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", fc.wall)
-        chain = ActionChain(
+        chain = ActionChain.from_config(
             cfg,
             em,
             lambda: None,

@@ -32,38 +32,40 @@ def cfg_for(tmp: Path) -> cfgmod.Config:
 
 
 def write_local(cfg: cfgmod.Config, set_at: float, until: float) -> None:
-    disarm_path(cfg).parent.mkdir(parents=True, exist_ok=True)
-    disarm_path(cfg).write_text(json.dumps({"set_at": set_at, "until": until, "reason": "x"}))
+    disarm_path(cfg.agent.state_dir).parent.mkdir(parents=True, exist_ok=True)
+    disarm_path(cfg.agent.state_dir).write_text(
+        json.dumps({"set_at": set_at, "until": until, "reason": "x"})
+    )
 
 
 def test_no_file_is_armed(tmp_path: Path) -> None:
-    assert disarm_status(cfg_for(tmp_path), T0, False) == (True, "armed")
+    assert disarm_status(cfg_for(tmp_path).agent.state_dir, T0, False) == (True, "armed")
 
 
 def test_local_disarm_until_expiry_then_rearms_by_itself(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path)
     write_local(cfg, T0, T0 + 7200)
-    armed, why = disarm_status(cfg, T0 + 10, False)
+    armed, why = disarm_status(cfg.agent.state_dir, T0 + 10, False)
     assert not armed and why.startswith("local-until-")
-    assert disarm_status(cfg, T0 + 7199, False)[0] is False
-    assert disarm_status(cfg, T0 + 7200, False) == (True, "expired")
+    assert disarm_status(cfg.agent.state_dir, T0 + 7199, False)[0] is False
+    assert disarm_status(cfg.agent.state_dir, T0 + 7200, False) == (True, "expired")
 
 
 def test_metadata_disarm_is_honoured(tmp_path: Path) -> None:
-    assert disarm_status(cfg_for(tmp_path), T0, True) == (False, "metadata")
+    assert disarm_status(cfg_for(tmp_path).agent.state_dir, T0, True) == (False, "metadata")
 
 
 def test_a_file_claiming_more_than_the_cap_is_capped(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path)
     write_local(cfg, T0, T0 + 10 * 86400)
-    assert disarm_status(cfg, T0 + MAX_DISARM_S - 1, False)[0] is False
-    assert disarm_status(cfg, T0 + MAX_DISARM_S, False) == (True, "expired")
+    assert disarm_status(cfg.agent.state_dir, T0 + MAX_DISARM_S - 1, False)[0] is False
+    assert disarm_status(cfg.agent.state_dir, T0 + MAX_DISARM_S, False) == (True, "expired")
 
 
 def test_a_disarm_from_the_future_is_not_trusted(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path)
     write_local(cfg, T0 + 3600, T0 + 7200)  # the clock went back an hour since it was set
-    assert disarm_status(cfg, T0, False) == (True, "expired")
+    assert disarm_status(cfg.agent.state_dir, T0, False) == (True, "expired")
 
 
 @pytest.mark.parametrize(
@@ -79,8 +81,8 @@ def test_a_disarm_from_the_future_is_not_trusted(tmp_path: Path) -> None:
 )
 def test_a_bad_file_never_disarms(tmp_path: Path, content: str) -> None:
     cfg = cfg_for(tmp_path)
-    disarm_path(cfg).write_text(content)
-    assert disarm_status(cfg, T0, False) == (True, "bad-disarm-file")
+    disarm_path(cfg.agent.state_dir).write_text(content)
+    assert disarm_status(cfg.agent.state_dir, T0, False) == (True, "bad-disarm-file")
 
 
 @given(
@@ -94,7 +96,7 @@ def test_property_disarm_always_expires(set_off: float, length: float, now_off: 
     with tempfile.TemporaryDirectory() as d:
         cfg = cfg_for(Path(d))
         write_local(cfg, T0 + set_off, T0 + set_off + length)
-        armed, _ = disarm_status(cfg, T0 + now_off, False)
+        armed, _ = disarm_status(cfg.agent.state_dir, T0 + now_off, False)
         # Never disarmed at or after set_at + 24 h, whatever the file says.
         if now_off >= set_off + MAX_DISARM_S:
             assert armed
@@ -103,7 +105,7 @@ def test_property_disarm_always_expires(set_off: float, length: float, now_off: 
 def _gate(tmp: Path, md: list[bool], wall: list[float]) -> tuple[DisarmGate, MemorySink]:
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de")
-    return DisarmGate(cfg_for(tmp), em, lambda: md[0], lambda: wall[0]), sink
+    return DisarmGate.from_config(cfg_for(tmp), em, lambda: md[0], lambda: wall[0]), sink
 
 
 def _events(sink: MemorySink) -> list[tuple[str, str | None, str | None]]:
@@ -124,7 +126,7 @@ def test_gate_reports_metadata_transitions_and_expiry(tmp_path: Path) -> None:
     assert gate() == (False, "metadata")  # no repeat line while nothing changes
     md[0] = False
     assert gate()[0] is True
-    write_local(gate.cfg, T0, T0 + 60)
+    write_local(cfg_for(Path(gate.state_dir)), T0, T0 + 60)
     assert gate()[0] is False  # the CLI reported this one: no line from the gate
     wall[0] = T0 + 61
     assert gate() == (True, "expired")
@@ -138,7 +140,7 @@ def test_gate_reports_metadata_transitions_and_expiry(tmp_path: Path) -> None:
 def test_gate_reports_a_disarm_found_at_start(tmp_path: Path) -> None:
     md, wall = [False], [T0]
     gate, sink = _gate(tmp_path, md, wall)
-    write_local(gate.cfg, T0 - 10, T0 + 600)
+    write_local(cfg_for(Path(gate.state_dir)), T0 - 10, T0 + 600)
     assert gate()[0] is False
     assert _events(sink)[0][:2] == ("disarm", "local")
 
@@ -150,7 +152,7 @@ def test_gate_survives_a_broken_metadata_source(tmp_path: Path) -> None:
     def broken() -> bool:
         raise RuntimeError("watcher not started")
 
-    assert DisarmGate(cfg_for(tmp_path), em, broken, lambda: T0)() == (True, "armed")
+    assert DisarmGate.from_config(cfg_for(tmp_path), em, broken, lambda: T0)() == (True, "armed")
 
 
 # -- CLI (real processes, real files) ------------------------------------------------------------
@@ -181,14 +183,14 @@ def test_cli_disarm_then_arm(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert "disarmed until" in p.stdout
     cfg = cfgmod.load(tmp_path / "config.toml")
-    raw = json.loads(disarm_path(cfg).read_text())
+    raw = json.loads(disarm_path(cfg.agent.state_dir).read_text())
     assert 7190 <= raw["until"] - t <= 7210
-    assert disarm_status(cfg, time.time(), False)[0] is False
+    assert disarm_status(cfg.agent.state_dir, time.time(), False)[0] is False
     p = _cli(tmp_path, "disarm", "--status")
     assert p.returncode == 0 and p.stdout.startswith("disarmed")
     p = _cli(tmp_path, "arm")
     assert p.returncode == 0, p.stderr
-    assert not disarm_path(cfg).exists()
+    assert not disarm_path(cfg.agent.state_dir).exists()
     events, stats = protocol.decode_all((tmp_path / "serial.log").read_bytes())
     assert stats.rejected == 0
     assert [e.event for e in events] == ["disarm", "arm"]

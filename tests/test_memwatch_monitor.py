@@ -72,7 +72,9 @@ def _monitor(
         if gpus is not None
         else GpuSampler(nvml=fake_pynvml.make(init_error=fake_pynvml.NVMLError_LibraryNotFound()))
     )
-    mon = MemoryMonitor(_cfg(**mem), em, clock, host=host, top=_top, gpu=gpu, run_command=runner)
+    mon = MemoryMonitor.from_config(
+        _cfg(**mem), em, clock, host=host, top=_top, gpu=gpu, run_command=runner
+    )
     return mon, sink, calls
 
 
@@ -223,7 +225,7 @@ def test_thread_start_stop_is_bounded(tmp_path: Path) -> None:
     # Real thread, real time, tiny period: poll for the first sample with a deadline.
     host = Host()
     mon, _sink, _ = _monitor(tmp_path, FakeClock(), host, None, period=0.05)
-    mon = MemoryMonitor(
+    mon = MemoryMonitor.from_config(
         _cfg(period=0.05), mon.emitter, time.monotonic, host=host, top=_top, gpu=mon._gpu
     )
     mon.start()
@@ -250,7 +252,9 @@ def test_a_failing_reader_does_not_kill_the_thread(tmp_path: Path) -> None:
         return Host()()
 
     mon0, _, _ = _monitor(tmp_path, FakeClock(), Host(), None)
-    mon = MemoryMonitor(_cfg(period=0.02), mon0.emitter, host=flaky, top=_top, gpu=mon0._gpu)
+    mon = MemoryMonitor.from_config(
+        _cfg(period=0.02), mon0.emitter, host=flaky, top=_top, gpu=mon0._gpu
+    )
     mon.start()
     try:
         deadline = time.monotonic() + 5

@@ -74,7 +74,7 @@ def make(
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de")
     client = RecordingClient(metadata_root(cfg))
-    return MetadataWatcher(cfg, em, clock=clock or Clock(), client=client), sink, client
+    return MetadataWatcher.from_config(cfg, em, clock=clock or Clock(), client=client), sink, client
 
 
 def events(sink: MemorySink) -> list[protocol.Event]:
@@ -285,7 +285,7 @@ def test_a_server_ignoring_wait_for_change_is_not_hammered(tmp_path: Path) -> No
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
     client = SameEtagClient()
-    w = MetadataWatcher(cfg, em, client=client)  # type: ignore[arg-type]
+    w = MetadataWatcher.from_config(cfg, em, client=client)  # type: ignore[arg-type]
     t = threading.Thread(target=w._watch, args=("instance/preempted", w._on_pre), daemon=True)
     t.start()
     stop_at = time.monotonic() + 1.5

@@ -114,7 +114,7 @@ def make_agent(
     cfg = cfg_for(prom)
     clock = FakeClock()
     sink = MemorySink()
-    exp = MetricsExporter(
+    exp = MetricsExporter.from_config(
         cfg, dropped=lambda: sink.dropped, clock=clock.wall, **(exporter_kw or {})
     )  # type: ignore[arg-type]
     deps = Deps(
@@ -230,7 +230,7 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
     prom.mkdir()
     cfg = cfg_for(prom)
     clock = FakeClock()
-    exp = MetricsExporter(cfg, dropped=lambda: 0, clock=clock.wall)
+    exp = MetricsExporter.from_config(cfg, dropped=lambda: 0, clock=clock.wall)
     path_box.append(prom / "gce_watchdog.prom")
     sink = MemorySink()
     deps = Deps(
@@ -298,7 +298,7 @@ def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:
 
 def test_missing_directory_is_skipped_not_created_and_never_raises(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path / "no-node-exporter")
-    exp = MetricsExporter(cfg, dropped=lambda: 0)
+    exp = MetricsExporter.from_config(cfg, dropped=lambda: 0)
     agent, _, _, _ = make_agent(tmp_path, [result("ok", "ok")])
     agent.d.tick_hooks[:] = [exp]
     agent.tick_once()
@@ -320,7 +320,7 @@ def test_write_errors_are_counted_and_reported_in_the_next_file(tmp_path: Path) 
 def test_disabled_writes_nothing(tmp_path: Path) -> None:
     prom = tmp_path / "d"
     prom.mkdir()
-    exp = MetricsExporter(cfg_for(prom, enabled=False), dropped=lambda: 0)
+    exp = MetricsExporter.from_config(cfg_for(prom, enabled=False), dropped=lambda: 0)
     agent, _, _, _ = make_agent(tmp_path, [result("ok", "ok")])
     agent.d.tick_hooks[:] = [exp]
     agent.tick_once()

@@ -59,7 +59,7 @@ def make(
     sink = MemorySink()
     decided: list[float] = []
     prober = TimedProber(clock, durations)
-    exporter = MetricsExporter(cfg, dropped=lambda: 0, clock=clock.wall)
+    exporter = MetricsExporter.from_config(cfg, dropped=lambda: 0, clock=clock.wall)
     deps = Deps(
         emitter=Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", clock.wall),
         prober=prober,

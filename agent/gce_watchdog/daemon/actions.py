@@ -241,7 +241,9 @@ class ActionChain:
 
     def __init__(
         self,
-        cfg: cfgmod.Config,
+        actions: cfgmod.ActionsSection,
+        action: str,
+        state_dir: str,
         emitter: Emitter,
         keepalive: Callable[[], object],
         runner: Runner = run_command,
@@ -251,16 +253,15 @@ class ActionChain:
         instance: Callable[[], InstanceInfo | None] | None = None,
         jitter: Callable[[], float] | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.actions = actions
+        self._action = action  # agent.action: what the chain ends with
         self.emitter = emitter
         self.keepalive = keepalive
         self.runner = runner
         self.clock: ChainClock = clock or RealChainClock()
-        self.api: ComputeApi = api or GoogleComputeApi(
-            cfg.actions.api_base, cfg.actions.api_timeout
-        )
-        self.kernel: Kernel = kernel or RealKernel(cfg.actions.sysrq_path)
-        self.instance = instance or (lambda: load_instance_cache(cfg.agent.state_dir))
+        self.api: ComputeApi = api or GoogleComputeApi(actions.api_base, actions.api_timeout)
+        self.kernel: Kernel = kernel or RealKernel(actions.sysrq_path)
+        self.instance = instance or (lambda: load_instance_cache(state_dir))
         if jitter is None:
             import random
 
@@ -268,10 +269,17 @@ class ActionChain:
         self.jitter = jitter
         self.last_result: ChainResult | None = None
 
+    @classmethod
+    def from_config(
+        cls, cfg: cfgmod.Config, emitter: Emitter, keepalive: Callable[[], object], **kw: Any
+    ) -> ActionChain:
+        """A chain for ``cfg.actions`` ending with ``agent.action``."""
+        return cls(cfg.actions, cfg.agent.action, cfg.agent.state_dir, emitter, keepalive, **kw)
+
     # -- plan ----------------------------------------------------------------------------------
     @property
     def action(self) -> str:
-        return self.cfg.agent.action
+        return self._action
 
     @property
     def dry_run(self) -> bool:
@@ -281,13 +289,13 @@ class ActionChain:
         """The Compute API self-action of this chain (None: none)."""
         if self.action in ("delete", "stop"):
             return self.action
-        if self.dry_run and self.cfg.actions.dry_run_op in ("delete", "stop"):
-            return self.cfg.actions.dry_run_op
+        if self.dry_run and self.actions.dry_run_op in ("delete", "stop"):
+            return self.actions.dry_run_op
         return None
 
     def plan(self) -> list[str]:
         """Step names in order (the ``chain=`` field of the ``shutdown`` line)."""
-        a = self.cfg.actions
+        a = self.actions
         steps = ["linger"] if a.linger > 0 else []
         op = self.api_op()
         if op:
@@ -338,7 +346,7 @@ class ActionChain:
 
         self._ping()
         run("shutdown", lambda: self._announce(reason, r, plan, resume_at))
-        a = self.cfg.actions
+        a = self.actions
         for step in todo:
             if step == "linger":
                 left = a.linger if linger_left is None else linger_left
@@ -400,7 +408,7 @@ class ActionChain:
     def _pause(self, seconds: float) -> None:
         """Sleep ``seconds``, pinging systemd at least every ``repeat_every``."""
         end = self.clock.monotonic() + seconds
-        step = self.cfg.actions.repeat_every
+        step = self.actions.repeat_every
         for _ in range(int(seconds / step) + 2):  # bounded: one pass per slice
             left = end - self.clock.monotonic()
             if left <= 0:
@@ -409,7 +417,7 @@ class ActionChain:
             self.clock.sleep(min(step, left))
 
     def _linger(self, res: ChainResult, reason: str, r: str, linger: float) -> None:
-        a = self.cfg.actions
+        a = self.actions
         t0 = self.clock.monotonic()
         self._line(
             res,
@@ -463,7 +471,7 @@ class ActionChain:
             return
         rid = str(uuid.uuid4())  # one id for every retry: GCE acts at most once per requestId
         self._line(res, op, "start", {**fields, "rid": rid}, f"instances.{op} on {inst.name}")
-        a = self.cfg.actions
+        a = self.actions
         policy = RetryPolicy(a.api_attempts, a.api_deadline)
         t0 = self.clock.monotonic()
         done = threading.Event()
@@ -532,7 +540,7 @@ class ActionChain:
         """Run one power-off command; if it was accepted, wait (bounded) for the power to go."""
         self._ping()
         self._line(res, step, "start", {"argv": ",".join(argv)}, " ".join(argv))
-        out = self.runner(argv, self.cfg.actions.command_timeout)
+        out = self.runner(argv, self.actions.command_timeout)
         self._ping()
         if not out.ok:
             self._line(
@@ -554,7 +562,7 @@ class ActionChain:
         )
 
     def _kernel_step(self, res: ChainResult) -> None:
-        for how in self.cfg.actions.kernel:
+        for how in self.actions.kernel:
             self._line(res, "kernel", "start", {"how": how}, f"kernel power-off by {how}")
             self._ping()
             try:
@@ -568,7 +576,7 @@ class ActionChain:
             self._line(res, "kernel", "fail", {"how": how}, err)
 
     def _dry_run_step(self, res: ChainResult, step: str) -> None:
-        a = self.cfg.actions
+        a = self.actions
         if step == "kernel":
             how = "+".join(a.kernel)
             self._line(res, "kernel", "dry_run", {"how": how}, f"dry-run: would power off by {how}")

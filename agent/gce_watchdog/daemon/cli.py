@@ -228,7 +228,7 @@ def cmd_disarm(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
     now = time.time()
     if args.status:
-        armed, why = disarm_status(cfg, now, False)
+        armed, why = disarm_status(cfg.agent.state_dir, now, False)
         print(
             f"{'armed' if armed else 'disarmed'} ({why}); the metadata attribute "
             f"{cfg.watch.disarm_attribute!r} is checked by the running agent"
@@ -254,9 +254,16 @@ def cmd_disarm(args: argparse.Namespace) -> int:
     import json
 
     try:
-        atomic_write(disarm_path(cfg), (json.dumps(rec, sort_keys=True) + "\n").encode(), 0o644)
+        atomic_write(
+            disarm_path(cfg.agent.state_dir),
+            (json.dumps(rec, sort_keys=True) + "\n").encode(),
+            0o644,
+        )
     except OSError as e:
-        print(f"gce-watchdog disarm: cannot write {disarm_path(cfg)}: {e}", file=sys.stderr)
+        print(
+            f"gce-watchdog disarm: cannot write {disarm_path(cfg.agent.state_dir)}: {e}",
+            file=sys.stderr,
+        )
         return 1
     _emit_cli(
         cfg,
@@ -270,8 +277,8 @@ def cmd_disarm(args: argparse.Namespace) -> int:
 
 def cmd_arm(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
-    p = disarm_path(cfg)
-    was = "armed" if disarm_status(cfg, time.time(), False)[0] else "disarmed"
+    p = disarm_path(cfg.agent.state_dir)
+    was = "armed" if disarm_status(cfg.agent.state_dir, time.time(), False)[0] else "disarmed"
     try:
         p.unlink()
     except FileNotFoundError:

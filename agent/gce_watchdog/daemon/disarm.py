@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from gce_watchdog.lib.files import read_json
 from gce_watchdog.vm import config as cfgmod
@@ -45,13 +46,13 @@ class LocalDisarm:
         return min(self.until, self.set_at + MAX_DISARM_S)
 
 
-def disarm_path(cfg: cfgmod.Config) -> Path:
-    return Path(cfg.agent.state_dir) / DISARM_FILE
+def disarm_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / DISARM_FILE
 
 
-def read_local(cfg: cfgmod.Config) -> LocalDisarm | str | None:
+def read_local(state_dir: str | Path) -> LocalDisarm | str | None:
     """The local disarm, None when there is none, or an error text for an unusable file."""
-    p = disarm_path(cfg)
+    p = disarm_path(state_dir)
     if not p.exists():
         return None
     raw = read_json(p)
@@ -68,7 +69,9 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def disarm_status(cfg: cfgmod.Config, now_wall: float, metadata_disarm: bool) -> tuple[bool, str]:
+def disarm_status(
+    state_dir: str | Path, now_wall: float, metadata_disarm: bool
+) -> tuple[bool, str]:
     """``(armed, why)``. ``why`` is short and token-like (it goes into serial line fields).
 
     Disarmed: ``metadata`` or ``local-until-<ISO time>``. Armed: ``armed``, ``expired`` (a local
@@ -76,7 +79,7 @@ def disarm_status(cfg: cfgmod.Config, now_wall: float, metadata_disarm: bool) ->
     """
     if metadata_disarm:
         return False, "metadata"
-    local = read_local(cfg)
+    local = read_local(state_dir)
     if local is None:
         return True, "armed"
     if isinstance(local, str):
@@ -96,22 +99,26 @@ class DisarmGate:
 
     def __init__(
         self,
-        cfg: cfgmod.Config,
+        state_dir: str,
         emitter: Emitter,
         metadata_disarm: Callable[[], bool],
         wall: Callable[[], float] = time.time,
     ) -> None:
-        self.cfg = cfg
+        self.state_dir = state_dir  # where the local switch (disarm.json) lives
         self.emitter = emitter
         self.metadata_disarm = metadata_disarm
         self.wall = wall
         self._last: tuple[bool, str] | None = None
 
+    @classmethod
+    def from_config(cls, cfg: cfgmod.Config, *args: Any, **kw: Any) -> DisarmGate:
+        return cls(cfg.agent.state_dir, *args, **kw)
+
     def __call__(self) -> tuple[bool, str]:
         md = False
         with contextlib.suppress(Exception):  # an unknown metadata answer never disarms
             md = bool(self.metadata_disarm())
-        armed, why = disarm_status(self.cfg, self.wall(), md)
+        armed, why = disarm_status(self.state_dir, self.wall(), md)
         prev = self._last
         self._last = (armed, why)
         if prev is None:

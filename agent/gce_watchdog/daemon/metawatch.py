@@ -174,16 +174,19 @@ class MetadataWatcher:
 
     def __init__(
         self,
-        cfg: cfgmod.Config,
+        watch: cfgmod.WatchSection,
+        root: str,
+        state_dir: str,
         emitter: Emitter,
         clock: MonoClock = time.monotonic,
         client: MetadataClient | None = None,
         log: Callable[..., object] | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.watch = watch
+        self.state_dir = state_dir  # the instance identity cache (instance.json) lives here
         self.emitter = emitter
         self.clock = clock
-        self.client = client or MetadataClient(metadata_root(cfg))
+        self.client = client or MetadataClient(root)
         self.log = log
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -194,6 +197,11 @@ class MetadataWatcher:
         self._preempted = False
         self._maintenance = "NONE"
         self.refreshes = 0  # successful identity/attribute refreshes (tests, `check`)
+
+    @classmethod
+    def from_config(cls, cfg: cfgmod.Config, emitter: Emitter, **kw: Any) -> MetadataWatcher:
+        """A watcher for ``cfg.watch`` on the metadata server of ``cfg.metadata``."""
+        return cls(cfg.watch, metadata_root(cfg), cfg.agent.state_dir, emitter, **kw)
 
     # -- what the daemon reads (cheap, never blocks on the network) ------------------------------
     @property
@@ -207,7 +215,7 @@ class MetadataWatcher:
         with self._lock:
             if not self._disarm_value or self._disarm_confirmed is None:
                 return False
-            return self.clock() - self._disarm_confirmed < self.cfg.watch.disarm_hold
+            return self.clock() - self._disarm_confirmed < self.watch.disarm_hold
 
     @property
     def preempted(self) -> bool:
@@ -222,8 +230,8 @@ class MetadataWatcher:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> MetadataWatcher:
         with self._lock:
-            self._instance = load_instance_cache(self.cfg.agent.state_dir)
-        if not self.cfg.watch.enabled:
+            self._instance = load_instance_cache(self.state_dir)
+        if not self.watch.enabled:
             return self
         targets: list[tuple[str, Callable[[], None]]] = [("mdwatch-info", self._info_loop)]
         targets.append(("mdwatch-preempt", lambda: self._watch("instance/preempted", self._on_pre)))
@@ -247,7 +255,7 @@ class MetadataWatcher:
     # -- identity and the disarm attribute -------------------------------------------------------
     def refresh_once(self) -> bool:
         """Read identity and the disarm attribute once; True when the identity was read."""
-        w = self.cfg.watch
+        w = self.watch
         t = w.request_timeout
         got: dict[str, str] = {}
         try:
@@ -281,7 +289,7 @@ class MetadataWatcher:
                 f"this VM is {info.name} in {info.zone}",
             )
             try:
-                save_instance_cache(self.cfg.agent.state_dir, info)
+                save_instance_cache(self.state_dir, info)
             except OSError as e:
                 self._note("cannot write the instance cache", error=str(e))
         self._read_disarm()
@@ -289,9 +297,9 @@ class MetadataWatcher:
         return True
 
     def _read_disarm(self) -> None:
-        path = "instance/attributes/" + self.cfg.watch.disarm_attribute
+        path = "instance/attributes/" + self.watch.disarm_attribute
         try:
-            r = self.client.get(path, None, self.cfg.watch.request_timeout)
+            r = self.client.get(path, None, self.watch.request_timeout)
         except MetadataError as e:
             self._note("disarm attribute read failed", error=str(e))
             return  # unknown: keep the last answer, which ages out after disarm_hold
@@ -310,16 +318,16 @@ class MetadataWatcher:
         while not self._stop.is_set():
             if self.refresh_once():
                 backoff.reset()
-                wait = float(self.cfg.watch.refresh)
+                wait = float(self.watch.refresh)
             else:
-                wait = min(backoff.next(), self.cfg.watch.refresh)
+                wait = min(backoff.next(), self.watch.refresh)
             if self._stop.wait(wait):
                 return
 
     # -- long polls ------------------------------------------------------------------------------
     def _watch(self, path: str, on_value: Callable[[str], None]) -> None:
         """Follow one key with wait-for-change; on_value gets the first and every new value."""
-        w = self.cfg.watch
+        w = self.watch
         etag = ""
         backoff = BACKOFF.counter()
         while not self._stop.is_set():

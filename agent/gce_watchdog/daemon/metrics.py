@@ -9,7 +9,8 @@ function. ``docs/report.md`` lists every metric with a sample file.
 
 Wiring (the daemon does this)::
 
-    exp = MetricsExporter(cfg, dropped=lambda: emitter.sink.dropped, memory=lambda: mon.latest)
+    exp = MetricsExporter(cfg.metrics, cfg.agent.threshold, dropped=lambda: emitter.sink.dropped,
+                          memory=lambda: mon.latest)
     deps.tick_hooks.append(exp)                 # one write + rename per tick, never raises
     on_shutdown = exp.wrap_shutdown(chain.execute)  # optional: the file says "decided" first
 
@@ -30,7 +31,7 @@ from typing import Any, TypeVar
 from gce_watchdog import __version__
 from gce_watchdog.daemon.ladder import ProbeVerdict, Shutdown, WouldShutdown
 from gce_watchdog.daemon.tick import ProbeResult, TickReport
-from gce_watchdog.vm.config import Config
+from gce_watchdog.vm.config import Config, MetricsSection
 
 T = TypeVar("T")
 
@@ -165,17 +166,18 @@ class MetricsExporter:
 
     def __init__(
         self,
-        cfg: Config,
+        metrics: MetricsSection,
+        threshold: int,
         dropped: Callable[[], int],
         memory: Callable[[], Mapping[str, float]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        m = cfg.metrics
+        m = metrics
         self.enabled = m.enabled
         self.path = os.path.join(m.directory, m.filename)
         # Not *.prom: node_exporter must never read the file while it is being written.
         self.tmp_path = os.path.join(m.directory, f".{m.filename}.tmp")
-        self.threshold = cfg.agent.threshold
+        self.threshold = threshold  # agent.threshold: the ladder's top, a gauge of its own
         self.dropped = dropped
         self.memory = memory
         self.clock = clock
@@ -189,6 +191,11 @@ class MetricsExporter:
         self.last: Snapshot | None = None
 
     # -- the tick hook -------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg: Config, *args: Any, **kw: Any) -> MetricsExporter:
+        """An exporter for ``cfg.metrics`` and the ladder's threshold."""
+        return cls(cfg.metrics, cfg.agent.threshold, *args, **kw)
 
     def __call__(self, report: TickReport) -> None:
         if not self.enabled:

@@ -23,7 +23,7 @@ from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.actions import ActionChain, step_after
 from gce_watchdog.daemon.disarm import DisarmGate
 from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
-from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache
+from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache, metadata_root
 from gce_watchdog.daemon.metrics import MetricsExporter
 from gce_watchdog.daemon.probes import build_prober
 from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
@@ -552,22 +552,32 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
     prober = build_prober(cfg)
-    watcher = MetadataWatcher(cfg, emitter)
+    watcher = MetadataWatcher(cfg.watch, metadata_root(cfg), a.state_dir, emitter)
 
     def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
         notifier.notify("WATCHDOG=1", "STATUS=shutdown chain running")
 
-    chain = ActionChain(cfg, emitter, keepalive=keepalive, instance=lambda: watcher.instance)
+    chain = ActionChain(
+        cfg.actions,
+        a.action,
+        a.state_dir,
+        emitter,
+        keepalive=keepalive,
+        instance=lambda: watcher.instance,
+    )
     services: list[Service] = [watcher]
-    monitor = MemoryMonitor(cfg, emitter) if cfg.memory.enabled else None
+    monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
     if monitor is not None:
         services.append(monitor)
     exporter = MetricsExporter(
-        cfg,
+        cfg.metrics,
+        a.threshold,
         dropped=lambda: emitter.sink.dropped,
         memory=(lambda: monitor.latest) if monitor is not None else None,
     )
-    armed, gce_note = platform_gate(cfg, DisarmGate(cfg, emitter, lambda: watcher.disarm_requested))
+    armed, gce_note = platform_gate(
+        cfg, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
+    )
     deps = Deps(
         emitter=emitter,
         prober=prober.tick,

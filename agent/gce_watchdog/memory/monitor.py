@@ -2,7 +2,7 @@
 
 Wiring (the daemon does this)::
 
-    mon = MemoryMonitor(cfg, emitter)   # stores values only
+    mon = MemoryMonitor(cfg.memory, emitter)   # stores values only
     mon.start()                          # own daemon thread; returns at once
     ...
     mon.latest                           # read-only {gauge: bytes} for the metrics exporter
@@ -28,7 +28,7 @@ from gce_watchdog.lib import proc
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import ClimbVerdict, DetectorParams, Status, detect
 from gce_watchdog.memory.samplers import GpuSampler, TopProcess, host_gauges, top_processes
-from gce_watchdog.vm.config import Config
+from gce_watchdog.vm.config import Config, MemorySection
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
 
@@ -68,7 +68,7 @@ class MemoryMonitor:
 
     def __init__(
         self,
-        cfg: Config,
+        memory: MemorySection,
         emitter: Emitter,
         clock: Callable[[], float] = time.monotonic,
         *,
@@ -78,7 +78,7 @@ class MemoryMonitor:
         run_command: CommandRunner = run_argv,
         log: Callable[..., object] | None = None,
     ) -> None:
-        self.cfg = cfg.memory
+        self.cfg = memory
         self.emitter = emitter
         self.clock = clock
         self._host = host
@@ -107,6 +107,11 @@ class MemoryMonitor:
         self.errors = 0
 
     # --- read-only views (any thread) ------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, cfg: Config, emitter: Emitter, *args: Any, **kw: Any) -> MemoryMonitor:
+        """A monitor for ``cfg.memory`` (the rest of the config is not its business)."""
+        return cls(cfg.memory, emitter, *args, **kw)
 
     @property
     def latest(self) -> Mapping[str, int]:
