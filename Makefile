@@ -68,6 +68,7 @@ lint: $(STAMP)
 # the benchmark runs them itself, from temp configs, and never needs them as services.
 APT_BENCH := monit watchdog curl util-linux
 BENCH_ARGS ?=
+FLEET_ARGS ?=
 BENCH_SYSPY ?= /usr/bin/python3
 bench: $(STAMP) apt-test
 	@missing=""; for p in $(APT_BENCH); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -90,6 +91,9 @@ bench: $(STAMP) apt-test
 	  || { echo "cannot build .bench-venv (the as-shipped rows are skipped)"; rm -rf .bench-venv; }; \
 	else echo "no $(BENCH_SYSPY): the as-shipped rows are skipped"; fi
 	$(VPY) -m bench.run $(BENCH_ARGS)
+	@# The central side at fleet scale (docs/performance.md): polling 1,000 and 5,000 simulated VMs,
+	@# and the Pub/Sub path on the emulator. FLEET_ARGS: e.g. --sizes 1000 or --tiny.
+	$(VPY) -m bench.bench_fleet bench/results/fleet.json $(FLEET_ARGS)
 
 # Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
 # lays down the systemd unit and a default config, enables and starts it (idempotent; run as root).
