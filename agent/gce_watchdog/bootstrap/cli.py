@@ -45,13 +45,13 @@ def usage_errors_exit_64(p: argparse.ArgumentParser) -> None:
     p.error = error  # type: ignore[method-assign]
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     register_fetch(sub)
     register_phases(sub)
     register_install(sub)
 
 
-def register_phases(sub: Any) -> None:
+def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "phase",
         help="record the job phase (serial line written and drained before returning)",
@@ -121,7 +121,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
     return run_exec(cfg, argv)
 
 
-def register_fetch(sub: Any) -> None:
+def register_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "fetch",
         help="download a file, waiting out DNS and network failures until a deadline",
@@ -257,7 +257,7 @@ def _root_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def register_install(sub: Any) -> None:
+def register_install(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     i = sub.add_parser(
         "install",
         help="install the systemd unit and a default config, enable and start it (idempotent)",

@@ -13,7 +13,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.disarm import MAX_DISARM_S, disarm_path, disarm_status, iso
@@ -37,7 +36,7 @@ from gce_watchdog.vm.state import SeqAllocator, read_boot_id, untrusted_dir
 from gce_watchdog.wire import vocab
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     r = sub.add_parser("run", help="run the watchdog agent (what the systemd unit starts)")
     add_config_arg(r)
     r.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (tests)")
@@ -185,7 +184,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1
 
 
-def register_disarm(sub: Any) -> None:
+def register_disarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = sub.add_parser(
         "disarm",
         help="stop the watchdog from acting for a while (it still reports); always expires",

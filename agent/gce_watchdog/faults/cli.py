@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from gce_watchdog.faults.firewall import (
     EX_FAIL,
@@ -42,7 +41,7 @@ from gce_watchdog.vm.runtime import (
 )
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "fault",
         help="inject network faults with iptables (operators; needs root)",
@@ -84,7 +83,12 @@ def register(sub: Any) -> None:
     c.add_argument("--at", type=float, default=None, help=argparse.SUPPRESS)  # reverter's wait
     common(c)
     c.set_defaults(func=cmd_clear)
-    p.set_defaults(func=lambda a: (p.print_help(sys.stderr), EX_USAGE)[1])
+
+    def usage(_args: argparse.Namespace) -> int:
+        p.print_help(sys.stderr)
+        return EX_USAGE
+
+    p.set_defaults(func=usage)
 
 
 def _deps_from_args(

@@ -73,7 +73,7 @@ def _gate_arg(text: str) -> tuple[str, ...]:
     return parts
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "memwatch",
         help="watch host, process-tree and GPU memory; PASS/FAIL against the pass band",

@@ -29,7 +29,7 @@ EX_CANTCREAT = 73
 _CHUNK = 1 << 16
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "report",
         help="timeline report of a serial log: table, PNG plot, HTML page",

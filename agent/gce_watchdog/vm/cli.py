@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     c = csub.add_parser("check", help="validate a config file and report every error")
