@@ -25,6 +25,7 @@ from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm import logs
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
+from gce_watchdog.vm.platform import arming, detect
 from gce_watchdog.vm.runtime import (
     add_config_arg,
     boot_of,
@@ -125,7 +126,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def platform_line(cfg: cfgmod.Config) -> tuple[bool, str]:
     """Whether this is GCE, and what `check` says about acting on this machine."""
-    from gce_watchdog.vm.platform import arming, detect
 
     plat = detect(cfg.agent.dmi_product_path)
     if plat.gce:

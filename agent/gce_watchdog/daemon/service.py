@@ -31,6 +31,7 @@ from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.memory.monitor import MemoryMonitor
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
+from gce_watchdog.vm.platform import arming, detect
 from gce_watchdog.vm.state import read_boot_id, read_phase
 from gce_watchdog.wire import vocab
 
@@ -610,7 +611,6 @@ def platform_gate(
     it climbs and reports (``would_shutdown why=not-gce``) but runs no chain. A dry run is left
     alone: it never acts anyway.
     """
-    from gce_watchdog.vm.platform import arming, detect
 
     if cfg.agent.action == "dry-run":
         return gate, ""

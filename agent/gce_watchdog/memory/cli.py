@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import MIN_WINDOW, ClimbVerdict, DetectorParams, Status
 from gce_watchdog.memory.memwatch import (
@@ -192,8 +193,6 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     overall, per = judge(run, params, gate)
     target: dict[str, Any] = {"pid": args.pid, "argv": argv or None}
     if args.out:
-        from gce_watchdog.lib.files import atomic_write
-
         doc = to_json(run, params, gate, overall, per, target)
         atomic_write(args.out, (json.dumps(doc, indent=1) + "\n").encode())
     head = (

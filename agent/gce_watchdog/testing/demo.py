@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gce_watchdog.poller.timeline import parse_bytes
+from gce_watchdog.poller.verdict import InstanceState, Policy, decide
 from gce_watchdog.testing.simgce import SimGCE, SimInstance
 from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all
 from gce_watchdog.wire.vocab import human_fields
@@ -201,8 +203,6 @@ def scenario_recovery(d: Path) -> Path:
 
 def poller_verdict(path: Path, status: str) -> str:
     """What the central poller would decide on this log (agent/poller, pure)."""
-    from gce_watchdog.poller.timeline import parse_bytes
-    from gce_watchdog.poller.verdict import InstanceState, Policy, decide
 
     tl = parse_bytes(path.read_bytes())
     now = max(e.ts_ms for e in tl.events) / 1000 if tl.events else time.time()
