@@ -93,11 +93,13 @@ def test_missing_command_and_bad_options_are_clear() -> None:
     assert r.returncode == EXIT_CANNOT_RUN
     assert "cannot run '/nonexistent/trainer'" in r.stderr
     r = _memwatch("--band", "lots")
-    assert r.returncode == 2 and "not a size: 'lots'" in r.stderr
+    assert r.returncode == 64 and "expected a size like '512MiB'" in r.stderr
+    r = _memwatch("--band", "1.5")  # was read as 1.5 bytes
+    assert r.returncode == 64 and "a size needs a unit: '1.5' (e.g. 1.5GiB)" in r.stderr
     r = _memwatch("--min-samples", "3")
-    assert r.returncode == 2 and "must be an integer >= 10" in r.stderr
+    assert r.returncode == 64 and "must be an integer >= 10" in r.stderr
     r = _memwatch("--pid", "1", "--", "true")
-    assert r.returncode == 2 and "not both" in r.stderr
+    assert r.returncode == 64 and "not both" in r.stderr
 
 
 def test_sigterm_is_forwarded_to_the_command(tmp_path: Path) -> None:
@@ -218,7 +220,7 @@ def test_judge_gates() -> None:
         ("512MiB", 512 * MIB),
         ("1.5G", int(1.5 * GIB)),
         ("2GB", 2 * 10**9),
-        ("4096", 4096),
+        ("4096B", 4096),
         ("64 mib", 64 * MIB),
     ],
 )
@@ -226,7 +228,7 @@ def test_parse_size(text: str, want: int) -> None:
     assert parse_size(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "1XB", "-1GiB", "0", "GiB", "1 GiB GiB"])
+@pytest.mark.parametrize("text", ["", "1XB", "-1GiB", "0", "GiB", "1 GiB GiB", "4096", "1.5"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size(text)

@@ -99,7 +99,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=30,
         help="samples needed after warm-up for a verdict (default 30, the team's rule)",
     )
-    p.add_argument("--band", type=parse_size, default=GIB, help="pass band for the range (1GiB)")
+    p.add_argument(
+        "--band", type=parse_size, default=GIB, help="pass band for the range, with a unit (1GiB)"
+    )
     p.add_argument("--alpha", type=_alpha_arg, default=0.01, help="trend significance (0.01)")
     p.add_argument(
         "--duration", type=_duration_arg, default=None, help="stop sampling after this long"

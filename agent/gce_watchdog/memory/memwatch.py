@@ -7,10 +7,8 @@ gauge with the climb detector and ends with PASS, FAIL or NOT ENOUGH DATA (disti
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,12 +20,13 @@ from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
+from gce_watchdog.lib.cli import size_arg
 from gce_watchdog.memory.detector import ClimbVerdict, DetectorParams, Status, detect
 from gce_watchdog.memory.samplers import GpuSampler, host_gauges, tree_rss
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
-EXIT_USAGE = 2  # argparse
+EXIT_USAGE = 64  # sysexits.h EX_USAGE, like every command (lib/cli.py)
 EXIT_NOT_ENOUGH_DATA = 3
 EXIT_CANNOT_RUN = 127  # like a shell: the command could not be started
 # After a forwarded SIGINT/SIGTERM the command gets this long to exit before SIGKILL: long enough
@@ -35,37 +34,11 @@ EXIT_CANNOT_RUN = 127  # like a shell: the command could not be started
 KILL_GRACE_S = 10.0
 JSON_VERSION = 1
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1 << 10,
-    "KIB": 1 << 10,
-    "KB": 10**3,
-    "M": 1 << 20,
-    "MIB": 1 << 20,
-    "MB": 10**6,
-    "G": 1 << 30,
-    "GIB": 1 << 30,
-    "GB": 10**9,
-    "T": 1 << 40,
-    "TIB": 1 << 40,
-    "TB": 10**12,
-}
-
 
 def parse_size(text: str) -> int:
-    """Bytes from ``"1GiB"``, ``"512MiB"``, ``"1.5G"`` (binary), ``"2GB"`` (decimal), ``"4096"``."""
-    m = _SIZE_RE.match(text)
-    unit = (m.group(2) or "").upper() if m else ""
-    if not m or unit not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"not a size: {text!r} (use bytes or a unit: 512MiB, 1GiB, 2GB)"
-        )
-    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return value
+    """Bytes from ``"1GiB"``, ``"512MiB"``, ``"2GB"``: the one size parser (lib/sizes), which
+    needs a unit (a bare ``1.5`` is refused, not read as 1.5 bytes)."""
+    return size_arg(text)
 
 
 # --- sampling ------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Exit codes (also in docs/report.md):
 
 ==  ======================================================================================
 0   the report was written (whatever the verdict)
-2   usage error (bad --now, --drain-timeout or --band-gib)
+64  usage error (bad --now, --drain-timeout or --band)
 66  the input cannot be read (EX_NOINPUT)
 69  --png asked for but matplotlib is not installed: pip install 'gce-watchdog[report]'
     (EX_UNAVAILABLE)
@@ -22,7 +22,9 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-EX_USAGE = 2
+from gce_watchdog.lib.cli import size_arg
+
+EX_USAGE = 64  # sysexits.h: every command exits 64 on a usage error (lib/cli.py)
 EX_NOINPUT = 66
 EX_UNAVAILABLE = 69
 EX_CANTCREAT = 73
@@ -51,9 +53,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--status", default=None, help="instance status to assume (e.g. TERMINATED)")
     p.add_argument("--spot", action="store_true", help="the instance is a Spot VM")
     p.add_argument("--drain-timeout", default="15m", help="silence that means a wedge (15m)")
-    p.add_argument(
-        "--band-gib", type=float, default=1.0, help="memory pass band width in GiB (1.0)"
+    band = p.add_mutually_exclusive_group()
+    band.add_argument(
+        "--band",
+        type=size_arg,
+        default=None,
+        metavar="SIZE",
+        help="memory pass band width with a unit, as memwatch --band (1GiB)",
     )
+    # The old spelling: a float in GiB. Kept so existing scripts keep working; not in --help.
+    band.add_argument("--band-gib", type=float, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_report)
 
 
@@ -116,8 +125,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         policy = Policy(drain_timeout_s=parse_duration(args.drain_timeout))
     except ValueError as e:
         return fail(EX_USAGE, f"--drain-timeout: {e}")
-    if not args.band_gib > 0:
+    if args.band_gib is not None and not args.band_gib > 0:
         return fail(EX_USAGE, f"--band-gib must be > 0, got {args.band_gib}")
+    band_gib = args.band / (1 << 30) if args.band else args.band_gib if args.band_gib else 1.0
     now = _now(args.now, args.file)
     if isinstance(now, str):
         return fail(EX_USAGE, now)
@@ -138,7 +148,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             now=now,
             instance=InstanceState(args.status, args.spot),
             policy=policy,
-            band_gib=args.band_gib,
+            band_gib=band_gib,
         )
     except OSError as e:
         return fail(EX_NOINPUT, f"cannot read {args.file}: {e.strerror or e}")
