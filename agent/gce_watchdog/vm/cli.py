@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit
 
@@ -13,29 +14,40 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     c = csub.add_parser("check", help="validate a config file and report every error")
-    c.add_argument("path", nargs="?", default=None, help=f"default {cfgmod.DEFAULT_PATH}")
+    add_config_arg(c)
+    c.add_argument(
+        "path", nargs="?", default=None, metavar="PATH", help="the same as --config PATH"
+    )
     c.set_defaults(func=cmd_config_check)
-    s = csub.add_parser("show", help="print the effective configuration as TOML-like text")
+    s = csub.add_parser(
+        "show",
+        help="print the effective configuration as TOML",
+        description="Print every key's effective value as TOML that `config check` accepts and "
+        "that loads back to the same values (durations as '30s', '1h30m').",
+    )
     add_config_arg(s)
     s.set_defaults(func=cmd_config_show)
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
+    if args.path and args.config and args.path != args.config:
+        print(
+            f"gce-watchdog config check: two paths: --config {args.config} and {args.path}",
+            file=sys.stderr,
+        )
+        return EX_USAGE
+    path = args.path or args.config
     try:
-        cfg = cfgmod.load(args.path)
+        cfg = cfgmod.load(path)
     except cfgmod.InvalidConfig as e:
         print(str(e), file=sys.stderr)
         return cfgmod.EX_CONFIG
-    src = args.path or (str(cfgmod.DEFAULT_PATH) + " (defaults if missing)")
+    src = path or (str(cfgmod.DEFAULT_PATH) + " (defaults if missing)")
     print(f"{src}: OK (digest {cfgmod.digest(cfg)})")
     return 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
-    for section, values in cfgmod.to_dict(cfg).items():
-        print(f"[{section}]")
-        for k, v in values.items():
-            print(f"{k} = {v!r}")
-        print()
+    sys.stdout.write(cfgmod.to_toml(cfg))
     return 0

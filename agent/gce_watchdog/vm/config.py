@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.lib.durations import format_duration, parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server, parse_host_port
 
 DEFAULT_PATH = Path("/etc/gce-watchdog/config.toml")
@@ -541,6 +541,30 @@ def _actions_checks(cfg: Config) -> list[ConfigError]:
 register_check(_actions_checks)
 
 
+def _unknown_top_level(name: str, value: object, sections: dict[str, Any]) -> str:
+    """What an unknown top-level name most likely is. A table: a misspelt section. A value: a
+    key written outside its section (``interval = 30`` above any ``[agent]``), possibly
+    misspelt too; TOML puts every key before the first table header at the top level."""
+    hints = typing.get_type_hints(Config)
+    keys: dict[str, str] = {}
+    for sec in sections:  # the first section wins a shared key name (none today)
+        for f in dataclasses.fields(hints[sec]):
+            keys.setdefault(f.name, sec)
+    if isinstance(value, dict):
+        return "unknown section" + _suggest(name, list(sections))
+    if name in keys:
+        return f"a key outside its section: it belongs under [{keys[name]}]"
+    close = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
+    if close:
+        return (
+            f"unknown key outside any section (did you mean {close[0]!r} under [{keys[close[0]]}]?)"
+        )
+    near = difflib.get_close_matches(name, list(sections), n=1, cutoff=0.6)
+    return "unknown key outside any section" + (
+        f" (did you mean the [{near[0]}] section?)" if near else ""
+    )
+
+
 def from_dict(raw: dict[str, Any], source: str = "") -> Config:
     """Build a Config from parsed TOML; raises InvalidConfig listing every error found."""
     errors: list[ConfigError] = []
@@ -549,7 +573,7 @@ def from_dict(raw: dict[str, Any], source: str = "") -> Config:
     kwargs: dict[str, Any] = {}
     for name, value in raw.items():
         if name not in sections:
-            errors.append(ConfigError(name, "unknown section" + _suggest(name, list(sections))))
+            errors.append(ConfigError(name, _unknown_top_level(name, value, sections)))
             continue
         kwargs[name] = _build_section(hints[name], name, value, errors)
     cfg = Config(**kwargs)
@@ -638,6 +662,51 @@ def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+def _toml_string(v: str) -> str:
+    """A TOML basic string: ``\\`` and ``"`` escaped, control characters (and DEL) as
+    ``\\uXXXX``; everything else, astral characters included, as itself (JSON's surrogate-pair
+    escapes are not valid TOML)."""
+    out = []
+    for ch in v:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(v: object, duration: bool) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if duration and isinstance(v, int | float):
+        return _toml_string(format_duration(float(v)))  # "30s", "1h30m": as people write them
+    if isinstance(v, int | float):
+        return repr(v)  # an int stays an int, a float keeps its point (1.0)
+    if isinstance(v, str):
+        return _toml_string(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x, False) for x in v) + "]"
+    raise TypeError(f"no TOML form for {v!r}")
+
+
+def to_toml(cfg: Config) -> str:
+    """The effective config as TOML that :func:`load` reads back to the same values (durations
+    as ``"30s"``, booleans as ``true``): what ``config show`` prints."""
+    hints = typing.get_type_hints(Config)
+    out: list[str] = []
+    for sec in dataclasses.fields(Config):
+        section = getattr(cfg, sec.name)
+        types = typing.get_type_hints(hints[sec.name])
+        out.append(f"[{sec.name}]")
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            out.append(f"{f.name} = {_toml_value(value, types[f.name] is Duration)}")
+        out.append("")
+    return "\n".join(out)
 
 
 def digest(cfg: Config) -> str:
