@@ -202,11 +202,11 @@ def test_cli_disarm_then_arm(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dur", ["25h", "0s", "soon", "-1h"])
 def test_cli_refuses_bad_or_too_long_durations(tmp_path: Path, dur: str) -> None:
     p = _cli(tmp_path, "disarm", f"--for={dur}")
-    assert p.returncode == 2
+    assert p.returncode == 64  # EX_USAGE, like every command
     assert "--for" in p.stderr
     assert not (tmp_path / "state" / "disarm.json").exists()
 
 
 def test_cli_disarm_needs_a_duration(tmp_path: Path) -> None:
     p = _cli(tmp_path, "disarm")
-    assert p.returncode == 2 and "--for DURATION is required" in p.stderr
+    assert p.returncode == 64 and "--for DURATION is required" in p.stderr

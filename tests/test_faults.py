@@ -436,9 +436,9 @@ def test_cli_usage_errors_exit_2_before_touching_anything(
 ) -> None:
     from gce_watchdog.cli import main
 
-    assert main(["fault", "inject", "--ttl", "10m"]) == 2
+    assert main(["fault", "inject", "--ttl", "10m"]) == 64
     assert "nothing to cut" in capsys.readouterr().err
-    assert main(["fault", "inject", "--metadata", "--ttl", "3d"]) == 2
+    assert main(["fault", "inject", "--metadata", "--ttl", "3d"]) == 64
     assert "--ttl must be between" in capsys.readouterr().err
 
 

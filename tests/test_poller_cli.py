@@ -77,8 +77,8 @@ def test_parse_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "cannot read" in capsys.readouterr().err
     f = tmp_path / "x.log"
     f.write_bytes(b"")
-    assert main(["parse", str(f), "--now", "yesterday"]) == 2
-    assert main(["parse", str(f), "--drain-timeout", "soon"]) == 2
+    assert main(["parse", str(f), "--now", "yesterday"]) == 64
+    assert main(["parse", str(f), "--drain-timeout", "soon"]) == 64
     assert main(["parse", str(f), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"]["kind"] == "unknown"
 
@@ -142,10 +142,10 @@ def test_poll_once_failover_exactly_once_and_reap(
 def test_poll_exit_codes(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(poll_args(api, tmp_path, "--once", "Bad_Name")) == 2
+    assert main(poll_args(api, tmp_path, "--once", "Bad_Name")) == 64
     assert "not a valid instance name" in capsys.readouterr().err
-    assert main(poll_args(api, tmp_path, "--interval", "0s", "vm-1")) == 2
-    assert main(poll_args(api, tmp_path, "--once", "--api-attempts", "0", "vm-1")) == 2
+    assert main(poll_args(api, tmp_path, "--interval", "0s", "vm-1")) == 64
+    assert main(poll_args(api, tmp_path, "--once", "--api-attempts", "0", "vm-1")) == 64
     api.set_fault("serial", Fault.SERVER_ERROR, count=1)
     assert main(poll_args(api, tmp_path, "--once", "--api-attempts", "1", "vm-1")) == 69
     err = outputs(capsys)["vm-1"]["error"]

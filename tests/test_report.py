@@ -473,9 +473,9 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "cannot read" in capsys.readouterr().err
     log = tmp_path / "x.log"
     log.write_bytes(b"")
-    assert main(["report", str(log), "--now", "yesterday"]) == 2
-    assert main(["report", str(log), "--drain-timeout", "soon"]) == 2
-    assert main(["report", str(log), "--band-gib", "0"]) == 2
+    assert main(["report", str(log), "--now", "yesterday"]) == 64
+    assert main(["report", str(log), "--drain-timeout", "soon"]) == 64
+    assert main(["report", str(log), "--band-gib", "0"]) == 64
     assert (
         main(
             [

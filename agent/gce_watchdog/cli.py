@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from gce_watchdog import __version__
+from gce_watchdog.lib.cli import EX_SIGPIPE, EX_USAGE, Parser, all_parsers
 
 # Feature modules that add subcommands. Each has `register(sub: argparse._SubParsersAction)`,
 # and each parser it adds sets `func=handler(args) -> int`.
@@ -27,8 +29,122 @@ MODULES: tuple[str, ...] = (
 )
 
 
+_USAGE = ("64", "usage error: unknown option, bad value or missing argument")
+_CONFIG = ("78", "the --config file is invalid (every error is listed)")
+_GROUP = (("64", "usage error: no ACTION, or an unknown one"),)
+# Every command's exit statuses, printed at the end of its --help and in the man page. A test
+# checks every command has its entry (a new command without one fails the build).
+EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
+    (): (
+        ("0", "the command's own success"),
+        ("64", "usage error: no COMMAND, or an unknown one"),
+        ("141", "the reader of the output went away (`| head`): quiet, like a shell tool"),
+    ),
+    ("config",): _GROUP,
+    ("config", "check"): (("0", "the config is valid"), _USAGE, _CONFIG),
+    ("config", "show"): (("0", "printed (TOML that `config check` accepts)"), _USAGE, _CONFIG),
+    ("run",): (
+        ("0", "stopped by SIGTERM/SIGINT or --max-ticks"),
+        _USAGE,
+        ("75", "another agent holds the lock (EX_TEMPFAIL)"),
+        _CONFIG,
+    ),
+    ("check",): (
+        ("0", "both paths up (with --npd: OK)"),
+        ("1", "one path down or unknown: the ladder would reset, not climb (--npd: 0, OK)"),
+        ("2", "both paths down: the ladder would climb (--npd: 1, NonOK)"),
+        ("3", "with --npd only: the check itself failed (NPD's Unknown is 2)"),
+        _USAGE,
+        _CONFIG,
+    ),
+    ("disarm",): (
+        ("0", "disarmed, or --status printed"),
+        ("1", "the disarm file cannot be written"),
+        ("64", "usage error: no --for, a bad duration, or more than 24h"),
+        _CONFIG,
+    ),
+    ("arm",): (("0", "armed"), ("1", "the disarm file cannot be removed"), _USAGE, _CONFIG),
+    ("fault",): _GROUP,
+    **{
+        ("fault", action): (
+            ("0", "done (clear: also when nothing was installed)"),
+            ("1", "an iptables command failed; what was installed was rolled back"),
+            _USAGE,
+            ("69", "iptables is not installed"),
+            ("74", "done, but its serial line could not be written"),
+            ("77", "not root: iptables needs CAP_NET_ADMIN"),
+            _CONFIG,
+        )
+        for action in ("inject", "status", "clear")
+    },
+    ("fetch",): (
+        ("0", "downloaded, verified, renamed into place"),
+        _USAGE,
+        ("65", "the --sha256 did not match; nothing was written"),
+        ("69", "refused: HTTP 4xx (not 408/429), a redirect loop, https->http, bad TLS"),
+        ("73", "the output file cannot be written"),
+        ("75", "gave up at the deadline (the message says after how many attempts)"),
+        _CONFIG,
+        ("130, 143", "fetch itself got SIGINT / SIGTERM (no .part left)"),
+    ),
+    ("phase",): (
+        ("0", "the line was written"),
+        _USAGE,
+        ("74", "the line could not be written"),
+        _CONFIG,
+    ),
+    ("setup-failed",): (
+        ("0", "the line was written"),
+        ("64", "usage error: missing or empty --step/--reason"),
+        ("74", "the line could not be written"),
+        _CONFIG,
+    ),
+    ("exec",): (
+        ("N", "the command's own exit status"),
+        ("128+N", "the command was killed by signal N"),
+        _USAGE,
+        _CONFIG,
+        ("126", "the command cannot be executed"),
+        ("127", "the command does not exist"),
+    ),
+    ("poll",): (
+        ("0", "every instance was read and decided (whatever the verdicts)"),
+        ("64", "usage error: bad option, instance name or duration"),
+        ("69", "at least one instance could not be read; the rest were reported"),
+        ("74", "the ledger or cursor directory cannot be opened or written"),
+        ("77", "no credentials, or the API rejected them"),
+    ),
+    ("parse",): (
+        ("0", "parsed"),
+        ("64", "usage error: bad --now or --drain-timeout"),
+        ("66", "the input cannot be read"),
+    ),
+    ("memwatch",): (
+        ("0", "PASS: every gated gauge stayed in the band"),
+        ("1", "FAIL: a climb, a step or out of the band"),
+        ("3", "NOT ENOUGH DATA"),
+        _USAGE,
+        ("127", "the command could not be started"),
+    ),
+    ("report",): (
+        ("0", "the report was written, whatever the verdict"),
+        ("64", "usage error: bad --now, --drain-timeout or --band"),
+        ("66", "the input cannot be read"),
+        ("69", "--png without matplotlib (pip install 'gce-watchdog[report]')"),
+        ("73", "an output file cannot be written"),
+    ),
+    ("install",): (
+        ("0", "installed (and started unless --no-start)"),
+        ("1", "a file or systemctl step failed (the message says which)"),
+        _USAGE,
+        ("78", "the existing config is invalid: fix it, then run install again"),
+    ),
+    ("uninstall",): (("0", "removed"), ("1", "a file or systemctl step failed"), _USAGE),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="gce-watchdog",
         description="VM-side watchdog agent and bootstrap toolkit for Google Compute Engine.",
     )
@@ -36,14 +152,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name in MODULES:
         importlib.import_module(name).register(sub)
+    for path, parser in all_parsers(p):
+        if isinstance(parser, Parser):
+            parser.exit_codes = EXIT_CODES.get(path, ())
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
-        return 2
+        return EX_USAGE
     rc: int = args.func(args)
+    sys.stdout.flush()  # a closed pipe shows here, inside the handler below
     return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # The reader went away (`config show | head`): no traceback. Point stdout at /dev/null so
+        # the interpreter's own flush at exit does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EX_SIGPIPE

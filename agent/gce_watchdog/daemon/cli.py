@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.daemon.probes import build_prober
 from gce_watchdog.daemon.sdnotify import Notifier
 from gce_watchdog.daemon.service import EX_TEMPFAIL, AgentLock, LadderStore, build_agent
+from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
@@ -42,8 +44,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_config_arg(r)
     r.add_argument("--max-ticks", type=int, default=None, help="stop after N ticks (tests)")
     r.set_defaults(func=cmd_run)
-    c = sub.add_parser("check", help="run one tick of both probes and print the result")
+    c = sub.add_parser(
+        "check",
+        help="run one tick of both probes and print the result",
+        description=(
+            "One tick of both probes with the real config, printed as a table (or --json); "
+            "nothing is written to the state or the serial port. --npd speaks "
+            "node-problem-detector's custom plugin protocol: one short line on stdout and exit "
+            "0 OK (both up, or one path down: the ladder would reset), 1 NonOK (both down: the "
+            "ladder would climb), 2 Unknown (the check could not run, e.g. an invalid config)."
+        ),
+    )
     add_config_arg(c)
+    fmt = c.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print one JSON object")
+    fmt.add_argument(
+        "--npd",
+        action="store_true",
+        help="node-problem-detector plugin: exit 0 OK, 1 NonOK, 2 Unknown",
+    )
     c.set_defaults(func=cmd_check)
     register_disarm(sub)
 
@@ -138,9 +157,25 @@ def platform_line(cfg: cfgmod.Config) -> tuple[bool, str]:
     return False, f"platform: {why_not}"
 
 
+NPD_OK, NPD_NONOK, NPD_UNKNOWN = 0, 1, 2  # node-problem-detector's custom plugin statuses
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    """Exit 0: both paths up. 1: one path down (the ladder would hold). 2: both down (it would
-    climb). 78: invalid config."""
+    """Exit 0: both paths up. 1: one path down or unknown (the ladder would reset). 2: both down
+    (it would climb). 78: invalid config. With --npd: 0 OK, 1 NonOK, 2 Unknown."""
+    if args.npd:
+        try:
+            return _check(args)
+        except SystemExit as e:  # an invalid config (its errors are on stderr)
+            print(f"check could not run: exit {e.code} (see stderr)")
+            return NPD_UNKNOWN
+        except Exception as e:  # NPD reads Unknown; the reason on stdout, where it looks
+            print(f"check could not run: {type(e).__name__}: {e}"[:200])
+            return NPD_UNKNOWN
+    return _check(args)
+
+
+def _check(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
     prober = build_prober(cfg)
     try:
@@ -151,20 +186,61 @@ def cmd_check(args: argparse.Namespace) -> int:
         Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
     )
     rung = st.load(cfg.agent.threshold).rung
+    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
+    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
+        verdict, rc, npd = "healthy", 0, NPD_OK
+        say = "HEALTHY"
+    elif cls is ladder.TickClass.BOTH_FAIL:
+        verdict, rc, npd = "outage", 2, NPD_NONOK
+        say = "OUTAGE (both paths down: the ladder would climb)"
+    else:
+        verdict, rc, npd = "degraded", 1, NPD_OK
+        say = "DEGRADED (one path down or unknown: a tick like this resets the ladder)"
+    probes = {
+        "metadata": {
+            "verdict": res.metadata.verdict.value,
+            "reason": res.metadata.reason,
+            "latency_ms": res.metadata.latency_ms,
+        },
+        "egress": {
+            "verdict": res.egress.verdict.value,
+            "reason": res.egress.reason,
+            "latency_ms": res.egress.latency_ms,
+        },
+    }
+    if args.npd:
+        md, eg = probes["metadata"], probes["egress"]
+        print(
+            f"{verdict}: metadata {md['verdict']} {md['reason']}, egress {eg['verdict']} "
+            f"{eg['reason']}; rung {rung}/{cfg.agent.threshold}"
+        )
+        return npd
+    if args.json:
+        out = {
+            "verdict": verdict,
+            "exit": rc,
+            "probes": probes,
+            "dns": res.dns,
+            "rung": rung,
+            "threshold": cfg.agent.threshold,
+            "ladder_file": str(st.path),
+            "platform": platform_line(cfg)[1],
+        }
+        print(json.dumps(out, sort_keys=True))
+        return rc
     rows = [
         (
             "metadata",
             res.metadata.verdict.value,
             res.metadata.reason,
-            f"{res.metadata.latency_ms} ms",
+            f"{res.metadata.latency_ms}ms",
         ),
-        ("egress", res.egress.verdict.value, res.egress.reason, f"{res.egress.latency_ms} ms"),
+        ("egress", res.egress.verdict.value, res.egress.reason, f"{res.egress.latency_ms}ms"),
         ("dns", res.dns, "", ""),
     ]
     print(f"{'probe':<10}{'verdict':<9}{'reason':<18}latency")
     for name, v, why, lat in rows:
         print(f"{name:<10}{v:<9}{why:<18}{lat}")
-    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
     print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
     gce, line = platform_line(cfg)
     print(line)
@@ -174,14 +250,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"metadata: no metadata server answered at {cfg.metadata.url} "
             f"({res.metadata.reason}){hint}"
         )
-    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
-        print("verdict: HEALTHY")
-        return 0
-    if cls is ladder.TickClass.BOTH_FAIL:
-        print("verdict: OUTAGE (both paths down: the ladder would climb)")
-        return 2
-    print("verdict: DEGRADED (one path down or unknown: the ladder would not climb)")
-    return 1
+    print(f"verdict: {say}")
+    return rc
 
 
 def register_disarm(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -227,30 +297,25 @@ def cmd_disarm(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
     now = time.time()
     if args.status:
-        armed, why = disarm_status(cfg.agent.state_dir, now, False)
-        print(
-            f"{'armed' if armed else 'disarmed'} ({why}); the metadata attribute "
-            f"{cfg.watch.disarm_attribute!r} is checked by the running agent"
-        )
+        print(_status_line(cfg, now))
         return 0
     if args.duration is None:
         print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
-        return 2
+        return EX_USAGE
     try:
         secs = parse_duration(args.duration)
     except ValueError as e:
         print(f"gce-watchdog disarm: --for: {e}", file=sys.stderr)
-        return 2
+        return EX_USAGE
     if not 0 < secs <= MAX_DISARM_S:
         print(
             f"gce-watchdog disarm: --for must be more than 0 and at most "
             f"{MAX_DISARM_S / 3600:g}h (got {args.duration}); run it again later to extend",
             file=sys.stderr,
         )
-        return 2
+        return EX_USAGE
     until = now + secs
     rec = {"set_at": now, "until": until, "reason": args.reason[:200], "by": _who()}
-    import json
 
     try:
         atomic_write(
@@ -272,6 +337,23 @@ def cmd_disarm(args: argparse.Namespace) -> int:
     )
     print(f"disarmed until {iso(until)} (re-arms by itself then; `gce-watchdog arm` ends it now)")
     return 0
+
+
+def _status_line(cfg: cfgmod.Config, now: float) -> str:
+    """``disarm --status`` in words: the local switch, and where the other one is read."""
+    armed, why = disarm_status(cfg.agent.state_dir, now, False)
+    if not armed:
+        state = f"disarmed locally until {why.removeprefix('local-until-')}"
+    else:
+        state = {
+            "expired": "armed (a local disarm expired)",
+            "bad-disarm-file": (
+                f"armed (unreadable {disarm_path(cfg.agent.state_dir)}: it never disarms)"
+            ),
+        }.get(why, "armed")
+    return (
+        f"{state}; the metadata attribute {cfg.watch.disarm_attribute} is read by the running agent"
+    )
 
 
 def cmd_arm(args: argparse.Namespace) -> int:

@@ -62,7 +62,7 @@ HOOK_MAX = 8  # bound on removing duplicate jump rules (only a hand edit could m
 
 EX_OK = 0
 EX_FAIL = 1
-EX_USAGE = 2
+EX_USAGE = 64  # sysexits.h: every command exits 64 on a usage error (lib/cli.py)
 EX_UNAVAILABLE = 69  # sysexits.h: iptables missing
 EX_NOPERM = 77  # sysexits.h: not root
 EX_IOERR = 74  # sysexits.h: done, but its serial line could not be written

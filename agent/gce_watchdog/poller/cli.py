@@ -21,10 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-EX_USAGE = 2
+EX_USAGE = 64  # sysexits.h: every command exits 64 on a usage error (lib/cli.py)
 EX_NOINPUT = 66
 EX_UNAVAILABLE = 69
 EX_IOERR = 74
@@ -459,17 +462,22 @@ def _redact(e: BaseException) -> str:
     return re.sub(r"(://[^:/@\s]*:)[^@\s]*@", r"\1***@", str(e))
 
 
-def _print_outcome(out: Any, as_json: bool) -> None:
+def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time) -> None:
+    """One line per instance and round, led by the UTC time it was decided (ISO 8601)."""
+    ts = datetime.fromtimestamp(now(), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     if as_json:
         import json
 
-        print(json.dumps(out.to_json(), sort_keys=True), flush=True)
+        doc = out.to_json()
+        doc.setdefault("ts", ts)
+        print(json.dumps(doc, sort_keys=True), flush=True)
         return
     if out.error:
-        print(f"{out.instance}: ERROR {out.error}", flush=True)
+        print(f"{ts} {out.instance}: ERROR {out.error}", flush=True)
         return
     v = out.verdict
-    line = f"{out.instance} id={out.instance_id or '-'} status={out.status} boot={v.boot or '-'}"
+    line = f"{ts} {out.instance} id={out.instance_id or '-'} status={out.status}"
+    line += f" boot={v.boot or '-'}"
     line += f" verdict={v.kind.value} action={out.action}"
     if out.decision is not None:
         line += f" token={out.decision.token}"

@@ -20,7 +20,8 @@ _COLUMN_FIELDS = frozenset({"rung", "md", "eg", "mdr", "mdl", "egr", "egl"})
 
 
 def clock(ts_ms: int) -> str:
-    return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).strftime("%m-%d %H:%M:%S")
+    """ISO 8601 UTC to the second, as every human line of ours writes time."""
+    return datetime.fromtimestamp(ts_ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def duration(ms: int) -> str:
@@ -142,7 +143,7 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
         )
         head = COLUMNS
         yield (
-            f"  {head[0]:<14} {head[1]:>6}  {head[2]:<14} {head[3]:<6} {head[4]:<22} "
+            f"  {head[0]:<20} {head[1]:>6}  {head[2]:<14} {head[3]:<6} {head[4]:<22} "
             f"{head[5]:<22} {head[6]}"
         )
         table = rows(sec.events)
@@ -159,7 +160,7 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
             extra = f" (until {clock(ev.ts_ms)})" if row.count > 1 else ""
             c = cells(ev, clock(row.first.ts_ms))
             line = (
-                f"  {c[0]:<14} {row.first.seq:>6}  {name:<14} {c[3]:<6} {c[4]:<22} {c[5]:<22} "
+                f"  {c[0]:<20} {row.first.seq:>6}  {name:<14} {c[3]:<6} {c[4]:<22} {c[5]:<22} "
                 f"{c[6]}{extra}"
             )
             yield line if len(line) <= width else line[: width - 3] + "..."
