@@ -198,3 +198,68 @@ def test_eight_pollers_with_separate_cursors_race_over_100_wedged_vms(
     by_vm = {d.instance.rsplit("/", 1)[1]: d.request_id for d in decisions}
     assert {vm: next(iter(r)) for vm, r in rids.items()} == by_vm
     assert len(api.operations) == FLEET and all(api.instance(n).deleted for n in names)
+
+
+def _blocked_stdout() -> tuple[int, int]:
+    """A pipe whose buffer is already full: the first write to it blocks (nobody reads it)."""
+    import fcntl
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: the smallest buffer, one page
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    return r, w
+
+
+def test_a_poller_killed_after_its_reap_before_announcing_is_announced_once(
+    api: FakeComputeAPI, tmp_path: Path, ledger_spec: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The claimer deletes the VM, then blocks writing its announcement (stdout full) and is
+    killed. The VM is gone: later pollers see a 404 and the decision, never the VM again. The
+    decision is still announced, once, when the lease lapses (each round takes over lapsed
+    announcements), by whichever poller comes next."""
+    wedge(api, ["vm-1"])
+    argv = poll_argv(api, tmp_path, ledger_spec, "cursors-a", "--once", "--reap",
+                     "--announce-lease", "1s", "vm-1")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
+    r, w = _blocked_stdout()
+    first = subprocess.Popen([sys.executable, "-m", "gce_watchdog", *argv], stdout=w,
+                             stderr=subprocess.PIPE, env=env)  # fmt: skip
+    os.close(w)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not api.instance("vm-1").deleted:  # reaped: now it blocks on its announcement
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, "the first poller never reaped"
+            time.sleep(0.05)
+        with open_ledger(ledger_spec) as led:
+            while (d := led.get(led.all()[0].instance_id, led.all()[0].boot)) and not d.reaped_at:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert [p.token for p in led.pending_announcements()] == [d.token]
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=DEADLINE_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+        os.close(r)
+    actions: list[str] = []
+    deadline = time.monotonic() + DEADLINE_S
+    while "failover" not in actions:  # other pollers, other cursor dirs, one run each
+        assert time.monotonic() < deadline, f"never announced: {actions}"
+        main(poll_argv(api, tmp_path, ledger_spec, f"c-{len(actions)}", "--once", "vm-1"))
+        actions += [str(o["action"]) for o in lines(capsys.readouterr().out)]
+    for i in range(3):
+        main(poll_argv(api, tmp_path, ledger_spec, f"d-{i}", "--once", "vm-1"))
+        actions += [str(o["action"]) for o in lines(capsys.readouterr().out)]
+    assert actions.count("failover") == 1
+    with open_ledger(ledger_spec) as led:
+        (d,) = led.all()
+        assert led.pending_announcements() == [] and d.announced_by != d.owner
+    assert len(api.operations) == 1  # deleted once

@@ -303,3 +303,29 @@ def test_concurrent_budget_callers_queue_in_order() -> None:
     for th in threads:
         th.join(timeout=10)
     assert sorted(t.slept) == [float(i) for i in range(1, 11)]  # each waits its own turn
+
+
+def test_a_round_announces_a_lapsed_decision_of_a_vm_no_longer_listed(
+    api: FakeComputeAPI, tmp_path: Path
+) -> None:
+    """A poller claimed, reaped and died before announcing: the VM is no longer listed, so no poll
+    will meet the decision again. The next round announces it once its lease has lapsed."""
+    api.add_instance("alive", labels=LABEL)
+    healthy(api, "alive", "aaaa0001")
+    with Ledger(tmp_path / "l.sqlite", owner="dead", announce_lease_s=60) as dead:
+        d = dead.claim("4711", "bbbb0002", "self_shutdown", "ladder", "test-project/z/gone-vm",
+                       now=time.time() - 61)  # fmt: skip
+        dead.mark_reaped("4711", "bbbb0002", "operation-1")
+    with Ledger(tmp_path / "l.sqlite", owner="next") as led:
+        fleet = FleetPoller(client_for(api), CursorStore(None), led, ["test-project"], FLT)
+        try:
+            outs, _ = _outcomes(fleet)
+            got = outs["gone-vm"].decision
+            assert outs["gone-vm"].action == "failover" and got is not None and got.token == d.token
+            assert outs["gone-vm"].reaped == "operation-1"
+            outs, _ = _outcomes(fleet)
+            assert "gone-vm" not in outs  # once
+        finally:
+            fleet.close()
+        got = led.get("4711", "bbbb0002")
+        assert got is not None and got.announced_by == "next"

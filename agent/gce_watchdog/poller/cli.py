@@ -361,10 +361,11 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
     import signal
     import sqlite3
     import threading
+    import time
 
     from gce_watchdog.lib.compute import DEFAULT_API_BASE, AuthError, ComputeClient, RetryPolicy
     from gce_watchdog.poller.ledger import open_ledger
-    from gce_watchdog.poller.poller import Poller
+    from gce_watchdog.poller.poller import Poller, announced_outcome, lapsed_announcements
     from gce_watchdog.poller.reader import CursorStore
 
     state = _state_home() / "gce-watchdog"
@@ -441,6 +442,13 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
                 except ledger_errors as e:
                     print(f"gce-watchdog poll: ledger/cursor write failed: {e}", file=sys.stderr)
                     return EX_IOERR
+            try:  # decisions whose claimer died before announcing them (e.g. a reaped VM)
+                for out in lapsed_announcements(ledger, time.time()):
+                    _print_outcome(out, args.json)
+                    announced_outcome(ledger, out, time.time())
+            except ledger_errors as e:
+                print(f"gce-watchdog poll: ledger write failed: {e}", file=sys.stderr)
+                return EX_IOERR
             for key in store.corrupt:
                 print(f"gce-watchdog poll: cursor {key} was unreadable; restarted", file=sys.stderr)
             store.corrupt.clear()

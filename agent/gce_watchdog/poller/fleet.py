@@ -29,10 +29,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gce_watchdog.lib.compute import ComputeClient, HTTPSession, InstanceStatus
+from gce_watchdog.lib.compute import (
+    RATE_LIMIT_REASONS,
+    ComputeClient,
+    HTTPSession,
+    InstanceStatus,
+)
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.poller.ledger import BaseLedger
-from gce_watchdog.poller.poller import Poller, PollOutcome
+from gce_watchdog.poller.poller import (
+    Poller,
+    PollOutcome,
+    announced_outcome,
+    lapsed_announcements,
+)
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.verdict import Policy
 
@@ -195,7 +205,7 @@ class BudgetedSession:
         self.budget.acquire(project)
         r = self.inner.request(method, url, **kwargs)
         limited = r.status_code == 429 or (
-            r.status_code == 403 and "RateLimitExceeded" in r.text.replace("rate", "Rate")
+            r.status_code == 403 and any(x in r.text for x in RATE_LIMIT_REASONS)
         )
         if limited:
             after = parse_retry_after(r.headers.get("Retry-After"), time.time())
@@ -288,7 +298,9 @@ class FleetPoller:
 
     def announced(self, out: PollOutcome) -> bool:
         """``Poller.announced`` for an outcome of this fleet."""
-        return self._poller(Target(out.project, out.zone, out.instance)).announced(out)
+        if self.ledger is None:
+            return False
+        return announced_outcome(self.ledger, out, self.clock())
 
     def round(
         self,
@@ -340,4 +352,8 @@ class FleetPoller:
                 del self._inflight[t]
                 rep.outcomes += 1
                 emit(f.result())
+        if self.ledger is not None:  # decisions whose claimer died before announcing them
+            for out in lapsed_announcements(self.ledger, self.clock()):
+                rep.outcomes += 1
+                emit(out)
         return rep

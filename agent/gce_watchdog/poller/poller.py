@@ -18,7 +18,7 @@ from typing import Any
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
-from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
 
 
 @dataclass(frozen=True)
@@ -226,3 +226,43 @@ class Poller:
         result = str(op.get("name", "operation"))
         self.ledger.mark_reaped(decision.instance_id, decision.boot, result, self.clock())
         return result, None
+
+
+def lapsed_announcements(ledger: BaseLedger, now: float) -> list[PollOutcome]:
+    """Take over the announcement of every decision whose claimer died before announcing it
+    (its lease has lapsed), as outcomes to print, then to mark with ``announced_outcome``.
+
+    A poll of the VM takes such a decision over too, but a VM that is gone (reaped before its
+    claimer died) is polled only once more: every loop calls this once per round, so no claimed
+    decision stays unannounced.
+    """
+    outs = []
+    for d in ledger.pending_announcements():
+        if not ledger.take_announcement(d.instance_id, d.boot, now):
+            continue  # its claimer's lease is live, or another poller took it just now
+        project, _, rest = d.instance.partition("/")
+        zone, sep, name = rest.partition("/")
+        if not sep:  # recorded by an older poller: the bare name
+            project, zone, name = "", "", d.instance
+        verdict = Verdict(VerdictKind(d.verdict), d.reason, d.boot)
+        outs.append(
+            PollOutcome(
+                name or d.instance_id,
+                d.instance_id,
+                "",
+                verdict,
+                decision=d,
+                reaped=d.reap_result,
+                announce=True,
+                project=project,
+                zone=zone,
+            )
+        )
+    return outs
+
+
+def announced_outcome(ledger: BaseLedger, out: PollOutcome, now: float) -> bool:
+    """``Poller.announced`` without a Poller: mark the outcome's decision announced."""
+    if not out.announce or out.decision is None:
+        return False
+    return ledger.mark_announced(out.decision.instance_id, out.decision.boot, now)

@@ -37,7 +37,7 @@ from typing import Any
 
 from gce_watchdog.poller.assemble import Assembler
 from gce_watchdog.poller.ledger import BaseLedger, Decision
-from gce_watchdog.poller.poller import PollOutcome
+from gce_watchdog.poller.poller import PollOutcome, announced_outcome, lapsed_announcements
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
 from gce_watchdog.wire.protocol import Event, decode_line
 
@@ -254,14 +254,11 @@ class PubSubWorker:
 
     def announce_pending(self, now: float) -> None:
         """Announce decisions claimed by a worker that died before announcing them."""
-        for d in self.ledger.pending_announcements():
-            if not self.ledger.take_announcement(d.instance_id, d.boot, now):
-                continue  # its claimer's lease is live, or another worker took it
-            project, _, rest = d.instance.partition("/")
-            zone, _, name = rest.partition("/")
-            line = SerialLine(project, zone, d.instance_id, name, "")
-            verdict = Verdict(VerdictKind(d.verdict), d.reason, d.boot)
-            self._announce(line, verdict, d, True)
+        for out in lapsed_announcements(self.ledger, now):
+            with self._lock:
+                self.emit(out)
+                if announced_outcome(self.ledger, out, self.clock()):
+                    self.stats.announced += 1
 
     @property
     def settle_deadline(self) -> float | None:
