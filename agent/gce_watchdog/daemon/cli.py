@@ -18,14 +18,10 @@ from pathlib import Path
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.disarm import MAX_DISARM_S, disarm_path, disarm_status, iso
 from gce_watchdog.daemon.ladder import ProbeVerdict
-from gce_watchdog.daemon.probes import build_prober
-from gce_watchdog.daemon.sdnotify import Notifier
-from gce_watchdog.daemon.service import EX_TEMPFAIL, AgentLock, LadderStore, build_agent
 from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm import logs
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
 from gce_watchdog.vm.platform import arming, detect
 from gce_watchdog.vm.runtime import (
@@ -68,6 +64,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # The agent's modules (and structlog, http.client, ...) load when a command needs them, not
+    # with the parser: every command builds the parser, `fetch` at boot included.
+    from gce_watchdog.daemon.sdnotify import Notifier
+    from gce_watchdog.daemon.service import EX_TEMPFAIL, AgentLock, build_agent
+    from gce_watchdog.vm import logs
+
     cfg = load_config_or_exit(args)
     logs.setup()
     log = logs.get()
@@ -176,6 +178,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from gce_watchdog.daemon.probes import build_prober
+    from gce_watchdog.daemon.service import LadderStore
+
     cfg = load_config_or_exit(args)
     prober = build_prober(cfg)
     try:

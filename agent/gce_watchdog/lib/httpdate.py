@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from email.utils import parsedate_to_datetime
-
 
 def parse_retry_after(value: str | None, now_wall: float) -> float | None:
     """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date); None if absent/bad."""
@@ -12,6 +10,10 @@ def parse_retry_after(value: str | None, now_wall: float) -> float | None:
     v = value.strip()
     if v.isdigit():
         return float(v)
+    # email.utils (~2 ms, a dozen modules) only for the rare HTTP-date form: every command's
+    # parser loads fetch, and through it this module.
+    from email.utils import parsedate_to_datetime
+
     try:
         when = parsedate_to_datetime(v)
     except (TypeError, ValueError):
