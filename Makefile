@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-dev
 # started (policy-rc.d during the install) and disabled afterwards.
 APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql
 
-.PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean
+.PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean cli-docs
 
 $(VENV)/bin/python:
 	@$(PY) -m venv --help >/dev/null 2>&1 && $(PY) -c 'import ensurepip' 2>/dev/null || \
@@ -48,7 +48,7 @@ demo: $(STAMP)
 	$(VPY) -m gce_watchdog.testing.demo
 
 test: $(STAMP) apt-test
-	$(VENV)/bin/ruff check agent tests bench
+	$(VENV)/bin/ruff check agent tests bench tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -p no:cacheprovider
@@ -57,8 +57,8 @@ test: $(STAMP) apt-test
 # The formatter check is here, not in `make test`: ruff is not pinned, and a newer release's
 # style must not fail CI on code that did not change.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check agent tests bench
-	$(VENV)/bin/ruff format --check agent tests bench e2e
+	$(VENV)/bin/ruff check agent tests bench tools
+	$(VENV)/bin/ruff format --check agent tests bench e2e tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
@@ -133,6 +133,24 @@ e2e-if-possible:
 	elif ! command -v qemu-system-x86_64 >/dev/null && ! command -v apt-get >/dev/null; then \
 	  echo "e2e: skipped (no qemu and no apt-get to install it)"; \
 	else $(MAKE) --no-print-directory e2e; fi
+
+# The man page and shell completion, generated from the argparse definitions (tools/cli_docs.py;
+# shtab and argparse-manpage are in the dev extra, never runtime dependencies). The .deb installs
+# them as /usr/share/man/man1/gce-watchdog.1.gz, /usr/share/bash-completion/completions/gce-watchdog
+# and /usr/share/zsh/vendor-completions/_gce-watchdog.
+CLI_DOCS := build/cli-docs
+cli-docs: $(STAMP)
+	@mkdir -p $(CLI_DOCS)/man1 $(CLI_DOCS)/bash-completion $(CLI_DOCS)/zsh
+	$(VPY) tools/cli_docs.py exit-status $(CLI_DOCS)/exit-status.include
+	$(VENV)/bin/argparse-manpage --module gce_watchdog.cli --function build_parser \
+	  --project-name gce-watchdog --prog gce-watchdog \
+	  --version "$$($(VPY) -c 'import gce_watchdog; print(gce_watchdog.__version__)')" \
+	  --description "in-VM watchdog agent and bootstrap toolkit for Google Compute Engine" \
+	  --manual-title "gce-watchdog manual" --format single-commands-section \
+	  --include $(CLI_DOCS)/exit-status.include --output $(CLI_DOCS)/man1/gce-watchdog.1
+	$(VENV)/bin/shtab --shell=bash gce_watchdog.cli.build_parser > $(CLI_DOCS)/bash-completion/gce-watchdog
+	$(VENV)/bin/shtab --shell=zsh gce_watchdog.cli.build_parser > $(CLI_DOCS)/zsh/_gce-watchdog
+	@echo "written: $(CLI_DOCS)/man1/gce-watchdog.1 $(CLI_DOCS)/bash-completion/gce-watchdog $(CLI_DOCS)/zsh/_gce-watchdog"
 
 clean:
 	rm -rf $(VENV) .bench-venv build .pytest_cache .mypy_cache .ruff_cache
