@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 from gce_watchdog.cli import main
+from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.lib.compute import ComputeClient, RetryPolicy
 from gce_watchdog.poller.fleet import (
     DEFAULT_BUDGET_PER_MIN,
@@ -285,7 +286,7 @@ def test_cli_label_mode_polls_two_projects_and_warns_when_over_budget(
     # 3 VMs and 2 list pages per round; 120/min allows 2 per 1 s round: stretched to 3 s
     assert "proj-one: 3 VMs need about 5 API requests per round" in cap.err
     assert "polling every 3s instead" in cap.err
-    assert main([*argv[:1], "--label", "x", "--project", "proj-one", "vm-1"]) == 2
+    assert main([*argv[:1], "--label", "x", "--project", "proj-one", "vm-1"]) == EX_USAGE
 
 
 def test_concurrent_budget_callers_queue_in_order() -> None:
@@ -329,3 +330,44 @@ def test_a_round_announces_a_lapsed_decision_of_a_vm_no_longer_listed(
             fleet.close()
         got = led.get("4711", "bbbb0002")
         assert got is not None and got.announced_by == "next"
+
+
+def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
+    api: FakeComputeAPI, tmp_path: Path
+) -> None:
+    """Gone VMs are known from the cursors a previous run left: deleted ones are decided on
+    their cursor through the ledger and their cursor dropped; one whose label was removed (still
+    there) is no longer watched and nothing is decided about it."""
+    for n in ("stays", "deleted", "unlabelled"):
+        api.add_instance(n, labels=LABEL)
+        healthy(api, n, f"{len(n):08x}")
+    cursors = tmp_path / "cursors"
+    with Ledger(tmp_path / "l.sqlite") as led:
+        fleet = FleetPoller(client_for(api), CursorStore(cursors), led, ["test-project"], FLT)
+        try:
+            outs, _ = _outcomes(fleet)
+            assert sorted(outs) == ["deleted", "stays", "unlabelled"]
+        finally:
+            fleet.close()
+        # the poller is down; meanwhile one VM is deleted, one loses its label
+        api.instance("deleted").deleted = True
+        api.instance("unlabelled").labels.clear()
+        for _ in range(2):  # two restarts: the deleted VM is decided by the first only
+            fleet = FleetPoller(client_for(api), CursorStore(cursors), led, ["test-project"], FLT)
+            try:
+                outs, rep = _outcomes(fleet)
+            finally:
+                fleet.close()
+            if _ == 0:
+                assert [t.name for t in rep.gone] == ["deleted", "unlabelled"]  # type: ignore[attr-defined]
+                assert outs["deleted"].action == "failover"
+                assert outs["deleted"].verdict is not None
+                assert outs["deleted"].verdict.kind.value == "terminated_unexplained"
+                assert "unlabelled" not in outs  # still there: not decided, not announced
+            else:
+                assert sorted(outs) == ["stays"]
+        assert [d.instance for d in led.all()] == ["test-project/us-central1-a/deleted"]
+    assert sorted(p.name for p in cursors.glob("*.json")) == [
+        "test-project.us-central1-a.stays.json",
+        "test-project.us-central1-a.unlabelled.json",
+    ]

@@ -281,7 +281,9 @@ class FleetPoller:
         self.clock = clock
         self.known: dict[Target, InstanceStatus] = {}
         self._pollers: dict[tuple[str, str], Poller] = {}
-        self._inflight: dict[Target, cf.Future[PollOutcome]] = {}
+        self._inflight: dict[Target, cf.Future[PollOutcome | None]] = {}
+        self._seeded = False
+        self._unlisted: set[Target] = set()  # cursors of VMs not listed at start-up
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="poll")
 
     def close(self) -> None:
@@ -295,6 +297,26 @@ class FleetPoller:
                 clock=self.clock,
             )  # fmt: skip
         return self._pollers[key]
+
+    @staticmethod
+    def _emit(
+        out: PollOutcome | None, emit: Callable[[PollOutcome], None], rep: RoundReport
+    ) -> None:
+        if out is not None:
+            rep.outcomes += 1
+            emit(out)
+
+    def _finalize(self, t: Target) -> PollOutcome | None:
+        """A VM no longer listed: deleted (404), or its label removed (still there). Only a
+        deleted one is decided, on its cursor, through the ledger; then its cursor is dropped.
+        One whose label was removed is no longer watched: nothing is decided about it."""
+        if self.client.get_instance(t.project, t.zone, t.name) is not None:
+            return None
+        out = self._poller(t).poll(t.name, gone=True)
+        settled = out.decision is not None or not (out.verdict and out.verdict.failover)
+        if out.error is None and settled:  # decided (or nothing to decide): never again
+            self.store.drop(t.project, t.zone, t.name)
+        return out
 
     def announced(self, out: PollOutcome) -> bool:
         """``Poller.announced`` for an outcome of this fleet."""
@@ -312,14 +334,21 @@ class FleetPoller:
         """Discover, poll everything listed (and once more what vanished), emit outcomes until
         ``deadline_s`` (a ``monotonic`` time). Raises what discovery raises (AuthError etc.)."""
         found = discover(self.client, self.projects, self.filter)
+        if not self._seeded:  # a restarted poller: what it polled before is in its cursors
+            self._seeded = True
+            for project, zone, name in self.store.saved():
+                t = Target(project, zone, name)
+                if project in self.projects and t not in found.instances:
+                    self._unlisted.add(t)
         rep = RoundReport(discovered=len(found.instances), unreachable=found.unreachable)
         rep.pages = found.pages
         rep.new = sorted(set(found.instances) - set(self.known))
         rep.gone = sorted(
             t
-            for t in set(self.known) - set(found.instances)
+            for t in (set(self.known) | self._unlisted) - set(found.instances)
             if (t.project, t.zone) not in found.unreachable
         )
+        self._unlisted.clear()
         jobs: dict[Target, InstanceStatus | None] = dict(found.instances)
         for t in rep.gone:
             jobs[t] = None  # poll by name: GET says 404, the ledger finalizes it once
@@ -327,13 +356,16 @@ class FleetPoller:
             if (t.project, t.zone) in found.unreachable and t not in jobs:
                 jobs[t] = self.known[t]  # keep it: the list said nothing about its zone
         self.known = {t: st for t, st in jobs.items() if st is not None}
-        futures: dict[cf.Future[PollOutcome], Target] = {}
+        futures: dict[cf.Future[PollOutcome | None], Target] = {}
         for t, st in sorted(jobs.items(), key=lambda kv: kv[0]):
             if t in self._inflight:
                 continue  # its previous poll is still running
             if select is not None and not select(t, st):
                 continue  # (the Pub/Sub sweep: only the stopped, the silent, the unheard)
-            fut = self._pool.submit(self._poller(t).poll, t.name, st)
+            if st is None:
+                fut = self._pool.submit(self._finalize, t)
+            else:
+                fut = self._pool.submit(self._poller(t).poll, t.name, st)
             self._inflight[t] = fut
             futures[fut] = t
         try:
@@ -341,8 +373,7 @@ class FleetPoller:
             for fut in cf.as_completed(futures, timeout=left):
                 t = futures[fut]
                 del self._inflight[t]
-                rep.outcomes += 1
-                emit(fut.result())
+                self._emit(fut.result(), emit, rep)
         except TimeoutError:
             pass
         rep.slow = sorted(t for t, f in self._inflight.items() if not f.done())
@@ -350,8 +381,7 @@ class FleetPoller:
         for t, f in list(self._inflight.items()):
             if f.done():
                 del self._inflight[t]
-                rep.outcomes += 1
-                emit(f.result())
+                self._emit(f.result(), emit, rep)
         if self.ledger is not None:  # decisions whose claimer died before announcing them
             for out in lapsed_announcements(self.ledger, self.clock()):
                 rep.outcomes += 1

@@ -119,16 +119,22 @@ class Poller:
         self.reap = reap
         self.clock = clock
 
-    def poll(self, name: str, known: InstanceStatus | None = None) -> PollOutcome:
+    def poll(
+        self, name: str, known: InstanceStatus | None = None, gone: bool = False
+    ) -> PollOutcome:
         """Poll one instance. Raises AuthError (affects every instance); other errors are
         reported in the outcome. ``known``: the instance as a list call just returned it (fleet
-        discovery), which saves the GET."""
-        return dataclasses.replace(self._poll(name, known), project=self.project, zone=self.zone)
+        discovery), which saves the GET; ``gone``: a GET just answered 404."""
+        out = self._poll(name, known, gone)
+        return dataclasses.replace(out, project=self.project, zone=self.zone)
 
-    def _poll(self, name: str, known: InstanceStatus | None) -> PollOutcome:
+    def _poll(self, name: str, known: InstanceStatus | None, gone: bool) -> PollOutcome:
         p, z = self.project, self.zone
         try:
-            info = known if known is not None else self.client.get_instance(p, z, name)
+            if gone:
+                info = None
+            else:
+                info = known if known is not None else self.client.get_instance(p, z, name)
         except AuthError:
             raise
         except ComputeAPIError as e:

@@ -115,6 +115,23 @@ class CursorStore:
         self._mem[key] = cur
         return cur
 
+    def saved(self) -> list[tuple[str, str, str]]:
+        """(project, zone, name) of every cursor file (zone and name never contain a dot)."""
+        if self.directory is None or not self.directory.is_dir():
+            return []
+        out = []
+        for p in self.directory.glob("*.json"):
+            parts = p.name[: -len(".json")].rsplit(".", 2)
+            if len(parts) == 3:
+                out.append((parts[0], parts[1], parts[2]))
+        return sorted(out)
+
+    def drop(self, project: str, zone: str, name: str) -> None:
+        """Forget an instance's cursor (it was deleted and its decision is in the ledger)."""
+        self._mem.pop(f"{project}/{zone}/{name}", None)
+        if self.directory is not None:
+            self._path(project, zone, name).unlink(missing_ok=True)
+
     def save(self, project: str, zone: str, cur: Cursor) -> None:
         key = f"{project}/{zone}/{cur.name}"
         self._mem[key] = cur
