@@ -188,3 +188,25 @@ def test_primary_key_is_the_second_line_of_defence(spec: str) -> None:
                 "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance,"
                 " owner, decided_at) VALUES ('id-1', 'b', 99, 'x', 'y', '', 'z', 0)"
             )
+
+
+def test_postgres_claim_behind_a_stuck_lock_fails_cleanly_and_the_ledger_stays_usable(
+    pg_database: str,
+) -> None:
+    """A session that holds the claim lock forever (a stuck peer) makes a claim fail after the
+    lock timeout with the driver's error, not hang; no transaction is left open, so the next
+    claim works once the lock is gone."""
+    import psycopg
+    from gce_watchdog.poller.ledger_pg import PostgresLedger
+
+    with PostgresLedger(pg_database, owner="me", lock_timeout_ms=300) as led:
+        stuck = psycopg.connect(pg_database)
+        try:
+            stuck.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
+            with pytest.raises(led.errors, match="lock timeout"):
+                led.claim("id-1", "b", "self_shutdown", "r")
+        finally:
+            stuck.rollback()
+            stuck.close()
+        d = led.claim("id-1", "b", "self_shutdown", "r")
+        assert d.won and d.token == 1

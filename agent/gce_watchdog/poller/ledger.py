@@ -206,8 +206,8 @@ class BaseLedger:
         with ``won=False`` ("already decided"), whoever and whenever decided it.
         """
         decided_at = time.time() if now is None else now
-        self._begin_write()
         try:
+            self._begin_write()  # inside: a lock timeout here must not leave a transaction open
             row = self._get(instance_id, boot)
             if row is None:
                 row = self._settled(instance_id, boot, instance)
@@ -416,6 +416,12 @@ class Ledger(BaseLedger):
                     "UPDATE decisions SET announced_at = decided_at, announced_by = owner"
                     " WHERE announced_at IS NULL"
                 )
+            # the lookups of a claim without boot or id, and of the pending announcements
+            db.execute("CREATE INDEX IF NOT EXISTS decisions_instance ON decisions (instance)")
+            db.execute(
+                "CREATE INDEX IF NOT EXISTS decisions_pending ON decisions (token)"
+                " WHERE announced_at IS NULL"
+            )
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:

@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, BaseLedger
 
@@ -73,7 +74,11 @@ class PostgresLedger(BaseLedger):
     errors = (psycopg.Error,)
 
     def __init__(
-        self, url: str, owner: str = "", announce_lease_s: float = ANNOUNCE_LEASE_S
+        self,
+        url: str,
+        owner: str = "",
+        announce_lease_s: float = ANNOUNCE_LEASE_S,
+        lock_timeout_ms: int = LOCK_TIMEOUT_MS,
     ) -> None:
         self.url = url
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
@@ -84,7 +89,7 @@ class PostgresLedger(BaseLedger):
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
             application_name="gce-watchdog-poller",
-            options=f"-c lock_timeout={LOCK_TIMEOUT_MS}",
+            options=f"-c lock_timeout={int(lock_timeout_ms)}",
         )
         try:
             if not self._schema_ready():
@@ -112,7 +117,9 @@ class PostgresLedger(BaseLedger):
         self._db.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
 
     def _rollback(self) -> None:
-        if self._db.closed:
+        # Only inside a transaction (a failed BEGIN leaves none) and on a live connection: a
+        # ROLLBACK that raises would hide the error being handled.
+        if self._db.closed or self._db.info.transaction_status == TransactionStatus.IDLE:
             return
         self._db.execute("ROLLBACK")
 
