@@ -33,6 +33,8 @@ from gce_watchdog.poller.verdict import Policy
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer
 from google.oauth2.credentials import Credentials
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 LABEL = {"gce-watchdog": "on"}
 FLT = label_filter("gce-watchdog", "on")
@@ -371,3 +373,35 @@ def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
         "test-project.us-central1-a.stays.json",
         "test-project.us-central1-a.unlabelled.json",
     ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(["p", "q", "r"]), st.integers(0, 100_000), min_size=1),
+    st.floats(1, 3600),
+    st.floats(1, 100_000),
+    st.integers(1, 200),
+)
+def test_plan_interval_always_leaves_the_busiest_project_within_budget(
+    fleet: dict[str, int], interval: float, per_minute: float, pages: int
+) -> None:
+    plan = plan_interval(fleet, interval, per_minute, pages)
+    assert plan.interval_s >= interval  # never faster than asked
+    assert plan.calls_per_round == max(fleet.values()) + pages
+    assert plan.calls_per_round <= per_minute * plan.interval_s / 60 + 1e-6
+    assert (plan.note is None) == (plan.interval_s == interval)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(6, 20_000), st.lists(st.floats(0, 5), min_size=1, max_size=300))
+def test_the_budget_never_grants_more_than_burst_plus_rate(
+    per_minute: float, gaps: list[float]
+) -> None:
+    """Whatever the callers' timing, by any moment the bucket has let through at most its burst
+    plus the rate times the time elapsed (the quota is per minute: the budget is a ceiling)."""
+    t = FakeTime()
+    b = ProjectBudget(per_minute, clock=t.clock, sleep=t.sleep)
+    for g in gaps:
+        t.now += g
+        b.acquire("p")
+        assert b.used["p"] <= b.burst + b.rate * t.now + 1e-6
