@@ -105,6 +105,7 @@ def agent_config(
     """An agent config: dry-run action, every path in d, real metadata URL (169.254.169.254)."""
     dns = dns_timeout if dns_timeout is not None else min(2.0, timeout / 2)
     tg = ", ".join(f'"{t}"' for t in targets)
+    d.mkdir(parents=True, exist_ok=True)
     (d / "serial.log").touch()  # the "serial device": a missing one is unusable (fallback file)
     return _write(
         d / "agent.toml",

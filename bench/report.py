@@ -11,7 +11,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-TARGET_RSS_MIB = 25.0
+# Restated by issue 16: 25 MiB was set before the named dependencies' own floor was measured
+# (27 MiB as shipped, no agent code); the target is the as-shipped agent.
+TARGET_RSS_MIB = 32.0
+TARGET_SOAK_GROWTH_MIB = 1.0
 TARGET_CPU_MS_PER_TICK = 5.0
 TARGET_FIRST_TICK_S = 0.5
 TARGET_DECODE_RATIO = 5.0
@@ -112,7 +115,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     add("tick wall time, both paths black-holed",
         f"<= probe timeout + 0.1 s ({f(_get(bh, 'target_s'), 2)} s)", mx,
         None if mx is None else bool(_get(bh, "all_within_target")), "s")  # fmt: skip
-    for name in ("agent-0.5s", "agent-1s"):
+    for name in ("agent-0.5s", "agent-1s", "agent-1s-t0.9", "agent-1s-t0.99"):
         row = _get(res, "detection", "watchers", name)
         if row:
             n = row["latency_s"]["n"]
@@ -120,6 +123,11 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             lo, hi = row["bounds_s"]
             add(f"detection latency, {name}", f"within policy bounds {lo:.2f}-{hi:.2f} s",
                 f"{row['within_bounds']}/{n + row['missed']} runs", ok, "")  # fmt: skip
+    sk = _get(res, "soak")
+    g = _get(sk, "growth_mib")
+    add(f"RSS growth over a {_get(sk, 'ticks') or 20000}-tick soak (healthy, then outage)",
+        f"<= {TARGET_SOAK_GROWTH_MIB:g} MiB", g,
+        None if g is None else g <= TARGET_SOAK_GROWTH_MIB, "MiB")  # fmt: skip
     dr = _get(res, "decode", "ratio_decode_to_grep")
     add("poller decode vs grep -F -c", f"<= {TARGET_DECODE_RATIO:g}x the time", dr,
         None if dr is None else dr <= TARGET_DECODE_RATIO, "x")  # fmt: skip
@@ -307,6 +315,23 @@ def t_decode(res: dict[str, Any]) -> str:
     return _table([f"poller decode ({d['repeats']} repeats, medians)", "value"], rows)
 
 
+def t_soak(res: dict[str, Any]) -> str:
+    s = res.get("soak")
+    if not s:
+        return "_not measured in this run_"
+    rows = [
+        ["interpreter", f"{s['python']} ({'as shipped' if s.get('as_shipped') else 'dev venv'})"],
+        ["ticks", f"{s['healthy_ticks']} healthy + {s['outage_ticks']} outage (refused), "
+                  f"{s['interval_s']:g} s interval (virtual clock), {s['real_s']:g} s real"],
+        ["RSS after 1,000 ticks (warm-up)", f"{s['rss_after_warmup_mib']:.2f} MiB"],
+        ["RSS at the end of the healthy half", f"{s['rss_end_healthy_mib']:.2f} MiB"],
+        ["RSS at the end", f"{s['rss_end_mib']:.2f} MiB"],
+        ["growth (end - warm-up)", f"**{s['growth_mib']:.3f} MiB** (goal <= 1 MiB)"],
+        ["serial lines, tick errors", f"{s['serial_lines']}, {s['tick_errors']}"],
+    ]  # fmt: skip
+    return _table(["memory soak", "value"], rows)
+
+
 TABLES = {
     "machine": t_machine,
     "targets": t_targets,
@@ -318,6 +343,7 @@ TABLES = {
     "blackhole": t_blackhole,
     "detection": t_detection,
     "decode": t_decode,
+    "soak": t_soak,
 }
 
 

@@ -91,12 +91,13 @@ class Plan:
     detect_runs: int
     threshold: int
     decode_repeats: int
+    soak_ticks: int = 20_000  # issue 16: healthy then outage, RSS growth <= 1 MiB
 
 
 PLANS = {
     "full": Plan("full", 7, 100, 30.0, 100.0, 10.0, 10, 1.0, 10, 10, 15),
     "quick": Plan("quick", 3, 30, 30.0, 20.0, 5.0, 4, 1.0, 3, 10, 5),
-    "tiny": Plan("tiny", 1, 10, 2.0, 3.0, 1.0, 2, 0.3, 1, 3, 1),
+    "tiny": Plan("tiny", 1, 10, 2.0, 3.0, 1.0, 2, 0.3, 1, 3, 1, 2_000),
 }
 
 
@@ -619,6 +620,12 @@ class Bench:
                     "one tick probes both; the ladder climbs only when both fail"),
             Watcher("agent-1s", "agent", 1.0, p.threshold, 0.5, True,
                     "one tick probes both; the ladder climbs only when both fail"),
+            # Probe timeouts close to the interval (issue 16): a failing tick overruns its slot
+            # and the next one starts at once; detection must stay within the policy bounds.
+            Watcher("agent-1s-t0.9", "agent", 1.0, p.threshold, 0.9, True,
+                    "timeout/interval 0.9: failing ticks end at 0.9 s"),
+            Watcher("agent-1s-t0.99", "agent", 1.0, p.threshold, 0.99, True,
+                    "timeout/interval 0.99: failing ticks overrun the 1 s slot"),
         ]  # fmt: skip
         if self.with_peers:
             ws += peers.peer_watchers(p.threshold, 0.5)
@@ -760,6 +767,25 @@ def run_decode(plan: Plan, work: Path) -> dict[str, Any]:
     return res
 
 
+def run_soak(plan: Plan) -> dict[str, Any]:
+    """bench/soak.py under the as-shipped interpreter when there is one (else the dev venv): the
+    real agent for plan.soak_ticks ticks, healthy then in an outage, RSS growth."""
+    py = deploy_py() or PY
+    r = subprocess.run(
+        [py, "-m", "bench.soak", "--ticks", str(plan.soak_ticks)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"soak failed (rc {r.returncode}): {r.stderr[-400:]}")
+    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    out["as_shipped"] = py != PY
+    return out
+
+
 def run(plan: Plan, with_peers: bool, log: Callable[..., None]) -> dict[str, Any]:
     from netns import EGRESS_IP, Topology, iptables_unavailable, netns_unavailable
 
@@ -807,6 +833,14 @@ def run(plan: Plan, with_peers: bool, log: Callable[..., None]) -> dict[str, Any
                     except Exception as e:  # one section failing must not lose the others
                         secs[name] = f"failed: {type(e).__name__}: {e}"
                     log(f"bench: {name}: {secs[name]}")
+        t0 = time.monotonic()
+        log(f"bench: soak ({plan.soak_ticks} ticks) ...")
+        try:
+            res["soak"] = run_soak(plan)
+            secs["soak"] = f"ok in {time.monotonic() - t0:.1f}s"
+        except Exception as e:
+            secs["soak"] = f"failed: {type(e).__name__}: {e}"
+        log(f"bench: soak: {secs['soak']}")
         t0 = time.monotonic()
         log("bench: decode ...")
         res["decode"] = run_decode(plan, work)

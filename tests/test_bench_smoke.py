@@ -75,20 +75,32 @@ def test_targets_flag_a_miss() -> None:
     assert t[shipped]["met"] is None  # no .bench-venv: not measured, not a pass
 
 
+def test_soak_growth_is_a_target_row() -> None:
+    t = {x["target"]: x for x in report.targets({"soak": {"ticks": 20000, "growth_mib": 1.2}})}
+    row = t["RSS growth over a 20000-tick soak (healthy, then outage)"]
+    assert row["met"] is False and row["goal"] == "<= 1 MiB"
+    t = {x["target"]: x for x in report.targets({"soak": {"ticks": 20000, "growth_mib": 0.6}})}
+    assert t["RSS growth over a 20000-tick soak (healthy, then outage)"]["met"] is True
+
+
 def test_deps_floor_is_its_own_target_row() -> None:
     """The floor row comes from the import table (the shipped interpreter first); above the
     target it says the RSS target is out of reach whatever the agent's own code does."""
-    floor = {"import": run_mod.DEPS_FLOOR_LABEL, "rss_mib": 26.8, "added_mib": 18.0}
-    res = {"startup": {"rss_by_import_mib": [dict(floor, rss_mib=27.8)],
+    floor = {"import": run_mod.DEPS_FLOOR_LABEL, "rss_mib": 32.8, "added_mib": 18.0}
+    res = {"startup": {"rss_by_import_mib": [dict(floor, rss_mib=33.8)],
                        "rss_by_import_deployed_mib": [floor]}}  # fmt: skip
     rows = [x for x in report.targets(res) if x["target"].startswith("floor")]
-    assert len(rows) == 1 and rows[0]["measured"] == 26.8 and rows[0]["met"] is False
+    assert len(rows) == 1 and rows[0]["measured"] == 32.8 and rows[0]["met"] is False
     assert "as shipped" in rows[0]["target"]
     res["startup"]["rss_by_import_deployed_mib"] = None  # only the dev venv measured
     (row,) = [x for x in report.targets(res) if x["target"].startswith("floor")]
-    assert row["measured"] == 27.8 and "(dev)" in row["target"]
+    assert row["measured"] == 33.8 and "(dev)" in row["target"]
     table = report.t_rss_imports(res)
-    assert "as shipped" not in table and "27.8" in table
+    assert "as shipped" not in table and "33.8" in table
+    # The measured floor (26.9 MiB as shipped) is under the restated 32 MiB target.
+    res["startup"]["rss_by_import_deployed_mib"] = [dict(floor, rss_mib=26.9)]
+    (row,) = [x for x in report.targets(res) if x["target"].startswith("floor")]
+    assert row["met"] is True
 
 
 def test_peer_files_never_name_system_paths(tmp_path: Path) -> None:
@@ -128,6 +140,11 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
     assert res["blackhole"]["tick_wall_s"]["n"] == 2
     det = res["detection"]["watchers"]
     assert det["agent-0.5s"]["latency_s"]["n"] == 1
+    for ratio in ("t0.9", "t0.99"):  # issue 16: timeouts close to the interval, within bounds
+        row = det[f"agent-1s-{ratio}"]
+        assert row["latency_s"]["n"] == 1 and row["within_bounds"] == 1, row
+    soak = res["soak"]
+    assert soak["ticks"] == 2000 and soak["tick_errors"] == 0 and soak["rung_at_end"] == 1000
     if res["peers_skipped"] is None:  # monit/watchdog installed: they were measured too
         assert {"monit-native", "watchdog-test"} <= set(det)
     assert "| target |" in doc.read_text()
