@@ -80,6 +80,7 @@ class Run:
 
 def config(tmp: Path) -> Path:
     cfg = tmp / "config.toml"
+    (tmp / "serial.log").touch()  # the "serial device": a missing one is unusable (fallback file)
     cfg.write_text(
         f'[agent]\nstate_dir = "{tmp}/state"\n'
         f'[serial]\ndevice = "{tmp}/serial.log"\nfallback_file = "{tmp}/fallback.log"\n'
