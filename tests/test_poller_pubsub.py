@@ -303,3 +303,57 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     assert lines[0]["decision"]["token"] == d.token and d.announced_by != d.owner
     acked = re.search(rb"(\d+) acked", err)
     assert acked is not None and int(acked.group(1)) >= 2  # the redelivered lines, after the claim
+
+
+def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
+    topic: tuple[str, str], pubsub_host: str, tmp_path: Path
+) -> None:
+    """A worker with --label also sweeps the Compute API: a VM that stopped without writing a
+    line (nothing on the stream) is decided by the sweep; a healthy VM heard on the stream is
+    not decided about."""
+    from gce_watchdog.testing.simcompute import FakeComputeAPI
+
+    t, s = topic
+    with FakeComputeAPI(token="tok") as api:
+        api.add_instance("vm-stopped", project=PROJECT, labels={"gce-watchdog": "on"})
+        heard = api.add_instance("vm-heard", project=PROJECT, labels={"gce-watchdog": "on"})
+        api.set_status("vm-stopped", "TERMINATED")
+        w = Writer(boot="dddd0004")
+        w.ts_ms = int(time.time() * 1000)
+        text = w.line("phase", {"ph": "workload"})
+        api.append_serial("vm-heard", text)
+        publish(t, [log_entry(heard.id, "vm-heard", text.decode().rstrip())])
+        (tmp_path / "tok").write_text("tok\n")
+        env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+        argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--json",
+                "--label", "gce-watchdog=on", "--project", PROJECT, "--sweep-interval", "1s",
+                "--api-base", api.base_url, "--access-token-file", str(tmp_path / "tok"),
+                "--ledger", str(tmp_path / "l.sqlite"),
+                "--cursor-dir", str(tmp_path / "c")]  # fmt: skip
+        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        try:
+            deadline = time.monotonic() + DEADLINE_S
+            while not (tmp_path / "l.sqlite").exists() or not _decided(tmp_path / "l.sqlite"):
+                assert worker.poll() is None, worker.communicate()
+                assert time.monotonic() < deadline, "the sweep never decided"
+                time.sleep(0.2)
+            worker.send_signal(signal.SIGTERM)
+            out, err = worker.communicate(timeout=60)
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.communicate()
+    assert worker.returncode == 0, err.decode()
+    lines = [json.loads(x) for x in out.decode().splitlines()]
+    failovers = [x for x in lines if x["action"] == "failover"]
+    assert [(x["instance"], x["verdict"]) for x in failovers] == [
+        ("vm-stopped", "terminated_unexplained")
+    ]
+    with open_ledger(tmp_path / "l.sqlite") as led:
+        assert [d.instance for d in led.all()] == [f"{PROJECT}/us-central1-a/vm-stopped"]
+    assert b"sweep:" in err
+
+
+def _decided(path: Path) -> bool:
+    with open_ledger(path) as led:
+        return bool(led.all())
