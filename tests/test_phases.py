@@ -84,6 +84,22 @@ def test_setup_failed_line(tmp_path: Path) -> None:
     _run(["setup-failed", "--step", "dns", "--reason", "no DNS", "--config", cfg])
     last = _events(tmp_path)[-1]
     assert last.get("rc") == "-" and last.text == "no DNS"
+    assert last.get("cause") == "job", "the default cause: the step itself failed"
+
+
+def test_setup_failed_cause_infra_and_its_verdict(tmp_path: Path) -> None:
+    from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
+
+    cfg = str(_config(tmp_path))
+    rc = _run(["setup-failed", "--step", "dns", "--reason", "DNS never came up", "--exit-code",
+               "75", "--cause", "infra", "--config", cfg])  # fmt: skip
+    assert rc == 0
+    (ev,) = _events(tmp_path)
+    assert (ev.get("cause"), ev.get("rc")) == ("infra", "75")
+    v = decide([ev], InstanceState("TERMINATED"), ev.ts_ms / 1000, Policy())
+    assert v.kind is VerdictKind.SETUP_FAILED_INFRA and v.failover
+    assert _run(["setup-failed", "--step", "x", "--reason", "r", "--cause", "net", "--config",
+                 cfg]) == 64  # fmt: skip
 
 
 def test_exec_passes_the_exit_code_through(tmp_path: Path) -> None:

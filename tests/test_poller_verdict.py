@@ -40,6 +40,23 @@ TABLE: list[tuple[str, list[tuple[str, dict[str, object]]], InstanceState, float
         K.SETUP_FAILED,
     ),
     (
+        "1 setup_failed cause=job",
+        [("phase", {"ph": "bootstrap"}), ("setup_failed", {"step": "uv", "rc": 6, "cause": "job"})],
+        InstanceState("TERMINATED"),
+        NOW,
+        K.SETUP_FAILED,
+    ),
+    (
+        "1b setup_failed cause=infra (DNS never came up): fail over",
+        [
+            ("phase", {"ph": "bootstrap"}),
+            ("setup_failed", {"step": "dns", "rc": 75, "cause": "infra"}),
+        ],
+        InstanceState("TERMINATED"),
+        NOW,
+        K.SETUP_FAILED_INFRA,
+    ),
+    (
         "2 ladder shutdown",
         [*WORKLOAD, ("tick", {"rung": "10/10"}), ("shutdown", {"reason": "ladder"})],
         RUN,
@@ -165,6 +182,7 @@ def test_decision_table(
 def test_failover_set_is_exactly_the_documented_one() -> None:
     assert {k for k in K if k.failover} == {
         K.SELF_SHUTDOWN,
+        K.SETUP_FAILED_INFRA,
         K.SUSPECTED_WEDGE,
         K.PREEMPTED,
         K.TERMINATED_UNEXPLAINED,

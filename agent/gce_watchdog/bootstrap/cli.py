@@ -22,6 +22,7 @@ from gce_watchdog.bootstrap.fetch import (
 )
 from gce_watchdog.bootstrap.install import InstallError, InstallOptions, install, uninstall
 from gce_watchdog.bootstrap.phases import (
+    CAUSES,
     EX_IOERR,
     PHASES,
     SETUP_FAILED,
@@ -63,9 +64,18 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     f = sub.add_parser(
         "setup-failed",
-        help="record that bootstrap failed (the job is broken: the poller must not fail over)",
+        help="record that bootstrap failed (cause job: no failover; cause infra: fail over)",
     )
     f.add_argument("--step", required=True, help="the bootstrap step that failed")
+    f.add_argument(
+        "--cause",
+        choices=CAUSES,
+        default="job",
+        help=(
+            "infra: the network, DNS or the package source never came up (the job never ran: "
+            "the poller fails over); job: the step itself failed (no failover). Default job"
+        ),
+    )
     f.add_argument("--reason", required=True, help="why, one line")
     f.add_argument("--exit-code", type=int, default=None, help="the failed command's exit code")
     add_config_arg(f)
@@ -102,6 +112,7 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
         "step": sanitize_value(step, 32),
         "reason": sanitize_value(reason, 32),
         "rc": "-" if args.exit_code is None else args.exit_code,
+        "cause": args.cause,
     }
     ok = emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
     return 0 if ok else EX_IOERR

@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 PHASES = ("bootstrap", "workload", "done")
 SETUP_FAILED = "setup_failed"  # also recorded as the phase in the state directory
+# Why bootstrap failed, for the poller (docs/poller.md row 1): `infra` (network, DNS, the package
+# source never came up: the job never ran, failing over is safe) or `job` (the step itself failed).
+CAUSES = ("infra", "job")
 EX_USAGE = 64  # sysexits.h: bad command line
 EX_IOERR = 74  # sysexits.h: the line could not be written (callers fall back to their own)
 EX_NOTFOUND = 127  # shell convention: command not found

@@ -44,6 +44,7 @@ class VerdictKind(enum.Enum):
     SELF_SHUTDOWN = "self_shutdown"
     SUSPECTED_WEDGE = "suspected_wedge"
     SETUP_FAILED = "setup_failed"
+    SETUP_FAILED_INFRA = "setup_failed_infra"  # setup_failed cause=infra: the VM's network failed
     PREEMPTED = "preempted"
     TERMINATED_UNEXPLAINED = "terminated_unexplained"
     WORKLOAD_OK = "workload_ok"
@@ -58,6 +59,7 @@ class VerdictKind(enum.Enum):
 _FAILOVER = frozenset(
     {
         VerdictKind.SELF_SHUTDOWN,
+        VerdictKind.SETUP_FAILED_INFRA,
         VerdictKind.SUSPECTED_WEDGE,
         VerdictKind.PREEMPTED,
         VerdictKind.TERMINATED_UNEXPLAINED,
@@ -106,7 +108,8 @@ def terminal_kind(ev: Event) -> VerdictKind | None:
     """The verdict a terminal event decides (rows 1-5), or None for any other event."""
     name = ev.event
     if name == vocab.SETUP_FAILED:
-        return VerdictKind.SETUP_FAILED
+        infra = ev.get("cause") == "infra"
+        return VerdictKind.SETUP_FAILED_INFRA if infra else VerdictKind.SETUP_FAILED
     if name == vocab.SHUTDOWN:
         return VerdictKind.SELF_SHUTDOWN
     if name == vocab.PREEMPTED:
@@ -120,6 +123,12 @@ def terminal_kind(ev: Event) -> VerdictKind | None:
 
 def _describe(kind: VerdictKind, ev: Event) -> str:
     f = ev.fields_dict
+    if kind is VerdictKind.SETUP_FAILED_INFRA:
+        return (
+            f"bootstrap failed at step {f.get('step', '?')} ({f.get('reason', '?')}, "
+            f"rc {f.get('rc', '?')}, cause infra): the network, DNS or the package source never "
+            "came up, the job never ran; running it elsewhere is safe"
+        )
     if kind is VerdictKind.SETUP_FAILED:
         return (
             f"bootstrap failed at step {f.get('step', '?')} ({f.get('reason', '?')}, "
