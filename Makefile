@@ -7,13 +7,14 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 # Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck;
 # nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test);
+# lintian: make deb's package has no lintian errors (tests/test_deb.py);
 # postgresql: the ledger's contract suite (tests/pgserver.py runs its own initdb and pg_ctl in a
 # temp dir on a loopback port).
 # The tests start their own servers from temp configs; the packages' own services are never
 # started (policy-rc.d during the install) and disabled afterwards.
-APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql
+APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian
 
-.PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean cli-docs
+.PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean cli-docs deb
 
 $(VENV)/bin/python:
 	@$(PY) -m venv --help >/dev/null 2>&1 && $(PY) -c 'import ensurepip' 2>/dev/null || \
@@ -94,6 +95,17 @@ bench: $(STAMP) apt-test
 	@# The central side at fleet scale (docs/performance.md): polling 1,000 and 5,000 simulated VMs,
 	@# and the Pub/Sub path on the emulator. FLEET_ARGS: e.g. --sizes 1000 or --tiny.
 	$(VPY) -m bench.bench_fleet bench/results/fleet.json $(FLEET_ARGS)
+
+# The Debian package (docs/packaging.md): build/deb/gce-watchdog_<version>_amd64.deb, a
+# self-contained venv under /opt/gce-watchdog from Debian 12's python3 and the wheels pinned by
+# hash in packaging/requirements.lock (downloaded once into build/cache), reproducible; then
+# lintian must report no errors (installed as root when missing).
+deb: $(STAMP)
+	packaging/build-deb.sh build/deb
+	@command -v lintian >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian; } || \
+	  echo "deb: lintian missing and not root: not checked"
+	! command -v lintian >/dev/null || lintian --fail-on error build/deb/gce-watchdog_*_amd64.deb
 
 # Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
 # lays down the systemd unit and a default config, enables and starts it (idempotent; run as root).
