@@ -1,39 +1,44 @@
 #!/bin/bash
-# bake-image.sh: pre-install the gce-watchdog agent (and its systemd unit) into a VM image, so the
-# start-up script finds it under /opt/gce-watchdog and downloads nothing at boot.
+# bake-image.sh: pre-install the gce-watchdog agent (and its systemd unit, enabled, not started)
+# into a VM image, so the start-up script finds it under /opt/gce-watchdog and downloads nothing
+# at boot. Only pinned sources: the .deb (`make deb`), or a wheelhouse holding requirements.lock
+# (`packaging/wheelhouse.sh`), installed with no package index at all.
 #
-# Run as root on the image-build VM (Packer, or a VM you then turn into an image):
-#   bake-image.sh --wheelhouse DIR      # offline: DIR holds gce-watchdog and all its dependencies
-#   bake-image.sh --wheel FILE.whl      # dependencies from the package index
-#   bake-image.sh --spec 'gce-watchdog==0.1.0'   # everything from the package index (default)
-# Options: --prefix DIR (default $GCEWD_ROOT/opt/gce-watchdog), --python PY (default python3),
-#          --no-unit (do not run `gce-watchdog install`), --startup-script (also copy the start-up
-#          script to PREFIX/share/startup-script.sh for a `startup-script-url`-less setup).
-# Exit codes: 0 ok, 64 bad arguments, 1 the install failed (pip's message is above).
+# Run as root, either on the image-build VM itself (Packer), or on a build host against the
+# image's file tree (--root DIR: everything runs inside it with chroot, with the image's own
+# Python, so the agent runs in the image and not only on the build host):
+#   bake-image.sh --deb FILE.deb [--root DIR]
+#   bake-image.sh --wheelhouse DIR [--root DIR]
+# Options: --python PY (default python3; the wheelhouse mode's venv interpreter, inside the root),
+#          --no-unit (wheelhouse mode: do not run `gce-watchdog install`).
+# Exit codes: 0 ok (the agent ran `--version` inside the image), 64 bad arguments, 1 the install
+# failed (the message is above).
 set -Eeuo pipefail
 umask 022
 
 ROOT="${GCEWD_ROOT:-}"
-PREFIX="${GCEWD_PREFIX:-$ROOT/opt/gce-watchdog}"
+PREFIX=/opt/gce-watchdog
 PYTHON="${GCEWD_PYTHON:-python3}"
-HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-mode=spec spec=gce-watchdog src="" unit=1 copy_script=0
+mode="" src="" unit=1
 
 usage() {
-	sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+	sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+	exit 64
+}
+die() {
+	echo "bake-image.sh: $*" >&2
 	exit 64
 }
 
 while (($#)); do
 	case "$1" in
+	--deb) mode=deb src=${2:?--deb needs a file} && shift ;;
 	--wheelhouse) mode=wheelhouse src=${2:?--wheelhouse needs a directory} && shift ;;
-	--wheel) mode=wheel src=${2:?--wheel needs a file} && shift ;;
-	--spec) mode=spec spec=${2:?--spec needs a requirement} && shift ;;
-	--prefix) PREFIX=${2:?--prefix needs a directory} && shift ;;
+	--root) ROOT=${2:?--root needs a directory} && shift ;;
 	--python) PYTHON=${2:?--python needs an interpreter} && shift ;;
 	--no-unit) unit=0 ;;
-	--startup-script) copy_script=1 ;;
 	-h | --help) usage ;;
+	--wheel | --spec) die "$1 is gone: it installed dependencies from a package index (unpinned). Use --deb or --wheelhouse" ;;
 	*)
 		echo "bake-image.sh: unknown argument '$1'" >&2
 		usage
@@ -42,34 +47,61 @@ while (($#)); do
 	shift
 done
 
+[[ -n $mode ]] || die "give --deb FILE or --wheelhouse DIR"
 case $mode in
-wheelhouse) [[ -d $src ]] || { echo "bake-image.sh: $src is not a directory" >&2 && exit 64; } ;;
-wheel) [[ -f $src ]] || { echo "bake-image.sh: $src is not a file" >&2 && exit 64; } ;;
-*) ;;
+deb) [[ -f $src ]] || die "$src is not a file" ;;
+wheelhouse)
+	[[ -d $src ]] || die "$src is not a directory"
+	[[ -f $src/requirements.lock ]] || die "$src has no requirements.lock (packaging/wheelhouse.sh makes one)"
+	compgen -G "$src/gce_watchdog-*.whl" >/dev/null || die "$src has no gce_watchdog-*.whl"
+	;;
 esac
+if [[ -n $ROOT ]]; then
+	ROOT=$(cd "$ROOT" && pwd) || die "--root $ROOT is not a directory"
+	[[ $ROOT != / ]] || ROOT=""
+fi
+if [[ -n $ROOT ]]; then
+	[[ -x $ROOT/bin/sh ]] || die "$ROOT has no /bin/sh: not an image's file tree"
+	[[ $(id -u) == 0 ]] || die "--root needs root (chroot)"
+fi
 
-echo "bake-image.sh: installing gce-watchdog into $PREFIX ($mode)" >&2
-rm -f "$PREFIX/.baked"
-"$PYTHON" -m venv --clear "$PREFIX"
-pip=("$PREFIX/bin/python" -m pip install --disable-pip-version-check --no-input -q)
+# in_root CMD...: CMD in the image (chroot when a root is given).
+in_root() {
+	if [[ -n $ROOT ]]; then chroot "$ROOT" "$@"; else "$@"; fi
+}
+
+echo "bake-image.sh: installing gce-watchdog into ${ROOT:-/}$PREFIX ($mode)" >&2
+rm -f "$ROOT$PREFIX/.baked"
+stage=$(mktemp -d "$ROOT/tmp/gce-watchdog-bake.XXXXXX")
+trap 'rm -rf "$stage"' EXIT
+inner=${stage#"$ROOT"}
 case $mode in
-wheelhouse) "${pip[@]}" --no-index --find-links "$src" gce-watchdog ;;
-wheel) "${pip[@]}" "$src" ;;
-*) "${pip[@]}" "$spec" ;;
-esac
-version=$("$PREFIX/bin/gce-watchdog" --version)
-if ((copy_script)); then
-	install -D -m 0755 "$HERE/startup-script.sh" "$PREFIX/share/startup-script.sh"
-fi
-mkdir -p "$ROOT/etc/gce-watchdog/bootstrap.d"
-if ((unit)); then
-	if "$PREFIX/bin/gce-watchdog" install --help >/dev/null 2>&1; then
-		# Enabled, not started: a watchdog running on the build VM could power it off mid-build.
-		"$PREFIX/bin/gce-watchdog" install --no-start
-	else
-		echo "bake-image.sh: this agent has no install command; the unit is not installed" >&2
+deb)
+	cp "$src" "$stage/gce-watchdog.deb"
+	# The package enables its unit (also here, without a running systemd) and starts nothing.
+	in_root env DEBIAN_FRONTEND=noninteractive dpkg -i --force-confold "$inner/gce-watchdog.deb" >&2
+	;;
+wheelhouse)
+	cp -r "$src/." "$stage/"
+	in_root "$PYTHON" -m venv --clear "$PREFIX" >&2
+	# --isolated: no PIP_* variables or pip.conf of this host or image (an index, extra links).
+	pip=("$PREFIX/bin/python" -m pip --isolated install --disable-pip-version-check --no-input -q
+		--no-index --find-links "$inner")
+	if grep -q '^[A-Za-z0-9]' "$stage/requirements.lock"; then
+		in_root "${pip[@]}" --require-hashes --only-binary=:all: -r "$inner/requirements.lock" >&2
 	fi
-fi
+	whl=$(find "$stage" -maxdepth 1 -name 'gce_watchdog-*.whl' | head -n1)
+	in_root "${pip[@]}" --no-deps "$inner/$(basename "$whl")" >&2
+	if ((unit)); then
+		# Enabled, not started: a watchdog running on the build VM could power it off mid-build.
+		in_root "$PREFIX/bin/gce-watchdog" install --no-start >&2
+	fi
+	;;
+esac
+mkdir -p "$ROOT/etc/gce-watchdog/bootstrap.d"
+# The agent must run in the image, with the image's own Python (not only on this host).
+version=$(in_root "$PREFIX/bin/gce-watchdog" --version) ||
+	{ echo "bake-image.sh: the installed agent does not run inside ${ROOT:-/}" >&2 && exit 1; }
 # The marker the start-up script looks for: use this install as it is, never reinstall it.
-printf '%s\n' "$version" >"$PREFIX/.baked"
-echo "bake-image.sh: done: $version in $PREFIX" >&2
+printf '%s\n' "$version" >"$ROOT$PREFIX/.baked"
+echo "bake-image.sh: done: $version in ${ROOT:-/}$PREFIX" >&2

@@ -3,11 +3,14 @@
 # image and point `startup-script-url` at it). It runs as root at every boot and is safe to run
 # again: see docs/bootstrap.md for the steps, the metadata attributes and the exit codes.
 #
-# Steps: phase bootstrap -> wait for DNS -> install the agent (baked /opt/gce-watchdog, else a
-# wheel or wheelhouse URL, else the package index) -> install and start the systemd unit ->
-# operator bootstrap steps -> phase workload + the workload under `gce-watchdog exec` -> phase done.
-# Any failure: a `setup_failed` line (step, reason, rc), drained, then the failure action
-# (default: power off).
+# Steps: phase bootstrap -> wait for DNS -> install the agent from a pinned source only (baked
+# /opt/gce-watchdog, else a .deb with its sha256, else a wheelhouse with its sha256 whose
+# dependencies install with --require-hashes; never a package index) -> install and start the
+# systemd unit -> operator bootstrap steps -> phase workload + the workload under
+# `gce-watchdog exec` -> phase done.
+# Any failure: a `setup_failed` line (step, reason, rc, cause=infra|job), drained, then the
+# failure action (default: power off). cause=infra (the network, DNS or the package source never
+# came up) lets the poller fail over; cause=job (the step itself failed) does not.
 #
 # Every line written to the serial port is a protocol v1 line (docs/serial-protocol.md), also
 # before the agent is installed: EMITTER_PY below is the one encoder besides agent/gce_watchdog/wire/protocol.py,
@@ -33,6 +36,8 @@ SYSTEMD_RUN_DIR="${GCEWD_SYSTEMD_RUN_DIR:-/run/systemd/system}"
 PYTHON="${GCEWD_PYTHON:-python3}"
 # The failure action runs as "$ACTION_CMD <action>" (systemctl poweroff / systemctl reboot).
 ACTION_CMD="${GCEWD_ACTION_CMD:-systemctl}"
+# Installs a downloaded .deb: "$DPKG -i --force-confold FILE" (tests: a recorder).
+DPKG="${GCEWD_DPKG:-dpkg}"
 # Deadlines in seconds. DNS: a fresh Spot VM's resolver is normally up within a minute; five
 # leave room for a slow one without hiding a broken VPC for long.
 DNS_DEADLINE="${GCEWD_DNS_DEADLINE:-300}"
@@ -196,7 +201,8 @@ failure_action() {
 	esac
 }
 
-# fail STEP REASON [RC]: the setup_failed line (drained before we go on), the failure action, exit.
+# fail STEP REASON [RC] [CAUSE]: the setup_failed line (drained before we go on), the failure
+# action, exit. CAUSE: infra (network, DNS, the package source never came up) or job (default).
 # In a subshell (a command substitution, where set -E runs the ERR trap too) it only hands the
 # failure to the main shell through FAIL_NOTE and exits: the main shell's ERR trap then fires for
 # the substitution and reports it, so one failure is one line and one failure action, not two.
@@ -204,42 +210,53 @@ FAIL_NOTE=""
 fail() {
 	trap - ERR
 	set +e
-	local step=$1 reason=$2 rc=${3:-1}
+	local step=$1 reason=$2 rc=${3:-1} cause=${4:-job}
 	((rc != 0)) || rc=1
+	[[ $cause == infra ]] || cause=job
 	if [[ $BASHPID != "$$" ]]; then
-		[[ -z $FAIL_NOTE ]] || printf '%s\n%s\n%s\n' "${step//$'\n'/ }" "${reason//$'\n'/ }" "$rc" >"$FAIL_NOTE"
+		[[ -z $FAIL_NOTE ]] || printf '%s\n%s\n%s\n%s\n' "${step//$'\n'/ }" "${reason//$'\n'/ }" "$rc" "$cause" >"$FAIL_NOTE"
 		exit "$rc"
 	fi
-	log "FAILED at step $step (rc=$rc): $reason"
+	log "FAILED at step $step (rc=$rc, cause=$cause): $reason"
 	if ! { have_agent && "$AGENT" setup-failed "${CFG_ARGS[@]}" --step "$step" \
-		--reason "$reason" --exit-code "$rc"; }; then
-		emit setup_failed "step=$step" "reason=$reason" "rc=$rc" -- "$reason"
+		--reason "$reason" --exit-code "$rc" --cause "$cause" 2>/dev/null; }; then
+		emit setup_failed "step=$step" "reason=$reason" "rc=$rc" "cause=$cause" -- "$reason"
 	fi
 	failure_action
 	exit "$rc"
 }
 
 on_error() { # an unexpected failure under set -e
-	local rc=$1 line=$2 cmd=$3 s r c
+	local rc=$1 line=$2 cmd=$3 s r c k=job
 	# A subshell's own failure, inside the substitution that just failed here: its detail wins.
 	if [[ $BASHPID == "$$" && -n $FAIL_NOTE && -s $FAIL_NOTE ]] &&
-		{ read -r s && read -r r && read -r c; } <"$FAIL_NOTE"; then
+		{ read -r s && read -r r && read -r c && { read -r k || true; }; } <"$FAIL_NOTE"; then
 		rm -f "$FAIL_NOTE"
 		[[ $c =~ ^[0-9]+$ ]] || c=$rc
-		fail "$s" "$r" "$c"
+		fail "$s" "$r" "$c" "$k"
 	fi
 	fail "$STEP" "line $line: ${cmd:0:80}" "$rc"
 }
 
 # ---- network helpers ---------------------------------------------------------------------------
-# A URL as logs and serial lines show it: without its query, which may hold a credential (a signed
-# URL's signature). The serial console is readable by anyone allowed getSerialPortOutput.
-shown_url() { printf '%s\n' "${1%%\?*}"; }
+# A URL as logs and serial lines show it: scheme://host[:port]/path. The userinfo (user:TOKEN@),
+# the query (a signed URL's signature) and the fragment are removed: the runner copies stderr to
+# the serial console, readable by anyone allowed getSerialPortOutput.
+shown_url() {
+	local u=${1%%[?#]*} scheme=""
+	if [[ $u =~ ^[a-zA-Z][a-zA-Z0-9+.-]*:// ]]; then
+		scheme=${BASH_REMATCH[0]}
+		u=${u#"$scheme"}
+	fi
+	local auth=${u%%/*}
+	[[ $auth != *@* ]] || u=${u#"${auth%@*}@"}
+	printf '%s\n' "$scheme$u"
+}
 
-url_host() { # URL -> host (brackets of an IPv6 literal removed)
-	local re='^[a-zA-Z][a-zA-Z0-9+.-]*://(\[([^]]+)\]|([^/:?#]+))'
+url_host() { # URL -> host (userinfo skipped, brackets of an IPv6 literal removed)
+	local re='^[a-zA-Z][a-zA-Z0-9+.-]*://([^/?#]*@)?(\[([^]]+)\]|([^]/:?#@[]+))'
 	[[ $1 =~ $re ]] || return 1
-	printf '%s\n' "${BASH_REMATCH[2]}${BASH_REMATCH[3]}"
+	printf '%s\n' "${BASH_REMATCH[3]}${BASH_REMATCH[4]}"
 }
 
 # wait_dns NAME SECONDS: until NAME resolves through the system resolver (nsswitch: /etc/hosts,
@@ -356,7 +373,7 @@ md_get() {
 	fi
 	rm -f "$tmp"
 	if ((rc != 0)) || [[ $code != 200 && $code != 404 ]]; then
-		fail metadata "cannot read attribute $key from $METADATA_URL (curl rc=$rc, http=$code)" 75
+		fail metadata "cannot read attribute $key from $METADATA_URL (curl rc=$rc, http=$code)" 75 infra
 	fi
 }
 
@@ -383,57 +400,88 @@ PY
 }
 
 # ---- steps -------------------------------------------------------------------------------------
+# fetch_cause RC: the cause of a failed download: gave up at the deadline (75: DNS, network, the
+# source never answered) is infra; refused (a 4xx), a checksum mismatch or a bad URL is the job's.
+fetch_cause() { if (($1 == 75)); then echo infra; else echo job; fi; }
+
+# sha_ok NAME VALUE: VALUE is 64 hex digits, else the install fails as a job error.
+sha_ok() {
+	[[ $2 =~ ^[0-9a-fA-F]{64}$ ]] ||
+		fail install "$1 must be the 64-hex-digit sha256 of the file (a pinned source is required)" 64
+}
+
+# install_deb: the .deb at DEB_URL, checked against DEB_SHA256, with dpkg (its dependencies,
+# python3, are on every Debian image). The package brings its own venv, unit and default config.
+install_deb() {
+	local file
+	file="$CACHE_DIR/gce-watchdog.deb"
+	download "$DEB_URL" "$file" "$DEB_SHA256" ||
+		fail install "$FETCH_REASON" "$FETCH_RC" "$(fetch_cause "$FETCH_RC")"
+	DEBIAN_FRONTEND=noninteractive "$DPKG" -i --force-confold "$file" >&2 ||
+		fail install "dpkg -i of the downloaded package failed" $?
+}
+
+# install_wheelhouse: the tar at WHEEL_URL, checked against WHEEL_SHA256, into a fresh venv with
+# no index at all: the dependencies from the wheelhouse's requirements.lock (--require-hashes),
+# then the agent's own wheel (covered by the tar's sha256) without dependencies.
+install_wheelhouse() {
+	local file wh lock
+	case "$(shown_url "$WHEEL_URL")" in
+	*.tar.gz | *.tgz | *.tar) ;;
+	*) fail install "gce-watchdog-wheel-url must be a wheelhouse (.tar, .tar.gz, .tgz) holding requirements.lock: a lone wheel would need its dependencies from an index" 64 ;;
+	esac
+	file="$CACHE_DIR/wheelhouse.tar"
+	download "$WHEEL_URL" "$file" "$WHEEL_SHA256" ||
+		fail install "$FETCH_REASON" "$FETCH_RC" "$(fetch_cause "$FETCH_RC")"
+	wh="$CACHE_DIR/wheelhouse"
+	rm -rf "$wh"
+	mkdir -p "$wh"
+	tar -xf "$file" -C "$wh" || fail install "cannot unpack the wheelhouse" $?
+	lock=$(find "$wh" -name requirements.lock -type f -print -quit)
+	[[ -n $lock ]] || fail install "the wheelhouse has no requirements.lock (dependencies pinned by hash)" 65
+	"$PYTHON" -m venv --clear "$PREFIX" >&2 || fail install "cannot create a venv at $PREFIX" $?
+	# --isolated: no PIP_* variables or pip.conf (an index URL there must not matter).
+	local pip=("$PREFIX/bin/python" -m pip --isolated install --disable-pip-version-check
+		--no-input -q --no-index --find-links "$(dirname "$lock")")
+	if grep -q '^[A-Za-z0-9]' "$lock"; then
+		"${pip[@]}" --require-hashes --only-binary=:all: -r "$lock" >&2 ||
+			fail install "pip install --require-hashes from the wheelhouse's requirements.lock failed" $?
+	fi
+	local agent_whl
+	agent_whl=$(find "$(dirname "$lock")" -maxdepth 1 -name 'gce_watchdog-*.whl' -print -quit)
+	[[ -n $agent_whl ]] || fail install "the wheelhouse has no gce_watchdog-*.whl beside requirements.lock" 65
+	"${pip[@]}" --no-deps "$agent_whl" >&2 || fail install "pip install of the agent's wheel failed" $?
+}
+
 install_agent() {
 	STEP=install
-	local t0=$SECONDS src file shown
-	local -a how
-	src="${WHEEL_URL:-index:${PIP_SPEC}}"
-	shown=$(shown_url "$src")
+	local t0=$SECONDS src shown
 	if have_agent && [[ -f $PREFIX/.baked ]]; then
 		step_done install ok "$t0" "baked into the image at $PREFIX"
 		return 0
 	fi
-	if have_agent && [[ -f $PREFIX/.installed-from && "$(<"$PREFIX/.installed-from")" == "$src" ]]; then
+	# What is installed is named by its sha256 (never the URL, which may carry a credential).
+	if [[ -n $DEB_URL ]]; then
+		sha_ok gce-watchdog-deb-sha256 "$DEB_SHA256"
+		src="deb sha256:${DEB_SHA256,,}" shown=$(shown_url "$DEB_URL")
+	elif [[ -n $WHEEL_URL ]]; then
+		sha_ok gce-watchdog-wheel-sha256 "$WHEEL_SHA256"
+		src="wheelhouse sha256:${WHEEL_SHA256,,}" shown=$(shown_url "$WHEEL_URL")
+	else
+		# Never a package index: whoever registers the name there would get root on every VM.
+		fail install "no agent source: bake the image (bake-image.sh), or set gce-watchdog-deb-url and gce-watchdog-deb-sha256, or gce-watchdog-wheel-url and gce-watchdog-wheel-sha256" 78
+	fi
+	if have_agent && [[ -f $PREFIX/.installed-from && "$(head -n1 "$PREFIX/.installed-from")" == "$src" ]]; then
 		step_done install ok "$t0" "already installed from $shown"
 		return 0
 	fi
 	rm -f "$PREFIX/.installed-from"
-	if [[ -n $WHEEL_URL ]]; then # download first: a bad URL fails before anything is changed
-		file="$CACHE_DIR/$(basename "${WHEEL_URL%%\?*}")"
-		download "$WHEEL_URL" "$file" "$WHEEL_SHA256" || fail install "$FETCH_REASON" "$FETCH_RC"
-	fi
-	"$PYTHON" -m venv --clear "$PREFIX" >&2 || fail install "cannot create a venv at $PREFIX" $?
-	local pip=("$PREFIX/bin/python" -m pip install --disable-pip-version-check --no-input -q)
-	if [[ -n $WHEEL_URL ]]; then
-		case "$file" in
-		*.whl) how=(--retries 10 "$file") ;;
-		*.tar.gz | *.tgz | *.tar)
-			rm -rf "$CACHE_DIR/wheelhouse"
-			mkdir -p "$CACHE_DIR/wheelhouse"
-			tar -xf "$file" -C "$CACHE_DIR/wheelhouse" || fail install "cannot unpack $file" $?
-			how=(--no-index --find-links "$CACHE_DIR/wheelhouse")
-			while IFS= read -r -d '' d; do how+=(--find-links "$d"); done \
-				< <(find "$CACHE_DIR/wheelhouse" -mindepth 1 -type d -print0)
-			how+=(gce-watchdog)
-			;;
-		*) fail install "gce-watchdog-wheel-url must end in .whl, .tar.gz, .tgz or .tar" 64 ;;
-		esac
-		"${pip[@]}" "${how[@]}" >&2 || fail install "pip install from $shown failed" $?
-	else
-		# From the package index: pip retries each request itself; this loop waits out DNS.
-		local end=$((SECONDS + DOWNLOAD_DEADLINE)) att=0 rc=1
-		while ((SECONDS < end)); do
-			att=$((att + 1))
-			wait_dns "${INDEX_HOST}" "$((end - SECONDS))" || break
-			rc=0
-			"${pip[@]}" --retries 5 --timeout 30 "$PIP_SPEC" >&2 || rc=$?
-			((rc != 0)) || break
-			sleep "$(backoff "$att" "$((end - SECONDS))")"
-		done
-		((rc == 0)) || fail install "pip install $PIP_SPEC failed after $att attempts" "$rc"
-	fi
+	if [[ -n $DEB_URL ]]; then install_deb; else install_wheelhouse; fi
 	have_agent || fail install "$AGENT does not run after the install" 1
-	printf '%s' "$src" >"$PREFIX/.installed-from"
+	(
+		umask 077
+		printf '%s\n%s\n' "$src" "$shown" >"$PREFIX/.installed-from"
+	)
 	step_done install ok "$t0" "installed from $shown"
 }
 
@@ -442,6 +490,13 @@ install_unit() {
 	local t0=$SECONDS
 	if [[ ! -d $SYSTEMD_RUN_DIR ]] || ! command -v systemctl >/dev/null; then
 		step_done unit skip "$t0" "systemd is not running"
+		return 0
+	fi
+	if [[ -f $ROOT/lib/systemd/system/gce-watchdog.service && ! -f $ROOT/etc/systemd/system/gce-watchdog.service ]]; then
+		# The .deb's unit: its postinst enabled and started it; make sure it runs.
+		systemctl enable --now gce-watchdog.service >&2 9>&- ||
+			fail unit "systemctl enable --now gce-watchdog.service failed" $?
+		step_done unit ok "$t0" "packaged unit enabled and started"
 		return 0
 	fi
 	if ! "$AGENT" install --help >/dev/null 2>&1; then
@@ -469,7 +524,11 @@ run_steps() { # DIR LABEL: every argv file in DIR, in order, as a bootstrap step
 		rc=0
 		timeout "$STEP_TIMEOUT" "${argv[@]}" >&2 9>&- || rc=$?
 		if ((rc == 124)); then
-			fail "bootstrap:$name" "timed out after ${STEP_TIMEOUT}s: ${argv[0]}" 124
+			fail "bootstrap:$name" "timed out after ${STEP_TIMEOUT}s: $(basename -- "${argv[0]}")" 124
+		elif ((rc == 75)); then
+			# EX_TEMPFAIL: what `gce-watchdog fetch` exits when it gave up at its deadline (the
+			# network or the source never came up): not the job's fault.
+			fail "bootstrap:$name" "$(basename -- "${argv[0]}") gave up (rc 75, EX_TEMPFAIL)" 75 infra
 		elif ((rc != 0)); then
 			fail "bootstrap:$name" "$(basename -- "${argv[0]}") exited with $rc" "$rc"
 		fi
@@ -534,26 +593,33 @@ main() {
 
 	STEP=metadata
 	md_get gce-watchdog-failure-action MD_FAILURE_ACTION
+	md_get gce-watchdog-deb-url DEB_URL
+	md_get gce-watchdog-deb-sha256 DEB_SHA256
 	md_get gce-watchdog-wheel-url WHEEL_URL
 	md_get gce-watchdog-wheel-sha256 WHEEL_SHA256
-	md_get gce-watchdog-pip-spec PIP_SPEC gce-watchdog
 	md_get gce-watchdog-bootstrap MD_BOOTSTRAP
 	md_get gce-watchdog-workload MD_WORKLOAD
 	md_get gce-watchdog-dns-name MD_DNS_NAME
 	md_get gce-watchdog-done-action DONE_ACTION none
 	DONE_ACTION="${GCEWD_DONE_ACTION:-$DONE_ACTION}"
-	INDEX_HOST=$(url_host "${PIP_INDEX_URL:-https://pypi.org/simple}") || INDEX_HOST=pypi.org
 
 	STEP=dns
-	local t0=$SECONDS dns_name
-	dns_name="${GCEWD_DNS_NAME:-${MD_DNS_NAME:-}}"
-	if [[ -z $dns_name ]]; then
-		if [[ -n $WHEEL_URL ]]; then dns_name=$(url_host "$WHEEL_URL") || dns_name=""; fi
-		[[ -n $dns_name ]] || dns_name=$INDEX_HOST
+	local t0=$SECONDS dns_name="" src_url
+	if [[ -n ${GCEWD_DNS_NAME+set} ]]; then
+		dns_name=$GCEWD_DNS_NAME
+	elif [[ -n $MD_DNS_NAME ]]; then
+		dns_name=$MD_DNS_NAME
+	else
+		src_url=${DEB_URL:-$WHEEL_URL}
+		if [[ -n $src_url ]]; then dns_name=$(url_host "$src_url") || dns_name=""; fi
 	fi
-	wait_dns "$dns_name" "$DNS_DEADLINE" ||
-		fail dns "$dns_name did not resolve within ${DNS_DEADLINE}s" 75
-	step_done dns ok "$t0" "$dns_name resolves"
+	if [[ -z $dns_name ]]; then
+		step_done dns skip "$t0" "no name to wait for (no package URL, no gce-watchdog-dns-name)"
+	else
+		wait_dns "$dns_name" "$DNS_DEADLINE" ||
+			fail dns "$dns_name did not resolve within ${DNS_DEADLINE}s" 75 infra
+		step_done dns ok "$t0" "$dns_name resolves"
+	fi
 
 	install_agent
 	install_unit
