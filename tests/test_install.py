@@ -50,10 +50,63 @@ def quiet(_: str) -> None:
     pass
 
 
+def agent_in(root: Path, exec_path: str = AGENT) -> None:
+    """An agent baked into the image tree: the console script and the venv's interpreter."""
+    agent = root / exec_path.lstrip("/")
+    agent.parent.mkdir(parents=True, exist_ok=True)
+    python = agent.parent / "python"
+    python.write_text("")  # only its presence in the tree is checked
+    agent.write_text(f"#!{exec_path.rsplit('/', 1)[0]}/python\n")
+    agent.chmod(0o755)
+
+
 def opts(root: Path, **kw: object) -> InstallOptions:
     base: dict[str, object] = {"root": root, "exec_path": AGENT}
     base.update(kw)
+    exe = str(base["exec_path"])
+    if root != Path("/") and exe.startswith(str(root) + "/"):
+        exe = exe[len(str(root)) :]
+    if exe.startswith(("/opt/", "/usr/local/")) and root != Path("/"):
+        agent_in(root, exe)
     return InstallOptions(**base)  # type: ignore[arg-type]
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_image_tree_without_a_runnable_agent_is_refused_before_writing(tmp_path: Path) -> None:
+    # No agent in the tree at all.
+    with pytest.raises(InstallError, match="no agent at"):
+        install(InstallOptions(root=tmp_path, exec_path=AGENT), runner=Systemctl(), out=quiet)
+    assert tree(tmp_path) == []
+    # An agent whose interpreter is the build host's (a venv made outside the image).
+    agent = tmp_path / AGENT.lstrip("/")
+    agent.parent.mkdir(parents=True)
+    agent.write_text(f"#!{sys.executable}\n")
+    agent.chmod(0o755)
+    before = tree(tmp_path)
+    with pytest.raises(InstallError, match="not in the image tree"):
+        install(InstallOptions(root=tmp_path, exec_path=AGENT), runner=Systemctl(), out=quiet)
+    assert tree(tmp_path) == before, "nothing written"
+    # Through the CLI: exit 1, and still nothing written.
+    p = subprocess.run(
+        [sys.executable, "-m", "gce_watchdog", "install", "--root", str(tmp_path), "--exec", AGENT],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert p.returncode == 1 and "not in the image tree" in p.stderr
+    assert tree(tmp_path) == before
+
+
+def test_run_from_a_hidden_venv_refuses_before_writing_the_config(tmp_path: Path) -> None:
+    # The issue's case: run from a venv in /tmp (or a home directory), without --exec.
+    with pytest.raises(InstallError, match="sandbox hides"):
+        install(
+            InstallOptions(root=tmp_path, exec_path="/tmp/venv/bin/gce-watchdog"),
+            runner=Systemctl(),
+            out=quiet,
+        )
+    assert tree(tmp_path) == [], "no config written before the refusal"
 
 
 def test_install_into_a_root_then_again_changes_nothing(tmp_path: Path) -> None:
@@ -196,6 +249,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 @pytest.mark.skipif(shutil.which("systemctl") is None, reason="systemctl not installed")
 def test_cli_install_and_uninstall_with_gcewd_root(tmp_path: Path) -> None:
+    agent_in(tmp_path)
     p = _cli("install", "--no-start", "--exec", AGENT, env={"GCEWD_ROOT": str(tmp_path)})
     assert p.returncode == 0, p.stderr
     assert (tmp_path / WANTS).is_symlink()  # real `systemctl --root=... enable`
@@ -207,6 +261,7 @@ def test_cli_install_and_uninstall_with_gcewd_root(tmp_path: Path) -> None:
 
 def test_cli_refuses_an_invalid_config_with_exit_78(tmp_path: Path) -> None:
     write_config(tmp_path, "[agnet]\n")
+    agent_in(tmp_path)
     p = _cli("install", "--root", str(tmp_path), "--exec", AGENT)
     assert p.returncode == 78
     assert "did you mean 'agent'" in p.stderr

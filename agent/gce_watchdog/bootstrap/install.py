@@ -12,6 +12,7 @@ start-up script installs the agent under ``/opt/gce-watchdog``), unless ``--exec
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -73,6 +74,38 @@ def check_exec(path: str) -> None:
 
 def _under_root(root: Path, p: str) -> Path:
     return root / p.lstrip("/")
+
+
+def resolve_in_root(root: Path, path: str, hops: int = 40) -> Path:
+    """path as the image sees it: symlinks followed, absolute ones relative to root."""
+    cur = _under_root(root, path)
+    for _ in range(hops):
+        if not cur.is_symlink():
+            return cur
+        target = os.readlink(cur)
+        cur = _under_root(root, target) if target.startswith("/") else cur.parent / target
+    raise InstallError(f"{path}: too many symlinks in the image tree")
+
+
+def check_agent_in_root(root: Path, exec_path: str) -> None:
+    """An image tree must already hold an agent that can run there; refuse otherwise (before
+    anything is written). A unit pointing at an agent the image lacks, or at one whose
+    interpreter exists only on the build host, would crash-loop at every boot of the image."""
+    if root == Path("/"):
+        return
+    how = "install it first: bake-image.sh --root DIR, or the .deb with dpkg inside DIR"
+    agent = resolve_in_root(root, exec_path)
+    if not agent.is_file() or not os.access(agent, os.X_OK):
+        raise InstallError(f"no agent at {exec_path} in the image tree {root} ({how})")
+    with open(agent, "rb") as f:
+        head = f.read(256).split(b"\n", 1)[0]
+    if head.startswith(b"#!"):
+        interp = head[2:].strip().split(b" ", 1)[0].decode(errors="replace")
+        if not interp.startswith("/") or not resolve_in_root(root, interp).is_file():
+            raise InstallError(
+                f"the agent at {exec_path} runs {interp}, which is not in the image tree {root} "
+                f"(a venv made on this host?): {how}"
+            )
 
 
 def render_unit(text: str, exec_path: str, config_path: str, cfg: cfgmod.Config) -> str:
@@ -149,17 +182,23 @@ def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print
     """Install (or update) the unit and the default config; enable it, start it if possible."""
     runner = runner or _real_runner()
     root = opts.root
+    # Everything is checked before anything is written: a refused install leaves no trace.
+    exec_path = opts.exec_path or default_exec()
+    if root != Path("/") and exec_path.startswith(str(root).rstrip("/") + "/"):
+        exec_path = "/" + exec_path[len(str(root).rstrip("/")) + 1 :]
+    check_exec(exec_path)
+    check_agent_in_root(root, exec_path)
     cfg_file = _under_root(root, opts.config_path)
-    if cfg_file.exists():
+    new_config = not cfg_file.exists()
+    if new_config:
+        import tomllib
+
+        cfg = cfgmod.from_dict(tomllib.loads(template("config.toml")), "default config")
+    else:
         try:
             cfg = cfgmod.load(cfg_file)
         except cfgmod.InvalidConfig as e:
             raise InstallError(f"{e}\nfix the config, then run install again", 78) from None
-        out(f"config: {opts.config_path} kept (valid)")
-    else:
-        write_if_changed(cfg_file, template("config.toml"))
-        cfg = cfgmod.load(cfg_file)
-        out(f"config: {opts.config_path} written (defaults)")
     plat = opts.platform
     if plat is None and root == Path("/"):
         plat = detect(cfg.agent.dmi_product_path)
@@ -171,10 +210,12 @@ def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print
                 f"warning: not a GCE VM ({plat.why}): installed disarmed, the agent watches and "
                 "reports but never acts here (agent.allow_non_gce = true to change that)"
             )
-    exec_path = opts.exec_path or default_exec()
-    if root != Path("/") and exec_path.startswith(str(root).rstrip("/") + "/"):
-        exec_path = "/" + exec_path[len(str(root).rstrip("/")) + 1 :]
     unit_text = render_unit(template(UNIT), exec_path, opts.config_path, cfg)
+    if new_config:
+        write_if_changed(cfg_file, template("config.toml"))
+        out(f"config: {opts.config_path} written (defaults)")
+    else:
+        out(f"config: {opts.config_path} kept (valid)")
     unit_file = root / UNIT_DIR / UNIT
     changed = write_if_changed(unit_file, unit_text)
     out(f"unit: /{UNIT_DIR}/{UNIT} {'written' if changed else 'unchanged'} (ExecStart={exec_path})")
