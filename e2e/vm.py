@@ -44,6 +44,7 @@ GUEST_ADDR = "169.254.10.2"
 TAP = "e2etap0"
 WHEELS_NAME = "wheels.test"  # resolved by the fake DNS to EGRESS_IP; the file server is on :80
 WHEEL_URL = f"http://{WHEELS_NAME}/wheelhouse.tar"  # the gce-watchdog-wheel-url attribute
+DEB_URL = f"http://{WHEELS_NAME}/gce-watchdog.deb"  # the gce-watchdog-deb-url attribute (make deb)
 FILES_PORT = 80
 FWCFG_PREFIX = "opt/gce-e2e"
 
@@ -118,8 +119,9 @@ class Image:
 
 
 def build_wheelhouse(image: Image, out: Path = WWW_DIR) -> Path:
-    """out/wheelhouse.tar: the agent's wheel from this tree plus its dependencies for the guest's
-    Python (what WHEEL_URL serves); returns out, the file server's root."""
+    """out/wheelhouse.tar (WHEEL_URL: the agent's wheel from this tree, requirements.lock and the
+    dependencies it pins by hash) and out/gce-watchdog.deb (DEB_URL, packaging/build-deb.sh), each
+    with a .sha256 beside it; returns out, the file server's root."""
     r = subprocess.run(
         ["bash", str(REPO / "e2e" / "build-wheelhouse.sh"), str(out), image.python],
         capture_output=True,
@@ -345,6 +347,11 @@ def run(
         wall_s=wall,
         milestones=dict(sorted(seen.items(), key=lambda kv: kv[1])),
     )
+
+
+def sha256_of(www: Path, name: str) -> str:
+    """The sha256 build_wheelhouse wrote for www/name (the attribute the start-up script needs)."""
+    return (www / f"{name}.sha256").read_text().strip()
 
 
 class Harness:

@@ -54,11 +54,19 @@ enabled = false
 TIMEOUT = 480.0
 
 
-def spec(name: str, workload: list[str] | None, **kw: object) -> vm.VmSpec:
-    attrs = {
-        "gce-watchdog-wheel-url": vm.WHEEL_URL,
-        "gce-watchdog-done-action": "poweroff",
-    }
+def spec(name: str, workload: list[str] | None, *, deb: bool = False, **kw: object) -> vm.VmSpec:
+    """The agent comes from the wheelhouse, or from the .deb (`make deb`'s output) when deb."""
+    if deb:
+        src = {
+            "gce-watchdog-deb-url": vm.DEB_URL,
+            "gce-watchdog-deb-sha256": vm.sha256_of(vm.WWW_DIR, "gce-watchdog.deb"),
+        }
+    else:
+        src = {
+            "gce-watchdog-wheel-url": vm.WHEEL_URL,
+            "gce-watchdog-wheel-sha256": vm.sha256_of(vm.WWW_DIR, "wheelhouse.tar"),
+        }
+    attrs = {**src, "gce-watchdog-done-action": "poweroff"}
     if workload is not None:
         attrs["gce-watchdog-workload"] = json.dumps(workload)
     return vm.VmSpec(
@@ -148,11 +156,14 @@ def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
         # "keeps running" until the watchdog powers the VM off. The TTL outlasts the ladder.
         f"sleep 12; {AGENT} fault inject --metadata --egress443 --ttl 10m; sleep 600",
     ]  # fmt: skip
-    res, run = boot(e2e, spec("wedge", workload))
+    res, run = boot(e2e, spec("wedge", workload, deb=True))
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
     bootstrap_ok(events)
+    inst = named(events, "bootstrap_step", step="install")[0]
+    assert "gce-watchdog.deb" in inst.text, f"installed from the .deb: {inst}"
+    assert named(events, "bootstrap_step", step="unit")[0].text.startswith("packaged unit")
 
     inject = named(events, "fault", op="inject")
     assert len(inject) == 1, "one fault inject line"
@@ -224,7 +235,7 @@ def test_dns_late_bootstrap_retries_and_succeeds(e2e: vm.Harness) -> None:
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
 
 
-def test_dns_never_is_setup_failed_not_failover(e2e: vm.Harness) -> None:
+def test_dns_never_is_setup_failed_infra_and_fails_over(e2e: vm.Harness) -> None:
     # The script's DNS deadline (300 s by default) shortened to 30 s through the image's runner.
     res, run = boot(
         e2e,
@@ -236,14 +247,16 @@ def test_dns_never_is_setup_failed_not_failover(e2e: vm.Harness) -> None:
     failed = named(events, "setup_failed")
     assert len(failed) == 1, "one setup_failed line"
     assert failed[0].get("step") == "dns" and failed[0].get("rc") == "75", failed[0]
+    assert failed[0].get("cause") == "infra", "DNS never came up: the job never ran"
     assert not named(events, "bootstrap_step", step="install"), "nothing installed"
     assert not named(events, "start") and not named(events, "exit")
     check_no_lost_lines(res, events)
 
     assert run.final.verdict is not None
-    assert run.final.verdict.kind is VerdictKind.SETUP_FAILED, run.final.verdict
-    assert not run.final.verdict.failover
-    assert all(o.action == "none" for o in run.looks())
+    assert run.final.verdict.kind is VerdictKind.SETUP_FAILED_INFRA, run.final.verdict
+    assert run.final.verdict.failover
+    actions = [o.action for o in run.looks()]
+    assert actions.count("failover") == 1, f"exactly one failover decision: {actions}"
 
 
 def test_flapping_outage_never_shuts_down(e2e: vm.Harness) -> None:
