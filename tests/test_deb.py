@@ -141,3 +141,19 @@ def test_license_matches_pyproject() -> None:
     text = (REPO / "LICENSE").read_text()
     assert "Apache License" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text and len(text) > 10_000, "the full text"
+
+
+def test_lock_pins_every_runtime_dependency_by_hash() -> None:
+    import re
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lock = (REPO / "packaging" / "requirements.lock").read_text().splitlines()
+    pins = {}
+    for line in lock:
+        if line and not line.startswith("#"):
+            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+) --hash=sha256:([0-9a-f]{64})", line)
+            assert m, f"not a hash-pinned line: {line}"
+            pins[m[1].lower().replace("_", "-")] = m[2]
+    for dep in meta["dependencies"]:
+        name = re.split(r"[\[<>=!~; ]", dep, maxsplit=1)[0].lower().replace("_", "-")
+        assert name in pins, f"{name} ({dep}) is not in requirements.lock: run packaging/lock.sh"

@@ -86,6 +86,9 @@ class Vm:
         shim = prefix / "bin/gce-watchdog"
         shim.write_text(f'#!/bin/sh\nexec "{PY}" -m gce_watchdog "$@"\n')
         shim.chmod(0o755)
+        # The shim's interpreter inside the image tree (`install --root` checks the agent runs).
+        (self.root / "bin").mkdir(exist_ok=True)
+        shutil.copy("/bin/sh", self.root / "bin/sh")
         (prefix / ".baked").write_text("gce-watchdog test\n")
 
 
