@@ -100,8 +100,8 @@ bench: $(STAMP) apt-test
 # self-contained venv under /opt/gce-watchdog from Debian 12's python3 and the wheels pinned by
 # hash in packaging/requirements.lock (downloaded once into build/cache), reproducible; then
 # lintian must report no errors (installed as root when missing).
-deb: $(STAMP)
-	packaging/build-deb.sh build/deb
+deb: $(STAMP) cli-docs
+	GCEWD_CLI_DOCS=$(CLI_DOCS) packaging/build-deb.sh build/deb
 	@command -v lintian >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian; } || \
 	  echo "deb: lintian missing and not root: not checked"

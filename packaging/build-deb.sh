@@ -92,14 +92,17 @@ install -D -m 0644 "$here/debian/copyright" "$doc/copyright"
 sed "s/@VERSION@/$version/; s/@DATE@/$(date -u -R -d "@$SOURCE_DATE_EPOCH")/" "$here/debian/changelog" |
   gzip -9n >"$doc/changelog.gz"
 install -D -m 0644 "$here/debian/lintian-overrides" "$stage/usr/share/lintian/overrides/gce-watchdog"
-# Shell completion and man page, once the CLI ships them (issue 18).
-for f in "$repo"/man/gce-watchdog*.1 "$repo"/docs/man/gce-watchdog*.1; do
-  [ -f "$f" ] && install -D -m 0644 "$f" "$stage/usr/share/man/man1/$(basename "$f")" &&
-    gzip -9n "$stage/usr/share/man/man1/$(basename "$f")"
-done
-for f in "$repo"/completion/gce-watchdog.bash "$repo"/agent/gce_watchdog/data/gce-watchdog.bash; do
-  [ -f "$f" ] && install -D -m 0644 "$f" "$stage/usr/share/bash-completion/completions/gce-watchdog"
-done
+# The man page and shell completions `make cli-docs` generates (GCEWD_CLI_DOCS, default
+# build/cli-docs; `make deb` runs it first). Absent: the package goes without them.
+docs="${GCEWD_CLI_DOCS:-$repo/build/cli-docs}"
+if [ -f "$docs/man1/gce-watchdog.1" ]; then
+  install -D -m 0644 "$docs/man1/gce-watchdog.1" "$stage/usr/share/man/man1/gce-watchdog.1"
+  gzip -9n "$stage/usr/share/man/man1/gce-watchdog.1"
+fi
+[ ! -f "$docs/bash-completion/gce-watchdog" ] || install -D -m 0644 \
+  "$docs/bash-completion/gce-watchdog" "$stage/usr/share/bash-completion/completions/gce-watchdog"
+[ ! -f "$docs/zsh/_gce-watchdog" ] || install -D -m 0644 \
+  "$docs/zsh/_gce-watchdog" "$stage/usr/share/zsh/vendor-completions/_gce-watchdog"
 
 # 4. Control files.
 install -d "$stage/DEBIAN"

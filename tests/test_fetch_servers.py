@@ -79,7 +79,6 @@ class Run:
 
 
 def config(tmp: Path) -> Path:
-    (tmp / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg = tmp / "config.toml"
     (tmp / "serial.log").touch()  # the "serial device": a missing one is unusable (fallback file)
     cfg.write_text(
