@@ -320,7 +320,8 @@ def t_soak(res: dict[str, Any]) -> str:
     if not s:
         return "_not measured in this run_"
     rows = [
-        ["interpreter", f"{s['python']} ({'as shipped' if s.get('as_shipped') else 'dev venv'})"],
+        ["interpreter", f"{'/'.join(s['python'].split('/')[-3:])} "
+                        f"({'as shipped' if s.get('as_shipped') else 'dev venv'})"],
         ["ticks", f"{s['healthy_ticks']} healthy + {s['outage_ticks']} outage (refused), "
                   f"{s['interval_s']:g} s interval (virtual clock), {s['real_s']:g} s real"],
         ["RSS after 1,000 ticks (warm-up)", f"{s['rss_after_warmup_mib']:.2f} MiB"],
