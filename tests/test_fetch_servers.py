@@ -584,3 +584,99 @@ def test_gcewd_config_is_honoured(tmp_path: Path, stock_server: tuple[int, Path]
     assert run.rc == 0, run.stderr
     assert outcome(run).get("out") == "ok", "the line went to the configured console"
     assert (tmp_path / "state" / "seq").exists(), "and the configured state dir"
+
+
+# ---------------------------------------------------------------------------------------------
+# Range: a body cut short is resumed where it stopped, by nginx's own 206.
+
+
+class CuttingRelay:
+    """A TCP relay in front of nginx: the first response is cut ``cut`` bytes into its body (a
+    connection that dies mid-transfer), later ones pass whole. Records each request's head;
+    ``between`` runs after the cut, before the next connection is served."""
+
+    def __init__(self, upstream: int, cut: int, between: Callable[[], None] | None = None) -> None:
+        self.upstream, self.cut, self.between = upstream, cut, between
+        self.requests: list[str] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = int(self.sock.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c:
+                self._serve(c, len(self.requests))
+
+    def _serve(self, c: socket.socket, n: int) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = c.recv(4096)
+            if not data:
+                return
+            head += data
+        self.requests.append(head.decode("latin-1"))
+        with socket.create_connection(("127.0.0.1", self.upstream), 10) as up:
+            up.sendall(head)
+            buf = b""
+            while True:
+                data = up.recv(65536)
+                if not data:
+                    break
+                buf += data
+                if n == 0 and b"\r\n\r\n" in buf:
+                    limit = buf.index(b"\r\n\r\n") + 4 + self.cut
+                    if len(buf) >= limit:
+                        buf = buf[:limit]
+                        break
+            c.sendall(buf)
+        if n == 0 and self.between is not None:
+            self.between()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def statuses(nginx: Nginx, path: str) -> list[str]:
+    log = (nginx.www.parent / "access.log").read_text().splitlines()
+    return [ln.split('"')[2].split()[0] for ln in log if f"GET {path} " in ln]
+
+
+def test_cut_short_body_is_resumed_with_range(tmp_path: Path, nginx: Nginx) -> None:
+    relay = CuttingRelay(nginx.port, cut=50_000)
+    try:
+        out = tmp_path / "r.bin"
+        sha = hashlib.sha256(BODY).hexdigest()
+        run = fetch(tmp_path, f"http://127.0.0.1:{relay.port}/ka/data.bin", out, "--sha256", sha)
+    finally:
+        relay.close()
+    assert run.rc == 0, run.stderr
+    assert out.read_bytes() == BODY
+    assert len(relay.requests) == 2
+    assert "Range: bytes=50000-" in relay.requests[1] and "If-Range: " in relay.requests[1]
+    assert statuses(nginx, "/ka/data.bin") == ["200", "206"], "nginx sent the rest as a 206"
+    assert "resumed 1 time(s) with Range" in run.stderr
+    assert parts(tmp_path) == []
+
+
+def test_file_changed_between_attempts_comes_back_whole(tmp_path: Path, nginx: Nginx) -> None:
+    new = os.urandom(120_000)
+
+    def change() -> None:
+        (nginx.www / "ka" / "data.bin").write_bytes(new)  # new size and mtime: a new ETag
+
+    relay = CuttingRelay(nginx.port, cut=50_000, between=change)
+    try:
+        out = tmp_path / "r.bin"
+        run = fetch(tmp_path, f"http://127.0.0.1:{relay.port}/ka/data.bin", out)
+    finally:
+        relay.close()
+    assert run.rc == 0, run.stderr
+    assert out.read_bytes() == new, "never the old file's head glued to the new file's tail"
+    assert "Range: bytes=50000-" in relay.requests[1]
+    assert statuses(nginx, "/ka/data.bin") == ["200", "200"], "If-Range did not match: whole"

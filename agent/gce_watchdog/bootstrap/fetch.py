@@ -427,6 +427,33 @@ class Progress:
 
 
 @dataclass
+class Partial:
+    """A body cut short, kept between the attempts of one run to be resumed with ``Range``.
+
+    Only with a validator (a strong ``ETag``, else ``Last-Modified``) sent back as ``If-Range``: a
+    file that changed on the server meanwhile comes back whole (200) and the partial is dropped.
+    """
+
+    path: str
+    got: int
+    hasher: Any  # sha256 over the bytes in path
+    validator: str
+    url: str  # the final URL (after redirects) the bytes came from
+    total: int | None
+
+
+def _validator(resp: Any) -> str | None:
+    etag = resp.getheader("ETag")
+    if etag and not etag.startswith("W/"):
+        return str(etag)
+    lm = resp.getheader("Last-Modified")
+    return str(lm) if lm else None
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)\Z")
+
+
+@dataclass
 class Attempt:
     """Everything one HTTP attempt needs; ``run()`` returns bytes written or raises FetchError."""
 
@@ -439,9 +466,18 @@ class Attempt:
     budget: float = DEFAULT_DEADLINE  # the whole run's deadline, in seconds
     ssl_context: Any = None
     resolved: dict[str, list[str]] = field(default_factory=dict)
+    partial: Partial | None = None
+    resumed: int = 0  # how many attempts continued a partial body (206)
 
     def left(self) -> float:
         return self.deadline_at - self.clock()
+
+    def drop_partial(self) -> None:
+        """Delete the kept partial body (a fresh start, or the end of the run)."""
+        if self.partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.partial.path)
+            self.partial = None
 
     def run(self) -> int:
         url = self.req.url
@@ -523,6 +559,10 @@ class Attempt:
                 # The bytes as stored on the server: a .tar.gz stays the file its sha256 names.
                 conn.putheader("Accept-Encoding", "identity")
                 conn.putheader("Connection", "close")
+                part = self.partial
+                if part is not None and part.url == _full(url):
+                    conn.putheader("Range", f"bytes={part.got}-")
+                    conn.putheader("If-Range", part.validator)
                 if url.auth is not None:
                     cred = base64.b64encode(f"{url.auth[0]}:{url.auth[1]}".encode()).decode()
                     conn.putheader("Authorization", f"Basic {cred}")
@@ -564,6 +604,9 @@ class Attempt:
         if status in RETRY_STATUS:
             ra = parse_retry_after(resp.getheader("Retry-After"), self.wall())
             raise FetchError(f"http{status}", f"HTTP {status} {resp.reason}".strip(), ra)
+        if status == 416 and self.partial is not None:
+            self.drop_partial()  # the kept bytes do not fit the file any more: start over
+            raise FetchError("range", f"{url.host}: HTTP 416 for the resumed range")
         if not 200 <= status < 300:
             raise Refused(f"http{status}", f"HTTP {status} {resp.reason} for {url.shown}".strip())
         return self._stream(url, sock, resp, cutoff)
@@ -574,16 +617,40 @@ class Attempt:
         import tempfile
 
         out = self.req.output
+        part, self.partial = self.partial, None
+        if resp.status == 206:
+            m = _CONTENT_RANGE.match(resp.getheader("Content-Range") or "")
+            if part is None or m is None or int(m[1]) != part.got or part.url != _full(url):
+                if part is not None:
+                    self.partial = part
+                    self.drop_partial()
+                raise FetchError("range", f"{url.host}: a 206 that does not continue the file")
+        elif part is not None:  # 200: the whole file again (it changed, or no ranges)
+            self.partial = part
+            self.drop_partial()
+            part = None
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
+            if part is not None:
+                fd, tmp = os.open(part.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC), part.path
+            else:
+                fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
         except OSError as e:
+            if part is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(part.path)
             raise LocalError("local", f"cannot write beside {out}: {e.strerror or e}") from None
         total: int | None = resp.length  # Content-Length, None when chunked
         got = 0
         h = hashlib.sha256()
+        if part is not None:
+            self.resumed += 1
+            got, h = part.got, part.hasher
+            total = part.got + resp.length if resp.length is not None else part.total
+        validator = _validator(resp)
+        ranges = resp.status == 206 or (resp.getheader("Accept-Ranges") or "").lower() == "bytes"
         try:
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb" if part is None else "ab") as f:
                 while True:
                     left = self.left()
                     if left <= 0 or cutoff.fired:
@@ -636,6 +703,14 @@ class Attempt:
                 raise LocalError("local", f"cannot rename onto {out}: {e.strerror or e}") from None
             _fsync_dir(out.parent)
             return got
+        except FetchError as e:
+            if e.retryable and got > 0 and validator and ranges and self.left() > 0:
+                # Cut short: keep what arrived, the next attempt asks for the rest.
+                self.partial = Partial(tmp, got, h.copy(), validator, _full(url), total)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -752,11 +827,16 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
     n = 0
     rc, out, message, nbytes = EX_OK, "ok", "", 0
     try:
-        for att in retrying:
-            with att:
-                n = att.retry_state.attempt_number
-                nbytes = attempt.run()
+        try:
+            for att in retrying:
+                with att:
+                    n = att.retry_state.attempt_number
+                    nbytes = attempt.run()
+        finally:
+            attempt.drop_partial()  # never a .part left behind, whatever ended the run
         message = f"{nbytes} bytes to {req.output} in {clock() - t0:.1f}s after {n} attempt(s)"
+        if attempt.resumed:
+            message += f", resumed {attempt.resumed} time(s) with Range"
     except (Interrupted, KeyboardInterrupt) as e:
         import signal
 
