@@ -33,6 +33,7 @@ from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit, open_console
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import sanitize_value
 
 
@@ -98,7 +99,7 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def cmd_phase(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args)
-    ok = emit_terminal(cfg, "phase", {"ph": args.phase}, phase=args.phase)
+    ok = emit_terminal(cfg, vocab.PHASE, {"ph": args.phase}, phase=args.phase)
     return 0 if ok else EX_IOERR
 
 

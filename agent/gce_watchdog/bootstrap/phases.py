@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from gce_watchdog.vm.config import Config
 
 PHASES = ("bootstrap", "workload", "done")
-SETUP_FAILED = "setup_failed"  # also recorded as the phase in the state directory
+SETUP_FAILED = vocab.SETUP_FAILED  # also recorded as the phase in the state directory
 # Why bootstrap failed, for the poller (docs/poller.md row 1): `infra` (network, DNS, the package
 # source never came up: the job never ran, failing over is safe) or `job` (the step itself failed).
 CAUSES = ("infra", "job")
@@ -137,7 +137,7 @@ def run_exec(
     """Phase workload, run argv, forward signals, write the `exit` line drained; child's status."""
     import subprocess
 
-    emit_terminal(cfg, "phase", {"ph": "workload"}, phase="workload")
+    emit_terminal(cfg, vocab.PHASE, {"ph": "workload"}, phase="workload")
     opened = open_console(cfg)  # opened before the child runs: no surprise at the end
     fwd = _Forwarder()
     old = {s: signal.signal(s, fwd.handler) for s in FORWARDED}
@@ -163,7 +163,7 @@ def run_exec(
         text = f"workload killed by {status.sig_name}"
     else:
         text = f"workload exited with {status.rc}"
-    emit_terminal(cfg, "exit", status.fields(dur), text, opened=opened)
+    emit_terminal(cfg, vocab.EXIT, status.fields(dur), text, opened=opened)
     return status.shell_status
 
 

@@ -35,32 +35,32 @@ _METHOD = {
 }
 # A serial event's priority when its fields do not change it (see priority_of).
 _EVENT = {
-    "shutdown": ALERT,  # the agent is powering the VM off now
-    "would_shutdown": CRIT,
-    "memory_climb": CRIT,  # the slow climb that wedged the original VM
-    "setup_failed": ERR,
-    "error": ERR,  # an exception the agent caught and went on after
-    "preempted": WARNING,
-    "maintenance": WARNING,
-    "disarm": WARNING,  # the watchdog will not act until it expires
-    "memory_action": WARNING,
-    "tick": WARNING,  # only written while a probe fails: the ladder climbs or holds
-    "fault": WARNING,  # an injected outage is on (clear/expire: notice)
-    "signal": WARNING,
-    "warn": WARNING,
-    "stall": WARNING,
-    "start": NOTICE,
-    "stop": NOTICE,
-    "recovered": NOTICE,
-    "phase": NOTICE,
-    "exit": NOTICE,
-    "memory_ok": NOTICE,
-    "arm": NOTICE,
-    "instance": NOTICE,
-    "heartbeat": INFO,
-    "mem": INFO,
-    "action": INFO,
-    "memory_gpu": INFO,
+    vocab.SHUTDOWN: ALERT,  # the agent is powering the VM off now
+    vocab.WOULD_SHUTDOWN: CRIT,
+    vocab.MEMORY_CLIMB: CRIT,  # the slow climb that wedged the original VM
+    vocab.SETUP_FAILED: ERR,
+    vocab.ERROR: ERR,  # an exception the agent caught and went on after
+    vocab.PREEMPTED: WARNING,
+    vocab.MAINTENANCE: WARNING,
+    vocab.DISARM: WARNING,  # the watchdog will not act until it expires
+    vocab.MEMORY_ACTION: WARNING,
+    vocab.TICK: WARNING,  # only written while a probe fails: the ladder climbs or holds
+    vocab.FAULT: WARNING,  # an injected outage is on (clear/expire: notice)
+    vocab.SIGNAL: WARNING,
+    vocab.WARN: WARNING,
+    vocab.STALL: WARNING,
+    vocab.START: NOTICE,
+    vocab.STOP: NOTICE,
+    vocab.RECOVERED: NOTICE,
+    vocab.PHASE: NOTICE,
+    vocab.EXIT: NOTICE,
+    vocab.MEMORY_OK: NOTICE,
+    vocab.ARM: NOTICE,
+    vocab.INSTANCE: NOTICE,
+    vocab.HEARTBEAT: INFO,
+    vocab.MEM: INFO,
+    vocab.ACTION: INFO,
+    vocab.MEMORY_GPU: INFO,
 }
 _ACTION_FAILED = frozenset({"error", "fail", "timeout", "stuck"})  # a step that did not work
 
