@@ -59,3 +59,13 @@ def test_fit_text_keeps_the_line_within_max_line(fields: dict[str, str], text: s
     assert ev.text == fitted  # never dropped by make_event: it fits
     clean = protocol.sanitize_text(text)
     assert fitted == clean or fitted.endswith("...") or fitted == ""
+
+
+@given(st.integers(0, 10**6), st.integers(1, 10**6))
+def test_rung_field_roundtrip(rung: int, threshold: int) -> None:
+    assert vocab.decode_rung(vocab.encode_rung(rung, threshold)) == (rung, threshold)
+
+
+def test_malformed_rungs_are_none() -> None:
+    for raw in (None, "", "3", "3/", "/10", "a/10", "3/10/2", "-1/10", "3 /10"):
+        assert vocab.decode_rung(raw) is None, raw

@@ -329,7 +329,7 @@ class ActionChain:
         plan = self.plan()
         res = ChainResult(reason, plan)
         self.last_result = res
-        r = f"{rung}/{threshold}"
+        r = vocab.encode_rung(rung, threshold)
         first = _order(resume_at)
         todo = [s for s in plan if _order(s) >= first]
 

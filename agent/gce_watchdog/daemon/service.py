@@ -224,7 +224,7 @@ class Agent:
         if self.state != prev or decided:
             d.store.save(self.state, self.mark)
 
-        rung = f"{self.state.rung}/{thr}"
+        rung = vocab.encode_rung(self.state.rung, thr)
         healthy = res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK
         dropped = d.emitter.sink.dropped
         drop = {"drop": dropped} if dropped else {}
@@ -425,7 +425,7 @@ class Agent:
                 "bootid": d.store.boot_id,  # the full kernel boot id (the header carries 8 hex)
                 "cfg": cfgmod.digest(cfg),
                 "pid": os.getpid(),
-                "rung": f"{self.state.rung}/{self.threshold}",
+                "rung": vocab.encode_rung(self.state.rung, self.threshold),
             },
             f"gce-watchdog {__version__} started, every {cfg.agent.interval:g}s",
             sync=True,
@@ -498,7 +498,7 @@ class Agent:
                 {
                     "reason": reason,
                     "ticks": self.ticks,
-                    "rung": f"{self.state.rung}/{self.threshold}",
+                    "rung": vocab.encode_rung(self.state.rung, self.threshold),
                 },
                 "gce-watchdog stopped",
                 sync=True,

@@ -23,7 +23,6 @@ VERDICTS = ("ok", "fail", "unknown")
 MAX_EVENTS = 200_000
 # Events that mark a point in time on the plot and in the table.
 MARKER_EVENTS = vocab.MARKER_EVENTS
-_RUNG_RE = re.compile(r"(\d+)/(\d+)\Z")
 _GPU_FIELD_RE = re.compile(r"g(\d+)\Z")
 
 
@@ -120,8 +119,7 @@ class Report:
 
 
 def parse_rung(value: str | None) -> tuple[int, int] | None:
-    m = _RUNG_RE.match(value or "")
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    return vocab.decode_rung(value)
 
 
 def _int(value: str | None) -> int | None:

@@ -97,6 +97,21 @@ def decode_probe(raw: str) -> ProbeField:
     return ProbeField(verdict, reason, latency)
 
 
+# The ladder's position on agent lines: ``rung`` = ``rung/threshold`` (``3/10``).
+def encode_rung(rung: int, threshold: int) -> str:
+    return f"{rung}/{threshold}"
+
+
+def decode_rung(raw: str | None) -> tuple[int, int] | None:
+    """``(rung, threshold)``, or None for a missing or malformed value."""
+    rung, sep, threshold = (raw or "").partition("/")
+    if not (
+        sep and rung.isascii() and rung.isdigit() and threshold.isascii() and threshold.isdigit()
+    ):
+        return None
+    return int(rung), int(threshold)
+
+
 # -- fields for people ---------------------------------------------------------------------------
 
 
