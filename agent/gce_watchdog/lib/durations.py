@@ -29,7 +29,7 @@ def parse_duration(value: object) -> float:
         raise ValueError(f"expected a duration like {_EXAMPLES}, got {value!r}")
     if isinstance(value, int | float):
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"expected a duration >= 0, got {value!r}")
+            raise ValueError(f"expected a finite duration >= 0, got {value!r}")
         return float(value)
     if isinstance(value, str):
         bare = _BARE_RE.match(value)
