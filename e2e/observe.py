@@ -117,10 +117,10 @@ def timeline(serial: bytes) -> Timeline:
 
 
 def latest_boot_events(tl: Timeline) -> list[Event]:
-    """The latest boot's lines, in seq order."""
-    if not tl.events:
+    """The current boot's lines, in seq order (the boot with the latest signed start)."""
+    boot = tl.latest_boot
+    if boot is None:
         return []
-    boot = tl.events[-1].boot
     return sorted((e for e in tl.events if e.boot == boot), key=lambda e: e.seq)
 
 

@@ -60,7 +60,7 @@ MILESTONES: Mapping[str, bytes] = {
     "systemd": b"systemd[1]: ",
     "startup_runner": b"gce-startup: ",
     "startup_script": b"gce-startup: running startup-script",
-    "first_gcewd": b"GCEWD1 ",
+    "first_gcewd": b"GCEWD2 ",
 }
 
 

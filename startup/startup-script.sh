@@ -12,7 +12,7 @@
 # failure action (default: power off). cause=infra (the network, DNS or the package source never
 # came up) lets the poller fail over; cause=job (the step itself failed) does not.
 #
-# Every line written to the serial port is a protocol v1 line (docs/serial-protocol.md), also
+# Every line written to the serial port is a protocol v2 line (docs/serial-protocol.md), also
 # before the agent is installed: EMITTER_PY below is the one encoder besides agent/gce_watchdog/wire/protocol.py,
 # and tests/test_startup_script.py checks that gce_watchdog.wire.protocol decodes what it writes.
 #
@@ -25,6 +25,7 @@ umask 022
 ROOT="${GCEWD_ROOT:-}"
 PREFIX="${GCEWD_PREFIX:-$ROOT/opt/gce-watchdog}"
 STATE_DIR="${GCEWD_STATE_DIR:-$ROOT/var/lib/gce-watchdog}"
+RUN_DIR="${GCEWD_RUN_DIR:-$ROOT/run/gce-watchdog}"
 SERIAL="${GCEWD_SERIAL:-$ROOT/dev/ttyS0}"
 SERIAL_FALLBACK="${GCEWD_SERIAL_FALLBACK:-$ROOT/var/log/gce-watchdog/serial.log}"
 CONFIG="${GCEWD_CONFIG:-$ROOT/etc/gce-watchdog/config.toml}"
@@ -53,11 +54,74 @@ CFG_ARGS=()
 log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 
 # ---- the pre-agent emitter ----------------------------------------------------------------------
-# Same wire format as agent/gce_watchdog/wire/protocol.py, same seq file ("<boot8> <next>\n" under flock) as
+# Same wire format (v2, signed) as agent/gce_watchdog/wire/protocol.py, same key file and seq
+# file (<run>/seq.<boot>, fixed width, under flock) as
 # agent/gce_watchdog/vm/state.py's SeqAllocator, same port semantics as agent/gce_watchdog/vm/console.py (one write, then tcdrain
 # on a tty or fsync on a file; the fallback file when the device cannot be opened).
 read -r -d '' EMITTER_PY <<'PY' || true
-import fcntl, os, re, stat, sys, termios, time, zlib
+import fcntl, hashlib, hmac, os, re, secrets, stat, sys, termios, time, zlib
+def key_of(dirs):
+    # agent/gce_watchdog/vm/state.py load_or_create_key: <state>/key, else <run>/key; 0600, ours
+    for d in dirs:
+        p, bad = os.path.join(d, "key"), False
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                st, k = os.fstat(fd), os.read(fd, 33)
+            finally:
+                os.close(fd)
+            if st.st_uid == os.geteuid() and not st.st_mode & 0o077 and len(k) == 32:
+                return k
+            bad = True
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue
+        try:
+            os.makedirs(d, 0o755, exist_ok=True)
+            k, tmp = secrets.token_bytes(32), os.path.join(d, ".key.%d.tmp" % os.getpid())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, k)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if bad:
+                os.replace(tmp, p)
+                return k
+            try:
+                os.link(tmp, p)
+            except FileExistsError:
+                os.unlink(tmp)
+                return key_of(dirs)
+            os.unlink(tmp)
+            return k
+        except OSError as e:
+            sys.stderr.write("emit: no key in %s: %s\n" % (d, e))
+    return None
+def next_seq(run, boot, last=[-1]):
+    # agent/gce_watchdog/vm/state.py SeqAllocator: <run>/seq.<boot>, fixed width, in place
+    try:
+        os.makedirs(run, 0o755, exist_ok=True)
+        fd = os.open(os.path.join(run, "seq." + boot), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            old = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+            n = int(old) if old.isdigit() else 0
+            rec = ("%020d\n" % (n + 1)).encode()
+            if os.pwrite(fd, rec, 0) != len(rec):
+                raise OSError("short write")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        sys.stderr.write("emit: seq file unusable (%s), numbering from CLOCK_BOOTTIME\n" % e)
+        n = max(last[0] + 1, time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000)
+    last[0] = n
+    return n
+def sign(body, key):
+    b = body.encode()
+    mac = hmac.new(key, b, hashlib.sha256).hexdigest()[:16]
+    return "%s #%08x%s" % (body, zlib.crc32(b) & 0xFFFFFFFF, mac)
 def main(argv):
     event, rest = argv[0], argv[1:]
     text = ""
@@ -84,29 +148,24 @@ def main(argv):
     if not raw or any(c not in "0123456789abcdef" for c in raw):
         raw = "0" * 32
     boot = (raw + "0" * 8)[:8]
-    state = os.environ["GCEWD_STATE_DIR"]
-    seq = 0
-    try:
-        os.makedirs(state, exist_ok=True)
-        fd = os.open(os.path.join(state, "seq"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            old = os.pread(fd, 64, 0).decode("ascii", "replace").split()
-            if len(old) == 2 and old[0] == boot and old[1].isdigit():
-                seq = int(old[1])
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, ("%s %d\n" % (boot, seq + 1)).encode(), 0)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        sys.stderr.write("emit: seq file unusable (%s), numbering from 0\n" % e)
+    state, run = os.environ["GCEWD_STATE_DIR"], os.environ["GCEWD_RUN_DIR"]
+    key = key_of([state, run])
+    if key is None:
+        sys.stderr.write("emit: no line key, the line is not written (not root?)\n")
+        return
     ms = int(time.time() * 1000)
     ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + ".%03dZ" % (ms % 1000)
-    head = " ".join(["GCEWD1", boot, str(seq), ts, event])
+    lines = []
+    seq = next_seq(run, boot)
+    if seq == 0:  # the boot's first line announces the key (never copied to stderr)
+        lines.append(sign(" ".join(["GCEWD2", boot, "0", ts, "key", "k=" + key.hex()]), key))
+        seq = next_seq(run, boot)
+    head = " ".join(["GCEWD2", boot, str(seq), ts, event])
     # Fields alone too long for 200 bytes (a long host and file name): shorten the longest value,
     # as a reader would reject the whole line otherwise. Every pass makes the line shorter.
+    # The trailer " #" + crc (8 hex) + mac (16 hex) is 26 bytes.
     while fields:
-        over = len(" ".join([head] + fields)) + len(" #00000000") - 200
+        over = len(" ".join([head] + fields)) + 26 - 200
         if over <= 0:
             break
         i = max(range(len(fields)), key=lambda j: len(fields[j]))
@@ -116,12 +175,13 @@ def main(argv):
         else:
             del fields[i]
     body = " ".join([head] + fields)
-    room = 200 - len(body) - len(" | ") - len(" #00000000")
+    room = 200 - len(body) - len(" | ") - 26
     if len(text) > room:
         text = text[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
     if text:
         body += " | " + text
-    line = "%s #%08x" % (body, zlib.crc32(body.encode()) & 0xFFFFFFFF)
+    line = sign(body, key)
+    lines.append(line)
     if phase is not None:
         try:
             tmp = os.path.join(state, ".phase.%d.tmp" % os.getpid())
@@ -132,7 +192,7 @@ def main(argv):
             os.replace(tmp, os.path.join(state, "phase"))
         except OSError as e:
             sys.stderr.write("emit: cannot record phase: %s\n" % e)
-    data = (line + "\n").encode("ascii", "replace")
+    data = "".join(ln + "\n" for ln in lines).encode("ascii", "replace")
     for path in (os.environ["GCEWD_SERIAL"], os.environ["GCEWD_SERIAL_FALLBACK"]):
         try:
             flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC | os.O_APPEND
@@ -165,7 +225,7 @@ PY
 
 # emit EVENT [key=value ...] [-- text]: one protocol line, synchronously. Never fails the caller.
 emit() {
-	GCEWD_STATE_DIR="$STATE_DIR" GCEWD_SERIAL="$SERIAL" GCEWD_SERIAL_FALLBACK="$SERIAL_FALLBACK" \
+	GCEWD_STATE_DIR="$STATE_DIR" GCEWD_RUN_DIR="$RUN_DIR" GCEWD_SERIAL="$SERIAL" GCEWD_SERIAL_FALLBACK="$SERIAL_FALLBACK" \
 		GCEWD_BOOT_ID_PATH="$BOOT_ID_PATH" "$PYTHON" -c "$EMITTER_PY" "$@" ||
 		log "could not write a serial line: $*"
 }

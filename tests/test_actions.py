@@ -28,6 +28,7 @@ import pytest
 from gce_watchdog.daemon.actions import ActionChain, ApiResult, RetryPolicy
 from gce_watchdog.daemon.metawatch import InstanceInfo, save_instance_cache
 from gce_watchdog.lib.proc import RunResult
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -137,7 +138,9 @@ class Rig:
     def events(self) -> list[protocol.Event]:
         out = []
         for line in self.sink.lines:
-            ev = protocol.decode_line(line)
+            ev = protocol.decode_line(line, SYNTH_KEY)
+            if isinstance(ev, protocol.KeyAnnounce):
+                continue
             assert isinstance(ev, protocol.Event), line
             out.append(ev)
         return out
@@ -159,7 +162,7 @@ def rig(
     cfg = make_cfg(tmp_path, action, **actions)
     sink = MemorySink()
     clock = clock or FakeClock()
-    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     runner = runner or FakeRunner()
     api = api or FakeApi()
     kernel = fake_kernel or FakeKernel()
@@ -215,7 +218,8 @@ def test_poweroff_chain_in_order_and_every_step_announced_before_its_outcome(
         "action": "delete",
         "chain": "linger+delete+poweroff+force+kernel",
     }
-    assert "BOTH reachability probes FAILED (10/10)" in first.text
+    # shortened to fit beside the signed trailer, never dropped
+    assert first.text.startswith("shutting down: BOTH reachability pro")
     actions = [(s, st) for e, s, st in steps if e == "action"]
     assert actions == [
         ("linger", "start"),
@@ -359,16 +363,19 @@ def test_dry_run_never_runs_a_real_action(tmp_path: Path) -> None:
     assert texts[0] == "dry-run: would call instances.delete on sim-vm-1"
     assert texts[1] == "dry-run: would run systemctl poweroff"
     assert r.clock.monotonic() - 1000.0 == pytest.approx(10.0)  # lingered, never waited on power
+    # its own decision event: no reader takes the rehearsal for a shutdown
+    names = [e.event for e in r.events()]
+    assert "shutdown" not in names and names[0] == "dry_run_shutdown"
 
 
 def test_default_cache_reader_uses_the_state_dir(tmp_path: Path) -> None:
     save_instance_cache(tmp_path, INST)
     cfg = make_cfg(tmp_path, "dry-run", linger=0, dry_run_op="delete")
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de", key=SYNTH_KEY), "0badc0de", key=SYNTH_KEY)
     chain = ActionChain.from_config(cfg, em, lambda: None, runner=FakeRunner(), kernel=FakeKernel())
     chain.execute("ladder", 10, 10)
-    dry = [protocol.decode_line(x) for x in sink.lines]
+    dry = [protocol.decode_line(x, SYNTH_KEY) for x in sink.lines]
     assert any(isinstance(e, protocol.Event) and e.get("inst") == "sim-vm-1" for e in dry)
 
 
@@ -516,9 +523,9 @@ class E2E:
         assert p.returncode == 0, p.stderr[-3000:]
         summary = json.loads(p.stdout.strip().splitlines()[-1])
         events, stats = protocol.decode_all((self.tmp / "serial.log").read_bytes())
-        assert stats.rejected == 0
+        assert stats.rejected == 0 and stats.forged == 0
         # the watcher's line when it learns the identity (test_metawatch); the chain's follow
-        return summary, [e for e in events if e.event != "instance"]
+        return summary, [e for e in events if e.event not in ("instance", "key")]
 
 
 @pytest.fixture
@@ -627,6 +634,16 @@ def test_e2e_poweroff_fails_and_the_chain_escalates(e2e: E2E) -> None:
 
 def test_e2e_dry_run_touches_nothing(e2e: E2E) -> None:
     _, events = e2e.run(e2e.config("dry-run", dry_run_op="delete"))  # rehearse a delete
+    decisions = [e for e in events if e.event == "dry_run_shutdown" and not e.get("rep")]
+    assert len(decisions) == 1  # the linger's repeats carry rep=
+    assert "shutdown" not in [e.event for e in events]
+    # every reader: a dry run is never a failover (the VM keeps running)
+    from gce_watchdog.poller.timeline import parse_bytes
+    from gce_watchdog.poller.verdict import InstanceState, Policy
+
+    tl = parse_bytes((e2e.tmp / "serial.log").read_bytes(), rx=1e9)
+    v = tl.judge(InstanceState("RUNNING"), 1e9, Policy())
+    assert not v.failover and "dry-run shutdown decision" in v.reason, v.reason
     assert not e2e.record.exists()
     assert not (e2e.tmp / "kernel.log").exists()
     assert e2e.api.calls == []  # type: ignore[attr-defined]
@@ -678,7 +695,8 @@ device = "{tmp_path}/ttyS0"
         env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
 
         def evs() -> list[protocol.Event]:
-            return protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []
+            got = protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []
+            return [e for e in got if e.event != "key"]
 
         def wait(pred: object, timeout: float = 30.0) -> bool:
             deadline = time.monotonic() + timeout

@@ -20,6 +20,7 @@ from gce_watchdog.daemon.actions import ActionChain, ApiResult, RunResult
 from gce_watchdog.daemon.ladder import LadderState
 from gce_watchdog.daemon.metawatch import InstanceInfo
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -265,7 +266,7 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
         cfg = cfgmod.replace(cfg, agent={"state_dir": d})
         fc = FakeClock()
         sink = MemorySink()
-        em = Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", fc.wall)
+        em = Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", fc.wall, key=SYNTH_KEY)
         chain = ActionChain.from_config(
             cfg,
             em,
@@ -289,7 +290,7 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
         assert deps.store.save(LadderState(rung=cfg.agent.threshold - 1))
         agent.run(threading.Event(), max_ticks=1)  # start line, the deciding tick, the chain
         assert agent.tick_errors == 0
-        evs = [protocol.decode_line(x) for x in sink.lines]
+        evs = [protocol.decode_line(x, SYNTH_KEY) for x in sink.lines if " key k=" not in x]
         assert all(isinstance(e, protocol.Event) for e in evs)
         steps = [(e.get("step"), e.get("status")) for e in evs if isinstance(e, protocol.Event)]
         assert not [s for s in steps if s[1] == "error"], steps

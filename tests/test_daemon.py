@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from gce_watchdog.daemon.ladder import LadderState
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
 from gce_watchdog.testing.simgce import SimGCE
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -48,7 +50,9 @@ def make(
         agent={"interval": 30.0, "probe_timeout": 5.0, "heartbeat_every": 3, **agent_kw},
     )
     deps = Deps(
-        emitter=Emitter(sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall),
+        emitter=Emitter(
+            sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY
+        ),
         prober=ScriptedProber(script, clock, latency),
         clock=clock,
         notifier=notifier or FakeNotifier(),
@@ -59,9 +63,9 @@ def make(
 
 
 def events(sink: MemorySink) -> list:
-    evs, stats = decode_all("\n".join(sink.lines).encode() + b"\n")
-    assert stats.rejected == 0
-    return evs
+    evs, stats = decode_all("\n".join(sink.lines).encode() + b"\n", SYNTH_KEY)
+    assert stats.rejected == 0 and stats.forged == 0
+    return [e for e in evs if e.event != "key"]
 
 
 def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
@@ -74,7 +78,7 @@ def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
     assert texts[:10] == [f"BOTH reachability probes FAILED ({i}/10)" for i in range(1, 11)]
     assert evs[0].event == "start" and evs[-1].event == "stop"
     assert evs[0].get("bootid") == "b1" and evs[0].get("cfg") and evs[0].get("v")
-    assert [e.seq for e in evs] == list(range(len(evs)))  # contiguous
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))  # contiguous after the key
 
 
 def test_nine_tick_outage_recovers_without_shutdown(tmp_path: Path) -> None:
@@ -191,7 +195,8 @@ def _wait_for(pred, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-d
 
 
 def _events(path: Path) -> list:
-    return decode_all(path.read_bytes())[0] if path.exists() else []
+    evs = decode_all(path.read_bytes())[0] if path.exists() else []
+    return [e for e in evs if e.event != "key"]
 
 
 def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
@@ -221,7 +226,7 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
     assert evs[-1].get("reason") == "sigterm"
     climbs = [e.get("rung") for e in evs if e.event == "tick" and "FAILED (" in e.text]
     assert climbs[:3] == ["1/3", "2/3", "3/3"]
-    assert [e.seq for e in evs] == list(range(len(evs)))
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))  # after the key line
     hb = next(e for e in evs if e.event == "heartbeat")
     assert hb.get("ph") == "unknown" and hb.get("rung") == "0/3"
     assert os.path.exists(tmp_path / "state" / "ladder.json")
@@ -268,3 +273,20 @@ def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert "serial_unavailable" in r.stderr
     assert "event='heartbeat'" in r.stderr and "event='stop'" in r.stderr
+
+
+def test_a_dry_run_decision_latches_nothing_and_recovery_is_reported(tmp_path: Path) -> None:
+    """Issue 15: a dry run used to latch at 10/10 for the rest of the boot."""
+    fail, ok = result("fail", "fail"), result("ok", "ok")
+    script = [fail] * 12 + [ok] * 3 + [fail] * 12
+    agent, sink, shutdowns, _ = make(tmp_path, script, action="dry-run")
+    agent.run(threading.Event(), max_ticks=len(script))
+    assert shutdowns == [("ladder", 10, 10), ("ladder", 10, 10)]  # rehearsed once per outage
+    assert not agent.state.fired
+    evs = events(sink)
+    names = [e.event for e in evs]
+    assert "recovered" in names and names.count("would_shutdown") == 0
+    rec = next(e for e in evs if e.event == "recovered")
+    assert rec.get("from") == "10"
+    stored = json.loads((tmp_path / "ladder.json").read_text())
+    assert stored.get("fired") is not True

@@ -16,6 +16,7 @@ from gce_watchdog.daemon.disarm import (
     disarm_path,
     disarm_status,
 )
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -104,14 +105,16 @@ def test_property_disarm_always_expires(set_off: float, length: float, now_off: 
 
 def _gate(tmp: Path, md: list[bool], wall: list[float]) -> tuple[DisarmGate, MemorySink]:
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de")
+    em = Emitter(sink, SeqAllocator(tmp, "0badc0de", key=SYNTH_KEY), "0badc0de", key=SYNTH_KEY)
     return DisarmGate.from_config(cfg_for(tmp), em, lambda: md[0], lambda: wall[0]), sink
 
 
 def _events(sink: MemorySink) -> list[tuple[str, str | None, str | None]]:
     out = []
     for line in sink.lines:
-        ev = protocol.decode_line(line)
+        ev = protocol.decode_line(line, SYNTH_KEY)
+        if isinstance(ev, protocol.KeyAnnounce):
+            continue
         assert isinstance(ev, protocol.Event)
         out.append((ev.event, ev.get("src"), ev.get("why")))
     return out
@@ -147,7 +150,7 @@ def test_gate_reports_a_disarm_found_at_start(tmp_path: Path) -> None:
 
 def test_gate_survives_a_broken_metadata_source(tmp_path: Path) -> None:
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
 
     def broken() -> bool:
         raise RuntimeError("watcher not started")
@@ -192,7 +195,8 @@ def test_cli_disarm_then_arm(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     assert not disarm_path(cfg.agent.state_dir).exists()
     events, stats = protocol.decode_all((tmp_path / "serial.log").read_bytes())
-    assert stats.rejected == 0
+    assert stats.rejected == 0 and stats.forged == 0
+    events = [e for e in events if e.event != "key"]
     assert [e.event for e in events] == ["disarm", "arm"]
     assert events[0].get("dur") == "7200s"
     assert events[0].text == "debugging the loader"

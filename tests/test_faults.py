@@ -24,6 +24,7 @@ from gce_watchdog.faults import firewall
 from gce_watchdog.faults import plan as fplan
 from gce_watchdog.faults.firewall import Deps, Paths, Result
 from gce_watchdog.faults.plan import CHAIN_IN, CHAIN_OUT, Cut, FaultError
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import Event, decode_all
@@ -226,14 +227,14 @@ class World:
     clock: list[float]
 
     def events(self) -> list[Event]:
-        evs, _ = decode_all("\n".join(self.sink.lines).encode() + b"\n")
-        return evs
+        evs, _ = decode_all("\n".join(self.sink.lines).encode() + b"\n", SYNTH_KEY)
+        return [e for e in evs if e.event != "key"]
 
 
 def make_world(tmp_path: Path, systemd: bool = False, **fake: object) -> World:
     fw = FakeXtables(**fake)  # type: ignore[arg-type]
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path / "state", "0000abcd"), "0000abcd")
+    em = Emitter(sink, SeqAllocator(tmp_path / "state", "0000abcd"), "0000abcd", key=SYNTH_KEY)
     spawned: list[list[str]] = []
     clock = [NOW]
 
@@ -310,7 +311,8 @@ def test_injecting_twice_replaces_never_stacks(tmp_path: Path) -> None:
     from gce_watchdog.report.model import build_report
     from gce_watchdog.wire.protocol import encode
 
-    r = build_report(b"".join(encode(e).encode() + b"\n" for e in w.events()))
+    lines = b"".join(encode(e, SYNTH_KEY).encode() + b"\n" for e in w.events())
+    r = build_report(lines, key=SYNTH_KEY)
     assert [(f.fault_id, f.end) for f in r.faults] == [
         (a.fault_id, "replaced"),
         (b.fault_id, "open"),
@@ -613,7 +615,7 @@ def test_real_systemd_path_timer_command_clears(topo: Topology, tmp_path: Path) 
 
     cfg = write_config(tmp_path)
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path / "state", "0000abcd"), "0000abcd")
+    em = Emitter(sink, SeqAllocator(tmp_path / "state", "0000abcd"), "0000abcd", key=SYNTH_KEY)
     deps = Deps(
         run=run,
         systemd_usable=lambda: True,

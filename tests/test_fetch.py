@@ -38,6 +38,7 @@ from gce_watchdog.lib.dns import hosts_file_lookup
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.testing.simgce import FakeDNS
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
@@ -127,11 +128,13 @@ def fast_policy(deadline: float = 20.0) -> RetryPolicy:
 
 def mem_emitter(tmp_path: Path) -> tuple[Emitter, MemorySink]:
     sink = MemorySink()
-    return Emitter(sink, SeqAllocator(tmp_path / "state", "0badf00d"), "0badf00d"), sink
+    return Emitter(
+        sink, SeqAllocator(tmp_path / "state", "0badf00d"), "0badf00d", key=SYNTH_KEY
+    ), sink
 
 
 def fetch_events(sink: MemorySink) -> list[protocol.Event]:
-    evs = [protocol.decode_line(ln) for ln in sink.lines]
+    evs = [protocol.decode_line(ln, SYNTH_KEY) for ln in sink.lines if " key k=" not in ln]
     assert all(isinstance(e, protocol.Event) for e in evs)
     return [e for e in evs if isinstance(e, protocol.Event) and e.event == "fetch"]
 
@@ -281,7 +284,7 @@ def _config(tmp_path: Path) -> Path:
     (tmp_path / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg = tmp_path / "config.toml"
     cfg.write_text(
-        f'[agent]\nstate_dir = "{tmp_path}/state"\n'
+        f'[agent]\nstate_dir = "{tmp_path}/state"\nrun_dir = "{tmp_path}/run"\n'
         f'[serial]\ndevice = "{tmp_path}/serial.log"\nfallback_file = "{tmp_path}/fallback.log"\n'
     )
     return cfg
@@ -289,8 +292,8 @@ def _config(tmp_path: Path) -> Path:
 
 def _serial_events(tmp_path: Path) -> list[protocol.Event]:
     events, stats = protocol.decode_all((tmp_path / "serial.log").read_bytes())
-    assert stats.rejected == 0
-    return events
+    assert stats.rejected == 0 and stats.forged == 0
+    return [e for e in events if e.event != "key"]
 
 
 def test_dns_never_fixed_exits_75_close_to_the_deadline(
@@ -550,7 +553,7 @@ def test_ten_minute_dns_outage_on_a_fake_clock(tmp_path: Path) -> None:
             raise FetchError("dns", f"{host}: DNS timed out after {timeout:.1f}s")
 
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path, "0badf00d"), "0badf00d", wall=clock)
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badf00d"), "0badf00d", wall=clock, key=SYNTH_KEY)
     r = req("https://astral.sh/uv/install.sh", tmp_path / "uv.sh", deadline=600.0)
     deps = FetchDeps(
         emitter=em, resolver=DeadDNS(), clock=clock, sleep=clock.sleep, rng=random.Random(1)

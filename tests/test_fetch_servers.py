@@ -82,7 +82,7 @@ def config(tmp: Path) -> Path:
     cfg = tmp / "config.toml"
     (tmp / "serial.log").touch()  # the "serial device": a missing one is unusable (fallback file)
     cfg.write_text(
-        f'[agent]\nstate_dir = "{tmp}/state"\n'
+        f'[agent]\nstate_dir = "{tmp}/state"\nrun_dir = "{tmp}/run"\n'
         f'[serial]\ndevice = "{tmp}/serial.log"\nfallback_file = "{tmp}/fallback.log"\n'
     )
     return cfg
@@ -583,7 +583,8 @@ def test_gcewd_config_is_honoured(tmp_path: Path, stock_server: tuple[int, Path]
     )
     assert run.rc == 0, run.stderr
     assert outcome(run).get("out") == "ok", "the line went to the configured console"
-    assert (tmp_path / "state" / "seq").exists(), "and the configured state dir"
+    assert (tmp_path / "state" / "key").exists(), "and the configured state dir (the line key)"
+    assert list((tmp_path / "run").glob("seq.*")), "and the configured run dir (the counter)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.monitor import MemoryMonitor
 from gce_watchdog.memory.samplers import GpuSampler, TopProcess
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -60,7 +61,9 @@ def _monitor(
     **mem: object,
 ) -> tuple[MemoryMonitor, MemorySink, list[tuple[Sequence[str], Mapping[str, str], float]]]:
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path, "deadbeef"), "deadbeef", wall=lambda: 1.8e9)
+    em = Emitter(
+        sink, SeqAllocator(tmp_path, "deadbeef"), "deadbeef", wall=lambda: 1.8e9, key=SYNTH_KEY
+    )
     calls: list[tuple[Sequence[str], Mapping[str, str], float]] = []
 
     def runner(argv: Sequence[str], env: Mapping[str, str], timeout: float) -> int:
@@ -79,10 +82,10 @@ def _monitor(
 
 
 def _events(sink: MemorySink) -> list[Event]:
-    events, stats = decode_all(("\n".join(sink.lines) + "\n").encode())
-    assert stats.rejected == 0
+    events, stats = decode_all(("\n".join(sink.lines) + "\n").encode(), SYNTH_KEY)
+    assert stats.rejected == 0 and stats.forged == 0
     assert all(len(line) <= MAX_LINE for line in sink.lines)
-    return events
+    return [e for e in events if e.event != "key"]
 
 
 def _run(mon: MemoryMonitor, clock: FakeClock, n: int, each: object = None) -> None:

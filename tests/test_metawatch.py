@@ -20,6 +20,7 @@ from gce_watchdog.daemon.metawatch import (
 )
 from gce_watchdog.testing.simgce import FakeMetadataServer
 from gce_watchdog.testing.simgce import SimInstance as SimInfo
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -72,7 +73,7 @@ def make(
         {"agent": {"state_dir": str(tmp)}, "metadata": {"url": md.url}, "watch": w}
     )
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de")
+    em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     client = RecordingClient(metadata_root(cfg))
     return MetadataWatcher.from_config(cfg, em, clock=clock or Clock(), client=client), sink, client
 
@@ -80,7 +81,9 @@ def make(
 def events(sink: MemorySink) -> list[protocol.Event]:
     out = []
     for line in list(sink.lines):
-        ev = protocol.decode_line(line)
+        ev = protocol.decode_line(line, SYNTH_KEY)
+        if isinstance(ev, protocol.KeyAnnounce):
+            continue
         assert isinstance(ev, protocol.Event)
         out.append(ev)
     return out
@@ -283,7 +286,7 @@ class SameEtagClient:
 def test_a_server_ignoring_wait_for_change_is_not_hammered(tmp_path: Path) -> None:
     cfg = cfgmod.from_dict({"agent": {"state_dir": str(tmp_path)}})
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     client = SameEtagClient()
     w = MetadataWatcher.from_config(cfg, em, client=client)  # type: ignore[arg-type]
     t = threading.Thread(target=w._watch, args=("instance/preempted", w._on_pre), daemon=True)

@@ -19,6 +19,7 @@ from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.daemon.metrics import MetricsExporter, Snapshot, printable, render
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
 from gce_watchdog.daemon.tick import ProbeResult
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -118,7 +119,7 @@ def make_agent(
         cfg, dropped=lambda: sink.dropped, clock=clock.wall, **(exporter_kw or {})
     )  # type: ignore[arg-type]
     deps = Deps(
-        emitter=Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", clock.wall),
+        emitter=Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY),
         prober=ScriptedProber(script, clock),
         clock=clock,
         notifier=FakeNotifier(),
@@ -234,7 +235,9 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
     path_box.append(prom / "gce_watchdog.prom")
     sink = MemorySink()
     deps = Deps(
-        emitter=Emitter(sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall),
+        emitter=Emitter(
+            sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY
+        ),
         prober=ScriptedProber([result("fail", "fail")], clock),
         clock=clock,
         notifier=FakeNotifier(),

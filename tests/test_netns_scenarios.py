@@ -73,6 +73,7 @@ threshold = {threshold}
 heartbeat_every = 1
 state_dir = "{self.d}/state"
 run_dir = "{self.d}/run"
+run_dir = "{self.d}/run"
 action = "dry-run"
 [egress]
 targets = ["egress.test:443"]

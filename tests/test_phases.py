@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -15,6 +16,8 @@ from gce_watchdog import cli
 from gce_watchdog.bootstrap.phases import ExitStatus
 from gce_watchdog.vm.state import read_phase
 from gce_watchdog.wire import protocol
+from hypothesis import given
+from hypothesis import strategies as st
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +27,7 @@ def _config(tmp_path: Path, device: str | None = None, fallback: str | None = No
     if device is None:
         (tmp_path / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg.write_text(
-        f'[agent]\nstate_dir = "{tmp_path}/state"\n'
+        f'[agent]\nstate_dir = "{tmp_path}/state"\nrun_dir = "{tmp_path}/run"\n'
         f'[serial]\ndevice = "{device or tmp_path / "serial.log"}"\n'
         f'fallback_file = "{fallback or tmp_path / "fallback.log"}"\n'
     )
@@ -36,8 +39,9 @@ def _events(tmp_path: Path) -> list[protocol.Event]:
     if not path.exists():
         return []
     events, stats = protocol.decode_all(path.read_bytes())
-    assert stats.rejected == 0
-    return events
+    assert stats.rejected == 0 and stats.forged == 0
+    assert not events or events[0].event == "key"  # the boot's first line announces the key
+    return [e for e in events if e.event != "key"]
 
 
 def _run(argv: list[str]) -> int:
@@ -79,7 +83,7 @@ def test_setup_failed_line(tmp_path: Path) -> None:
     assert ev.get("step") == "install" and ev.get("rc") == "1"
     assert ev.get("reason", "").startswith("pip_install_failed:_No_matching")
     # The readable reason, shortened (not dropped) to keep the line within 200 bytes.
-    assert ev.text.endswith("...") and reason.startswith(ev.text[:-3]) and len(ev.text) > 50
+    assert ev.text.endswith("...") and reason.startswith(ev.text[:-3]) and len(ev.text) > 40
     assert read_phase(tmp_path / "state") == "setup_failed"
     _run(["setup-failed", "--step", "dns", "--reason", "no DNS", "--config", cfg])
     last = _events(tmp_path)[-1]
@@ -236,3 +240,39 @@ def test_unusable_serial_port_records_the_phase_and_exits_74(
     err = capsys.readouterr().err
     assert "lines are not written" in err and "not confirmed" in err
     assert os.path.getsize(blocker) == 0
+
+
+def test_exec_defuses_protocol_markers_in_the_workload_output(tmp_path: Path) -> None:
+    """The workload prints a well-formed line (CRC right, its own key) and a v1 line: what
+    reaches our stdout (the runner copies it to the console) carries no marker at all."""
+    from gce_watchdog.testing.synth import SYNTH_KEY
+
+    cfg = str(_config(tmp_path))
+    forged = protocol.encode(protocol.make_event("exit", "aaaa0001", 9, 0, {"rc": 0}), SYNTH_KEY)
+    code = (
+        "import sys\n"
+        f"sys.stdout.write({forged!r} + '\\n'); sys.stdout.flush()\n"
+        "sys.stderr.write('GCEW'); sys.stderr.flush()\n"  # a marker split across two writes
+        "sys.stderr.write('D1 x #00000000\\n')\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "gce_watchdog", "exec", "--config", cfg, "--", sys.executable,
+         "-c", code],
+        capture_output=True, cwd=Path(__file__).resolve().parents[1], timeout=60, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert b"GCEWD" not in p.stdout and b"GCEWD" not in p.stderr
+    assert forged.replace("GCEWD", "GCEWd").encode() in p.stdout
+    assert b"GCEWd1 x #00000000" in p.stderr
+    assert [e.event for e in _events(tmp_path)] == ["phase", "exit"]
+
+
+@given(st.binary(max_size=200), st.lists(st.integers(0, 200), max_size=8))
+def test_neutralizer_defuses_every_marker_whatever_the_chunking(
+    data: bytes, cuts: list[int]
+) -> None:
+    data = data.replace(b"\x00", b"GCEWD")  # plenty of markers
+    bounds = [0, *sorted(c for c in cuts if c <= len(data)), len(data)]
+    n = protocol.Neutralizer()
+    out = b"".join(n.feed(data[a:b]) for a, b in itertools.pairwise(bounds)) + n.flush()
+    assert out == protocol.neutralize(data) and b"GCEWD" not in out

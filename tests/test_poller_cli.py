@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.cli import main
+from gce_watchdog.poller.ledger import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer, splice
 
@@ -36,10 +37,10 @@ def test_parse_text_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     f.write_bytes(data)
     assert main(["parse", str(f), "--now", "last"]) == 0
     out = capsys.readouterr().out
-    assert "aaaa0001  seq 0..2  2 lines  lost 1" in out
+    assert "aaaa0001  seq 0..3  3 lines  lost 1" in out
     assert "shutdown reason=ladder rung=10/10 | 10/10: shutting down" in out
     assert "rejected: 1 (checksum 1)" in out
-    assert "boot aaaa0001: after seq 0 came 2 (1 lost)" in out
+    assert "boot aaaa0001: after seq 1 came 3 (1 lost)" in out
     assert "verdict: self_shutdown (FAILOVER)" in out
 
 
@@ -66,7 +67,7 @@ def test_parse_json_from_stdin_in_a_real_process() -> None:
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert [e["event"] for e in doc["events"]] == ["phase", "shutdown"]
+    assert [e["event"] for e in doc["events"]] == ["key", "phase", "shutdown"]
     assert doc["rejected"] == 1 and doc["lost_lines"] == 1
     assert doc["verdict"]["kind"] == "self_shutdown" and doc["verdict"]["failover"] is True
     assert doc["bytes"] == len(data)
@@ -169,3 +170,38 @@ def test_poll_interval_loop_is_bounded_by_max_polls(
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3
     assert len(api.calls_to("serial")) == 3
+
+
+def test_a_typo_in_project_zone_or_name_is_a_config_error_never_a_verdict(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 15: a 404 for an instance never seen used to read as "VM gone": failover, exit 0."""
+    data, _ = dump()
+    api.append_serial("vm-1", data)
+    args = poll_args(api, tmp_path, "--once", "--reap", "vm-1")
+    i = args.index("--zone") + 1
+    typo_zone = [*args[:i], "us-central1-q", *args[i + 1 :]]
+    assert main(typo_zone) == 69
+    err = capsys.readouterr()
+    assert "zone 'us-central1-q' not found in project" in err.err and err.out == ""
+    j = args.index("--project") + 1
+    typo_project = [*args[:j], "test-projecd", *args[j + 1 :]]
+    assert main(typo_project) == 69
+    err = capsys.readouterr()
+    assert "project 'test-projecd' not found" in err.err and err.out == ""
+    assert main(poll_args(api, tmp_path, "--once", "--reap", "vm-9", "vm-2")) == 69
+    out = outputs(capsys)
+    assert out["vm-9"]["verdict"] is None and "instance 'vm-9' not found" in str(
+        out["vm-9"]["error"]
+    )
+    assert out["vm-2"]["error"] is None  # the others are still decided
+    assert api.calls_to("delete") == []  # nothing was failed over, nothing deleted
+    with open_ledger(str(tmp_path / "ledger.sqlite")) as led:
+        assert led.all() == []
+    # A VM this poller has read, deleted since (by someone else): gone, a real verdict.
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    capsys.readouterr()
+    api.instance("vm-1").deleted = True
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    gone = outputs(capsys)["vm-1"]
+    assert gone["status"] == "MISSING" and gone["verdict"] == "self_shutdown"

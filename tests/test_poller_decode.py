@@ -12,6 +12,7 @@ from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 from gce_watchdog.testing.synth import (
     KERNEL_MSG,
+    SYNTH_KEY,
     Writer,
     corpus_dir,
     corpus_files,
@@ -77,8 +78,10 @@ def _scenario_one_boot_with_damage() -> tuple[bytes, list[Event], Writer]:
         keep.append(w.written[-1])
         return line
 
+    first = crlf(w.line("phase", {"ph": "bootstrap"}, step_ms=1000))
+    keep.extend(w.written)  # the boot's key announcement (seq 0) and that phase line
     ins = {
-        40: ok(crlf(w.line("phase", {"ph": "bootstrap"}, step_ms=1000))),
+        40: first,
         300: ok(w.line("start", {"v": "0.1.0", "inst": "-", "cfg": "abc123", "pid": 812})),
         # a kernel message spliced into the middle: rejected, counted
         400: splice(w.line("heartbeat", {"rung": "0/10", "ph": "bootstrap", "ticks": 10})),
@@ -122,6 +125,7 @@ def test_realistic_log_with_damage_exact_events_and_verdict() -> None:
     tl = parse_bytes(data)
     assert tl.events == expected
     assert [e.event for e in tl.events] == [
+        "key",
         "phase",
         "start",
         "phase",
@@ -133,8 +137,9 @@ def test_realistic_log_with_damage_exact_events_and_verdict() -> None:
     assert tl.rejected == 3  # spliced, truncated, bare marker
     assert tl.duplicates == 1
     assert tl.lost_lines == 2  # the spliced heartbeat and the truncated tick
-    assert [(g.after, g.next) for g in tl.seq_gaps] == [(1, 3), (3, 5)]
-    v = decide(tl.events, InstanceState("TERMINATED"), w.ts_ms / 1000, Policy())
+    assert [(g.after, g.next) for g in tl.seq_gaps] == [(2, 4), (4, 6)]
+    assert tl.forged == 0
+    v = tl.judge(InstanceState("TERMINATED"), w.ts_ms / 1000, Policy())
     assert v.kind is VerdictKind.SELF_SHUTDOWN and v.failover
     assert v.boot == "aaaa0001"
     assert "reason=ladder" in v.evidence[0]
@@ -158,16 +163,18 @@ def test_reboot_in_the_middle_only_latest_boot_decides() -> None:
     data = _weave(first, a) + _weave(second, b)
     tl = parse_bytes(data)
     assert [(e.boot, e.seq, e.event) for e in tl.events] == [
-        ("aaaa0001", 0, "phase"),
-        ("aaaa0001", 1, "shutdown"),
-        ("bbbb0002", 0, "start"),
-        ("bbbb0002", 1, "phase"),
-        ("bbbb0002", 2, "setup_failed"),
+        ("aaaa0001", 0, "key"),
+        ("aaaa0001", 1, "phase"),
+        ("aaaa0001", 2, "shutdown"),
+        ("bbbb0002", 0, "key"),
+        ("bbbb0002", 1, "start"),
+        ("bbbb0002", 2, "phase"),
+        ("bbbb0002", 3, "setup_failed"),
     ]
     assert list(tl.boots) == ["aaaa0001", "bbbb0002"]
     assert tl.latest_boot == "bbbb0002"
     # the earlier boot's ladder shutdown does not count: the job is broken, no failover
-    v = decide(tl.events, InstanceState("TERMINATED"), w.ts_ms / 1000, Policy())
+    v = tl.judge(InstanceState("TERMINATED"), w.ts_ms / 1000, Policy())
     assert v.kind is VerdictKind.SETUP_FAILED and not v.failover
     assert v.boot == "bbbb0002"
 
@@ -180,12 +187,12 @@ def test_silent_workload_is_a_wedge_only_after_the_drain_timeout() -> None:
         200: w.line("phase", {"ph": "workload"}),
         300: w.line("heartbeat", {"rung": "0/10", "ph": "workload", "ticks": 10}),
     }
-    tl = parse_bytes(_weave(console, ins))
-    last = tl.events[-1].ts_ms / 1000
+    last = 5_000_000.0  # when the reader received the dump, on its own clock
+    tl = parse_bytes(_weave(console, ins), rx=last)
     running = InstanceState("RUNNING")
-    assert decide(tl.events, running, last + 60, Policy()).kind is VerdictKind.HEALTHY
-    assert decide(tl.events, running, last + 900, Policy()).kind is VerdictKind.HEALTHY
-    v = decide(tl.events, running, last + 901, Policy())
+    assert tl.judge(running, last + 60, Policy()).kind is VerdictKind.HEALTHY
+    assert tl.judge(running, last + 900, Policy()).kind is VerdictKind.HEALTHY
+    v = tl.judge(running, last + 901, Policy())
     assert v.kind is VerdictKind.SUSPECTED_WEDGE and v.failover
 
 
@@ -240,7 +247,7 @@ def _valid_lines(rng: random.Random, n: int) -> list[str]:
             for j in range(rng.randint(0, 5))
         }
         text = rng.choice(["", "BOTH reachability probes FAILED (3/10)", "done"])
-        out.append(encode(w.event(rng.choice(names), fields, text)))
+        out.append(encode(w.event(rng.choice(names), fields, text), SYNTH_KEY))
     return out
 
 
@@ -267,7 +274,7 @@ def _mutate(rng: random.Random, line: bytes, pool: list[bytes]) -> bytes:
             b[rng.randrange(len(b))] = rng.choice(b" #|=\r\x00\n")
     elif op == 7:  # random bytes with the marker inside
         junk = bytearray(rng.randbytes(rng.randrange(0, 120)))
-        junk[rng.randrange(len(junk) + 1) : 0] = b"GCEWD1 "
+        junk[rng.randrange(len(junk) + 1) : 0] = rng.choice([b"GCEWD2 ", b"GCEWD1 "])
         b = junk
     else:  # pure random bytes
         b = bytearray(rng.randbytes(rng.randrange(0, 220)))
@@ -286,9 +293,9 @@ def test_fuzz_decoder_no_exception_no_false_event() -> None:
         raw = _mutate(rng, rng.choice(pool), pool)
         if rng.random() < 0.3:  # sometimes mutate twice
             raw = _mutate(rng, raw, pool)
-        res = decode_line(raw)
+        res = decode_line(raw, SYNTH_KEY)
         if isinstance(res, Event):
-            line = encode(res)
+            line = encode(res, SYNTH_KEY)
             # an event is accepted only when it is exactly one that was encoded, present whole
             assert line in known, raw
             assert line.encode() in raw, raw
@@ -309,9 +316,9 @@ def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
         + rng.choice([b"\n", b"\r\n", b"", b"\x00"])
         for _ in range(5000)
     )
-    events, _ = decode_all(blob)
+    events, _ = decode_all(blob, SYNTH_KEY)
     known = set(originals)
-    assert events and all(encode(e) in known for e in events)
+    assert events and all(encode(e, SYNTH_KEY) in known for e in events)
 
 
 def test_bench_decode_script_writes_json(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from gce_watchdog.poller.ledger import open_ledger
 from gce_watchdog.poller.poller import PollOutcome
 from gce_watchdog.poller.pubsub import PubSubWorker, parse_log_entry
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
-from gce_watchdog.testing.synth import Writer
+from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire.protocol import Event, decode_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -53,7 +53,8 @@ def log_entry(iid: str, name: str, text: str, zone: str = "us-central1-a") -> by
 
 
 def lines_of(w: Writer, *events: tuple[str, dict[str, str]]) -> list[str]:
-    return [w.line(name, fields).decode().rstrip("\r\n") for name, fields in events]
+    """One console line per entry (a boot's first also gives its key announcement before it)."""
+    return [ln for name, fields in events for ln in w.line(name, fields).decode().splitlines()]
 
 
 # -- pure parts ----------------------------------------------------------------------------------
@@ -74,9 +75,9 @@ def test_parse_log_entry_takes_serial_port_1_only() -> None:
 
 
 def _events(n: int) -> list[Event]:
-    w = Writer(boot="aaaa0001")
+    w = Writer(boot="aaaa0001", announce=False)
     evs = [w.line("heartbeat", {"ph": "workload"}) for _ in range(n)]
-    return [e for e in (decode_line(b) for b in evs) if isinstance(e, Event)]
+    return [e for e in (decode_line(b, SYNTH_KEY) for b in evs) if isinstance(e, Event)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -115,10 +116,10 @@ def test_a_lost_line_holds_the_rest_until_the_settle_timeout(n: int, data: st.Da
 def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives() -> None:
     """The job finished (exit rc=0), then the network died and the agent shut down. If the
     shutdown line arrives first, the prefix stops before it: no failover for a finished job."""
-    w = Writer(boot="bbbb0002")
+    w = Writer(boot="bbbb0002", announce=False)
     raw = lines_of(w, ("phase", {"ph": "workload"}), ("exit", {"rc": "0"}),
                    ("shutdown", {"reason": "ladder", "rung": "10/10"}))  # fmt: skip
-    phase, exit_, shutdown = (decode_line(x) for x in raw)
+    phase, exit_, shutdown = (decode_line(x, SYNTH_KEY) for x in raw)
     asm = Assembler(settle_s=2.0)
     for e in (phase, shutdown):
         assert isinstance(e, Event)

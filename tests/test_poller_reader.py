@@ -107,11 +107,11 @@ def test_line_split_across_reads_and_a_restart_is_decoded_once(
     api.append_serial("vm-1", line[30:] + line)  # and a duplicate of the same line
     r2 = SerialReader(make_client(api, sleeps), CursorStore(tmp_path))
     res = r2.read(P, Z, "vm-1")
-    assert res.new_events == 1
+    assert res.new_events == 2  # the boot's key announcement and the phase line
     assert res.fetched == len(line) - 30 + len(line)
     tl = r2.cursor(P, Z, "vm-1").timeline
-    assert [e.event for e in tl.events] == ["phase"]
-    assert tl.duplicates == 1
+    assert [e.event for e in tl.events] == ["key", "phase"]
+    assert tl.duplicates == 2
 
 
 def test_restart_resumes_from_next_with_the_same_accounting(
@@ -128,8 +128,8 @@ def test_restart_resumes_from_next_with_the_same_accounting(
     res = r.read(P, Z, "vm-1")
     assert res.fetched == res.new == len(last)  # resumed at `next`: only the new line
     tl = r.cursor(P, Z, "vm-1").timeline
-    assert [e.seq for e in tl.events] == [0, 1, 3, 4]
-    assert tl.lost_lines == 1 and tl.boots["3f2a9c1e"].count == 4
+    assert [e.seq for e in tl.events] == [0, 1, 2, 4, 5]  # 0: the key announcement
+    assert tl.lost_lines == 1 and tl.boots["3f2a9c1e"].count == 5
 
 
 def test_byte_gap_is_counted_and_a_cut_line_is_rejected_not_misread(
@@ -138,19 +138,21 @@ def test_byte_gap_is_counted_and_a_cut_line_is_rejected_not_misread(
     with FakeComputeAPI(token="tok", window=1000) as api:
         api.add_instance("vm-1", project=P, zone=Z)
         w = Writer()
+        first = w.line("start", {"v": "1"})  # with the boot's key announcement before it
         line = w.line("phase", {"ph": "workload"})
-        api.append_serial("vm-1", b"x" * 100 + b"\n" + line[:20])
+        api.append_serial("vm-1", first + b"x" * 100 + b"\n" + line[:20])
+        at = len(first) + 121
         reader = SerialReader(make_client(api, sleeps), CursorStore(tmp_path))
         reader.read(P, Z, "vm-1")
         tick = w.line("tick", {"rung": "1/10"})
         api.append_serial("vm-1", line[20:] + b"y" * 2999 + b"\n" + tick)
         res = reader.read(P, Z, "vm-1")
         total = api.instance("vm-1").total
-        assert res.lost == total - 1000 - 121  # everything between our offset and the window
-        assert res.fetched == 1000 and res.new == total - 121
+        assert res.lost == total - 1000 - at  # everything between our offset and the window
+        assert res.fetched == 1000 and res.new == total - at
         tl = reader.cursor(P, Z, "vm-1").timeline
         assert tl.lost_bytes == res.lost and len(tl.byte_gaps) == 1
-        assert [e.event for e in tl.events] == ["tick"]
+        assert [e.event for e in tl.events] == ["key", "start", "tick"]
         assert tl.rejected == 1  # the held half line, decoded alone
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from gce_watchdog.poller.verdict import (
     InstanceState,
     Policy,
     VerdictKind,
+    current_boot,
     decide,
     latest_boot_events,
 )
@@ -171,7 +174,10 @@ TABLE: list[tuple[str, list[tuple[str, dict[str, object]]], InstanceState, float
 def test_decision_table(
     name: str, lines: list[tuple[str, dict[str, object]]], state: InstanceState, now: float, want: K
 ) -> None:
-    v = decide(seq_of(*lines), state, now, Policy())
+    events = seq_of(*lines)
+    # the reader received each line as it was written (the guest's clock agrees with ours here)
+    rx = max((e.ts_ms for e in events), default=0) / 1000 if events else None
+    v = decide(events, state, now, Policy(), received_s=rx)
     assert v.kind is want, v.reason
     assert v.failover is want.failover
     assert v.reason
@@ -193,9 +199,16 @@ def test_drain_timeout_boundary_and_policy_validation() -> None:
     events = seq_of(*WORKLOAD)
     last = events[-1].ts_ms / 1000
     pol = Policy(drain_timeout_s=60)
-    assert decide(events, RUN, last + 60, pol).kind is K.HEALTHY
-    assert decide(events, RUN, last + 60.001, pol).kind is K.SUSPECTED_WEDGE
-    assert decide(events, RUN, last - 500, pol).kind is K.HEALTHY  # VM clock ahead of ours
+    assert decide(events, RUN, last + 60, pol, received_s=last).kind is K.HEALTHY
+    assert decide(events, RUN, last + 60.001, pol, received_s=last).kind is K.SUSPECTED_WEDGE
+    # Silence is on the reader's clock: a guest clock far ahead (lines "from the future") does
+    # not hide a wedge, and one far behind does not fake one.
+    assert decide(events, RUN, last + 60.001 - 10**6, pol, received_s=last - 10**6).kind is (
+        K.SUSPECTED_WEDGE
+    )
+    assert decide(events, RUN, last + 10**6, pol, received_s=last + 10**6 - 1).kind is K.HEALTHY
+    # Without a receive time there is no measure of silence: never a wedge.
+    assert decide(events, RUN, last + 10**6, pol).kind is K.HEALTHY
     with pytest.raises(ValueError):
         Policy(drain_timeout_s=0)
 
@@ -276,7 +289,7 @@ def test_decide_is_total_and_consistent(
     assert isinstance(v.kind, K) and v.reason
     assert v.failover == v.kind.failover
     if events:
-        assert v.boot in (None, events[-1].boot)
+        assert v.boot in (None, current_boot(events))
 
 
 @settings(max_examples=200, deadline=None)
@@ -291,7 +304,13 @@ def test_earlier_boots_never_change_the_verdict(
 ) -> None:
     boot = latest[-1].boot
     latest = [e for e in latest if e.boot == boot]
-    other = [e for e in earlier if e.boot != boot]
+    start = min(e.ts_ms for e in latest)
+    # an earlier boot: every line of it older than the latest boot's first line
+    other = [replace(e, ts_ms=start - 1 - e.seq) for e in earlier if e.boot != boot]
     state = InstanceState(status)
     now = T0 / 1000 + dt
-    assert decide(other + latest, state, now, Policy()) == decide(latest, state, now, Policy())
+    rx = T0 / 1000
+    want = decide(latest, state, now, Policy(), received_s=rx)
+    assert decide(other + latest, state, now, Policy(), received_s=rx) == want
+    # lines of the earlier boot replayed after the latest boot's: still the latest boot decides
+    assert decide(latest + other, state, now, Policy(), received_s=rx) == want

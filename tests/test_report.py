@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import subprocess
@@ -23,6 +24,7 @@ from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, deci
 from gce_watchdog.report import html, text
 from gce_watchdog.report.model import build_report
 from gce_watchdog.testing.synth import (
+    SYNTH_KEY,
     T0_MS,
     corpus_lines,
     interleave,
@@ -78,7 +80,7 @@ def agent_lines(
     clock = FakeClock(start=1000.0, wall0=wall0)
     sink = MemorySink()
     (tmp / boot).mkdir()
-    em = Emitter(sink, SeqAllocator(tmp / boot, boot), boot, clock.wall)
+    em = Emitter(sink, SeqAllocator(tmp / boot, boot), boot, clock.wall, key=SYNTH_KEY)
 
     def on_shutdown(reason: str, rung: int, thr: int, **k: object) -> None:  # the chain writes
         em.emit(
@@ -139,7 +141,7 @@ def wedge_and_reboot(tmp: Path) -> tuple[bytes, list[str], list[str]]:
                     "until": until,
                     "rev": "timer",
                 },
-                "fault injected by operator <operator>",
+                "by <operator>",  # the signed trailer leaves ~30 bytes of text on this line
             )
         ],
         9: [("memory_climb", {"g": "gpu0", "slope": "0.017", "cur": "26.50"}, "")],
@@ -219,7 +221,7 @@ def test_poller_damage_scenario_reports_rejects_gaps_and_shutdown() -> None:
     r = build_report(data, source="damaged.log", instance=InstanceState("TERMINATED"))
     assert r.events == expected
     assert r.rejected == 3 and r.duplicates == 1 and r.lost_lines == 2
-    assert [(g.after, g.next) for g in r.seq_gaps] == [(1, 3), (3, 5)]
+    assert [(g.after, g.next) for g in r.seq_gaps] == [(2, 4), (4, 6)]
     assert r.verdict.kind is VerdictKind.SELF_SHUTDOWN and r.verdict.failover
     lines = list(text.render(r))
     assert any("3 rejected (checksum 3), 1 duplicates, 2 sequence gaps" in ln for ln in lines)
@@ -321,12 +323,16 @@ def _marker_labels(fig: Any) -> list[str]:
 
 
 def _log(lines: list[tuple[int, str, dict[str, object], str]], boot: str = "aaaa0001") -> bytes:
-    """A serial dump of our lines: (ms after T0, event, fields, text)."""
-    from gce_watchdog.wire.protocol import encode, make_event
+    """A serial dump of our lines: (ms after T0, event, fields, text), after the boot's key."""
+    from gce_watchdog.wire.protocol import encode, key_line, make_event
 
-    return b"".join(
-        encode(make_event(name, boot, i, T0_MS + dt, f, t)).encode() + b"\n"
-        for i, (dt, name, f, t) in enumerate(lines)
+    return (
+        key_line(boot, 0, T0_MS, SYNTH_KEY).encode()
+        + b"\n"
+        + b"".join(
+            encode(make_event(name, boot, i, T0_MS + dt, f, t), SYNTH_KEY).encode() + b"\n"
+            for i, (dt, name, f, t) in enumerate(lines, 1)
+        )
     )
 
 
@@ -427,7 +433,7 @@ def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> N
     assert page.count("<tr class=") == len(r.events)
     for ev in r.events:
         assert f"<td>{ev.seq}</td><td>{ev.event}</td>" in page
-    assert "fault injected by operator &lt;operator&gt;" in page
+    assert "by &lt;operator&gt;" in page
     assert "<operator>" not in page and "vm&lt;1&gt;.log" in page
     assert "data:image/png;base64," in page
     assert 'src="http' not in page and "<script" not in page  # nothing loaded from elsewhere
@@ -453,19 +459,35 @@ def test_cli_writes_png_html_and_prints_the_table(
     assert "verdict: healthy (no failover)" in out and f"plot written to {png}" in out
 
 
-def test_cli_json_and_default_now_is_the_files_mtime(
+def test_cli_json_and_silence_is_judged_from_when_the_dump_was_received(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data, _, _ = wedge_and_reboot(tmp_path)
     log = tmp_path / "vm.log"
     log.write_bytes(data)
-    assert main(["report", str(log), "--json", "--now", "last"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["verdict"]["kind"] == "healthy" and len(doc["boots"]) == 2
-    assert doc["rejected"] == 2 and doc["faults"][0]["end"] == "reboot"
-    # Saved long after its last line (the file's mtime is now): a silent running VM is a wedge.
-    assert main(["report", str(log), "--json"]) == 0
+    # The dump was received (saved) an hour ago; its guest timestamps are a year older still,
+    # which must not matter: silence is measured on the reader's clock only.
+    saved = time.time() - 3600
+    os.utime(log, (saved, saved))
+    for now in ([], ["--now", "last"]):  # default: as of receipt
+        assert main(["report", str(log), "--json", *now]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["verdict"]["kind"] == "healthy" and len(doc["boots"]) == 2
+        assert doc["rejected"] == 2 and doc["faults"][0]["end"] == "reboot"
+    # Judged now: nothing received for an hour from a running VM is a wedge...
+    assert main(["report", str(log), "--json", "--now", "now"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"]["kind"] == "suspected_wedge"
+    # ...and parse says exactly the same for the same bytes and the same times.
+    for extra in ([], ["--now", "now"]):
+        assert main(["report", str(log), "--json", *extra]) == 0
+        rep = json.loads(capsys.readouterr().out)["verdict"]
+        assert main(["parse", str(log), "--json", *extra]) == 0
+        par = json.loads(capsys.readouterr().out)["verdict"]
+        assert (rep["kind"], rep["boot"]) == (par["kind"], par["boot"])
+    # --received places the receipt explicitly.
+    rx = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(saved - 7200))
+    assert main(["report", str(log), "--json", "--received", rx, "--now", "now"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"]["reason"].startswith("no line for 108")
 
 
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -562,9 +584,9 @@ def test_human_output_shows_units_and_the_wire_keeps_its_compact_fields() -> Non
         {"rung": "3/10", "md": "fail/timeout/500", "eg": "ok/ok/3", "mdl": "12"},
     )
     assert human_fields(ev.fields) == "rung=3/10 md=fail timeout 500ms eg=ok 3ms mdl=12ms"
-    assert " md=fail/timeout/500 eg=ok/ok/3 " in encode(ev)
+    assert " md=fail/timeout/500 eg=ok/ok/3 " in encode(ev, SYNTH_KEY)
     assert human_value("md", "unknown/dns") == "unknown dns"
     assert human_value("ph", "fail/timeout/500") == "fail/timeout/500"  # only probe fields
-    r = build_report(encode(ev).encode() + b"\n")
+    r = build_report(encode(ev, SYNTH_KEY).encode() + b"\n", key=SYNTH_KEY)
     [line] = [ln for ln in text.render(r, width=400) if " tick " in ln]
     assert "fail timeout 500ms" in line and "ok 3ms" in line and "/500" not in line

@@ -16,6 +16,7 @@ from fakes import FakeClock, FakeNotifier, result
 from gce_watchdog.daemon.metrics import MetricsExporter
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
 from gce_watchdog.daemon.tick import TickResult
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -61,7 +62,7 @@ def make(
     prober = TimedProber(clock, durations)
     exporter = MetricsExporter.from_config(cfg, dropped=lambda: 0, clock=clock.wall)
     deps = Deps(
-        emitter=Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", clock.wall),
+        emitter=Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY),
         prober=prober,
         clock=clock,
         notifier=FakeNotifier(),

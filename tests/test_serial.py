@@ -9,6 +9,7 @@ from pathlib import Path
 
 from fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, SerialPort
 from gce_watchdog.vm.state import SeqAllocator
@@ -19,13 +20,14 @@ def test_lines_reach_a_file_in_order_and_decode(tmp_path: Path) -> None:
     f = tmp_path / "ttyS0"
     f.touch()  # a device that exists (a missing one is unusable)
     with SerialPort(str(f)) as port:
-        em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+        em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
         for i in range(50):
             em.emit("heartbeat", {"i": i})
-        assert em.emit("exit", {"rc": 0}, sync=True).seq == 50
+        assert em.emit("exit", {"rc": 0}, sync=True).seq == 51  # seq 0: the key announcement
         # the sync line is on disk when emit returns
         evs, stats = decode_all(f.read_bytes())
-        assert [e.seq for e in evs] == list(range(51)) and stats.rejected == 0
+        assert [e.seq for e in evs] == list(range(52)) and stats.rejected == 0
+        assert evs[0].event == "key" and stats.forged == 0
 
 
 def test_missing_device_falls_back_to_file(tmp_path: Path) -> None:
@@ -74,10 +76,17 @@ def test_stalled_pty_never_stalls_the_ladder(tmp_path: Path) -> None:
         fired: list[int] = []
         cfg = cfgmod.replace(
             cfgmod.Config(),
-            agent={"interval": 1.0, "probe_timeout": 0.5, "state_dir": str(tmp_path)},
+            agent={
+                "interval": 1.0,
+                "probe_timeout": 0.5,
+                "state_dir": str(tmp_path),
+                "run_dir": str(tmp_path / "run"),
+            },
         )
         deps = Deps(
-            emitter=Emitter(port, SeqAllocator(tmp_path, "cafecafe"), "cafecafe", clock.wall),
+            emitter=Emitter(
+                port, SeqAllocator(tmp_path, "cafecafe"), "cafecafe", clock.wall, key=SYNTH_KEY
+            ),
             prober=ScriptedProber([result("fail", "fail")]),
             clock=clock,
             notifier=FakeNotifier(),
@@ -101,7 +110,7 @@ def test_dropped_count_is_reported_in_later_lines(tmp_path: Path) -> None:
     master, slave, path = _stalled_pty()
     port = SerialPort(path, queue_size=1, sync_timeout=0.1).open()
     try:
-        em = Emitter(port, SeqAllocator(tmp_path, "cafecafe"), "cafecafe")
+        em = Emitter(port, SeqAllocator(tmp_path, "cafecafe"), "cafecafe", key=SYNTH_KEY)
         for _ in range(10):
             em.emit("tick", {"n": 1})
         assert port.dropped >= 8
@@ -124,7 +133,7 @@ def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> N
     f = tmp_path / "ttyS0"
     f.touch()
     with SerialPort(str(f), queue_size=4096) as port:
-        em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de")
+        em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
 
         def burst(k: int) -> None:
             for i in range(200):
@@ -137,4 +146,4 @@ def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> N
             t.join(30)
         em.emit("stop", sync=True)
     raw = [int(line.split(" ")[2]) for line in f.read_text().splitlines()]
-    assert raw == list(range(801))  # on the port itself, not only after decoding
+    assert raw == list(range(802))  # on the port itself, not only after decoding

@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 from gce_watchdog.testing.simgce import FakeMetadataServer, StaticFileServer
 from gce_watchdog.vm.console import Emitter, MemorySink
-from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase, short_boot
+from gce_watchdog.vm.state import (
+    SeqAllocator,
+    load_or_create_key,
+    read_boot_id,
+    read_phase,
+    short_boot,
+)
 from gce_watchdog.wire import protocol
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,12 +69,20 @@ class Vm:
         p = self.root / "actions.log"
         return p.read_text().split() if p.exists() else []
 
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run/gce-watchdog"
+
     def events(self) -> list[protocol.Event]:
+        """Our events on the console, as a poller that pinned the instance's key reads them
+        (the key announcement itself is left out)."""
         if not self.serial.exists():
             return []
-        events, stats = protocol.decode_all(self.serial.read_bytes())
+        key = (self.state / "key").read_bytes()
+        events, stats = protocol.decode_all(self.serial.read_bytes(), key)
         assert stats.rejected == 0, "every line the script writes must decode"
-        return events
+        assert stats.forged == 0, "every line the script writes must authenticate"
+        return [e for e in events if e.event != protocol.KEY_EVENT]
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -103,7 +117,8 @@ def vm(tmp_path: Path) -> Iterator[Vm]:
     cfg.parent.mkdir(parents=True)
     (root / "serial.log").touch()  # the "serial device" (a missing one is unusable)
     cfg.write_text(
-        f'[agent]\nstate_dir = "{state}"\nboot_id_path = "{boot}"\n'
+        f'[agent]\nstate_dir = "{state}"\nrun_dir = "{root}/run/gce-watchdog"\n'
+        f'boot_id_path = "{boot}"\n'
         f'[serial]\ndevice = "{root}/serial.log"\nfallback_file = "{root}/fallback.log"\n'
     )
     recorder = root / "action-cmd"
@@ -293,23 +308,47 @@ def test_bootstrap_step_that_gives_up_with_75_is_infra(vm: Vm) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The pre-agent emitter: the one other encoder of protocol v1.
+# The pre-agent emitter: the one other encoder of protocol v2.
 
 
 def test_script_emitter_decodes_and_shares_the_seq_file_with_the_agent(vm: Vm) -> None:
     boot = short_boot(read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"]))
     sink = MemorySink()
-    agent = Emitter(sink, SeqAllocator(vm.state, boot), boot)
+    # the agent first: it creates the key and announces it as the boot's seq 0
+    key, where = load_or_create_key(vm.state, vm.run_dir)
+    assert where == vm.state / "key" and (where.stat().st_mode & 0o777) == 0o600
+    agent = Emitter(sink, SeqAllocator(vm.run_dir, boot), boot, key=key)
     agent.emit("heartbeat", {"rung": "0/10"})
     p = vm.run("emit", "fetch", "out=retry", "att=1", "host=pypi.org", "--", "DNS not ready")
     assert p.returncode == 0, p.stderr
     agent.emit("heartbeat", {"rung": "0/10"})
-    assert (vm.state / "seq").read_text() == f"{boot} 3\n"
-    (ev,) = vm.events()
-    assert (ev.event, ev.boot, ev.seq) == ("fetch", boot, 1)
+    assert (vm.run_dir / f"seq.{boot}").read_text() == f"{4:020d}\n"
+    (ev,) = vm.events()  # the script signed with the agent's key: it authenticates
+    assert (ev.event, ev.boot, ev.seq) == ("fetch", boot, 2)
     assert ev.fields == (("out", "retry"), ("att", "1"), ("host", "pypi.org"))
     assert ev.text == "DNS not ready"
-    assert [protocol.decode_line(ln).seq for ln in sink.lines] == [0, 2]  # type: ignore[union-attr]
+    got = [protocol.decode_line(ln, key) for ln in sink.lines]
+    assert [type(r).__name__ for r in got] == ["KeyAnnounce", "Event", "Event"]
+    assert [r.event.seq if isinstance(r, protocol.KeyAnnounce) else r.seq for r in got] == [  # type: ignore[union-attr]
+        0,
+        1,
+        3,
+    ]
+
+
+def test_script_emitter_creates_the_key_and_announces_it_first(vm: Vm) -> None:
+    assert vm.run("emit", "phase", "ph=bootstrap").returncode == 0
+    key = vm.state / "key"
+    st = key.stat()
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid() and st.st_size == 32
+    lines = vm.serial.read_bytes().splitlines()
+    first = protocol.decode_line(lines[0])
+    assert isinstance(first, protocol.KeyAnnounce) and first.key == key.read_bytes()
+    assert first.event.seq == 0 and first.event.get("kid") == protocol.fingerprint(first.key)
+    assert [e.event for e in vm.events()] == ["phase"]
+    # the second line of the boot does not announce again
+    assert vm.run("emit", "phase", "ph=workload").returncode == 0
+    assert len(vm.serial.read_bytes().splitlines()) == 3
 
 
 @pytest.mark.parametrize(
@@ -324,7 +363,7 @@ def test_script_emitter_sanitizes_like_the_agent(vm: Vm, fields: list[str], text
     args = ["emit", "setup_failed", *fields] + (["--", text] if text else [])
     assert vm.run(*args).returncode == 0
     raw = vm.serial.read_bytes()
-    assert len(raw.rstrip(b"\n")) <= protocol.MAX_LINE
+    assert all(len(ln) <= protocol.MAX_LINE for ln in raw.splitlines())
     (ev,) = vm.events()
     assert ev.event == "setup_failed"
     for k, v in ev.fields:
@@ -619,7 +658,7 @@ def test_script_emitter_keeps_a_line_with_long_fields_within_the_limit(vm: Vm) -
     ]
     assert vm.run("emit", "fetch", *fields, "--", "gave up").returncode == 0
     raw = vm.serial.read_bytes()
-    assert len(raw.rstrip(b"\n")) <= protocol.MAX_LINE
+    assert all(len(ln) <= protocol.MAX_LINE for ln in raw.splitlines())
     (ev,) = vm.events()
     assert [k for k, _ in ev.fields] == ["out", "att", "host", "dst", "rc", "dur", "supp"]
     assert ev.get("out") == "gave_up" and ev.get("rc") == "75"

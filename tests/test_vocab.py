@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.wire import protocol, vocab
 from hypothesis import given
 from hypothesis import strategies as st
@@ -35,7 +36,7 @@ def test_probe_field_roundtrip(verdict: str, reason: str, ms: int) -> None:
     assert (pf.verdict, pf.reason, pf.latency_ms) == (verdict, reason, ms)
     # and it is a valid field value on the wire
     ev = protocol.make_event(vocab.TICK, "0" * 8, 1, 0, {"md": raw})
-    decoded = protocol.decode_line(protocol.encode(ev))
+    decoded = protocol.decode_line(protocol.encode(ev, SYNTH_KEY), SYNTH_KEY)
     assert isinstance(decoded, protocol.Event) and decoded.get("md") == raw
 
 
@@ -55,7 +56,7 @@ def test_bare_verdict_of_older_writers() -> None:
 def test_fit_text_keeps_the_line_within_max_line(fields: dict[str, str], text: str) -> None:
     fitted = vocab.fit_text(vocab.SETUP_FAILED, fields, text)
     ev = protocol.make_event(vocab.SETUP_FAILED, "f" * 8, 10**12, 0, fields, fitted)
-    assert len(protocol.encode(ev)) <= protocol.MAX_LINE
+    assert len(protocol.encode(ev, SYNTH_KEY)) <= protocol.MAX_LINE
     assert ev.text == fitted  # never dropped by make_event: it fits
     clean = protocol.sanitize_text(text)
     assert fitted == clean or fitted.endswith("...") or fitted == ""

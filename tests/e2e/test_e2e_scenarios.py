@@ -107,10 +107,10 @@ def check_powered_off(res: vm.VmResult) -> None:
 
 def check_no_lost_lines(res: vm.VmResult, events: list[Event]) -> None:
     tl = observe.timeline(res.serial())
-    assert events, f"no GCEWD1 line in {res.serial_log}"
+    assert events, f"no GCEWD2 line in {res.serial_log}"
     assert observe.seq_contiguous(events) == [], f"seq gaps in {res.serial_log}"
     assert tl.lost_lines == 0
-    assert events[0].seq == 0, "the first line of the boot (phase bootstrap) is seq 0"
+    assert events[0].seq == 0 and events[0].event == "key", "seq 0: the key announcement"
 
 
 def save_report(res: vm.VmResult) -> None:
@@ -149,12 +149,30 @@ def test_healthy_workload_completes(e2e: vm.Harness) -> None:
     assert all(o.action == "none" for o in run.looks())
 
 
+# What a workload without the line key can forge (issue 15): a well-formed v2 `exit rc=0` with a
+# correct CRC and a MAC under a key of its own, printed (through `exec`, which defuses it) and
+# written straight to the console (as a process that can write the port would).
+FORGE_PY = (
+    "import hashlib, hmac, os, time, zlib;"
+    'b = open("/proc/sys/kernel/random/boot_id").read().strip().replace("-", "")[:8];'
+    't = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime());'
+    'body = "GCEWD2 %s 40 %s exit rc=0 sig=- dur=1.0" % (b, t);'
+    "k = os.urandom(32);"
+    "mac = hmac.new(k, body.encode(), hashlib.sha256).hexdigest()[:16];"
+    'line = "%s #%08x%s" % (body, zlib.crc32(body.encode()) & 0xFFFFFFFF, mac);'
+    "print(line, flush=True);"
+    'open("/dev/ttyS0", "w").write(line + chr(10))'
+)
+
+
 def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
     workload = [
         "bash", "-c",
         # A few healthy ticks first, then the operator's outage (metadata + 443), then the job
         # "keeps running" until the watchdog powers the VM off. The TTL outlasts the ladder.
-        f"sleep 12; {AGENT} fault inject --metadata --egress443 --ttl 10m; sleep 600",
+        # After the fault the workload forges `exit rc=0` lines (they must change nothing).
+        f"sleep 12; {AGENT} fault inject --metadata --egress443 --ttl 10m; sleep 4; "
+        f"python3 -c '{FORGE_PY}'; sleep 600",
     ]  # fmt: skip
     res, run = boot(e2e, spec("wedge", workload, deb=True))
     save_report(res)
@@ -197,6 +215,12 @@ def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
     assert run.other.action == "already_decided", "a second poller is refused by the ledger"
     assert run.other.decision is not None and run.final.decision is not None
     assert run.other.decision.token == run.final.decision.token
+    # The forged `exit rc=0`: the copy through `exec` was defused, the one written to the port
+    # is counted as forged; neither is an event, and the verdict above stayed self_shutdown.
+    tl = observe.timeline(res.serial())
+    assert tl.forged >= 1 and tl.forged_reasons.get("bad_mac", 0) >= 1, tl.forged_reasons
+    assert b"GCEWd2 " in res.serial(), "exec passed the printed copy through defused"
+    assert not named(events, "exit", rc="0")
 
 
 # dns-late: the guest's first queries get no answer, counted in queries, never in seconds since the

@@ -15,12 +15,13 @@ is not found, 126 when it cannot be executed).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from gce_watchdog.vm.runtime import CommandConsole, open_console
 from gce_watchdog.vm.state import write_phase
@@ -129,6 +130,34 @@ class _Forwarder:
             self.handler(self.pending.pop(0), None)
 
 
+def _pass_through(src: IO[bytes], dst: int) -> None:
+    """Copy the child's output to ours with every protocol marker defused (``GCEWD`` becomes
+    ``GCEWd``): what the workload prints can never read as a line of ours, whatever reaches the
+    console (the start-up script runner copies this output to serial port 1)."""
+    from gce_watchdog.wire.protocol import Neutralizer
+
+    n = Neutralizer()
+
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(dst, view) :]
+            except OSError:
+                return  # our own output is gone: keep draining the child so it never blocks
+
+    while True:
+        try:
+            chunk = os.read(src.fileno(), 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            write(n.flush())
+            src.close()
+            return
+        write(n.feed(chunk))
+
+
 def run_exec(
     cfg: Config,
     argv: Sequence[str],
@@ -136,6 +165,7 @@ def run_exec(
 ) -> int:
     """Phase workload, run argv, forward signals, write the `exit` line drained; child's status."""
     import subprocess
+    import threading
 
     emit_terminal(cfg, vocab.PHASE, {"ph": "workload"}, phase="workload")
     opened = open_console(cfg)  # opened before the child runs: no surprise at the end
@@ -145,14 +175,24 @@ def run_exec(
     text = ""
     try:
         try:
-            child = subprocess.Popen(list(argv))  # argv, no shell
+            # argv, no shell; stdout and stderr pass through us, markers defused
+            child = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except FileNotFoundError:
             status, text = ExitStatus(EX_NOTFOUND, None), f"command not found: {argv[0]}"
         except OSError as e:
             status, text = ExitStatus(EX_NOEXEC, None), f"cannot run {argv[0]}: {e.strerror}"
         else:
+            assert child.stdout is not None and child.stderr is not None
+            pumps = [
+                threading.Thread(target=_pass_through, args=(p, fd), daemon=True)
+                for p, fd in ((child.stdout, 1), (child.stderr, 2))
+            ]
+            for t in pumps:
+                t.start()
             fwd.attach(child)
             status = ExitStatus.from_returncode(child.wait())
+            for t in pumps:
+                t.join(5.0)  # output of a grandchild that outlives the workload is not awaited
     finally:
         for s, h in old.items():
             signal.signal(s, h)

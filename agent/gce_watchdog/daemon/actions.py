@@ -285,6 +285,12 @@ class ActionChain:
     def dry_run(self) -> bool:
         return self.action == "dry-run"
 
+    @property
+    def verdict_event(self) -> str:
+        """The decision's line: ``dry_run_shutdown`` in a dry run, so that no reader takes a
+        rehearsal for a shutdown (no poller fails over on it)."""
+        return vocab.DRY_RUN_SHUTDOWN if self.dry_run else vocab.SHUTDOWN
+
     def api_op(self) -> str | None:
         """The Compute API self-action of this chain (None: none)."""
         if self.action in ("delete", "stop"):
@@ -378,7 +384,7 @@ class ActionChain:
                 if resume_at == "end"
                 else f"resuming the shutdown chain at {resume_at} (agent restarted)"
             )
-        self.emitter.emit(vocab.SHUTDOWN, fields, text, sync=True)
+        self.emitter.emit(self.verdict_event, fields, text, sync=True)
 
     def _error(self, res: ChainResult, step: str, e: BaseException, what: str = "") -> None:
         """An exception in a step: say so on the console (best effort) and go on."""
@@ -439,7 +445,7 @@ class ActionChain:
                 break
             rep += 1
             self.emitter.emit(
-                vocab.SHUTDOWN,
+                self.verdict_event,
                 {
                     "reason": reason,
                     "rung": r,

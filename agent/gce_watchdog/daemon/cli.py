@@ -22,7 +22,7 @@ from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort
+from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort, key_or_none
 from gce_watchdog.vm.platform import arming, detect
 from gce_watchdog.vm.runtime import (
     add_config_arg,
@@ -123,7 +123,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         boot = boot_of(cfg)
         sink = DiscardSink()
-        emitter = Emitter(sink, SeqAllocator(cfg.agent.state_dir, boot), boot, log=logs.mirror(log))
+        emitter = Emitter(
+            sink,
+            SeqAllocator(cfg.agent.run_dir, boot),
+            boot,
+            log=logs.mirror(log),
+            key=key_or_none(cfg.agent.state_dir, cfg.agent.run_dir),
+        )
     stop = threading.Event()
 
     agent, prober = build_agent(cfg, emitter, Notifier())

@@ -209,11 +209,14 @@ class Agent:
         t0 = d.clock.monotonic()
         res = d.prober()
         armed, why = d.armed()
+        # A dry run decides like an armed agent but latches nothing: to the ladder it is
+        # "disarmed" (one decision per outage, reset by a recovery), and the chain is rehearsed.
+        dry = self.cfg.agent.action == "dry-run"
         obs = Observation(
             metadata=res.metadata.verdict,
             egress=res.egress.verdict,
             in_grace=d.uptime() < self.cfg.agent.boot_grace,
-            armed=armed,
+            armed=armed and not dry,
         )
         prev = self.state
         self.state, actions = ladder.step(prev, obs, thr)
@@ -281,7 +284,9 @@ class Agent:
                 )
         d.notifier.notify("WATCHDOG=1", f"STATUS=rung {rung}, {self._status(res)}")
         for a in actions:
-            if isinstance(a, ladder.WouldShutdown):
+            if isinstance(a, ladder.WouldShutdown) and dry and armed:
+                self.rehearse()
+            elif isinstance(a, ladder.WouldShutdown):
                 d.emitter.emit(
                     vocab.WOULD_SHUTDOWN,
                     {"rung": rung, "why": why or "disarmed"},
@@ -326,6 +331,22 @@ class Agent:
         ):
             return None
         return m.step
+
+    def rehearse(self) -> None:
+        """A dry-run decision: the configured chain runs in dry-run mode (its decision line is
+        ``dry_run_shutdown``, its steps ``status=dry_run``), nothing is persisted or latched, and
+        the agent goes on watching: a recovery is reported and a later outage decides again."""
+        try:
+            self.d.on_shutdown(
+                "ladder",
+                self.state.rung,
+                self.threshold,
+                resume_at=None,
+                linger_left=None,
+                progress=lambda _step: None,
+            )
+        except Exception as e:
+            self._report_error("chain", e, "dry-run chain failed")
 
     def run_chain(self, resume_at: str | None) -> None:
         """Run (or resume) the chain; whatever it raises, the next attempt goes on further."""

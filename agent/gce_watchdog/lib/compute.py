@@ -309,6 +309,15 @@ class ComputeClient:
             termination_action=str(sched.get("instanceTerminationAction", "")),
         )
 
+    def scope_exists(self, project: str, zone: str | None = None) -> bool:
+        """Whether the project (and the zone in it) exists: False on 404, raises otherwise."""
+        url = f"{self.api_base}/projects/{project}" + (f"/zones/{zone}" if zone else "")
+        try:
+            self._call("GET", url, {})
+        except NotFoundError:
+            return False
+        return True
+
     def delete_instance(
         self, project: str, zone: str, name: str, request_id: str
     ) -> dict[str, Any]:

@@ -148,16 +148,83 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     q.add_argument("file", metavar="FILE|-")
     q.add_argument("--json", action="store_true")
-    q.add_argument(
+    add_judging_args(q)
+    q.set_defaults(func=cmd_parse)
+
+
+# The statuses instances.get can report (compute v1 Instance.status): --status takes only these.
+STATUSES = (
+    "PROVISIONING",
+    "STAGING",
+    "RUNNING",
+    "STOPPING",
+    "STOPPED",
+    "SUSPENDING",
+    "SUSPENDED",
+    "REPAIRING",
+    "TERMINATED",
+)
+
+
+def add_judging_args(p: argparse.ArgumentParser) -> None:
+    """The verdict inputs ``parse`` and ``report`` share, with the same defaults as ``poll``."""
+    p.add_argument(
+        "--received",
+        default=None,
+        metavar="ISO",
+        help="when the bytes were received, on the reader's clock (default: the file's "
+        "modification time; the current time for stdin)",
+    )
+    p.add_argument(
         "--now",
         default=None,
-        help="time to judge silence against: ISO-8601 UTC, 'last' (the last line's time), "
-        "or omitted for the current time",
+        help="time to judge silence against, on the same clock: ISO-8601 UTC, 'now' (the "
+        "current time), or 'last'/omitted: when the bytes were received",
     )
-    q.add_argument("--status", default=None, help="instance status to assume (e.g. TERMINATED)")
-    q.add_argument("--spot", action="store_true", help="the instance is a Spot VM")
-    q.add_argument("--drain-timeout", default="15m")
-    q.set_defaults(func=cmd_parse)
+    p.add_argument("--status", default=None, choices=STATUSES, help="instance status to assume")
+    p.add_argument("--spot", action="store_true", help="the instance is a Spot VM")
+    p.add_argument("--drain-timeout", default="15m", help="silence that means a wedge (15m)")
+
+
+def _iso(flag: str, raw_arg: str) -> float | str:
+    from gce_watchdog.wire.protocol import parse_ts
+
+    raw = raw_arg.replace("+00:00", "Z")
+    if "." not in raw:
+        raw = raw.rstrip("Z") + ".000Z"
+    ms = parse_ts(raw)
+    if ms is None:
+        return f"{flag} {raw_arg!r}: want YYYY-MM-DDTHH:MM:SS[.mmm]Z"
+    return ms / 1000
+
+
+def judging_times(args: argparse.Namespace, path: str) -> tuple[float, float] | str:
+    """(received, now) for a dump, or an error message.
+
+    Silence is measured on the reader's clock from when the bytes were received: the poller
+    receives each read at its own time; a saved dump was received when it was saved (its
+    modification time) unless ``--received`` says otherwise. ``now`` defaults to that moment,
+    so a dump alone never makes a wedge; ``--now now`` asks "silent since then, until now?".
+    """
+    import time
+
+    if args.received is not None:
+        rx = _iso("--received", args.received)
+        if isinstance(rx, str):
+            return rx
+    elif path == "-":
+        rx = time.time()
+    else:
+        try:
+            rx = os.stat(path).st_mtime
+        except OSError:
+            rx = time.time()  # the read reports the real problem
+    if args.now in (None, "last"):
+        return rx, rx
+    if args.now == "now":
+        return rx, time.time()
+    now = _iso("--now", args.now)
+    return now if isinstance(now, str) else (rx, now)
 
 
 def _policy(args: argparse.Namespace) -> Any:
@@ -172,11 +239,10 @@ def _policy(args: argparse.Namespace) -> Any:
 
 def cmd_parse(args: argparse.Namespace) -> int:
     import json
-    import time
 
     from gce_watchdog.poller.timeline import Timeline
-    from gce_watchdog.poller.verdict import InstanceState, decide
-    from gce_watchdog.wire.protocol import format_ts, parse_ts
+    from gce_watchdog.poller.verdict import InstanceState
+    from gce_watchdog.wire.protocol import format_ts
     from gce_watchdog.wire.vocab import human_fields
 
     try:
@@ -184,6 +250,11 @@ def cmd_parse(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gce-watchdog parse: --drain-timeout: {e}", file=sys.stderr)
         return EX_USAGE
+    times = judging_times(args, args.file)
+    if isinstance(times, str):
+        print(f"gce-watchdog parse: {times}", file=sys.stderr)
+        return EX_USAGE
+    rx, now = times
     tl = Timeline()
     total = 0
     try:
@@ -191,34 +262,17 @@ def cmd_parse(args: argparse.Namespace) -> int:
             src = sys.stdin.buffer
             while chunk := src.read(1 << 16):
                 total += len(chunk)
-                tl.feed(chunk)
+                tl.feed(chunk, rx)
         else:
             with open(args.file, "rb") as f:
                 while chunk := f.read(1 << 16):
                     total += len(chunk)
-                    tl.feed(chunk)
+                    tl.feed(chunk, rx)
     except OSError as e:
         print(f"gce-watchdog parse: cannot read {args.file}: {e.strerror or e}", file=sys.stderr)
         return EX_NOINPUT
-    tl.finish()
-    if args.now is None:
-        now = time.time()
-    elif args.now == "last":
-        now = max((ev.ts_ms for ev in tl.events), default=0) / 1000
-    else:
-        raw = args.now.replace("+00:00", "Z")
-        if "." not in raw:
-            raw = raw.rstrip("Z") + ".000Z"
-        ms = parse_ts(raw)
-        if ms is None:
-            print(
-                f"gce-watchdog parse: --now {args.now!r}: want YYYY-MM-DDTHH:MM:SS[.mmm]Z or "
-                "'last'",
-                file=sys.stderr,
-            )
-            return EX_USAGE
-        now = ms / 1000
-    verdict = decide(tl.events, InstanceState(args.status, args.spot), now, policy)
+    tl.finish(rx)
+    verdict = tl.judge(InstanceState(args.status, args.spot), now, policy)
     if args.json:
         print(json.dumps(_timeline_json(tl, verdict, total), sort_keys=True))
         return 0
@@ -244,6 +298,15 @@ def cmd_parse(args: argparse.Namespace) -> int:
     for s in tl.reject_samples:
         print(f"  {s.rstrip()!r}", file=out)
     print(f"duplicates: {tl.duplicates}", file=out)
+    if tl.conflicts:
+        print(f"sequence conflicts: {tl.conflicts}", file=out)
+    if tl.forged or tl.key_conflict:
+        why = ", ".join(f"{k} {v}" for k, v in sorted(tl.forged_reasons.items()))
+        two = "; TWO KEYS announced, no line decides" if tl.key_conflict else ""
+        print(f"ALARM: forged: {tl.forged} ({why}){two}", file=out)
+        for s in tl.forged_samples:
+            print(f"  {s.rstrip()!r}", file=out)
+    print(f"key: {tl.key_id or 'none announced'}", file=out)
     act = "FAILOVER" if verdict.failover else "no failover"
     print(f"verdict: {verdict.kind.value} ({act}): {verdict.reason}", file=out)
     for item in verdict.evidence:
@@ -267,6 +330,12 @@ def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
         "reject_reasons": tl.reject_reasons,
         "reject_samples": tl.reject_samples,
         "duplicates": tl.duplicates,
+        "forged": tl.forged,
+        "forged_reasons": tl.forged_reasons,
+        "forged_samples": tl.forged_samples,
+        "conflicts": tl.conflicts,
+        "key_id": tl.key_id,
+        "key_conflict": tl.key_conflict,
         "verdict": {
             "kind": verdict.kind.value,
             "failover": verdict.failover,
@@ -365,7 +434,12 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
 
     from gce_watchdog.lib.compute import DEFAULT_API_BASE, AuthError, ComputeClient, RetryPolicy
     from gce_watchdog.poller.ledger import open_ledger
-    from gce_watchdog.poller.poller import Poller, announced_outcome, lapsed_announcements
+    from gce_watchdog.poller.poller import (
+        Poller,
+        TargetNotFound,
+        announced_outcome,
+        lapsed_announcements,
+    )
     from gce_watchdog.poller.reader import CursorStore
 
     state = _state_home() / "gce-watchdog"
@@ -439,6 +513,10 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
                 except AuthError as e:
                     print(f"gce-watchdog poll: {e}", file=sys.stderr)
                     return EX_NOPERM
+                except TargetNotFound as e:
+                    # a wrong project or zone: a configuration error, never a verdict
+                    print(f"gce-watchdog poll: {e}", file=sys.stderr)
+                    return EX_UNAVAILABLE
                 except ledger_errors as e:
                     print(f"gce-watchdog poll: ledger/cursor write failed: {e}", file=sys.stderr)
                     return EX_IOERR

@@ -18,7 +18,7 @@ from typing import Any
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
-from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class PollOutcome:
         }
 
 
+class TargetNotFound(ComputeAPIError):
+    """The project or the zone does not exist (a typo, a wrong API base): a configuration
+    error for every instance, never a verdict."""
+
+
 class Poller:
     """Polls instances of one project/zone. ``ledger`` None: decide but record nothing."""
 
@@ -111,7 +116,7 @@ class Poller:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
-        self.reader = SerialReader(client, store)
+        self.reader = SerialReader(client, store, clock)
         self.project = project
         self.zone = zone
         self.ledger = ledger
@@ -140,6 +145,10 @@ class Poller:
         except ComputeAPIError as e:
             return PollOutcome(name, "", "", None, error=str(e))
         read = None
+        if info is None and not self._ever_seen(name):
+            # A 404 for an instance never seen (by this cursor, nor by any poller's ledger) is
+            # not "VM gone": the name, the zone or the project is wrong. Never a verdict.
+            return PollOutcome(name, "", "", None, error=self._not_found(name))
         if info is not None:
             try:
                 read = self.reader.read(p, z, name, info.id)
@@ -159,7 +168,7 @@ class Poller:
         cur = self.reader.cursor(p, z, name)
         tl = cur.timeline
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
-        verdict = decide(tl.events, state, self.clock(), self.policy)
+        verdict = tl.judge(state, self.clock(), self.policy)
         instance_id = info.id if info else cur.instance_id
         decision = None
         reaped = reap_error = None
@@ -199,6 +208,28 @@ class Poller:
             lost_bytes=tl.lost_bytes,
             rejected=tl.rejected,
             announce=announce,
+        )
+
+    def _ever_seen(self, name: str) -> bool:
+        """This cursor read the instance, or the ledger holds a decision for it (another
+        poller, with another cursor dir, decided and maybe reaped it)."""
+        if self.reader.cursor(self.project, self.zone, name).instance_id:
+            return True
+        return self.ledger is not None and (
+            self.ledger.find_instance("", self.path(name)) is not None
+        )
+
+    def _not_found(self, name: str) -> str:
+        """What does not exist, most general first; raises TargetNotFound for a project or
+        zone (every instance is affected)."""
+        p, z = self.project, self.zone
+        if not self.client.scope_exists(p):
+            raise TargetNotFound(f"project {p!r} not found (GET projects/{p}: 404)", 404)
+        if not self.client.scope_exists(p, z):
+            raise TargetNotFound(f"zone {z!r} not found in project {p!r} (404)", 404)
+        return (
+            f"instance {name!r} not found in {p}/{z} and never seen by this poller "
+            "(a typo? no verdict)"
         )
 
     def path(self, name: str) -> str:

@@ -39,7 +39,7 @@ from gce_watchdog.poller.assemble import Assembler
 from gce_watchdog.poller.ledger import BaseLedger, Decision
 from gce_watchdog.poller.poller import PollOutcome, announced_outcome, lapsed_announcements
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
-from gce_watchdog.wire.protocol import Event, decode_line
+from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, decode_line
 
 SERIAL_LOG_SUFFIX = "/logs/serialconsole.googleapis.com%2Fserial_port_1_output"
 NAME_LABEL = "compute.googleapis.com/resource_name"
@@ -99,6 +99,8 @@ class WorkerStats:
     messages: int = 0
     lines: int = 0  # ours, decoded
     foreign: int = 0  # acked at once: not our line or not a serial LogEntry
+    forged: int = 0  # intact lines of ours that do not authenticate (acked, never evidence)
+    unverified: int = 0  # deliveries left unacked: no key pinned yet for the instance
     decisions: int = 0
     announced: int = 0
     acked: int = 0
@@ -126,6 +128,10 @@ class PubSubWorker:
         self.asm = Assembler(settle_s)
         self.clock = clock
         self.stats = WorkerStats()
+        # Per instance id, the pinned line key (protocol v2), from its first announcement. In
+        # memory: a worker started after the announcement was acked by another worker cannot
+        # verify that instance's lines (they stay unacked); docs/poller.md says so.
+        self.keys: dict[str, bytes] = {}
         self.last_heard: dict[str, float] = {}  # instance id -> when its last line arrived
         self._held: dict[tuple[str, str, int], _Held] = {}  # (id, boot, seq) -> its messages
         self._info: dict[str, SerialLine] = {}  # instance id -> its latest line's identity
@@ -157,7 +163,18 @@ class PubSubWorker:
         for rm in msgs:
             self.stats.messages += 1
             line = parse_log_entry(rm.message.data)
-            ev = decode_line(line.text) if line is not None else None
+            res = decode_line(line.text, self.keys.get(line.instance_id)) if line else None
+            if isinstance(res, KeyAnnounce) and line is not None:
+                # protocol v2: pin the instance's line key on its first announcement (a boot's
+                # seq 0); another key later is forged, and only the pinned one verifies lines
+                pinned = self.keys.setdefault(line.instance_id, res.key)
+                res = res.event if pinned == res.key else Forged(Forgery.KEY_CONFLICT, b"")
+            if isinstance(res, Forged) and res.reason == Forgery.NO_KEY:
+                self.stats.unverified += 1  # not acked: redelivered once the key is pinned
+                continue
+            if isinstance(res, Forged):
+                self.stats.forged += 1
+            ev = res
             if line is None or not isinstance(ev, Event):
                 self.stats.foreign += 1
                 to_ack.append(rm.ack_id)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import base64
 import json
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -154,9 +156,12 @@ class ReadResult:
 class SerialReader:
     """Incremental reads of serial port 1 for many instances, resuming from stored cursors."""
 
-    def __init__(self, client: ComputeClient, store: CursorStore) -> None:
+    def __init__(
+        self, client: ComputeClient, store: CursorStore, clock: Callable[[], float] = time.time
+    ) -> None:
         self.client = client
         self.store = store
+        self.clock = clock  # the reader's own clock: when bytes were received
 
     def read(self, project: str, zone: str, name: str, instance_id: str = "") -> ReadResult:
         cur = self.store.load(project, zone, name)
@@ -170,12 +175,13 @@ class SerialReader:
         for _ in range(2):
             requested = cur.offset
             chunk = self.client.serial_port_output(project, zone, name, requested)
+            rx = self.clock()
             fetched += len(chunk.contents)
             cur.reads += 1
             if chunk.next < requested:
                 reset = True
                 cur.timeline.resets += 1
-                new_events += len(cur.timeline.feed(cur.pending + b"\n")) if cur.pending else 0
+                new_events += len(cur.timeline.feed(cur.pending + b"\n", rx)) if cur.pending else 0
                 cur.pending = b""
                 cur.offset = 0
                 continue
@@ -183,12 +189,13 @@ class SerialReader:
                 lost += chunk.start - requested
                 cur.timeline.note_byte_gap(requested, chunk.start)
                 if cur.pending:  # its continuation is gone: decode what we have, alone
-                    new_events += len(cur.timeline.feed(cur.pending + b"\n"))
+                    new_events += len(cur.timeline.feed(cur.pending + b"\n", rx))
                     cur.pending = b""
             data = cur.pending + chunk.contents
-            cut = data.rfind(b"\n") + 1
+            # LF, CRLF and a bare CR all end a line (the decoder splits at each)
+            cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
             if cut:
-                new_events += len(cur.timeline.feed(data[:cut]))
+                new_events += len(cur.timeline.feed(data[:cut], rx))
             cur.pending = data[cut:][-MAX_PENDING:]
             new = chunk.next - requested
             cur.new_bytes += new

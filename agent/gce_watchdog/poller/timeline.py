@@ -17,12 +17,12 @@ resumes with the same accounting.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from gce_watchdog.poller.verdict import terminal_kind
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide, terminal_kind
 from gce_watchdog.wire import vocab
-from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_line, encode
+from gce_watchdog.wire.protocol import Event, StreamDecoder, fingerprint
 
 # Events a verdict can depend on; they survive compaction (see verdict.py's table).
 KEY_EVENTS = vocab.VERDICT_EVENTS
@@ -31,6 +31,7 @@ KEEP_KEY_EVENTS = 512  # key events kept per compaction (a boot has a handful)
 KEEP_RECENT = 64  # routine events (tick/heartbeat) kept: the latest show rung and liveness
 MAX_GAPS = 1000  # gap records kept for the report; totals are always exact
 MAX_REJECT_SAMPLES = 20  # rejected raw lines kept for the report
+MAX_FORGED_SAMPLES = 20  # forged raw lines kept for the report
 
 
 @dataclass
@@ -44,6 +45,10 @@ class BootInfo:
     first_ts_ms: int
     last_ts_ms: int
     order: int  # position of the boot's first line among boots (0 = first seen)
+    # On the reader's clock: when the boot's first line, and its newest line (highest seq so
+    # far), were received. None: fed without a receive time.
+    first_rx: float | None = None
+    last_rx: float | None = None
 
     @property
     def lost(self) -> int:
@@ -75,14 +80,18 @@ class ByteGap:
 class Timeline:
     """Accumulates decoded events and loss accounting for one VM's serial port."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: bytes | None = None) -> None:
         self.events: list[Event] = []
         self.boots: dict[str, BootInfo] = {}
         self.seq_gaps: list[SeqGap] = []
         self.byte_gaps: list[ByteGap] = []
         self.lost_bytes = 0
         self.resets = 0  # times the API's buffer restarted below our offset
-        self._decoder = StreamDecoder()
+        self._decoder = StreamDecoder(key)
+        self._forged_base = 0
+        self._conflicts_base = 0
+        self._forged_reasons_base: dict[str, int] = {}
+        self.forged_samples: list[str] = []
         self._rejected_base = 0
         self._duplicates_base = 0
         self._reject_reasons_base: dict[str, int] = {}
@@ -90,13 +99,14 @@ class Timeline:
 
     # -- feeding ----------------------------------------------------------------------------
 
-    def feed(self, data: bytes) -> list[Event]:
-        """Feed a chunk of the stream (any boundary); returns the new events in stream order."""
-        return self._add(self._decoder.feed(data))
+    def feed(self, data: bytes, rx: float | None = None) -> list[Event]:
+        """Feed a chunk of the stream (any boundary) received at ``rx`` (the reader's clock);
+        returns the new authenticated events in stream order."""
+        return self._add(self._decoder.feed(data), rx)
 
-    def finish(self) -> list[Event]:
+    def finish(self, rx: float | None = None) -> list[Event]:
         """End of a dump: decode the unterminated last line (a truncated line is rejected)."""
-        return self._add(self._decoder.flush())
+        return self._add(self._decoder.flush(), rx)
 
     def note_byte_gap(self, requested: int, start: int) -> None:
         """The API returned ``start`` beyond ``requested``: those bytes are gone."""
@@ -104,27 +114,35 @@ class Timeline:
         if len(self.byte_gaps) < MAX_GAPS:
             self.byte_gaps.append(ByteGap(requested, start))
 
-    def _add(self, new: list[Event]) -> list[Event]:
+    def _add(self, new: list[Event], rx: float | None) -> list[Event]:
         for ev in new:
-            self._account(ev)
+            self._account(ev, rx)
         self.events.extend(new)
         for r in self._decoder.rejects:
             if len(self.reject_samples) < MAX_REJECT_SAMPLES:
                 self.reject_samples.append(r.raw[:240].decode("latin-1"))
         self._decoder.rejects.clear()
+        for f in self._decoder.forgeries:
+            if len(self.forged_samples) < MAX_FORGED_SAMPLES:
+                self.forged_samples.append(f"{f.reason}: " + f.raw[:240].decode("latin-1"))
+        self._decoder.forgeries.clear()
         if len(self.events) > MAX_EVENTS:
             self.compact()
         return new
 
-    def _account(self, ev: Event) -> None:
+    def _account(self, ev: Event, rx: float | None) -> None:
         b = self.boots.get(ev.boot)
         if b is None:
             self.boots[ev.boot] = BootInfo(
-                ev.boot, ev.seq, ev.seq, 1, ev.ts_ms, ev.ts_ms, len(self.boots)
+                ev.boot, ev.seq, ev.seq, 1, ev.ts_ms, ev.ts_ms, len(self.boots), rx, rx
             )
             return
         if ev.seq > b.max_seq + 1 and len(self.seq_gaps) < MAX_GAPS:
             self.seq_gaps.append(SeqGap(ev.boot, b.max_seq, ev.seq))
+        if ev.seq > b.max_seq and rx is not None:
+            # Liveness is a line newer than any seen: a late copy or a replay of an older line
+            # of this boot says nothing about the VM now.
+            b.last_rx = rx
         b.first_seq = min(b.first_seq, ev.seq)
         b.max_seq = max(b.max_seq, ev.seq)
         b.count += 1
@@ -154,9 +172,62 @@ class Timeline:
         return out
 
     @property
+    def forged(self) -> int:
+        """Intact lines that did not authenticate: an alarm, never evidence."""
+        return self._forged_base + self._decoder.stats.forged
+
+    @property
+    def forged_reasons(self) -> dict[str, int]:
+        out = dict(self._forged_reasons_base)
+        for k, v in self._decoder.stats.forged_reasons.items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    @property
+    def conflicts(self) -> int:
+        """Authenticated lines whose (boot, seq) came with other content before."""
+        return self._conflicts_base + self._decoder.stats.conflicts
+
+    @property
+    def key(self) -> bytes | None:
+        """The pinned line key (the first one announced, or the one given)."""
+        return self._decoder.key
+
+    @property
+    def key_conflict(self) -> bool:
+        """Another key than the pinned one was announced: no line can be trusted to decide."""
+        return self._decoder.key_conflict
+
+    @property
+    def key_id(self) -> str | None:
+        return fingerprint(self.key) if self.key is not None else None
+
+    @property
     def latest_boot(self) -> str | None:
-        """The boot of the most recent line in stream order (the current incarnation)."""
-        return self.events[-1].boot if self.events else None
+        """The current incarnation: the boot whose first line has the latest signed time (a
+        line replayed from an older boot cannot make it current again)."""
+        if not self.boots:
+            return None
+        return max(self.boots.values(), key=lambda b: (b.first_ts_ms, b.order)).boot
+
+    def judge(self, instance: InstanceState, now: float, policy: Policy) -> Verdict:
+        """The verdict: the one function ``poll``, ``parse`` and ``report`` use.
+
+        ``now`` is on the reader's clock, like the receive times given to :meth:`feed`.
+        """
+        boot = self.latest_boot
+        rx = self.boots[boot].last_rx if boot is not None else None
+        v = decide(self.events, instance, now, policy, received_s=rx, boot=boot)
+        if self.key_conflict:
+            # The pinned key still decides: one printed key line must not silence the poller
+            # (a wedged VM would bill on). Operators must look: either a local process forges,
+            # or the pin was taken late from a forger and the real lines show as forged.
+            note = (
+                f"ALARM: a second line key was announced ({self.forged} forged lines), "
+                f"verdict by the pinned key {self.key_id}"
+            )
+            v = replace(v, reason=f"{note}; {v.reason}")
+        return v
 
     @property
     def lost_lines(self) -> int:
@@ -187,7 +258,13 @@ class Timeline:
     def to_json(self) -> dict[str, Any]:
         self.compact()
         return {
-            "events": [encode(e) for e in self.events],
+            "events": [e.to_json() for e in self.events],
+            "key": self.key.hex() if self.key is not None else None,
+            "key_conflict": self.key_conflict,
+            "forged": self.forged,
+            "forged_reasons": self.forged_reasons,
+            "forged_samples": self.forged_samples,
+            "conflicts": self.conflicts,
             "boots": [asdict(b) for b in self.boots.values()],
             "seq_gaps": [asdict(g) for g in self.seq_gaps],
             "byte_gaps": [asdict(g) for g in self.byte_gaps],
@@ -202,12 +279,16 @@ class Timeline:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Timeline:
         """Rebuild from :meth:`to_json`; raises ValueError/KeyError/TypeError on a bad document."""
-        t = cls()
-        for line in obj["events"]:
-            ev = decode_line(str(line))
-            if not isinstance(ev, Event):
-                raise ValueError(f"stored event does not decode: {line!r}")
-            t.events.append(ev)
+        key = obj.get("key")
+        t = cls(bytes.fromhex(str(key)) if key else None)
+        t._decoder.key_conflict = bool(obj.get("key_conflict", False))
+        t.events = [Event.from_json(e) for e in obj["events"]]
+        t._forged_base = int(obj.get("forged", 0))
+        t._conflicts_base = int(obj.get("conflicts", 0))
+        t._forged_reasons_base = {
+            str(k): int(v) for k, v in dict(obj.get("forged_reasons") or {}).items()
+        }
+        t.forged_samples = [str(x) for x in obj.get("forged_samples") or []][:MAX_FORGED_SAMPLES]
         for b in obj["boots"]:
             t.boots[str(b["boot"])] = BootInfo(**b)
         t.seq_gaps = [SeqGap(**g) for g in obj["seq_gaps"]]
@@ -221,13 +302,16 @@ class Timeline:
         return t
 
 
-def parse_bytes(data: bytes | Iterable[bytes]) -> Timeline:
-    """Decode a whole saved dump (bytes, or an iterable of chunks) into a finished timeline."""
-    t = Timeline()
+def parse_bytes(
+    data: bytes | Iterable[bytes], rx: float | None = None, key: bytes | None = None
+) -> Timeline:
+    """Decode a whole saved dump (bytes, or an iterable of chunks), received at ``rx``, into a
+    finished timeline (``key``: a pinned key; default the first one the dump announces)."""
+    t = Timeline(key)
     if isinstance(data, bytes | bytearray):
-        t.feed(bytes(data))
+        t.feed(bytes(data), rx)
     else:
         for chunk in data:
-            t.feed(chunk)
-    t.finish()
+            t.feed(chunk, rx)
+    t.finish(rx)
     return t

@@ -3,8 +3,10 @@
 No clock, no I/O. ``docs/poller.md`` has the decision table with the reason for every row; the
 rules below are in the same order. In short:
 
-1. Only the latest boot's events count (the boot of the most recent line; an earlier boot's
-   shutdown says nothing about the VM that is running now).
+1. Only authenticated events reach this module (``wire.protocol``: a line whose MAC does not
+   verify is forged and never decides), and only the current boot's count: the boot whose
+   earliest line carries the latest signed time (an earlier boot's shutdown says nothing about
+   the VM that is running now, and a line replayed from it cannot make it current again).
 2. The first terminal event of that boot (by ``seq``) decides: ``setup_failed``, ``shutdown``,
    ``preempted``, ``exit`` (rc 0 or not) and ``phase ph=done``. First, because what follows a
    terminal event is its consequence (a ladder shutdown kills the workload, which then logs a
@@ -14,6 +16,7 @@ rules below are in the same order. In short:
    (STOPPING, PROVISIONING, ...) means wait.
 4. Running (or unknown, e.g. a saved dump) and silent for longer than the drain timeout while
    in a non-terminal phase: a suspected wedge the agent could not even report. Otherwise healthy.
+   Silence is measured on the reader's clock from when it received the boot's newest line.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gce_watchdog.wire import vocab
-from gce_watchdog.wire.protocol import Event, encode
+from gce_watchdog.wire.protocol import Event
 
 # Three missed heartbeats: the agent writes one every heartbeat_every (10) healthy ticks of 30 s,
 # i.e. every 300 s, and a tick line every 30 s while the ladder climbs, so 900 s of no line at all
@@ -96,11 +99,25 @@ class Verdict:
         return self.kind.failover
 
 
-def latest_boot_events(events: Sequence[Event]) -> list[Event]:
-    """The events of the boot of the most recent line, sorted by ``seq``."""
-    if not events:
-        return []
-    boot = events[-1].boot
+def current_boot(events: Sequence[Event]) -> str | None:
+    """The boot running now: the one whose earliest line carries the latest (signed) time.
+
+    Not "the boot of the most recent line": a line replayed from an earlier boot arrives last
+    but keeps its own boot's time, which the replayer cannot change without the key. Ties go to
+    the boot seen first later in the stream.
+    """
+    first: dict[str, tuple[int, int]] = {}
+    for i, e in enumerate(events):
+        t, pos = first.get(e.boot, (e.ts_ms, i))
+        first[e.boot] = (min(t, e.ts_ms), pos)
+    if not first:
+        return None
+    return max(first, key=lambda b: first[b])
+
+
+def latest_boot_events(events: Sequence[Event], boot: str | None = None) -> list[Event]:
+    """The events of ``boot`` (default: :func:`current_boot`), sorted by ``seq``."""
+    boot = boot or current_boot(events)
     return sorted((e for e in events if e.boot == boot), key=lambda e: e.seq)
 
 
@@ -158,12 +175,24 @@ def _last_phase(events: Sequence[Event]) -> str | None:
     return None
 
 
-def decide(events: Sequence[Event], instance: InstanceState, now: float, policy: Policy) -> Verdict:
+def decide(
+    events: Sequence[Event],
+    instance: InstanceState,
+    now: float,
+    policy: Policy,
+    *,
+    received_s: float | None = None,
+    boot: str | None = None,
+) -> Verdict:
     """Decide what the poller does about one VM.
 
-    ``events`` in stream order (several boots allowed), ``now`` in seconds since the epoch.
+    ``events``: authenticated events in stream order (several boots allowed); ``boot``: the
+    current boot (default :func:`current_boot`); ``now`` and ``received_s`` (when the reader
+    first received the current boot's newest line) on the reader's own clock, in seconds since
+    the epoch. Silence is ``now - received_s``, never measured with the guest's timestamps;
+    without ``received_s`` there is no measure of silence and no wedge is suspected.
     """
-    mine = latest_boot_events(events)
+    mine = latest_boot_events(events, boot)
     boot = mine[0].boot if mine else None
     status = instance.status
     status_ev = f"status={status or 'unknown'}" + (" spot" if instance.spot else "")
@@ -172,11 +201,11 @@ def decide(events: Sequence[Event], instance: InstanceState, now: float, policy:
     for ev in mine:
         kind = terminal_kind(ev)
         if kind is not None:
-            return Verdict(kind, _describe(kind, ev), boot, (encode(ev), status_ev))
+            return Verdict(kind, _describe(kind, ev), boot, (ev.render(), status_ev))
 
     # Row 6-7: no terminal line and the instance is off (or gone).
     if status in OFF_STATES:
-        tail: tuple[str, ...] = (encode(mine[-1]),) if mine else ()
+        tail: tuple[str, ...] = (mine[-1].render(),) if mine else ()
         if instance.spot:
             return Verdict(
                 VerdictKind.PREEMPTED,
@@ -205,12 +234,12 @@ def decide(events: Sequence[Event], instance: InstanceState, now: float, policy:
             (status_ev,),
         )
 
-    last = max(mine, key=lambda e: e.ts_ms)
-    silent_s = max(0.0, now - last.ts_ms / 1000.0)
+    last = mine[-1]
+    silent_s = max(0.0, now - received_s) if received_s is not None else 0.0
     phase = _last_phase(mine)
     lifecycle = [e for e in mine if e.event in (vocab.START, vocab.STOP)]
     agent_stopped = bool(lifecycle) and lifecycle[-1].event == vocab.STOP
-    evidence = (encode(last), status_ev, f"silent={silent_s:.0f}s", f"phase={phase or 'unknown'}")
+    evidence = (last.render(), status_ev, f"silent={silent_s:.0f}s", f"phase={phase or 'unknown'}")
 
     if silent_s > policy.drain_timeout_s:
         # Row 10: the agent stopped cleanly (service stopped by an operator): no evidence.
@@ -233,6 +262,9 @@ def decide(events: Sequence[Event], instance: InstanceState, now: float, policy:
     # Row 12: alive.
     rung = last.get("rung")
     extra = f", ladder at {rung}" if rung and not rung.startswith("0/") else ""
+    dry = [e for e in mine if e.event == vocab.DRY_RUN_SHUTDOWN and not e.get("rep")]
+    if dry:  # shown, never a failover: the VM was not shut down
+        extra += f", {len(dry)} dry-run shutdown decision(s), no action taken"
     return Verdict(
         VerdictKind.HEALTHY,
         f"last line {silent_s:.0f}s ago in phase {phase or 'unknown'}{extra}",

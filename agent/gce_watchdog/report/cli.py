@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gce_watchdog.lib.cli import size_arg
+from gce_watchdog.poller.cli import add_judging_args, judging_times
 
 EX_USAGE = 64  # sysexits.h: every command exits 64 on a usage error (lib/cli.py)
 EX_NOINPUT = 66
@@ -43,16 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--png", metavar="OUT.png", help="write the timeline plot (needs matplotlib)")
     p.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument(
-        "--now",
-        default=None,
-        help="time silence is judged against: ISO-8601 UTC, 'last' (the last line), 'now' "
-        "(the current time); default: the file's modification time (when the dump was saved), "
-        "the current time for stdin",
-    )
-    p.add_argument("--status", default=None, help="instance status to assume (e.g. TERMINATED)")
-    p.add_argument("--spot", action="store_true", help="the instance is a Spot VM")
-    p.add_argument("--drain-timeout", default="15m", help="silence that means a wedge (15m)")
+    add_judging_args(p)
     band = p.add_mutually_exclusive_group()
     band.add_argument(
         "--band",
@@ -64,32 +56,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # The old spelling: a float in GiB. Kept so existing scripts keep working; not in --help.
     band.add_argument("--band-gib", type=float, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_report)
-
-
-def _now(arg: str | None, path: str) -> float | str | None:
-    """Seconds, None (= the last line), or an error message."""
-    import time
-
-    from gce_watchdog.wire.protocol import parse_ts
-
-    if arg is None:
-        if path == "-":
-            return time.time()
-        try:
-            return os.stat(path).st_mtime
-        except OSError:
-            return time.time()  # the read below reports the real problem
-    if arg == "last":
-        return None
-    if arg == "now":
-        return time.time()
-    raw = arg.replace("+00:00", "Z")
-    if "." not in raw:
-        raw = raw.rstrip("Z") + ".000Z"
-    ms = parse_ts(raw)
-    if ms is None:
-        return f"--now {arg!r}: want YYYY-MM-DDTHH:MM:SS[.mmm]Z, 'last' or 'now'"
-    return ms / 1000
 
 
 def _read(path: str) -> Any:
@@ -128,9 +94,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.band_gib is not None and not args.band_gib > 0:
         return fail(EX_USAGE, f"--band-gib must be > 0, got {args.band_gib}")
     band_gib = args.band / (1 << 30) if args.band else args.band_gib if args.band_gib else 1.0
-    now = _now(args.now, args.file)
-    if isinstance(now, str):
-        return fail(EX_USAGE, now)
+    times = judging_times(args, args.file)
+    if isinstance(times, str):
+        return fail(EX_USAGE, times)
+    received, now = times
     plot: Any = None
     if args.png:
         # Before reading a large log: a missing extra is known at once.
@@ -146,6 +113,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             _read(args.file),
             source=args.file,
             now=now,
+            received=received,
             instance=InstanceState(args.status, args.spot),
             policy=policy,
             band_gib=band_gib,
@@ -215,6 +183,12 @@ def to_json(r: Any) -> dict[str, Any]:
         "rejected": r.rejected,
         "reject_reasons": r.reject_reasons,
         "duplicates": r.duplicates,
+        "forged": r.forged,
+        "forged_reasons": r.forged_reasons,
+        "forged_samples": r.forged_samples,
+        "conflicts": r.conflicts,
+        "key_id": r.key_id,
+        "key_conflict": r.key_conflict,
         "threshold": r.threshold,
         "rungs": [asdict(p) for p in r.rungs],
         "probes": [asdict(p) for p in r.probes],

@@ -51,7 +51,8 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
         out.append(f'<p class="note">{e(png_note or "no plot")}</p>')
     out.append(
         f"<p>{r.size} bytes, {r.lines} console lines, {len(r.events)} events of ours; "
-        f"{r.rejected} rejected, {r.duplicates} duplicates, {len(r.seq_gaps)} sequence gaps, "
+        f"{r.rejected} rejected, {r.forged} forged, {r.duplicates} duplicates, "
+        f"{r.conflicts} seq conflicts, {len(r.seq_gaps)} sequence gaps, "
         f"{r.lost_lines} lines lost.</p>"
     )
     out.append(
@@ -72,6 +73,12 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
             f"<li>boot {e(g.boot)}: after seq {g.after} came {g.next} ({g.missing} lost)</li>"
             for g in r.seq_gaps
         )
+        out.append("</ul>")
+    if r.forged or r.key_conflict:
+        why = ", ".join(f"{k} {n}" for k, n in sorted(r.forged_reasons.items()))
+        two = "; two keys announced, no line decides" if r.key_conflict else ""
+        out.append(f"<h2>ALARM: forged lines: {r.forged} ({e(why)}){e(two)}</h2><ul>")
+        out.extend(f"<li><code>{e(s.rstrip())}</code></li>" for s in r.forged_samples)
         out.append("</ul>")
     if r.rejected:
         reasons = ", ".join(f"{k} {n}" for k, n in sorted(r.reject_reasons.items()))

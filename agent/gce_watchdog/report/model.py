@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gce_watchdog.poller.timeline import BootInfo, SeqGap, Timeline
-from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event, parse_ts
 
@@ -99,6 +99,12 @@ class Report:
     reject_reasons: dict[str, int]
     reject_samples: list[str]
     duplicates: int
+    forged: int  # intact lines that did not authenticate: an alarm, never evidence
+    forged_reasons: dict[str, int]
+    forged_samples: list[str]
+    conflicts: int  # authenticated lines with a (boot, seq) already seen with other content
+    key_id: str | None  # fingerprint of the pinned line key
+    key_conflict: bool
     rungs: list[RungPoint]
     probes: list[ProbePoint]
     memory: list[MemPoint]
@@ -270,8 +276,8 @@ def from_timeline(
 ) -> Report:
     """Build the report from a finished timeline and every event it yielded (stream order).
 
-    ``now`` (Unix seconds) is what silence is judged against; None: the last line's time (a saved
-    dump is judged as of its end, never as a wedge just because it is old).
+    ``now`` (Unix seconds, the reader's clock) is what silence is judged against, from when the
+    bytes were received (what the timeline was fed with); None: as of their receipt.
     """
     by_boot: dict[str, BootSection] = {
         b.boot: BootSection(b) for b in sorted(tl.boots.values(), key=lambda b: b.order)
@@ -294,18 +300,23 @@ def from_timeline(
         probes.extend(probe_points(ev))
         if ev.event == vocab.MEM:
             memory.extend(mem_points(ev))
-        if ev.event == vocab.SHUTDOWN:
-            if ev.boot in shutdown_seen or ev.get("rep"):
+        if ev.event in (vocab.SHUTDOWN, vocab.DRY_RUN_SHUTDOWN):
+            if ev.get("rep"):
                 continue  # the linger repeats the verdict line; the first one is the decision
-            shutdown_seen.add(ev.boot)
+            if ev.event == vocab.SHUTDOWN:
+                if ev.boot in shutdown_seen:
+                    continue
+                shutdown_seen.add(ev.boot)
             actions.append(ev)
         elif ev.event == vocab.ACTION:
             actions.append(ev)
         if ev.event in MARKER_EVENTS:
             markers.append(Marker(ev.ts_ms, ev.boot, ev.event, _label(ev)))
     boot_end = {b.boot: b.last_ts_ms for b in tl.boots.values()}
-    judged_at = now if now is not None else max((e.ts_ms for e in events), default=0) / 1000
-    verdict = decide(events, instance or InstanceState(), judged_at, policy or Policy())
+    cur = tl.latest_boot
+    rx = tl.boots[cur].last_rx if cur is not None else None
+    judged_at = now if now is not None else (rx or 0.0)
+    verdict = tl.judge(instance or InstanceState(), judged_at, policy or Policy())
     return Report(
         source=source,
         size=size,
@@ -319,6 +330,12 @@ def from_timeline(
         reject_reasons=tl.reject_reasons,
         reject_samples=list(tl.reject_samples),
         duplicates=tl.duplicates,
+        forged=tl.forged,
+        forged_reasons=tl.forged_reasons,
+        forged_samples=list(tl.forged_samples),
+        conflicts=tl.conflicts,
+        key_id=tl.key_id,
+        key_conflict=tl.key_conflict,
         rungs=rungs,
         probes=probes,
         memory=memory,
@@ -336,12 +353,14 @@ def build_report(
     *,
     source: str = "",
     now: float | None = None,
+    received: float | None = None,
+    key: bytes | None = None,
     instance: InstanceState | None = None,
     policy: Policy | None = None,
     band_gib: float = 1.0,
 ) -> Report:
-    """Decode a dump (bytes, or chunks in order) and build its report."""
-    tl = Timeline()
+    """Decode a dump (bytes, or chunks in order) received at ``received`` and build its report."""
+    tl = Timeline(key)
     kept: list[Event] = []
     dropped = size = 0
     chunks: Iterable[bytes] = [data] if isinstance(data, bytes | bytearray) else data
@@ -354,8 +373,8 @@ def build_report(
 
     for chunk in chunks:
         size += len(chunk)
-        keep(tl.feed(bytes(chunk)))
-    keep(tl.finish())
+        keep(tl.feed(bytes(chunk), received))
+    keep(tl.finish(received))
     return from_timeline(
         tl,
         kept,

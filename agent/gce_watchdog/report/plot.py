@@ -108,6 +108,8 @@ def _x(ts_ms: int) -> float:
 
 def dry_run_shutdown(m: Marker, r: Report) -> bool:
     """A shutdown decided with ``agent.action = "dry-run"``: nothing was powered off."""
+    if m.kind == vocab.DRY_RUN_SHUTDOWN:  # protocol v2: the dry run's own event
+        return True
     if m.kind != vocab.SHUTDOWN:
         return False
     for ev in r.actions:
@@ -168,7 +170,7 @@ def _strip_items(r: Report) -> list[tuple[float, str, str]]:
     """(x, kind, text) of everything the event strip labels, in time order."""
     items: list[tuple[float, str, str]] = []
     for m in r.markers:
-        if m.kind == vocab.SHUTDOWN and dry_run_shutdown(m, r):
+        if m.kind in (vocab.SHUTDOWN, vocab.DRY_RUN_SHUTDOWN) and dry_run_shutdown(m, r):
             label = m.label.replace("SHUTDOWN", "would shut down").removesuffix(" dry-run")
             items.append((_x(m.ts_ms), "dry_run", f"DRY RUN: {label}"))
         else:

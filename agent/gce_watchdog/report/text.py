@@ -182,6 +182,18 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
         f"{r.lost_lines} lines lost"
         + (f", {r.dropped_events} events beyond the report's limit" if r.dropped_events else "")
     )
+    if r.forged or r.key_conflict:
+        why = ", ".join(f"{k} {v}" for k, v in sorted(r.forged_reasons.items()))
+        yield (
+            f"ALARM: {r.forged} forged lines"
+            + (f" ({why})" if why else "")
+            + ": lines that do not authenticate under the instance's key (never evidence)"
+            + ("; TWO KEYS announced, no line decides" if r.key_conflict else "")
+        )
+        for s in r.forged_samples[:MAX_GAPS_SHOWN]:
+            yield f"  {s.rstrip()!r}"
+    if r.conflicts:
+        yield f"sequence conflicts: {r.conflicts} (a seq seen twice with different content)"
     for g in r.seq_gaps[:MAX_GAPS_SHOWN]:
         yield f"  boot {g.boot}: after seq {g.after} came {g.next} ({g.missing} lost)"
     if len(r.seq_gaps) > MAX_GAPS_SHOWN:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gce_watchdog.poller.timeline import parse_bytes
-from gce_watchdog.poller.verdict import InstanceState, Policy, decide
+from gce_watchdog.poller.verdict import InstanceState, Policy
 from gce_watchdog.testing.simgce import SimGCE, SimInstance
 from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all
 from gce_watchdog.wire.vocab import human_fields
@@ -204,9 +204,9 @@ def scenario_recovery(d: Path) -> Path:
 def poller_verdict(path: Path, status: str) -> str:
     """What the central poller would decide on this log (agent/poller, pure)."""
 
-    tl = parse_bytes(path.read_bytes())
-    now = max(e.ts_ms for e in tl.events) / 1000 if tl.events else time.time()
-    v = decide(tl.events, InstanceState(status), now, Policy())
+    now = time.time()  # judged as of now, the log received now: the same rule as the poller's
+    tl = parse_bytes(path.read_bytes(), rx=now)
+    v = tl.judge(InstanceState(status), now, Policy())
     action = "FAIL OVER (exactly once, via the ledger)" if v.failover else "no failover"
     return f"{v.kind.value}: {action}; {v.reason}"
 

@@ -5,6 +5,7 @@ few ``compute/v1`` calls this project makes, under ``/compute/v1`` like the real
 
     GET    /compute/v1/projects/{p}/zones/{z}/instances/{name}/serialPort?port=1&start=N
     GET    /compute/v1/projects/{p}/zones/{z}/instances/{name}
+    GET    /compute/v1/projects/{p} and /compute/v1/projects/{p}/zones/{z} (404 unless known)
     DELETE /compute/v1/projects/{p}/zones/{z}/instances/{name}?requestId=UUID
     POST   /compute/v1/projects/{p}/zones/{z}/instances/{name}/stop?requestId=UUID
     GET    /compute/v1/projects/{p}/aggregated/instances?filter=F&maxResults=N&pageToken=T
@@ -77,7 +78,9 @@ class Fault(enum.Enum):
     SERVER_ERROR = "server_error"  # 503 backendError
 
 
-ENDPOINTS = ("serial", "get", "delete", "stop", "list")
+ENDPOINTS = ("serial", "get", "delete", "stop", "list", "scope")
+# A project, or a zone of a project: known once an instance was added there (or add_zone).
+_SCOPE_RE = re.compile(r"^/compute/v1/projects/(?P<project>[^/]+)(?:/zones/(?P<zone>[^/]+))?$")
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,7 @@ class FakeComputeAPI:
         self.calls: list[Call] = []
         self.operations: dict[str, dict[str, Any]] = {}  # requestId -> operation
         self._instances: dict[tuple[str, str, str], FakeInstance] = {}
+        self._zones: set[tuple[str, str]] = set()  # projects and zones that exist (add_zone)
         self._faults: dict[str, _FaultPlan] = {}
         # per-instance and per-project faults (a slow VM; a project out of quota)
         self._instance_faults: dict[str, _FaultPlan] = {}
@@ -293,7 +297,8 @@ class FakeComputeAPI:
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         m = _PATH_RE.match(parts.path) or _LIST_RE.match(parts.path)
         rest = m.group("rest") if m and "rest" in m.groupdict() else None
-        endpoint = "unknown"
+        scope = _SCOPE_RE.match(parts.path) if m is None and method == "GET" else None
+        endpoint = "scope" if scope else "unknown"
         if m and "name" not in m.groupdict():
             endpoint = "list" if method == "GET" else "unknown"
         elif m:
@@ -309,10 +314,41 @@ class FakeComputeAPI:
                 endpoint = "unknown"
         token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
         authorized = token in self.tokens
-        status, body, headers = self._dispatch(method, endpoint, m, query, authorized)
+        if scope is not None:
+            status, body, headers = self._scope(scope, authorized)
+        else:
+            status, body, headers = self._dispatch(method, endpoint, m, query, authorized)
         with self._lock:
             self.calls.append(Call(method, endpoint, parts.path, query, authorized, status))
         return status, body, headers
+
+    def _scope(
+        self, m: re.Match[str], authorized: bool
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """projects.get / zones.get: 404 with the API's wording for what does not exist."""
+        if not authorized:
+            return (
+                401,
+                _error(401, "Request is missing required authentication credential.", "required"),
+                {},
+            )
+        project, zone = m.group("project"), m.group("zone")
+        with self._lock:
+            zones = {(p, z) for p, z, _ in self._instances} | self._zones
+        if project not in {p for p, _ in zones}:
+            what = f"projects/{project}"
+            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+        if zone is None:
+            return 200, {"kind": "compute#project", "name": project}, {}
+        if (project, zone) not in zones:
+            what = f"projects/{project}/zones/{zone}"
+            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+        return 200, {"kind": "compute#zone", "name": zone, "status": "UP"}, {}
+
+    def add_zone(self, project: str, zone: str) -> None:
+        """Make a project and zone exist without any instance in them."""
+        with self._lock:
+            self._zones.add((project, zone))
 
     def _dispatch(
         self,

@@ -13,13 +13,22 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gce_watchdog.wire.protocol import Event, encode, make_event
+from gce_watchdog.wire.protocol import (
+    KEY_EVENT,
+    Event,
+    encode,
+    fingerprint,
+    key_line,
+    make_event,
+)
 
 # The corpus is vendored in the repository (tests/data/serial-corpus, with its SOURCES.md); an
 # installed wheel has no tests/, so there GCE_WATCHDOG_SERIAL_CORPUS names it.
 DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "tests" / "data" / "serial-corpus"
 KERNEL_MSG = b'[  123.456789] audit: type=1400 audit(1700000000.123:42): apparmor="DENIED"'
 T0_MS = 1_764_475_094_000  # 2025-11-30T03:58:14Z: a fixed, realistic start time
+# The line key of synthetic dumps (a real instance's key is random, see vm/state.py).
+SYNTH_KEY = bytes(range(32))
 
 
 def corpus_dir() -> Path | None:
@@ -44,9 +53,12 @@ def corpus_lines(directory: Path | None = None) -> list[bytes]:
 
 @dataclass
 class Writer:
-    """Numbers and timestamps our lines like the agent does (one boot)."""
+    """Numbers, timestamps and signs our lines like the agent does: a boot's seq 0 is the key
+    announcement, written before the first event (its shown form is in ``written`` too)."""
 
     boot: str = "3f2a9c1e"
+    key: bytes = SYNTH_KEY
+    announce: bool = True  # False: no key line (a reader given the key; pure decoding tests)
     seq: int = 0
     ts_ms: int = T0_MS
     step_ms: int = 30_000  # one tick interval between lines by default
@@ -66,7 +78,14 @@ class Writer:
         return ev
 
     def line(self, *args: object, **kwargs: object) -> bytes:
-        return encode(self.event(*args, **kwargs)).encode() + b"\n"  # type: ignore[arg-type]
+        head = b""
+        if self.seq == 0 and self.announce:
+            head = key_line(self.boot, 0, self.ts_ms, self.key).encode() + b"\n"
+            shown = (("kid", fingerprint(self.key)),)
+            self.written.append(Event(KEY_EVENT, self.boot, 0, self.ts_ms, shown))
+            self.seq = 1
+        ev = self.event(*args, **kwargs)  # type: ignore[arg-type]
+        return head + encode(ev, self.key).encode() + b"\n"
 
     def reboot(self, boot: str, gap_ms: int = 60_000) -> None:
         """A new incarnation: new boot id, the counter restarts at 0."""
@@ -150,4 +169,5 @@ def realistic_dump(
                 out += w.line(
                     "heartbeat", {"rung": "0/10", "ph": "workload", "ticks": k, "drop": 0}
                 )
-    return bytes(out[:size]), [e for e in w.written if encode(e).encode() in out[:size]]
+    kept = bytes(out[:size])
+    return kept, [e for e in w.written if e.event == KEY_EVENT or encode(e, w.key).encode() in kept]

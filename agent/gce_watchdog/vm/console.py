@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.vm.state import KeyUnavailable, SeqAllocator, load_or_create_key
 from gce_watchdog.wire import protocol
 
 Waiter = Callable[[], bool]
@@ -216,7 +216,13 @@ Clock = Callable[[], float]
 
 
 class Emitter:
-    """Numbers, timestamps, encodes and writes events; mirrors them to the structured log."""
+    """Numbers, timestamps, encodes, signs and writes events; mirrors them to the structured log.
+
+    ``key`` is the instance's line key (``state.load_or_create_key``). The first line of a boot
+    (seq 0, whichever writer numbers it) is the key announcement, written before the event.
+    Without a key (not root) nothing can be signed: lines are counted in ``unsigned`` and not
+    written, since an unsigned line would only be counted as forged by every reader.
+    """
 
     def __init__(
         self,
@@ -225,12 +231,16 @@ class Emitter:
         boot: str,
         wall: Clock = time.time,
         log: Callable[..., object] | None = None,
+        *,
+        key: bytes | None,
     ) -> None:
         self.sink = sink
         self.seq = seq
         self.boot = boot
         self.wall = wall
         self.log = log
+        self.key = key
+        self.unsigned = 0
         self._order = threading.Lock()
         self.written: list[protocol.Event] = []  # last few events, for `check` and tests
         self._keep = 64
@@ -263,10 +273,18 @@ class Emitter:
         # Number and queue under one lock (threads of one process reach the port in seq order);
         # wait for a sync line's drain outside it, so no other thread waits on our drain.
         with self._order:
-            ev = protocol.make_event(
-                event, self.boot, self.seq.next(), int(self.wall() * 1000), fields, text
-            )
-            waiter = self.sink.submit(protocol.encode(ev), sync=sync)
+            ts_ms = int(self.wall() * 1000)
+            n = self.seq.next()
+            if n == 0 and self.key is not None:
+                # The boot's first line announces the key; never mirrored to the journal.
+                self.sink.submit(protocol.key_line(self.boot, 0, ts_ms, self.key), sync=sync)
+                n = self.seq.next()
+            ev = protocol.make_event(event, self.boot, n, ts_ms, fields, text)
+            if self.key is None:
+                self.unsigned += 1
+                waiter: Waiter = lambda: False  # noqa: E731
+            else:
+                waiter = self.sink.submit(protocol.encode(ev, self.key), sync=sync)
         ok = waiter()
         self.written.append(ev)
         del self.written[: -self._keep]
@@ -279,6 +297,7 @@ def open_emitter(
     device: str,
     fallback: str | None,
     state_dir: str,
+    run_dir: str,
     boot: str,
     queue_size: int = 256,
     sync_timeout: float = 5.0,
@@ -286,4 +305,16 @@ def open_emitter(
 ) -> tuple[Emitter, SerialPort]:
     """Wire a real port and emitter (for `main()`-style callers); caller closes the port."""
     port = SerialPort(device, fallback, queue_size, sync_timeout).open()
-    return Emitter(port, SeqAllocator(state_dir, boot), boot, log=log), port
+    key = key_or_none(state_dir, run_dir)
+    return Emitter(port, SeqAllocator(run_dir, boot), boot, log=log, key=key), port
+
+
+def key_or_none(state_dir: str, run_dir: str) -> bytes | None:
+    """The line key, or None with a warning on stderr (lines then cannot be written)."""
+    import sys
+
+    try:
+        return load_or_create_key(state_dir, run_dir)[0]
+    except KeyUnavailable as e:
+        print(f"gce-watchdog: no line key, serial lines are not written: {e}", file=sys.stderr)
+        return None

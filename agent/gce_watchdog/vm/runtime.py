@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort, open_emitter
+from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort, key_or_none, open_emitter
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, short_boot
 
 
@@ -49,6 +49,7 @@ def make_emitter(cfg: cfgmod.Config, log: Any = None) -> tuple[Emitter, SerialPo
         s.device,
         s.fallback_file,
         cfg.agent.state_dir,
+        cfg.agent.run_dir,
         boot_of(cfg),
         queue_size=s.queue_size,
         sync_timeout=s.sync_timeout,
@@ -99,7 +100,7 @@ def open_console(cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog"
             file=sys.stderr,
         )
         boot = boot_of(cfg)
-        return CommandConsole(
-            Emitter(MemorySink(), SeqAllocator(cfg.agent.state_dir, boot), boot), None
-        )
+        key = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
+        seq = SeqAllocator(cfg.agent.run_dir, boot)
+        return CommandConsole(Emitter(MemorySink(), seq, boot, key=key), None)
     return CommandConsole(emitter, port)

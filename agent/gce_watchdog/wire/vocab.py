@@ -22,6 +22,8 @@ HEARTBEAT = "heartbeat"
 RECOVERED = "recovered"
 SHUTDOWN = "shutdown"
 WOULD_SHUTDOWN = "would_shutdown"
+# a dry-run decision (agent.action = "dry-run"): visible, never a failover, the agent goes on
+DRY_RUN_SHUTDOWN = "dry_run_shutdown"
 ACTION = "action"
 STOP = "stop"
 SIGNAL = "signal"
@@ -47,12 +49,15 @@ FETCH = "fetch"
 BOOTSTRAP_STEP = "bootstrap_step"
 # the fault CLI
 FAULT = "fault"
+# every writer: a boot's seq 0, the line key's announcement (protocol v2)
+KEY = protocol.KEY_EVENT
 
 ALL_EVENTS = frozenset(
     {
         START, TICK, HEARTBEAT, RECOVERED, SHUTDOWN, WOULD_SHUTDOWN, ACTION, STOP, SIGNAL, ERROR,
         WARN, STALL, PREEMPTED, INSTANCE, MAINTENANCE, DISARM, ARM, MEM, MEMORY_GPU, MEMORY_CLIMB,
         MEMORY_OK, MEMORY_ACTION, PHASE, SETUP_FAILED, EXIT, FETCH, BOOTSTRAP_STEP, FAULT,
+        DRY_RUN_SHUTDOWN, KEY,
     }
 )  # fmt: skip
 
@@ -62,7 +67,7 @@ ALL_EVENTS = frozenset(
 VERDICT_EVENTS = frozenset({START, STOP, PHASE, SETUP_FAILED, EXIT, SHUTDOWN, PREEMPTED, RECOVERED})
 # What a person wants to see as a point in time on the report's plot and in its table: the verdict
 # inputs, plus what the agent decided while disarmed and the memory watch's turns.
-MARKER_EVENTS = VERDICT_EVENTS | {WOULD_SHUTDOWN, MEMORY_CLIMB, MEMORY_OK}
+MARKER_EVENTS = VERDICT_EVENTS | {WOULD_SHUTDOWN, DRY_RUN_SHUTDOWN, MEMORY_CLIMB, MEMORY_OK}
 # Rows the HTML report highlights: the markers, except shutdown (it has a colour of its own) and
 # memory_ok (the end of something already highlighted), plus the chain's steps and faults.
 HIGHLIGHT_EVENTS = (MARKER_EVENTS - {SHUTDOWN, MEMORY_OK}) | {ACTION, FAULT}
@@ -143,8 +148,9 @@ def human_fields(fields: Iterable[tuple[str, str]], skip: Iterable[str] = ()) ->
 
 # -- fitting a line into MAX_LINE ----------------------------------------------------------------
 # Worst case of the fixed part of a line: marker, boot, a 10-digit seq, timestamp, event name,
-# the " #crc" suffix and separators. Used to split `mem` lines with many GPUs (a2-megagpu-16g).
-LINE_OVERHEAD = 6 + 1 + 8 + 1 + 10 + 1 + 24 + 1 + 3 + 10
+# the signed " #crc+mac" trailer and separators. Used to split `mem` lines with many GPUs
+# (a2-megagpu-16g).
+LINE_OVERHEAD = 6 + 1 + 8 + 1 + 10 + 1 + 24 + 1 + 3 + protocol.TRAILER_LEN
 
 
 def fit_text(event: str, fields: Mapping[str, object], text: str) -> str:
@@ -155,7 +161,7 @@ def fit_text(event: str, fields: Mapping[str, object], text: str) -> str:
     """
     clean = protocol.sanitize_text(text)
     probe = protocol.make_event(event, "f" * 8, 10**12, 0, fields)
-    room = protocol.MAX_LINE - len(protocol.encode(probe)) - len(" | ")
+    room = protocol.MAX_LINE - protocol.line_length(probe) - len(" | ")
     if len(clean) <= room:
         return clean
     return clean[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
