@@ -12,7 +12,11 @@ Both sides read the same bytes in the same run:
 
 - decode: ``wire.protocol.decode_all`` (split, marker scan, CRC check, parse, dedup), in
   process, from bytes already in memory;
-- grep: ``grep -F -c GCEWD1 FILE`` as a subprocess (process start included: that is what a
+- hostile inputs (issue 15: one VM's output must not stall a poll round), each 1 MiB: one line of
+  nothing but markers (``hostile_line``), one line of markers each followed by trailer-shaped
+  candidates (``hostile_trailers``), and a stream of short marker lines ended by a bare CR
+  (``hostile_cr``). Decoding is linear: at most 8 markers per line, 200 bytes after each;
+- grep: ``grep -F -c GCEWD2 FILE`` as a subprocess (process start included: that is what a
   shell pipeline pays too), the file in the page cache after a warm-up run.
 
 Each is timed ``R`` times (after one warm-up); the median is reported. MB/s means 10^6 bytes
@@ -70,6 +74,18 @@ def run(size: int, every: int, repeats: int) -> dict[str, object]:
             lambda: subprocess.run(argv, capture_output=True, check=False), repeats
         )
     t_decode, decode_times = _median_time(lambda: decode_all(data), repeats)
+    mib = 1 << 20
+    hostile = {
+        "hostile_line": b"GCEWD2 " * (mib // 7) + b"\n",
+        "hostile_trailers": (b"GCEWD2 x #0123456789abcdef01234567 " * 7 + b"\n") * (mib // 246),
+        "hostile_cr": b"GCEWD2 x\r" * (mib // 9),
+    }
+    hostile_res: dict[str, object] = {}
+    for name, blob in hostile.items():
+        t, _ = _median_time(lambda b=blob: decode_all(b), max(3, repeats // 3))  # type: ignore[misc]
+        hostile_res[f"{name}_bytes"] = len(blob)
+        hostile_res[f"{name}_median_s"] = t
+        hostile_res[f"{name}_mb_s"] = len(blob) / 1e6 / t
     t_timeline, _ = _median_time(lambda: parse_bytes(data), repeats)
     marker_lines = sum(1 for ln in data.split(b"\n") if MARKER.encode() in ln)
     mb = len(data) / 1e6
@@ -93,6 +109,7 @@ def run(size: int, every: int, repeats: int) -> dict[str, object]:
         "grep_mb_s": mb / t_grep,
         "grep_times_s": grep_times,
         "ratio_decode_to_grep": t_decode / t_grep,
+        **hostile_res,
         "goal_ratio": 5.0,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -120,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"decode {res['decode_mb_s']:.1f} MB/s ({res['events']} events, {res['bytes']} bytes), "
         f"timeline {res['timeline_mb_s']:.1f} MB/s, grep -F -c {res['grep_mb_s']:.1f} MB/s, "
-        f"ratio {res['ratio_decode_to_grep']:.2f}x (goal <= 5x) -> {out}"
+        f"ratio {res['ratio_decode_to_grep']:.2f}x (goal <= 5x); hostile 1 MiB: one line of "
+        f"markers {res['hostile_line_mb_s']:.1f} MB/s, trailers {res['hostile_trailers_mb_s']:.1f}"
+        f" MB/s, CR-ended marker lines {res['hostile_cr_mb_s']:.1f} MB/s -> {out}"
     )
     ok = res["grep_count"] == res["marker_lines"] and res["events"] == res["events_expected"]
     return 0 if ok else 1

@@ -311,6 +311,15 @@ def t_decode(res: dict[str, Any]) -> str:
         ["`grep -F -c GCEWD1` (subprocess)", f"{d['grep_mb_s']:.1f} MB/s"],
         ["decode time / grep time", f"{d['ratio_decode_to_grep']:.2f}x (goal <= 5x)"],
         ["timeline (decode + per-VM timeline)", f"{d['timeline_mb_s']:.1f} MB/s"],
+        *(
+            [f"hostile 1 MiB: {label}", f"{d[key]:.1f} MB/s"]
+            for key, label in (
+                ("hostile_line_mb_s", "one line of markers"),
+                ("hostile_trailers_mb_s", "markers with trailer candidates"),
+                ("hostile_cr_mb_s", "short marker lines ended by CR"),
+            )
+            if key in d
+        ),
     ]
     return _table([f"poller decode ({d['repeats']} repeats, medians)", "value"], rows)
 

@@ -372,7 +372,7 @@ def test_default_cache_reader_uses_the_state_dir(tmp_path: Path) -> None:
     save_instance_cache(tmp_path, INST)
     cfg = make_cfg(tmp_path, "dry-run", linger=0, dry_run_op="delete")
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de", key=SYNTH_KEY), "0badc0de", key=SYNTH_KEY)
+    em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     chain = ActionChain.from_config(cfg, em, lambda: None, runner=FakeRunner(), kernel=FakeKernel())
     chain.execute("ladder", 10, 10)
     dry = [protocol.decode_line(x, SYNTH_KEY) for x in sink.lines]
@@ -719,7 +719,7 @@ device = "{tmp_path}/ttyS0"
         killed_at = [e.get("rung") for e in evs() if e.event == "tick"][-1]
         second = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
         try:
-            assert wait(lambda: any(e.event == "shutdown" for e in evs()))
+            assert wait(lambda: any(e.event == "dry_run_shutdown" for e in evs()))
         finally:
             second.send_signal(signal.SIGTERM)
             try:
@@ -735,5 +735,7 @@ device = "{tmp_path}/ttyS0"
     n = int(str(killed_at).split("/")[0])
     assert n >= 5
     assert climbs == [f"{i}/10" for i in range(1, n + 1)] + [f"{i}/10" for i in range(n + 1, 11)]
-    shutdowns = [e for e in all_ev if e.event == "shutdown"]
+    # a dry run: its own decision event (never `shutdown`), once
+    shutdowns = [e for e in all_ev if e.event == "dry_run_shutdown" and not e.get("rep")]
     assert len(shutdowns) == 1 and shutdowns[0].get("rung") == "10/10"
+    assert not [e for e in all_ev if e.event == "shutdown"]

@@ -14,7 +14,7 @@ from gce_watchdog.wire import protocol, vocab
 def _cfg(tmp_path: Path, device: str, fallback: str) -> cfgmod.Config:
     return cfgmod.from_dict(
         {
-            "agent": {"state_dir": str(tmp_path / "state")},
+            "agent": {"state_dir": str(tmp_path / "state"), "run_dir": str(tmp_path / "run")},
             "serial": {"device": device, "fallback_file": fallback},
         }
     )
@@ -27,7 +27,7 @@ def test_write_reports_a_line_written_to_the_fallback_file(tmp_path: Path) -> No
         assert con.available
         assert con.write(vocab.PHASE, {"ph": "workload"}, "started") is True
     events, _ = protocol.decode_all(fallback.read_bytes())
-    assert [(e.event, e.get("ph")) for e in events] == [("phase", "workload")]
+    assert [(e.event, e.get("ph")) for e in events] == [("key", None), ("phase", "workload")]
 
 
 def test_write_reports_a_line_that_went_nowhere(

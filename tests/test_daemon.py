@@ -210,7 +210,7 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
             second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
             assert second.returncode == 75 and "refusing to run a second ladder" in second.stderr
             sim.outage(True)
-            assert _wait_for(lambda: any(e.event == "shutdown" for e in _events(serial)))
+            assert _wait_for(lambda: any(e.event == "dry_run_shutdown" for e in _events(serial)))
             sim.outage(False)
             p.send_signal(signal.SIGTERM)
             assert p.wait(15) == 0
@@ -222,7 +222,8 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
                 p.stderr.close()
     evs = _events(serial)
     names = [e.event for e in evs]
-    assert names.count("shutdown") == 1 and names[-1] == "stop"
+    # a dry run's decision: its own event, once per outage (the repeats carry rep=)
+    assert names.count("dry_run_shutdown") == 1 and names[-1] == "stop"
     assert evs[-1].get("reason") == "sigterm"
     climbs = [e.get("rung") for e in evs if e.event == "tick" and "FAILED (" in e.text]
     assert climbs[:3] == ["1/3", "2/3", "3/3"]

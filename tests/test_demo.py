@@ -24,11 +24,13 @@ def test_demo_shows_the_shutdown_and_the_recovery(tmp_path: Path) -> None:
     out = r.stdout
     for i in range(1, 11):
         # each line shown once: live, as the agent writes it (VM 2 climbs to 9/10 too)
-        want = 2 if i < 10 else 1
+        # (a dry-run decision latches nothing: VM 1 may tick 10/10 again before it is stopped)
         ticks = [ln for ln in out.splitlines() if " tick " in ln]
-        assert sum(ln.endswith(f"FAILED ({i}/10)") for ln in ticks) == want, i
-    assert "=> SHUTDOWN decided at 10/10" in out
-    assert "self_shutdown: FAIL OVER" in out
+        got = sum(ln.endswith(f"FAILED ({i}/10)") for ln in ticks)
+        assert got == 2 if i < 10 else got >= 1, i
+    assert "=> SHUTDOWN decided (dry run: nothing powered off) at 10/10" in out
+    assert "a dry-run decision is never a failover" in out
+    assert "dry-run shutdown decision(s), no action taken" in out  # the poller's reason
     assert "=> no shutdown; recovered from 9/10" in out
     assert "healthy: no failover" in out
     assert out.count("0 rejected, 0 sequence gaps") == 2

@@ -105,7 +105,7 @@ def test_property_disarm_always_expires(set_off: float, length: float, now_off: 
 
 def _gate(tmp: Path, md: list[bool], wall: list[float]) -> tuple[DisarmGate, MemorySink]:
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp, "0badc0de", key=SYNTH_KEY), "0badc0de", key=SYNTH_KEY)
+    em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     return DisarmGate.from_config(cfg_for(tmp), em, lambda: md[0], lambda: wall[0]), sink
 
 

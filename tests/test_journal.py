@@ -109,7 +109,8 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
     for p, level, event in found:
         assert logs.NAMES[p] == level
         pri.setdefault(event, set()).add(p)
-    assert pri.get("shutdown") == {logs.CRIT}, text[-3000:]  # a dry run; a real one is alert
+    # a dry run (its own event since protocol v2); a real shutdown is alert
+    assert pri.get("dry_run_shutdown") == {logs.CRIT}, text[-3000:]
     assert pri["tick"] == {logs.WARNING}
     assert pri["heartbeat"] == {logs.INFO}
     assert pri["start"] == pri["stop"] == {logs.NOTICE}
@@ -117,11 +118,11 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
     # what `journalctl -p warning` would show: the decision and the climb, not the routine
     shown = {e for p, _, e in found if p <= logs.WARNING}
     # SIGTERM while the chain still holds the loop writes a `signal` line (warning) too
-    assert {"shutdown", "tick"} <= shown <= {"shutdown", "tick", "signal"}, text[-3000:]
+    assert {"dry_run_shutdown", "tick"} <= shown <= {"dry_run_shutdown", "tick", "signal"}, text[-3000:]
 
 
 def test_no_prefix_when_stderr_is_not_the_journal(tmp_path: Path) -> None:
     found, text = _run_agent(tmp_path, journal=False)
     assert found == []
-    assert "level='crit' event='shutdown'" in text
+    assert "level='crit' event='dry_run_shutdown'" in text
     assert not re.search(r"^<\d>", text, re.M)

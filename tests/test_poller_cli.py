@@ -205,3 +205,22 @@ def test_a_typo_in_project_zone_or_name_is_a_config_error_never_a_verdict(
     assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
     gone = outputs(capsys)["vm-1"]
     assert gone["status"] == "MISSING" and gone["verdict"] == "self_shutdown"
+
+
+def test_poll_reports_forged_lines_as_an_alarm_and_never_decides_on_them(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import secrets
+
+    from gce_watchdog.wire import protocol
+
+    w = Writer(boot="aaaa0001")
+    w.ts_ms = int(time.time() * 1000)
+    api.append_serial("vm-1", w.line("phase", {"ph": "workload"}))
+    fake = protocol.make_event("shutdown", "aaaa0001", 2, w.ts_ms, {"reason": "ladder"})
+    api.append_serial("vm-1", protocol.encode(fake, secrets.token_bytes(32)).encode() + b"\n")
+    assert main(poll_args(api, tmp_path, "--once", "--reap", "vm-1")) == 0
+    out = outputs(capsys)["vm-1"]
+    assert out["verdict"] == "healthy" and out["action"] == "none"
+    assert out["forged"] == 1 and out["forged_reasons"] == {"bad_mac": 1}
+    assert api.calls_to("delete") == []

@@ -343,3 +343,35 @@ def test_an_off_vm_whose_serial_port_cannot_be_read_still_gets_its_verdict(
     out = p.poll("spot-2")
     assert out.verdict is not None and out.verdict.kind is VerdictKind.PREEMPTED
     assert out.action == "failover" and out.error is None
+
+
+def test_poll_parse_and_report_give_one_verdict_for_the_same_bytes_and_times(
+    api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 15, item 7: one verdict function, one clock rule. The poller receives the bytes at
+    rx on its own clock; parse and report, told the same receive time and now, agree with it,
+    whatever the guest's clock said (here: a year fast)."""
+    from gce_watchdog.cli import main
+
+    w = Writer(boot="aaaa0001", ts_ms=int((time.time() + 365 * 86400) * 1000))
+    data = w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"})
+    api.append_serial("vm-1", data)
+    rx = 1_800_000_000.0
+    clock = [rx]
+    poller = Poller(make_client(api, sleeps), CursorStore(tmp_path), P, Z, clock=lambda: clock[0])
+    assert poller.poll("vm-1").verdict.kind is VerdictKind.HEALTHY  # type: ignore[union-attr]
+    dump = tmp_path / "dump.log"
+    dump.write_bytes(data)
+    iso = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rx))
+    for dt in (600.0, 901.0):  # silent 10 min (healthy), then past the drain timeout (wedge)
+        clock[0] = rx + dt
+        polled = poller.poll("vm-1").verdict
+        assert polled is not None
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rx + dt))
+        got = []
+        for cmd in ("parse", "report"):
+            args = [cmd, str(dump), "--json", "--status", "RUNNING", "--received", iso]
+            assert main([*args, "--now", now]) == 0
+            got.append(json.loads(capsys.readouterr().out)["verdict"]["kind"])
+        assert got == [polled.kind.value] * 2, (dt, got, polled)
+    assert polled.kind is VerdictKind.SUSPECTED_WEDGE

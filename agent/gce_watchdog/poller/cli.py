@@ -573,5 +573,7 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
         line += f" reap_error={out.reap_error!r}"
     if out.read is not None:
         line += f" new={out.read.new}B lost={out.read.lost}B"
+    if out.forged or out.key_conflict:  # lines that do not authenticate: someone forges
+        line += f" ALARM forged={out.forged}" + (" key_conflict" if out.key_conflict else "")
     line += f" | {v.reason}"
     print(line, flush=True)

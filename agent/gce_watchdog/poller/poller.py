@@ -37,6 +37,9 @@ class PollOutcome:
     lost_lines: int = 0
     lost_bytes: int = 0
     rejected: int = 0
+    forged: int = 0  # lines that did not authenticate: an alarm (protocol v2), never evidence
+    forged_reasons: dict[str, int] | None = None
+    key_conflict: bool = False
     # This poll announces the decision: its claim won, or it took over the announcement of a
     # decision whose claimer died before announcing it (the lease lapsed).
     announce: bool = False
@@ -93,6 +96,9 @@ class PollOutcome:
             "lost_lines": self.lost_lines,
             "lost_bytes_total": self.lost_bytes,
             "rejected": self.rejected,
+            "forged": self.forged,
+            "forged_reasons": self.forged_reasons or {},
+            "key_conflict": self.key_conflict,
         }
 
 
@@ -207,6 +213,9 @@ class Poller:
             lost_lines=tl.lost_lines,
             lost_bytes=tl.lost_bytes,
             rejected=tl.rejected,
+            forged=tl.forged,
+            forged_reasons=tl.forged_reasons,
+            key_conflict=tl.key_conflict,
             announce=announce,
         )
 

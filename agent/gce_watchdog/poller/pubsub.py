@@ -160,9 +160,14 @@ class PubSubWorker:
         now = self.clock()
         to_ack: list[str] = []
         grown: set[tuple[str, str]] = set()
-        for rm in msgs:
+        parsed = [parse_log_entry(rm.message.data) for rm in msgs]
+        for line in parsed:  # first the batch's key announcements: lines may come before them
+            if line is not None and line.instance_id not in self.keys and " key k=" in line.text:
+                res = decode_line(line.text)
+                if isinstance(res, KeyAnnounce):
+                    self.keys[line.instance_id] = res.key
+        for rm, line in zip(msgs, parsed, strict=True):
             self.stats.messages += 1
-            line = parse_log_entry(rm.message.data)
             res = decode_line(line.text, self.keys.get(line.instance_id)) if line else None
             if isinstance(res, KeyAnnounce) and line is not None:
                 # protocol v2: pin the instance's line key on its first announcement (a boot's

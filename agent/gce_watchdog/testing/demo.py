@@ -47,7 +47,7 @@ def say(msg: str) -> None:
 
 
 def colour(e: Event) -> str:
-    if e.event in ("shutdown", "action"):
+    if e.event in ("shutdown", "dry_run_shutdown", "action"):
         return RED
     if e.event == "tick":
         return YELLOW
@@ -216,12 +216,13 @@ def summary(path: Path, title: str, status: str) -> None:
     events, stats = decode_all(path.read_bytes())
     say(f"{title}: the serial log decoded again, whole")
     t0 = events[0].ts_ms / 1000 if events else 0.0
-    shut = [e for e in events if e.event == "shutdown"]
+    shut = [e for e in events if e.event in ("shutdown", "dry_run_shutdown") and not e.get("rep")]
     rec = [e for e in events if e.event == "recovered"]
     seqs = [e.seq for e in events]
     gaps = sum(b - a - 1 for a, b in itertools.pairwise(seqs) if b > a + 1)
+    dry = " (dry run: nothing powered off)" if shut and shut[0].event == "dry_run_shutdown" else ""
     verdict = (
-        f"{RED}SHUTDOWN decided at {shut[0].get('rung')} "
+        f"{RED}SHUTDOWN decided{dry} at {shut[0].get('rung')} "
         f"({shut[0].ts_ms / 1000 - t0:.1f}s after start){RESET}"
         if shut
         else f"{GREEN}no shutdown; recovered from {rec[0].get('from')}/10{RESET}"
@@ -229,8 +230,14 @@ def summary(path: Path, title: str, status: str) -> None:
         else "no shutdown"
     )
     print(f"  => {verdict}; {stats.events} lines, {stats.rejected} rejected, {gaps} sequence gaps")
-    what = f"instance {status}" + (" (as a real poweroff leaves it)" if shut else "")
+    what = f"instance {status}"
     print(f"  => poller, {what}: {BOLD}{poller_verdict(path, status)}{RESET}")
+    if dry:  # what the same decision means armed: the agent writes `shutdown`, the VM goes off
+        print(
+            f"  => a dry-run decision is never a failover (protocol v2: its own event); armed, "
+            f"the agent writes `shutdown` and the poller says: {BOLD}self_shutdown: FAIL OVER"
+            f"{RESET}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     s1 = scenario_wedge(root / "vm1")
     s2 = scenario_recovery(root / "vm2")
     # A real chain would have left VM 1 TERMINATED: the poller is asked about that case.
-    summary(s1, f"VM 1 ({VM1.name})", "TERMINATED")
+    summary(s1, f"VM 1 ({VM1.name})", "RUNNING")  # a dry run powers nothing off
     summary(s2, f"VM 2 ({VM2.name})", "RUNNING")
     print(
         "\nWhat you saw: both probes must fail in the same tick to climb; one passing probe "

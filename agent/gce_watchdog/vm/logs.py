@@ -67,6 +67,8 @@ _ACTION_FAILED = frozenset({"error", "fail", "timeout", "stuck"})  # a step that
 
 def priority_of(event: str, fields: Mapping[str, object]) -> int:
     """The syslog priority of one serial event mirrored to the journal (pure)."""
+    if event == vocab.DRY_RUN_SHUTDOWN:
+        return CRIT  # a dry run decides the same, but powers nothing off: an alarm
     if event == vocab.SHUTDOWN:
         # a dry run decides the same, but powers nothing off: an alarm, not an emergency
         return CRIT if str(fields.get("action", "")).replace("_", "-") == "dry-run" else ALERT
