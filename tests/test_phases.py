@@ -83,7 +83,7 @@ def test_setup_failed_line(tmp_path: Path) -> None:
     assert ev.get("step") == "install" and ev.get("rc") == "1"
     assert ev.get("reason", "").startswith("pip_install_failed:_No_matching")
     # The readable reason, shortened (not dropped) to keep the line within 200 bytes.
-    assert ev.text.endswith("...") and reason.startswith(ev.text[:-3]) and len(ev.text) > 40
+    assert ev.text.endswith("...") and reason.startswith(ev.text[:-3]) and len(ev.text) > 30
     assert read_phase(tmp_path / "state") == "setup_failed"
     _run(["setup-failed", "--step", "dns", "--reason", "no DNS", "--config", cfg])
     last = _events(tmp_path)[-1]
