@@ -118,7 +118,9 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
     # what `journalctl -p warning` would show: the decision and the climb, not the routine
     shown = {e for p, _, e in found if p <= logs.WARNING}
     # SIGTERM while the chain still holds the loop writes a `signal` line (warning) too
-    assert {"dry_run_shutdown", "tick"} <= shown <= {"dry_run_shutdown", "tick", "signal"}, text[-3000:]
+    assert {"dry_run_shutdown", "tick"} <= shown <= {"dry_run_shutdown", "tick", "signal"}, text[
+        -3000:
+    ]
 
 
 def test_no_prefix_when_stderr_is_not_the_journal(tmp_path: Path) -> None:
