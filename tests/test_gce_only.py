@@ -18,6 +18,7 @@ from gce_watchdog.bootstrap.install import InstallOptions, install
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm.platform import GCE_PRODUCT, Platform, arming, detect
 from gce_watchdog.wire import protocol
+from test_install import agent_in
 
 REPO = Path(__file__).resolve().parents[1]
 QEMU = "Standard PC (Q35 + ICH9, 2009)"
@@ -162,6 +163,7 @@ def test_check_on_gce_with_a_healthy_metadata_server_says_neither(tmp_path: Path
 
 def _install(tmp: Path, plat: Platform | None, config: str = "") -> list[str]:
     root = tmp / "root"
+    agent_in(root, "/opt/gce-watchdog/bin/gce-watchdog")  # an agent baked into the image tree
     if config:
         (root / "etc/gce-watchdog").mkdir(parents=True)
         (root / "etc/gce-watchdog/config.toml").write_text(config)
