@@ -201,7 +201,11 @@ def first_event(serial: Path, name: str, pred: Callable[[Any], bool] = lambda e:
 def fired_at(w: Watcher, fired: Path) -> float | None:
     """Wall-clock time of the watcher's first shutdown action, or None."""
     if w.kind == "agent":
-        e = first_event(fired, "shutdown")
+        from gce_watchdog.wire import vocab
+
+        # The bench's agents run the dry-run action, whose decision is its own event (issue 15).
+        decided = (vocab.SHUTDOWN, vocab.DRY_RUN_SHUTDOWN)
+        e = next((e for e in events(fired) if e.event in decided), None)
         return e.ts_ms / 1000 if e else None
     try:
         first = fired.read_text().split()
