@@ -212,7 +212,7 @@ def test_a_trusted_state_dir_still_honours_its_disarm(tmp_path: Path) -> None:
         r = _run(cfg)
     assert r.returncode == 0, r.stderr
     names = [e.event for e in _events(tmp_path)]
-    assert "would_shutdown" in names and "shutdown" not in names
+    assert "would_shutdown" in names and "dry_run_shutdown" not in names
 
 
 @root_only
