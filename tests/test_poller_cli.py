@@ -224,3 +224,19 @@ def test_poll_reports_forged_lines_as_an_alarm_and_never_decides_on_them(
     assert out["verdict"] == "healthy" and out["action"] == "none"
     assert out["forged"] == 1 and out["forged_reasons"] == {"bad_mac": 1}
     assert api.calls_to("delete") == []
+
+
+def test_parse_keeps_every_event_of_a_long_dump(tmp_path: Path) -> None:
+    """The timeline compacts past 4096 events (its verdict inputs stay); parse lists them all."""
+    w = Writer(boot="aaaa0001", step_ms=1000)
+    data = b"".join(w.line("heartbeat", {"rung": "0/10", "ph": "workload"}) for _ in range(5000))
+    f = tmp_path / "long.log"
+    f.write_bytes(data)
+    r = subprocess.run(
+        [sys.executable, "-m", "gce_watchdog", "parse", str(f), "--json"],
+        capture_output=True, cwd=REPO, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["events"]) == 5001  # the key announcement and 5000 heartbeats
+    assert [e["seq"] for e in doc["events"]] == list(range(5001))

@@ -11,7 +11,7 @@ from fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import Emitter, SerialPort
+from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import decode_all
 
@@ -147,3 +147,16 @@ def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> N
         em.emit("stop", sync=True)
     raw = [int(line.split(" ")[2]) for line in f.read_text().splitlines()]
     assert raw == list(range(802))  # on the port itself, not only after decoding
+
+
+def test_without_the_key_nothing_is_written_and_seq_0_stays_for_the_announcement(
+    tmp_path: Path,
+) -> None:
+    sink = MemorySink()
+    unsigned = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=None)
+    unsigned.emit("phase", {"ph": "workload"})
+    assert sink.lines == [] and unsigned.unsigned == 1
+    signed = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
+    signed.emit("phase", {"ph": "workload"})
+    evs, stats = decode_all("".join(ln + "\n" for ln in sink.lines).encode())
+    assert [(e.seq, e.event) for e in evs] == [(0, "key"), (1, "phase")] and stats.forged == 0

@@ -242,7 +242,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
 
     from gce_watchdog.poller.timeline import Timeline
     from gce_watchdog.poller.verdict import InstanceState
-    from gce_watchdog.wire.protocol import format_ts
+    from gce_watchdog.wire.protocol import Event, format_ts
     from gce_watchdog.wire.vocab import human_fields
 
     try:
@@ -256,25 +256,28 @@ def cmd_parse(args: argparse.Namespace) -> int:
         return EX_USAGE
     rx, now = times
     tl = Timeline()
+    # every event, in stream order: the timeline itself compacts past MAX_EVENTS (its verdict
+    # inputs stay), parse shows all of them
+    events: list[Event] = []
     total = 0
     try:
         if args.file == "-":
             src = sys.stdin.buffer
             while chunk := src.read(1 << 16):
                 total += len(chunk)
-                tl.feed(chunk, rx)
+                events += tl.feed(chunk, rx)
         else:
             with open(args.file, "rb") as f:
                 while chunk := f.read(1 << 16):
                     total += len(chunk)
-                    tl.feed(chunk, rx)
+                    events += tl.feed(chunk, rx)
     except OSError as e:
         print(f"gce-watchdog parse: cannot read {args.file}: {e.strerror or e}", file=sys.stderr)
         return EX_NOINPUT
-    tl.finish(rx)
+    events += tl.finish(rx)
     verdict = tl.judge(InstanceState(args.status, args.spot), now, policy)
     if args.json:
-        print(json.dumps(_timeline_json(tl, verdict, total), sort_keys=True))
+        print(json.dumps(_timeline_json(tl, events, verdict, total), sort_keys=True))
         return 0
     out = sys.stdout
     print(f"{args.file}: {total} bytes, {tl.lines} lines", file=out)
@@ -285,8 +288,8 @@ def cmd_parse(args: argparse.Namespace) -> int:
             f"{format_ts(b.first_ts_ms)} .. {format_ts(b.last_ts_ms)}",
             file=out,
         )
-    print(f"events ({len(tl.events)}):", file=out)
-    for ev in tl.events:
+    print(f"events ({len(events)}):", file=out)
+    for ev in events:
         kv = human_fields(ev.fields)
         text = f" | {ev.text}" if ev.text else ""
         print(f"  {format_ts(ev.ts_ms)} {ev.boot} #{ev.seq} {ev.event} {kv}{text}", file=out)
@@ -314,7 +317,7 @@ def cmd_parse(args: argparse.Namespace) -> int:
     return 0
 
 
-def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
+def _timeline_json(tl: Any, events: list[Any], verdict: Any, total: int) -> dict[str, Any]:
     from dataclasses import asdict
 
     return {
@@ -323,7 +326,7 @@ def _timeline_json(tl: Any, verdict: Any, total: int) -> dict[str, Any]:
         "boots": [
             {**asdict(b), "lost": b.lost} for b in sorted(tl.boots.values(), key=lambda b: b.order)
         ],
-        "events": [e.to_json() for e in tl.events],
+        "events": [e.to_json() for e in events],
         "seq_gaps": [{**asdict(g), "missing": g.missing} for g in tl.seq_gaps],
         "lost_lines": tl.lost_lines,
         "rejected": tl.rejected,
@@ -573,7 +576,8 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
         line += f" reap_error={out.reap_error!r}"
     if out.read is not None:
         line += f" new={out.read.new}B lost={out.read.lost}B"
-    if out.forged or out.key_conflict:  # lines that do not authenticate: someone forges
-        line += f" ALARM forged={out.forged}" + (" key_conflict" if out.key_conflict else "")
+    forged, conflict = getattr(out, "forged", 0), getattr(out, "key_conflict", False)
+    if forged or conflict:  # lines that do not authenticate: someone forges
+        line += f" ALARM forged={forged}" + (" key_conflict" if conflict else "")
     line += f" | {v.reason}"
     print(line, flush=True)

@@ -274,16 +274,19 @@ class Emitter:
         # wait for a sync line's drain outside it, so no other thread waits on our drain.
         with self._order:
             ts_ms = int(self.wall() * 1000)
-            n = self.seq.next()
-            if n == 0 and self.key is not None:
-                # The boot's first line announces the key; never mirrored to the journal.
-                self.sink.submit(protocol.key_line(self.boot, 0, ts_ms, self.key), sync=sync)
-                n = self.seq.next()
-            ev = protocol.make_event(event, self.boot, n, ts_ms, fields, text)
             if self.key is None:
+                # Nothing can be signed: no seq is taken either (seq 0 must stay for the writer
+                # that can announce the key).
+                ev = protocol.make_event(event, self.boot, 0, ts_ms, fields, text)
                 self.unsigned += 1
                 waiter: Waiter = lambda: False  # noqa: E731
             else:
+                n = self.seq.next()
+                if n == 0:
+                    # The boot's first line announces the key; never mirrored to the journal.
+                    self.sink.submit(protocol.key_line(self.boot, 0, ts_ms, self.key), sync=sync)
+                    n = self.seq.next()
+                ev = protocol.make_event(event, self.boot, n, ts_ms, fields, text)
                 waiter = self.sink.submit(protocol.encode(ev, self.key), sync=sync)
         ok = waiter()
         self.written.append(ev)

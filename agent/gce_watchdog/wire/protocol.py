@@ -479,8 +479,8 @@ class StreamDecoder:
         self.key = key
         self.key_conflict = False  # a second, different key was announced for this instance
         self._pending = b""
-        # (boot, seq) -> CRCs of the line bodies seen with it, in arrival order, bounded.
-        self._seen: OrderedDict[tuple[str, int], set[str]] = OrderedDict()
+        # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
+        self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
         self.rejects: list[Rejected] = []
         self.forgeries: list[Forged] = []
 
@@ -543,7 +543,7 @@ class StreamDecoder:
             self.forgeries.append(f)
 
     def _is_duplicate(self, ev: Event) -> bool:
-        digest = _crc(_body(ev).encode())
+        digest = hash((ev.event, ev.ts_ms, ev.fields, ev.text))  # the content (boot, seq: k)
         k = (ev.boot, ev.seq)
         seen = self._seen.get(k)
         if seen is not None and digest in seen:
