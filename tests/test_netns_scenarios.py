@@ -27,6 +27,9 @@ from netns import PY, VM_ADDR, SimHandle, Topology
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
+# The scenes run the agent with action = "dry-run": its decision line is its own event (issue 15).
+DECISION = "dry_run_shutdown"
+
 POLL = 0.02  # seconds between looks at the serial file
 
 
@@ -73,7 +76,6 @@ threshold = {threshold}
 heartbeat_every = 1
 state_dir = "{self.d}/state"
 run_dir = "{self.d}/run"
-run_dir = "{self.d}/run"
 action = "dry-run"
 [egress]
 targets = ["egress.test:443"]
@@ -108,7 +110,8 @@ dry_run_op = "none"
             return []
         evs, stats = decode_all(self.serial.read_bytes())
         assert stats.rejected == 0, f"rejected lines in {self.serial}"
-        return evs
+        assert stats.forged == 0, f"forged lines in {self.serial}"
+        return [e for e in evs if e.event != "key"]  # the boot's key announcement (seq 0)
 
     def since(self, seq: int) -> list[Event]:
         return [e for e in self.events() if e.seq > seq]
@@ -185,7 +188,7 @@ def test_both_paths_dropped_shuts_down_after_exactly_threshold_ticks(scene: Scen
     assert inj.get("cut") == "metadata+egress443"
     assert scene.topo.tcp_ok(scene.topo.gce, VM_ADDR, 22)  # the operator keeps SSH
     shutdown = wait_for(
-        lambda: next((e for e in scene.since(inj.seq) if e.event == "shutdown"), None),
+        lambda: next((e for e in scene.since(inj.seq) if e.event == DECISION), None),
         scene.threshold * scene.interval + 10,
         "the shutdown line",
     )
@@ -205,7 +208,7 @@ def test_both_paths_dropped_shuts_down_after_exactly_threshold_ticks(scene: Scen
     assert shutdown.fields_dict["rung"] == "10/10" and shutdown.get("action") == "dry-run"
     assert shutdown.seq > ticks[-1].seq
     assert not any(e.event == "recovered" for e in after if e.seq < shutdown.seq)
-    assert [e.event for e in after].count("shutdown") == 1
+    assert [e.event for e in after].count(DECISION) == 1
     # The agent and both fault commands share one line counter: no gaps, no duplicates.
     seqs = [e.seq for e in scene.events()]
     assert seqs == list(range(len(seqs)))
@@ -234,7 +237,7 @@ def test_one_path_down_never_shuts_down(scene: Scene, flags: list[str], broken: 
     scene.fault("clear")
     ticks = scene.ticks_after(anchor)[1 : n + 1]  # the first may have started before the rules
     after = scene.since(inj.seq)
-    assert not any(e.event == "shutdown" for e in after), scene.debug()
+    assert not any(e.event == DECISION for e in after), scene.debug()
     assert all(rung_of(e) == 0 for e in ticks), scene.debug()
 
     def field(e: Event, k: str) -> str:
@@ -277,7 +280,7 @@ def test_nine_tick_outage_then_clear_recovers_without_shutdown(scene: Scene) -> 
     assert climbs(scene.since(inj.seq)) == [f"{n}/10" for n in range(1, 10)], scene.debug()
     # A few healthy ticks more, then no shutdown anywhere.
     wait_for(lambda: len(scene.ticks_after(rec.seq)) >= 3, 3 * scene.interval + 10, "ticks")
-    assert not any(e.event == "shutdown" for e in scene.events())
+    assert not any(e.event == DECISION for e in scene.events())
     assert [e.get("op") for e in scene.events() if e.event == "fault"] == ["inject", "clear"]
 
 
@@ -307,7 +310,7 @@ def test_flapping_for_sixty_ticks_never_shuts_down(scene: Scene) -> None:
     last = scene.events()[-1]
     wait_for(lambda: len(scene.ticks_after(last.seq)) >= 2, 10, "ticks after the flapping")
     evs = [e for e in scene.events() if e.seq > hb.seq]
-    assert not any(e.event == "shutdown" for e in evs), scene.debug()
+    assert not any(e.event == DECISION for e in evs), scene.debug()
     # Exact alternation gives rung 1 then a reset, 30 times. A loaded machine may wake the
     # flipper late now and then (two downs in a row); the ladder must still never get far.
     assert max(rung_of(e) for e in evs if e.event == "tick") <= 3, scene.debug()
@@ -333,7 +336,7 @@ def test_sigkill_at_rung_five_restart_continues_and_fires_at_threshold(scene: Sc
         "the restarted agent's start line",
     )
     shutdown = wait_for(
-        lambda: next((e for e in scene.since(start.seq) if e.event == "shutdown"), None),
+        lambda: next((e for e in scene.since(start.seq) if e.event == DECISION), None),
         10 * scene.interval + 15,
         "the shutdown line",
     )
@@ -346,7 +349,7 @@ def test_sigkill_at_rung_five_restart_continues_and_fires_at_threshold(scene: Sc
     assert last_before >= 5 and resumed in (last_before, last_before + 1), scene.debug()
     assert after == [f"{n}/10" for n in range(resumed + 1, 11)], scene.debug()
     assert shutdown.get("rung") == "10/10"
-    assert [e.event for e in scene.events()].count("shutdown") == 1
+    assert [e.event for e in scene.events()].count(DECISION) == 1
     assert [e.event for e in scene.events()].count("start") == 2
 
 
@@ -394,4 +397,4 @@ def test_killed_fault_cli_still_reverts_at_ttl_and_the_agent_recovers(scene: Sce
         raise AssertionError(f"{e}\n{scene.debug()}") from None
     reached = climbs([e for e in scene.since(inj.seq) if e.seq < rec.seq])
     assert len(reached) >= 3 and rec.get("from") == reached[-1].split("/")[0], scene.debug()
-    assert not any(e.event == "shutdown" for e in scene.events())
+    assert not any(e.event == DECISION for e in scene.events())

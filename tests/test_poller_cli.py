@@ -240,3 +240,30 @@ def test_parse_keeps_every_event_of_a_long_dump(tmp_path: Path) -> None:
     doc = json.loads(r.stdout)
     assert len(doc["events"]) == 5001  # the key announcement and 5000 heartbeats
     assert [e["seq"] for e in doc["events"]] == list(range(5001))
+
+
+def test_invented_boots_give_no_second_decision(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 15: two invented boot ids gave three decisions and three failovers for one VM."""
+    import secrets
+
+    from gce_watchdog.wire import protocol
+
+    data, w = dump()
+    api.append_serial("vm-1", data)  # a real boot that shut itself down
+    api.set_status("vm-1", "TERMINATED")
+    for boot in ("cccc0003", "dddd0004"):
+        for seq, name in enumerate(("phase", "shutdown")):
+            ev = protocol.make_event(name, boot, seq, w.ts_ms + 600_000, {"ph": "workload"})
+            api.append_serial("vm-1", protocol.encode(ev, secrets.token_bytes(32)).encode() + b"\n")
+    actions = []
+    for _ in range(3):
+        assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+        out = outputs(capsys)["vm-1"]
+        actions.append(out["action"])
+        assert out["verdict"] == "self_shutdown" and out["boot"] == "aaaa0001"
+        assert out["forged"] == 4
+    assert actions == ["failover", "already_decided", "already_decided"]
+    with open_ledger(str(tmp_path / "ledger.sqlite")) as led:
+        assert [(d.boot, d.verdict) for d in led.all()] == [("aaaa0001", "self_shutdown")]
