@@ -263,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     summary(s2, f"VM 2 ({VM2.name})", "RUNNING")
     print(
         "\nWhat you saw: both probes must fail in the same tick to climb; one passing probe "
-        "resets the ladder.\nEvery line is protocol v1 (docs/serial-protocol.md): the poller "
-        "finds it among kernel output\nwith `grep -F GCEWD1`, checks its CRC, and tells a "
-        "wedge (fail over) from a recovery."
+        "resets the ladder.\nEvery line is protocol v2 (docs/serial-protocol.md): the poller "
+        "finds it among kernel output\nwith `grep -F GCEWD2`, checks its CRC and its MAC (the "
+        "instance's key: no other process\ncan write a line that counts), and tells a wedge "
+        "(fail over) from a recovery."
     )
     if args.clean:
         shutil.rmtree(root)
