@@ -348,6 +348,14 @@ backoff() {
 	printf '%s\n' "$b"
 }
 
+# curl_url_config URL: the URL as one line of a curl config file (`url = "..."`, with \ and "
+# escaped as that format wants), for `curl -K -`.
+curl_url_config() {
+	local u=${1//\\/\\\\}
+	u=${u//\"/\\\"}
+	printf 'url = "%s"\n' "$u"
+}
+
 FETCH_RC=0
 FETCH_REASON=""
 # download URL OUT [SHA256]: curl with its own retries (--retry-all-errors) inside an outer loop
@@ -378,9 +386,12 @@ download() {
 			left=$((end - SECONDS))
 			((left > 0)) || left=1
 			rc=0
-			code=$(curl -sS -L --retry 5 --retry-all-errors --retry-max-time "$left" \
-				--connect-timeout 10 --max-time "$left" -o "$part" -w '%{http_code}' \
-				"$url") || rc=$?
+			# The URL goes to curl as a config on stdin, never as an argument: a command
+			# line is readable by every local user (/proc/PID/cmdline) while it runs, and
+			# the URL may carry user:TOKEN@ or a signature.
+			code=$(curl_url_config "$url" | curl -sS -L --retry 5 --retry-all-errors \
+				--retry-max-time "$left" --connect-timeout 10 --max-time "$left" \
+				-o "$part" -w '%{http_code}' -K -) || rc=$?
 			if ((rc == 0)) && [[ $code == 2* ]]; then
 				if [[ -n $sha ]] && ! echo "${sha,,}  $part" | sha256sum -c --status -; then
 					rm -f "$part"

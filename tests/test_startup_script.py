@@ -469,8 +469,22 @@ def test_install_from_wheelhouse_url(vm: Vm, tmp_path: Path) -> None:
         vm.mds.set_attribute("gce-watchdog-wheel-sha256", digest)
         vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
         vm.env["GCEWD_DNS_NAME"] = ""  # default: the wheel URL's host (127.0.0.1)
+        # Every curl command line, as any local user sees it in /proc/PID/cmdline meanwhile.
+        shims, argv_log = tmp_path / "shims", tmp_path / "curl-argv.log"
+        shims.mkdir()
+        real_curl = shutil.which("curl")
+        assert real_curl, "curl is needed by the start-up script"
+        (shims / "curl").write_text(
+            f'#!/bin/sh\nprintf "%s\\n" "$*" >> "{argv_log}"\nexec "{real_curl}" "$@"\n'
+        )
+        (shims / "curl").chmod(0o755)
+        vm.env["PATH"] = f"{shims}:{vm.env.get('PATH', os.environ['PATH'])}"
         p = vm.run(timeout=300)
         assert p.returncode == 0, p.stderr
+        argv = argv_log.read_text()
+        assert "wheelhouse" in argv or "-K" in argv, f"the download never ran curl: {argv}"
+        for secret in ("TOKEN123", "SIG456", "alice"):
+            assert secret not in argv, f"{secret} on a curl command line: {argv}"
         evs = vm.events()
         fetch = [e for e in evs if e.event == "fetch"]
         assert [e.get("out") for e in fetch] == ["ok"]
