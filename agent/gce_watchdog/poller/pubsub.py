@@ -12,7 +12,10 @@ A worker (``gce-watchdog poll --pubsub projects/P/subscriptions/S``):
 
 1. pulls a batch and decodes each LogEntry; lines that are not ours are acked at once;
 2. puts our lines back in order per (instance id, boot) (``Assembler``: duplicates dropped, a gap
-   waited for ``settle_s``, then declared lost) and decides over each boot's gap-free prefix;
+   waited for ``settle_s``, then declared lost) and decides over each boot's gap-free prefix. A
+   boot with a line declared lost is never decided from the stream: the lost line may be the
+   ``exit rc=0`` or ``setup_failed`` that forbids a failover. Its instance goes to ``gapped``,
+   and the Compute API sweep reads its serial port (the whole record) and decides it there;
 3. claims a failover in the ledger (durable when ``claim`` returns), announces it, marks it
    announced;
 4. acks a message only once its line is in the prefix and any claim it led to is durable. A line
@@ -52,6 +55,9 @@ DEFAULT_SETTLE_S = 2.0
 ANNOUNCE_SWEEP_S = 5.0
 # Messages per pull (the API allows up to 1,000).
 PULL_MAX = 500
+# Messages kept per instance while its key announcement has not arrived yet (a shuffled stream):
+# about a day of one healthy boot's lines. Past that they are left to Pub/Sub's redelivery.
+WAITING_MAX = 4096
 # Only these verdicts are proven by a line; the others need the instance's status or silence.
 LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED})
 
@@ -104,6 +110,7 @@ class WorkerStats:
     decisions: int = 0
     announced: int = 0
     acked: int = 0
+    gapped: int = 0  # instances left to the Compute API sweep: a boot of theirs lost a line
     latencies: list[float] = field(default_factory=list)  # publish time -> claim, seconds
 
 
@@ -141,6 +148,11 @@ class PubSubWorker:
         # Boots decided here: their later lines and redeliveries are acked without a second look.
         # Bounded: a boot is decided once, and a worker's lifetime sees a bounded fleet.
         self._decided: set[tuple[str, str]] = set()
+        # Instance ids with a boot whose stream lost a line: never decided here, polled by the
+        # Compute API sweep instead (pubsub_cli's select). Bounded by the fleet.
+        self.gapped: set[str] = set()
+        # Per instance id, messages received before its key was pinned (unacked meanwhile).
+        self._waiting: dict[str, list[tuple[Any, SerialLine]]] = {}
 
     def pull(self, timeout: float) -> list[Any]:
         from google.api_core import exceptions as gexc
@@ -166,37 +178,13 @@ class PubSubWorker:
                 res = decode_line(line.text)
                 if isinstance(res, KeyAnnounce):
                     self.keys[line.instance_id] = res.key
-        for rm, line in zip(msgs, parsed, strict=True):
-            self.stats.messages += 1
-            res = decode_line(line.text, self.keys.get(line.instance_id)) if line else None
-            if isinstance(res, KeyAnnounce) and line is not None:
-                # protocol v2: pin the instance's line key on its first announcement (a boot's
-                # seq 0); another key later is forged, and only the pinned one verifies lines
-                pinned = self.keys.setdefault(line.instance_id, res.key)
-                res = res.event if pinned == res.key else Forged(Forgery.KEY_CONFLICT, b"")
-            if isinstance(res, Forged) and res.reason == Forgery.NO_KEY:
-                self.stats.unverified += 1  # not acked: redelivered once the key is pinned
-                continue
-            if isinstance(res, Forged):
-                self.stats.forged += 1
-            ev = res
-            if line is None or not isinstance(ev, Event):
-                self.stats.foreign += 1
-                to_ack.append(rm.ack_id)
-                continue
-            self.stats.lines += 1
-            self.last_heard[line.instance_id] = now
-            self._info[line.instance_id] = line
-            if (line.instance_id, ev.boot) in self._decided:
-                to_ack.append(rm.ack_id)
-                continue
-            key = (line.instance_id, ev.boot, ev.seq)
-            self._held.setdefault(key, _Held(line)).ack_ids.append(rm.ack_id)
-            pub = rm.message.publish_time
-            if pub is not None and key not in self._published:
-                self._published[key] = pub.timestamp()
-            if self.asm.add(line.instance_id, ev, now):
-                grown.add((line.instance_id, ev.boot))
+        self.stats.messages += len(msgs)
+        # Lines that came before their instance's key (a shuffled stream) waited here, unacked;
+        # those whose key is now pinned are taken first, in this step.
+        ready = [iid for iid in self._waiting if iid in self.keys]
+        items = [item for iid in ready for item in self._waiting.pop(iid)]
+        for rm, line in [*items, *zip(msgs, parsed, strict=True)]:
+            self._take(rm, line, now, to_ack, grown)
         grown.update(self.asm.settle(now))
         for iid, boot in sorted(grown):
             self._decide(iid, boot, now)
@@ -206,6 +194,51 @@ class PubSubWorker:
             self._last_sweep = now
             self.announce_pending(now)
         return len(msgs)
+
+    def _take(
+        self,
+        rm: Any,
+        line: SerialLine | None,
+        now: float,
+        to_ack: list[str],
+        grown: set[tuple[str, str]],
+    ) -> None:
+        """One received message: ack it, hold it, or wait for its instance's key."""
+        res = decode_line(line.text, self.keys.get(line.instance_id)) if line else None
+        if isinstance(res, KeyAnnounce) and line is not None:
+            # protocol v2: pin the instance's line key on its first announcement (a boot's
+            # seq 0); another key later is forged, and only the pinned one verifies lines
+            pinned = self.keys.setdefault(line.instance_id, res.key)
+            res = res.event if pinned == res.key else Forged(Forgery.KEY_CONFLICT, b"")
+        if isinstance(res, Forged) and res.reason == Forgery.NO_KEY and line is not None:
+            # No key pinned yet: kept unacked until the instance's key announcement arrives
+            # (then taken, in that step), at most WAITING_MAX per instance; past that, left to
+            # Pub/Sub's redelivery. Never acked unread: a worker that dies loses nothing.
+            self.stats.unverified += 1
+            waiting = self._waiting.setdefault(line.instance_id, [])
+            if len(waiting) < WAITING_MAX:
+                waiting.append((rm, line))
+            return
+        if isinstance(res, Forged):
+            self.stats.forged += 1
+        ev = res
+        if line is None or not isinstance(ev, Event):
+            self.stats.foreign += 1
+            to_ack.append(rm.ack_id)
+            return
+        self.stats.lines += 1
+        self.last_heard[line.instance_id] = now
+        self._info[line.instance_id] = line
+        if (line.instance_id, ev.boot) in self._decided:
+            to_ack.append(rm.ack_id)
+            return
+        key = (line.instance_id, ev.boot, ev.seq)
+        self._held.setdefault(key, _Held(line)).ack_ids.append(rm.ack_id)
+        pub = rm.message.publish_time
+        if pub is not None and key not in self._published:
+            self._published[key] = pub.timestamp()
+        if self.asm.add(line.instance_id, ev, now):
+            grown.add((line.instance_id, ev.boot))
 
     def _ackable(self) -> list[str]:
         """Messages whose line is in its boot's prefix (or whose boot was decided and dropped)."""
@@ -230,6 +263,12 @@ class PubSubWorker:
         events = self.asm.events(iid, boot)
         if not events:
             return
+        stream = self.asm.streams.get((iid, boot))
+        if stream is not None and stream.lost:
+            if iid not in self.gapped:
+                self.gapped.add(iid)
+                self.stats.gapped += 1
+            return  # a lost line may be the one that forbids a failover: the API sweep decides
         verdict = decide(events, InstanceState("RUNNING"), now, self.policy)
         if verdict.kind not in LINE_VERDICTS:
             return
