@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 from gce_watchdog.vm import config as cfgmod
 
@@ -30,6 +32,29 @@ def test_durations_and_values_parse() -> None:
     )
     assert cfg.memory.period == 10.0 and cfg.memory.warmup == 120.0
     assert cfg.memory.climb_command == ["/usr/local/bin/dump-mem", "--all"]
+
+
+@pytest.mark.parametrize(
+    ("written", "gib"),
+    [(0.5, 0.5), (2, 2.0), ("512MiB", 0.5), ("1.5GiB", 1.5), ("1GB", 1e9 / 2**30)],
+)
+def test_band_takes_a_size_with_its_unit_or_gib_as_a_number(written: object, gib: float) -> None:
+    """The one size parser (lib/sizes) for the config key too; a bare number stays GiB."""
+    cfg = cfgmod.from_dict({"memory": {"band_gib": written}})
+    assert cfg.memory.band_gib == pytest.approx(gib)
+    # config show writes it back in a form config check reads to the same value
+    back = cfgmod.from_dict(tomllib.loads(cfgmod.to_toml(cfg)))
+    assert back.memory.band_gib == pytest.approx(gib)
+
+
+@pytest.mark.parametrize(
+    ("written", "why"),
+    [("1.5", "needs a unit"), ("1.5 parsecs", "expected a size"), (True, "size")],
+)
+def test_band_refuses_a_string_without_a_unit(written: object, why: str) -> None:
+    with pytest.raises(cfgmod.InvalidConfig) as e:
+        cfgmod.from_dict({"memory": {"band_gib": written}})
+    assert "memory.band_gib" in str(e.value) and why in str(e.value)
 
 
 def test_every_error_at_once() -> None:

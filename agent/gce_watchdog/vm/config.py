@@ -26,6 +26,7 @@ from typing import Any
 
 from gce_watchdog.lib.durations import format_duration, parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server, parse_host_port
+from gce_watchdog.lib.sizes import GIB, parse_size
 
 DEFAULT_PATH = Path("/etc/gce-watchdog/config.toml")
 EX_CONFIG = 78  # sysexits.h: configuration error
@@ -33,6 +34,11 @@ EX_CONFIG = 78  # sysexits.h: configuration error
 
 class Duration(float):
     """Marker type: a float number of seconds that may be written as '30s', '10m', ..."""
+
+
+class GiBSize(float):
+    """Marker type: a float number of GiB (a number, as before) that may also be written as a
+    size with its unit, ``"512MiB"``, ``"1.5GiB"`` (the one size parser, ``lib/sizes``)."""
 
 
 def _positive(v: float) -> str | None:
@@ -208,8 +214,9 @@ class MemorySection:
     window: int = field(default=30, metadata=_check(lambda v: None if v >= 30 else "must be >= 30"))
     # Samples kept per gauge (sliding window judged each period): 240 x 30 s = 2 h of history.
     max_window: int = field(default=240, metadata=_check(_count(1, 100_000)))
-    band_gib: float = field(
-        default=1.0, metadata=_check(lambda v: None if 0 < v <= 1e6 else "must be in (0, 1e6]")
+    band_gib: GiBSize = field(
+        default=GiBSize(1.0),
+        metadata=_check(lambda v: None if 0 < v <= 1e6 else "must be in (0, 1e6]"),
     )
     alpha: float = field(
         default=0.01, metadata=_check(lambda v: None if 0 < v < 0.5 else "must be in (0, 0.5)")
@@ -382,6 +389,8 @@ def _suggest(key: str, choices: list[str]) -> str:
 def _type_name(tp: Any) -> str:
     if tp is Duration:
         return "duration (seconds or '30s')"
+    if tp is GiBSize:
+        return "size (GiB as a number, or '512MiB', '1.5GiB')"
     if typing.get_origin(tp) is list:
         return "list of strings"
     return getattr(tp, "__name__", str(tp))
@@ -397,6 +406,13 @@ def _coerce(tp: Any, value: Any) -> Any:
         if not math.isfinite(d):
             raise ValueError(f"expected a finite duration, got {value!r}")
         return Duration(d)
+    if tp is GiBSize:
+        if isinstance(value, str):
+            return GiBSize(parse_size(value) / GIB)  # ValueError says what a size looks like
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise ValueError(f"expected a finite size, got {value!r}")
+            return GiBSize(float(value))
     if tp is bool:
         if isinstance(value, bool):
             return value
