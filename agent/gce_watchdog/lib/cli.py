@@ -19,7 +19,21 @@ from typing import NoReturn
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.sizes import parse_size
 
+# The one table of exit codes (sysexits.h where it has a name, the shell's conventions otherwise).
+# Every module takes its codes from here; every --help lists the ones its command can return.
+EX_OK = 0
+EX_FAIL = 1  # the command ran and its check failed (a verdict, a FAIL, a refused rule)
 EX_USAGE = 64  # sysexits.h: the command was used incorrectly
+EX_DATAERR = 65  # sysexits.h: the data was wrong (a checksum mismatch, an unreadable record)
+EX_NOINPUT = 66  # sysexits.h: an input file does not exist or cannot be read
+EX_UNAVAILABLE = 69  # sysexits.h: a service or tool is unavailable (an API 404, iptables missing)
+EX_CANTCREAT = 73  # sysexits.h: an output file cannot be created
+EX_IOERR = 74  # sysexits.h: an I/O error (the serial line could not be written)
+EX_TEMPFAIL = 75  # sysexits.h: a temporary failure, try again later (a lock held, a deadline)
+EX_NOPERM = 77  # sysexits.h: not permitted (not root, a scope missing)
+EX_CONFIG = 78  # sysexits.h: a configuration error
+EX_NOEXEC = 126  # shell convention: found but cannot be executed
+EX_NOTFOUND = 127  # shell convention: command not found
 EX_SIGPIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
 
 
