@@ -184,7 +184,7 @@ def _publish(host: str, topic: str, msgs: list[bytes], rate: float) -> None:
 
 
 def bench_pubsub(vms: int, rate: float) -> dict[str, Any]:
-    import pubsub_emulator
+    from kit import pubsub_emulator
     from test_poller_pubsub import fleet_messages
 
     why = pubsub_emulator.unavailable()
