@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +35,11 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.agent import agent_config
+from kit.cli import agent_env, gcewd_argv
+from kit.events import read_events
 from kit.paths import REPO
+from kit.wait import wait_for
 
 INST = InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145")
 
@@ -664,47 +668,22 @@ def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) 
     from gce_watchdog.testing.simgce import SimGCE
 
     with SimGCE() as sim:
-        assert sim.tcp is not None
-        (tmp_path / "ttyS0").touch()  # the "serial device" (a missing one is unusable)
-        cfg = tmp_path / "config.toml"
-        cfg.write_text(
-            f"""
-[agent]
-interval = 0.4
-probe_timeout = 0.2
-threshold = 10
-state_dir = "{tmp_path}/state"
-run_dir = "{tmp_path}/run"
-action = "dry-run"
-[metadata]
-url = "{sim.metadata.url}"
-[egress]
-targets = ["127.0.0.1:{sim.tcp.port}"]
-dns_timeout = 0.1
-[actions]
-linger = 0
-dry_run_op = "none"
-[watch]
-enabled = false
-[serial]
-device = "{tmp_path}/ttyS0"
-"""
+        cfg = agent_config(
+            tmp_path,
+            sim,
+            {"threshold": 10, "heartbeat_every": None},
+            actions={"dry_run_op": "none"},
+            watch={"enabled": False},
         )
         serial = tmp_path / "ttyS0"
-        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
-        env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
+        cmd = gcewd_argv("run", "--config", str(cfg))
+        env = agent_env()
 
         def evs() -> list[protocol.Event]:
-            got = protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []
-            return [e for e in got if e.event != "key"]
+            return read_events(serial)
 
-        def wait(pred: object, timeout: float = 30.0) -> bool:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if pred():  # type: ignore[operator]
-                    return True
-                time.sleep(0.02)
-            return False
+        def wait(pred: Callable[[], object], timeout: float = 30.0) -> bool:
+            return wait_for(pred, timeout, interval=0.02)
 
         sim.outage(True)
         first = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)

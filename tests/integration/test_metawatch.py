@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,16 +25,7 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll with a bounded deadline (never a bare sleep waiting for the code under test)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
+from kit.wait import wait_for
 
 
 class RecordingClient(MetadataClient):
