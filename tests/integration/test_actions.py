@@ -37,7 +37,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kit.agent import agent_config
 from kit.cli import agent_env, gcewd_argv
-from kit.events import read_events
+from kit.events import read_events, sink_events
 from kit.paths import REPO
 from kit.wait import wait_for
 
@@ -128,6 +128,23 @@ def make_cfg(tmp: Path, action: str = "poweroff", **actions: object) -> cfgmod.C
     )
 
 
+# Every step of a chain whose delete works and whose poweroff and force both go stuck, once each.
+FULL_CHAIN = [
+    ("linger", "start"),
+    ("linger", "ok"),
+    ("delete", "start"),
+    ("delete", "ok"),
+    ("poweroff", "start"),
+    ("poweroff", "ok"),
+    ("poweroff", "stuck"),
+    ("force", "start"),
+    ("force", "ok"),
+    ("force", "stuck"),
+    ("kernel", "start"),
+    ("kernel", "fail"),
+]
+
+
 @dataclass
 class Rig:
     cfg: cfgmod.Config
@@ -140,14 +157,7 @@ class Rig:
     pings: Pings
 
     def events(self) -> list[protocol.Event]:
-        out = []
-        for line in self.sink.lines:
-            ev = protocol.decode_line(line, SYNTH_KEY)
-            if isinstance(ev, protocol.KeyAnnounce):
-                continue
-            assert isinstance(ev, protocol.Event), line
-            out.append(ev)
-        return out
+        return sink_events(self.sink)
 
     def steps(self) -> list[tuple[str, str | None, str | None]]:
         return [(e.event, e.get("step"), e.get("status")) for e in self.events()]
@@ -225,22 +235,7 @@ def test_poweroff_chain_in_order_and_every_step_announced_before_its_outcome(
     # shortened to fit beside the signed trailer, never dropped
     assert first.text.startswith("shutting down: BOTH reachability pro")
     actions = [(s, st) for e, s, st in steps if e == "action"]
-    assert actions == [
-        ("linger", "start"),
-        ("linger", "ok"),
-        ("delete", "start"),
-        ("delete", "ok"),
-        ("poweroff", "start"),
-        ("poweroff", "ok"),
-        ("poweroff", "stuck"),
-        ("force", "start"),
-        ("force", "ok"),
-        ("force", "stuck"),
-        ("kernel", "start"),
-        ("kernel", "fail"),
-        ("kernel", "start"),
-        ("kernel", "fail"),
-    ]
+    assert actions == [*FULL_CHAIN, ("kernel", "start"), ("kernel", "fail")]
     # The verdict is repeated during the 20 s linger, every 5 s.
     reps = [e for e in r.events() if e.event == "shutdown" and e.get("rep")]
     assert [e.get("rep") for e in reps] == ["1", "2", "3"]
@@ -563,20 +558,7 @@ def test_e2e_api_succeeds(e2e: E2E) -> None:
     summary, events = e2e.run(e2e.config("delete"))
     assert events[0].event == "shutdown"
     assert events[0].get("chain") == "linger+delete+poweroff+force+kernel"
-    assert _actions(events) == [
-        ("linger", "start"),
-        ("linger", "ok"),
-        ("delete", "start"),
-        ("delete", "ok"),
-        ("poweroff", "start"),
-        ("poweroff", "ok"),
-        ("poweroff", "stuck"),
-        ("force", "start"),
-        ("force", "ok"),
-        ("force", "stuck"),
-        ("kernel", "start"),
-        ("kernel", "fail"),
-    ]
+    assert _actions(events) == FULL_CHAIN
     calls = e2e.api.calls_to("delete")  # type: ignore[attr-defined]
     assert len(calls) == 1
     c = calls[0]

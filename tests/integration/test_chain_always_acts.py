@@ -33,7 +33,8 @@ from gce_watchdog.wire import protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit.agent import agent_config, agent_process, stop_agent
-from kit.events import read_events
+from kit.clocks import ChainClock
+from kit.events import read_events, sink_events
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from kit.wait import wait_for
 
@@ -48,29 +49,6 @@ class Crash(BaseException):
 
 class Boom(RuntimeError):
     """An ordinary bug in a step."""
-
-
-@dataclass
-class ChainClock:
-    """The chain's clock on the daemon's fake clock: sleeping advances time."""
-
-    fc: FakeClock
-    fail_sleep: BaseException | None = None
-
-    def monotonic(self) -> float:
-        return self.fc.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if self.fail_sleep is not None:
-            exc, self.fail_sleep = self.fail_sleep, None
-            raise exc
-        self.fc.advance(max(0.0, seconds))
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        if event.wait(1.0):
-            return True
-        self.fc.advance(max(0.0, seconds))
-        return event.is_set()
 
 
 @dataclass
@@ -159,14 +137,7 @@ class Rig:
     instance: list[BaseException]
 
     def events(self) -> list[protocol.Event]:
-        out = []
-        for line in self.sink.lines:
-            ev = protocol.decode_line(line, SYNTH_KEY)
-            if isinstance(ev, protocol.KeyAnnounce):
-                continue
-            assert isinstance(ev, protocol.Event), line
-            out.append(ev)
-        return out
+        return sink_events(self.sink)
 
     def actions(self) -> list[tuple[str | None, str | None]]:
         return [(e.get("step"), e.get("status")) for e in self.events() if e.event == "action"]

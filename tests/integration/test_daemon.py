@@ -16,9 +16,9 @@ from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
-from gce_watchdog.wire.protocol import decode_all
+from gce_watchdog.wire.protocol import Event
 from kit.agent import agent_config, agent_process, run_agent, stop_agent
-from kit.events import read_events
+from kit.events import read_events, sink_events
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from kit.wait import wait_for
 
@@ -60,10 +60,8 @@ def make(
     return Agent(cfg, deps), sink, shutdowns, clock
 
 
-def events(sink: MemorySink) -> list:
-    evs, stats = decode_all("\n".join(sink.lines).encode() + b"\n", SYNTH_KEY)
-    assert stats.rejected == 0 and stats.forged == 0
-    return [e for e in evs if e.event != "key"]
+def events(sink: MemorySink) -> list[Event]:
+    return sink_events(sink)
 
 
 def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:

@@ -44,6 +44,7 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.clocks import ManualClock
 
 BODY = os.urandom(300_000)  # several read chunks, so "closed mid-body" really is mid-body
 
@@ -536,16 +537,7 @@ def test_ten_minute_dns_outage_on_a_fake_clock(tmp_path: Path) -> None:
 
     from gce_watchdog.bootstrap.fetch import FetchError
 
-    class Clock:
-        t = 0.0
-
-        def __call__(self) -> float:
-            return self.t
-
-        def sleep(self, s: float) -> None:
-            self.t += s
-
-    clock = Clock()
+    clock = ManualClock(0.0)
 
     class DeadDNS:
         def resolve(self, host: str, timeout: float) -> list[str]:

@@ -10,7 +10,6 @@ ran would leave a trace.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,8 @@ from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm.platform import GCE_PRODUCT, Platform, arming, detect
 from gce_watchdog.wire import protocol
 from kit.agent import agent_config, agent_in, run_agent
+from kit.cli import gcewd
 from kit.events import read_events
-from kit.paths import REPO
 
 QEMU = "Standard PC (Q35 + ICH9, 2009)"
 
@@ -116,13 +115,7 @@ def _check(tmp: Path, product: str | None, outage: bool) -> subprocess.Completed
     with SimGCE() as sim:
         cfg = _config(tmp, sim, product)
         sim.outage(outage)
-        return subprocess.run(
-            [sys.executable, "-m", "gce_watchdog", "check", "--config", str(cfg)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return gcewd("check", "--config", str(cfg))
 
 
 def test_check_says_not_gce_and_no_metadata_server(tmp_path: Path) -> None:

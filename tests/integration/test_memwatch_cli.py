@@ -25,6 +25,7 @@ from gce_watchdog.memory.memwatch import (
     parse_size,
 )
 from kit import fake_pynvml
+from kit.cli import gcewd
 from kit.paths import REPO
 
 # Scaled for seconds: 50 ms samples, 2 warm-up, 30 judged, a 64 MiB band.
@@ -42,14 +43,7 @@ _HOLD = "import time\nkeep = bytearray(b'\\x01' * (32 << 20))\ntime.sleep(2.2)\n
 
 
 def _memwatch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "memwatch", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return gcewd("memwatch", *args, timeout=timeout)
 
 
 def test_growing_command_fails_with_a_climb(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
+from kit.clocks import ManualClock
+from kit.events import sink_events
 from kit.wait import wait_for
 
 
@@ -40,14 +42,6 @@ class RecordingClient(MetadataClient):
         return super().get(path, params, timeout)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.fixture
 def md() -> Iterator[FakeMetadataServer]:
     info = SimInfo(project="sim-project", zone="europe-west4-b", name="vm-7", id="77")
@@ -56,7 +50,7 @@ def md() -> Iterator[FakeMetadataServer]:
 
 
 def make(
-    tmp: Path, md: FakeMetadataServer, clock: Clock | None = None, **watch: object
+    tmp: Path, md: FakeMetadataServer, clock: ManualClock | None = None, **watch: object
 ) -> tuple[MetadataWatcher, MemorySink, RecordingClient]:
     w = {"poll_timeout": "2s", "refresh": "0.5s", "request_timeout": "0.4s"}
     w.update({k: str(v) if not isinstance(v, bool) else v for k, v in watch.items()})  # type: ignore[misc]
@@ -66,18 +60,12 @@ def make(
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     client = RecordingClient(metadata_root(cfg))
-    return MetadataWatcher.from_config(cfg, em, clock=clock or Clock(), client=client), sink, client
+    watcher = MetadataWatcher.from_config(cfg, em, clock=clock or ManualClock(), client=client)
+    return watcher, sink, client
 
 
 def events(sink: MemorySink) -> list[protocol.Event]:
-    out = []
-    for line in list(sink.lines):
-        ev = protocol.decode_line(line, SYNTH_KEY)
-        if isinstance(ev, protocol.KeyAnnounce):
-            continue
-        assert isinstance(ev, protocol.Event)
-        out.append(ev)
-    return out
+    return sink_events(sink)
 
 
 def test_metadata_root_from_the_probe_url() -> None:
@@ -149,7 +137,7 @@ def test_a_server_without_the_flavor_header_is_not_believed(
 
 
 def test_disarm_attribute_set_removed_and_aging_out(tmp_path: Path, md: FakeMetadataServer) -> None:
-    clock = Clock()
+    clock = ManualClock()
     w, _, _ = make(tmp_path, md, clock=clock, disarm_hold="1h")
     assert w.refresh_once() and not w.disarm_requested
     md.set_attribute("gce-watchdog-disarm", "true")

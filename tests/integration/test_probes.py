@@ -16,18 +16,13 @@ from gce_watchdog.daemon.probes import (
 )
 from gce_watchdog.lib.dns import DnsResolver
 from gce_watchdog.testing.simgce import FakeDNS, FakeMetadataServer, TcpListener
+from kit.ports import free_port
 
 
 @pytest.fixture
 def mds() -> FakeMetadataServer:
     with FakeMetadataServer() as s:
         yield s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_metadata_ok_returns_instance_id(mds: FakeMetadataServer) -> None:
