@@ -52,7 +52,7 @@ test: $(STAMP) apt-test
 	$(VENV)/bin/ruff check agent tests bench tools
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -p no:cacheprovider
 	@$(MAKE) --no-print-directory e2e-if-possible
 
 # The fast loop (docs/architecture.md, "Tests"): the unit tier only, pure tests with no processes
