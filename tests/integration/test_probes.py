@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -110,27 +111,32 @@ def test_egress_without_any_address_fails_with_reason(tmp_path: Path) -> None:
 
 
 def test_tick_runs_probes_concurrently() -> None:
-    def slow_md():  # type: ignore[no-untyped-def]
-        time.sleep(0.4)
-        from gce_watchdog.daemon.tick import ProbeResult
+    """Both probes wait for each other at a barrier: they pass it only if they run at the same
+    time (one after the other, the first would wait alone until the barrier broke)."""
+    from gce_watchdog.daemon.tick import ProbeResult
 
+    both = threading.Barrier(2)
+    met: list[str] = []
+
+    def meet(name: str) -> None:
+        both.wait(timeout=10)
+        met.append(name)
+
+    def slow_md():  # type: ignore[no-untyped-def]
+        meet("md")
         return ProbeResult(ProbeVerdict.FAIL, "timeout", 400)
 
     def slow_eg():  # type: ignore[no-untyped-def]
-        time.sleep(0.4)
-        from gce_watchdog.daemon.tick import ProbeResult
-
+        meet("eg")
         return ProbeResult(ProbeVerdict.FAIL, "timeout", 400), "-"
 
-    p = Prober(slow_md, slow_eg, timeout=0.5)
+    p = Prober(slow_md, slow_eg, timeout=30)
     try:
-        t0 = time.monotonic()
         r = p.tick()
-        took = time.monotonic() - t0
     finally:
         p.close()
+    assert sorted(met) == ["eg", "md"]
     assert r.metadata.verdict is ProbeVerdict.FAIL and r.egress.verdict is ProbeVerdict.FAIL
-    assert took < 0.75  # concurrent: ~0.4 s, not 0.8 s
 
 
 def test_probe_exceptions_become_unknown_not_raise() -> None:
