@@ -8,9 +8,11 @@ import random
 import time
 from pathlib import Path
 
+import pytest
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 from gce_watchdog.testing.synth import (
+    CORPUS_ENV,
     KERNEL_MSG,
     SYNTH_KEY,
     Writer,
@@ -29,8 +31,8 @@ from kit.paths import CORPUS, REPO
 
 def test_the_corpus_is_vendored_with_its_sources() -> None:
     """A clean clone holds the real corpus: no test may skip for want of it."""
-    assert corpus_dir() == CORPUS
-    files = corpus_files()
+    assert corpus_dir(CORPUS) == CORPUS
+    files = corpus_files(CORPUS)
     assert len(files) == 10
     assert sum(f.stat().st_size for f in files) > 1_000_000
     sources = (CORPUS / "SOURCES.md").read_text()
@@ -39,8 +41,21 @@ def test_the_corpus_is_vendored_with_its_sources() -> None:
     assert b"\r\n" in (CORPUS / "debian11-workbench-notebook-boot-ok.log").read_bytes()
 
 
+def test_the_kit_finds_no_corpus_by_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gce_watchdog.testing ships in the wheel: it never reaches into a checkout's tests/data.
+    The caller names the corpus (or $GCE_WATCHDOG_SERIAL_CORPUS does)."""
+    monkeypatch.delenv(CORPUS_ENV, raising=False)
+    assert corpus_dir() is None
+    assert corpus_dir(tmp_path) is None  # a directory without dumps is no corpus
+    (tmp_path / "a.log").write_bytes(b"console\n")
+    monkeypatch.setenv(CORPUS_ENV, str(tmp_path))
+    assert corpus_dir(CORPUS) == tmp_path  # the variable wins over the caller's default
+    with pytest.raises(FileNotFoundError, match="no serial corpus"):
+        realistic_dump(1024, directory=tmp_path / "missing")
+
+
 def test_nothing_in_the_real_corpus_decodes_as_ours() -> None:
-    files = corpus_files()
+    files = corpus_files(CORPUS)
     assert len(files) >= 5
     for p in files:
         events, stats = decode_all(p.read_bytes())
@@ -126,7 +141,7 @@ def test_silent_workload_is_a_wedge_only_after_the_drain_timeout() -> None:
 
 
 def test_realistic_dump_builder_is_decoded_exactly() -> None:
-    data, expected = realistic_dump(256 * 1024)
+    data, expected = realistic_dump(256 * 1024, directory=CORPUS)
     assert 256 * 1024 - 300 < len(data) <= 256 * 1024
     events, stats = decode_all(data)
     assert events == expected
@@ -138,7 +153,7 @@ def test_realistic_dump_builder_is_decoded_exactly() -> None:
 
 
 def _small_realistic() -> tuple[bytes, list[Event]]:
-    lines = corpus_lines()[:400]
+    lines = corpus_lines(CORPUS)[:400]
     w = Writer(boot="dddd0004", step_ms=1000)
     ins = {i: w.line("tick", {"rung": f"{i % 10}/10", "ph": "workload"}) for i in range(0, 400, 9)}
     ins[126] = splice(ins[126])
