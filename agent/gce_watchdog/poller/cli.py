@@ -436,7 +436,7 @@ def _run_poll(args: argparse.Namespace, interval: float, policy: Any) -> int:
     import time
 
     from gce_watchdog.lib.compute import DEFAULT_API_BASE, AuthError, ComputeClient, RetryPolicy
-    from gce_watchdog.poller.ledger import open_ledger
+    from gce_watchdog.poller.ledgers import open_ledger
     from gce_watchdog.poller.poller import (
         Poller,
         TargetNotFound,
