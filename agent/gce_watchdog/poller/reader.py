@@ -1,10 +1,10 @@
 """Reading serial port 1 through the Compute API, incrementally and resumably.
 
-:class:`ComputeClient` wraps a google-auth ``AuthorizedSession`` (application default
-credentials unless credentials are injected) with explicit (connect, read) timeouts and an
-explicit retry policy for rate limits and transient errors. :class:`SerialReader` keeps one
+The reads go through the one Compute API client, :class:`gce_watchdog.lib.compute.ComputeClient`
+(timeouts, retries on rate limits and transient errors). :class:`SerialReader` keeps one
 :class:`Cursor` per instance (the API's ``next`` offset, the unterminated last line, the
-timeline) in a JSON file so a restarted poller resumes where it stopped.
+timeline) in a JSON file, through :class:`CursorStore`, so a restarted poller resumes where it
+stopped.
 
 Reader semantics (``docs/poller.md`` has the long form):
 
