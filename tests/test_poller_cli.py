@@ -267,3 +267,16 @@ def test_invented_boots_give_no_second_decision(
     assert actions == ["failover", "already_decided", "already_decided"]
     with open_ledger(str(tmp_path / "ledger.sqlite")) as led:
         assert [(d.boot, d.verdict) for d in led.all()] == [("aaaa0001", "self_shutdown")]
+
+
+def test_label_without_project_is_a_usage_error(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 26: it listed no project, polled nothing and exited 0 every round
+    label_only = ["poll", "--label", "gce-watchdog=on", "--once", "--api-base", api.base_url]
+    assert main(label_only) == 64
+    assert "--label needs at least one --project" in capsys.readouterr().err
+    sweep_only = ["poll", "--pubsub", "projects/p-1234/subscriptions/s", "--label", "a=b"]
+    assert main(sweep_only) == 64
+    assert "--label needs at least one --project" in capsys.readouterr().err
+    assert api.calls == []

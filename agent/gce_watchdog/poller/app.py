@@ -294,7 +294,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
     sub = s.pubsub
     worker = PubSubWorker(subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s)
     sweeper = None
-    if s.label_filter is not None and s.projects:
+    if s.label_filter is not None:  # (settings: --label comes with its --project)
         sweeper = threading.Thread(
             target=_sweep, args=(s, p, worker, emit), name="sweep", daemon=True
         )

@@ -102,6 +102,8 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
             label_filter = make_filter(*parse_label(v["label"]))
         except ValueError as exc:
             errs.append(f"--label: {exc}")
+        if not projects:  # (it would list nothing and poll nothing, every round)
+            errs.append("--label needs at least one --project: the projects it lists")
         for project in projects:  # (any valid zone: only the project is checked here)
             errs += validate_target(project, "us-central1-a", [])
     elif v["pubsub"] is not None:
