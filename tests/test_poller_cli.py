@@ -280,3 +280,33 @@ def test_label_without_project_is_a_usage_error(
     assert main(sweep_only) == 64
     assert "--label needs at least one --project" in capsys.readouterr().err
     assert api.calls == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mysql://u:s3cret@db.example/ledger",
+        "postgresql+psycopg://u:s3cret@db.example/ledger",
+        "sqlite:///var/lib/ledger.sqlite",
+    ],
+)
+def test_an_unknown_ledger_url_scheme_is_refused_never_a_local_file(
+    url: str,
+    api: FakeComputeAPI,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # issue 26: it became a SQLite file under ./mysql:/..., a private ledger per host
+    monkeypatch.chdir(tmp_path)
+    argv = [*poll_args(api, tmp_path, "--once", "vm-1"), "--ledger", url]
+    before = sorted(tmp_path.iterdir())
+    assert main(argv) == 64
+    err = capsys.readouterr().err
+    assert "--ledger: unknown URL scheme" in err and "postgresql://" in err
+    assert "s3cret" not in err  # a password in the URL is never printed
+    assert sorted(tmp_path.iterdir()) == before
+    assert api.calls == []
+    with pytest.raises(ValueError, match="unknown URL scheme"):
+        open_ledger(url)
+    assert sorted(tmp_path.iterdir()) == before

@@ -131,6 +131,13 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
             errs.append("--announce-lease must be > 0")
     except ValueError as exc:
         errs.append(f"--announce-lease: {exc}")
+    if v["ledger"] is not None:
+        from gce_watchdog.poller.ledgers import ledger_backend
+
+        try:
+            ledger_backend(v["ledger"])
+        except ValueError as exc:
+            errs.append(f"--ledger: {exc}")
     if v["api_attempts"] < 1:
         errs.append("--api-attempts must be >= 1")
     if v["max_polls"] < 0:
