@@ -260,6 +260,9 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
                 _log(f"{t}: {SLOW_POLL_NOTE}")
             for project, zone in sorted(rep.unreachable):
                 _log(f"zone {zone} of {project} did not answer the list; its VMs are kept")
+            if rep.failed:
+                rc = EX_UNAVAILABLE
+                _log_failed_lists(rep.failed)
             for key in p.store.corrupt:
                 _log(f"cursor {key} was unreadable; restarted")
             p.store.corrupt.clear()
@@ -275,6 +278,14 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
     finally:
         fleet.close()
     return rc
+
+
+def _log_failed_lists(failed: dict[str, str]) -> None:
+    for project, why in sorted(failed.items()):
+        _log(
+            f"the instance list of {project} failed: {why}; its VMs are kept and it is listed "
+            "again next round"
+        )
 
 
 # -- pubsub -------------------------------------------------------------------------------------
@@ -342,6 +353,7 @@ def _sweep(
             try:
                 rep = fleet.round(t0 + sweep_s, announce, time.monotonic, select)
                 _log(f"sweep: {rep.discovered} VMs listed, {rep.outcomes} polled")
+                _log_failed_lists(rep.failed)
             except Exception as e:  # a failed sweep is retried at the next one, loudly
                 _log(f"sweep failed: {type(e).__name__}: {e}")
             p.stop.wait(max(0.0, sweep_s - (time.monotonic() - t0)))
