@@ -310,3 +310,37 @@ def test_an_unknown_ledger_url_scheme_is_refused_never_a_local_file(
     with pytest.raises(ValueError, match="unknown URL scheme"):
         open_ledger(url)
     assert sorted(tmp_path.iterdir()) == before
+
+
+def test_a_cursor_dir_writable_by_group_or_others_is_refused(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api.append_serial("vm-1", dump()[0])
+    cursors = tmp_path / "cursors"
+    cursors.mkdir()
+    for mode, who in ((0o777, "group and others"), (0o1777, "group and others"), (0o770, "group")):
+        cursors.chmod(mode)
+        assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 74
+        err = capsys.readouterr().err
+        assert f"cannot open the cursor directory: {cursors} is writable by {who}" in err
+        assert api.calls_to("serial") == []
+    cursors.chmod(0o755)
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    assert len(api.calls_to("serial")) == 1
+
+
+def test_a_cursor_file_writable_by_others_is_not_read(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data, _ = dump()
+    api.append_serial("vm-1", data)
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    capsys.readouterr()
+    (cursor,) = (tmp_path / "cursors").glob("*.json")
+    cursor.chmod(0o666)  # anyone could have put an offset (or a timeline) of their own in it
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    err = capsys.readouterr().err
+    assert f"cursor {P}/{Z}/vm-1 is writable by group and others (mode 0666): not trusted" in err
+    first, second = api.calls_to("serial")
+    assert first.query["start"] == second.query["start"] == "0"  # read again from the start
+    assert cursor.stat().st_mode & 0o777 == 0o600  # rewritten by the poller, private

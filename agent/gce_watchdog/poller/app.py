@@ -208,9 +208,7 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
         except p.ledger_errors as e:
             _log(f"ledger write failed: {e}")
             return EX_IOERR
-        for key in p.store.corrupt:
-            _log(f"cursor {key} was unreadable; restarted")
-        p.store.corrupt.clear()
+        _cursor_notes(p.store)
         if s.once or (s.max_polls and rounds >= s.max_polls):
             break
         p.stop.wait(s.wait_s)
@@ -263,9 +261,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
             if rep.failed:
                 rc = EX_UNAVAILABLE
                 _log_failed_lists(rep.failed)
-            for key in p.store.corrupt:
-                _log(f"cursor {key} was unreadable; restarted")
-            p.store.corrupt.clear()
+            _cursor_notes(p.store)
             per_project = Counter(t.project for t in fleet.known)
             plan = plan_interval(dict(per_project), s.interval_s, s.budget, max(1, rep.pages))
             if plan.note != note:
@@ -278,6 +274,16 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
     finally:
         fleet.close()
     return rc
+
+
+def _cursor_notes(store: CursorStore) -> None:
+    """Say which cursors were not used (their instances are read again from the start)."""
+    for key in store.corrupt:
+        _log(f"cursor {key} was unreadable; restarted")
+    store.corrupt.clear()
+    for key, why in store.untrusted:
+        _log(f"cursor {key} {why}: not trusted; read again from the start")
+    store.untrusted.clear()
 
 
 def _log_failed_lists(failed: dict[str, str]) -> None:
@@ -354,6 +360,7 @@ def _sweep(
                 rep = fleet.round(t0 + sweep_s, announce, time.monotonic, select)
                 _log(f"sweep: {rep.discovered} VMs listed, {rep.outcomes} polled")
                 _log_failed_lists(rep.failed)
+                _cursor_notes(p.store)
             except Exception as e:  # a failed sweep is retried at the next one, loudly
                 _log(f"sweep failed: {type(e).__name__}: {e}")
             p.stop.wait(max(0.0, sweep_s - (time.monotonic() - t0)))
