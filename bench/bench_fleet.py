@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "agent"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from gce_watchdog.poller.ledger import open_ledger  # noqa: E402
+from gce_watchdog.poller.ledgers import open_ledger  # noqa: E402
 from gce_watchdog.testing.simcompute import FakeComputeAPI  # noqa: E402
 from gce_watchdog.testing.synth import Writer  # noqa: E402
 

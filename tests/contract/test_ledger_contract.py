@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gce_watchdog.poller.ledger import open_ledger
+from gce_watchdog.poller.ledgers import open_ledger
 
 RACERS = 8
 WAIT_S = 60  # every process/barrier wait is bounded

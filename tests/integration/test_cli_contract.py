@@ -225,7 +225,7 @@ def test_disarm_status_is_plain(tmp_path: Path) -> None:
 
 
 def test_poller_lines_carry_an_iso_timestamp() -> None:
-    from gce_watchdog.poller import cli as pcli
+    from gce_watchdog.poller import app as pcli
     from gce_watchdog.poller.verdict import Verdict, VerdictKind
 
     class Out:

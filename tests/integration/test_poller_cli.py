@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.cli import main
-from gce_watchdog.poller.ledger import open_ledger
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer, splice
 from kit.paths import REPO
@@ -267,3 +267,80 @@ def test_invented_boots_give_no_second_decision(
     assert actions == ["failover", "already_decided", "already_decided"]
     with open_ledger(str(tmp_path / "ledger.sqlite")) as led:
         assert [(d.boot, d.verdict) for d in led.all()] == [("aaaa0001", "self_shutdown")]
+
+
+def test_label_without_project_is_a_usage_error(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 26: it listed no project, polled nothing and exited 0 every round
+    label_only = ["poll", "--label", "gce-watchdog=on", "--once", "--api-base", api.base_url]
+    assert main(label_only) == 64
+    assert "--label needs at least one --project" in capsys.readouterr().err
+    sweep_only = ["poll", "--pubsub", "projects/p-1234/subscriptions/s", "--label", "a=b"]
+    assert main(sweep_only) == 64
+    assert "--label needs at least one --project" in capsys.readouterr().err
+    assert api.calls == []
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mysql://u:s3cret@db.example/ledger",
+        "postgresql+psycopg://u:s3cret@db.example/ledger",
+        "sqlite:///var/lib/ledger.sqlite",
+    ],
+)
+def test_an_unknown_ledger_url_scheme_is_refused_never_a_local_file(
+    url: str,
+    api: FakeComputeAPI,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # issue 26: it became a SQLite file under ./mysql:/..., a private ledger per host
+    monkeypatch.chdir(tmp_path)
+    argv = [*poll_args(api, tmp_path, "--once", "vm-1"), "--ledger", url]
+    before = sorted(tmp_path.iterdir())
+    assert main(argv) == 64
+    err = capsys.readouterr().err
+    assert "--ledger: unknown URL scheme" in err and "postgresql://" in err
+    assert "s3cret" not in err  # a password in the URL is never printed
+    assert sorted(tmp_path.iterdir()) == before
+    assert api.calls == []
+    with pytest.raises(ValueError, match="unknown URL scheme"):
+        open_ledger(url)
+    assert sorted(tmp_path.iterdir()) == before
+
+
+def test_a_cursor_dir_writable_by_group_or_others_is_refused(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api.append_serial("vm-1", dump()[0])
+    cursors = tmp_path / "cursors"
+    cursors.mkdir()
+    for mode, who in ((0o777, "group and others"), (0o1777, "group and others"), (0o770, "group")):
+        cursors.chmod(mode)
+        assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 74
+        err = capsys.readouterr().err
+        assert f"cannot open the cursor directory: {cursors} is writable by {who}" in err
+        assert api.calls_to("serial") == []
+    cursors.chmod(0o755)
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    assert len(api.calls_to("serial")) == 1
+
+
+def test_a_cursor_file_writable_by_others_is_not_read(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data, _ = dump()
+    api.append_serial("vm-1", data)
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    capsys.readouterr()
+    (cursor,) = (tmp_path / "cursors").glob("*.json")
+    cursor.chmod(0o666)  # anyone could have put an offset (or a timeline) of their own in it
+    assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
+    err = capsys.readouterr().err
+    assert f"cursor {P}/{Z}/vm-1 is writable by group and others (mode 0666): not trusted" in err
+    first, second = api.calls_to("serial")
+    assert first.query["start"] == second.query["start"] == "0"  # read again from the start
+    assert cursor.stat().st_mode & 0o777 == 0o600  # rewritten by the poller, private

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.cli import main
-from gce_watchdog.poller.ledger import open_ledger
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer
 from kit.paths import REPO

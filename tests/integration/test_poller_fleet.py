@@ -405,3 +405,72 @@ def test_the_budget_never_grants_more_than_burst_plus_rate(
         t.now += g
         b.acquire("p")
         assert b.used["p"] <= b.burst + b.rate * t.now + 1e-6
+
+
+def test_a_list_that_gives_up_keeps_that_projects_vms_and_lists_again_next_round(
+    api: FakeComputeAPI, tmp_path: Path
+) -> None:
+    # issue 26: the aggregated list giving up ended the poller with a traceback
+    for p in ("proj-one", "proj-two"):
+        for i in range(2):
+            api.add_instance(f"{p}-vm-{i}", project=p, labels=LABEL)
+            healthy(api, f"{p}-vm-{i}", f"{i:08x}")
+    store = CursorStore(tmp_path / "c")
+    fleet = FleetPoller(client_for(api), store, None, ["proj-one", "proj-two"], FLT, workers=4)
+    try:
+        outs, rep = _outcomes(fleet)
+        assert len(outs) == 4 and rep.failed == {}  # type: ignore[attr-defined]
+        api.instance("proj-one-vm-1").deleted = True  # unseen while its project cannot be listed
+        api.set_fault("list", Fault.SERVER_ERROR, count=3)  # proj-one's list: 3 tries, gives up
+        outs, rep = _outcomes(fleet)
+        failed = rep.failed  # type: ignore[attr-defined]
+        assert list(failed) == ["proj-one"] and "gave up after 3 attempts" in failed["proj-one"]
+        assert rep.gone == []  # type: ignore[attr-defined]  # not listed proves nothing
+        assert sorted(outs) == ["proj-one-vm-0", "proj-one-vm-1", "proj-two-vm-0", "proj-two-vm-1"]
+        outs, rep = _outcomes(fleet)  # listed again: the deleted VM is finalized now
+        assert rep.failed == {}  # type: ignore[attr-defined]
+        assert [t.name for t in rep.gone] == ["proj-one-vm-1"]  # type: ignore[attr-defined]
+    finally:
+        fleet.close()
+    # a restarted poller whose first list fails keeps the cursors it has, finalizes nothing
+    api.set_fault("list", Fault.SERVER_ERROR, count=3)
+    again = FleetPoller(client_for(api), store, None, ["proj-one", "proj-two"], FLT, workers=4)
+    try:
+        outs, rep = _outcomes(again)
+        assert list(rep.failed) == ["proj-one"] and rep.gone == []  # type: ignore[attr-defined]
+        assert sorted(outs) == ["proj-two-vm-0", "proj-two-vm-1"]
+        api.instance("proj-one-vm-0").deleted = True
+        outs, rep = _outcomes(again)  # its project listed: what is not there any more is gone
+        # (vm-1 again too: without a ledger its decision is never recorded, so its cursor stays)
+        gone = [t.name for t in rep.gone]  # type: ignore[attr-defined]
+        assert gone == ["proj-one-vm-0", "proj-one-vm-1"]
+    finally:
+        again.close()
+
+
+def test_cli_a_list_that_gives_up_is_an_error_line_and_a_retry_next_round(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for i in range(2):
+        api.add_instance(f"vm-{i}", project="proj-one", labels=LABEL)
+        healthy(api, f"vm-{i}", f"{i:08x}")
+    tok = tmp_path / "token"
+    tok.write_text("tok\n")
+    argv = ["poll", "--label", "gce-watchdog=on", "--project", "proj-one", "--api-base",
+            api.base_url, "--access-token-file", str(tok), "--ledger", str(tmp_path / "l.sqlite"),
+            "--cursor-dir", str(tmp_path / "c"), "--json", "--api-attempts", "1"]  # fmt: skip
+    api.set_fault("list", Fault.SERVER_ERROR, count=1)
+    assert main([*argv, "--once"]) == 69
+    cap = capsys.readouterr()
+    assert "the instance list of proj-one failed: " in cap.err and "HTTP 503" in cap.err
+    assert "listed again next round" in cap.err
+    assert "Traceback" not in cap.err and cap.out == ""
+    api.set_fault("list", Fault.SERVER_ERROR, count=2)  # the loop goes on: round 2 lists again
+    assert main([*argv, "--interval", "10ms", "--max-polls", "2"]) == 69
+    cap = capsys.readouterr()
+    assert cap.err.count("the instance list of proj-one failed: ") == 2
+    assert "round 2: " in cap.err and "Traceback" not in cap.err
+    assert len(api.calls_to("list")) == 3
+    assert main([*argv, "--once"]) == 0  # listed: both polled
+    cap = capsys.readouterr()
+    assert sorted(json.loads(x)["instance"] for x in cap.out.splitlines()) == ["vm-0", "vm-1"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from gce_watchdog.poller.assemble import Assembler
-from gce_watchdog.poller.ledger import open_ledger
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import PollOutcome
 from gce_watchdog.poller.pubsub import PubSubWorker, parse_log_entry
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -375,3 +376,22 @@ def test_poll_parse_and_report_give_one_verdict_for_the_same_bytes_and_times(
             got.append(json.loads(capsys.readouterr().out)["verdict"]["kind"])
         assert got == [polled.kind.value] * 2, (dt, got, polled)
     assert polled.kind is VerdictKind.SUSPECTED_WEDGE
+
+
+def test_a_cursor_dir_of_another_user_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "cursors"
+    d.mkdir(mode=0o700)
+    CursorStore(d)  # ours: trusted
+    if os.geteuid() == 0:  # root can give it away; any other user is "another user" to root
+        os.chown(d, 4242, -1)
+        owner, euid = 4242, None
+    else:  # an unprivileged user cannot: the store is asked as if it ran as someone else
+        owner, euid = os.geteuid(), os.geteuid() + 1
+    with pytest.raises(OSError, match=rf"{d} is owned by uid {owner}, not by this user"):
+        CursorStore(d, euid=euid)
+
+
+def test_the_cursor_dir_is_created_private(tmp_path: Path) -> None:
+    d = tmp_path / "state" / "cursors"
+    CursorStore(d)
+    assert d.is_dir() and d.stat().st_mode & 0o777 == 0o700  # whatever the umask
