@@ -310,7 +310,9 @@ def test_dns_never_fixed_exits_75_close_to_the_deadline(
         )  # fmt: skip
         took = time.monotonic() - t0
     assert rc == EX_TEMPFAIL
-    assert 2.5 <= took <= 4.5, took
+    # tried until close to its deadline, then gave up: never the endless retries of a loop
+    # without one (the exact bound is checked on a fake clock below)
+    assert 2.5 <= took < 15, took
     assert not out.exists() and leftovers(tmp_path) == []
     err = capsys.readouterr().err
     assert "gave up after" in err and "last error:" in err and "DNS timed out" in err

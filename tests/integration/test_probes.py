@@ -42,12 +42,14 @@ def test_metadata_bad_answers(mds: FakeMetadataServer, mode: str, reason: str) -
 
 
 def test_metadata_slow_server_times_out_within_deadline(mds: FakeMetadataServer) -> None:
-    mds.set_mode("slow", delay=3.0)
+    mds.set_mode("slow", delay=30.0)
     t0 = time.monotonic()
     r = probe_metadata(mds.url, 0.3)
     took = time.monotonic() - t0
     assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "timeout")
-    assert took < 1.0  # hard deadline, not per-read
+    # cut at its deadline, not when the server answers 30 s later (the bound is that contrast,
+    # not this machine's speed)
+    assert took < 10
 
 
 def test_metadata_refused_and_bad_url() -> None:
@@ -155,14 +157,16 @@ def test_resolver_hard_deadline_and_rcodes(tmp_path: Path) -> None:
         assert sorted(r.resolve("a.test", 1.0)) == ["192.0.2.7", "192.0.2.8"]
         t0 = time.monotonic()
         with pytest.raises(OSError, match="NXDOMAIN"):
-            r.resolve("missing.test", 1.0)
-        assert time.monotonic() - t0 < 0.5  # an answer, not a timeout
+            r.resolve("missing.test", 30.0)
+        assert time.monotonic() - t0 < 10  # an answer, not the 30 s timeout
         dns.mode = "silent"
         t0 = time.monotonic()
         with pytest.raises(OSError, match="timed out"):
-            r.resolve("a.test", 0.3)
+            r.resolve("a.test", 2.0)
         took = time.monotonic() - t0
-        assert 0.29 <= took < 0.4  # exactly the budget: one hard deadline
+        # exactly the budget: one hard deadline. Never before it; a second try or a second
+        # budget would take 4 s or more (the upper bound is that contrast, not load luck).
+        assert 1.99 <= took < 3.5
 
 
 def test_resolver_reads_resolv_conf(tmp_path: Path) -> None:

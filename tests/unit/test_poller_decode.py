@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -232,7 +231,6 @@ def test_fuzz_decoder_no_exception_no_false_event() -> None:
     known = set(originals)
     n = 100_000
     accepted = rejected = 0
-    t0 = time.monotonic()
     for _ in range(n):
         raw = _mutate(rng, rng.choice(pool), pool)
         if rng.random() < 0.3:  # sometimes mutate twice
@@ -246,9 +244,7 @@ def test_fuzz_decoder_no_exception_no_false_event() -> None:
             accepted += 1
         elif res is not None:
             rejected += 1
-    elapsed = time.monotonic() - t0
     assert accepted > 500 and rejected > 10_000  # the mix exercises both paths
-    assert elapsed < 30, f"fuzz took {elapsed:.1f}s"
 
 
 def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
