@@ -25,7 +25,7 @@ from gce_watchdog.wire.protocol import Event, decode_all, decode_line, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit.corpus import file_lines, scenario_one_boot_with_damage, weave
-from kit.paths import CORPUS, REPO
+from kit.paths import CORPUS
 
 
 def test_the_corpus_is_vendored_with_its_sources() -> None:
@@ -260,20 +260,6 @@ def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
     known = set(originals)
     assert events and all(encode(e, SYNTH_KEY) in known for e in events)
 
-
-def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
-    import importlib.util
-
-    path = REPO / "bench" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "r" / "decode.json"
-    assert mod.main([str(out), "--size", "65536", "--repeats", "1"]) == 0
-    res = json.loads(out.read_text())
-    assert res["bytes"] == 65536 and res["grep_count"] == res["marker_lines"] > 0
-    assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0
 
 
 def test_compaction_keeps_the_first_terminal_event_behind_a_long_tail() -> None:
