@@ -150,6 +150,7 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
         assert {"monit-native", "watchdog-test"} <= set(det)
     assert "| target |" in doc.read_text()
 
+
 def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     import importlib.util
 

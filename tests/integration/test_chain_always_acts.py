@@ -464,10 +464,19 @@ def test_real_sigterm_during_the_linger_of_a_real_agent(tmp_path: Path) -> None:
         cfg = agent_config(
             tmp_path,
             sim,
-            {"threshold": 2, "heartbeat_every": None, "action": "poweroff",
-             "dmi_product_path": str(dmi)},
-            actions={"linger": 3, "repeat_every": 0.5, "poweroff_cmd": ["false"],
-                     "force_cmd": ["false"], "kernel": []},
+            {
+                "threshold": 2,
+                "heartbeat_every": None,
+                "action": "poweroff",
+                "dmi_product_path": str(dmi),
+            },
+            actions={
+                "linger": 3,
+                "repeat_every": 0.5,
+                "poweroff_cmd": ["false"],
+                "force_cmd": ["false"],
+                "kernel": [],
+            },
         )
         sim.outage(True)
         with agent_process(cfg) as p:

@@ -41,7 +41,6 @@ _GROW = (
 )
 
 
-
 def _hold(ready: Path, seconds: float) -> str:
     """A child that takes 32 MiB, touches every page in place (no temporary copy: its footprint
     never goes above interpreter + 32 MiB, well under the 64 MiB band), says so by creating

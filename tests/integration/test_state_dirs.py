@@ -110,8 +110,13 @@ def _config(tmp: Path, sim: SimGCE, state: Path, run: Path) -> Path:
     return agent_config(
         tmp,
         sim,
-        {"interval": 0.3, "threshold": 2, "heartbeat_every": None, "state_dir": str(state),
-         "run_dir": str(run)},
+        {
+            "interval": 0.3,
+            "threshold": 2,
+            "heartbeat_every": None,
+            "state_dir": str(state),
+            "run_dir": str(run),
+        },
         actions={"dry_run_op": "none"},
         watch={"enabled": False},
         memory={"enabled": False},

@@ -261,7 +261,6 @@ def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
     assert events and all(encode(e, SYNTH_KEY) in known for e in events)
 
 
-
 def test_compaction_keeps_the_first_terminal_event_behind_a_long_tail() -> None:
     # A finished job whose VM stays up on a flapping network: hundreds of `recovered` lines,
     # then the ladder shuts it down. Saving the cursor compacts the timeline; the `exit rc=0`
