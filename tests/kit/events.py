@@ -9,13 +9,15 @@ from gce_watchdog.vm.console import MemorySink
 from gce_watchdog.wire.protocol import KEY_EVENT, Event, KeyAnnounce, decode_all, decode_line
 
 
-def read_events(path: Path, forged_ok: bool = True) -> list[Event]:
+def read_events(path: Path, *, forged_ok: bool = True, rejected_ok: bool = True) -> list[Event]:
     """The events in a serial file (none while it does not exist yet), without the key lines.
-    ``forged_ok=False``: asserts that no line failed its signature."""
+    ``forged_ok=False``: asserts that no line failed its signature; ``rejected_ok=False``: that
+    no line carrying our marker was rejected (damaged)."""
     if not path.exists():
         return []
     evs, stats = decode_all(path.read_bytes())
     assert forged_ok or stats.forged == 0, f"{stats.forged} forged lines in {path}"
+    assert rejected_ok or stats.rejected == 0, f"{stats.rejected} rejected lines in {path}"
     return [e for e in evs if e.event != KEY_EVENT]
 
 
