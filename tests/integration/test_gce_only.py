@@ -17,7 +17,7 @@ from gce_watchdog.bootstrap.install import InstallOptions, install
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm.platform import GCE_PRODUCT, Platform, arming, detect
 from gce_watchdog.wire import protocol
-from kit.agent import agent_config, agent_in, run_agent
+from kit.agent import LADDER_ONLY, SHORT_LADDER, agent_config, agent_in, run_agent
 from kit.cli import gcewd
 from kit.events import read_events
 
@@ -57,9 +57,7 @@ def _config(tmp: Path, sim: SimGCE, product: str | None, **agent: object) -> Pat
         tmp,
         sim,
         {
-            "interval": 0.3,
-            "threshold": 2,
-            "heartbeat_every": None,
+            **SHORT_LADDER,
             "action": "poweroff",
             "dmi_product_path": str(dmi(tmp, product)),
             **agent,
@@ -69,8 +67,7 @@ def _config(tmp: Path, sim: SimGCE, product: str | None, **agent: object) -> Pat
             "force_cmd": [str(rec), "force"],
             "kernel": [],
         },
-        watch={"enabled": False},
-        memory={"enabled": False},
+        **LADDER_ONLY,
     )
 
 

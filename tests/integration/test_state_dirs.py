@@ -25,7 +25,7 @@ from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm.console import SerialPort
 from gce_watchdog.vm.state import SeqAllocator, read_phase, untrusted_dir
 from gce_watchdog.wire import protocol
-from kit.agent import agent_config, run_agent
+from kit.agent import LADDER_ONLY, SHORT_LADDER, agent_config, run_agent
 from kit.events import read_events
 from kit.paths import REPO
 from kit.wait import wait_for
@@ -110,16 +110,9 @@ def _config(tmp: Path, sim: SimGCE, state: Path, run: Path) -> Path:
     return agent_config(
         tmp,
         sim,
-        {
-            "interval": 0.3,
-            "threshold": 2,
-            "heartbeat_every": None,
-            "state_dir": str(state),
-            "run_dir": str(run),
-        },
+        {**SHORT_LADDER, "state_dir": str(state), "run_dir": str(run)},
         actions={"dry_run_op": "none"},
-        watch={"enabled": False},
-        memory={"enabled": False},
+        **LADDER_ONLY,
     )
 
 

@@ -17,6 +17,13 @@ from kit.cli import gcewd_argv
 from kit.paths import REPO
 
 AGENT = "/opt/gce-watchdog/bin/gce-watchdog"
+# Overlays for agent_config: a two-tick ladder at 0.3 s with no heartbeat lines, and the
+# metadata watch and memory monitor off (a test of the ladder alone).
+SHORT_LADDER: dict[str, object] = {"interval": 0.3, "threshold": 2, "heartbeat_every": None}
+LADDER_ONLY: dict[str, dict[str, object]] = {
+    "watch": {"enabled": False},
+    "memory": {"enabled": False},
+}
 
 
 def toml_value(v: object) -> str:
