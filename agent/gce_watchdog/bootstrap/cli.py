@@ -32,7 +32,8 @@ from gce_watchdog.bootstrap.phases import (
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit, open_console
+from gce_watchdog.vm.cli import add_config_arg
+from gce_watchdog.vm.runtime import load_config_or_exit, open_console
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import sanitize_value
 
@@ -98,7 +99,7 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def cmd_phase(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     ok = emit_terminal(cfg, vocab.PHASE, {"ph": args.phase}, phase=args.phase)
     return 0 if ok else EX_IOERR
 
@@ -108,7 +109,7 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
     if not step or not reason:
         print("gce-watchdog setup-failed: --step and --reason must not be empty", file=sys.stderr)
         return EX_USAGE
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     fields: dict[str, object] = {
         "step": sanitize_value(step, 32),
         "reason": sanitize_value(reason, 32),
@@ -129,7 +130,7 @@ def cmd_exec(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EX_USAGE
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     return run_exec(cfg, argv)
 
 
@@ -238,7 +239,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gce-watchdog fetch: {e}", file=sys.stderr)
         return EX_USAGE
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     con = open_console(cfg)
     try:
         import signal

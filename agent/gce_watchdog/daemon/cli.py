@@ -22,10 +22,10 @@ from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.cli import add_config_arg
 from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort, key_or_none
 from gce_watchdog.vm.platform import arming, detect
 from gce_watchdog.vm.runtime import (
-    add_config_arg,
     boot_of,
     load_config_or_exit,
     make_emitter,
@@ -70,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from gce_watchdog.daemon.service import EX_TEMPFAIL, AgentLock, build_agent
     from gce_watchdog.vm import logs
 
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     logs.setup()
     log = logs.get()
     notes: list[tuple[str, str]] = []  # (what, text): written on the console after `start`
@@ -187,7 +187,7 @@ def _check(args: argparse.Namespace) -> int:
     from gce_watchdog.daemon.probes import build_prober
     from gce_watchdog.daemon.service import LadderStore
 
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     prober = build_prober(cfg)
     try:
         res = prober.tick()
@@ -305,7 +305,7 @@ def _emit_cli(cfg: cfgmod.Config, event: str, fields: dict[str, object], text: s
 
 
 def cmd_disarm(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     now = time.time()
     if args.status:
         print(_status_line(cfg, now))
@@ -368,7 +368,7 @@ def _status_line(cfg: cfgmod.Config, now: float) -> str:
 
 
 def cmd_arm(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     p = disarm_path(cfg.agent.state_dir)
     was = "armed" if disarm_status(cfg.agent.state_dir, time.time(), False)[0] else "disarmed"
     try:

@@ -33,12 +33,8 @@ from gce_watchdog.faults.plan import (
     parse_ttl,
 )
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import (
-    CommandConsole,
-    add_config_arg,
-    load_config_or_exit,
-    open_console,
-)
+from gce_watchdog.vm.cli import add_config_arg
+from gce_watchdog.vm.runtime import CommandConsole, load_config_or_exit, open_console
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -121,7 +117,7 @@ def _run_op(
         return EX_NOPERM
     # The config is read before `before` (the reverter's wait): a config edited or broken during
     # the TTL must not stop the rules from being removed.
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     before()
     deps, paths, console = _deps_from_args(args, emit, cfg)
     try:

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit
+from gce_watchdog.vm.runtime import load_config_or_exit
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    # GCEWD_CONFIG (what the start-up script exports to bootstrap steps) is the default, so a step
+    # that runs `gce-watchdog fetch` writes to the console and state dir it was configured for.
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        default=os.environ.get("GCEWD_CONFIG") or None,
+        help=(
+            f"config file (default $GCEWD_CONFIG, else {cfgmod.DEFAULT_PATH}; "
+            "missing default file = all defaults)"
+        ),
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,6 +63,6 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     sys.stdout.write(cfgmod.to_toml(cfg))
     return 0

@@ -5,8 +5,6 @@ This is the only place (with each command's handler) where real implementations 
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from typing import Any
 
@@ -15,24 +13,11 @@ from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort, key_or_none
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, short_boot
 
 
-def add_config_arg(p: argparse.ArgumentParser) -> None:
-    # GCEWD_CONFIG (what the start-up script exports to bootstrap steps) is the default, so a step
-    # that runs `gce-watchdog fetch` writes to the console and state dir it was configured for.
-    p.add_argument(
-        "--config",
-        metavar="PATH",
-        default=os.environ.get("GCEWD_CONFIG") or None,
-        help=(
-            f"config file (default $GCEWD_CONFIG, else {cfgmod.DEFAULT_PATH}; "
-            "missing default file = all defaults)"
-        ),
-    )
-
-
-def load_config_or_exit(args: argparse.Namespace) -> cfgmod.Config:
-    """Load the config named by --config; print every error and exit 78 when invalid."""
+def load_config_or_exit(path: str | None) -> cfgmod.Config:
+    """Load the config at ``path`` (the command's --config; None: the default); print every
+    error and exit 78 when invalid."""
     try:
-        return cfgmod.load(getattr(args, "config", None))
+        return cfgmod.load(path)
     except cfgmod.InvalidConfig as e:
         print(f"gce-watchdog: {e}", file=sys.stderr)
         raise SystemExit(cfgmod.EX_CONFIG) from None
