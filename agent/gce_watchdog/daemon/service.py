@@ -1,7 +1,7 @@
 """The agent daemon: ticks on the monotonic clock, feeds the ladder, performs its actions.
 
-``main``-style wiring lives in :func:`build_agent` (real edges) and the ``run``/``check``
-commands; :class:`Agent` only sees the small interfaces in :class:`Deps`, so tests swap every edge
+The real edges are wired in :mod:`gce_watchdog.daemon.app` (the composition root);
+:class:`Agent` only sees the small interfaces in :class:`Deps`, so tests swap every edge
 for a hand-written fake and drive it with a fake clock.
 """
 
@@ -20,19 +20,13 @@ from typing import Any, Protocol
 
 from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
-from gce_watchdog.daemon.actions import ActionChain, step_after
-from gce_watchdog.daemon.disarm import DisarmGate
+from gce_watchdog.daemon.actions import step_after
 from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
-from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache, metadata_root
-from gce_watchdog.daemon.metrics import MetricsExporter
-from gce_watchdog.daemon.probes import build_prober
+from gce_watchdog.daemon.metawatch import load_instance_cache
 from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
 from gce_watchdog.lib.files import read_json, write_json
-from gce_watchdog.memory.monitor import MemoryMonitor
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
-from gce_watchdog.vm.platform import arming, detect
-from gce_watchdog.vm.state import read_boot_id, read_phase
 from gce_watchdog.wire import vocab
 
 EX_TEMPFAIL = 75  # another agent holds the lock: try again later
@@ -567,75 +561,3 @@ def _instance_id(state_dir: str, known: Any, attr: str = "id") -> str:
     "-"."""
     info = known or load_instance_cache(state_dir)
     return str(getattr(info, attr)) if info is not None else "-"
-
-
-def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
-    """The real edges for a config. Returns the agent and the prober (to close)."""
-    a = cfg.agent
-    boot_id = read_boot_id(a.boot_id_path)
-    prober = build_prober(cfg)
-    watcher = MetadataWatcher(cfg.watch, metadata_root(cfg), a.state_dir, emitter)
-
-    def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
-        notifier.notify("WATCHDOG=1", "STATUS=shutdown chain running")
-
-    chain = ActionChain(
-        cfg.actions,
-        a.action,
-        a.state_dir,
-        emitter,
-        keepalive=keepalive,
-        instance=lambda: watcher.instance,
-    )
-    services: list[Service] = [watcher]
-    monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
-    if monitor is not None:
-        services.append(monitor)
-    exporter = MetricsExporter(
-        cfg.metrics,
-        a.threshold,
-        dropped=lambda: emitter.sink.dropped,
-        memory=(lambda: monitor.latest) if monitor is not None else None,
-    )
-    armed, gce_note = platform_gate(
-        cfg, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
-    )
-    deps = Deps(
-        emitter=emitter,
-        prober=prober.tick,
-        clock=RealClock(),
-        notifier=notifier,
-        store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
-        # The exporter writes the "decided" metrics before the chain (which may never return).
-        on_shutdown=exporter.wrap_shutdown(chain.execute),
-        armed=armed,
-        uptime=read_uptime,
-        phase=lambda: read_phase(a.state_dir),
-        # One identity cache: the metadata watcher's (instance.json, learnt while healthy).
-        instance_id=lambda: _instance_id(a.state_dir, watcher.instance),
-        instance_name=lambda: _instance_id(a.state_dir, watcher.instance, "name"),
-        services=services,
-        tick_hooks=[exporter],
-    )
-    agent = Agent(cfg, deps)
-    if gce_note:
-        agent.notes.append(("gce", gce_note))
-    return agent, prober
-
-
-def platform_gate(
-    cfg: cfgmod.Config, gate: Callable[[], tuple[bool, str]]
-) -> tuple[Callable[[], tuple[bool, str]], str]:
-    """The ``armed`` input on this machine, and what to say at start ("" when nothing).
-
-    Off GCE (the DMI product name) and without ``agent.allow_non_gce`` the agent is never armed:
-    it climbs and reports (``would_shutdown why=not-gce``) but runs no chain. A dry run is left
-    alone: it never acts anyway.
-    """
-
-    if cfg.agent.action == "dry-run":
-        return gate, ""
-    may_act, why_not = arming(detect(cfg.agent.dmi_product_path), cfg.agent.allow_non_gce)
-    if may_act:
-        return gate, ""
-    return (lambda: (False, "not-gce")), why_not

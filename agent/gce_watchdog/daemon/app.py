@@ -1,0 +1,413 @@
+"""The agent's composition root: the real objects for ``run``, ``check``, ``disarm`` and ``arm``.
+
+The CLI (``daemon/cli.py``) parses and hands plain values over; the functions here load the
+config, open the console and build each part of the agent from its own section. Nothing below
+this module chooses a real implementation (google-guest-agent's ``setup.go`` has the same shape).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gce_watchdog.daemon import ladder
+from gce_watchdog.daemon.actions import ActionChain
+from gce_watchdog.daemon.disarm import MAX_DISARM_S, DisarmGate, disarm_path, disarm_status, iso
+from gce_watchdog.daemon.ladder import ProbeVerdict
+from gce_watchdog.daemon.metawatch import MetadataWatcher, metadata_root
+from gce_watchdog.daemon.metrics import MetricsExporter
+from gce_watchdog.daemon.probes import build_prober
+from gce_watchdog.daemon.sdnotify import Notifier
+from gce_watchdog.daemon.service import (
+    EX_TEMPFAIL,
+    Agent,
+    AgentLock,
+    Deps,
+    LadderStore,
+    Notify,
+    RealClock,
+    Service,
+    _instance_id,
+    read_uptime,
+)
+from gce_watchdog.lib.cli import EX_USAGE
+from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.memory.monitor import MemoryMonitor
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm import logs
+from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort, key_or_none
+from gce_watchdog.vm.platform import arming, detect
+from gce_watchdog.vm.runtime import boot_of, load_config_or_exit, make_emitter, open_console
+from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase, untrusted_dir
+from gce_watchdog.wire import vocab
+
+
+def run(config_path: str | None, max_ticks: int | None) -> int:
+    """``gce-watchdog run``: the agent until SIGTERM/SIGINT (or ``max_ticks``)."""
+    cfg = load_config_or_exit(config_path)
+    logs.setup()
+    log = logs.get()
+    notes: list[tuple[str, str]] = []  # (what, text): written on the console after `start`
+
+    def note(what: str, text: str) -> None:
+        print(f"gce-watchdog: {text}", file=sys.stderr)
+        log.warning(what, text=text)
+        notes.append((what, text))
+
+    private_state: str | None = None
+    why = untrusted_dir(cfg.agent.state_dir)
+    if why:
+        # Not trusted (a planted disarm.json, links): not read, not written. The ladder, the
+        # line counter and the disarm switch live in a private directory for this run only.
+        private_state = tempfile.mkdtemp(prefix="gce-watchdog-state-")
+        note(
+            "state_dir",
+            f"state dir {cfg.agent.state_dir} {why}: not used, state kept in {private_state} "
+            "for this run only",
+        )
+        cfg = cfgmod.replace(cfg, agent={"state_dir": private_state})
+    lock = AgentLock(cfg.agent.run_dir)
+    held: str | None = None
+    why = untrusted_dir(cfg.agent.run_dir)
+    if why:
+        note("run_dir", f"run dir {cfg.agent.run_dir} {why}: running without the agent lock")
+    else:
+        try:
+            held = lock.acquire()
+        except OSError as e:
+            note(
+                "run_dir", f"cannot use {lock.path} ({e.strerror}): running without the agent lock"
+            )
+    if held:
+        print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
+        return EX_TEMPFAIL
+    port: SerialPort | None = None
+    try:
+        emitter, port = make_emitter(cfg, log=logs.mirror(log))
+        if port.open_error:
+            log.warning("serial_fallback", error=port.open_error, target=port.target)
+    except OSError as e:
+        # No console at all: keep watching (the lines still reach the journal) rather than
+        # crash-loop and leave a wedged VM unguarded.
+        log.error(
+            "serial_unavailable",
+            error=str(e),
+            device=cfg.serial.device,
+            fallback=cfg.serial.fallback_file,
+        )
+        boot = boot_of(cfg)
+        sink = DiscardSink()
+        emitter = Emitter(
+            sink,
+            SeqAllocator(cfg.agent.run_dir, boot),
+            boot,
+            log=logs.mirror(log),
+            key=key_or_none(cfg.agent.state_dir, cfg.agent.run_dir),
+        )
+    stop = threading.Event()
+
+    agent, prober = build_agent(cfg, emitter, Notifier())
+    agent.notes.extend(notes)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        reason = "sigint" if signum == signal.SIGINT else "sigterm"
+        agent.request_stop(stop, reason, signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        return agent.run(stop, max_ticks=max_ticks)
+    finally:
+        prober.close()
+        if port is not None:
+            port.close()
+        if private_state is not None:
+            shutil.rmtree(private_state, ignore_errors=True)
+
+
+def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
+    """The real edges for a config. Returns the agent and the prober (to close)."""
+    a = cfg.agent
+    boot_id = read_boot_id(a.boot_id_path)
+    prober = build_prober(cfg)
+    watcher = MetadataWatcher(cfg.watch, metadata_root(cfg), a.state_dir, emitter)
+
+    def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
+        notifier.notify("WATCHDOG=1", "STATUS=shutdown chain running")
+
+    chain = ActionChain(
+        cfg.actions,
+        a.action,
+        a.state_dir,
+        emitter,
+        keepalive=keepalive,
+        instance=lambda: watcher.instance,
+    )
+    services: list[Service] = [watcher]
+    monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
+    if monitor is not None:
+        services.append(monitor)
+    exporter = MetricsExporter(
+        cfg.metrics,
+        a.threshold,
+        dropped=lambda: emitter.sink.dropped,
+        memory=(lambda: monitor.latest) if monitor is not None else None,
+    )
+    armed, gce_note = platform_gate(
+        cfg, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
+    )
+    deps = Deps(
+        emitter=emitter,
+        prober=prober.tick,
+        clock=RealClock(),
+        notifier=notifier,
+        store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
+        # The exporter writes the "decided" metrics before the chain (which may never return).
+        on_shutdown=exporter.wrap_shutdown(chain.execute),
+        armed=armed,
+        uptime=read_uptime,
+        phase=lambda: read_phase(a.state_dir),
+        # One identity cache: the metadata watcher's (instance.json, learnt while healthy).
+        instance_id=lambda: _instance_id(a.state_dir, watcher.instance),
+        instance_name=lambda: _instance_id(a.state_dir, watcher.instance, "name"),
+        services=services,
+        tick_hooks=[exporter],
+    )
+    agent = Agent(cfg, deps)
+    if gce_note:
+        agent.notes.append(("gce", gce_note))
+    return agent, prober
+
+
+def platform_gate(
+    cfg: cfgmod.Config, gate: Callable[[], tuple[bool, str]]
+) -> tuple[Callable[[], tuple[bool, str]], str]:
+    """The ``armed`` input on this machine, and what to say at start ("" when nothing).
+
+    Off GCE (the DMI product name) and without ``agent.allow_non_gce`` the agent is never armed:
+    it climbs and reports (``would_shutdown why=not-gce``) but runs no chain. A dry run is left
+    alone: it never acts anyway.
+    """
+
+    if cfg.agent.action == "dry-run":
+        return gate, ""
+    may_act, why_not = arming(detect(cfg.agent.dmi_product_path), cfg.agent.allow_non_gce)
+    if may_act:
+        return gate, ""
+    return (lambda: (False, "not-gce")), why_not
+
+
+def platform_line(cfg: cfgmod.Config) -> tuple[bool, str]:
+    """Whether this is GCE, and what `check` says about acting on this machine."""
+
+    plat = detect(cfg.agent.dmi_product_path)
+    if plat.gce:
+        return True, f"platform: GCE ({plat.why}): the agent acts ({cfg.agent.action})"
+    may_act, why_not = arming(plat, cfg.agent.allow_non_gce)
+    if cfg.agent.action == "dry-run":
+        return False, f"platform: not GCE ({plat.why}); action dry-run: nothing is done anyway"
+    if may_act:
+        return False, f"platform: not GCE ({plat.why}), agent.allow_non_gce = true: the agent acts"
+    return False, f"platform: {why_not}"
+
+
+NPD_OK, NPD_NONOK, NPD_UNKNOWN = 0, 1, 2  # node-problem-detector's custom plugin statuses
+
+
+def check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
+    """Exit 0: both paths up. 1: one path down or unknown (the ladder would reset). 2: both down
+    (it would climb). 78: invalid config. With --npd: 0 OK, 1 NonOK, 2 Unknown."""
+    if as_npd:
+        try:
+            return _check(config_path, as_json, as_npd)
+        except SystemExit as e:  # an invalid config (its errors are on stderr)
+            print(f"check could not run: exit {e.code} (see stderr)")
+            return NPD_UNKNOWN
+        except Exception as e:  # NPD reads Unknown; the reason on stdout, where it looks
+            print(f"check could not run: {type(e).__name__}: {e}"[:200])
+            return NPD_UNKNOWN
+    return _check(config_path, as_json, as_npd)
+
+
+def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
+    cfg = load_config_or_exit(config_path)
+    prober = build_prober(cfg)
+    try:
+        res = prober.tick()
+    finally:
+        prober.close()
+    st = LadderStore(
+        Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
+    )
+    rung = st.load(cfg.agent.threshold).rung
+    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
+    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
+        verdict, rc, npd = "healthy", 0, NPD_OK
+        say = "HEALTHY"
+    elif cls is ladder.TickClass.BOTH_FAIL:
+        verdict, rc, npd = "outage", 2, NPD_NONOK
+        say = "OUTAGE (both paths down: the ladder would climb)"
+    else:
+        verdict, rc, npd = "degraded", 1, NPD_OK
+        say = "DEGRADED (one path down or unknown: a tick like this resets the ladder)"
+    probes = {
+        "metadata": {
+            "verdict": res.metadata.verdict.value,
+            "reason": res.metadata.reason,
+            "latency_ms": res.metadata.latency_ms,
+        },
+        "egress": {
+            "verdict": res.egress.verdict.value,
+            "reason": res.egress.reason,
+            "latency_ms": res.egress.latency_ms,
+        },
+    }
+    if as_npd:
+        md, eg = probes["metadata"], probes["egress"]
+        print(
+            f"{verdict}: metadata {md['verdict']} {md['reason']}, egress {eg['verdict']} "
+            f"{eg['reason']}; rung {rung}/{cfg.agent.threshold}"
+        )
+        return npd
+    if as_json:
+        out = {
+            "verdict": verdict,
+            "exit": rc,
+            "probes": probes,
+            "dns": res.dns,
+            "rung": rung,
+            "threshold": cfg.agent.threshold,
+            "ladder_file": str(st.path),
+            "platform": platform_line(cfg)[1],
+        }
+        print(json.dumps(out, sort_keys=True))
+        return rc
+    rows = [
+        (
+            "metadata",
+            res.metadata.verdict.value,
+            res.metadata.reason,
+            f"{res.metadata.latency_ms}ms",
+        ),
+        ("egress", res.egress.verdict.value, res.egress.reason, f"{res.egress.latency_ms}ms"),
+        ("dns", res.dns, "", ""),
+    ]
+    print(f"{'probe':<10}{'verdict':<9}{'reason':<18}latency")
+    for name, v, why, lat in rows:
+        print(f"{name:<10}{v:<9}{why:<18}{lat}")
+    print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
+    gce, line = platform_line(cfg)
+    print(line)
+    if res.metadata.verdict is not ProbeVerdict.OK:
+        hint = "" if gce else ": outside GCE there is none"
+        print(
+            f"metadata: no metadata server answered at {cfg.metadata.url} "
+            f"({res.metadata.reason}){hint}"
+        )
+    print(f"verdict: {say}")
+    return rc
+
+
+def _who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+def _emit_cli(cfg: cfgmod.Config, event: str, fields: dict[str, object], text: str) -> bool:
+    """Write one line on the serial console (best effort: the switch itself already changed)."""
+    with open_console(cfg) as con:
+        return con.write(event, fields, text)
+
+
+def disarm(config_path: str | None, duration: str | None, reason: str, status: bool) -> int:
+    """``gce-watchdog disarm``: write the local switch (or print it with ``status``)."""
+    cfg = load_config_or_exit(config_path)
+    now = time.time()
+    if status:
+        print(_status_line(cfg, now))
+        return 0
+    if duration is None:
+        print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
+        return EX_USAGE
+    try:
+        secs = parse_duration(duration)
+    except ValueError as e:
+        print(f"gce-watchdog disarm: --for: {e}", file=sys.stderr)
+        return EX_USAGE
+    if not 0 < secs <= MAX_DISARM_S:
+        print(
+            f"gce-watchdog disarm: --for must be more than 0 and at most "
+            f"{MAX_DISARM_S / 3600:g}h (got {duration}); run it again later to extend",
+            file=sys.stderr,
+        )
+        return EX_USAGE
+    until = now + secs
+    rec = {"set_at": now, "until": until, "reason": reason[:200], "by": _who()}
+
+    try:
+        atomic_write(
+            disarm_path(cfg.agent.state_dir),
+            (json.dumps(rec, sort_keys=True) + "\n").encode(),
+            0o644,
+        )
+    except OSError as e:
+        print(
+            f"gce-watchdog disarm: cannot write {disarm_path(cfg.agent.state_dir)}: {e}",
+            file=sys.stderr,
+        )
+        return 1
+    _emit_cli(
+        cfg,
+        vocab.DISARM,
+        {"src": "local", "until": iso(until), "dur": f"{int(secs)}s", "by": rec["by"]},
+        reason or "disarmed by an operator",
+    )
+    print(f"disarmed until {iso(until)} (re-arms by itself then; `gce-watchdog arm` ends it now)")
+    return 0
+
+
+def _status_line(cfg: cfgmod.Config, now: float) -> str:
+    """``disarm --status`` in words: the local switch, and where the other one is read."""
+    armed, why = disarm_status(cfg.agent.state_dir, now, False)
+    if not armed:
+        state = f"disarmed locally until {why.removeprefix('local-until-')}"
+    else:
+        state = {
+            "expired": "armed (a local disarm expired)",
+            "bad-disarm-file": (
+                f"armed (unreadable {disarm_path(cfg.agent.state_dir)}: it never disarms)"
+            ),
+        }.get(why, "armed")
+    return (
+        f"{state}; the metadata attribute {cfg.watch.disarm_attribute} is read by the running agent"
+    )
+
+
+def arm(config_path: str | None) -> int:
+    """``gce-watchdog arm``: end a local disarm now."""
+    cfg = load_config_or_exit(config_path)
+    p = disarm_path(cfg.agent.state_dir)
+    was = "armed" if disarm_status(cfg.agent.state_dir, time.time(), False)[0] else "disarmed"
+    try:
+        p.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        print(f"gce-watchdog arm: cannot remove {p}: {e}", file=sys.stderr)
+        return 1
+    _emit_cli(cfg, vocab.ARM, {"src": "local", "was": was, "by": _who()}, "armed by an operator")
+    print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
+    return 0
