@@ -127,7 +127,7 @@ def make_agent(
         on_shutdown=on_shutdown or (lambda *a, **k: None),
         tick_hooks=[exp],
     )
-    return Agent(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
+    return Agent.from_config(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
 
 
 def read(path: Path) -> Series:
@@ -245,7 +245,7 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
         on_shutdown=exp.wrap_shutdown(chain),
         tick_hooks=[exp],
     )
-    agent = Agent(cfg, deps)
+    agent = Agent.from_config(cfg, deps)
     for _ in range(12):
         agent.tick_once()
     (before,) = seen

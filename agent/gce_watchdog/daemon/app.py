@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.actions import ActionChain
@@ -26,7 +25,7 @@ from gce_watchdog.daemon.disarm import MAX_DISARM_S, DisarmGate, disarm_path, di
 from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.daemon.metawatch import MetadataWatcher, metadata_root
 from gce_watchdog.daemon.metrics import MetricsExporter
-from gce_watchdog.daemon.probes import build_prober
+from gce_watchdog.daemon.probes import Prober, build_prober
 from gce_watchdog.daemon.sdnotify import Notifier
 from gce_watchdog.daemon.service import (
     EX_TEMPFAIL,
@@ -46,10 +45,10 @@ from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory.monitor import MemoryMonitor
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm import logs
-from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort, key_or_none
+from gce_watchdog.vm.console import Emitter
 from gce_watchdog.vm.platform import arming, detect
-from gce_watchdog.vm.runtime import boot_of, load_config_or_exit, make_emitter, open_console
-from gce_watchdog.vm.state import SeqAllocator, read_boot_id, read_phase, untrusted_dir
+from gce_watchdog.vm.runtime import load_config_or_exit, open_console
+from gce_watchdog.vm.state import read_boot_id, read_phase, untrusted_dir
 from gce_watchdog.wire import vocab
 
 
@@ -92,29 +91,10 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     if held:
         print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
         return EX_TEMPFAIL
-    port: SerialPort | None = None
-    try:
-        emitter, port = make_emitter(cfg, log=logs.mirror(log))
-        if port.open_error:
-            log.warning("serial_fallback", error=port.open_error, target=port.target)
-    except OSError as e:
-        # No console at all: keep watching (the lines still reach the journal) rather than
-        # crash-loop and leave a wedged VM unguarded.
-        log.error(
-            "serial_unavailable",
-            error=str(e),
-            device=cfg.serial.device,
-            fallback=cfg.serial.fallback_file,
-        )
-        boot = boot_of(cfg)
-        sink = DiscardSink()
-        emitter = Emitter(
-            sink,
-            SeqAllocator(cfg.agent.run_dir, boot),
-            boot,
-            log=logs.mirror(log),
-            key=key_or_none(cfg.agent.state_dir, cfg.agent.run_dir),
-        )
+    console = open_console(cfg, log=logs.mirror(log), journal=log)
+    if console.port is not None and console.port.open_error:
+        log.warning("serial_fallback", error=console.port.open_error, target=console.port.target)
+    emitter = console.emitter
     stop = threading.Event()
 
     agent, prober = build_agent(cfg, emitter, Notifier())
@@ -130,17 +110,17 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
         return agent.run(stop, max_ticks=max_ticks)
     finally:
         prober.close()
-        if port is not None:
-            port.close()
+        console.close()
         if private_state is not None:
             shutil.rmtree(private_state, ignore_errors=True)
 
 
-def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
-    """The real edges for a config. Returns the agent and the prober (to close)."""
+def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Prober]:
+    """The real edges for a config, each from its own section. Returns the agent and the
+    prober (to close)."""
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
-    prober = build_prober(cfg)
+    prober = _prober(cfg)
     watcher = MetadataWatcher(cfg.watch, metadata_root(cfg), a.state_dir, emitter)
 
     def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
@@ -165,7 +145,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         memory=(lambda: monitor.latest) if monitor is not None else None,
     )
     armed, gce_note = platform_gate(
-        cfg, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
+        a, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
     )
     deps = Deps(
         emitter=emitter,
@@ -184,14 +164,19 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         services=services,
         tick_hooks=[exporter],
     )
-    agent = Agent(cfg, deps)
+    agent = Agent(a, deps, linger=cfg.actions.linger, cfg_digest=cfgmod.digest(cfg))
     if gce_note:
         agent.notes.append(("gce", gce_note))
     return agent, prober
 
 
+def _prober(cfg: cfgmod.Config) -> Prober:
+    a = cfg.agent
+    return build_prober(cfg.egress, cfg.metadata.url, a.probe_timeout, a.state_dir)
+
+
 def platform_gate(
-    cfg: cfgmod.Config, gate: Callable[[], tuple[bool, str]]
+    agent: cfgmod.AgentSection, gate: Callable[[], tuple[bool, str]]
 ) -> tuple[Callable[[], tuple[bool, str]], str]:
     """The ``armed`` input on this machine, and what to say at start ("" when nothing).
 
@@ -200,22 +185,22 @@ def platform_gate(
     alone: it never acts anyway.
     """
 
-    if cfg.agent.action == "dry-run":
+    if agent.action == "dry-run":
         return gate, ""
-    may_act, why_not = arming(detect(cfg.agent.dmi_product_path), cfg.agent.allow_non_gce)
+    may_act, why_not = arming(detect(agent.dmi_product_path), agent.allow_non_gce)
     if may_act:
         return gate, ""
     return (lambda: (False, "not-gce")), why_not
 
 
-def platform_line(cfg: cfgmod.Config) -> tuple[bool, str]:
+def platform_line(agent: cfgmod.AgentSection) -> tuple[bool, str]:
     """Whether this is GCE, and what `check` says about acting on this machine."""
 
-    plat = detect(cfg.agent.dmi_product_path)
+    plat = detect(agent.dmi_product_path)
     if plat.gce:
-        return True, f"platform: GCE ({plat.why}): the agent acts ({cfg.agent.action})"
-    may_act, why_not = arming(plat, cfg.agent.allow_non_gce)
-    if cfg.agent.action == "dry-run":
+        return True, f"platform: GCE ({plat.why}): the agent acts ({agent.action})"
+    may_act, why_not = arming(plat, agent.allow_non_gce)
+    if agent.action == "dry-run":
         return False, f"platform: not GCE ({plat.why}); action dry-run: nothing is done anyway"
     if may_act:
         return False, f"platform: not GCE ({plat.why}), agent.allow_non_gce = true: the agent acts"
@@ -242,7 +227,7 @@ def check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
 
 def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
     cfg = load_config_or_exit(config_path)
-    prober = build_prober(cfg)
+    prober = _prober(cfg)
     try:
         res = prober.tick()
     finally:
@@ -289,7 +274,7 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
             "rung": rung,
             "threshold": cfg.agent.threshold,
             "ladder_file": str(st.path),
-            "platform": platform_line(cfg)[1],
+            "platform": platform_line(cfg.agent)[1],
         }
         print(json.dumps(out, sort_keys=True))
         return rc
@@ -307,7 +292,7 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
     for name, v, why, lat in rows:
         print(f"{name:<10}{v:<9}{why:<18}{lat}")
     print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
-    gce, line = platform_line(cfg)
+    gce, line = platform_line(cfg.agent)
     print(line)
     if res.metadata.verdict is not ProbeVerdict.OK:
         hint = "" if gce else ": outside GCE there is none"

@@ -181,10 +181,18 @@ def _probe_field(r: ProbeResult) -> str:
 
 
 class Agent:
-    def __init__(self, cfg: cfgmod.Config, deps: Deps) -> None:
-        self.cfg = cfg
+    """The tick loop. ``agent``: its own section; ``linger``: ``actions.linger`` (what is left
+    of it when a restart resumes the chain there); ``cfg_digest``: the config's digest, for the
+    ``start`` line."""
+
+    def __init__(
+        self, agent: cfgmod.AgentSection, deps: Deps, *, linger: float, cfg_digest: str
+    ) -> None:
+        self.settings = agent
+        self.linger = linger
+        self.cfg_digest = cfg_digest
         self.d = deps
-        self.threshold = cfg.agent.threshold
+        self.threshold = agent.threshold
         self.state = LadderState()
         self.ticks = 0
         self.healthy_streak = 0
@@ -197,6 +205,11 @@ class Agent:
         self._chain_ended: float | None = None  # monotonic time the last chain returned
         self.notes: list[tuple[str, str]] = []  # (what, text): `warn` lines after `start`
 
+    @classmethod
+    def from_config(cls, cfg: cfgmod.Config, deps: Deps) -> Agent:
+        """An agent for ``cfg`` (the convenience for callers that hold a whole config)."""
+        return cls(cfg.agent, deps, linger=cfg.actions.linger, cfg_digest=cfgmod.digest(cfg))
+
     # -- one tick -------------------------------------------------------------------------------
     def tick_once(self) -> TickReport:
         d, thr = self.d, self.threshold
@@ -205,11 +218,11 @@ class Agent:
         armed, why = d.armed()
         # A dry run decides like an armed agent but latches nothing: to the ladder it is
         # "disarmed" (one decision per outage, reset by a recovery), and the chain is rehearsed.
-        dry = self.cfg.agent.action == "dry-run"
+        dry = self.settings.action == "dry-run"
         obs = Observation(
             metadata=res.metadata.verdict,
             egress=res.egress.verdict,
-            in_grace=d.uptime() < self.cfg.agent.boot_grace,
+            in_grace=d.uptime() < self.settings.boot_grace,
             armed=armed and not dry,
         )
         prev = self.state
@@ -263,7 +276,7 @@ class Agent:
             )
         else:
             self.healthy_streak += 1
-            if self.healthy_streak % self.cfg.agent.heartbeat_every == 0:
+            if self.healthy_streak % self.settings.heartbeat_every == 0:
                 d.emitter.emit(
                     vocab.HEARTBEAT,
                     {
@@ -350,7 +363,7 @@ class Agent:
         since = self.mark.since
         linger_left = None
         if resume_at == "linger":
-            full = self.cfg.actions.linger
+            full = self.linger
             spent = d.clock.wall() - since
             linger_left = full if spent < 0 else max(0.0, full - spent)
 
@@ -429,7 +442,7 @@ class Agent:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
-        d, cfg = self.d, self.cfg
+        d = self.d
         self.state, self.mark = d.store.load_full(self.threshold)
         d.emitter.emit(
             vocab.START,
@@ -438,11 +451,11 @@ class Agent:
                 "inst": d.instance_id(),
                 "name": d.instance_name(),
                 "bootid": d.store.boot_id,  # the full kernel boot id (the header carries 8 hex)
-                "cfg": cfgmod.digest(cfg),
+                "cfg": self.cfg_digest,
                 "pid": os.getpid(),
                 "rung": vocab.encode_rung(self.state.rung, self.threshold),
             },
-            f"gce-watchdog {__version__} started, every {cfg.agent.interval:g}s",
+            f"gce-watchdog {__version__} started, every {self.settings.interval:g}s",
             sync=True,
         )
         for what, text in self.notes:
@@ -455,7 +468,7 @@ class Agent:
         resume = self.chain_due()
         if resume is not None:  # restarted in the middle of a decided chain: go on with it
             self.run_chain(resume)
-        interval = cfg.agent.interval
+        interval = self.settings.interval
         # Ping systemd at least twice per WatchdogSec even when the tick interval is longer.
         ping_every = d.notifier.watchdog_interval / 2 if d.notifier.watchdog_interval else 0.0
         t0 = d.clock.monotonic()

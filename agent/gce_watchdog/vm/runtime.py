@@ -9,7 +9,13 @@ import sys
 from typing import Any
 
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort, key_or_none, open_emitter
+from gce_watchdog.vm.console import (
+    DiscardSink,
+    Emitter,
+    SerialPort,
+    key_or_none,
+    open_emitter,
+)
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, short_boot
 
 
@@ -74,18 +80,28 @@ class CommandConsole:
         self.close()
 
 
-def open_console(cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog") -> CommandConsole:
-    """The console for a command (see :class:`CommandConsole`); the caller closes it."""
+def open_console(
+    cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog", journal: Any = None
+) -> CommandConsole:
+    """The console for a command or the agent (see :class:`CommandConsole`); the caller closes
+    it. The one fallback: when neither the device nor the fallback file opens, lines are counted
+    as dropped (:class:`DiscardSink`) and still mirrored to ``log``; the reason goes to
+    ``journal`` (the agent's logger) when given, else to stderr."""
     try:
         emitter, port = make_emitter(cfg, log=log)
     except OSError as e:
         s = cfg.serial
-        print(
-            f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}; lines are not written",
-            file=sys.stderr,
-        )
+        if journal is not None:
+            journal.error(
+                "serial_unavailable", error=str(e), device=s.device, fallback=s.fallback_file
+            )
+        else:
+            print(
+                f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}; lines are not written",
+                file=sys.stderr,
+            )
         boot = boot_of(cfg)
         key = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
         seq = SeqAllocator(cfg.agent.run_dir, boot)
-        return CommandConsole(Emitter(MemorySink(), seq, boot, key=key), None)
+        return CommandConsole(Emitter(DiscardSink(), seq, boot, log=log, key=key), None)
     return CommandConsole(emitter, port)
