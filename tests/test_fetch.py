@@ -20,11 +20,6 @@ from typing import Any
 import pytest
 from gce_watchdog import cli
 from gce_watchdog.bootstrap.fetch import (
-    EX_CANTCREAT,
-    EX_DATAERR,
-    EX_TEMPFAIL,
-    EX_UNAVAILABLE,
-    EX_USAGE,
     DnsResolver,
     FetchDeps,
     FetchRequest,
@@ -34,6 +29,7 @@ from gce_watchdog.bootstrap.fetch import (
     parse_url,
     run_fetch,
 )
+from gce_watchdog.lib.cli import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, EX_UNAVAILABLE, EX_USAGE
 from gce_watchdog.lib.dns import hosts_file_lookup
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.netaddr import parse_dns_server

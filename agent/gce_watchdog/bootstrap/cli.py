@@ -12,7 +12,6 @@ from typing import Any
 from gce_watchdog.bootstrap.fetch import (
     _SHA_RE,
     DEFAULT_DEADLINE,
-    EX_USAGE,
     FetchDeps,
     FetchRequest,
     Interrupted,
@@ -23,12 +22,12 @@ from gce_watchdog.bootstrap.fetch import (
 from gce_watchdog.bootstrap.install import InstallError, InstallOptions, install, uninstall
 from gce_watchdog.bootstrap.phases import (
     CAUSES,
-    EX_IOERR,
     PHASES,
     SETUP_FAILED,
     emit_terminal,
     run_exec,
 )
+from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_OK, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.vm import config as cfgmod
@@ -101,7 +100,7 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def cmd_phase(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args.config)
     ok = emit_terminal(cfg, vocab.PHASE, {"ph": args.phase}, phase=args.phase)
-    return 0 if ok else EX_IOERR
+    return EX_OK if ok else EX_IOERR
 
 
 def cmd_setup_failed(args: argparse.Namespace) -> int:
@@ -117,7 +116,7 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
         "cause": args.cause,
     }
     ok = emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
-    return 0 if ok else EX_IOERR
+    return EX_OK if ok else EX_IOERR
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
@@ -315,7 +314,7 @@ def cmd_install(args: argparse.Namespace) -> int:
         return e.code
     except OSError as e:
         print(f"gce-watchdog install: {e}", file=sys.stderr)
-        return 1
+        return EX_FAIL
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
@@ -326,4 +325,4 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
         return e.code
     except OSError as e:
         print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
-        return 1
+        return EX_FAIL

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.lib import dns as dnslib
+from gce_watchdog.lib.cli import EX_CANTCREAT, EX_DATAERR, EX_OK, EX_TEMPFAIL, EX_UNAVAILABLE
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.wire import vocab
@@ -41,12 +42,6 @@ if TYPE_CHECKING:
 
     from gce_watchdog.vm.console import Emitter
 
-EX_OK = 0
-EX_USAGE = 64  # sysexits.h: bad command line
-EX_DATAERR = 65  # sysexits.h: the data was wrong (checksum mismatch)
-EX_UNAVAILABLE = 69  # sysexits.h: the server refused (4xx other than 408/429, bad redirect, TLS)
-EX_CANTCREAT = 73  # sysexits.h: cannot create the output file
-EX_TEMPFAIL = 75  # sysexits.h: temporary failure; gave up at the deadline
 
 DEFAULT_DEADLINE = 600.0  # 10 min: covers a fresh Spot VM's DNS start-up with a wide margin
 # One DNS attempt: dnspython retries its servers within this lifetime. 5 s is the guest agent's

@@ -28,7 +28,6 @@ from gce_watchdog.daemon.metrics import MetricsExporter
 from gce_watchdog.daemon.probes import Prober, build_prober
 from gce_watchdog.daemon.sdnotify import Notifier
 from gce_watchdog.daemon.service import (
-    EX_TEMPFAIL,
     Agent,
     AgentLock,
     Deps,
@@ -39,7 +38,7 @@ from gce_watchdog.daemon.service import (
     _instance_id,
     read_uptime,
 )
-from gce_watchdog.lib.cli import EX_USAGE
+from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory.monitor import MemoryMonitor
@@ -323,7 +322,7 @@ def disarm(config_path: str | None, duration: str | None, reason: str, status: b
     now = time.time()
     if status:
         print(_status_line(cfg, now))
-        return 0
+        return EX_OK
     if duration is None:
         print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
         return EX_USAGE
@@ -353,7 +352,7 @@ def disarm(config_path: str | None, duration: str | None, reason: str, status: b
             f"gce-watchdog disarm: cannot write {disarm_path(cfg.agent.state_dir)}: {e}",
             file=sys.stderr,
         )
-        return 1
+        return EX_FAIL
     _emit_cli(
         cfg,
         vocab.DISARM,
@@ -361,7 +360,7 @@ def disarm(config_path: str | None, duration: str | None, reason: str, status: b
         reason or "disarmed by an operator",
     )
     print(f"disarmed until {iso(until)} (re-arms by itself then; `gce-watchdog arm` ends it now)")
-    return 0
+    return EX_OK
 
 
 def _status_line(cfg: cfgmod.Config, now: float) -> str:
@@ -392,7 +391,7 @@ def arm(config_path: str | None) -> int:
         pass
     except OSError as e:
         print(f"gce-watchdog arm: cannot remove {p}: {e}", file=sys.stderr)
-        return 1
+        return EX_FAIL
     _emit_cli(cfg, vocab.ARM, {"src": "local", "was": was, "by": _who()}, "armed by an operator")
     print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
-    return 0
+    return EX_OK

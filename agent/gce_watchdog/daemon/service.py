@@ -24,12 +24,11 @@ from gce_watchdog.daemon.actions import step_after
 from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
 from gce_watchdog.daemon.metawatch import load_instance_cache
 from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
+from gce_watchdog.lib.cli import EX_OK
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
-
-EX_TEMPFAIL = 75  # another agent holds the lock: try again later
 
 
 class Clock(Protocol):
@@ -531,7 +530,7 @@ class Agent:
                 "gce-watchdog stopped",
                 sync=True,
             )
-        return 0
+        return EX_OK
 
 
 # -- real wiring ---------------------------------------------------------------------------------

@@ -12,12 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gce_watchdog.faults.firewall import (
-    EX_FAIL,
-    EX_IOERR,
-    EX_NOPERM,
-    EX_OK,
-    EX_UNAVAILABLE,
-    EX_USAGE,
     Deps,
     Paths,
     ToolMissing,
@@ -32,6 +26,7 @@ from gce_watchdog.faults.plan import (
     iso,
     parse_ttl,
 )
+from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE, EX_USAGE
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.cli import add_config_arg
 from gce_watchdog.vm.runtime import CommandConsole, load_config_or_exit, open_console

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from gce_watchdog.lib.cli import EX_USAGE
+from gce_watchdog.lib.cli import EX_CONFIG, EX_OK, EX_USAGE
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.runtime import load_config_or_exit
 
@@ -56,13 +56,13 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         cfg = cfgmod.load(path)
     except cfgmod.InvalidConfig as e:
         print(str(e), file=sys.stderr)
-        return cfgmod.EX_CONFIG
+        return EX_CONFIG
     src = path or (str(cfgmod.DEFAULT_PATH) + " (defaults if missing)")
     print(f"{src}: OK (digest {cfgmod.digest(cfg)})")
-    return 0
+    return EX_OK
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args.config)
     sys.stdout.write(cfgmod.to_toml(cfg))
-    return 0
+    return EX_OK

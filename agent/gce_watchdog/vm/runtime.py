@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from gce_watchdog.lib.cli import EX_CONFIG
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import (
     DiscardSink,
@@ -26,7 +27,7 @@ def load_config_or_exit(path: str | None) -> cfgmod.Config:
         return cfgmod.load(path)
     except cfgmod.InvalidConfig as e:
         print(f"gce-watchdog: {e}", file=sys.stderr)
-        raise SystemExit(cfgmod.EX_CONFIG) from None
+        raise SystemExit(EX_CONFIG) from None
 
 
 def boot_of(cfg: cfgmod.Config) -> str:
