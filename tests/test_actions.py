@@ -621,6 +621,24 @@ def test_e2e_api_refuses_403(e2e: E2E) -> None:
     assert ("poweroff", "start") in _actions(events)
 
 
+def test_e2e_delete_rate_limited_403_is_retried_and_deletes(e2e: E2E) -> None:
+    """GCE answers a rate limit with 403 rateLimitExceeded (its API rate-limit docs): a mass
+    recovery where many VMs delete at once. The chain waits the Retry-After and deletes."""
+    from gce_watchdog.testing.simcompute import Fault
+
+    e2e.api.set_fault("delete", Fault.RATE_LIMIT, count=1)  # type: ignore[attr-defined]
+    # a wide deadline: the test is about the retry, not about a loaded machine's speed
+    cfg = e2e.config("delete", api_timeout="5s", api_attempts=3, api_deadline="30s")
+    _, events = e2e.run(cfg)
+    end = next(e for e in events if e.get("step") == "delete" and e.get("status") != "start")
+    assert (end.get("status"), end.get("http"), end.get("tries")) == ("ok", "200", "2")
+    calls = e2e.api.calls_to("delete")  # type: ignore[attr-defined]
+    assert [c.status for c in calls] == [403, 200]
+    assert len({c.query["requestId"] for c in calls}) == 1
+    assert e2e.api.instance("sim-vm-1").deleted  # type: ignore[attr-defined]
+    assert ("poweroff", "start") in _actions(events)  # the chain goes on to the power-off
+
+
 def test_e2e_poweroff_fails_and_the_chain_escalates(e2e: E2E) -> None:
     cfg = e2e.config("poweroff", poweroff_cmd=["/bin/false"], kernel=["reboot"])
     _summary, events = e2e.run(cfg)

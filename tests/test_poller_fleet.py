@@ -233,7 +233,7 @@ def test_a_429_with_retry_after_pauses_that_project_only(api: FakeComputeAPI) ->
     for p in ("proj-slow", "proj-fine"):
         api.add_instance("vm-1", project=p, labels=LABEL)
     api.retry_after = "7"
-    api.set_project_fault("proj-slow", Fault.RATE_LIMIT, count=1)
+    api.set_project_fault("proj-slow", Fault.TOO_MANY_REQUESTS, count=1)
     t = FakeTime()
     budget = ProjectBudget(DEFAULT_BUDGET_PER_MIN, clock=t.clock, sleep=t.sleep)
     client = client_for(api)
