@@ -30,7 +30,8 @@ from functools import partial
 from typing import Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
-from gce_watchdog.lib.compute import ComputeClient
+from gce_watchdog.lib.compute import ComputeClient, classify
+from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
@@ -78,13 +79,16 @@ class RealChainClock:
 
 @dataclass(frozen=True)
 class ApiResult:
-    """One Compute API attempt. ``retryable``: a timeout, a connection error, 429 or 5xx."""
+    """One Compute API attempt. ``retryable``: a timeout, a connection error, or an answer
+    :func:`gce_watchdog.lib.compute.classify` calls transient (a rate limit, 500/502/503/504);
+    ``wait_at_least``: its least wait before the next try (None: the back-off alone)."""
 
     ok: bool
     http: int | None = None
     detail: str = ""
     retryable: bool = False
     timeout: bool = False
+    wait_at_least: float | None = None
 
 
 class ComputeApi(Protocol):
@@ -98,10 +102,17 @@ class GoogleComputeApi:
     VM's own service account. Every request carries an explicit ``timeout`` and
     ``max_allowed_time`` (google-auth's default is 120 s); every failure becomes a result."""
 
-    def __init__(self, base_url: str, timeout: float, client: ComputeClient | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float,
+        client: ComputeClient | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._client = client  # None: made on first use (google-auth is imported then)
+        self.wall = wall  # wall time: a rate limit without Retry-After waits for the next minute
 
     def _get_client(self) -> ComputeClient:
         if self._client is None:
@@ -124,11 +135,12 @@ class GoogleComputeApi:
             except ValueError:
                 name = "-"
             return ApiResult(True, r.status_code, name)
+        message, reason = _api_error(r)
+        now = self.wall()
+        after = parse_retry_after(r.headers.get("Retry-After"), now)
+        c = classify(r.status_code, reason, after, now)
         return ApiResult(
-            False,
-            r.status_code,
-            _api_error_message(r),
-            retryable=r.status_code == 429 or r.status_code >= 500,
+            False, r.status_code, message, retryable=c.transient, wait_at_least=c.wait_at_least
         )
 
 
@@ -148,13 +160,18 @@ def _api_exception(e: Exception) -> ApiResult:
     return ApiResult(False, None, text, retryable=False)
 
 
-def _api_error_message(r: Any) -> str:
+def _api_error(r: Any) -> tuple[str, str]:
+    """The error's message (for the console) and its first ``errors[].reason``."""
+    msg, reason = "", ""
     try:
         err = r.json().get("error", {})
         msg = str(err.get("message") or "")
+        errs = err.get("errors")
+        if isinstance(errs, list) and errs and isinstance(errs[0], dict):
+            reason = str(errs[0].get("reason") or "")
     except (ValueError, AttributeError):
-        msg = ""
-    return (msg or r.reason or f"HTTP {r.status_code}")[:DETAIL_MAX]
+        pass
+    return (msg or r.reason or f"HTTP {r.status_code}")[:DETAIL_MAX], reason
 
 
 class Kernel(Protocol):
@@ -200,12 +217,33 @@ def _bounded_sync(bound: float) -> None:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Stop after ``attempts`` or when the next wait would cross ``deadline``; jittered waits."""
+    """Stop after ``attempts`` or when the next wait would cross ``deadline``; jittered waits.
+    ``attempt_time``: one attempt's own bound (``actions.api_timeout``)."""
 
     attempts: int
     deadline: float
     first_wait: float = API_WAIT_FIRST_S
     max_wait: float = API_WAIT_MAX_S
+    attempt_time: float = 0.0
+
+    def next_wait(
+        self, attempt: int, jitter: float, elapsed: float, at_least: float | None = None
+    ) -> float | None:
+        """The wait before attempt ``attempt`` (2, 3, ...), ``elapsed`` seconds into the step;
+        None: stop (even the back-off would cross the deadline).
+
+        ``at_least`` is the last answer's least wait (its Retry-After, or the next quota
+        interval for a rate limit): honoured, but shortened to the last start that leaves a
+        whole attempt before the deadline (one late try beats none; the deadline always holds).
+        """
+        wait = self.wait_before(attempt, jitter)
+        if elapsed + wait >= self.deadline:
+            return None
+        if at_least is None or not at_least > wait:  # also a NaN: the back-off alone
+            return wait
+        latest = self.deadline - self.attempt_time - elapsed
+        longer = max(wait, min(at_least, latest))
+        return longer if elapsed + longer < self.deadline else wait
 
     def wait_before(self, attempt: int, jitter: float) -> float:
         """Wait before attempt number ``attempt`` (2, 3, ...); ``jitter`` in [0, 1)."""
@@ -478,7 +516,7 @@ class ActionChain:
         rid = str(uuid.uuid4())  # one id for every retry: GCE acts at most once per requestId
         self._line(res, op, "start", {**fields, "rid": rid}, f"instances.{op} on {inst.name}")
         a = self.actions
-        policy = RetryPolicy(a.api_attempts, a.api_deadline)
+        policy = RetryPolicy(a.api_attempts, a.api_deadline, attempt_time=a.api_timeout)
         t0 = self.clock.monotonic()
         done = threading.Event()
         box: list[tuple[ApiResult, int]] = []
@@ -529,8 +567,9 @@ class ActionChain:
         tries = 0
         for attempt in range(1, policy.attempts + 1):
             if attempt > 1:
-                wait = policy.wait_before(attempt, self.jitter())
-                if self.clock.monotonic() - t0 + wait >= policy.deadline:
+                elapsed = self.clock.monotonic() - t0
+                wait = policy.next_wait(attempt, self.jitter(), elapsed, result.wait_at_least)
+                if wait is None:
                     break
                 self.clock.sleep(wait)
             tries = attempt
