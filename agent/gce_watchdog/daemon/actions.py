@@ -449,19 +449,36 @@ class ActionChain:
         with contextlib.suppress(Exception):  # best effort at the edge: never stop the chain
             self.keepalive()
 
-    def _pause(self, seconds: float) -> None:
-        """Sleep ``seconds``, pinging systemd at least every ``repeat_every``."""
-        end = self.clock.monotonic() + seconds
+    def _wait_pinging(
+        self,
+        seconds: float,
+        done: threading.Event | None = None,
+        each: Callable[[float], object] | None = None,
+        start: float | None = None,
+    ) -> None:
+        """Wait ``seconds`` from ``start`` (default: now), or until ``done`` is set, pinging
+        systemd before every slice of at most ``repeat_every``; ``each(left)`` after a slice that
+        leaves time. Bounded: one pass per slice, whatever the clock does (the one wait of the
+        linger, the API step's deadline and the power-off waits)."""
+        end = (self.clock.monotonic() if start is None else start) + seconds
         step = self.actions.repeat_every
-        for _ in range(int(seconds / step) + 2):  # bounded: one pass per slice
+        for _ in range(int(seconds / step) + 2):
+            self._ping()
             left = end - self.clock.monotonic()
             if left <= 0:
                 return
-            self._ping()
-            self.clock.sleep(min(step, left))
+            if done is not None:
+                if self.clock.wait(done, min(step, left)):
+                    return
+            else:
+                self.clock.sleep(min(step, left))
+            if each is not None:
+                left = end - self.clock.monotonic()
+                if left <= 0:
+                    return
+                each(left)
 
     def _linger(self, res: ChainResult, reason: str, r: str, linger: float) -> None:
-        a = self.actions
         t0 = self.clock.monotonic()
         self._line(
             res,
@@ -470,17 +487,10 @@ class ActionChain:
             {"ms": int(linger * 1000)},
             f"keeping the VM up {linger:g}s so the poller reads the verdict",
         )
-        end = t0 + linger
         rep = 0
-        for _ in range(int(linger / a.repeat_every) + 2):  # bounded: one pass per repeat
-            self._ping()
-            left = end - self.clock.monotonic()
-            if left <= 0:
-                break
-            self.clock.sleep(min(a.repeat_every, left))
-            left = end - self.clock.monotonic()
-            if left <= 0:
-                break
+
+        def repeat(left: float) -> None:
+            nonlocal rep
             rep += 1
             self.emitter.emit(
                 self.verdict_event,
@@ -493,6 +503,8 @@ class ActionChain:
                 },
                 _verdict_text(reason, r) + f", {left:.0f}s to go",
             )
+
+        self._wait_pinging(linger, each=repeat, start=t0)
         ms = int((self.clock.monotonic() - t0) * 1000)
         self._line(res, "linger", "ok", {"ms": ms, "reps": rep})
 
@@ -528,12 +540,7 @@ class ActionChain:
         threading.Thread(target=work, name="compute-api", daemon=True).start()
         # The hard bound: whatever google-auth does inside (its token fetch retries on its own),
         # the chain moves on at the deadline; the abandoned thread is a daemon thread.
-        end = t0 + a.api_deadline
-        for _ in range(int(a.api_deadline / a.repeat_every) + 2):
-            self._ping()
-            left = end - self.clock.monotonic()
-            if left <= 0 or self.clock.wait(done, min(a.repeat_every, left)):
-                break
+        self._wait_pinging(a.api_deadline, done=done, start=t0)
         ms = int((self.clock.monotonic() - t0) * 1000)
         if not box:
             self._line(
@@ -597,7 +604,7 @@ class ActionChain:
             )
             return
         self._line(res, step, "ok", {"rc": 0}, f"accepted; waiting up to {wait:g}s")
-        self._pause(wait)
+        self._wait_pinging(wait)
         self._line(
             res,
             step,
