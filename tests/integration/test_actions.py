@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from gce_watchdog.daemon.actions import ActionChain, ApiResult, RetryPolicy
+from gce_watchdog.daemon.actions import ActionChain, ApiResult, ChainRetry
 from gce_watchdog.daemon.metawatch import InstanceInfo, save_instance_cache
 from gce_watchdog.lib.proc import RunResult
 from gce_watchdog.testing.synth import SYNTH_KEY
@@ -405,7 +405,7 @@ def test_a_failing_keepalive_does_not_stop_the_chain(tmp_path: Path) -> None:
     jitter=st.floats(0, 0.999),
 )
 def test_retry_policy_is_bounded(attempts: int, deadline: float, jitter: float) -> None:
-    p = RetryPolicy(attempts, deadline)
+    p = ChainRetry(attempts, deadline)
     for n in range(2, attempts + 1):
         w = p.wait_before(n, jitter)
         assert 0 < w <= p.max_wait
@@ -481,7 +481,7 @@ def test_a_rate_limited_delete_waits_what_the_api_asked_within_the_deadline(
 def test_chain_retry_never_crosses_its_deadline_whatever_the_api_asks(
     attempts: int, deadline: float, attempt_time: float, jitter: float, asked: list[float | None]
 ) -> None:
-    p = RetryPolicy(attempts, deadline, attempt_time=attempt_time)
+    p = ChainRetry(attempts, deadline, attempt_time=attempt_time)
     t = 0.0
     for n in range(2, attempts + 1):
         w = p.next_wait(n, jitter, t, asked[n - 1])

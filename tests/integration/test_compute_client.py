@@ -8,7 +8,7 @@ import math
 import pytest
 from gce_watchdog.daemon.actions import GoogleComputeApi
 from gce_watchdog.daemon.metawatch import InstanceInfo
-from gce_watchdog.lib.compute import ComputeClient, RetryPolicy, classify
+from gce_watchdog.lib.compute import ComputeClient, ComputeRetry, classify
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from google.auth.transport.requests import AuthorizedSession
 from google.oauth2.credentials import Credentials
@@ -25,7 +25,7 @@ WALL = 1_800_000_015.0
 
 def _chain_api(api: FakeComputeAPI, token: str = "tok") -> GoogleComputeApi:
     session = AuthorizedSession(Credentials(token))  # type: ignore[no-untyped-call]
-    client = ComputeClient(session, api.base_url, 2.0, RetryPolicy(attempts=1), 2.0)
+    client = ComputeClient(session, api.base_url, 2.0, ComputeRetry(attempts=1), 2.0)
     return GoogleComputeApi(api.base_url, 2.0, client=client, wall=lambda: WALL)
 
 

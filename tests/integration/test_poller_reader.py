@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gce_watchdog.lib.compute import AuthError, ComputeClient, GaveUpError, RetryPolicy
+from gce_watchdog.lib.compute import AuthError, ComputeClient, ComputeRetry, GaveUpError
 from gce_watchdog.poller.ledger import Ledger
 from gce_watchdog.poller.poller import Poller
 from gce_watchdog.poller.reader import CursorStore, SerialReader
@@ -56,7 +56,7 @@ def make_client(
         Credentials(token),
         api.base_url,
         timeout=(2.0, 0.5),
-        retry=RetryPolicy(attempts=attempts, sleep=sleeps, wall=lambda: WALL),
+        retry=ComputeRetry(attempts=attempts, sleep=sleeps, wall=lambda: WALL),
     )
 
 

@@ -2,7 +2,7 @@
 
 Shape (deciding is separated from doing):
 
-- :class:`RetryPolicy` is the pure decision core: given the attempt number, the time spent, the
+- :class:`FetchRetry` is the pure decision core: given the attempt number, the time spent, the
   server's ``Retry-After`` and a jitter sample, it says how long to wait, or to give up. It never
   lets a wait carry the run past the deadline.
 - :class:`RateLimit` decides which failed attempts get a serial line (a 10-minute DNS outage must
@@ -108,7 +108,7 @@ class Interrupted(BaseException):
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class FetchRetry:
     """When to try again. Exponential back-off with jitter, bounded by an absolute deadline.
 
     A wait is ``min(max_wait, initial * multiplier**(attempt-1))`` shortened by up to ``jitter`` of
@@ -747,7 +747,7 @@ class FetchDeps:
     stderr: IO[str] | None = None
     progress: IO[str] | None = None  # a tty stream, or None for no progress display
     serial_every: float = SERIAL_EVERY
-    policy: RetryPolicy | None = None
+    policy: FetchRetry | None = None
 
 
 def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
@@ -757,7 +757,7 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
     import tenacity
 
     rng = deps.rng or random.Random()  # noqa: S311 - jitter, not cryptography
-    policy = deps.policy or RetryPolicy(deadline=req.deadline)
+    policy = deps.policy or FetchRetry(deadline=req.deadline)
     resolver = deps.resolver or DnsResolver(req.dns_servers)
     clock = deps.clock
     t0 = clock()

@@ -216,7 +216,7 @@ def _bounded_sync(bound: float) -> None:
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class ChainRetry:
     """Stop after ``attempts`` or when the next wait would cross ``deadline``; jittered waits.
     ``attempt_time``: one attempt's own bound (``actions.api_timeout``)."""
 
@@ -528,7 +528,7 @@ class ActionChain:
         rid = str(uuid.uuid4())  # one id for every retry: GCE acts at most once per requestId
         self._line(res, op, "start", {**fields, "rid": rid}, f"instances.{op} on {inst.name}")
         a = self.actions
-        policy = RetryPolicy(a.api_attempts, a.api_deadline, attempt_time=a.api_timeout)
+        policy = ChainRetry(a.api_attempts, a.api_deadline, attempt_time=a.api_timeout)
         t0 = self.clock.monotonic()
         done = threading.Event()
         box: list[tuple[ApiResult, int]] = []
@@ -567,7 +567,7 @@ class ActionChain:
             self._line(res, op, "fail", extra, f"instances.{op} refused: {result.detail}".strip())
 
     def _api_attempts(
-        self, op: str, inst: InstanceInfo, rid: str, policy: RetryPolicy, t0: float
+        self, op: str, inst: InstanceInfo, rid: str, policy: ChainRetry, t0: float
     ) -> tuple[ApiResult, int]:
         """Try until success, a final answer, ``attempts`` or the deadline (runs in a thread)."""
         result = ApiResult(False, None, "not attempted", retryable=True)
@@ -669,9 +669,9 @@ __all__ = [
     "ActionChain",
     "ApiResult",
     "ChainResult",
+    "ChainRetry",
     "GoogleComputeApi",
     "RealKernel",
-    "RetryPolicy",
     "RunResult",
     "run_command",
 ]

@@ -114,7 +114,7 @@ class GaveUpError(ComputeAPIError):
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class ComputeRetry:
     """Retry transient API errors: ``attempts`` tries, jittered exponential waits, then give up.
 
     The least wait before the next try is :func:`classify`'s: a response's ``Retry-After``, or
@@ -215,13 +215,13 @@ class ComputeClient:
         session: HTTPSession,
         api_base: str = DEFAULT_API_BASE,
         timeout: float | tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
-        retry: RetryPolicy | None = None,
+        retry: ComputeRetry | None = None,
         max_allowed_time: float | None = None,
     ) -> None:
         self.session = session
         self.api_base = api_base.rstrip("/")
         self.timeout = timeout
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or ComputeRetry()
         # google-auth's bound on the whole call, token refresh included (its default is 120 s)
         self.max_allowed_time = max_allowed_time
 
@@ -231,7 +231,7 @@ class ComputeClient:
         credentials: Any = None,
         api_base: str = DEFAULT_API_BASE,
         timeout: float | tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
-        retry: RetryPolicy | None = None,
+        retry: ComputeRetry | None = None,
     ) -> ComputeClient:
         """A client on an ``AuthorizedSession``; ``credentials`` None = application defaults.
 
@@ -263,7 +263,7 @@ class ComputeClient:
         gce: Any = google.auth.compute_engine
         transport: Any = google.auth.transport.requests
         session = transport.AuthorizedSession(gce.Credentials())
-        return cls(session, api_base, timeout, RetryPolicy(attempts=1), max_allowed_time=timeout)
+        return cls(session, api_base, timeout, ComputeRetry(attempts=1), max_allowed_time=timeout)
 
     def close(self) -> None:
         self.session.close()
