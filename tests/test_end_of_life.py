@@ -31,6 +31,7 @@ from gce_watchdog.daemon.endoflife import (
     EndBox,
     EndRequest,
     EndWatch,
+    flock_held,
     hand_off,
     parse_linger,
     run_taken,
@@ -334,6 +335,31 @@ def test_with_no_agent_the_command_takes_the_ending_after_its_wait(tmp_path: Pat
     run_taken(taken, chain, lambda: 100.0, 75.0)
     assert [c["reason"] for c in chain.calls] == ["setup_failed"]
     taken.release()
+
+
+def test_with_no_agent_running_the_command_does_not_wait(tmp_path: Path) -> None:
+    box = EndBox(tmp_path / "run", "boot-1")
+    box.request("done", None)
+    waiter = StepWaiter()
+    taken = hand_off(box, 60.0, waiter, agent_up=lambda: False)
+    assert taken is not None and waiter.sleeps == 0
+    taken.release()
+
+
+def test_flock_held_reads_the_kernel_lock_table_without_taking_the_lock(tmp_path: Path) -> None:
+    import fcntl
+
+    path = tmp_path / "agent.lock"
+    assert flock_held(path) is False, "no lock file: no agent ever ran"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert flock_held(path) is False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert flock_held(path) is True
+        assert flock_held(path, locks=str(tmp_path / "no-proc-locks")) is None
+    finally:
+        os.close(fd)
+    assert flock_held(path) is False
 
 
 def test_a_dead_runner_s_chain_is_resumed_at_its_step_with_the_linger_left(tmp_path: Path) -> None:
