@@ -542,7 +542,6 @@ def _boot_id() -> str:
 
 
 def test_with_no_agent_end_runs_the_chain_and_deletes_the_spot_vm(tmp_path: Path) -> None:
-    from gce_watchdog.daemon.metawatch import save_instance_cache
     from gce_watchdog.testing.simcompute import FakeComputeAPI
     from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
     from gce_watchdog.testing.simgce import SimInstance as SimInfo
@@ -565,10 +564,8 @@ def test_with_no_agent_end_runs_the_chain_and_deletes_the_spot_vm(tmp_path: Path
             api_attempts=2,
             api_deadline="5s",
         )
-        save_instance_cache(
-            str(tmp_path / "state"),
-            InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145"),
-        )
+        # No identity cache: no agent ever ran; `end` asks the metadata server itself.
+        assert not (tmp_path / "state" / "instance.json").exists()
         env = dict(os.environ)
         env["GCE_METADATA_HOST"] = f"127.0.0.1:{md.port}"
         env["GCE_METADATA_IP"] = f"127.0.0.1:{md.port}"

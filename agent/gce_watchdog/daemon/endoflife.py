@@ -465,11 +465,20 @@ def run_here(cfg: Any, box: EndBox, taken: Taken | None, reason: str, linger: fl
     import time
 
     from gce_watchdog.daemon.actions import ActionChain
+    from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache
     from gce_watchdog.vm.runtime import open_console
 
     print("gce-watchdog end: no agent took the ending; running the chain here", file=sys.stderr)
     con = open_console(cfg)
     try:
+        if load_instance_cache(cfg.agent.state_dir) is None and cfg.agent.action in (
+            "delete",
+            "stop",
+        ):
+            # No agent ever learnt who this VM is: ask the metadata server once (bounded by
+            # watch.request_timeout per request), so a delete still finds its instance.
+            with contextlib.suppress(Exception):
+                MetadataWatcher.from_config(cfg, con.emitter).refresh_once()
         chain = ActionChain.from_config(cfg, con.emitter, keepalive=lambda: None)
         if taken is None:  # no request file could be written: run without persisting
             chain.end_of_life(reason, linger=linger)
