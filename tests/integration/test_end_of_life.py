@@ -43,8 +43,8 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol, vocab
+from kit.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 INST = InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145")
 BOOT = "0badc0de"
 

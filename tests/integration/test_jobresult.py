@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from gce_watchdog import cli, jobresult
 from gce_watchdog.wire import protocol
+from kit.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 AGENT = str(Path(sys.executable).parent / "gce-watchdog")
 
 
