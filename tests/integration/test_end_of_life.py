@@ -377,6 +377,21 @@ def test_a_dead_runner_s_chain_is_resumed_at_its_step_with_the_linger_left(tmp_p
     watch.stop()
 
 
+def test_an_end_after_a_dead_runner_s_chain_ran_through_powers_off_again(tmp_path: Path) -> None:
+    box = EndBox(tmp_path / "run", "boot-1")
+    box.request("done", None)
+    first = box.take()
+    assert first is not None
+    first.mark("end", since=1000.0)  # ran through with the VM still up, then its runner died
+    first.release()
+    taken = hand_off(box, 5.0, StepWaiter())
+    assert taken is not None, "nobody runs it: never reported as handed to the agent"
+    chain = Recorded()
+    run_taken(taken, chain, lambda: 2000.0, 75.0)
+    assert chain.calls[0]["resume_at"] == "end"
+    taken.release()
+
+
 def test_a_chain_that_ran_through_is_tried_again_from_the_power_off(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", None)

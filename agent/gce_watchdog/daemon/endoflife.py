@@ -356,7 +356,9 @@ def hand_off(
     end = waiter.monotonic() + wait_s
     for _ in range(int(wait_s / step_s) + 2):  # bounded: one pass per step
         req = box.load()
-        if req is not None and req.state == "taken" and (box.busy() or req.step == "end"):
+        # Taken and its runner alive (the agent keeps the lock while it runs). A runner that died
+        # left its mark: this process resumes it below.
+        if req is not None and req.state == "taken" and box.busy():
             return None
         if waiter.monotonic() >= end or agent_up() is False:
             break
@@ -447,7 +449,7 @@ def cmd_end(args: argparse.Namespace) -> int:
         # No hand-off possible: the chain still runs, here, with no persisted progress.
     agent_lock = Path(cfg.agent.run_dir) / "agent.lock"  # daemon/service.py's AgentLock
     taken = hand_off(box, wait_s, RealWaiter(), agent_up=lambda: flock_held(agent_lock))
-    if taken is None and box.load() is not None:
+    if taken is None and box.busy():
         print("gce-watchdog end: handed to the agent", file=sys.stderr)
         return 0
     # No agent took it: this process runs the chain, surviving the SIGTERM/SIGHUP that systemd
