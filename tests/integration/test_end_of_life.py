@@ -599,3 +599,87 @@ def test_with_no_agent_end_runs_the_chain_and_deletes_the_spot_vm(tmp_path: Path
     assert steps.index(("linger", "ok")) < steps.index(("delete", "start"))
     assert steps.index(("delete", "ok")) < steps.index(("poweroff", "start"))
     assert (tmp_path / "argv.log").read_text().split() == ["poweroff", "force"]
+
+
+# -- the agent's loop -----------------------------------------------------------------------------
+
+
+def _agent(tmp_path: Path, script: list[object], chain: object) -> tuple[object, object, EndBox]:
+    from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+    from gce_watchdog.vm.console import MemorySink
+    from kit.fakes import FakeClock, FakeNotifier, ScriptedProber
+
+    clock = FakeClock()
+    sink = MemorySink()
+    box = EndBox(tmp_path / "run", "b1")
+    watch = EndWatch(
+        EndBox(tmp_path / "run", "b1"),
+        chain,  # type: ignore[arg-type]
+        wall=clock.wall,
+        monotonic=clock.monotonic,
+        default_linger=75.0,
+    )
+    cfg = cfgmod.replace(
+        cfgmod.Config(), agent={"interval": 30.0, "probe_timeout": 5.0, "threshold": 3}
+    )
+    deps = Deps(
+        emitter=Emitter(
+            sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY
+        ),
+        prober=ScriptedProber(script, clock),  # type: ignore[arg-type]
+        clock=clock,
+        notifier=FakeNotifier(),
+        store=LadderStore(tmp_path / "ladder.json", "b1"),
+        on_shutdown=lambda *a, **k: None,
+        end_of_life=watch,
+    )
+    return Agent(cfg, deps), sink, box
+
+
+def _names(sink: object) -> list[protocol.Event]:
+    lines = getattr(sink, "lines", [])
+    evs = (protocol.decode_line(ln, SYNTH_KEY) for ln in list(lines))
+    return [e for e in evs if isinstance(e, protocol.Event)]
+
+
+def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_not_stop_it(
+    tmp_path: Path,
+) -> None:
+    from kit.fakes import result
+
+    stop = threading.Event()
+    calls: list[str] = []
+    holder: list[object] = []
+
+    def chain(reason: str, **kw: object) -> None:
+        calls.append(reason)
+        # systemd stopping units during the power-off this chain started: the chain goes on
+        holder[0].request_stop(stop, "sigterm", "SIGTERM")  # type: ignore[attr-defined]
+        assert _wait_for(lambda: any(e.event == "signal" for e in _names(holder[1])), 5)
+
+    agent, sink, box = _agent(tmp_path, [result("ok", "ok")], chain)
+    holder += [agent, sink]
+    agent.tick_once()  # type: ignore[attr-defined]
+    assert calls == [], "nothing requested: nothing runs"
+    box.request("failed", None)
+    agent.run(stop, max_ticks=5)  # type: ignore[attr-defined]
+    assert calls == ["failed"]
+    evs = _names(sink)
+    sig = next(e for e in evs if e.event == "signal")
+    assert (sig.get("sig"), sig.get("step")) == ("SIGTERM", "-")
+    assert evs[-1].event == "stop", "the loop stops only after the chain returned"
+    req = box.load()
+    assert req is not None and req.step == "end"
+
+
+def test_no_ending_is_run_once_the_ladder_decided(tmp_path: Path) -> None:
+    from kit.fakes import result
+
+    chain = Recorded()
+    agent, _sink, box = _agent(tmp_path, [result("fail", "fail")], chain)
+    for _ in range(3):
+        agent.tick_once()  # type: ignore[attr-defined]
+    assert agent.state.fired  # type: ignore[attr-defined]
+    box.request("done", None)
+    agent.tick_once()  # type: ignore[attr-defined]
+    assert chain.calls == [], "the ladder's chain ends this VM already"
