@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import shutil
 import signal
@@ -22,6 +23,16 @@ from pathlib import Path
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.actions import ActionChain
 from gce_watchdog.daemon.disarm import MAX_DISARM_S, DisarmGate, disarm_path, disarm_status, iso
+from gce_watchdog.daemon.endoflife import (
+    LINGER_MAX_S,
+    EndBox,
+    EndWatch,
+    RealWaiter,
+    flock_held,
+    hand_off,
+    parse_linger,
+    run_here,
+)
 from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.daemon.metawatch import MetadataWatcher, metadata_root
 from gce_watchdog.daemon.metrics import MetricsExporter
@@ -133,7 +144,14 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         keepalive=keepalive,
         instance=lambda: watcher.instance,
     )
-    services: list[Service] = [watcher]
+    end_watch = EndWatch(
+        EndBox(a.run_dir, boot_id),
+        chain.end_of_life,
+        wall=time.time,
+        monotonic=time.monotonic,
+        default_linger=cfg.actions.linger,
+    )
+    services: list[Service] = [watcher, end_watch]
     monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
     if monitor is not None:
         services.append(monitor)
@@ -162,6 +180,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         instance_name=lambda: _instance_id(a.state_dir, watcher.instance, "name"),
         services=services,
         tick_hooks=[exporter],
+        end_of_life=end_watch,
     )
     agent = Agent(a, deps, linger=cfg.actions.linger, cfg_digest=cfgmod.digest(cfg))
     if gce_note:
@@ -395,3 +414,47 @@ def arm(config_path: str | None) -> int:
     _emit_cli(cfg, vocab.ARM, {"src": "local", "was": was, "by": _who()}, "armed by an operator")
     print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
     return EX_OK
+
+
+def end(
+    config_path: str | None, reason: str, linger_text: str | None, wait_text: str | None
+) -> int:
+    """``gce-watchdog end``: hand the ending to the agent, else run the chain here."""
+    cfg = load_config_or_exit(config_path)
+    linger: float | None = None
+    if linger_text not in (None, ""):
+        try:
+            linger = parse_linger(linger_text)
+        except ValueError as e:
+            print(
+                f"gce-watchdog end: --linger: {e}; using actions.linger ({cfg.actions.linger:g}s)",
+                file=sys.stderr,
+            )
+    wait_s = 2 * cfg.agent.interval + 10.0
+    if wait_text is not None:
+        try:
+            wait_s = parse_duration(wait_text)
+            if not math.isfinite(wait_s) or not 0 <= wait_s <= LINGER_MAX_S:
+                raise ValueError("must be 0 to 1h")
+        except ValueError as e:
+            print(f"gce-watchdog end: --wait: {e}", file=sys.stderr)
+            return EX_USAGE
+    box = EndBox(cfg.agent.run_dir, read_boot_id(cfg.agent.boot_id_path))
+    try:
+        box.request(reason, linger)
+    except OSError as e:
+        print(f"gce-watchdog end: cannot write the request in {box.dir}: {e}", file=sys.stderr)
+        # No hand-off possible: the chain still runs, here, with no persisted progress.
+    agent_lock = Path(cfg.agent.run_dir) / "agent.lock"  # daemon/service.py's AgentLock
+    taken = hand_off(box, wait_s, RealWaiter(), agent_up=lambda: flock_held(agent_lock))
+    if taken is None and box.busy():
+        print("gce-watchdog end: handed to the agent", file=sys.stderr)
+        return EX_OK
+    # No agent took it: this process runs the chain, surviving the SIGTERM/SIGHUP that systemd
+    # sends while it stops units during the very power-off the chain started.
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return run_here(cfg, box, taken, reason, linger)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

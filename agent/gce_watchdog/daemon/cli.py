@@ -8,6 +8,7 @@ import argparse
 
 from gce_watchdog.daemon.disarm import MAX_DISARM_S
 from gce_watchdog.vm.cli import add_config_arg
+from gce_watchdog.wire import vocab
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     c.set_defaults(func=cmd_check)
     register_disarm(sub)
+    register_end(sub)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -90,3 +92,42 @@ def cmd_arm(args: argparse.Namespace) -> int:
     from gce_watchdog.daemon import app
 
     return app.arm(args.config)
+
+
+def register_end(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    e = sub.add_parser(
+        "end",
+        help="end the VM through the agent's one end-of-life chain (linger, action, power-off)",
+        description=(
+            "After the job's terminal line (exit, phase done, setup_failed) is written: hand the "
+            "VM's ending to the agent, which writes an `end` line, lingers (so a poller reads the "
+            "terminal line while the VM is RUNNING), runs agent.action (delete or stop through "
+            "the Compute API, or poweroff) and powers off with escalation. When no agent takes "
+            "it within --wait, this command runs the chain itself. Exit 0: handed to the agent "
+            "(or ran here); 69: the chain ran here and the VM is still up at its end."
+        ),
+    )
+    e.add_argument("--reason", required=True, choices=vocab.END_REASONS, help="why the VM ends")
+    e.add_argument(
+        "--linger",
+        default=None,
+        metavar="DURATION",
+        help=(
+            "keep the VM up this long after the terminal line (0 to 1h; default actions.linger, "
+            "75s); an invalid value is reported and the default is used: an ending never fails"
+        ),
+    )
+    e.add_argument(
+        "--wait",
+        default=None,
+        metavar="DURATION",
+        help="how long to wait for the agent to take the ending (default 2 x agent.interval + 10s)",
+    )
+    add_config_arg(e)
+    e.set_defaults(func=cmd_end)
+
+
+def cmd_end(args: argparse.Namespace) -> int:
+    from gce_watchdog.daemon import app
+
+    return app.end(args.config, args.reason, args.linger, args.wait)

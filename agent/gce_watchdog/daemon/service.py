@@ -158,6 +158,14 @@ class ShutdownHook(Protocol):
     ) -> None: ...
 
 
+class EndHook(Protocol):
+    """The job's end of life (``endoflife.EndWatch``): ``poll`` runs its chain when one is due."""
+
+    running: bool
+
+    def poll(self) -> bool: ...
+
+
 @dataclass
 class Deps:
     emitter: Emitter
@@ -173,6 +181,7 @@ class Deps:
     instance_name: Callable[[], str] = lambda: "-"
     tick_hooks: list[Callable[[TickReport], None]] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
+    end_of_life: EndHook | None = None
 
 
 def _probe_field(r: ProbeResult) -> str:
@@ -212,6 +221,7 @@ class Agent:
     # -- one tick -------------------------------------------------------------------------------
     def tick_once(self) -> TickReport:
         d, thr = self.d, self.threshold
+        self.end_of_life()
         t0 = d.clock.monotonic()
         res = d.prober()
         armed, why = d.armed()
@@ -320,6 +330,18 @@ class Agent:
                 hook(report)
         return report
 
+    # -- the job's end of life ------------------------------------------------------------------
+    def end_of_life(self) -> None:
+        """A job's ending handed over by ``gce-watchdog end``: its chain runs here, on the loop's
+        thread (docs/actions.md). Not once the ladder decided: that chain ends the VM already."""
+        hook = self.d.end_of_life
+        if hook is None or self.state.fired or self.chain_running:
+            return
+        try:
+            hook.poll()
+        except Exception as e:
+            self._report_error("chain", e, "end-of-life chain failed")
+
     # -- the shutdown chain ---------------------------------------------------------------------
     def chain_due(self) -> str | None:
         """Where a decided chain must (re)start now, or None (not decided, running, or it ran
@@ -421,8 +443,9 @@ class Agent:
         """
         stop.reason = reason  # type: ignore[attr-defined]
         stop.set()
-        if self.chain_running:
-            step = self.mark.step if self.mark is not None else "-"
+        eol = self.d.end_of_life is not None and self.d.end_of_life.running
+        if self.chain_running or eol:
+            step = self.mark.step if self.mark is not None and not eol else "-"
 
             def say() -> None:
                 with contextlib.suppress(Exception):
