@@ -14,7 +14,8 @@ Lines that decide money (``shutdown``, ``exit``, ``setup_failed``, ``phase``) ar
 ``sync=True``: the call returns once the line was written and drained (True), or when the wait
 ran out (False; the line stays queued and is still written, in order, when the port moves). The
 wait is bounded twice: at most ``sync_timeout`` in all, and it ends as soon as the port has made no
-progress for :data:`STALL_GRACE` seconds; while the port stays stalled, later sync lines do not
+progress (no byte taken by the tty, none sent from its output queue) for :data:`STALL_GRACE`
+seconds; while the port stays stalled, later sync lines do not
 wait at all. So a console held under XOFF costs the tick loop and the shutdown chain about
 :data:`STALL_GRACE` once, not ``sync_timeout`` per line (docs/serial-protocol.md).
 """
@@ -23,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import select
 import stat
+import struct
 import termios
 import threading
 import time
@@ -56,6 +59,7 @@ STALL_GRACE = 1.0
 # cost the shutdown line.
 SYNC_RESERVE = 64
 _POLL_SLICE_MS = 250  # the writer's poll() slice: it notices close() within this
+_DRAIN_POLL = 0.02  # seconds between two looks at a tty's output queue while it drains
 
 
 class LineSink(Protocol):
@@ -373,10 +377,29 @@ class SerialPort:
             self._abandon.wait(_POLL_SLICE_MS / 1000 / 5)
 
     def _drain(self) -> None:
-        if self._tty:
-            termios.tcdrain(self._fd)  # blocks under XOFF on a UART: only this thread waits
-        else:
+        """Wait until the tty sent what it holds: poll its output queue (TIOCOUTQ), which
+        shrinks while bytes leave (progress) and stays put under XOFF (a stall the sync waiters
+        see), then tcdrain for the rest (the UART's FIFO: a few bytes). A file: fsync."""
+        if not self._tty:
             os.fsync(self._fd)
+            return
+        last = -1
+        while True:
+            try:
+                queued = struct.unpack("i", fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0" * 4))[0]
+            except OSError as e:
+                if e.errno in REOPEN_ERRNOS:
+                    raise
+                break  # no output queue to read: tcdrain alone
+            if queued <= 0:
+                break
+            if last < 0 or queued < last:
+                with self._cond:
+                    self._progress_at = self.clock()
+            last = queued
+            if self._abandon.wait(_DRAIN_POLL):
+                raise _Abandoned
+        termios.tcdrain(self._fd)
 
 
 class _PartialWrite(OSError):
