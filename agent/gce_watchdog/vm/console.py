@@ -48,9 +48,12 @@ Waiter = Callable[[], bool]
 # hung_up_tty_write, hung_up_tty_ioctl; vhangup(2)). EBADF: our descriptor is gone. ENXIO, ENODEV:
 # the device went away (a reopen may find it back).
 REOPEN_ERRNOS = frozenset({errno.EIO, errno.EBADF, errno.ENXIO, errno.ENODEV})
-# Reopens per line before it is given up (and counted as dropped). A getty start hangs the port up
-# twice in a row (systemd's TTYVHangup=, then agetty's own vhangup unless --nohangup): 2 are
-# needed at worst, 3 leave room.
+# Reopens per line before it is given up (and counted as dropped). The console is hung up at every
+# getty start (serial-getty@.service: TTYVHangup=yes; agetty itself only with --hangup), at every
+# serial-console login (util-linux login(1) vhangup()s its tty) and logout (the session leader's
+# exit hangs up a controlling tty that is not a pty: linux drivers/tty/tty_jobctrl.c
+# disassociate_ctty), then the getty restarts (Restart=always). A logout and the next getty's
+# start can fall between two writes: 2 in a row, 3 leave room.
 REOPEN_ATTEMPTS = 3
 REOPEN_PAUSE = 0.05  # seconds before the n-th reopen: n * REOPEN_PAUSE (lets the getty settle)
 # A sync wait ends once the port made no progress (no byte taken) for this long.
