@@ -171,7 +171,9 @@ class SerialPort:
         self._cond = threading.Condition()
         self._abandon = threading.Event()
         self._closing = False
-        self._progress_at = 0.0  # when the writer last started a line or had bytes taken
+        # When the port last moved: a byte taken or sent, a line done, or a line queued while
+        # the writer was idle. Sync waits end STALL_GRACE after it.
+        self._progress_at = 0.0
         self._dropped = 0  # not queued: the queue was full
         self._failed_writes = 0  # written for good: a write error, or no reopen helped
         self._lost_at_close = 0  # still queued when close() gave up on them
@@ -287,7 +289,6 @@ class SerialPort:
                 if not self._items or self._abandon.is_set():
                     return  # closing, and everything was written
                 data, waiter = self._items[0]
-                self._progress_at = self.clock()
             try:
                 ok = self._write_line(data)
             except _Abandoned:
@@ -296,8 +297,9 @@ class SerialPort:
                 if self._abandon.is_set():
                     return
                 self._items.popleft()
-                self._progress_at = self.clock()
-                if not ok:
+                if ok:  # a line that failed is no progress: waiters behind it must not wait on
+                    self._progress_at = self.clock()
+                else:
                     self._failed_writes += 1
             if waiter is not None:  # a failed write answers at once: no waiting out the timeout
                 waiter.ok = ok
