@@ -175,7 +175,7 @@ class SerialPort:
         # the writer was idle. Sync waits end STALL_GRACE after it.
         self._progress_at = 0.0
         self._dropped = 0  # not queued: the queue was full
-        self._failed_writes = 0  # written for good: a write error, or no reopen helped
+        self._failed_writes = 0  # given up: a write error, or no reopen helped
         self._lost_at_close = 0  # still queued when close() gave up on them
         self._reopens = 0
         self._late = 0  # sync waits that ended before their line was written
