@@ -27,13 +27,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import REOPEN_ATTEMPTS, Emitter, SerialPort
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import decode_all
+from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="vhangup(2) needs CAP_SYS_TTY_CONFIG")
 
