@@ -159,6 +159,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         cfg.metrics,
         a.threshold,
         dropped=lambda: emitter.sink.dropped,
+        reopens=lambda: getattr(emitter.sink, "reopens", 0),
         memory=(lambda: monitor.latest) if monitor is not None else None,
     )
     armed, gce_note = platform_gate(
