@@ -38,6 +38,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kit.agent import agent_config
 from kit.cli import agent_env, gcewd_argv
+from kit.configs import chain_config
 from kit.events import read_events, sink_events
 from kit.paths import REPO
 from kit.wait import wait_for
@@ -115,18 +116,7 @@ class Pings:
 
 
 def make_cfg(tmp: Path, action: str = "poweroff", **actions: object) -> cfgmod.Config:
-    base: dict[str, object] = {
-        "linger": 20.0,
-        "repeat_every": 5.0,
-        "poweroff_wait": 60.0,
-        "force_wait": 30.0,
-        "poweroff_cmd": ["systemctl", "poweroff"],
-        "force_cmd": ["systemctl", "poweroff", "--force"],
-    }
-    base.update(actions)
-    return cfgmod.from_dict(
-        {"agent": {"action": action, "state_dir": str(tmp)}, "actions": base}, "test"
-    )
+    return chain_config(tmp, action, **{"linger": 20.0, "poweroff_wait": 60.0, **actions})
 
 
 # Every step of a chain whose delete works and whose poweroff and force both go stuck, once each.

@@ -43,6 +43,7 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol, vocab
+from kit.configs import chain_config
 from kit.paths import REPO
 
 INST = InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145")
@@ -144,18 +145,7 @@ class Kernel:
 def make_chain(
     tmp: Path, action: str = "delete", fail: set[str] | None = None, **actions: object
 ) -> tuple[ActionChain, Timeline, TimelineSink]:
-    base: dict[str, object] = {
-        "linger": 75.0,
-        "repeat_every": 5.0,
-        "poweroff_wait": 120.0,
-        "force_wait": 30.0,
-        "poweroff_cmd": ["systemctl", "poweroff"],
-        "force_cmd": ["systemctl", "poweroff", "--force"],
-    }
-    base.update(actions)
-    cfg = cfgmod.from_dict(
-        {"agent": {"action": action, "state_dir": str(tmp)}, "actions": base}, "test"
-    )
+    cfg = chain_config(tmp, action, **{"linger": 75.0, "poweroff_wait": 120.0, **actions})
     tl = Timeline()
     sink = TimelineSink(tl)
     em = Emitter(sink, SeqAllocator(tmp, BOOT), BOOT, key=SYNTH_KEY)  # type: ignore[arg-type]

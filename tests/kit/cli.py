@@ -40,3 +40,14 @@ def gcewd(
         timeout=timeout,
         check=False,
     )
+
+
+def main_rc(argv: list[str]) -> int:
+    """The root CLI run in this process: its exit status, whether it returned it or raised
+    SystemExit (argparse's usage errors do)."""
+    from gce_watchdog import cli
+
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
