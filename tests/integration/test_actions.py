@@ -40,6 +40,7 @@ from kit.agent import agent_config
 from kit.cli import agent_env, gcewd_argv
 from kit.configs import chain_config
 from kit.events import read_events, sink_events
+from kit.gce import add_spot_vm, spot_vm_info
 from kit.paths import REPO
 from kit.wait import wait_for
 
@@ -597,22 +598,15 @@ class E2E:
 def e2e(tmp_path: Path) -> Iterator[E2E]:
     from gce_watchdog.testing.simcompute import FakeComputeAPI
     from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
-    from gce_watchdog.testing.simgce import SimInstance as SimInfo
 
     record = tmp_path / "argv.log"
     recorder = tmp_path / "record.sh"
     # Records its argv, so the test sees which power-off commands ran and in which order.
     recorder.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\n')
     recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
-    info = SimInfo(project="sim-project", zone="us-central1-a", name="sim-vm-1")
+    info = spot_vm_info()
     with FakeMetadataServer(info=info) as md, FakeComputeAPI(token=TOKEN, hang_s=20) as api:
-        api.add_instance(
-            "sim-vm-1",
-            project="sim-project",
-            zone="us-central1-a",
-            spot=True,
-            termination_action="DELETE",
-        )
+        add_spot_vm(api)
         yield E2E(tmp_path, md, api, recorder, record)
 
 
