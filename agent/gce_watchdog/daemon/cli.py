@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.disarm import MAX_DISARM_S, disarm_path, disarm_status, iso
@@ -33,6 +34,9 @@ from gce_watchdog.vm.runtime import (
 )
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, untrusted_dir
 from gce_watchdog.wire import vocab
+
+if TYPE_CHECKING:
+    from gce_watchdog.memory.samplers import GpuSampler
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -165,6 +169,19 @@ def platform_line(cfg: cfgmod.Config) -> tuple[bool, str]:
     return False, f"platform: {why_not}"
 
 
+def gpu_line(sampler: GpuSampler | None = None) -> tuple[bool, str]:
+    """Whether GPU memory gauges are available here (NVML through nvidia-ml-py), and why not."""
+    from gce_watchdog.memory.samplers import GpuSampler
+
+    sampler = sampler if sampler is not None else GpuSampler()
+    try:
+        present = sampler.open()
+        names = ", ".join(sampler.names)
+        return present, sampler.reason + (f" ({names})" if present and names else "")
+    finally:
+        sampler.close()
+
+
 NPD_OK, NPD_NONOK, NPD_UNKNOWN = 0, 1, 2  # node-problem-detector's custom plugin statuses
 
 
@@ -197,6 +214,7 @@ def _check(args: argparse.Namespace) -> int:
         Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
     )
     rung = st.load(cfg.agent.threshold).rung
+    gpu = gpu_line()
     cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
     if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
         verdict, rc, npd = "healthy", 0, NPD_OK
@@ -236,6 +254,7 @@ def _check(args: argparse.Namespace) -> int:
             "threshold": cfg.agent.threshold,
             "ladder_file": str(st.path),
             "platform": platform_line(cfg)[1],
+            "gpu": {"present": gpu[0], "reason": gpu[1]},
         }
         print(json.dumps(out, sort_keys=True))
         return rc
@@ -255,6 +274,7 @@ def _check(args: argparse.Namespace) -> int:
     print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
     gce, line = platform_line(cfg)
     print(line)
+    print(f"gpu: {gpu[1]}" if gpu[0] else f"gpu: no GPU ({gpu[1]}): GPU memory gauges absent")
     if res.metadata.verdict is not ProbeVerdict.OK:
         hint = "" if gce else ": outside GCE there is none"
         print(
