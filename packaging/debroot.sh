@@ -49,7 +49,8 @@ make_base() {
     tail -20 "$tmp.log" >&2; rm -f "$tmp.log"; exit 1; }
   printf '#!/bin/sh\nexit 101\n' >"$tmp/usr/sbin/policy-rc.d" && chmod 755 "$tmp/usr/sbin/policy-rc.d"
   in_tree "$tmp" apt-get update -qq
-  in_tree "$tmp" apt-get install -y -qq --download-only --no-install-recommends python3 >/dev/null
+  # With its Recommends: what `apt-get install ./gce-watchdog_*.deb` takes on a real system.
+  in_tree "$tmp" apt-get install -y -qq --download-only python3 >/dev/null
   rm -f "$tmp/etc/resolv.conf" "$tmp.log"
   tar -C "$tmp" --numeric-owner -cf "$base_tar.tmp" . && mv "$base_tar.tmp" "$base_tar"
   echo "debroot.sh: $release base in $(($(date +%s) - t0))s -> $base_tar" >&2
