@@ -87,6 +87,7 @@ deb)
 	# a package whose dependencies are missing stays half-installed.
 	IFS=, read -ra deps <<<"$depends"
 	for dep in "${deps[@]}"; do
+		shown=${dep#"${dep%%[![:space:]]*}"}
 		dep=${dep//[[:space:]]/}
 		name=${dep%%(*}
 		# shellcheck disable=SC2016 # dpkg-query's format, not the shell's
@@ -97,7 +98,7 @@ deb)
 			op=${rel%%[0-9]*} ver=${rel#"$op"}
 			case $op in '>=') op=ge ;; '<<') op=lt ;; '<=') op=le ;; '>>') op=gt ;; '=') op=eq ;; *) refuse "cannot read '$dep' in $src's Depends" ;; esac
 			dpkg --compare-versions "${have#installed }" "$op" "$ver" ||
-				refuse "$src needs $name ${rel}; the image has ${have#installed } (use the package built for the image's release: docs/packaging.md)"
+				refuse "$src needs $shown; the image has $name ${have#installed } (use the package built for the image's release: docs/packaging.md)"
 		fi
 	done
 	;;

@@ -265,6 +265,55 @@ def test_apt_install_check_memwatch_upgrade_purge(built: Built, tree: Tree, tmp_
     assert {k: v for k, v in before.items() if k not in after} == {}, "nothing of the base gone"
 
 
+def _bake(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(REPO / "startup/bake-image.sh"), *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "GCEWD_ROOT": ""})  # fmt: skip
+
+
+def test_bake_image_refuses_a_tree_without_python3_before_changing_it(
+    built: Built, tree: Tree
+) -> None:
+    before = tree.snapshot()
+    p = _bake("--deb", str(built.deb), "--root", str(tree.root))
+    assert p.returncode == 1, p.stderr
+    assert f"refused, nothing in {tree.root} was changed" in p.stderr
+    assert "needs python3, which the image does not have" in p.stderr
+    assert tree.snapshot() == before
+    assert "gce-watchdog" not in _packages(tree)
+
+
+def test_bake_image_refuses_the_other_releases_python_then_bakes_its_own(
+    built: Built, tmp_path: Path
+) -> None:
+    other = next(r for r in RELEASES if r != built.release)
+    base = Path(_run(["bash", str(PKG / "debroot.sh"), "base", other]).stdout.strip())
+    tr = Tree(base, tmp_path / "other")
+    try:
+        tr.run("apt-get", "install", "-y", "-q", "python3")  # from the tree's apt cache
+        before = tr.snapshot()
+        p = _bake("--deb", str(built.deb), "--root", str(tr.root))
+        assert p.returncode == 1, p.stderr
+        major, minor = built.python.split(".")
+        want = f"needs python3 (<< {major}.{int(minor) + 1})"
+        if built.release == "trixie":
+            want = f"needs python3 (>= {built.python})"
+        assert want in p.stderr and "use the package built for" in p.stderr, p.stderr
+        assert tr.snapshot() == before, "nothing changed"
+    finally:
+        tr.close()
+
+
+def test_bake_image_deb_into_a_tree_with_python3(built: Built, tree: Tree) -> None:
+    tree.run("apt-get", "install", "-y", "-q", "python3")
+    p = _bake("--deb", str(built.deb), "--root", str(tree.root))
+    assert p.returncode == 0, p.stderr
+    version = tree.run("/opt/gce-watchdog/bin/gce-watchdog", "--version").stdout.strip()
+    assert (tree.root / "opt/gce-watchdog/.baked").read_text().strip() == version
+    got = tree.run("dpkg-query", "-W", "-f", "${db:Status-Status}", "gce-watchdog").stdout
+    assert got == "installed", "not half-installed"
+
+
 def _packages(tree: Tree) -> set[str]:
     out = tree.run("dpkg-query", "-W", "-f", "${Package} ${db:Status-Status}\n").stdout
     return {ln.split()[0] for ln in out.splitlines() if ln.endswith(" installed")}
