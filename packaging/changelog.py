@@ -40,8 +40,9 @@ def render(changes: dict[str, object], upstream: str, release: str, major: str, 
             raise SystemExit(f"changelog.py: {e['version']}: date must be a UTC date-time")
         lines = [f"gce-watchdog ({e['version']}-1~deb{major}u1) {release}; urgency=medium", ""]
         for c in e["changes"]:
-            lines += textwrap.wrap(c, 78, initial_indent="  * ", subsequent_indent="    ",
-                                   break_on_hyphens=False)
+            lines += textwrap.wrap(
+                c, 78, initial_indent="  * ", subsequent_indent="    ", break_on_hyphens=False
+            )
         lines += ["", f" -- {who}  {format_datetime(when.astimezone(dt.UTC))}", ""]
         out.append("\n".join(lines))
     return "\n".join(out)

@@ -54,10 +54,15 @@ FILES = [
     ("/usr/share/gce-watchdog/startup-script.sh", "the GCE start-up script the package ships"),
 ]
 ENVIRONMENT = [
-    ("GCEWD_CONFIG", f"the config file when --config is not given (default {cfgmod.DEFAULT_PATH}); "
-     "the start-up script exports it to bootstrap steps"),
-    ("XDG_STATE_HOME", "poll: where the default ledger and cursors live "
-     "($XDG_STATE_HOME/gce-watchdog)"),
+    (
+        "GCEWD_CONFIG",
+        f"the config file when --config is not given (default {cfgmod.DEFAULT_PATH}); "
+        "the start-up script exports it to bootstrap steps",
+    ),
+    (
+        "XDG_STATE_HOME",
+        "poll: where the default ledger and cursors live ($XDG_STATE_HOME/gce-watchdog)",
+    ),
     ("GCE_WATCHDOG_COMPUTE_API", "poll: the Compute API base URL (default Google's)"),
     ("NO_COLOR", "demo: no colour"),
 ]
