@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 # Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck;
 # nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test);
-# lintian: make deb's package has no lintian errors (tests/integration/test_deb.py);
+# lintian: make deb's package has no lintian errors (tests/root/test_deb.py);
 # debootstrap: the Debian 12 and 13 trees the packages are built and installed in
 # (tests/root/test_deb_releases.py; cached under build/cache/debroot);
 # postgresql: the ledger's contract suite (tests/kit/pgserver.py runs its own initdb and pg_ctl in a

@@ -20,8 +20,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from kit.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PYENV = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
 SUPPORTED = ("3.11", "3.12", "3.13")
 

@@ -1,7 +1,7 @@
 """``make deb``'s package, built by packaging/build-deb.sh (issue 17 item 6): its name and
 contents, the maintainer scripts, lintian (no errors), and two builds giving the same bytes; here
 the Debian 12 build (the Debian 13 one, and installing both with apt in fresh trees:
-tests/test_deb_releases.py; in the VM: the wedge scenario)."""
+tests/root/test_deb_releases.py; in the VM: the wedge scenario)."""
 
 from __future__ import annotations
 

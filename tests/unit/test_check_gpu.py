@@ -1,15 +1,15 @@
 """``gce-watchdog check`` says whether GPU memory gauges are available, and why not (issue 27):
 the same :class:`GpuSampler` memwatch and the agent use, with the hand-written NVML fake
-(tests/fake_pynvml.py). The installed package's real nvidia-ml-py on a machine with no driver:
-tests/test_deb_releases.py."""
+(tests/kit/fake_pynvml.py). The installed package's real nvidia-ml-py on a machine with no driver:
+tests/root/test_deb_releases.py."""
 
 from __future__ import annotations
 
 import types
 
-import fake_pynvml
 from gce_watchdog.daemon.cli import gpu_line
 from gce_watchdog.memory.samplers import GpuSampler
+from kit import fake_pynvml
 
 GIB = 1 << 30
 

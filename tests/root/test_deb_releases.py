@@ -8,7 +8,7 @@ copy of that release's minbase tree, as an operator would:
   from the tree's apt cache: no network needed once the tree is cached);
 - ``gce-watchdog check`` says the GPU gauge is absent and why: the installed nvidia-ml-py is
   imported and NVML's library is not there (no driver in a chroot);
-- ``gce-watchdog memwatch`` with the project's NVML fake (tests/fake_pynvml.py) found as
+- ``gce-watchdog memwatch`` with the project's NVML fake (tests/kit/fake_pynvml.py) found as
   ``pynvml`` on the import path, through the sampler's production import (no injection): PASS;
 - an upgrade to a newer package keeps an administrator's change to the conffile, and the unit
   stays enabled;
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from kit.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "packaging"
 UPSTREAM = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 RELEASES = {"bookworm": ("12", "3.11"), "trixie": ("13", "3.13")}
@@ -218,7 +218,7 @@ def test_apt_install_check_memwatch_upgrade_purge(built: Built, tree: Tree, tmp_
     # memwatch: the fake NVML module is what `import pynvml` finds (first on the path).
     fake = tree.root / "tmp/fakenvml"
     fake.mkdir()
-    shutil.copy(REPO / "tests/fake_pynvml.py", fake / "fake_pynvml.py")
+    shutil.copy(REPO / "tests/kit/fake_pynvml.py", fake / "fake_pynvml.py")
     (fake / "pynvml.py").write_text(
         "import sys\nimport fake_pynvml\n"
         "sys.modules[__name__] = fake_pynvml.make("
