@@ -112,8 +112,11 @@ class Tree:
         subprocess.run(["mount", "-t", "proc", "proc", str(root / "proc")], check=True)
 
     def close(self) -> None:
-        subprocess.run(["umount", "-l", str(self.root / "proc")], check=False)
-        shutil.rmtree(self.root, ignore_errors=True)
+        proc = self.root / "proc"
+        subprocess.run(["umount", "-l", str(proc)], check=False)
+        # Never walk into a proc still mounted (rmtree would try the host's /proc entries).
+        if subprocess.run(["mountpoint", "-q", str(proc)], check=False).returncode != 0:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     def run(
         self, *argv: str, check: bool = True, env: dict[str, str] | None = None
