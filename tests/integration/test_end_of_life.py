@@ -633,7 +633,7 @@ def _agent(tmp_path: Path, script: list[object], chain: object) -> tuple[object,
         on_shutdown=lambda *a, **k: None,
         end_of_life=watch,
     )
-    return Agent(cfg, deps), sink, box
+    return Agent.from_config(cfg, deps), sink, box
 
 
 def _names(sink: object) -> list[protocol.Event]:

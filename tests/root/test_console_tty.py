@@ -190,7 +190,7 @@ def _agent(tmp: Path, em: Emitter, clock: FakeClock, chain: Callable[[], None]) 
         store=LadderStore(tmp / "ladder.json", "boot"),
         on_shutdown=lambda reason, rung, threshold, **k: chain(),
     )
-    return Agent(cfg, deps)
+    return Agent.from_config(cfg, deps)
 
 
 def test_a_console_under_xoff_never_freezes_the_tick_loop(tmp_path: Path) -> None:

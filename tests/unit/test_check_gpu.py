@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import types
 
-from gce_watchdog.daemon.cli import gpu_line
+from gce_watchdog.daemon.app import gpu_line
 from gce_watchdog.memory.samplers import GpuSampler
 from kit import fake_pynvml
 

@@ -66,7 +66,7 @@ def make_agent(
         on_shutdown=on_shutdown or (lambda *a, **k: None),
         tick_hooks=[exp],
     )
-    return Agent(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
+    return Agent.from_config(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
 
 
 def read(path: Path) -> Series:
@@ -184,7 +184,7 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
         on_shutdown=exp.wrap_shutdown(chain),
         tick_hooks=[exp],
     )
-    agent = Agent(cfg, deps)
+    agent = Agent.from_config(cfg, deps)
     for _ in range(12):
         agent.tick_once()
     (before,) = seen
@@ -371,7 +371,7 @@ def test_serial_reopens_are_exported(tmp_path: Path) -> None:
 
 
 def test_the_daemon_wires_the_ports_reopen_counter(tmp_path: Path) -> None:
-    from gce_watchdog.daemon.service import build_agent
+    from gce_watchdog.daemon.app import build_agent
 
     cfg = cfgmod.replace(
         cfg_for(tmp_path), agent={"state_dir": str(tmp_path), "run_dir": str(tmp_path / "run")}
