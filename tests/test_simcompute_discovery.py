@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import requests
-
 from gce_watchdog.testing import simcompute
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 
@@ -189,9 +188,9 @@ def test_every_response_the_fake_serves_is_declared_by_the_document(api: FakeCom
         "compute.projects.get",
         "compute.zones.get",  # no Project/Zone schema vendored: the poller reads only 404/200
     }
-    ops = [b for mid, b in responses if mid == "compute.zoneOperations.list"][0]["items"]
+    ops = next(b for mid, b in responses if mid == "compute.zoneOperations.list")["items"]
     assert [o["operationType"] for o in ops] == ["compute.instances.preempted"]
-    stopped = [b for mid, b in responses if mid == "compute.instances.stop"][0]
+    stopped = next(b for mid, b in responses if mid == "compute.instances.stop")
     assert stopped["status"] == "DONE" and stopped["httpErrorStatusCode"] == 403
     assert response_errors(load_doc(), responses) == []
 
