@@ -14,18 +14,24 @@ Steps, each announced on the serial console before it is taken and its outcome w
    (``actions.force_cmd``); still up after ``force_wait``: ``kernel`` (reboot(2), then sysrq).
 
 ``agent.action = "dry-run"`` runs the chain but replaces steps 3-4 with ``status=dry_run`` lines.
+
+The job's own ending (``gce-watchdog end``: job done, job failed, ``setup_failed``) runs the same
+chain through :meth:`ActionChain.end_of_life`: its first line is ``end`` (never ``shutdown``: the
+job's terminal line, already drained, decides the verdict), then the same linger, API step and
+power-off escalation (docs/actions.md, "The one end-of-life path").
 Every edge (commands, clock, Compute API, kernel) is injectable; nothing here runs at import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -268,6 +274,7 @@ class ActionChain:
             jitter = random.random
         self.jitter = jitter
         self.last_result: ChainResult | None = None
+        self._event = ""  # "": the ladder's chain; vocab.END: a job's end of life
 
     @classmethod
     def from_config(
@@ -289,7 +296,46 @@ class ActionChain:
     def verdict_event(self) -> str:
         """The decision's line: ``dry_run_shutdown`` in a dry run, so that no reader takes a
         rehearsal for a shutdown (no poller fails over on it)."""
+        if self._event:
+            return self._event
         return vocab.DRY_RUN_SHUTDOWN if self.dry_run else vocab.SHUTDOWN
+
+    # -- the job's end of life -------------------------------------------------------------------
+    def for_end(self, linger: float | None = None) -> ActionChain:
+        """The same chain for a job's end of life: its line is ``end``, its action
+        :func:`end_action` of ``agent.action``, its linger ``linger`` (None: ``actions.linger``).
+        A copy: the ladder's chain is left as it is."""
+        c = copy.copy(self)
+        c._event = vocab.END
+        c._action = end_action(self._action)
+        if linger is not None:
+            c.actions = replace(self.actions, linger=cfgmod.Duration(linger))
+        return c
+
+    def end_of_life(
+        self,
+        reason: str,
+        *,
+        linger: float | None = None,
+        resume_at: str | None = None,
+        linger_left: float | None = None,
+        progress: Callable[[str], object] | None = None,
+    ) -> None:
+        """The job ended (``reason``: done, failed, setup_failed) and its terminal line is already
+        written and drained: announce ``end``, linger, act, power off with escalation. Returns
+        only if the machine is still up at its end (the outcome is in :attr:`last_result`)."""
+        chain = self.for_end(linger)
+        try:
+            chain.execute(
+                reason,
+                0,
+                0,
+                resume_at=resume_at,
+                linger_left=linger_left,
+                progress=progress,
+            )
+        finally:
+            self.last_result = chain.last_result
 
     def api_op(self) -> str | None:
         """The Compute API self-action of this chain (None: none)."""
@@ -335,7 +381,8 @@ class ActionChain:
         plan = self.plan()
         res = ChainResult(reason, plan)
         self.last_result = res
-        r = vocab.encode_rung(rung, threshold)
+        # An end of life has no rung: the ladder did not decide it.
+        r = "" if self._event else vocab.encode_rung(rung, threshold)
         first = _order(resume_at)
         todo = [s for s in plan if _order(s) >= first]
 
@@ -375,14 +422,17 @@ class ActionChain:
             "action": self.action,
             "chain": "+".join(plan),
         }
+        if not r:
+            del fields["rung"]
         text = _verdict_text(reason, r)
         if resume_at is not None:  # no `chain` on a resumed line: room for the text
             del fields["chain"]
             fields["resume"] = "poweroff" if resume_at == "end" else resume_at
+            what = "end-of-life" if self._event else "shutdown"
             text = (
-                "shutdown chain ended with the VM still up: powering off again"
+                f"{what} chain ended with the VM still up: powering off again"
                 if resume_at == "end"
-                else f"resuming the shutdown chain at {resume_at} (agent restarted)"
+                else f"resuming the {what} chain at {resume_at} (agent restarted)"
             )
         self.emitter.emit(self.verdict_event, fields, text, sync=True)
 
@@ -444,16 +494,17 @@ class ActionChain:
             if left <= 0:
                 break
             rep += 1
+            fields: dict[str, object] = {
+                "reason": reason,
+                "rung": r,
+                "action": self.action,
+                "rep": rep,
+                "left": f"{int(left * 1000)}ms",
+            }
+            if not r:
+                del fields["rung"]
             self.emitter.emit(
-                self.verdict_event,
-                {
-                    "reason": reason,
-                    "rung": r,
-                    "action": self.action,
-                    "rep": rep,
-                    "left": f"{int(left * 1000)}ms",
-                },
-                _verdict_text(reason, r) + f", {left:.0f}s to go",
+                self.verdict_event, fields, _verdict_text(reason, r) + f", {left:.0f}s to go"
             )
         ms = int((self.clock.monotonic() - t0) * 1000)
         self._line(res, "linger", "ok", {"ms": ms, "reps": rep})
@@ -613,7 +664,23 @@ def step_after(step: str) -> str:
     return STEP_ORDER[i + 1]
 
 
+def end_action(action: str) -> str:
+    """What a job's end of life does for ``agent.action``: the same (poweroff, stop, delete),
+    except a dry run, which rehearses the ladder only: a job's ending is asked for (the
+    done/failure action), so it powers off for real, as the start-up script always did."""
+    return "poweroff" if action == "dry-run" else action
+
+
+_END_TEXT = {
+    "done": "job done",
+    "failed": "job failed",
+    "setup_failed": "setup failed",
+}
+
+
 def _verdict_text(reason: str, r: str) -> str:
+    if not r:  # an end of life
+        return f"{_END_TEXT.get(reason, reason)}: ending the VM after the linger"
     if reason == "ladder":
         return f"shutting down: BOTH reachability probes FAILED ({r})"
     return f"shutting down: {reason} ({r})"
@@ -627,5 +694,6 @@ __all__ = [
     "RealKernel",
     "RetryPolicy",
     "RunResult",
+    "end_action",
     "run_command",
 ]

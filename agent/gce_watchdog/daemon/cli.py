@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.disarm import MAX_DISARM_S, disarm_path, disarm_status, iso
+from gce_watchdog.daemon.endoflife import register_end
 from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
@@ -61,6 +62,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     c.set_defaults(func=cmd_check)
     register_disarm(sub)
+    register_end(sub)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

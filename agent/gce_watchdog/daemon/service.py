@@ -22,6 +22,7 @@ from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.actions import ActionChain, step_after
 from gce_watchdog.daemon.disarm import DisarmGate
+from gce_watchdog.daemon.endoflife import EndBox, EndWatch
 from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
 from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache, metadata_root
 from gce_watchdog.daemon.metrics import MetricsExporter
@@ -165,6 +166,14 @@ class ShutdownHook(Protocol):
     ) -> None: ...
 
 
+class EndHook(Protocol):
+    """The job's end of life (``endoflife.EndWatch``): ``poll`` runs its chain when one is due."""
+
+    running: bool
+
+    def poll(self) -> bool: ...
+
+
 @dataclass
 class Deps:
     emitter: Emitter
@@ -180,6 +189,7 @@ class Deps:
     instance_name: Callable[[], str] = lambda: "-"
     tick_hooks: list[Callable[[TickReport], None]] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
+    end_of_life: EndHook | None = None
 
 
 def _probe_field(r: ProbeResult) -> str:
@@ -206,6 +216,7 @@ class Agent:
     # -- one tick -------------------------------------------------------------------------------
     def tick_once(self) -> TickReport:
         d, thr = self.d, self.threshold
+        self.end_of_life()
         t0 = d.clock.monotonic()
         res = d.prober()
         armed, why = d.armed()
@@ -314,6 +325,18 @@ class Agent:
                 hook(report)
         return report
 
+    # -- the job's end of life ------------------------------------------------------------------
+    def end_of_life(self) -> None:
+        """A job's ending handed over by ``gce-watchdog end``: its chain runs here, on the loop's
+        thread (docs/actions.md). Not once the ladder decided: that chain ends the VM already."""
+        hook = self.d.end_of_life
+        if hook is None or self.state.fired or self.chain_running:
+            return
+        try:
+            hook.poll()
+        except Exception as e:
+            self._report_error("chain", e, "end-of-life chain failed")
+
     # -- the shutdown chain ---------------------------------------------------------------------
     def chain_due(self) -> str | None:
         """Where a decided chain must (re)start now, or None (not decided, running, or it ran
@@ -415,8 +438,9 @@ class Agent:
         """
         stop.reason = reason  # type: ignore[attr-defined]
         stop.set()
-        if self.chain_running:
-            step = self.mark.step if self.mark is not None else "-"
+        eol = self.d.end_of_life is not None and self.d.end_of_life.running
+        if self.chain_running or eol:
+            step = self.mark.step if self.mark is not None and not eol else "-"
 
             def say() -> None:
                 with contextlib.suppress(Exception):
@@ -587,7 +611,14 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         keepalive=keepalive,
         instance=lambda: watcher.instance,
     )
-    services: list[Service] = [watcher]
+    end_watch = EndWatch(
+        EndBox(a.run_dir, boot_id),
+        chain.end_of_life,
+        wall=time.time,
+        monotonic=time.monotonic,
+        default_linger=cfg.actions.linger,
+    )
+    services: list[Service] = [watcher, end_watch]
     monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
     if monitor is not None:
         services.append(monitor)
@@ -616,6 +647,7 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
         instance_name=lambda: _instance_id(a.state_dir, watcher.instance, "name"),
         services=services,
         tick_hooks=[exporter],
+        end_of_life=end_watch,
     )
     agent = Agent(cfg, deps)
     if gce_note:
