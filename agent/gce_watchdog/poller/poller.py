@@ -325,6 +325,12 @@ class Poller:
             pv = peer.timeline.judge(state, now, self.policy)
             if pv.kind in _LINE_VERDICTS and verdict.boot in (None, pv.boot):
                 return dataclasses.replace(pv, evidence=(*pv.evidence, f"peer_cursor={d}"))
+        if self.ledger is not None:  # another poller decided this boot (and maybe reaped it)
+            prior = self.ledger.find_instance(instance_id or f"name:{name}", self.path(name))
+            if prior is not None and verdict.boot in (None, prior.boot, NO_BOOT):
+                why = f"{prior.reason} (recorded by {prior.owner})"
+                kind = VerdictKind(prior.verdict)
+                return Verdict(kind, why, prior.boot, verdict.evidence, policy_failover=True)
         if not instance_id:
             return verdict
         boot = tl.latest_boot or "-"
