@@ -177,6 +177,8 @@ class Poller:
         self.peers = tuple(peers)  # other pollers' cursor dirs (read only): evidence of an end
         # (instance id, boot) -> the zone operation types found for that boot's end
         self._end_ops: dict[tuple[str, str], tuple[str, ...]] = {}
+        # (instance id, boot) -> the name of our delete of an ended job's VM, not DONE yet
+        self._reaping: dict[tuple[str, str], str] = {}
 
     def poll(
         self, name: str, known: InstanceStatus | None = None, gone: bool = False
@@ -256,9 +258,11 @@ class Poller:
                 reaped, reap_error, reap_pending = self._reap(name, info, decision)
             elif decision.reaped_at is not None:
                 reaped = decision.reap_result
-        elif self.reap and verdict.kind in END_VERDICTS and self._ended(info, tl):
-            assert info is not None
-            reaped, reap_error, reap_pending = self._reap_end(name, info, verdict.boot or "-")
+        elif self.reap and verdict.kind in END_VERDICTS and instance_id:
+            boot = verdict.boot or NO_BOOT
+            ours = info is None and (instance_id, boot) in self._reaping  # our delete, done?
+            if ours or self._ended(info, tl):
+                reaped, reap_error, reap_pending = self._reap_end(name, instance_id, boot)
         return PollOutcome(
             name,
             instance_id,
@@ -407,12 +411,17 @@ class Poller:
         return result, None, None
 
     def _reap_end(
-        self, name: str, info: InstanceStatus, boot: str
+        self, name: str, instance_id: str, boot: str
     ) -> tuple[str | None, str | None, str | None]:
-        """Delete the VM of an ended job (no ledger entry: nothing was decided)."""
-        op, err, pending = self._delete(name, end_request_id(info.id, boot))
+        """Delete the VM of an ended job (no ledger entry: nothing was decided). The same
+        requestId again returns the same operation, also once the VM is gone."""
+        key = (instance_id, boot)
+        op, err, pending = self._delete(name, end_request_id(instance_id, boot))
+        if pending is not None:
+            self._reaping[key] = pending
         if err is not None or pending is not None:
             return None, err, pending
+        self._reaping.pop(key, None)
         return ("gone" if op is None else str(op.get("name", "operation"))), None, None
 
 
