@@ -27,6 +27,7 @@ from gce_watchdog.bootstrap.phases import (
     PHASES,
     SETUP_FAILED,
     emit_terminal,
+    report_result,
     run_exec,
 )
 from gce_watchdog.lib.durations import parse_duration
@@ -92,9 +93,39 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     add_config_arg(e)
+    e.add_argument(
+        "--expect-result",
+        action="store_true",
+        help=(
+            "the job reports its result (`gce-watchdog result`); the exit line says "
+            "result=reported or result=missing"
+        ),
+    )
     e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
     usage_errors_exit_64(e)
     e.set_defaults(func=cmd_exec)
+
+    r = sub.add_parser(
+        "result",
+        help="the job's own result: a signed `result` line, written and drained",
+        description=(
+            "Write `result status=ok|fail [detail=k:v,...]` on the serial console, synchronously "
+            "and signed, through no log pipeline. Under `gce-watchdog exec` it also tells exec "
+            "that this run reported (the exit line's result=reported with --expect-result). "
+            "From Python: gce_watchdog.jobresult.report(ok=True, step=1)."
+        ),
+    )
+    r.add_argument("status", choices=vocab.RESULT_STATUSES)
+    r.add_argument(
+        "--detail",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a key=value about the run (repeatable; 64 characters in all on the line)",
+    )
+    add_config_arg(r)
+    usage_errors_exit_64(r)
+    r.set_defaults(func=cmd_result)
 
 
 def cmd_phase(args: argparse.Namespace) -> int:
@@ -130,7 +161,17 @@ def cmd_exec(args: argparse.Namespace) -> int:
         )
         return EX_USAGE
     cfg = load_config_or_exit(args)
-    return run_exec(cfg, argv)
+    return run_exec(cfg, argv, expect_result=args.expect_result, config_path=args.config)
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    bad = [d for d in args.detail if "=" not in d or not d.partition("=")[0].strip()]
+    if bad:
+        print(f"gce-watchdog result: --detail must be K=V, got {bad[0]!r}", file=sys.stderr)
+        return EX_USAGE
+    cfg = load_config_or_exit(args)
+    ok = report_result(cfg, args.status, args.detail)
+    return 0 if ok else EX_IOERR
 
 
 def register_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -310,16 +310,55 @@ class Waiter(Protocol):
     def sleep(self, seconds: float) -> None: ...
 
 
-def hand_off(box: EndBox, wait_s: float, waiter: Waiter, step_s: float = 0.25) -> Taken | None:
+def flock_held(path: str | Path, locks: str = "/proc/locks") -> bool | None:
+    """Whether a process holds an ``flock`` on ``path`` now, read from the kernel's lock table
+    (``/proc/locks``: ``N: FLOCK ADVISORY WRITE PID MAJ:MIN:INODE 0 EOF``) without taking it, so
+    an agent starting at this moment never finds its lock busy. None: cannot tell."""
+    try:
+        st = os.stat(path)
+        with open(locks, encoding="ascii", errors="replace") as f:
+            table = f.read(1 << 20)
+    except FileNotFoundError:
+        return False if not os.path.exists(path) else None
+    except OSError:
+        return None
+    for line in table.splitlines():
+        parts = line.split()
+        if len(parts) < 6 or "FLOCK" not in parts or "->" in parts:
+            continue
+        dev = parts[parts.index("FLOCK") + 4] if len(parts) > parts.index("FLOCK") + 4 else ""
+        maj, _, rest = dev.partition(":")
+        mnr, _, ino = rest.partition(":")
+        try:
+            ours = (int(maj, 16), int(mnr, 16), int(ino)) == (
+                os.major(st.st_dev),
+                os.minor(st.st_dev),
+                st.st_ino,
+            )
+        except ValueError:
+            continue
+        if ours:
+            return True
+    return False
+
+
+def hand_off(
+    box: EndBox,
+    wait_s: float,
+    waiter: Waiter,
+    agent_up: Callable[[], bool | None] = lambda: None,
+    step_s: float = 0.25,
+) -> Taken | None:
     """Wait (bounded) for the agent to take this boot's request. None: the agent has it (it
-    runs the chain, or already ran it); a :class:`Taken`: no agent took it within ``wait_s``,
-    and this process holds the lock and must run the chain itself."""
+    runs the chain, or already ran it); a :class:`Taken`: no agent took it within ``wait_s``
+    (or ``agent_up()`` says no agent runs: no wait at all), and this process holds the lock and
+    must run the chain itself."""
     end = waiter.monotonic() + wait_s
     for _ in range(int(wait_s / step_s) + 2):  # bounded: one pass per step
         req = box.load()
         if req is not None and req.state == "taken" and (box.busy() or req.step == "end"):
             return None
-        if waiter.monotonic() >= end:
+        if waiter.monotonic() >= end or agent_up() is False:
             break
         waiter.sleep(min(step_s, max(0.0, end - waiter.monotonic())))
     # Taken by the agent just now: None. Else this process runs it (also a chain whose runner
@@ -406,7 +445,8 @@ def cmd_end(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"gce-watchdog end: cannot write the request in {box.dir}: {e}", file=sys.stderr)
         # No hand-off possible: the chain still runs, here, with no persisted progress.
-    taken = hand_off(box, wait_s, RealWaiter())
+    agent_lock = Path(cfg.agent.run_dir) / "agent.lock"  # daemon/service.py's AgentLock
+    taken = hand_off(box, wait_s, RealWaiter(), agent_up=lambda: flock_held(agent_lock))
     if taken is None and box.load() is not None:
         print("gce-watchdog end: handed to the agent", file=sys.stderr)
         return 0
