@@ -133,7 +133,7 @@ TABLE: list[tuple[str, list[tuple[str, dict[str, object]]], InstanceState, float
         InstanceState("TERMINATED", spot=True, end_ops=()),
         NOW,
         K.ENDED_UNREAD,
-    ),  # fmt: skip
+    ),
     (
         "7 guest shutdown",
         WORKLOAD,
