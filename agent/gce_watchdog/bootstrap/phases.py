@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from gce_watchdog.lib.cli import EX_NOEXEC, EX_NOTFOUND
 from gce_watchdog.vm.runtime import CommandConsole, open_console
 from gce_watchdog.vm.state import write_phase
 from gce_watchdog.wire import vocab
@@ -43,10 +44,6 @@ SETUP_FAILED = vocab.SETUP_FAILED  # also recorded as the phase in the state dir
 # Why bootstrap failed, for the poller (docs/poller.md row 1): `infra` (network, DNS, the package
 # source never came up: the job never ran, failing over is safe) or `job` (the step itself failed).
 CAUSES = ("infra", "job")
-EX_USAGE = 64  # sysexits.h: bad command line
-EX_IOERR = 74  # sysexits.h: the line could not be written (callers fall back to their own)
-EX_NOTFOUND = 127  # shell convention: command not found
-EX_NOEXEC = 126  # shell convention: found but cannot be executed
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # The job's environment under exec: which run a `result` belongs to, and the config to use.
 RESULT_RUN_ENV = "GCEWD_RESULT_RUN"

@@ -23,7 +23,6 @@ boot: one request per boot (a second ``end`` joins the first), one lock.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import math
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gce_watchdog.lib.cli import EX_UNAVAILABLE, EX_USAGE
+from gce_watchdog.lib.cli import EX_UNAVAILABLE
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.wire import vocab
 
@@ -356,7 +355,9 @@ def hand_off(
     end = waiter.monotonic() + wait_s
     for _ in range(int(wait_s / step_s) + 2):  # bounded: one pass per step
         req = box.load()
-        if req is not None and req.state == "taken" and (box.busy() or req.step == "end"):
+        # Taken and its runner alive (the agent keeps the lock while it runs). A runner that died
+        # left its mark: this process resumes it below.
+        if req is not None and req.state == "taken" and box.busy():
             return None
         if waiter.monotonic() >= end or agent_up() is False:
             break
@@ -378,98 +379,25 @@ class RealWaiter:
         time.sleep(max(0.0, seconds))
 
 
-def register_end(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from gce_watchdog.vm.runtime import add_config_arg
-
-    e = sub.add_parser(
-        "end",
-        help="end the VM through the agent's one end-of-life chain (linger, action, power-off)",
-        description=(
-            "After the job's terminal line (exit, phase done, setup_failed) is written: hand the "
-            "VM's ending to the agent, which writes an `end` line, lingers (so a poller reads the "
-            "terminal line while the VM is RUNNING), runs agent.action (delete or stop through "
-            "the Compute API, or poweroff) and powers off with escalation. When no agent takes "
-            "it within --wait, this command runs the chain itself. Exit 0: handed to the agent "
-            "(or ran here); 69: the chain ran here and the VM is still up at its end."
-        ),
-    )
-    e.add_argument("--reason", required=True, choices=vocab.END_REASONS, help="why the VM ends")
-    e.add_argument(
-        "--linger",
-        default=None,
-        metavar="DURATION",
-        help=(
-            "keep the VM up this long after the terminal line (0 to 1h; default actions.linger, "
-            "75s); an invalid value is reported and the default is used: an ending never fails"
-        ),
-    )
-    e.add_argument(
-        "--wait",
-        default=None,
-        metavar="DURATION",
-        help="how long to wait for the agent to take the ending (default 2 x agent.interval + 10s)",
-    )
-    add_config_arg(e)
-    e.set_defaults(func=cmd_end)
-
-
-def cmd_end(args: argparse.Namespace) -> int:
-    import signal
-
-    from gce_watchdog.lib.durations import parse_duration
-    from gce_watchdog.vm.runtime import load_config_or_exit
-    from gce_watchdog.vm.state import read_boot_id
-
-    cfg = load_config_or_exit(args)
-    linger: float | None = None
-    if args.linger not in (None, ""):
-        try:
-            linger = parse_linger(args.linger)
-        except ValueError as e:
-            print(
-                f"gce-watchdog end: --linger: {e}; using actions.linger ({cfg.actions.linger:g}s)",
-                file=sys.stderr,
-            )
-    wait_s = 2 * cfg.agent.interval + 10.0
-    if args.wait is not None:
-        try:
-            wait_s = parse_duration(args.wait)
-            if not math.isfinite(wait_s) or not 0 <= wait_s <= LINGER_MAX_S:
-                raise ValueError("must be 0 to 1h")
-        except ValueError as e:
-            print(f"gce-watchdog end: --wait: {e}", file=sys.stderr)
-            return EX_USAGE
-    box = EndBox(cfg.agent.run_dir, read_boot_id(cfg.agent.boot_id_path))
-    try:
-        box.request(args.reason, linger)
-    except OSError as e:
-        print(f"gce-watchdog end: cannot write the request in {box.dir}: {e}", file=sys.stderr)
-        # No hand-off possible: the chain still runs, here, with no persisted progress.
-    agent_lock = Path(cfg.agent.run_dir) / "agent.lock"  # daemon/service.py's AgentLock
-    taken = hand_off(box, wait_s, RealWaiter(), agent_up=lambda: flock_held(agent_lock))
-    if taken is None and box.load() is not None:
-        print("gce-watchdog end: handed to the agent", file=sys.stderr)
-        return 0
-    # No agent took it: this process runs the chain, surviving the SIGTERM/SIGHUP that systemd
-    # sends while it stops units during the very power-off the chain started.
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return run_here(cfg, box, taken, args.reason, linger)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def run_here(cfg: Any, box: EndBox, taken: Taken | None, reason: str, linger: float | None) -> int:
     """The chain in this process (no agent took the ending)."""
     import time
 
     from gce_watchdog.daemon.actions import ActionChain
+    from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache
     from gce_watchdog.vm.runtime import open_console
 
     print("gce-watchdog end: no agent took the ending; running the chain here", file=sys.stderr)
     con = open_console(cfg)
     try:
+        if load_instance_cache(cfg.agent.state_dir) is None and cfg.agent.action in (
+            "delete",
+            "stop",
+        ):
+            # No agent ever learnt who this VM is: ask the metadata server once (bounded by
+            # watch.request_timeout per request), so a delete still finds its instance.
+            with contextlib.suppress(Exception):
+                MetadataWatcher.from_config(cfg, con.emitter).refresh_once()
         chain = ActionChain.from_config(cfg, con.emitter, keepalive=lambda: None)
         if taken is None:  # no request file could be written: run without persisting
             chain.end_of_life(reason, linger=linger)
@@ -491,6 +419,5 @@ __all__ = [
     "Taken",
     "hand_off",
     "parse_linger",
-    "register_end",
     "run_taken",
 ]
