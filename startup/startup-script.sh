@@ -30,6 +30,9 @@ SERIAL="${GCEWD_SERIAL:-$ROOT/dev/ttyS0}"
 SERIAL_FALLBACK="${GCEWD_SERIAL_FALLBACK:-$ROOT/var/log/gce-watchdog/serial.log}"
 CONFIG="${GCEWD_CONFIG:-$ROOT/etc/gce-watchdog/config.toml}"
 BOOTSTRAP_DIR="${GCEWD_BOOTSTRAP_DIR:-$ROOT/etc/gce-watchdog/bootstrap.d}"
+# The gce-watchdog-config attribute's drop-in: config.d/ beside the config file, where the agent
+# reads it (after config.toml and any lower-numbered drop-in, before higher-numbered ones).
+MD_DROPIN="$(dirname "$CONFIG")/config.d/50-metadata.toml"
 CACHE_DIR="${GCEWD_CACHE_DIR:-$ROOT/var/cache/gce-watchdog}"
 METADATA_URL="${GCEWD_METADATA_URL:-http://169.254.169.254/computeMetadata/v1}"
 BOOT_ID_PATH="${GCEWD_BOOT_ID_PATH:-/proc/sys/kernel/random/boot_id}"
@@ -50,6 +53,7 @@ SERIAL_EVERY=60   # at most one `fetch out=retry` line per minute per download
 AGENT="$PREFIX/bin/gce-watchdog"
 STEP=init
 CFG_ARGS=()
+CONFIG_CHANGED=0  # the metadata drop-in was written or removed: a running agent must restart
 
 log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 
@@ -556,6 +560,70 @@ install_agent() {
 	step_done install ok "$t0" "installed from $shown"
 }
 
+# apply_md_config: the gce-watchdog-config attribute (TOML) becomes the drop-in MD_DROPIN, after
+# `gce-watchdog config check` accepted the merged result with it (config.toml, the other
+# drop-ins, this one). The value only ever goes into a file: never into a shell command line.
+# A bad value fails the step (the check's rc, cause=job) with the check's errors on the console;
+# the agent never starts with it, nor silently with the defaults instead. Without the attribute
+# a drop-in left by an earlier boot is removed: the attribute owns that file.
+apply_md_config() {
+	STEP=config
+	local t0=$SECONDS dir tmp cand out rc=0 first new
+	dir=$(dirname "$MD_DROPIN")
+	if [[ -z $MD_CONFIG ]]; then
+		if [[ -e $MD_DROPIN || -L $MD_DROPIN ]]; then
+			rm -f "$MD_DROPIN"
+			CONFIG_CHANGED=1
+			step_done config ok "$t0" "no gce-watchdog-config attribute: removed $(basename "$MD_DROPIN")"
+		fi
+		return 0
+	fi
+	if [[ ! -e $CONFIG ]]; then
+		# The drop-in is read beside the config file; an empty one is the defaults.
+		mkdir -p "$(dirname "$CONFIG")"
+		printf '# gce-watchdog: the defaults (the start-up script made this file for %s)\n' \
+			"$(basename "$MD_DROPIN")" >"$CONFIG"
+	fi
+	CFG_ARGS=(--config "$CONFIG")
+	tmp=$(mktemp -d) # 0700: only root reads the candidate
+	cand="$tmp/$(basename "$MD_DROPIN")"
+	printf '%s\n' "$MD_CONFIG" >"$cand"
+	out=$("$AGENT" config check --config "$CONFIG" --drop-in "$cand" 2>&1 9>&-) || rc=$?
+	out=${out//"$cand"/gce-watchdog-config}
+	rm -rf "$tmp"
+	if ((rc != 0)); then
+		log "the gce-watchdog-config attribute is refused by gce-watchdog config check (rc=$rc):"
+		printf '%s\n' "$out" >&2
+		first=$(printf '%s\n' "$out" | sed -n 's/^  - //p' | head -n1)
+		[[ -n $first ]] || first=$(printf '%s\n' "$out" | head -n1)
+		fail config "gce-watchdog-config: ${first:-config check failed}" "$rc"
+	fi
+	mkdir -p "$dir" || fail config "cannot create $dir" 73
+	# mktemp: a new file (O_EXCL, never through a planted link), mode 0600; a dot name, which
+	# the agent never reads; then one rename, so the agent reads the old file or the new one.
+	new=$(mktemp "$dir/.$(basename "$MD_DROPIN").XXXXXX") || fail config "cannot write in $dir" 73
+	if ! { printf '%s\n' "$MD_CONFIG" >"$new" && sync "$new"; }; then
+		rm -f "$new"
+		fail config "cannot write $MD_DROPIN" 73
+	fi
+	if cmp -s "$new" "$MD_DROPIN"; then
+		rm -f "$new"
+		step_done config ok "$t0" "gce-watchdog-config unchanged in $(basename "$MD_DROPIN")"
+		return 0
+	fi
+	mv -f -T "$new" "$MD_DROPIN" || { rm -f "$new"; fail config "cannot write $MD_DROPIN" 73; }
+	CONFIG_CHANGED=1
+	step_done config ok "$t0" "gce-watchdog-config checked and written to $(basename "$MD_DROPIN")"
+}
+
+# restart_if_changed: a running agent started before the drop-in changed (the .deb's postinst,
+# or the boot itself) restarts to read it.
+restart_if_changed() {
+	((CONFIG_CHANGED)) || return 0
+	systemctl try-restart gce-watchdog.service >&2 9>&- ||
+		fail unit "systemctl try-restart gce-watchdog.service failed (to read the new config)" $?
+}
+
 install_unit() {
 	STEP=unit
 	local t0=$SECONDS
@@ -567,6 +635,7 @@ install_unit() {
 		# The .deb's unit: its postinst enabled and started it; make sure it runs.
 		systemctl enable --now gce-watchdog.service >&2 9>&- ||
 			fail unit "systemctl enable --now gce-watchdog.service failed" $?
+		restart_if_changed
 		step_done unit ok "$t0" "packaged unit enabled and started"
 		return 0
 	fi
@@ -579,6 +648,7 @@ install_unit() {
 	# --exec: the agent's path as the unit will see it (under the root, not this script's view).
 	"$AGENT" install --config "${CONFIG#"$ROOT"}" --exec "${AGENT#"$ROOT"}" >&2 9>&- ||
 		fail unit "gce-watchdog install failed" $?
+	restart_if_changed
 	step_done unit ok "$t0" "systemd unit installed and started"
 }
 
@@ -671,6 +741,7 @@ main() {
 	md_get gce-watchdog-bootstrap MD_BOOTSTRAP
 	md_get gce-watchdog-workload MD_WORKLOAD
 	md_get gce-watchdog-dns-name MD_DNS_NAME
+	md_get gce-watchdog-config MD_CONFIG
 	md_get gce-watchdog-done-action DONE_ACTION none
 	DONE_ACTION="${GCEWD_DONE_ACTION:-$DONE_ACTION}"
 
@@ -693,6 +764,7 @@ main() {
 	fi
 
 	install_agent
+	apply_md_config
 	install_unit
 	run_bootstrap
 
