@@ -308,6 +308,7 @@ class Agent:
             overruns=self.overruns,
             skipped=self.skipped,
             stalls=self.stalls,
+            armed=armed,
         )
         for hook in d.tick_hooks:
             with contextlib.suppress(Exception):  # an exporter must never break the ladder
@@ -591,9 +592,8 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
     monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
     if monitor is not None:
         services.append(monitor)
-    exporter = MetricsExporter(
-        cfg.metrics,
-        a.threshold,
+    exporter = MetricsExporter.from_config(
+        cfg,
         dropped=lambda: emitter.sink.dropped,
         memory=(lambda: monitor.latest) if monitor is not None else None,
     )
