@@ -16,13 +16,12 @@ from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import MIN_WINDOW, ClimbVerdict, DetectorParams, Status
 from gce_watchdog.memory.memwatch import (
     EXIT_CANNOT_RUN,
-    EXIT_FAIL,
-    EXIT_NOT_ENOUGH_DATA,
-    EXIT_PASS,
     EXIT_USAGE,
     collect,
+    exit_code,
     judge,
     killed_by,
+    memory_verdict,
     parse_size,
     to_json,
 )
@@ -81,7 +80,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Sample memory every --interval and judge each gauge: PASS (exit 0) when it stays "
             "within --band after warm-up, FAIL (exit 1) on a climb, a step or a wide range, "
-            "NOT ENOUGH DATA (exit 3) with fewer than --min-samples after warm-up. "
+            "NOT ENOUGH DATA (exit 3) with fewer than --min-samples after warm-up. A command "
+            "that exits non-zero is COMMAND FAILED with the command's own exit status as "
+            "memwatch's (never PASS, whatever the gauges say). "
             "Give --pid to watch a running process tree, or -- CMD ARGS... to run one."
         ),
     )
@@ -212,5 +213,8 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     sig = killed_by(run)
     if sig is not None:
         print(f"  command    FAIL: killed by {sig} (not sent by memwatch; an OOM kill is SIGKILL)")
-    print(overall.replace("_", " "))
-    return {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL}.get(overall, EXIT_NOT_ENOUGH_DATA)
+    if overall == "COMMAND_FAILED":
+        print(f"COMMAND FAILED (rc={run.rc}; memory: {memory_verdict(run, per).replace('_', ' ')})")
+    else:
+        print(overall.replace("_", " "))
+    return exit_code(run, overall)
