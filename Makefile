@@ -7,14 +7,14 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 # Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck;
 # nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test);
-# lintian: make deb's package has no lintian errors (tests/test_deb.py);
-# postgresql: the ledger's contract suite (tests/pgserver.py runs its own initdb and pg_ctl in a
+# lintian: make deb's package has no lintian errors (tests/integration/test_deb.py);
+# postgresql: the ledger's contract suite (tests/kit/pgserver.py runs its own initdb and pg_ctl in a
 # temp dir on a loopback port).
 # The tests start their own servers from temp configs; the packages' own services are never
 # started (policy-rc.d during the install) and disabled afterwards.
 APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian
 
-.PHONY: demo test lint venv apt-test install bench e2e e2e-if-possible clean cli-docs deb
+.PHONY: demo test test-fast lint venv apt-test install bench e2e e2e-if-possible clean cli-docs deb
 
 $(VENV)/bin/python:
 	@$(PY) -m venv --help >/dev/null 2>&1 && $(PY) -c 'import ensurepip' 2>/dev/null || \
@@ -54,6 +54,11 @@ test: $(STAMP) apt-test
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 	@$(MAKE) --no-print-directory e2e-if-possible
+
+# The fast loop (docs/architecture.md, "Tests"): the unit tier only, pure tests with no processes
+# or servers, under a minute. `make test` runs every tier (pytest over tests/).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit
 
 # The formatter check is here, not in `make test`: ruff is not pinned, and a newer release's
 # style must not fail CI on code that did not change.

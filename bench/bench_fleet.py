@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "agent"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from gce_watchdog.poller.ledger import open_ledger  # noqa: E402
+from gce_watchdog.poller.ledgers import open_ledger  # noqa: E402
 from gce_watchdog.testing.simcompute import FakeComputeAPI  # noqa: E402
 from gce_watchdog.testing.synth import Writer  # noqa: E402
 
@@ -184,7 +184,7 @@ def _publish(host: str, topic: str, msgs: list[bytes], rate: float) -> None:
 
 
 def bench_pubsub(vms: int, rate: float) -> dict[str, Any]:
-    import pubsub_emulator
+    from kit import pubsub_emulator
     from test_poller_pubsub import fleet_messages
 
     why = pubsub_emulator.unavailable()

@@ -5,7 +5,7 @@ Usage::
     python -m bench.run [--quick | --tiny] [--out bench/results/latest.json]
                         [--doc docs/performance.md | --no-doc] [--no-peers]
 
-Everything runs in a fresh vm/gce network-namespace pair (tests/netns.py) with the simulated GCE
+Everything runs in a fresh vm/gce network-namespace pair (tests/kit/netns.py) with the simulated GCE
 (testing.simgce) in the gce namespace: the agent sees the real metadata address and resolves names
 through the fake DNS, exactly as on a VM. Faults are a black hole at the far end: iptables DROP in
 the gce namespace's INPUT for every packet to 169.254.169.254 and to the 443 host, so probes
@@ -325,7 +325,7 @@ def interpreter(py: str) -> dict[str, Any]:
 def blackhole(topo: Any, on: bool) -> tuple[float, float]:
     """Drop (or stop dropping) every packet to the metadata address and the 443 host at the far
     end, atomically (one iptables-restore commit). Returns wall times before and after."""
-    from netns import EGRESS_IP, METADATA_IP
+    from kit.netns import EGRESS_IP, METADATA_IP
 
     t0 = time.time()
     if on:
@@ -517,7 +517,7 @@ class Bench:
 
     # 2b. side by side at 1 s, healthy ----------------------------------------------------------
     def overhead_side(self) -> dict[str, Any]:
-        from netns import EGRESS_IP
+        from kit.netns import EGRESS_IP
 
         p = self.plan
         ws = [Watcher("agent-1s", "agent", 1.0, p.threshold, 0.5, True, "")]
@@ -616,7 +616,7 @@ class Bench:
 
     # 4. detection latency -----------------------------------------------------------------------
     def detection(self) -> dict[str, Any]:
-        from netns import EGRESS_IP
+        from kit.netns import EGRESS_IP
 
         p = self.plan
         ws = [
@@ -715,7 +715,7 @@ class Bench:
 
     def _sweep(self) -> None:
         """Whatever a watcher left behind in the vm namespace (a script's curl) goes too."""
-        from netns import kill_ns_pids
+        from kit.netns import kill_ns_pids
 
         kill_ns_pids(self.topo.vm)
 
@@ -791,7 +791,7 @@ def run_soak(plan: Plan) -> dict[str, Any]:
 
 
 def run(plan: Plan, with_peers: bool, log: Callable[..., None]) -> dict[str, Any]:
-    from netns import EGRESS_IP, Topology, iptables_unavailable, netns_unavailable
+    from kit.netns import EGRESS_IP, Topology, iptables_unavailable, netns_unavailable
 
     t_all = time.monotonic()
     res: dict[str, Any] = {

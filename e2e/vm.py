@@ -3,8 +3,8 @@
 The guest image (``e2e/build-image.sh``) is a stock Debian minbase plus a GCE-like start-up script
 runner; nothing of the agent is baked in. Each run:
 
-1. creates a fresh namespace pair with the shared harness (``tests/netns.py``) and adds a tap device
-   to its ``gce`` side (169.254.169.254/16 on the tap: metadata, DNS and the guest's gateway);
+1. creates a fresh namespace pair with the shared harness (``tests/kit/netns.py``) and adds a tap
+   device to its ``gce`` side (169.254.169.254/16 on the tap: metadata, DNS, the guest's gateway);
 2. starts ``python -m testing.simgce`` there: metadata on 169.254.169.254:80 (the scenario's
    attributes, ``startup-script`` among them), DNS on 169.254.169.254:53, the 443 stand-in and the
    wheelhouse file server on 192.0.2.10 (:443, :80), names ``egress.test`` / ``wheels.test``;
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from netns import EGRESS_IP, EGRESS_NAME, METADATA_IP, Topology, netns_unavailable  # noqa: E402
+from kit.netns import EGRESS_IP, EGRESS_NAME, METADATA_IP, Topology, netns_unavailable  # noqa: E402
 
 BUILD = REPO / "build" / "e2e"
 IMAGE_DIR = BUILD / "image"

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from netns import Topology, iptables_unavailable, netns_unavailable
+from kit.netns import Topology, iptables_unavailable, netns_unavailable
 
 
 @pytest.fixture
 def topo() -> Iterator[Topology]:
-    """A fresh vm/gce namespace pair (tests/netns.py); skips with the reason where unavailable."""
+    """A fresh vm/gce namespace pair (kit/netns.py); skips with the reason where unavailable."""
     why = netns_unavailable() or iptables_unavailable()
     if why:
         pytest.skip(f"netns: {why}")
@@ -20,8 +20,8 @@ def topo() -> Iterator[Topology]:
 
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
-    """One real PostgreSQL server for the session (tests/pgserver.py), stopped at the end."""
-    from pgserver import postgres_server, unavailable
+    """One real PostgreSQL server for the session (tests/kit/pgserver.py), stopped at the end."""
+    from kit.pgserver import postgres_server, unavailable
 
     why = unavailable()
     if why:
@@ -49,8 +49,8 @@ def pg_database(postgres_url: str) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def pubsub_host() -> Iterator[str]:
-    """One real Pub/Sub emulator for the session (tests/pubsub_emulator.py), killed at the end."""
-    from pubsub_emulator import pubsub_emulator, unavailable
+    """One real Pub/Sub emulator for the session (kit/pubsub_emulator.py), killed at the end."""
+    from kit.pubsub_emulator import pubsub_emulator, unavailable
 
     why = unavailable()
     if why:

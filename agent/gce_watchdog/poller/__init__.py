@@ -1,13 +1,26 @@
 """The central poller: reads serial port 1 of many VMs, decides, and fails a job over exactly once.
 
-Modules (kept separate so importing one does not pull in the others' dependencies):
+Modules (kept separate so importing one does not pull in the others' dependencies; ``cli``
+imports the rest only inside its handlers):
 
+- :mod:`gce_watchdog.poller.verdict`: the pure decision function
+  :func:`~gce_watchdog.poller.verdict.decide` (events, instance state, now, policy in; verdict out).
 - :mod:`gce_watchdog.poller.timeline`: decoded events per boot, sequence gaps, lost bytes, rejects.
-- :mod:`poller.verdict`: the pure decision function :func:`~gce_watchdog.poller.verdict.decide`.
-- :mod:`gce_watchdog.poller.reader`: the Compute API client and the incremental, resumable reader.
-- :mod:`gce_watchdog.poller.ledger`: the SQLite ledger that makes a FAILOVER decision happen once.
-- :mod:`gce_watchdog.testing.synth`: realistic serial dumps (real corpus + our lines + damage).
-- :mod:`gce_watchdog.poller.cli`: ``gce-watchdog poll`` and ``gce-watchdog parse``.
+- :mod:`gce_watchdog.poller.assemble`: the pure reassembly of Pub/Sub lines (gap-free prefix).
+- :mod:`gce_watchdog.poller.reader`: the incremental, resumable serial reader and its cursor store
+  (through the one Compute API client, :mod:`gce_watchdog.lib.compute`).
+- :mod:`gce_watchdog.poller.ledger`: the ledger's interface (``BaseLedger``) and the SQLite
+  ledger that makes a FAILOVER decision happen once.
+- :mod:`gce_watchdog.poller.ledger_pg`: the PostgreSQL ledger, the same semantics across hosts.
+- :mod:`gce_watchdog.poller.ledgers`: ``open_ledger``, the factory picking one of the two.
+- :mod:`gce_watchdog.poller.poller`: one poll of one instance: read, decide, claim, reap.
+- :mod:`gce_watchdog.poller.fleet`: a labelled fleet: discovery, the pool, the per-project budget.
+- :mod:`gce_watchdog.poller.pubsub`: the event-driven worker (Cloud Logging lines via Pub/Sub).
+- :mod:`gce_watchdog.poller.settings`: ``PollSettings``, ``poll``'s options checked once.
+- :mod:`gce_watchdog.poller.app`: the composition root of ``poll``: client, ledger, cursors,
+  budget, signals, then one loop per mode.
+- :mod:`gce_watchdog.poller.dump`: ``parse``'s reading and printing of a saved dump.
+- :mod:`gce_watchdog.poller.cli`: ``gce-watchdog poll`` and ``gce-watchdog parse`` (options only).
 
 ``docs/poller.md`` documents the decision table, the reader and the ledger.
 """

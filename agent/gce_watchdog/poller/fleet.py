@@ -6,7 +6,9 @@
 - **Gone VMs.** An instance listed in an earlier round and absent now (deleted: reaped by us or by
   someone else) is polled once more by name; the GET answers 404, the verdict is taken on what its
   cursor holds, and the ledger decides whether that is a new decision or the one already made.
-  Zones the list reports unreachable keep their instances: absence there proves nothing.
+  Zones the list reports unreachable keep their instances: absence there proves nothing. So do
+  projects whose list failed (gave up after its retries): the round polls the others and their
+  known VMs, and the next round lists them again.
 - **The pool.** Polls run in a thread pool of ``workers``. A round waits for its polls until its
   deadline (the interval); a poll still running then is reported as slow and left to finish
   in the background, and that instance is not polled again until it has (one slow or huge VM never
@@ -31,6 +33,8 @@ from typing import Any
 
 from gce_watchdog.lib.compute import (
     RATE_LIMIT_REASONS,
+    AuthError,
+    ComputeAPIError,
     ComputeClient,
     HTTPSession,
     InstanceStatus,
@@ -98,6 +102,9 @@ class Discovery:
     instances: dict[Target, InstanceStatus]
     unreachable: frozenset[tuple[str, str]]  # (project, zone) the list could not answer for
     pages: int
+    # project -> why its list failed (gave up after its retries, or refused): nothing of it is
+    # in ``instances``, not even the pages it did get, so absence there proves nothing
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def _status(body: dict[str, Any]) -> InstanceStatus:
@@ -112,33 +119,56 @@ def _status(body: dict[str, Any]) -> InstanceStatus:
 
 
 def discover(client: ComputeClient, projects: Iterable[str], flt: str) -> Discovery:
-    """Every instance matching ``flt`` in every zone of ``projects`` (all pages)."""
+    """Every instance matching ``flt`` in every zone of ``projects`` (all pages). A project whose
+    list fails (the client gave up, or the API refused it) is in ``failed``, not raised: the other
+    projects are still listed. Only an :class:`AuthError` is raised (no credentials: nothing
+    can be listed)."""
     found: dict[Target, InstanceStatus] = {}
     unreachable: set[tuple[str, str]] = set()
+    failed: dict[str, str] = {}
     pages = 0
     for project in projects:
+        mine: dict[Target, InstanceStatus] = {}
+        lost: set[tuple[str, str]] = set()
         token = ""
-        while True:
-            body = client.aggregated_instances(project, flt, token)
-            pages += 1
-            items = body.get("items") or {}
-            for scope, entry in items.items():
-                if not str(scope).startswith("zones/") or not isinstance(entry, dict):
-                    continue
-                zone = str(scope)[len("zones/") :]
-                warning = entry.get("warning") or {}
-                if warning.get("code") == "UNREACHABLE":
-                    unreachable.add((project, zone))
-                for inst in entry.get("instances") or []:
-                    st = _status(inst)
-                    found[Target(project, zone, st.name)] = st
-            for scope in body.get("unreachables") or []:
-                if str(scope).startswith("zones/"):
-                    unreachable.add((project, str(scope)[len("zones/") :]))
-            token = str(body.get("nextPageToken") or "")
-            if not token:
-                break
-    return Discovery(found, frozenset(unreachable), pages)
+        try:
+            while True:
+                body = client.aggregated_instances(project, flt, token)
+                pages += 1
+                _page(project, body, mine, lost)
+                token = str(body.get("nextPageToken") or "")
+                if not token:
+                    break
+        except AuthError:
+            raise
+        except ComputeAPIError as e:
+            failed[project] = str(e)
+            continue
+        found.update(mine)
+        unreachable |= lost
+    return Discovery(found, frozenset(unreachable), pages, failed)
+
+
+def _page(
+    project: str,
+    body: dict[str, Any],
+    found: dict[Target, InstanceStatus],
+    unreachable: set[tuple[str, str]],
+) -> None:
+    items = body.get("items") or {}
+    for scope, entry in items.items():
+        if not str(scope).startswith("zones/") or not isinstance(entry, dict):
+            continue
+        zone = str(scope)[len("zones/") :]
+        warning = entry.get("warning") or {}
+        if warning.get("code") == "UNREACHABLE":
+            unreachable.add((project, zone))
+        for inst in entry.get("instances") or []:
+            st = _status(inst)
+            found[Target(project, zone, st.name)] = st
+    for scope in body.get("unreachables") or []:
+        if str(scope).startswith("zones/"):
+            unreachable.add((project, str(scope)[len("zones/") :]))
 
 
 class ProjectBudget:
@@ -253,6 +283,7 @@ class RoundReport:
     discovered: int = 0
     unreachable: frozenset[tuple[str, str]] = frozenset()
     pages: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # project -> why its list failed
 
 
 class FleetPoller:
@@ -332,8 +363,13 @@ class FleetPoller:
         select: Callable[[Target, InstanceStatus | None], bool] | None = None,
     ) -> RoundReport:
         """Discover, poll everything listed (and once more what vanished), emit outcomes until
-        ``deadline_s`` (a ``monotonic`` time). Raises what discovery raises (AuthError etc.)."""
+        ``deadline_s`` (a ``monotonic`` time). Raises AuthError from discovery; a project whose
+        list failed is in the report's ``failed``, its known VMs kept and polled."""
         found = discover(self.client, self.projects, self.filter)
+
+        def unlisted(t: Target) -> bool:  # the list said nothing about its zone or project
+            return (t.project, t.zone) in found.unreachable or t.project in found.failed
+
         if not self._seeded:  # a restarted poller: what it polled before is in its cursors
             self._seeded = True
             for project, zone, name in self.store.saved():
@@ -342,19 +378,19 @@ class FleetPoller:
                     self._unlisted.add(t)
         rep = RoundReport(discovered=len(found.instances), unreachable=found.unreachable)
         rep.pages = found.pages
+        rep.failed = dict(found.failed)
         rep.new = sorted(set(found.instances) - set(self.known))
         rep.gone = sorted(
-            t
-            for t in (set(self.known) | self._unlisted) - set(found.instances)
-            if (t.project, t.zone) not in found.unreachable
+            t for t in (set(self.known) | self._unlisted) - set(found.instances) if not unlisted(t)
         )
-        self._unlisted.clear()
+        # cursors of a project whose list failed wait for its next list to say whether they are gone
+        self._unlisted = {t for t in self._unlisted if t.project in found.failed}
         jobs: dict[Target, InstanceStatus | None] = dict(found.instances)
         for t in rep.gone:
             jobs[t] = None  # poll by name: GET says 404, the ledger finalizes it once
         for t in self.known:
-            if (t.project, t.zone) in found.unreachable and t not in jobs:
-                jobs[t] = self.known[t]  # keep it: the list said nothing about its zone
+            if unlisted(t) and t not in jobs:
+                jobs[t] = self.known[t]  # keep it: the list said nothing about it
         self.known = {t: st for t, st in jobs.items() if st is not None}
         futures: dict[cf.Future[PollOutcome | None], Target] = {}
         for t, st in sorted(jobs.items(), key=lambda kv: kv[0]):

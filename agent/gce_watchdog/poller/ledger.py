@@ -324,19 +324,6 @@ class BaseLedger:
         return self._exec(f"SELECT {_COLUMNS} FROM decisions {tail}", params)  # noqa: S608
 
 
-def open_ledger(
-    spec: str | Path, owner: str = "", announce_lease_s: float = ANNOUNCE_LEASE_S
-) -> BaseLedger:
-    """A ledger from ``--ledger``: a ``postgresql://`` URL (psycopg 3, the [postgres] extra) or a
-    SQLite file path."""
-    text = str(spec)
-    if text.startswith(("postgresql://", "postgres://")):
-        from gce_watchdog.poller.ledger_pg import PostgresLedger
-
-        return PostgresLedger(text, owner, announce_lease_s=announce_lease_s)
-    return Ledger(spec, owner, announce_lease_s=announce_lease_s)
-
-
 class Ledger(BaseLedger):
     """The SQLite ledger at ``path`` (created if missing). A context manager, or call close()."""
 

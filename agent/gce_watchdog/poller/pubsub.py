@@ -149,7 +149,7 @@ class PubSubWorker:
         # Bounded: a boot is decided once, and a worker's lifetime sees a bounded fleet.
         self._decided: set[tuple[str, str]] = set()
         # Instance ids with a boot whose stream lost a line: never decided here, polled by the
-        # Compute API sweep instead (pubsub_cli's select). Bounded by the fleet.
+        # Compute API sweep instead (app's _sweep selects it). Bounded by the fleet.
         self.gapped: set[str] = set()
         # Per instance id, messages received before its key was pinned (unacked meanwhile).
         self._waiting: dict[str, list[tuple[Any, SerialLine]]] = {}

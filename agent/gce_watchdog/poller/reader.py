@@ -1,10 +1,10 @@
 """Reading serial port 1 through the Compute API, incrementally and resumably.
 
-:class:`ComputeClient` wraps a google-auth ``AuthorizedSession`` (application default
-credentials unless credentials are injected) with explicit (connect, read) timeouts and an
-explicit retry policy for rate limits and transient errors. :class:`SerialReader` keeps one
+The reads go through the one Compute API client, :class:`gce_watchdog.lib.compute.ComputeClient`
+(timeouts, retries on rate limits and transient errors). :class:`SerialReader` keeps one
 :class:`Cursor` per instance (the API's ``next`` offset, the unterminated last line, the
-timeline) in a JSON file so a restarted poller resumes where it stopped.
+timeline) in a JSON file, through :class:`CursorStore`, so a restarted poller resumes where it
+stopped.
 
 Reader semantics (``docs/poller.md`` has the long form):
 
@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import random
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,13 +91,40 @@ class Cursor:
         )
 
 
-class CursorStore:
-    """One JSON file per instance in a directory (``None``: keep cursors in memory only)."""
+def untrusted(st: os.stat_result, euid: int) -> str | None:
+    """Why a cursor directory or file must not be trusted, or None: owned by another user (not
+    this one, not root), or writable by group or others. Someone else could have written a cursor
+    there: an offset past a ``shutdown`` line hides it, a planted timeline decides for it. The
+    same rule as the agent's state directory (``vm.state.untrusted_dir``), for any user."""
+    if st.st_uid not in (euid, 0):
+        return f"is owned by uid {st.st_uid}, not by this user ({euid}) or root"
+    if st.st_mode & 0o022:
+        who = " and ".join(
+            w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit
+        )
+        return f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
-    def __init__(self, directory: str | Path | None) -> None:
+
+class CursorStore:
+    """One JSON file per instance in a directory (``None``: keep cursors in memory only).
+
+    The directory is created private (0700) if missing; an untrusted one (:func:`untrusted`)
+    raises OSError. An untrusted cursor file is not read: it is listed in :attr:`untrusted` and
+    the instance is read again from the oldest bytes the API has (its file is then replaced by
+    one of ours, 0600)."""
+
+    def __init__(self, directory: str | Path | None, euid: int | None = None) -> None:
         self.directory = Path(directory) if directory else None
+        self._euid = os.geteuid() if euid is None else euid
         self._mem: dict[str, Cursor] = {}
         self.corrupt: list[str] = []  # names whose file could not be used (started fresh)
+        self.untrusted: list[tuple[str, str]] = []  # (name, why) of files not trusted (fresh)
+        if self.directory is not None:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            why = untrusted(os.stat(self.directory), self._euid)
+            if why:
+                raise PermissionError(f"{self.directory} {why}")
 
     def _path(self, project: str, zone: str, name: str) -> Path:
         assert self.directory is not None
@@ -109,7 +138,14 @@ class CursorStore:
         if self.directory is not None:
             p = self._path(project, zone, name)
             try:
-                cur = Cursor.from_json(json.loads(p.read_bytes()))
+                # O_NOFOLLOW: a link in place of a cursor is not followed (it is "unreadable")
+                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with open(fd, "rb") as f:
+                    why = untrusted(os.fstat(f.fileno()), self._euid)
+                    if why:
+                        self.untrusted.append((key, why))  # reported; read again from the start
+                    else:
+                        cur = Cursor.from_json(json.loads(f.read()))
             except FileNotFoundError:
                 pass
             except (OSError, ValueError, KeyError, TypeError):

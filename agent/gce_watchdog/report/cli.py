@@ -22,13 +22,16 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from gce_watchdog.lib.cli import size_arg
+from gce_watchdog.lib.cli import (
+    EX_CANTCREAT,
+    EX_NOINPUT,
+    EX_OK,
+    EX_UNAVAILABLE,
+    EX_USAGE,
+    size_arg,
+)
 from gce_watchdog.poller.cli import add_judging_args, judging_times
 
-EX_USAGE = 64  # sysexits.h: every command exits 64 on a usage error (lib/cli.py)
-EX_NOINPUT = 66
-EX_UNAVAILABLE = 69
-EX_CANTCREAT = 73
 _CHUNK = 1 << 16
 
 
@@ -147,7 +150,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             return fail(EX_CANTCREAT, err)
     if args.json:
         print(json.dumps(to_json(report), sort_keys=True))
-        return 0
+        return EX_OK
     from gce_watchdog.report.text import render as render_text
 
     width = max(80, _columns())
@@ -156,7 +159,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     for kind, path in (("plot", args.png), ("page", args.html)):
         if path:
             print(f"{kind} written to {path}")
-    return 0
+    return EX_OK
 
 
 def _columns() -> int:

@@ -1,0 +1,184 @@
+"""``gce-watchdog poll``'s settings: one frozen value, built and checked once.
+
+:func:`poll_settings` turns the parsed options (a mapping, e.g. ``vars(args)``: this module does
+not know argparse) into a :class:`PollSettings`, or raises :class:`InvalidSettings` listing every
+problem at once, the way ``vm/config.py`` checks a config file. Nothing downstream reads the
+command line again: :mod:`gce_watchdog.poller.app` builds everything from this value.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gce_watchdog.lib.compute import validate_target
+from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.poller.verdict import Policy
+
+
+class Mode(enum.Enum):
+    """What one ``poll`` runs: one loop per mode in :mod:`gce_watchdog.poller.app`."""
+
+    INSTANCES = "instances"  # --project --zone INSTANCE...
+    FLEET = "fleet"  # --label KEY[=VALUE] --project P...
+    PUBSUB = "pubsub"  # --pubsub projects/P/subscriptions/S [--label ... for the sweep]
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """How the Compute API is reached."""
+
+    base: str | None  # None: lib.compute.DEFAULT_API_BASE
+    token_file: str | None  # a bearer token's file; None: application default credentials
+    attempts: int  # attempts per call on rate limits and transient errors
+
+
+@dataclass(frozen=True)
+class PubSubSettings:
+    subscription: str  # projects/P/subscriptions/S
+    settle_s: float  # how long a gap in a boot's line numbers is waited for
+    sweep_s: float  # with --label: time between Compute API sweeps
+
+
+@dataclass(frozen=True)
+class PollSettings:
+    projects: tuple[str, ...]
+    zone: str | None
+    instances: tuple[str, ...]
+    label_filter: str | None  # the aggregatedList filter --label makes; None: no --label
+    pubsub: PubSubSettings | None
+    workers: int  # polls running at once
+    budget: float  # Compute API requests per minute per project
+    once: bool
+    interval_s: float  # time between rounds (with --once: what the budget is planned for)
+    max_polls: int  # rounds before stopping; 0: until SIGTERM
+    ledger: str | None  # a SQLite path or a postgresql:// URL; None: the default file
+    announce_lease_s: float
+    cursor_dir: str | None  # None: the default directory
+    json: bool
+    reap: bool
+    api: ApiSettings
+    policy: Policy
+
+    @property
+    def mode(self) -> Mode:
+        if self.pubsub is not None:
+            return Mode.PUBSUB
+        return Mode.FLEET if self.label_filter is not None else Mode.INSTANCES
+
+    @property
+    def wait_s(self) -> float:
+        """The wait between rounds: none with ``--once`` (one round, then exit)."""
+        return 0.0 if self.once else self.interval_s
+
+
+class InvalidSettings(ValueError):
+    """Every problem with the options, each a line for stderr."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = tuple(errors)
+
+
+def poll_settings(v: Mapping[str, Any]) -> PollSettings:
+    """The settings from ``poll``'s parsed options (their argparse ``dest`` names)."""
+    errs: list[str] = []
+    projects = tuple(v["project"])
+    instances = tuple(v["instances"])
+    zone: str | None = v["zone"]
+    pubsub: PubSubSettings | None = None
+    if v["pubsub"] is not None:
+        pubsub = _pubsub(v, errs)
+    label_filter: str | None = None
+    if v["label"] is not None:
+        from gce_watchdog.poller.fleet import label_filter as make_filter
+        from gce_watchdog.poller.fleet import parse_label
+
+        if instances or zone:
+            errs.append("--label polls every zone: give neither INSTANCE names nor --zone")
+        try:
+            label_filter = make_filter(*parse_label(v["label"]))
+        except ValueError as exc:
+            errs.append(f"--label: {exc}")
+        if not projects:  # (it would list nothing and poll nothing, every round)
+            errs.append("--label needs at least one --project: the projects it lists")
+        for project in projects:  # (any valid zone: only the project is checked here)
+            errs += validate_target(project, "us-central1-a", [])
+    elif v["pubsub"] is not None:
+        pass
+    elif len(projects) != 1 or not zone or not instances:
+        errs.append("give one --project, --zone and INSTANCE names, or --label")
+    else:
+        errs += validate_target(projects[0], zone, list(instances))
+    if v["workers"] < 1:
+        errs.append("--workers must be >= 1")
+    if not v["budget"] > 0:
+        errs.append("--budget must be > 0 requests per minute")
+    interval_s, policy = 0.0, None
+    try:
+        interval_s = parse_duration(v["interval"])
+        if interval_s <= 0:
+            errs.append("--interval must be > 0")
+        policy = Policy(drain_timeout_s=parse_duration(v["drain_timeout"]))
+    except ValueError as exc:
+        errs.append(str(exc))
+    lease_s = 0.0
+    try:
+        lease_s = parse_duration(v["announce_lease"])
+        if lease_s <= 0:
+            errs.append("--announce-lease must be > 0")
+    except ValueError as exc:
+        errs.append(f"--announce-lease: {exc}")
+    if v["ledger"] is not None:
+        from gce_watchdog.poller.ledgers import ledger_backend
+
+        try:
+            ledger_backend(v["ledger"])
+        except ValueError as exc:
+            errs.append(f"--ledger: {exc}")
+    if v["api_attempts"] < 1:
+        errs.append("--api-attempts must be >= 1")
+    if v["max_polls"] < 0:
+        errs.append("--max-polls must be >= 0")
+    if errs or policy is None:
+        raise InvalidSettings(errs)
+    return PollSettings(
+        projects=projects,
+        zone=zone,
+        instances=instances,
+        label_filter=label_filter,
+        pubsub=pubsub,
+        workers=v["workers"],
+        budget=v["budget"],
+        once=v["once"],
+        interval_s=interval_s,
+        max_polls=v["max_polls"],
+        ledger=v["ledger"],
+        announce_lease_s=lease_s,
+        cursor_dir=v["cursor_dir"],
+        json=v["json"],
+        reap=v["reap"],
+        api=ApiSettings(v["api_base"], v["access_token_file"], v["api_attempts"]),
+        policy=policy,
+    )
+
+
+def _pubsub(v: Mapping[str, Any], errs: list[str]) -> PubSubSettings | None:
+    from gce_watchdog.poller.pubsub import SUBSCRIPTION_RE
+
+    subscription: str = v["pubsub"]
+    if not SUBSCRIPTION_RE.match(subscription):
+        errs.append(f"--pubsub {subscription!r}: want projects/PROJECT/subscriptions/NAME")
+    if v["instances"] or v["zone"]:
+        errs.append("--pubsub takes no INSTANCE names nor --zone (--label for the sweep)")
+    try:
+        settle_s = parse_duration(v["settle"])
+        sweep_s = parse_duration(v["sweep_interval"])
+        if sweep_s <= 0:
+            errs.append("--sweep-interval must be > 0")
+    except ValueError as exc:
+        errs.append(str(exc))
+        return None
+    return PubSubSettings(subscription, settle_s, sweep_s)

@@ -1,0 +1,212 @@
+"""The ledger contract, run against both backends: SQLite (a file) and PostgreSQL (a real server
+started from Debian's packages, tests/kit/pgserver.py). Every test here must pass on both."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gce_watchdog.poller.ledgers import open_ledger
+
+RACERS = 8
+WAIT_S = 60  # every process/barrier wait is bounded
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Where a ledger lives: a SQLite path, or a fresh PostgreSQL database's URL."""
+    if request.param == "sqlite":
+        return str(tmp_path / "ledger.sqlite")
+    return str(request.getfixturevalue("pg_database"))
+
+
+def _race(spec: str, barrier: Any, results: Any, keys: list[tuple[str, str]]) -> None:
+    """One poller process: open its own ledger, wait for the others, claim every key."""
+    with open_ledger(spec, owner=f"racer-{mp.current_process().pid}") as led:
+        barrier.wait(timeout=WAIT_S)
+        for iid, boot in keys:
+            d = led.claim(iid, boot, "self_shutdown", "ladder 10/10", "vm")
+            results.put((iid, boot, d.won, d.token, d.owner))
+
+
+def _run_racers(spec: str, keys: list[tuple[str, str]]) -> list[tuple[str, str, bool, int, str]]:
+    ctx = mp.get_context("spawn")  # a fresh interpreter per racer, like separate pollers
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(spec, barrier, results, keys)) for _ in range(RACERS)]
+    try:
+        for p in procs:
+            p.start()
+        out = [results.get(timeout=WAIT_S) for _ in range(RACERS * len(keys))]
+        for p in procs:
+            p.join(timeout=WAIT_S)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return out
+
+
+def test_eight_processes_racing_one_key_one_winner(spec: str) -> None:
+    out = _run_racers(spec, [("4000000000000000001", "aaaa0001")])
+    winners = [r for r in out if r[2]]
+    assert len(winners) == 1
+    assert {r[3] for r in out} == {winners[0][3]}  # everyone sees the winner's token
+    assert {r[4] for r in out} == {winners[0][4]}  # and the winner's name
+    with open_ledger(spec) as led:
+        rows = led.all()
+    assert len(rows) == 1 and rows[0].token == 1
+
+
+def test_racing_many_keys_gives_unique_increasing_tokens(spec: str) -> None:
+    keys = [(f"id-{i}", f"{i:08x}") for i in range(12)]
+    out = _run_racers(spec, keys)
+    per_key: dict[tuple[str, str], list[tuple[bool, int]]] = {}
+    for iid, boot, won, token, _ in out:
+        per_key.setdefault((iid, boot), []).append((won, token))
+    assert len(per_key) == len(keys)
+    for claims in per_key.values():
+        assert sum(w for w, _ in claims) == 1
+        assert len({t for _, t in claims}) == 1
+    with open_ledger(spec) as led:
+        tokens = [d.token for d in led.all()]
+    assert tokens == list(range(1, len(keys) + 1))  # one token per decision, no holes
+
+
+def test_claim_is_durable_and_a_second_run_is_already_decided(spec: str) -> None:
+    with open_ledger(spec, owner="first") as led:
+        d1 = led.claim("id-1", "aaaa0001", "suspected_wedge", "silent 901s", "vm-1", now=100.0)
+        assert d1.won and d1.token == 1 and d1.decided_at == 100.0
+    with open_ledger(spec, owner="second") as led:
+        d2 = led.claim("id-1", "aaaa0001", "self_shutdown", "other reason", "vm-1", now=200.0)
+        assert not d2.won
+        assert (d2.token, d2.owner, d2.verdict, d2.decided_at) == (
+            1,
+            "first",
+            "suspected_wedge",
+            100.0,
+        )
+        assert d2.request_id == d1.request_id  # a retried reap uses the same requestId
+        # a new boot of the same instance is a new incarnation: its own decision
+        d3 = led.claim("id-1", "bbbb0002", "preempted", "spot", "vm-1", now=300.0)
+        assert d3.won and d3.token == 2 and d3.request_id != d1.request_id
+        led.mark_reaped("id-1", "aaaa0001", "operation-1", now=400.0)
+        got = led.get("id-1", "aaaa0001")
+        assert got is not None and got.reaped_at == 400.0 and got.reap_result == "operation-1"
+        assert led.get("id-9", "x") is None
+
+
+def test_tokens_only_increase_across_reopen_and_owners(spec: str) -> None:
+    seen = []
+    for i in range(5):
+        with open_ledger(spec, owner=f"p{i}") as led:
+            seen.append(led.claim(f"id-{i}", "b", "self_shutdown", "r").token)
+            seen.append(led.claim(f"id-{i}", "b", "self_shutdown", "r").token)  # same key again
+    assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+
+
+def test_the_ledger_decides_not_the_cursor(spec: str) -> None:
+    """Issue 15 item 4b: a poller with a fresh cursor knows no boot (``-``) or, the VM gone, no
+    id (``name:...``). Its claim returns the instance's existing decision, never a second one;
+    and once an instance was reaped, no boot of it gets a new decision."""
+    with open_ledger(spec, owner="a") as led:
+        first = led.claim("id-1", "aaaa0001", "self_shutdown", "ladder", "p/z/vm-1", now=1.0)
+        assert first.won
+        no_boot = led.claim("id-1", "-", "terminated_unexplained", "off", "p/z/vm-1", now=2.0)
+        assert not no_boot.won and no_boot.token == first.token
+        by_name = led.claim("name:vm-1", "-", "terminated_unexplained", "gone", "p/z/vm-1")
+        assert not by_name.won and by_name.token == first.token
+        led.mark_reaped("id-1", "aaaa0001", "operation-9")
+        late = led.claim("id-1", "cccc0003", "suspected_wedge", "silent", "p/z/vm-1")
+        assert not late.won and late.token == first.token and late.reaped_at is not None
+        # another instance (other id and name) is unaffected
+        other = led.claim("name:vm-2", "-", "terminated_unexplained", "gone", "p/z/vm-2")
+        assert other.won and other.token == first.token + 1
+        found = led.find_instance("", "p/z/vm-1")
+        assert found is not None and found.token == first.token
+    with open_ledger(spec) as again:
+        assert [d.token for d in again.all()] == [1, 2]
+
+
+def test_claimer_holds_the_announcement_and_a_lapsed_one_is_taken_once(spec: str) -> None:
+    with open_ledger(spec, owner="claimer", announce_lease_s=60) as a:
+        d = a.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1000.0)
+        assert d.won and d.announced_at is None
+        # the claimer dies here: nothing announced
+    with (
+        open_ledger(spec, owner="late-1", announce_lease_s=60) as b,
+        open_ledger(spec, owner="late-2", announce_lease_s=60) as c,
+    ):
+        assert [p.token for p in b.pending_announcements()] == [d.token]
+        assert not b.take_announcement("id-1", "b1", now=1059.0)  # the claimer's lease is live
+        assert b.take_announcement("id-1", "b1", now=1060.0)  # lapsed: b takes it
+        assert not c.take_announcement("id-1", "b1", now=1061.0)  # b's lease is live now
+        assert b.mark_announced("id-1", "b1", now=1061.0)
+        assert not c.mark_announced("id-1", "b1", now=1062.0)  # once
+        assert not c.take_announcement("id-1", "b1", now=9999.0)  # announced: never again
+        assert b.pending_announcements() == []
+        got = c.get("id-1", "b1")
+        assert got is not None and (got.announced_at, got.announced_by) == (1061.0, "late-1")
+
+
+def _take(spec: str, barrier: Any, results: Any) -> None:
+    with open_ledger(spec, owner=f"taker-{mp.current_process().pid}") as led:
+        barrier.wait(timeout=WAIT_S)
+        took = led.take_announcement("id-1", "b1", now=10_000.0)
+        results.put(took and led.mark_announced("id-1", "b1", now=10_000.0))
+
+
+def test_eight_processes_racing_for_a_lapsed_announcement_one_takes_it(spec: str) -> None:
+    with open_ledger(spec, owner="dead", announce_lease_s=1) as led:
+        led.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1.0)
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_take, args=(spec, barrier, results)) for _ in range(RACERS)]
+    try:
+        for p in procs:
+            p.start()
+        out = [results.get(timeout=WAIT_S) for _ in range(RACERS)]
+    finally:
+        for p in procs:
+            p.join(timeout=WAIT_S)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    assert sorted(out) == [False] * (RACERS - 1) + [True]
+
+
+def test_primary_key_is_the_second_line_of_defence(spec: str) -> None:
+    with open_ledger(spec) as led:
+        led.claim("id-1", "b", "self_shutdown", "r")
+        with pytest.raises(led.errors):
+            led._exec(
+                "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance,"
+                " owner, decided_at) VALUES ('id-1', 'b', 99, 'x', 'y', '', 'z', 0)"
+            )
+
+
+def test_postgres_claim_behind_a_stuck_lock_fails_cleanly_and_the_ledger_stays_usable(
+    pg_database: str,
+) -> None:
+    """A session that holds the claim lock forever (a stuck peer) makes a claim fail after the
+    lock timeout with the driver's error, not hang; no transaction is left open, so the next
+    claim works once the lock is gone."""
+    import psycopg
+    from gce_watchdog.poller.ledger_pg import PostgresLedger
+
+    with PostgresLedger(pg_database, owner="me", lock_timeout_ms=300) as led:
+        stuck = psycopg.connect(pg_database)
+        try:
+            stuck.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
+            with pytest.raises(led.errors, match="lock timeout"):
+                led.claim("id-1", "b", "self_shutdown", "r")
+        finally:
+            stuck.rollback()
+            stuck.close()
+        d = led.claim("id-1", "b", "self_shutdown", "r")
+        assert d.won and d.token == 1

@@ -1,0 +1,252 @@
+"""The daemon end to end with a fake clock and fake edges, and as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from gce_watchdog.daemon.ladder import LadderState
+from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.testing.simgce import SimGCE
+from gce_watchdog.testing.synth import SYNTH_KEY
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire.protocol import decode_all
+from kit.agent import agent_config
+from kit.events import read_events
+from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
+from kit.paths import REPO
+from kit.wait import wait_for
+
+
+def make(
+    tmp_path: Path,
+    script: list,
+    boot: str = "b1",
+    clock: FakeClock | None = None,
+    latency: float = 0.0,
+    notifier: FakeNotifier | None = None,
+    **agent_kw: object,
+):
+    clock = clock or FakeClock()
+    sink = MemorySink()
+    shutdowns: list[tuple[str, int, int]] = []  # decisions (a resumed chain is not one)
+    resumed: list[str] = []
+
+    def on_shutdown(*a: object, resume_at: str | None = None, **k: object) -> None:
+        if resume_at is None:
+            shutdowns.append(a)  # type: ignore[arg-type]
+        else:
+            resumed.append(resume_at)
+
+    cfg = cfgmod.replace(
+        cfgmod.Config(),
+        agent={"interval": 30.0, "probe_timeout": 5.0, "heartbeat_every": 3, **agent_kw},
+    )
+    deps = Deps(
+        emitter=Emitter(
+            sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY
+        ),
+        prober=ScriptedProber(script, clock, latency),
+        clock=clock,
+        notifier=notifier or FakeNotifier(),
+        store=LadderStore(tmp_path / "ladder.json", boot),
+        on_shutdown=on_shutdown,
+    )
+    return Agent(cfg, deps), sink, shutdowns, clock
+
+
+def events(sink: MemorySink) -> list:
+    evs, stats = decode_all("\n".join(sink.lines).encode() + b"\n", SYNTH_KEY)
+    assert stats.rejected == 0 and stats.forged == 0
+    return [e for e in evs if e.event != "key"]
+
+
+def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
+    script = [result("ok", "ok")] * 3 + [result("fail", "fail")] * 15
+    agent, sink, shutdowns, _ = make(tmp_path, script)
+    agent.run(threading.Event(), max_ticks=18)
+    assert shutdowns == [("ladder", 10, 10)]
+    evs = events(sink)
+    texts = [e.text for e in evs if e.event == "tick"]
+    assert texts[:10] == [f"BOTH reachability probes FAILED ({i}/10)" for i in range(1, 11)]
+    assert evs[0].event == "start" and evs[-1].event == "stop"
+    assert evs[0].get("bootid") == "b1" and evs[0].get("cfg") and evs[0].get("v")
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))  # contiguous after the key
+
+
+def test_nine_tick_outage_recovers_without_shutdown(tmp_path: Path) -> None:
+    script = [result("fail", "fail")] * 9 + [result("fail", "ok")] + [result("ok", "ok")] * 5
+    agent, sink, shutdowns, _ = make(tmp_path, script)
+    agent.run(threading.Event(), max_ticks=15)
+    assert shutdowns == []
+    rec = [e for e in events(sink) if e.event == "recovered"]
+    assert len(rec) == 1 and rec[0].get("from") == "9"
+
+
+def test_heartbeat_every_k_healthy_ticks_and_no_tick_noise(tmp_path: Path) -> None:
+    agent, sink, _, _ = make(tmp_path, [result("ok", "ok")])
+    agent.run(threading.Event(), max_ticks=9)
+    names = [e.event for e in events(sink)]
+    assert names == ["start", "heartbeat", "heartbeat", "heartbeat", "stop"]
+
+
+def test_schedule_is_a_fixed_grid_and_a_slow_tick_is_followed_at_once(tmp_path: Path) -> None:
+    notifier = FakeNotifier()
+    agent, _, _, clock = make(tmp_path, [result("ok", "ok")], latency=2.0, notifier=notifier)
+    t0 = clock.monotonic()
+    agent.run(threading.Event(), max_ticks=4)
+    # each tick took 2 s; ticks start at t0, t0+30, t0+60, t0+90 (no drift)
+    assert clock.monotonic() - t0 == pytest.approx(92.0)
+    assert notifier.messages[0][0] == "READY=1"
+    assert sum(1 for m in notifier.messages if m[0] == "WATCHDOG=1") == 4
+    slow, _, _, _ = make(tmp_path / "s", [result("ok", "ok")], latency=45.0)
+    (tmp_path / "s").mkdir(exist_ok=True)
+    t1 = slow.d.clock.monotonic()
+    slow.run(threading.Event(), max_ticks=3)
+    # each 45 s tick overran its 30 s slot: the next one started at once (no slot skipped)
+    assert slow.overruns == 2
+    assert slow.d.clock.monotonic() - t1 == pytest.approx(135.0)
+
+
+def test_watchdog_pinged_between_long_ticks(tmp_path: Path) -> None:
+    notifier = FakeNotifier(watchdog_interval=20.0)  # WatchdogSec=20s < interval 30 s
+    agent, _, _, _ = make(tmp_path, [result("ok", "ok")], notifier=notifier)
+    agent.run(threading.Event(), max_ticks=3)
+    pings = sum(1 for m in notifier.messages if m[0] == "WATCHDOG=1")
+    assert pings >= 3 + 2 * 2  # one per tick plus at least two in each 30 s wait
+
+
+def test_restart_continues_the_ladder_within_a_boot(tmp_path: Path) -> None:
+    fail = [result("fail", "fail")]
+    a1, _, s1, _ = make(tmp_path, fail)
+    a1.run(threading.Event(), max_ticks=5)
+    assert s1 == [] and a1.state.rung == 5
+    a2, sink2, s2, _ = make(tmp_path, fail)  # same boot: continues at 5
+    a2.run(threading.Event(), max_ticks=6)
+    assert s2 == [("ladder", 10, 10)]
+    assert events(sink2)[0].get("rung") == "5/10"
+    a3, _, s3, _ = make(tmp_path, fail, boot="b2")  # new boot: starts at 0
+    a3.run(threading.Event(), max_ticks=5)
+    assert s3 == [] and a3.state.rung == 5
+
+
+def test_corrupt_state_file_starts_at_zero(tmp_path: Path) -> None:
+    (tmp_path / "ladder.json").write_text("{not json")
+    assert LadderStore(tmp_path / "ladder.json", "b1").load(10).rung == 0
+    # JSON that parses but whose rung int() refuses (Infinity, NaN): also 0, never an exception
+    for rung in ("Infinity", "NaN", '"3.5"'):
+        (tmp_path / "ladder.json").write_text(f'{{"boot_id": "b1", "rung": {rung}}}')
+        assert LadderStore(tmp_path / "ladder.json", "b1").load(10).rung == 0
+
+
+def test_boot_grace_reports_but_does_not_climb(tmp_path: Path) -> None:
+    agent, sink, shutdowns, _ = make(tmp_path, [result("fail", "fail")], boot_grace=300.0)
+    agent.d.uptime = lambda: 10.0
+    agent.run(threading.Event(), max_ticks=12)
+    assert shutdowns == [] and agent.state.rung == 0
+    assert any("boot grace" in e.text for e in events(sink))
+
+
+# -- a real process ----------------------------------------------------------------------------
+
+
+def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
+    with SimGCE() as sim:
+        cfg = agent_config(tmp_path, sim)
+        serial = tmp_path / "ttyS0"
+        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
+        p = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        try:
+            assert wait_for(lambda: any(e.event == "heartbeat" for e in read_events(serial)))
+            second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
+            assert second.returncode == 75 and "refusing to run a second ladder" in second.stderr
+            sim.outage(True)
+            assert wait_for(lambda: any(e.event == "dry_run_shutdown" for e in read_events(serial)))
+            sim.outage(False)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(15) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+            if p.stderr:
+                p.stderr.close()
+    evs = read_events(serial)
+    names = [e.event for e in evs]
+    # a dry run's decision: its own event, once per outage (the repeats carry rep=)
+    assert names.count("dry_run_shutdown") == 1 and names[-1] == "stop"
+    assert evs[-1].get("reason") == "sigterm"
+    climbs = [e.get("rung") for e in evs if e.event == "tick" and "FAILED (" in e.text]
+    assert climbs[:3] == ["1/3", "2/3", "3/3"]
+    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))  # after the key line
+    hb = next(e for e in evs if e.event == "heartbeat")
+    assert hb.get("ph") == "unknown" and hb.get("rung") == "0/3"
+    assert os.path.exists(tmp_path / "state" / "ladder.json")
+
+
+def test_long_phase_and_exception_names_never_crash_the_tick(tmp_path: Path) -> None:
+    # The phase comes from a file anyone with root may write; a probe's reason can carry an
+    # exception class name. Together they can exceed the 200-byte line: the tick must still
+    # be written (values shortened), never raise out of the loop.
+    (tmp_path / "phase").write_text("p" * 80 + "\n")
+    reason = "internal_" + "VeryLongExceptionName" * 3
+    agent, sink, _, _ = make(tmp_path, [result("unknown", "unknown", reason)] * 3)
+    agent.d.phase = lambda: (tmp_path / "phase").read_text().strip()
+    agent.run(threading.Event(), max_ticks=3)
+    evs = events(sink)
+    assert [e.event for e in evs] == ["start", "tick", "tick", "tick", "stop"]
+    assert all(len(x) <= 200 for x in sink.lines)
+    assert evs[1].get("rung") == "0/10"
+
+
+def test_a_failed_state_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    (tmp_path / "ladder.json").mkdir()  # os.replace onto a directory fails
+    assert LadderStore(tmp_path / "ladder.json", "b1").save(LadderState(rung=3)) is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder.json"]
+
+
+def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
+    """Neither the serial device nor the fallback can be opened: the agent keeps ticking (and
+    deciding) with its lines in the journal only, instead of crash-looping."""
+    with SimGCE() as sim:
+        cfg = agent_config(tmp_path, sim)
+        text = cfg.read_text().replace(
+            f'device = "{tmp_path}/ttyS0"',
+            'device = "/proc/no-such-dir/ttyS0"\nfallback_file = "/proc/no-such-dir/serial.log"',
+        )
+        cfg.write_text(text)
+        r = subprocess.run(
+            [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg), "--max-ticks", "3"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 0, r.stderr
+    assert "serial_unavailable" in r.stderr
+    assert "event='heartbeat'" in r.stderr and "event='stop'" in r.stderr
+
+
+def test_a_dry_run_decision_latches_nothing_and_recovery_is_reported(tmp_path: Path) -> None:
+    """Issue 15: a dry run used to latch at 10/10 for the rest of the boot."""
+    fail, ok = result("fail", "fail"), result("ok", "ok")
+    script = [fail] * 12 + [ok] * 3 + [fail] * 12
+    agent, sink, shutdowns, _ = make(tmp_path, script, action="dry-run")
+    agent.run(threading.Event(), max_ticks=len(script))
+    assert shutdowns == [("ladder", 10, 10), ("ladder", 10, 10)]  # rehearsed once per outage
+    assert not agent.state.fired
+    evs = events(sink)
+    names = [e.event for e in evs]
+    assert "recovered" in names and names.count("would_shutdown") == 0
+    rec = next(e for e in evs if e.event == "recovered")
+    assert rec.get("from") == "10"
+    stored = json.loads((tmp_path / "ladder.json").read_text())
+    assert stored.get("fired") is not True

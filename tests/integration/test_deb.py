@@ -1,0 +1,159 @@
+"""``make deb``'s package, built by packaging/build-deb.sh (issue 17 item 6): its name and
+contents, the maintainer scripts, lintian (no errors), and two builds giving the same bytes.
+Installing it on a fresh Debian 12 tree and removing it: tests/e2e/test_deb_chroot.py; in the VM:
+the wedge scenario."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from kit.paths import REPO
+
+BUILD = REPO / "packaging" / "build-deb.sh"
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _usable() -> str | None:
+    if shutil.which("dpkg-deb") is None:
+        return "dpkg-deb missing"
+    p = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if p.stdout.strip() != "(3, 11)":
+        return "the package is built from Debian 12's /usr/bin/python3 (3.11)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def debs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    why = _usable()
+    if why:
+        pytest.skip(why)
+    out = []
+    for name in ("a", "b"):
+        d = tmp_path_factory.mktemp(f"deb-{name}")
+        p = subprocess.run(
+            ["bash", str(BUILD), str(d)], capture_output=True, text=True, timeout=600
+        )
+        assert p.returncode == 0, p.stderr
+        out.append(d / f"gce-watchdog_{VERSION}_amd64.deb")
+    return out[0], out[1]
+
+
+def deb_field(deb: Path, field: str) -> str:
+    return subprocess.run(["dpkg-deb", "-f", str(deb), field], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def contents(deb: Path) -> dict[str, str]:
+    lines = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True,
+                           check=True).stdout.splitlines()  # fmt: skip
+    out = {}
+    for line in lines:
+        parts = line.split(None, 5)
+        path = parts[5].split(" -> ")[0].removeprefix("./")
+        out[path] = parts[0]
+    return out
+
+
+def test_name_and_control(debs: tuple[Path, Path]) -> None:
+    deb = debs[0]
+    assert deb.name == f"gce-watchdog_{VERSION}_amd64.deb" and deb.is_file()
+    assert deb_field(deb, "Package") == "gce-watchdog"
+    assert deb_field(deb, "Version") == VERSION
+    assert deb_field(deb, "Architecture") == "amd64"
+    assert "python3 (>= 3.11)" in deb_field(deb, "Depends")
+
+
+def test_contents_venv_unit_config(debs: tuple[Path, Path]) -> None:
+    files = contents(debs[0])
+    for path in (
+        "opt/gce-watchdog/bin/gce-watchdog",
+        "opt/gce-watchdog/pyvenv.cfg",
+        "lib/systemd/system/gce-watchdog.service",
+        "etc/gce-watchdog/config.toml",
+        "usr/bin/gce-watchdog",
+        "usr/share/doc/gce-watchdog/copyright",
+        "usr/share/doc/gce-watchdog/changelog.gz",
+        "usr/share/gce-watchdog/startup-script.sh",
+    ):
+        assert path in files, path
+    site = "opt/gce-watchdog/lib/python3.11/site-packages/"
+    for dep in ("gce_watchdog/", "dns/", "psutil/", "tenacity/", "structlog/", "google/auth/"):
+        assert site + dep in files, dep
+    assert not [p for p in files if "__pycache__" in p or p.endswith(".pyc")]
+    assert not [p for p in files if p.endswith("direct_url.json")]
+
+
+def test_control_files(debs: tuple[Path, Path], tmp_path: Path) -> None:
+    subprocess.run(["dpkg-deb", "-e", str(debs[0]), str(tmp_path / "c")], check=True)
+    c = tmp_path / "c"
+    assert (c / "conffiles").read_text().split() == ["/etc/gce-watchdog/config.toml"]
+    post = (c / "postinst").read_text()
+    # Enabled always (an image bake), started only where systemd runs.
+    assert "deb-systemd-helper enable" in post and "[ -d /run/systemd/system ]" in post
+    start = post.index("[ -d /run/systemd/system ]")
+    assert post.index("deb-systemd-helper enable") < start < post.index("deb-systemd-invoke start")
+    if shutil.which("shellcheck"):
+        p = subprocess.run(["shellcheck", "--shell=sh", str(c / "postinst"), str(c / "prerm"),
+                            str(c / "postrm")], capture_output=True, text=True)  # fmt: skip
+        assert p.returncode == 0, p.stdout
+
+
+def test_venv_names_no_build_path_and_runs_here(debs: tuple[Path, Path], tmp_path: Path) -> None:
+    x = tmp_path / "x"
+    subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(x)], check=True)
+    bin_ = x / "opt/gce-watchdog/bin"
+    assert (bin_ / "gce-watchdog").read_text().startswith("#!/opt/gce-watchdog/bin/python\n")
+    assert "/tmp" not in (x / "opt/gce-watchdog/pyvenv.cfg").read_text()
+    # The packaged code itself imports and runs on this (Debian 12) python3.
+    site = next((x / "opt/gce-watchdog/lib").glob("python3.11/site-packages"))
+    p = subprocess.run(["/usr/bin/python3", "-I", "-c",
+                        f"import sys; sys.path.insert(0, {str(site)!r}); "
+                        "from gce_watchdog.cli import main; main(['--version'])"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0 and p.stdout.startswith("gce-watchdog "), p.stderr
+
+
+def test_lintian_reports_no_errors(debs: tuple[Path, Path]) -> None:
+    if shutil.which("lintian") is None:
+        pytest.skip("lintian missing (make apt-test installs it)")
+    p = subprocess.run(["lintian", "--fail-on", "error", str(debs[0])], capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert not [ln for ln in p.stdout.splitlines() if ln.startswith("E:")]
+
+
+def test_two_builds_are_the_same_bytes(debs: tuple[Path, Path]) -> None:
+    a, b = (hashlib.sha256(d.read_bytes()).hexdigest() for d in debs)
+    assert a == b, "build-deb.sh is not reproducible"
+
+
+def test_license_matches_pyproject() -> None:
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "Apache-2.0"
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text) > 10_000, "the full text"
+
+
+def test_lock_pins_every_runtime_dependency_by_hash() -> None:
+    import re
+
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    lock = (REPO / "packaging" / "requirements.lock").read_text().splitlines()
+    pins = {}
+    for line in lock:
+        if line and not line.startswith("#"):
+            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+) --hash=sha256:([0-9a-f]{64})", line)
+            assert m, f"not a hash-pinned line: {line}"
+            pins[m[1].lower().replace("_", "-")] = m[2]
+    for dep in meta["dependencies"]:
+        name = re.split(r"[\[<>=!~; ]", dep, maxsplit=1)[0].lower().replace("_", "-")
+        assert name in pins, f"{name} ({dep}) is not in requirements.lock: run packaging/lock.sh"

@@ -1,0 +1,391 @@
+"""Issue 15: verdicts that no local process can fool.
+
+Every attack measured against protocol v1 is here, replayed against v2: forged lines (also
+written by an unprivileged uid), seqs claimed in advance, lines replayed from an earlier boot,
+invented boot ids and keys, a wild seq, CR-only endings, hostile lines of markers. Each must
+leave the verdict of the real agent run unchanged, and every forgery must be counted.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from gce_watchdog.poller.timeline import Timeline, parse_bytes
+from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
+from gce_watchdog.testing.synth import SYNTH_KEY, Writer
+from gce_watchdog.wire import protocol
+from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, Rejected
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kit.paths import REPO
+
+RUN = InstanceState("RUNNING")
+OFF = InstanceState("TERMINATED")
+POL = Policy()
+
+
+def forge(ev: Event, key: bytes | None = None) -> bytes:
+    """What a local process without the instance's key can write: a well-formed v2 line with
+    a correct CRC and a MAC under a key of its own."""
+    return protocol.encode(ev, key or secrets.token_bytes(32)).encode() + b"\n"
+
+
+def forge_v1(ev: Event) -> bytes:
+    """A protocol v1 line (CRC only): what anyone could write before v2."""
+    body = protocol._body(ev).replace(protocol.MARKER, protocol.LEGACY_MARKER, 1)
+    return f"{body} #{zlib.crc32(body.encode()):08x}\n".encode()
+
+
+def real_run_with_shutdown() -> tuple[list[bytes], Writer]:
+    """A real agent run: start, workload, a ladder, the shutdown decision, the chain."""
+    w = Writer(boot="aaaa0001")
+    lines = [
+        w.line("start", {"v": "0.2.0", "inst": "4000000000000000001", "pid": 812}),
+        w.line("phase", {"ph": "workload"}),
+        *(w.line("tick", {"rung": f"{r}/10", "md": "fail", "eg": "fail"}) for r in range(1, 11)),
+        w.line("shutdown", {"reason": "ladder", "rung": "10/10", "action": "poweroff"}),
+        w.line("action", {"step": "poweroff", "status": "start"}),
+    ]
+    return lines, w
+
+
+def judge(data: bytes, status: InstanceState = OFF, now: float = 1e9) -> tuple[Timeline, object]:
+    tl = parse_bytes(data, rx=now)
+    return tl, tl.judge(status, now, POL)
+
+
+# -- the wire: what a line without the key is ------------------------------------------------
+
+
+def test_a_line_signed_with_another_key_is_forged_never_an_event() -> None:
+    ev = protocol.make_event("exit", "aaaa0001", 5, 0, {"rc": 0})
+    res = protocol.decode_line(forge(ev), SYNTH_KEY)
+    assert isinstance(res, Forged) and res.reason == Forgery.BAD_MAC and res.event == ev
+    assert isinstance(protocol.decode_line(forge(ev), None), Forged)  # no key: cannot verify
+    assert protocol.decode_line(forge(ev, SYNTH_KEY), SYNTH_KEY) == ev
+    v1 = protocol.decode_line(forge_v1(ev), SYNTH_KEY)
+    assert isinstance(v1, Forged) and v1.reason == Forgery.LEGACY
+    # damage is still damage, not forgery
+    assert isinstance(protocol.decode_line(forge(ev)[:60], SYNTH_KEY), Rejected)
+
+
+def test_the_key_is_pinned_once_and_a_second_key_is_a_conflict() -> None:
+    w = Writer(boot="aaaa0001")
+    data = w.line("start", {"v": "1"}) + w.line("heartbeat", {"rung": "0/10", "ph": "workload"})
+    d = protocol.StreamDecoder()
+    evs = d.feed(data)
+    assert d.key == SYNTH_KEY and [e.event for e in evs] == ["key", "start", "heartbeat"]
+    assert evs[0].fields == (("kid", protocol.fingerprint(SYNTH_KEY)),)  # never the key itself
+    other = secrets.token_bytes(32)
+    d.feed(protocol.key_line("aaaa0001", 0, 0, other).encode() + b"\n")
+    assert d.key == SYNTH_KEY and d.key_conflict
+    assert d.stats.forged_reasons == {Forgery.KEY_CONFLICT: 1}
+
+
+def test_key_announcement_must_verify_under_the_key_it_announces() -> None:
+    line = protocol.key_line("aaaa0001", 0, 0, SYNTH_KEY)
+    body, _, trailer = line.rpartition(" #")
+    bad = f"{body} #{trailer[:8]}{'0' * 16}"  # right CRC, wrong MAC
+    assert isinstance(protocol.decode_line(bad), Forged)
+    assert isinstance(protocol.decode_line(line), KeyAnnounce)
+
+
+def test_whole_line_dedup_reports_conflicts_and_a_wild_seq_spoils_nothing() -> None:
+    w = Writer(boot="aaaa0001")
+    a = w.line("start", {"v": "1"})
+    d = protocol.StreamDecoder()
+    assert len(d.feed(a + a)) == 2 and d.stats.duplicates == 2  # key + start, then copies
+    other = protocol.make_event("heartbeat", "aaaa0001", 1, 0, {"rung": "0/10"})
+    got = d.feed(forge(other, SYNTH_KEY))  # same (boot, seq) as `start`, other content
+    assert got == [other] and d.stats.conflicts == 1
+    wild = protocol.make_event("tick", "aaaa0001", 10**9, 0, {"rung": "1/10"})
+    d.feed(forge(wild, SYNTH_KEY))
+    later = [w.line("tick", {"rung": f"{r}/10"}) for r in range(2, 6)]
+    assert [e.seq for e in d.feed(b"".join(later))] == [2, 3, 4, 5]  # none taken for a copy
+    assert d.stats.duplicates == 2
+
+
+def test_cr_only_endings_are_split() -> None:
+    w = Writer(boot="aaaa0001", step_ms=1000)
+    lines = [w.line("tick", {"rung": f"{i % 10}/10"}).rstrip(b"\n") for i in range(50)]
+    data = b"progress 10%\r" + b"\r".join(lines) + b"\r"
+    tl = parse_bytes(data)
+    assert len([e for e in tl.events if e.event == "tick"]) == 50 and tl.rejected == 0
+
+
+def test_hostile_lines_decode_in_linear_time() -> None:
+    # A 1 MiB line of markers took over a minute with v1's decoder (quadratic). The cap on
+    # markers per line and the 200-byte window after each keep it linear: far under a second.
+    hostile = b"GCEWD2 " * ((1 << 20) // 7)
+    t0 = time.process_time()
+    res = protocol.decode_line(hostile, SYNTH_KEY)
+    one = time.process_time() - t0
+    assert isinstance(res, Rejected) and res.reason == protocol.Reject.MARKERS
+    t0 = time.process_time()
+    line = (b"GCEWD2 " + b"x #0123456789abcdef01234567 " * 7) * 5_000 + b"\n"  # ~1 MiB
+    _, stats = protocol.decode_all(line)
+    assert stats.rejected == 1
+    assert one < 1.0 and time.process_time() - t0 < 1.0
+
+
+def test_exec_neutralizes_markers_in_what_it_passes_through() -> None:
+    ev = protocol.make_event("exit", "aaaa0001", 5, 0, {"rc": 0})
+    assert protocol.decode_line(protocol.neutralize(forge(ev, SYNTH_KEY)), SYNTH_KEY) is None
+
+
+# -- verdicts: each attack of the issue against a real run ----------------------------------
+
+
+def test_forged_exit_rc0_after_a_real_shutdown_still_fails_over() -> None:
+    lines, w = real_run_with_shutdown()
+    fake = protocol.make_event("exit", w.boot, w.seq, w.ts_ms, {"rc": 0, "sig": "-"})
+    fake_setup = protocol.make_event("setup_failed", w.boot, 3, w.ts_ms, {"step": "x"})
+    tl, v = judge(b"".join(lines[:1]) + forge(fake_setup) + b"".join(lines[1:]) + forge(fake))
+    assert v.kind is VerdictKind.SELF_SHUTDOWN and v.failover  # type: ignore[attr-defined]
+    assert tl.forged == 2 and tl.forged_reasons == {Forgery.BAD_MAC: 2}
+
+
+def test_forged_shutdown_on_a_healthy_vm_is_no_failover() -> None:
+    w = Writer(boot="aaaa0001")
+    data = w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"})
+    fake = protocol.make_event("shutdown", w.boot, w.seq, w.ts_ms, {"reason": "ladder"})
+    tl, v = judge(data + forge(fake) + forge_v1(fake), RUN)
+    assert v.kind is VerdictKind.HEALTHY and not v.failover  # type: ignore[attr-defined]
+    assert tl.forged == 2
+
+
+def test_a_forged_heartbeat_from_the_future_does_not_hide_a_silent_vm() -> None:
+    w = Writer(boot="aaaa0001")
+    tl = Timeline()
+    tl.feed(w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}), 1000.0)
+    future = protocol.make_event(
+        "heartbeat", w.boot, w.seq, w.ts_ms + 10**9, {"rung": "0/10", "ph": "workload"}
+    )
+    tl.feed(forge(future), 1500.0)
+    v = tl.judge(RUN, 1000.0 + 901, POL)
+    assert v.kind is VerdictKind.SUSPECTED_WEDGE and tl.forged == 1
+
+
+def test_seqs_claimed_in_advance_do_not_hide_the_real_lines() -> None:
+    lines, w = real_run_with_shutdown()
+    claims = b"".join(
+        forge(protocol.make_event("heartbeat", w.boot, s, w.ts_ms, {"rung": "0/10"}))
+        for s in range(2, 62)
+    )
+    tl, v = judge(lines[0] + claims + b"".join(lines[1:]))
+    assert v.kind is VerdictKind.SELF_SHUTDOWN  # type: ignore[attr-defined]
+    assert tl.forged == 60 and tl.duplicates == 0
+    assert [e.event for e in tl.events].count("tick") == 10
+
+
+def test_a_line_replayed_from_an_earlier_boot_does_not_switch_the_boot() -> None:
+    old = Writer(boot="aaaa0001")
+    old_lines = [old.line("phase", {"ph": "workload"}), old.line("exit", {"rc": 0, "sig": "-"})]
+    new = Writer(boot="bbbb0002", ts_ms=old.ts_ms + 600_000)
+    new_lines = [
+        new.line("phase", {"ph": "workload"}),
+        new.line("shutdown", {"reason": "ladder", "rung": "10/10"}),
+    ]
+    base = b"".join(old_lines + new_lines)
+    _, want = judge(base)
+    assert want.kind is VerdictKind.SELF_SHUTDOWN  # type: ignore[attr-defined]
+    replayed = old_lines[1]  # the earlier boot's authentic `exit rc=0`, copied from a journal
+    tl, v = judge(base + replayed)
+    assert v == want and tl.latest_boot == "bbbb0002"
+    # ...also when the reader never saw the earlier boot's lines before the replay
+    tl, v = judge(b"".join(new_lines) + old_lines[0] + replayed)
+    assert v == want and tl.latest_boot == "bbbb0002"
+
+
+def test_invented_boot_ids_create_no_boot_and_a_second_key_is_an_alarm() -> None:
+    lines, _ = real_run_with_shutdown()
+    data = b"".join(lines)
+    inventions = b""
+    for boot in ("cccc0003", "dddd0004"):
+        fake = protocol.make_event("phase", boot, 1, 2 * 10**12, {"ph": "workload"})
+        inventions += forge(fake)
+    tl, v = judge(data + inventions, RUN)
+    assert list(tl.boots) == ["aaaa0001"] and tl.forged == 2
+    assert v.kind is VerdictKind.SELF_SHUTDOWN and v.boot == "aaaa0001"  # type: ignore[attr-defined]
+    # An invented boot with a key of its own: announced, but not the pinned key.
+    evil = secrets.token_bytes(32)
+    own = protocol.key_line("eeee0005", 0, 2 * 10**12, evil).encode() + b"\n"
+    own += forge(protocol.make_event("exit", "eeee0005", 1, 2 * 10**12, {"rc": 0}), evil)
+    tl, v = judge(data + own, RUN)
+    assert tl.key_conflict and list(tl.boots) == ["aaaa0001"]
+    # an alarm, but the pinned key still decides: one printed line cannot silence the poller
+    assert "ALARM" in v.reason  # type: ignore[attr-defined]
+    assert v.kind is VerdictKind.SELF_SHUTDOWN  # type: ignore[attr-defined]
+
+
+def test_the_pin_survives_a_poller_restart() -> None:
+    lines, w = real_run_with_shutdown()
+    tl = Timeline()
+    tl.feed(b"".join(lines[:3]), 10.0)
+    again = Timeline.from_json(tl.to_json())
+    assert again.key == SYNTH_KEY
+    fake = protocol.make_event("exit", w.boot, 50, w.ts_ms, {"rc": 0})
+    again.feed(forge(fake) + b"".join(lines[3:]), 20.0)
+    assert again.judge(OFF, 30.0, POL).kind is VerdictKind.SELF_SHUTDOWN
+    assert again.forged == 1
+
+
+# -- the property --------------------------------------------------------------------------
+
+_real_lines, _ = real_run_with_shutdown()
+_REAL = _real_lines
+_BOOTS = ["aaaa0001", "bbbb0002", "cccc0003"]
+_NAMES = ["exit", "setup_failed", "shutdown", "phase", "heartbeat", "start", "preempted", "key"]
+
+
+@st.composite
+def unauthenticated(draw: st.DrawFn) -> bytes:
+    name = draw(st.sampled_from(_NAMES))
+    boot = draw(st.sampled_from(_BOOTS))
+    seq = draw(st.integers(0, 10**9))
+    ts = draw(st.integers(0, 4 * 10**12))
+    if name == "key":
+        return protocol.key_line(boot, seq, ts, draw(st.binary(min_size=32, max_size=32))).encode()
+    fields = {"rc": draw(st.sampled_from(["0", "1", "-"])), "ph": "done", "reason": "ladder"}
+    ev = protocol.make_event(name, boot, seq, ts, fields)
+    kind = draw(st.sampled_from(["mac", "v1", "raw"]))
+    if kind == "mac":
+        return forge(ev, draw(st.binary(min_size=32, max_size=32)))
+    if kind == "v1":
+        return forge_v1(ev)
+    return protocol._body(ev).encode() + b" #" + draw(st.binary(max_size=30)) + b"\n"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, len(_REAL)), unauthenticated()), max_size=12),
+    st.sampled_from([RUN, OFF, InstanceState(None)]),
+    st.floats(0, 5000),
+)
+def test_no_unauthenticated_lines_anywhere_change_the_verdict(
+    inserts: list[tuple[int, bytes]], status: InstanceState, dt: float
+) -> None:
+    rx = 1_000_000.0
+    want = parse_bytes(b"".join(_REAL), rx=rx).judge(status, rx + dt, POL)
+    lines = list(_REAL)
+    for at, junk in sorted(inserts, key=lambda t: -t[0]):
+        lines.insert(at, junk if junk.endswith(b"\n") else junk + b"\n")
+    tl = parse_bytes(b"".join(lines), rx=rx)
+    got = tl.judge(status, rx + dt, POL)
+    if any(at == 0 and b" key k=" in junk for at, junk in inserts):
+        # A key announced before the instance's very first line: the threat model rules this
+        # out (the first line of the first boot is written by root before any workload runs,
+        # docs/serial-protocol.md), and if it happens anyway it cannot pass unnoticed: the
+        # real key is then the second one, an alarm on every verdict.
+        assert tl.key_conflict and got.reason.startswith("ALARM")
+        return
+    if tl.key_conflict:  # a second key was announced: the same verdict, with an alarm
+        assert got.reason.startswith("ALARM")
+        got = replace(got, reason=want.reason)
+    assert replace(got, evidence=()) == replace(want, evidence=())
+
+
+# -- an unprivileged process on the VM -----------------------------------------------------
+
+# The unprivileged side runs the system interpreter: the dev venv may live under /root (0700).
+PY = "/usr/bin/python3"
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(PY, os.X_OK),
+    reason="needs root, setpriv and /usr/bin/python3",
+)
+
+
+def _as_nobody(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        check=False,
+    )
+
+
+FORGER = r"""
+import os, sys, secrets, zlib
+sys.path.insert(0, sys.argv[3])
+from gce_watchdog.wire import protocol
+console, boot_id_path = sys.argv[1], sys.argv[2]
+try:
+    open(sys.argv[4], "rb").read()
+    print("READ THE KEY")
+except PermissionError:
+    print("key: permission denied")
+boot = open(boot_id_path).read().strip().replace("-", "")[:8]
+out = b""
+for seq in range(3, 40):  # claim what comes next, and decide
+    for name, f in (("exit", {"rc": 0, "sig": "-"}), ("heartbeat", {"rung": "0/10"})):
+        ev = protocol.make_event(name, boot, seq, 4 * 10**12, f)
+        out += protocol.encode(ev, secrets.token_bytes(32)).encode() + b"\n"
+out += protocol.key_line(boot, 0, 0, secrets.token_bytes(32)).encode() + b"\n"
+with open(console, "ab") as c:
+    c.write(out)
+print("wrote", len(out))
+"""
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory the unprivileged uid can reach (pytest's tmp_path is under a 0700 dir)."""
+    d = Path(tempfile.mkdtemp(prefix="gcewd-forge-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_root
+def test_forged_lines_written_by_nobody_change_nothing(open_dir: Path) -> None:
+    tmp_path = open_dir
+    state, run = tmp_path / "state", tmp_path / "run"
+    boot_id = tmp_path / "boot_id"
+    boot_id.write_text("5f1e2d3c-0000-4000-8000-000000000001\n")
+    cfg = tmp_path / "config.toml"
+    console = tmp_path / "console.log"
+    console.touch()
+    console.chmod(0o666)  # like the runner's pipe: the workload's output reaches the console
+    cfg.write_text(
+        f'[agent]\nstate_dir = "{state}"\nrun_dir = "{run}"\nboot_id_path = "{boot_id}"\n'
+        f'[serial]\ndevice = "{console}"\nfallback_file = "{tmp_path}/fallback.log"\n'
+    )
+    gw = [sys.executable, "-m", "gce_watchdog"]
+    env_ok = subprocess.run([*gw, "phase", "workload", "--config", str(cfg)], cwd=REPO, check=False)
+    assert env_ok.returncode == 0
+    key = state / "key"
+    assert key.stat().st_mode & 0o777 == 0o600
+    agent_src = str(REPO / "agent")
+    # the workload, as nobody: forge what it can, then try our own CLI
+    f = _as_nobody([PY, "-c", FORGER, str(console), str(boot_id), agent_src, str(key)], tmp_path)
+    assert f.returncode == 0, f.stderr
+    assert "key: permission denied" in f.stdout and "wrote" in f.stdout
+    own = _as_nobody(
+        [PY, "-c", f"import sys; sys.path.insert(0, {agent_src!r}); "
+         "from gce_watchdog.vm.state import load_or_create_key as k; "
+         f"k({str(state)!r}, {str(run)!r})"], tmp_path)  # fmt: skip
+    assert own.returncode != 0 and "KeyUnavailable" in own.stderr, own.stderr
+    # root's real lines after the forgeries
+    for argv in (["setup-failed", "--step", "train", "--reason", "broken"],):
+        assert subprocess.run([*gw, *argv, "--config", str(cfg)], cwd=REPO).returncode == 0
+    tl = parse_bytes(console.read_bytes(), rx=100.0)
+    v = tl.judge(RUN, 100.0, POL)
+    assert v.kind is VerdictKind.SETUP_FAILED, v.reason
+    assert tl.forged == 75 and tl.key_conflict  # 74 forged lines and one forged key
+    assert v.reason.startswith("ALARM")
+    assert [e.event for e in tl.events] == ["key", "phase", "setup_failed"]

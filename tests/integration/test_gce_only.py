@@ -1,0 +1,196 @@
+"""The agent acts only on GCE (issue 16, item 5).
+
+The DMI product name (a configurable path, so each case is a file the test writes) must say
+"Google Compute Engine"; elsewhere `run` watches and reports but never acts and says why at start,
+`check` says so and says plainly when no metadata server answered, and `install` warns. Real agent
+processes against the simulated GCE; the action commands are a recorder script, so a chain that
+ran would leave a trace.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gce_watchdog.bootstrap.install import InstallOptions, install
+from gce_watchdog.testing.simgce import SimGCE
+from gce_watchdog.vm.platform import GCE_PRODUCT, Platform, arming, detect
+from gce_watchdog.wire import protocol
+from kit.agent import agent_in
+from kit.paths import REPO
+
+QEMU = "Standard PC (Q35 + ICH9, 2009)"
+
+
+def dmi(tmp: Path, product: str | None) -> Path:
+    p = tmp / "product_name"
+    if product is not None:
+        p.write_text(product + "\n")
+    return p
+
+
+def test_detect_reads_the_product_name(tmp_path: Path) -> None:
+    assert detect(str(dmi(tmp_path, GCE_PRODUCT))) == Platform(
+        True, GCE_PRODUCT, "DMI product name is 'Google Compute Engine'"
+    )
+    other = detect(str(dmi(tmp_path, QEMU)))
+    assert not other.gce and other.product == QEMU and QEMU in other.why
+    missing = detect(str(tmp_path / "absent"))
+    assert not missing.gce and "cannot read the DMI product name" in missing.why
+
+
+def test_arming_matrix() -> None:
+    gce, other = Platform(True, GCE_PRODUCT, ""), Platform(False, QEMU, "x")
+    assert arming(gce, False) == (True, "")
+    assert arming(other, True) == (True, "")
+    ok, why = arming(other, False)
+    assert not ok and "watching and reporting only, never acting" in why
+
+
+def _config(tmp: Path, sim: SimGCE, product: str | None, **agent: object) -> Path:
+    assert sim.tcp is not None
+    (tmp / "ttyS0").touch()
+    rec = tmp / "recorder"
+    rec.write_text(f'#!/bin/sh\necho "$@" >> "{tmp}/actions.log"\nexit 1\n')
+    rec.chmod(0o755)
+    extra = "".join(
+        f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in agent.items()
+    )
+    p = tmp / "config.toml"
+    p.write_text(f"""
+[agent]
+interval = 0.3
+probe_timeout = 0.2
+threshold = 2
+state_dir = "{tmp}/state"
+run_dir = "{tmp}/run"
+action = "poweroff"
+dmi_product_path = "{dmi(tmp, product)}"
+{extra}
+[metadata]
+url = "{sim.metadata.url}"
+[egress]
+targets = ["127.0.0.1:{sim.tcp.port}"]
+dns_timeout = 0.1
+[actions]
+linger = 0
+poweroff_cmd = ["{rec}", "poweroff"]
+force_cmd = ["{rec}", "force"]
+kernel = []
+[serial]
+device = "{tmp}/ttyS0"
+[watch]
+enabled = false
+[memory]
+enabled = false
+""")
+    return p
+
+
+def _run(tmp: Path, product: str | None, **agent: object) -> list[protocol.Event]:
+    with SimGCE() as sim:
+        cfg = _config(tmp, sim, product, **agent)
+        sim.outage(True)
+        r = subprocess.run(
+            [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg), "--max-ticks", "4"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert r.returncode == 0, r.stderr
+    evs = protocol.decode_all((tmp / "ttyS0").read_bytes())[0]
+    return [e for e in evs if e.event != protocol.KEY_EVENT]
+
+
+@pytest.mark.parametrize("product", [QEMU, None], ids=["other-product", "no-dmi"])
+def test_off_gce_the_agent_watches_and_reports_but_never_acts(
+    tmp_path: Path, product: str | None
+) -> None:
+    evs = _run(tmp_path, product)
+    names = [e.event for e in evs]
+    assert names[:2] == ["start", "warn"]
+    assert evs[1].get("what") == "gce" and "not a GCE VM" in evs[1].text
+    would = [e for e in evs if e.event == "would_shutdown"]
+    assert len(would) == 1 and would[0].get("why") == "not-gce"
+    assert "shutdown" not in names and "action" not in names
+    assert not (tmp_path / "actions.log").exists()  # nothing was run
+
+
+def test_on_gce_the_same_outage_runs_the_chain(tmp_path: Path) -> None:
+    evs = _run(tmp_path, GCE_PRODUCT)
+    names = [e.event for e in evs]
+    assert "warn" not in names and "would_shutdown" not in names
+    assert names.count("shutdown") == 1
+    assert (tmp_path / "actions.log").read_text().split() == ["poweroff", "force"]
+
+
+def test_off_gce_the_config_can_allow_acting(tmp_path: Path) -> None:
+    evs = _run(tmp_path, QEMU, allow_non_gce=True)
+    assert [e.event for e in evs].count("shutdown") == 1
+    assert (tmp_path / "actions.log").exists()
+
+
+def _check(tmp: Path, product: str | None, outage: bool) -> subprocess.CompletedProcess[str]:
+    with SimGCE() as sim:
+        cfg = _config(tmp, sim, product)
+        sim.outage(outage)
+        return subprocess.run(
+            [sys.executable, "-m", "gce_watchdog", "check", "--config", str(cfg)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+
+def test_check_says_not_gce_and_no_metadata_server(tmp_path: Path) -> None:
+    r = _check(tmp_path, QEMU, outage=True)
+    assert r.returncode == 2
+    assert f"platform: not a GCE VM (DMI product name is '{QEMU}'" in r.stdout
+    assert "never acting" in r.stdout
+    assert "metadata: no metadata server answered at" in r.stdout
+
+
+def test_check_on_gce_with_a_healthy_metadata_server_says_neither(tmp_path: Path) -> None:
+    r = _check(tmp_path, GCE_PRODUCT, outage=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "platform: GCE (DMI product name is 'Google Compute Engine'): the agent acts" in r.stdout
+    assert "no metadata server" not in r.stdout
+
+
+def _install(tmp: Path, plat: Platform | None, config: str = "") -> list[str]:
+    root = tmp / "root"
+    agent_in(root, "/opt/gce-watchdog/bin/gce-watchdog")  # an agent baked into the image tree
+    if config:
+        (root / "etc/gce-watchdog").mkdir(parents=True)
+        (root / "etc/gce-watchdog/config.toml").write_text(config)
+    lines: list[str] = []
+    opts = InstallOptions(root=root, exec_path="/opt/gce-watchdog/bin/gce-watchdog", live=False,
+                          platform=plat)  # fmt: skip
+
+    def runner(argv: object, timeout: float) -> object:
+        from gce_watchdog.lib.proc import RunResult
+
+        return RunResult(1, "no systemctl here")
+
+    assert install(opts, runner=runner, out=lines.append) == 0  # type: ignore[arg-type]
+    return lines
+
+
+def test_install_off_gce_warns_that_it_installs_disarmed(tmp_path: Path) -> None:
+    lines = _install(tmp_path, Platform(False, QEMU, f"DMI product name is {QEMU!r}"))
+    warn = [ln for ln in lines if ln.startswith("warning: not a GCE VM")]
+    assert len(warn) == 1 and "installed disarmed" in warn[0] and "never acts" in warn[0]
+
+
+def test_install_on_gce_does_not_warn(tmp_path: Path) -> None:
+    lines = _install(tmp_path, Platform(True, GCE_PRODUCT, "x"))
+    assert not [ln for ln in lines if ln.startswith("warning")]
+
+
+def test_install_off_gce_with_allow_says_it_will_act(tmp_path: Path) -> None:
+    lines = _install(tmp_path, Platform(False, QEMU, "x"), config="[agent]\nallow_non_gce = true\n")
+    assert any("it WILL act" in ln for ln in lines)

@@ -1,0 +1,200 @@
+"""Protocol v2: round trip, damage, authentication, the real serial corpus as background noise."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import random
+import zlib
+from pathlib import Path
+
+import pytest
+from gce_watchdog.testing.synth import SYNTH_KEY as K
+from gce_watchdog.wire import protocol
+from gce_watchdog.wire.protocol import (
+    Event,
+    ProtocolError,
+    Rejected,
+    decode_all,
+    decode_line,
+    encode,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kit.paths import CORPUS
+
+keys = st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True)
+values = st.from_regex(r"[A-Za-z0-9._:/@,+%~()<>\[\]-]{1,20}", fullmatch=True)
+texts = st.one_of(
+    st.just(""),
+    st.from_regex(r"[A-Za-z0-9][\x20-\x22\x24-\x7e]{0,30}[A-Za-z0-9)]", fullmatch=True),
+)
+events = st.builds(
+    Event,
+    event=st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True),
+    boot=st.from_regex(r"[0-9a-f]{8}", fullmatch=True),
+    seq=st.integers(0, 10**9),
+    ts_ms=st.integers(0, 4_102_444_800_000),  # up to 2100-01-01
+    fields=st.lists(st.tuples(keys, values), max_size=4, unique_by=lambda kv: kv[0]).map(tuple),
+    text=texts,
+)
+
+
+def ev(**kw: object) -> Event:
+    base = dict(
+        event="tick",
+        boot="3f2a9c1e",
+        seq=42,
+        ts_ms=1_796_000_000_123,
+        fields=(("rung", "3/10"), ("md", "fail/timeout/5001")),
+        text="BOTH reachability probes FAILED (3/10)",
+    )
+    base.update(kw)
+    return Event(**base)  # type: ignore[arg-type]
+
+
+@settings(max_examples=500, deadline=None)
+@given(events)
+def test_round_trip(e: Event) -> None:
+    try:
+        line = encode(e, K)
+    except ProtocolError:
+        return  # too long for 200 bytes: refused loudly, which is the contract
+    assert len(line) <= protocol.MAX_LINE and line.isascii()
+    assert decode_line(line, K) == e
+    assert decode_line(line.encode() + b"\r\n\x00", K) == e
+
+
+def test_example_line_is_readable_and_checksummed() -> None:
+    line = encode(ev(), K)
+    assert line.startswith("GCEWD2 3f2a9c1e 42 2026-")
+    assert "| BOTH reachability probes FAILED (3/10) #" in line
+    body, trailer = line.rsplit(" #", 1)
+    assert trailer[:8] == f"{zlib.crc32(body.encode()):08x}"
+    assert trailer[8:] == hmac.new(K, body.encode(), hashlib.sha256).hexdigest()[:16]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ev(event="Tick"),
+        ev(boot="XYZ"),
+        ev(fields=(("k", "has space"),)),
+        ev(fields=(("k", "a"), ("k", "b"))),
+        ev(text="hash # inside"),
+        ev(seq=-1),
+        ev(fields=tuple((f"k{i}", "v" * 30) for i in range(8))),
+    ],
+)
+def test_encode_refuses_bad_events(bad: Event) -> None:
+    with pytest.raises(ProtocolError):
+        encode(bad, K)
+
+
+def test_make_event_sanitizes_and_shortens_or_drops_text_when_too_long() -> None:
+    e = protocol.make_event("tick", "3f2a9c1e", 1, 0, {"reason": "Errno 111 refused\n"}, "x" * 150)
+    assert e.get("reason") == "Errno_111_refused_" and e.text.endswith("...")
+    assert decode_line(encode(e, K), K) == e
+    long_fields = {f"f{i}": "v" * 20 for i in range(4)}
+    e2 = protocol.make_event("tick", "3f2a9c1e", 1, 0, long_fields, "some text " * 8)
+    assert e2.text.endswith("...") and "some text some" in e2.text
+    assert len(encode(e2, K)) <= protocol.MAX_LINE and decode_line(encode(e2, K), K) == e2
+    long_fields = {f"f{i}": "v" * 24 for i in range(5)}
+    e3 = protocol.make_event("tick", "3f2a9c1e", 1, 0, long_fields, "some text " * 8)
+    assert e3.text == "" and decode_line(encode(e3, K), K) == e3  # under MIN_TEXT: dropped
+
+
+def test_damage_is_rejected_never_misread() -> None:
+    line = encode(ev(), K).encode()
+    spliced = line[:30] + b"[   12.345678] eth0: link down" + line[30:]
+    assert isinstance(decode_line(spliced, K), Rejected)
+    for cut in range(len(line) - 1):
+        assert isinstance(decode_line(line[:cut] or b"GCEWD2", K), Rejected | type(None))
+    flipped = bytearray(line)
+    flipped[40] ^= 0x01
+    assert isinstance(decode_line(bytes(flipped), K), Rejected)
+    # ANSI colour, CR, NUL around an intact line: found
+    assert decode_line(b"\x1b[0;32m\x00" + line + b"\r", K) == ev()
+    # a kernel message glued after our checksum (before our newline): the line still counts
+    assert decode_line(line + b"[ 3.1] audit: type=1400", K) == ev()
+    assert decode_line(b"plain console output", K) is None
+
+
+def test_stream_decoder_joins_splits_and_dedupes() -> None:
+    a = encode(ev(seq=1), K).encode() + b"\r\n"
+    b = encode(ev(seq=2), K).encode() + b"\n"
+    journal_copy = b"Nov 17 04:03:47 vm gce-watchdog[5]: " + a
+    data = b"boot noise\n" + a + journal_copy + b + b"GCEWD2 3f2a9c1e 3 trunc"
+    for cut in range(0, len(data), 7):
+        d = protocol.StreamDecoder(K)
+        got = d.feed(data[:cut]) + d.feed(data[cut:]) + d.flush()
+        assert [e.seq for e in got] == [1, 2]
+        assert d.stats.duplicates == 1 and d.stats.rejected == 1
+
+
+def test_garbage_never_raises_never_yields_false_events() -> None:
+    rnd = random.Random(1234)
+    good = encode(ev(), K).encode()
+    for _ in range(20_000):
+        n = rnd.randrange(0, 260)
+        blob = bytes(rnd.randrange(256) for _ in range(n))
+        if rnd.random() < 0.5:  # mutate a good line instead of pure noise
+            b = bytearray(good)
+            for _ in range(rnd.randrange(1, 4)):
+                b[rnd.randrange(len(b))] = rnd.randrange(256)
+            blob = bytes(b)
+        res = decode_line(blob, K)
+        if isinstance(res, Event):
+            assert encode(res, K).encode() in blob  # only an intact encoded line is accepted
+
+
+def _corpus_files() -> list[Path]:
+    assert CORPUS.is_dir(), f"serial corpus not found at {CORPUS}"
+    files = sorted(CORPUS.glob("*.log"))
+    assert files
+    return files
+
+
+def test_corpus_holds_nothing_of_ours_and_our_lines_are_found_in_it() -> None:
+    for f in _corpus_files():
+        data = f.read_bytes()
+        events, stats = decode_all(data)
+        assert events == [] and stats.rejected == 0 and stats.forged == 0, f.name
+        # interleave our lines into the real noise, including mid-line after a printk
+        lines = data.split(b"\n")
+        ours = [encode(ev(seq=i), K) for i in range(25)]
+        out = []
+        step = max(1, len(lines) // 25)
+        for i, ln in enumerate(lines):
+            out.append(ln)
+            if i % step == 0 and i // step < 25:
+                out.append(ours[i // step].encode() + b"\r")
+        got, stats = decode_all(b"\n".join(out), K)
+        assert [e.seq for e in got] == list(range(min(25, len(range(0, len(lines), step)))))
+        assert stats.rejected == 0
+
+
+def test_dedup_memory_is_bounded_over_a_long_run() -> None:
+    d = protocol.StreamDecoder(K)
+    n = 3 * protocol.StreamDecoder.DEDUP_WINDOW
+    data = b"".join(encode(ev(seq=i, text=""), K).encode() + b"\n" for i in range(n))
+    assert len(d.feed(data)) == n
+    assert len(d._seen) <= protocol.StreamDecoder.DEDUP_WINDOW
+    recent_copy = encode(ev(seq=n - 3, text=""), K).encode() + b"\n"
+    assert d.feed(recent_copy) == [] and d.stats.duplicates == 1
+    # A copy older than the window (by arrival) is reported again: shown twice, never lost.
+    late_copy = encode(ev(seq=5, text=""), K).encode() + b"\n"
+    assert [e.seq for e in d.feed(late_copy)] == [5]
+
+
+def test_make_event_shortens_the_longest_values_when_the_fields_alone_do_not_fit() -> None:
+    fields = {"rung": "3/10", "md": "m" * 64, "eg": "e" * 64, "ph": "p" * 64}
+    e = protocol.make_event("tick", "3f2a9c1e", 10**9, 0, fields, "text")
+    line = encode(e, K)
+    assert len(line) == protocol.MAX_LINE and e.text == ""
+    assert e.get("rung") == "3/10"  # the short, structured value is kept whole
+    assert decode_line(line, K) == e
+    with pytest.raises(ProtocolError):  # a bad key is a bug: still loud
+        protocol.make_event("tick", "3f2a9c1e", 1, 0, {"Bad": "v" * 64, "md": "m" * 200})
+    with pytest.raises(ProtocolError):  # far too many fields even at one byte each
+        protocol.make_event("tick", "3f2a9c1e", 1, 0, {f"key{i}": "v" for i in range(40)})

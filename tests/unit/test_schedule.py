@@ -1,0 +1,161 @@
+"""Detection stays at the policy limit whatever the timeout (issue 16, item 6).
+
+An overrun tick is followed by the next one at once, never by a silently skipped slot; a gap of
+more than two intervals between tick starts (the process stopped, a tick hung) is a `stall` line
+and is exported as metrics. A fake clock that only moves when the code waits or a probe takes
+time; a property over intervals, thresholds and per-tick durations.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from gce_watchdog.daemon.metrics import MetricsExporter
+from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.daemon.tick import TickResult
+from gce_watchdog.testing.synth import SYNTH_KEY
+from gce_watchdog.vm import config as cfgmod
+from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire import protocol
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kit.fakes import FakeClock, FakeNotifier, result
+from kit.prom import parse_prom
+
+
+class TimedProber:
+    """Every tick fails both probes; tick i takes ``durations[i]`` (the last repeats)."""
+
+    def __init__(self, clock: FakeClock, durations: list[float]) -> None:
+        self.clock = clock
+        self.durations = durations
+        self.starts: list[float] = []
+
+    def __call__(self) -> TickResult:
+        i = len(self.starts)
+        self.starts.append(self.clock.monotonic())
+        self.clock.advance(self.durations[min(i, len(self.durations) - 1)])
+        return result("fail", "fail")
+
+
+def make(
+    tmp: Path, interval: float, threshold: int, durations: list[float], prom: Path | None = None
+) -> tuple[Agent, TimedProber, MemorySink, list[float]]:
+    timeout = min(max(durations), interval * 0.99)
+    agent_kw: dict[str, object] = {
+        "interval": interval,
+        "probe_timeout": timeout,
+        "threshold": threshold,
+        "heartbeat_every": 1,
+    }
+    cfg = cfgmod.replace(
+        cfgmod.Config(),
+        agent=agent_kw,
+        metrics={"directory": str(prom or tmp / "none")},
+    )
+    clock = FakeClock()
+    sink = MemorySink()
+    decided: list[float] = []
+    prober = TimedProber(clock, durations)
+    exporter = MetricsExporter.from_config(cfg, dropped=lambda: 0, clock=clock.wall)
+    deps = Deps(
+        emitter=Emitter(sink, SeqAllocator(tmp, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY),
+        prober=prober,
+        clock=clock,
+        notifier=FakeNotifier(),
+        store=LadderStore(tmp / "ladder.json", "b1"),
+        on_shutdown=lambda *a, **k: (
+            decided.append(clock.monotonic()) if not k.get("resume_at") else None
+        ),
+        tick_hooks=[exporter],
+    )
+    return Agent(cfg, deps), prober, sink, decided
+
+
+def events(sink: MemorySink) -> list[protocol.Event]:
+    return protocol.decode_all("\n".join(sink.lines).encode() + b"\n")[0]
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.9, 0.99])
+def test_detection_within_threshold_intervals_plus_a_timeout(tmp_path: Path, ratio: float) -> None:
+    """The measured case: ticks that take the whole probe timeout plus a little work (20 ms at a
+    1 s interval: at 0.99 every tick overruns). The shutdown comes at most one interval plus one
+    timeout after the threshold-th failing tick would be due."""
+    interval, thr = 1.0, 10
+    dur = ratio * interval + 0.02
+    agent, prober, sink, decided = make(tmp_path, interval, thr, [dur])
+    agent.run(threading.Event(), max_ticks=thr)
+    first = prober.starts[0]
+    assert decided, "no decision"
+    latency = decided[0] - first
+    assert latency <= (thr - 1) * interval + interval + ratio * interval + 1e-9, latency
+    assert not [e for e in events(sink) if e.event == "stall"]  # an overrun is not a stall
+    if dur > interval:
+        assert agent.overruns == thr - 1
+        # back to back: each tick starts when the previous one ended, no slot skipped
+        gaps = [b - a for a, b in zip(prober.starts, prober.starts[1:], strict=False)]
+        assert all(g == pytest.approx(dur) for g in gaps), gaps
+
+
+def test_a_stall_is_written_and_exported(tmp_path: Path) -> None:
+    prom = tmp_path / "prom"
+    prom.mkdir()
+    # tick 3 hangs 30 s (SIGSTOP, a wedged disk): 30 one-second slots pass
+    agent, _, sink, _ = make(tmp_path, 1.0, 100, [0.1, 0.1, 30.0, 0.1, 0.1], prom)
+    agent.run(threading.Event(), max_ticks=5)
+    stalls = [e for e in events(sink) if e.event == "stall"]
+    assert len(stalls) == 1
+    assert stalls[0].get("gap") == "30000ms" and stalls[0].get("skipped") == "29"
+    assert stalls[0].text == "30.0s between two ticks (interval 1s): 29 skipped"
+    series = parse_prom((prom / "gce_watchdog.prom").read_text())[0]
+    assert series[("gce_watchdog_stalls_total", frozenset())] == 1
+    assert series[("gce_watchdog_ticks_skipped_total", frozenset())] == 29
+    assert series[("gce_watchdog_tick_overruns_total", frozenset())] == 1
+
+
+def test_a_stall_in_the_wait_is_written_too(tmp_path: Path) -> None:
+    agent, prober, sink, _ = make(tmp_path, 1.0, 100, [0.1])
+    clock = agent.d.clock
+    assert isinstance(clock, FakeClock)
+    jumped = [False]
+    real_wait = clock.wait
+
+    def wait(seconds: float, stop: threading.Event) -> bool:
+        if not jumped[0] and len(prober.starts) == 2:
+            jumped[0] = True
+            clock.advance(5.0)  # stopped for 5 s while waiting for the next slot
+        return real_wait(seconds, stop)
+
+    clock.wait = wait  # type: ignore[method-assign]
+    agent.run(threading.Event(), max_ticks=4)
+    (stall,) = [e for e in events(sink) if e.event == "stall"]
+    assert int((stall.get("gap") or "0ms")[:-2]) >= 5000
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    interval=st.floats(0.1, 3600.0),
+    thr=st.integers(1, 30),
+    ratios=st.lists(st.floats(0.0, 1.9), min_size=1, max_size=40),
+)
+def test_no_slot_is_ever_skipped_by_an_overrun(
+    tmp_path_factory: pytest.TempPathFactory, interval: float, thr: int, ratios: list[float]
+) -> None:
+    """Property: the next tick starts at max(its slot, the end of the previous tick): exactly
+    one interval after a quick tick (the grid), at once after a slow one (never a slot later)."""
+    durations = [r * interval for r in ratios]
+    tmp = tmp_path_factory.mktemp("sched")
+    agent, prober, sink, _ = make(tmp, interval, thr, durations)
+    n = len(durations) + 1
+    agent.run(threading.Event(), max_ticks=n)
+    starts = prober.starts
+    assert len(starts) == n
+    slot = starts[0]
+    for i in range(1, n):
+        end = starts[i - 1] + durations[min(i - 1, len(durations) - 1)]
+        slot = slot + interval if end < slot + interval else end
+        assert starts[i] == pytest.approx(slot, rel=1e-9, abs=1e-6), (i, starts, durations)
+    assert not [e for e in events(sink) if e.event == "stall"]  # ticks under 2 intervals
