@@ -53,7 +53,7 @@ SERIAL_EVERY=60   # at most one `fetch out=retry` line per minute per download
 AGENT="$PREFIX/bin/gce-watchdog"
 STEP=init
 CFG_ARGS=()
-CONFIG_CHANGED=0  # the metadata drop-in was written or removed: a running agent must restart
+RESTART_AGENT=0  # the metadata drop-in changed under an agent already running: restart it
 
 log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 
@@ -573,7 +573,7 @@ apply_md_config() {
 	if [[ -z $MD_CONFIG ]]; then
 		if [[ -e $MD_DROPIN || -L $MD_DROPIN ]]; then
 			rm -f "$MD_DROPIN"
-			CONFIG_CHANGED=1
+			note_restart
 			step_done config ok "$t0" "no gce-watchdog-config attribute: removed $(basename "$MD_DROPIN")"
 		fi
 		return 0
@@ -612,14 +612,23 @@ apply_md_config() {
 		return 0
 	fi
 	mv -f -T "$new" "$MD_DROPIN" || { rm -f "$new"; fail config "cannot write $MD_DROPIN" 73; }
-	CONFIG_CHANGED=1
+	note_restart
 	step_done config ok "$t0" "gce-watchdog-config checked and written to $(basename "$MD_DROPIN")"
 }
 
-# restart_if_changed: a running agent started before the drop-in changed (the .deb's postinst,
-# or the boot itself) restarts to read it.
+# note_restart: the drop-in changed; an agent that is already running (the .deb's postinst
+# started it, or this is a later boot) read the old one and restarts in the unit step. One that
+# is not running yet reads the new one when the unit step starts it.
+note_restart() {
+	if [[ -d $SYSTEMD_RUN_DIR ]] && command -v systemctl >/dev/null &&
+		systemctl is-active --quiet gce-watchdog.service 9>&-; then
+		RESTART_AGENT=1
+	fi
+}
+
+# restart_if_changed: an agent that was running when the drop-in changed restarts to read it.
 restart_if_changed() {
-	((CONFIG_CHANGED)) || return 0
+	((RESTART_AGENT)) || return 0
 	systemctl try-restart gce-watchdog.service >&2 9>&- ||
 		fail unit "systemctl try-restart gce-watchdog.service failed (to read the new config)" $?
 }
