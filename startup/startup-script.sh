@@ -594,9 +594,11 @@ apply_md_config() {
 	if ((rc != 0)); then
 		log "the gce-watchdog-config attribute is refused by gce-watchdog config check (rc=$rc):"
 		printf '%s\n' "$out" >&2
-		first=$(printf '%s\n' "$out" | sed -n 's/^  - //p' | head -n1)
+		# The serial line has room for ~30 bytes of text: the first error, key path first (the
+		# step says it is the attribute; every error is on stderr above).
+		first=$(printf '%s\n' "$out" | sed -n 's/^  - \(gce-watchdog-config: \)\{0,1\}//p' | head -n1)
 		[[ -n $first ]] || first=$(printf '%s\n' "$out" | head -n1)
-		fail config "gce-watchdog-config: ${first:-config check failed}" "$rc"
+		fail config "${first:-gce-watchdog-config: config check failed}" "$rc"
 	fi
 	mkdir -p "$dir" || fail config "cannot create $dir" 73
 	# mktemp: a new file (O_EXCL, never through a planted link), mode 0600; a dot name, which

@@ -352,9 +352,12 @@ def test_a_bad_config_attribute_is_setup_failed_job_with_the_error(e2e: vm.Harne
         "78",
         "job",
     )
-    assert failed[0].text.startswith("gce-watchdog-config: agent.threshold"), failed[0].text
+    # the serial line's text (room for ~30 bytes) starts with the key; the whole error is on
+    # the console through the start-up script's stderr, with the attribute named
+    assert failed[0].text.startswith("agent.threshold"), failed[0].text
     serial = res.serial()
     assert b"gce-watchdog-config: agent.threshold: must be between 1 and 10000" in serial
+    assert b"refused by gce-watchdog config check (rc=78)" in serial
     assert not named(events, "start"), "no agent ran, with the bad value or the defaults"
     assert not named(events, "exit")
     check_no_lost_lines(res, events)

@@ -804,7 +804,9 @@ def test_a_bad_config_attribute_is_setup_failed_job_and_the_agent_never_sees_it(
     assert p.returncode == 78, p.stderr
     (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
     assert (sf.get("step"), sf.get("rc"), sf.get("cause")) == ("config", "78", "job")
-    assert sf.text.startswith("gce-watchdog-config: ")
+    # the first error, key path first (the line has room for ~30 bytes of text)
+    assert sf.text.startswith(want.split(":")[0]), sf.text
+    assert not sf.text.startswith("gce-watchdog-config: gce-watchdog-config")
     # every error, with the attribute's name for the file, on the console (stderr)
     assert "refused by gce-watchdog config check" in p.stderr
     assert want in p.stderr and "gce-watchdog-config: " in p.stderr
