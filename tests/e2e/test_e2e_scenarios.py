@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -129,8 +130,15 @@ def bootstrap_ok(events: list[Event]) -> None:
     assert not named(events, "setup_failed")
 
 
+# The guest's serial getty is restarted and the port hung up (vhangup) in the middle of the job
+# (e2e/guest/usr/local/sbin/e2e-console-hangup), as a serial-console login and logout would do.
+HANGUP = "/usr/local/sbin/e2e-console-hangup"
+
+
 def test_healthy_workload_completes(e2e: vm.Harness) -> None:
-    res, run = boot(e2e, spec("healthy", ["bash", "-c", "echo working; sleep 8; echo finished"]))
+    # 14 s after the hangup: at least two heartbeats (every 3 ticks of 2 s) on the reopened port.
+    workload = ["bash", "-c", f"echo working; {HANGUP}; sleep 14; echo finished"]
+    res, run = boot(e2e, spec("healthy", workload))
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
@@ -144,6 +152,11 @@ def test_healthy_workload_completes(e2e: vm.Harness) -> None:
     # not climb beyond such a blip in a healthy run.
     assert all(rung(e) <= 2 for e in named(events, "tick")), "no sustained outage"
     check_no_lost_lines(res, events)
+    # The agent wrote on after the getty restart and the vhangup (no gap: check_no_lost_lines).
+    raw = res.serial()
+    hung = raw.find(b"e2e-console-hangup: done rc=0")
+    assert hung > 0, "the getty restart and the vhangup ran"
+    assert re.search(rb"GCEWD2 \S+ \d+ \S+ heartbeat ", raw[hung:]), "agent lines after the hangup"
 
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict

@@ -28,6 +28,7 @@ from kit.prom import Series, parse_prom
 
 # -- a strict parser for the text exposition format (0.0.4) ---------------------------------------
 
+
 def val(series: Series, name: str, **labels: str) -> float:
     return series[(f"gce_watchdog_{name}", frozenset(labels.items()))]
 
@@ -66,7 +67,7 @@ def make_agent(
         on_shutdown=on_shutdown or (lambda *a, **k: None),
         tick_hooks=[exp],
     )
-    return Agent(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
+    return Agent.from_config(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
 
 
 def read(path: Path) -> Series:
@@ -184,7 +185,7 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
         on_shutdown=exp.wrap_shutdown(chain),
         tick_hooks=[exp],
     )
-    agent = Agent(cfg, deps)
+    agent = Agent.from_config(cfg, deps)
     for _ in range(12):
         agent.tick_once()
     (before,) = seen
@@ -460,7 +461,7 @@ def _dry_agent(tmp_path: Path, script: list) -> tuple[Agent, MetricsExporter, Pa
         on_shutdown=exp.wrap_shutdown(lambda reason, *a, **k: chains.append(reason)),
         tick_hooks=[exp],
     )
-    return Agent(cfg, deps), exp, prom / "gce_watchdog.prom", chains
+    return Agent.from_config(cfg, deps), exp, prom / "gce_watchdog.prom", chains
 
 
 def test_a_dry_run_decision_is_its_own_series_never_a_shutdown(tmp_path: Path) -> None:
@@ -510,3 +511,28 @@ def test_no_armed_series_before_the_first_tick() -> None:
     s, _ = parse_prom(render(Snapshot()))
     assert not any(k[0] == "gce_watchdog_armed" for k in s)
     assert val(s, "dry_run") == 0
+
+
+def test_serial_reopens_are_exported(tmp_path: Path) -> None:
+    port = MemorySink(reopens=3)  # a port's counter, read by the exporter at each tick
+    agent, _, _, path = make_agent(
+        tmp_path, [result("ok", "ok")], {"reopens": lambda: port.reopens}
+    )
+    agent.tick_once()
+    assert val(read(path), "serial_reopens_total") == 3
+
+
+def test_the_daemon_wires_the_ports_reopen_counter(tmp_path: Path) -> None:
+    from gce_watchdog.daemon.app import build_agent
+
+    cfg = cfgmod.replace(
+        cfg_for(tmp_path), agent={"state_dir": str(tmp_path), "run_dir": str(tmp_path / "run")}
+    )
+    sink = MemorySink(reopens=5)
+    em = Emitter(sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", key=SYNTH_KEY)
+    agent, prober = build_agent(cfg, em, FakeNotifier())
+    try:
+        exporters = [h for h in agent.d.tick_hooks if isinstance(h, MetricsExporter)]
+        assert [e.reopens() for e in exporters] == [5]
+    finally:
+        prober.close()

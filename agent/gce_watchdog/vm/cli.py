@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from gce_watchdog.lib.cli import EX_USAGE
+from gce_watchdog.lib.cli import EX_CONFIG, EX_OK, EX_USAGE
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import add_config_arg
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    # GCEWD_CONFIG (what the start-up script exports to bootstrap steps) is the default, so a step
+    # that runs `gce-watchdog fetch` writes to the console and state dir it was configured for.
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        default=os.environ.get("GCEWD_CONFIG") or None,
+        help=(
+            f"config file (default $GCEWD_CONFIG, else {cfgmod.DEFAULT_PATH}; "
+            "missing default file = all defaults)"
+        ),
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,14 +67,14 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         loaded = cfgmod.load_sources(path, args.drop_in)
     except cfgmod.InvalidConfig as e:
         print(str(e), file=sys.stderr)
-        return cfgmod.EX_CONFIG
+        return EX_CONFIG
     _notes(loaded)
     src = path or (str(cfgmod.DEFAULT_PATH) + " (defaults if missing)")
     main = str(path) if path is not None else str(cfgmod.DEFAULT_PATH)
     n = sum(f != main for f in loaded.files)
     with_dropins = f" with {n} drop-in(s)" if n > 0 else ""
     print(f"{src}{with_dropins}: OK (digest {cfgmod.digest(loaded.config)})")
-    return 0
+    return EX_OK
 
 
 def _notes(loaded: cfgmod.Loaded) -> None:
@@ -73,7 +87,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
         loaded = cfgmod.load_sources(getattr(args, "config", None))
     except cfgmod.InvalidConfig as e:
         print(f"gce-watchdog: {e}", file=sys.stderr)
-        return cfgmod.EX_CONFIG
+        return EX_CONFIG
     _notes(loaded)
     sys.stdout.write(cfgmod.to_toml(loaded.config, None if args.no_sources else loaded))
-    return 0
+    return EX_OK
