@@ -34,6 +34,9 @@ SERIAL="${GCEWD_SERIAL:-$ROOT/dev/ttyS0}"
 SERIAL_FALLBACK="${GCEWD_SERIAL_FALLBACK:-$ROOT/var/log/gce-watchdog/serial.log}"
 CONFIG="${GCEWD_CONFIG:-$ROOT/etc/gce-watchdog/config.toml}"
 BOOTSTRAP_DIR="${GCEWD_BOOTSTRAP_DIR:-$ROOT/etc/gce-watchdog/bootstrap.d}"
+# The gce-watchdog-config attribute's drop-in: config.d/ beside the config file, where the agent
+# reads it (after config.toml and any lower-numbered drop-in, before higher-numbered ones).
+MD_DROPIN="$(dirname "$CONFIG")/config.d/50-metadata.toml"
 CACHE_DIR="${GCEWD_CACHE_DIR:-$ROOT/var/cache/gce-watchdog}"
 METADATA_URL="${GCEWD_METADATA_URL:-http://169.254.169.254/computeMetadata/v1}"
 BOOT_ID_PATH="${GCEWD_BOOT_ID_PATH:-/proc/sys/kernel/random/boot_id}"
@@ -63,6 +66,7 @@ SERIAL_EVERY=60   # at most one `fetch out=retry` line per minute per download
 AGENT="$PREFIX/bin/gce-watchdog"
 STEP=init
 CFG_ARGS=()
+RESTART_AGENT=0  # the metadata drop-in changed under an agent already running: restart it
 MD_LINGER=""
 
 log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
@@ -643,6 +647,81 @@ install_agent() {
 	step_done install ok "$t0" "installed from $shown"
 }
 
+# apply_md_config: the gce-watchdog-config attribute (TOML) becomes the drop-in MD_DROPIN, after
+# `gce-watchdog config check` accepted the merged result with it (config.toml, the other
+# drop-ins, this one). The value only ever goes into a file: never into a shell command line.
+# A bad value fails the step (the check's rc, cause=job) with the check's errors on the console;
+# the agent never starts with it, nor silently with the defaults instead. Without the attribute
+# a drop-in left by an earlier boot is removed: the attribute owns that file.
+apply_md_config() {
+	STEP=config
+	local t0=$SECONDS dir tmp cand out rc=0 first new
+	dir=$(dirname "$MD_DROPIN")
+	if [[ -z $MD_CONFIG ]]; then
+		if [[ -e $MD_DROPIN || -L $MD_DROPIN ]]; then
+			rm -f "$MD_DROPIN"
+			note_restart
+			step_done config ok "$t0" "no gce-watchdog-config attribute: removed $(basename "$MD_DROPIN")"
+		fi
+		return 0
+	fi
+	if [[ ! -e $CONFIG ]]; then
+		# The drop-in is read beside the config file; an empty one is the defaults.
+		mkdir -p "$(dirname "$CONFIG")"
+		printf '# gce-watchdog: the defaults (the start-up script made this file for %s)\n' \
+			"$(basename "$MD_DROPIN")" >"$CONFIG"
+	fi
+	CFG_ARGS=(--config "$CONFIG")
+	tmp=$(mktemp -d) # 0700: only root reads the candidate
+	cand="$tmp/$(basename "$MD_DROPIN")"
+	printf '%s\n' "$MD_CONFIG" >"$cand"
+	out=$("$AGENT" config check --config "$CONFIG" --drop-in "$cand" 2>&1 9>&-) || rc=$?
+	out=${out//"$cand"/gce-watchdog-config}
+	rm -rf "$tmp"
+	if ((rc != 0)); then
+		log "the gce-watchdog-config attribute is refused by gce-watchdog config check (rc=$rc):"
+		printf '%s\n' "$out" >&2
+		# The serial line has room for ~30 bytes of text: the first error, key path first (the
+		# step says it is the attribute; every error is on stderr above).
+		first=$(printf '%s\n' "$out" | sed -n 's/^  - \(gce-watchdog-config: \)\{0,1\}//p' | head -n1)
+		[[ -n $first ]] || first=$(printf '%s\n' "$out" | head -n1)
+		fail config "${first:-gce-watchdog-config: config check failed}" "$rc"
+	fi
+	mkdir -p "$dir" || fail config "cannot create $dir" 73
+	# mktemp: a new file (O_EXCL, never through a planted link), mode 0600; a dot name, which
+	# the agent never reads; then one rename, so the agent reads the old file or the new one.
+	new=$(mktemp "$dir/.$(basename "$MD_DROPIN").XXXXXX") || fail config "cannot write in $dir" 73
+	if ! { printf '%s\n' "$MD_CONFIG" >"$new" && sync "$new"; }; then
+		rm -f "$new"
+		fail config "cannot write $MD_DROPIN" 73
+	fi
+	if cmp -s "$new" "$MD_DROPIN"; then
+		rm -f "$new"
+		step_done config ok "$t0" "gce-watchdog-config unchanged in $(basename "$MD_DROPIN")"
+		return 0
+	fi
+	mv -f -T "$new" "$MD_DROPIN" || { rm -f "$new"; fail config "cannot write $MD_DROPIN" 73; }
+	note_restart
+	step_done config ok "$t0" "gce-watchdog-config checked and written to $(basename "$MD_DROPIN")"
+}
+
+# note_restart: the drop-in changed; an agent that is already running (the .deb's postinst
+# started it, or this is a later boot) read the old one and restarts in the unit step. One that
+# is not running yet reads the new one when the unit step starts it.
+note_restart() {
+	if [[ -d $SYSTEMD_RUN_DIR ]] && command -v systemctl >/dev/null &&
+		systemctl is-active --quiet gce-watchdog.service 9>&-; then
+		RESTART_AGENT=1
+	fi
+}
+
+# restart_if_changed: an agent that was running when the drop-in changed restarts to read it.
+restart_if_changed() {
+	((RESTART_AGENT)) || return 0
+	systemctl try-restart gce-watchdog.service >&2 9>&- ||
+		fail unit "systemctl try-restart gce-watchdog.service failed (to read the new config)" $?
+}
+
 install_unit() {
 	STEP=unit
 	local t0=$SECONDS
@@ -654,6 +733,7 @@ install_unit() {
 		# The .deb's unit: its postinst enabled and started it; make sure it runs.
 		systemctl enable --now gce-watchdog.service >&2 9>&- ||
 			fail unit "systemctl enable --now gce-watchdog.service failed" $?
+		restart_if_changed
 		step_done unit ok "$t0" "packaged unit enabled and started"
 		return 0
 	fi
@@ -666,6 +746,7 @@ install_unit() {
 	# --exec: the agent's path as the unit will see it (under the root, not this script's view).
 	"$AGENT" install --config "${CONFIG#"$ROOT"}" --exec "${AGENT#"$ROOT"}" >&2 9>&- ||
 		fail unit "gce-watchdog install failed" $?
+	restart_if_changed
 	step_done unit ok "$t0" "systemd unit installed and started"
 }
 
@@ -758,6 +839,7 @@ main() {
 	md_get gce-watchdog-bootstrap MD_BOOTSTRAP
 	md_get gce-watchdog-workload MD_WORKLOAD
 	md_get gce-watchdog-dns-name MD_DNS_NAME
+	md_get gce-watchdog-config MD_CONFIG
 	md_get gce-watchdog-done-action DONE_ACTION none
 	DONE_ACTION="${GCEWD_DONE_ACTION:-$DONE_ACTION}"
 	md_get gce-watchdog-linger MD_LINGER
@@ -782,6 +864,7 @@ main() {
 	fi
 
 	install_agent
+	apply_md_config
 	install_unit
 	run_bootstrap
 

@@ -135,6 +135,7 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("0", "PASS: every gated gauge stayed in the band"),
         ("1", "FAIL: a climb, a step or out of the band"),
         ("3", "NOT ENOUGH DATA"),
+        ("N", "COMMAND FAILED: the command exited N (non-zero), never PASS"),
         _USAGE,
         ("127", "the command could not be started"),
     ),

@@ -366,3 +366,58 @@ def test_flapping_outage_never_shuts_down(e2e: vm.Harness) -> None:
 
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
+
+
+# config by metadata (issue 27): the gce-watchdog-config attribute becomes a checked drop-in
+# before the agent starts, and `config show` on the guest names it as the source.
+MD_CONFIG = '[agent]\naction = "dry-run"\nheartbeat_every = 4\n'
+DROPIN = "/etc/gce-watchdog/config.d/50-metadata.toml"
+
+
+def _with_config(s: vm.VmSpec, value: str) -> vm.VmSpec:
+    return dataclasses.replace(s, attributes={**s.attributes, "gce-watchdog-config": value})
+
+
+def test_config_by_metadata_is_a_drop_in_the_agent_runs_with(e2e: vm.Harness) -> None:
+    show = f"{AGENT} config show --config /etc/gce-watchdog/config.toml"
+    pick = "grep -E '^(action|heartbeat_every|interval) =' | sed 's/^/shown: /'"
+    res, _ = boot(
+        e2e, _with_config(spec("config-md", ["bash", "-c", f"{show} | {pick}"]), MD_CONFIG)
+    )
+    check_powered_off(res)
+    events = events_of(res)
+    bootstrap_ok(events)
+    assert named(events, "bootstrap_step", step="config", st="ok"), "the config step wrote it"
+    serial = res.serial()
+    assert f'shown: action = "dry-run"  # {DROPIN}'.encode() in serial, serial[-3000:]
+    assert f"shown: heartbeat_every = 4  # {DROPIN}".encode() in serial
+    assert b'shown: interval = "2s"  # /etc/gce-watchdog/config.toml' in serial
+    assert named(events, "start"), "the agent started after the drop-in was written"
+    exits = named(events, "exit")
+    assert exits and exits[0].get("rc") == "0"
+    check_no_lost_lines(res, events)
+
+
+def test_a_bad_config_attribute_is_setup_failed_job_with_the_error(e2e: vm.Harness) -> None:
+    res, run = boot(e2e, _with_config(spec("config-bad", ["true"]), "[agent]\nthreshold = 0\n"))
+    check_powered_off(res)  # the failure action (poweroff)
+    events = events_of(res)
+    failed = named(events, "setup_failed")
+    assert len(failed) == 1, events
+    assert (failed[0].get("step"), failed[0].get("rc"), failed[0].get("cause")) == (
+        "config",
+        "78",
+        "job",
+    )
+    # the serial line's text (room for ~30 bytes) starts with the key; the whole error is on
+    # the console through the start-up script's stderr, with the attribute named
+    assert failed[0].text.startswith("agent.threshold"), failed[0].text
+    serial = res.serial()
+    assert b"gce-watchdog-config: agent.threshold: must be between 1 and 10000" in serial
+    assert b"refused by gce-watchdog config check (rc=78)" in serial
+    assert not named(events, "start"), "no agent ran, with the bad value or the defaults"
+    assert not named(events, "exit")
+    check_no_lost_lines(res, events)
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.SETUP_FAILED, run.final.verdict
+    assert not run.final.verdict.failover

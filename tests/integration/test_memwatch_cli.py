@@ -93,11 +93,41 @@ def test_steady_command_passes(tmp_path: Path) -> None:
     assert tree["max_bytes"] > 32 * MIB
 
 
-def test_short_command_is_not_enough_data_and_keeps_its_rc() -> None:
-    r = _memwatch(*FAST, "--", sys.executable, "-c", "import sys; sys.exit(7)")
+def test_short_command_is_not_enough_data() -> None:
+    r = _memwatch(*FAST, "--", sys.executable, "-c", "pass")
     assert r.returncode == EXIT_NOT_ENOUGH_DATA, r.stdout + r.stderr
-    assert "NOT ENOUGH DATA" in r.stdout
-    assert "rc=7" in r.stdout
+    assert r.stdout.splitlines()[-1] == "NOT ENOUGH DATA"
+    assert "rc=0" in r.stdout
+
+
+@pytest.mark.parametrize("rc", [1, 3, 7, 42])
+def test_a_command_that_exits_non_zero_is_its_own_exit_code_never_pass(
+    rc: int, tmp_path: Path
+) -> None:
+    # A job that fails at once (the gauges have too few samples) and one that runs long enough
+    # for flat gauges that would PASS on their own: neither is ever PASS.
+    out = tmp_path / "m.json"
+    quick = _memwatch(*FAST, "--", sys.executable, "-c", f"import sys; sys.exit({rc})")
+    assert quick.returncode == rc, quick.stdout + quick.stderr
+    assert quick.stdout.splitlines()[-1] == f"COMMAND FAILED (rc={rc}; memory: NOT ENOUGH DATA)"
+    flat = _memwatch(
+        *FAST,
+        "--warmup",
+        "2",
+        "--min-samples",
+        "10",
+        "--out",
+        str(out),
+        "--",
+        sys.executable,
+        "-c",
+        f"import sys, time; time.sleep(2.5); sys.exit({rc})",
+    )
+    assert flat.returncode == rc, flat.stdout + flat.stderr
+    assert flat.stdout.splitlines()[-1].startswith(f"COMMAND FAILED (rc={rc}; memory: ")
+    doc = json.loads(out.read_text())
+    assert doc["verdict"] == "COMMAND_FAILED" and doc["target"]["rc"] == rc
+    assert doc["memory_verdict"] in ("PASS", "NOT_ENOUGH_DATA")
 
 
 def test_missing_command_and_bad_options_are_clear() -> None:

@@ -748,6 +748,102 @@ echo "still running: $value"
     assert not (vm.state / ".startup-failure").exists()
 
 
+# -- the gce-watchdog-config attribute: checked, then a drop-in ------------------------------------
+
+
+def _show(vm: Vm) -> str:
+    cfg = vm.root / "etc/gce-watchdog/config.toml"
+    p = subprocess.run(
+        [PY, "-m", "gce_watchdog", "config", "show", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_config_attribute_becomes_a_checked_root_only_drop_in(vm: Vm) -> None:
+    vm.bake()
+    # A value a shell would act on: it only ever goes into a file.
+    md = (
+        '[agent]\naction = "dry-run"\nthreshold = 3\n'
+        '[memory]\non_climb = "command"\nclimb_command = ["sh", "-c", "$(touch pwned) `touch x`"]\n'
+    )
+    vm.mds.set_attribute("gce-watchdog-config", md)
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    dropin = vm.root / "etc/gce-watchdog/config.d/50-metadata.toml"
+    assert dropin.read_text() == md
+    assert dropin.stat().st_mode & 0o777 == 0o600
+    assert not list(dropin.parent.glob(".*"))  # no temporary file left beside it
+    assert not (vm.root / "pwned").exists() and not Path("pwned").exists()
+    step = next(e for e in vm.events() if e.get("step") == "config")
+    assert step.get("st") == "ok" and "written to 50-metadata.toml" in step.text
+    names = [e.get("step") for e in vm.events() if e.event == "bootstrap_step"]
+    assert names.index("install") < names.index("config") < names.index("unit")
+    shown = _show(vm)
+    assert f'action = "dry-run"  # {dropin}' in shown
+    assert f"threshold = 3  # {dropin}" in shown
+    assert f'state_dir = "{vm.state}"  # {vm.root}/etc/gce-watchdog/config.toml' in shown
+
+    # The next boot with the same value: nothing rewritten.
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    last = [e for e in vm.events() if e.get("step") == "config"][-1]
+    assert "unchanged" in last.text
+    # The attribute removed: the drop-in it owns goes too.
+    vm.mds.set_attribute("gce-watchdog-config", None)
+    p = vm.run()
+    assert p.returncode == 0, p.stderr
+    assert not dropin.exists()
+    assert "threshold = 10  # default" in _show(vm)
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        ("[agent]\nthreshold = 0\nintervall = 3\n", "agent.threshold: must be between 1 and"),
+        ("[agent\n", "not valid TOML"),
+        ('[agent]\nprobe_timeout = "40s"\n', "agent.probe_timeout: must be less than"),
+    ],
+)
+def test_a_bad_config_attribute_is_setup_failed_job_and_the_agent_never_sees_it(
+    vm: Vm, value: str, want: str
+) -> None:
+    vm.bake()
+    marker = vm.root / "ran"
+    vm.mds.set_attribute("gce-watchdog-config", value)
+    vm.mds.set_attribute(
+        "gce-watchdog-workload", json.dumps([PY, "-c", f"open({str(marker)!r}, 'w')"])
+    )
+    p = vm.run()
+    assert p.returncode == 78, p.stderr
+    (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
+    assert (sf.get("step"), sf.get("rc"), sf.get("cause")) == ("config", "78", "job")
+    # the first error, key path first (the line has room for ~30 bytes of text)
+    assert sf.text.startswith(want.split(":")[0]), sf.text
+    assert not sf.text.startswith("gce-watchdog-config: gce-watchdog-config")
+    # every error, with the attribute's name for the file, on the console (stderr)
+    assert "refused by gce-watchdog config check" in p.stderr
+    assert want in p.stderr and "gce-watchdog-config: " in p.stderr
+    assert "/tmp" not in sf.text  # the candidate's temporary path is not what the operator set
+    assert not (vm.root / "etc/gce-watchdog/config.d/50-metadata.toml").exists()
+    assert not marker.exists()  # no workload, no agent with the defaults instead
+    assert vm.actions == AGENT_END  # the failure action, through the baked agent
+
+
+def test_a_bad_config_attribute_leaves_the_last_good_drop_in_alone(vm: Vm) -> None:
+    vm.bake()
+    vm.mds.set_attribute("gce-watchdog-config", "[agent]\nthreshold = 4\n")
+    assert vm.run().returncode == 0
+    dropin = vm.root / "etc/gce-watchdog/config.d/50-metadata.toml"
+    vm.mds.set_attribute("gce-watchdog-config", "[agent]\nthreshold = -1\n")
+    assert vm.run().returncode == 78
+    assert dropin.read_text() == "[agent]\nthreshold = 4\n"
+
+
 # -- the end of life (issue 24) --------------------------------------------------------------------
 
 

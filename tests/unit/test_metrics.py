@@ -362,6 +362,157 @@ def test_a_link_planted_at_the_temporary_name_is_never_written_through(tmp_path:
     assert val(read(path), "ticks_total") == 2
 
 
+# -- prometheus_client's own parser as an oracle ---------------------------------------------------
+
+
+def oracle(text: str) -> tuple[Series, dict[str, str]]:
+    """The file as prometheus_client (the reference implementation's Python client) reads it:
+    every sample and every family's type. Its parser names a counter family without
+    ``_total`` and its samples with it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    series: Series = {}
+    types: dict[str, str] = {}
+    for fam in text_string_to_metric_families(text):
+        types[fam.name + ("_total" if fam.type == "counter" else "")] = fam.type
+        for smp in fam.samples:
+            key = (smp.name, frozenset(smp.labels.items()))
+            assert key not in series, f"duplicate series {key}"
+            assert smp.timestamp is None  # node_exporter's textfile collector refuses them
+            series[key] = smp.value
+    return series, types
+
+
+def _same(a: Series, b: Series) -> bool:
+    return a.keys() == b.keys() and all(
+        (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == b[k] for k in a
+    )
+
+
+def test_the_reference_parser_reads_what_the_agent_writes(tmp_path: Path) -> None:
+    script = [result("ok", "ok"), *[result("fail", "fail")] * 11]
+    mem = {"host_used": 3.5 * 2**30, 'odd"gauge\\x\n': 1.5, "nan": math.nan}
+    agent, exp, _, path = make_agent(tmp_path, script, {"memory": lambda: mem})
+    agent.d.on_shutdown = exp.wrap_shutdown(lambda *a, **k: None)
+    for _ in script:
+        agent.tick_once()
+        text = path.read_text()
+        got, types = oracle(text)
+        mine, my_types = parse_prom(text)
+        assert _same(got, mine)
+        assert types == my_types
+    assert got[("gce_watchdog_shutdowns_decided_total", frozenset())] == 1
+    assert got[("gce_watchdog_armed", frozenset())] == 1
+    assert types["gce_watchdog_armed"] == "gauge"
+    assert types["gce_watchdog_dry_run_decisions_total"] == "counter"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mem=st.dictionaries(
+        st.text(min_size=1, max_size=20), st.floats(allow_nan=True, allow_infinity=True), max_size=5
+    ),
+    version=st.text(max_size=20),
+    armed=st.sampled_from([None, True, False]),
+    dry=st.booleans(),
+    n=st.integers(0, 2**62),
+)
+def test_the_reference_parser_agrees_on_any_snapshot(
+    mem: dict[str, float], version: str, armed: bool | None, dry: bool, n: int
+) -> None:
+    pr = ProbeResult(ProbeVerdict.FAIL, "x", 12)
+    snap = Snapshot(
+        metadata=pr,
+        egress=pr,
+        memory=mem,
+        version=version,
+        armed=armed,
+        dry_run=dry,
+        shutdowns=n,
+        dry_runs=n // 3,
+        last_tick=1.8e9,
+    )
+    text = render(snap)
+    got, types = oracle(text)
+    mine, my_types = parse_prom(text)
+    assert _same(got, mine) and types == my_types
+    assert (("gce_watchdog_armed", frozenset()) in got) == (armed is not None)
+
+
+# -- dry runs and the armed gauge ------------------------------------------------------------------
+
+
+def _dry_agent(tmp_path: Path, script: list) -> tuple[Agent, MetricsExporter, Path, list[str]]:
+    prom = tmp_path / "textfile"
+    prom.mkdir()
+    cfg = cfgmod.replace(cfg_for(prom), agent={"action": "dry-run"})
+    clock = FakeClock()
+    sink = MemorySink()
+    exp = MetricsExporter.from_config(cfg, dropped=lambda: 0, clock=clock.wall)
+    chains: list[str] = []
+    deps = Deps(
+        emitter=Emitter(
+            sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", clock.wall, key=SYNTH_KEY
+        ),
+        prober=ScriptedProber(script, clock),
+        clock=clock,
+        notifier=FakeNotifier(),
+        store=LadderStore(tmp_path / "ladder.json", "b1"),
+        on_shutdown=exp.wrap_shutdown(lambda reason, *a, **k: chains.append(reason)),
+        tick_hooks=[exp],
+    )
+    return Agent.from_config(cfg, deps), exp, prom / "gce_watchdog.prom", chains
+
+
+def test_a_dry_run_decision_is_its_own_series_never_a_shutdown(tmp_path: Path) -> None:
+    # Two outages, each reaching the threshold, with a recovery between them.
+    both, ok = result("fail", "fail"), result("ok", "ok")
+    script = [*[both] * 12, ok, *[both] * 10]
+    agent, _, path, chains = _dry_agent(tmp_path, script)
+    seen = []
+    for _ in script:
+        agent.tick_once()
+        s = read(path)
+        seen.append(val(s, "dry_run_decisions_total"))
+        assert val(s, "shutdowns_decided_total") == 0  # a pilot never looks like a real one
+        assert val(s, "would_shutdowns_total") == 0
+        assert val(s, "armed") == 0 and val(s, "dry_run") == 1
+        assert val(s, "ladder_fired") == 0
+    assert len(chains) == 2  # the chain was rehearsed at each decision ...
+    assert seen[9] == 1 and seen[-1] == 2  # ... and each was counted once, at the decision
+    assert seen[:9] == [0] * 9
+
+
+def test_a_disarmed_dry_run_is_a_would_shutdown(tmp_path: Path) -> None:
+    agent, _, path, chains = _dry_agent(tmp_path, [result("fail", "fail")])
+    agent.d.armed = lambda: (False, "metadata")
+    for _ in range(12):
+        agent.tick_once()
+    s = read(path)
+    assert chains == [] and val(s, "dry_run_decisions_total") == 0
+    assert val(s, "would_shutdowns_total") == 1
+
+
+def test_the_armed_gauge_follows_the_disarm_gate(tmp_path: Path) -> None:
+    agent, _, _, path = make_agent(tmp_path, [result("ok", "ok")])
+    gate = {"armed": True}
+    agent.d.armed = lambda: (gate["armed"], "armed" if gate["armed"] else "metadata")
+    got = []
+    for armed in (True, False, False, True):
+        gate["armed"] = armed
+        agent.tick_once()
+        s = read(path)
+        got.append(val(s, "armed"))
+        assert val(s, "dry_run") == 0
+    assert got == [1, 0, 0, 1]
+
+
+def test_no_armed_series_before_the_first_tick() -> None:
+    s, _ = parse_prom(render(Snapshot()))
+    assert not any(k[0] == "gce_watchdog_armed" for k in s)
+    assert val(s, "dry_run") == 0
+
+
 def test_serial_reopens_are_exported(tmp_path: Path) -> None:
     port = MemorySink(reopens=3)  # a port's counter, read by the exporter at each tick
     agent, _, _, path = make_agent(

@@ -159,9 +159,8 @@ def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple
     monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
     if monitor is not None:
         services.append(monitor)
-    exporter = MetricsExporter(
-        cfg.metrics,
-        a.threshold,
+    exporter = MetricsExporter.from_config(
+        cfg,
         dropped=lambda: emitter.sink.dropped,
         reopens=lambda: getattr(emitter.sink, "reopens", 0),
         memory=(lambda: monitor.latest) if monitor is not None else None,

@@ -5,7 +5,8 @@ After every tick the agent rewrites one small file (``[metrics] directory``/``fi
 directory, then renamed over the old one, so node_exporter never reads half a file. The format
 (``# HELP``/``# TYPE`` lines, ``name{label="value"} number``) is simple enough to write by hand;
 ``prometheus-client`` would add a dependency to an agent that runs as root on every VM, for one
-function. ``docs/report.md`` lists every metric with a sample file.
+function (the tests parse the file with prometheus_client's own parser, as an oracle).
+``docs/report.md`` lists every metric with a sample file.
 
 Wiring (the daemon does this)::
 
@@ -44,6 +45,12 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("ladder_rung", "gauge", "ladder position: consecutive ticks with both probes failed"),
     ("ladder_threshold", "gauge", "rung at which the agent shuts the VM down"),
     ("ladder_fired", "gauge", "1 once the shutdown was decided in this boot"),
+    (
+        "armed",
+        "gauge",
+        "1 when reaching the threshold powers the VM off; 0 when disarmed, off GCE or a dry run",
+    ),
+    ("dry_run", "gauge", "1 when agent.action is dry-run: decisions are rehearsed, never acted on"),
     ("probe_verdict", "gauge", "last verdict per probe: 1 for the current verdict, else 0"),
     ("probe_latency_seconds", "gauge", "last probe latency per probe"),
     ("dns_ok", "gauge", "1 when DNS resolved the egress targets in the last tick, 0 when not"),
@@ -53,7 +60,12 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("tick_overruns_total", "counter", "ticks that ran past their slot (next one started at once)"),
     ("ticks_skipped_total", "counter", "tick slots that got no tick (in stalls)"),
     ("stalls_total", "counter", "gaps of more than two intervals between two tick starts"),
-    ("shutdowns_decided_total", "counter", "shutdowns decided (threshold reached, armed)"),
+    ("shutdowns_decided_total", "counter", "real shutdowns decided (threshold reached, armed)"),
+    (
+        "dry_run_decisions_total",
+        "counter",
+        "threshold reached with agent.action = dry-run: the chain was rehearsed, nothing acted",
+    ),
     ("would_shutdowns_total", "counter", "threshold reached while disarmed: nothing was done"),
     ("serial_lines_dropped_total", "counter", "serial lines lost (queue full or write failed)"),
     ("serial_reopens_total", "counter", "serial port reopens after a hangup or I/O error"),
@@ -69,6 +81,8 @@ class Snapshot:
     rung: int = 0
     threshold: int = 10
     fired: bool = False
+    armed: bool | None = None  # None: not known yet (no tick), no series
+    dry_run: bool = False
     metadata: ProbeResult | None = None
     egress: ProbeResult | None = None
     dns: str = "-"
@@ -79,6 +93,7 @@ class Snapshot:
     skipped: int = 0
     stalls: int = 0
     shutdowns: int = 0
+    dry_runs: int = 0
     would_shutdowns: int = 0
     dropped: int = 0
     reopens: int = 0
@@ -113,6 +128,9 @@ def _samples(s: Snapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
     out["ladder_rung"].append(({}, s.rung))
     out["ladder_threshold"].append(({}, s.threshold))
     out["ladder_fired"].append(({}, 1 if s.fired else 0))
+    if s.armed is not None:
+        out["armed"].append(({}, 1 if s.armed and not s.dry_run else 0))
+    out["dry_run"].append(({}, 1 if s.dry_run else 0))
     for probe, r in (("metadata", s.metadata), ("egress", s.egress)):
         if r is None:
             continue
@@ -129,6 +147,7 @@ def _samples(s: Snapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
     out["ticks_skipped_total"].append(({}, s.skipped))
     out["stalls_total"].append(({}, s.stalls))
     out["shutdowns_decided_total"].append(({}, s.shutdowns))
+    out["dry_run_decisions_total"].append(({}, s.dry_runs))
     out["would_shutdowns_total"].append(({}, s.would_shutdowns))
     out["serial_lines_dropped_total"].append(({}, s.dropped))
     out["serial_reopens_total"].append(({}, s.reopens))
@@ -164,7 +183,9 @@ class MetricsExporter:
     """A ``Deps.tick_hooks`` entry: rewrites the metrics file after every tick; never raises.
 
     ``dropped`` returns the serial lines dropped so far; ``memory`` the memory monitor's latest
-    ``{gauge: bytes}`` (None: no memory monitor); ``clock`` the wall clock (Unix seconds).
+    ``{gauge: bytes}`` (None: no memory monitor); ``clock`` the wall clock (Unix seconds);
+    ``dry_run``: ``agent.action = "dry-run"`` (decisions go to their own counter, never to
+    ``shutdowns_decided_total``, and ``armed`` is 0).
     """
 
     def __init__(
@@ -174,6 +195,7 @@ class MetricsExporter:
         dropped: Callable[[], int],
         memory: Callable[[], Mapping[str, float]] | None = None,
         clock: Callable[[], float] = time.time,
+        dry_run: bool = False,
         reopens: Callable[[], int] = lambda: 0,
     ) -> None:
         m = metrics
@@ -186,20 +208,23 @@ class MetricsExporter:
         self.reopens = reopens  # the serial port's reopen attempts (vm/console.py)
         self.memory = memory
         self.clock = clock
+        self.dry_run = dry_run
         self.shutdowns = 0
+        self.dry_runs = 0
         self.would_shutdowns = 0
         self.writes = 0
         self.errors = 0  # failed writes other than a missing directory
         self.missing_dir = 0  # writes skipped: the directory does not exist (no node_exporter)
         self.last_error = ""
-        self._announced = False  # a wrap_shutdown() hook already counted this shutdown
+        self._announced = False  # a wrap_shutdown() hook already counted this decision
         self.last: Snapshot | None = None
 
     # -- the tick hook -------------------------------------------------------------------------
 
     @classmethod
     def from_config(cls, cfg: Config, *args: Any, **kw: Any) -> MetricsExporter:
-        """An exporter for ``cfg.metrics`` and the ladder's threshold."""
+        """An exporter for ``cfg.metrics``, the ladder's threshold and ``agent.action``."""
+        kw.setdefault("dry_run", cfg.agent.action == "dry-run")
         return cls(cfg.metrics, cfg.agent.threshold, *args, **kw)
 
     def __call__(self, report: TickReport) -> None:
@@ -221,12 +246,20 @@ class MetricsExporter:
                     self._announced = False
                 else:
                     self.shutdowns += 1
+            elif isinstance(a, WouldShutdown) and self.dry_run and report.armed:
+                # A dry run is "disarmed" to the ladder, and the agent rehearses the chain.
+                if self._announced:
+                    self._announced = False
+                else:
+                    self.dry_runs += 1
             elif isinstance(a, WouldShutdown):
                 self.would_shutdowns += 1
         snap = Snapshot(
             rung=report.state.rung,
             threshold=self.threshold,
             fired=report.state.fired,
+            armed=report.armed,
+            dry_run=self.dry_run,
             metadata=report.result.metadata,
             egress=report.result.egress,
             dns=report.result.dns,
@@ -237,6 +270,7 @@ class MetricsExporter:
             skipped=report.skipped,
             stalls=report.stalls,
             shutdowns=self.shutdowns,
+            dry_runs=self.dry_runs,
             would_shutdowns=self.would_shutdowns,
             dropped=self._safe(self.dropped, 0),
             reopens=self._safe(self.reopens, 0),
@@ -257,17 +291,27 @@ class MetricsExporter:
             # A resumed chain (agent restarted, or a new power-off attempt) is the same decision.
             if self.enabled and resume.get("resume_at") is None:
                 try:
-                    self.shutdowns += 1
                     self._announced = True
-                    base = self.last or Snapshot(threshold=threshold)
-                    snap = replace(
-                        base,
-                        rung=rung,
-                        threshold=threshold,
-                        fired=True,
-                        shutdowns=self.shutdowns,
-                        write_errors=self.errors,
-                    )
+                    base = self.last or Snapshot(threshold=threshold, dry_run=self.dry_run)
+                    if self.dry_run:  # rehearsed: nothing latches, nothing is powered off
+                        self.dry_runs += 1
+                        snap = replace(
+                            base,
+                            rung=rung,
+                            threshold=threshold,
+                            dry_runs=self.dry_runs,
+                            write_errors=self.errors,
+                        )
+                    else:
+                        self.shutdowns += 1
+                        snap = replace(
+                            base,
+                            rung=rung,
+                            threshold=threshold,
+                            fired=True,
+                            shutdowns=self.shutdowns,
+                            write_errors=self.errors,
+                        )
                     self.last = snap
                     self.write(render(snap))
                 except Exception as e:

@@ -324,6 +324,7 @@ class Agent:
             overruns=self.overruns,
             skipped=self.skipped,
             stalls=self.stalls,
+            armed=armed,
         )
         for hook in d.tick_hooks:
             with contextlib.suppress(Exception):  # an exporter must never break the ladder

@@ -36,3 +36,4 @@ class TickReport:
     overruns: int = 0  # ticks so far that ran past their slot (the next one started at once)
     skipped: int = 0  # slots so far that got no tick (inside stalls)
     stalls: int = 0  # gaps so far of more than two intervals between tick starts
+    armed: bool | None = None  # the disarm/platform gate's answer this tick (None: not asked)

@@ -10,16 +10,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gce_watchdog.lib.cli import EX_FAIL, EX_NOTFOUND, EX_OK, EX_USAGE
+from gce_watchdog.lib.cli import EX_NOTFOUND, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import MIN_WINDOW, ClimbVerdict, DetectorParams, Status
 from gce_watchdog.memory.memwatch import (
-    EXIT_NOT_ENOUGH_DATA,
     collect,
+    exit_code,
     judge,
     killed_by,
+    memory_verdict,
     parse_size,
     to_json,
 )
@@ -78,7 +79,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Sample memory every --interval and judge each gauge: PASS (exit 0) when it stays "
             "within --band after warm-up, FAIL (exit 1) on a climb, a step or a wide range, "
-            "NOT ENOUGH DATA (exit 3) with fewer than --min-samples after warm-up. "
+            "NOT ENOUGH DATA (exit 3) with fewer than --min-samples after warm-up. A command "
+            "that exits non-zero is COMMAND FAILED with the command's own exit status as "
+            "memwatch's (never PASS, whatever the gauges say). "
             "Give --pid to watch a running process tree, or -- CMD ARGS... to run one."
         ),
     )
@@ -209,5 +212,8 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     sig = killed_by(run)
     if sig is not None:
         print(f"  command    FAIL: killed by {sig} (not sent by memwatch; an OOM kill is SIGKILL)")
-    print(overall.replace("_", " "))
-    return {"PASS": EX_OK, "FAIL": EX_FAIL}.get(overall, EXIT_NOT_ENOUGH_DATA)
+    if overall == "COMMAND_FAILED":
+        print(f"COMMAND FAILED (rc={run.rc}; memory: {memory_verdict(run, per).replace('_', ' ')})")
+    else:
+        print(overall.replace("_", " "))
+    return exit_code(run, overall)

@@ -1,7 +1,8 @@
 """``gce-watchdog memwatch``: validate a workload's memory the way the team did by hand.
 
 Samples host memory, a process tree's RSS and the GPU gauges every ``--interval``, then judges each
-gauge with the climb detector and ends with PASS, FAIL or NOT ENOUGH DATA (distinct exit codes).
+gauge with the climb detector and ends with PASS, FAIL or NOT ENOUGH DATA (distinct exit codes),
+or COMMAND FAILED with the command's own exit status when the watched command exits non-zero.
 ``docs/memory-watch.md`` documents the options, the verdict rules and the ``--out`` JSON.
 """
 
@@ -20,7 +21,7 @@ from datetime import UTC, datetime
 from types import FrameType
 from typing import Any
 
-from gce_watchdog.lib.cli import size_arg
+from gce_watchdog.lib.cli import EX_FAIL, EX_OK, size_arg
 from gce_watchdog.memory.detector import ClimbVerdict, DetectorParams, Status, detect
 from gce_watchdog.memory.samplers import GpuSampler, host_gauges, tree_rss
 
@@ -198,10 +199,13 @@ def killed_by(run: Run) -> str | None:
 def judge(
     run: Run, params: DetectorParams, gate: Sequence[str]
 ) -> tuple[str, dict[str, tuple[ClimbVerdict, bool]]]:
-    """Overall verdict (PASS, FAIL, NOT_ENOUGH_DATA) and per-gauge (verdict, gated).
+    """Overall verdict (PASS, FAIL, NOT_ENOUGH_DATA, COMMAND_FAILED) and per-gauge (verdict,
+    gated).
 
     A command ended by a signal that memwatch did not send is FAIL whatever the gauges say: a
-    SIGKILL out of nowhere is what the kernel's OOM killer looks like."""
+    SIGKILL out of nowhere is what the kernel's OOM killer looks like. A command that exited
+    non-zero is COMMAND_FAILED whatever the gauges say (flat memory does not make a crashed job
+    pass); :func:`exit_code` is then its own status."""
     names = ["host_used", "tree_rss"]
     gpu_used = sorted(
         {k for row in run.samples for k in row if k.startswith("gpu") and k.endswith("_used")},
@@ -216,14 +220,36 @@ def judge(
         cap_key = "host_total" if name in ("host_used", "tree_rss") else name[:-5] + "_total"
         cap = last.get(cap_key)
         per[name] = (detect(series, params, capacity=cap), _gauge_kind(name) in gate)
+    if command_rc(run) is not None:
+        return "COMMAND_FAILED", per
+    return memory_verdict(run, per), per
+
+
+def memory_verdict(run: Run, per: dict[str, tuple[ClimbVerdict, bool]]) -> str:
+    """What the gauges (and an unexplained kill) say, leaving the command's exit status out."""
     gated = [v for v, g in per.values() if g]
     if killed_by(run) is not None:
-        return "FAIL", per
+        return "FAIL"
     if any(v.status in (Status.CLIMB, Status.STEP, Status.UNSTABLE) for v in gated):
-        return "FAIL", per
+        return "FAIL"
     if not gated or any(v.status is Status.NOT_ENOUGH_DATA for v in gated):
-        return "NOT_ENOUGH_DATA", per
-    return "PASS", per
+        return "NOT_ENOUGH_DATA"
+    return "PASS"
+
+
+def command_rc(run: Run) -> int | None:
+    """The watched command's non-zero exit status, else None (it exited 0, was ended by a
+    signal, or there is no command: --pid has no exit status to read)."""
+    return run.rc if run.rc else None
+
+
+def exit_code(run: Run, overall: str) -> int:
+    """memwatch's exit status: the command's own non-zero status when it has one, else the
+    verdict's code."""
+    rc = command_rc(run)
+    if rc is not None:
+        return rc
+    return {"PASS": EX_OK, "FAIL": EX_FAIL}.get(overall, EXIT_NOT_ENOUGH_DATA)
 
 
 def to_json(
@@ -238,6 +264,7 @@ def to_json(
         "version": JSON_VERSION,
         "tool": "gce-watchdog memwatch",
         "verdict": overall,
+        "memory_verdict": memory_verdict(run, per),
         "started_at": run.started_at,
         "ended_at": run.ended_at,
         "stopped_by": run.stopped_by,

@@ -8,7 +8,6 @@ import sys
 
 from gce_watchdog.lib.cli import EX_CONFIG, EX_OK, EX_USAGE
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import load_config_or_exit
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -33,14 +32,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     c.add_argument(
         "path", nargs="?", default=None, metavar="PATH", help="the same as --config PATH"
     )
+    c.add_argument(
+        "--drop-in",
+        metavar="FILE",
+        default=None,
+        help="check the merged result as if FILE were in config.d/ (it replaces the drop-in "
+        "of its name); the start-up script checks the metadata's config this way",
+    )
     c.set_defaults(func=cmd_config_check)
     s = csub.add_parser(
         "show",
-        help="print the effective configuration as TOML",
-        description="Print every key's effective value as TOML that `config check` accepts and "
-        "that loads back to the same values (durations as '30s', '1h30m').",
+        help="print the effective configuration as TOML, with where each value came from",
+        description="Print every key's effective value (the config file merged with its "
+        "config.d/*.toml drop-ins) as TOML that `config check` accepts and that loads back to the "
+        "same values (durations as '30s', '1h30m'). Each key ends with a comment naming the file "
+        "that set it, or 'default'.",
     )
     add_config_arg(s)
+    s.add_argument(
+        "--no-sources", action="store_true", help="leave out the comments that name the sources"
+    )
     s.set_defaults(func=cmd_config_show)
 
 
@@ -53,16 +64,30 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         return EX_USAGE
     path = args.path or args.config
     try:
-        cfg = cfgmod.load(path)
+        loaded = cfgmod.load_sources(path, args.drop_in)
     except cfgmod.InvalidConfig as e:
         print(str(e), file=sys.stderr)
         return EX_CONFIG
+    _notes(loaded)
     src = path or (str(cfgmod.DEFAULT_PATH) + " (defaults if missing)")
-    print(f"{src}: OK (digest {cfgmod.digest(cfg)})")
+    main = str(path) if path is not None else str(cfgmod.DEFAULT_PATH)
+    n = sum(f != main for f in loaded.files)
+    with_dropins = f" with {n} drop-in(s)" if n > 0 else ""
+    print(f"{src}{with_dropins}: OK (digest {cfgmod.digest(loaded.config)})")
     return EX_OK
 
 
+def _notes(loaded: cfgmod.Loaded) -> None:
+    for name, why in loaded.ignored:
+        print(f"gce-watchdog: note: {name}: {why}", file=sys.stderr)
+
+
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args.config)
-    sys.stdout.write(cfgmod.to_toml(cfg))
+    try:
+        loaded = cfgmod.load_sources(getattr(args, "config", None))
+    except cfgmod.InvalidConfig as e:
+        print(f"gce-watchdog: {e}", file=sys.stderr)
+        return EX_CONFIG
+    _notes(loaded)
+    sys.stdout.write(cfgmod.to_toml(loaded.config, None if args.no_sources else loaded))
     return EX_OK

@@ -365,9 +365,11 @@ class Config:
 class ConfigError:
     path: str
     message: str
+    source: str = ""  # the file that set the key, when several files were merged
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.message}"
+        head = f"{self.source}: " if self.source else ""
+        return f"{head}{self.path}: {self.message}"
 
 
 class InvalidConfig(Exception):
@@ -580,8 +582,8 @@ def _unknown_top_level(name: str, value: object, sections: dict[str, Any]) -> st
     )
 
 
-def from_dict(raw: dict[str, Any], source: str = "") -> Config:
-    """Build a Config from parsed TOML; raises InvalidConfig listing every error found."""
+def _build(raw: dict[str, Any]) -> tuple[Config, list[ConfigError]]:
+    """A Config from parsed TOML and the errors of its keys (no cross-field rules)."""
     errors: list[ConfigError] = []
     sections = {f.name: f for f in dataclasses.fields(Config)}
     hints = typing.get_type_hints(Config)
@@ -591,7 +593,12 @@ def from_dict(raw: dict[str, Any], source: str = "") -> Config:
             errors.append(ConfigError(name, _unknown_top_level(name, value, sections)))
             continue
         kwargs[name] = _build_section(hints[name], name, value, errors)
-    cfg = Config(**kwargs)
+    return Config(**kwargs), errors
+
+
+def from_dict(raw: dict[str, Any], source: str = "") -> Config:
+    """Build a Config from parsed TOML; raises InvalidConfig listing every error found."""
+    cfg, errors = _build(raw)
     if not errors:
         errors = _cross_checks(cfg)
     else:
@@ -613,16 +620,20 @@ _KINDS = (
 )
 
 
-def read_config_bytes(p: Path) -> bytes:
+def read_config_bytes(p: Path, dropin: bool = False) -> bytes:
     """The bytes of a config file: a regular file (a symlink to one is fine) of at most
     CONFIG_MAX_BYTES. FIFOs, devices (a link to /dev/zero), sockets and directories are refused
-    without reading them (opened non-blocking: a FIFO with no writer never hangs the check)."""
+    without reading them (opened non-blocking: a FIFO with no writer never hangs the check).
+    ``dropin``: a world-writable file is refused too (any local user could rewrite it); the
+    mode is that of the file opened, so a link swapped in between changes nothing."""
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise InvalidConfig([ConfigError(str(p), f"is {kind}, not a regular file: refused")])
+        if dropin and mode & stat.S_IWOTH:
+            raise InvalidConfig([ConfigError(str(p), _world_writable(mode))])
         chunks: list[bytes] = []
         size = 0
         while size <= CONFIG_MAX_BYTES:
@@ -640,31 +651,172 @@ def read_config_bytes(p: Path) -> bytes:
         os.close(fd)
 
 
-def load(path: str | Path | None = None) -> Config:
-    """Load the config file; a missing default file means all defaults.
+def _world_writable(mode: int) -> str:
+    return (
+        f"world-writable (mode {stat.S_IMODE(mode):04o}): any local user could change the "
+        "agent's config: refused (chmod o-w)"
+    )
 
-    An explicitly named file that does not exist is an error (a typo must not silently run the
-    defaults).
-    """
-    explicit = path is not None
-    p = Path(path) if path is not None else DEFAULT_PATH
+
+def _parse(p: Path, data: bytes) -> dict[str, Any]:
     try:
-        data = read_config_bytes(p)
-    except FileNotFoundError:
-        if explicit:
-            raise InvalidConfig([ConfigError(str(p), "file not found")]) from None
-        return Config()
-    except OSError as e:
-        raise InvalidConfig([ConfigError(str(p), f"cannot read: {e.strerror or e}")]) from None
-    try:
-        raw = tomllib.loads(data.decode("utf-8"))
+        return tomllib.loads(data.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise InvalidConfig([ConfigError(str(p), f"not valid TOML: {e}")]) from None
     except RecursionError:
         raise InvalidConfig(
             [ConfigError(str(p), "nested too deeply (arrays or tables within each other)")]
         ) from None
-    return from_dict(raw, str(p))
+
+
+def _read_file(p: Path, explicit: bool, dropin: bool = False) -> dict[str, Any] | None:
+    """One file's TOML; None for a missing default file. Raises InvalidConfig."""
+    try:
+        data = read_config_bytes(p, dropin=dropin)
+    except FileNotFoundError:
+        if os.path.islink(p):
+            raise InvalidConfig(
+                [ConfigError(str(p), f"a dangling symlink (to {os.readlink(p)}): refused")]
+            ) from None
+        if explicit:
+            raise InvalidConfig([ConfigError(str(p), "file not found")]) from None
+        return None
+    except OSError as e:
+        raise InvalidConfig([ConfigError(str(p), f"cannot read: {e.strerror or e}")]) from None
+    return _parse(p, data)
+
+
+# Drop-ins: <the config file's directory>/config.d/*.toml, read after the file, in byte order
+# of their names (C-locale `ls`: "10-a" < "50-metadata" < "9-z"; number them with two digits).
+DROPIN_DIR = "config.d"
+DROPIN_SUFFIX = ".toml"
+DEFAULT_SOURCE = "default"
+
+
+def dropin_dir(config_path: str | Path | None = None) -> Path:
+    """The drop-in directory of a config file: ``config.d`` beside it."""
+    return Path(config_path if config_path is not None else DEFAULT_PATH).parent / DROPIN_DIR
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The merged config and where it came from.
+
+    ``files``: every file read, in order (the config file, when it exists, then the drop-ins);
+    ``sources``: ``"section.key"`` -> the file that set the key last (a key in none: the
+    default); ``ignored``: ``(path, why)`` for entries of ``config.d/`` that were not read.
+    """
+
+    config: Config
+    files: tuple[str, ...] = ()
+    sources: dict[str, str] = field(default_factory=dict)
+    ignored: tuple[tuple[str, str], ...] = ()
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key, DEFAULT_SOURCE)
+
+
+def list_dropins(
+    d: Path, extra: Path | None = None
+) -> tuple[list[Path], list[tuple[str, str]], list[ConfigError]]:
+    """The drop-ins to read, in order; the entries left out and why; the errors.
+
+    Read: names ending in ``.toml`` that do not start with a dot. Left out (reported): other
+    names (``README``, ``50-x.toml.dpkg-old``, ``x.toml~``); dot files (the temporary name of an
+    atomic write) are left out silently. ``extra`` (``config check --drop-in``) takes the place
+    of the drop-in with its name, or its own place in the order.
+    """
+    files: dict[str, Path] = {}
+    ignored: list[tuple[str, str]] = []
+    errors: list[ConfigError] = []
+    try:
+        st = os.stat(d)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        errors.append(ConfigError(str(d), f"cannot read: {e.strerror or e}"))
+        st = None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            errors.append(ConfigError(str(d), "is not a directory: refused"))
+        elif st.st_mode & stat.S_IWOTH:
+            errors.append(ConfigError(str(d), _world_writable(st.st_mode)))
+        else:
+            try:
+                names = os.listdir(d)
+            except OSError as e:
+                errors.append(ConfigError(str(d), f"cannot read: {e.strerror or e}"))
+                names = []
+            for name in names:
+                if name.startswith("."):
+                    continue
+                if not name.endswith(DROPIN_SUFFIX) or name == DROPIN_SUFFIX:
+                    ignored.append((str(d / name), f"not a *{DROPIN_SUFFIX} name: not read"))
+                    continue
+                files[name] = d / name
+    if extra is not None:
+        files[extra.name] = extra
+    return [files[n] for n in sorted(files)], ignored, errors
+
+
+def load_sources(path: str | Path | None = None, extra_dropin: str | Path | None = None) -> Loaded:
+    """Read the config file, then its drop-ins in order, merged per key inside sections (a key
+    in a later file replaces the earlier value, lists included; the other keys of the section
+    stay). Every file's errors are reported at once, each with its file; the cross-field rules
+    run on the merged result. A missing default file is no file (drop-ins still apply); a
+    missing file named with ``--config`` is an error (a typo must not silently run the
+    defaults)."""
+    explicit = path is not None
+    p = Path(path) if path is not None else DEFAULT_PATH
+    main = _read_file(p, explicit)
+    d = dropin_dir(p)
+    extra = Path(extra_dropin) if extra_dropin is not None else None
+    dropins, ignored, errors = list_dropins(d, extra)
+    if not dropins and not errors:  # the single-file case, messages as they always were
+        cfg = from_dict(main or {}, str(p))
+        files = (str(p),) if main is not None else ()
+        return Loaded(cfg, files, _keys_of(main or {}, str(p)), tuple(ignored))
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if main is not None:
+        layers.append((str(p), main))
+    for f in dropins:
+        try:
+            raw = _read_file(f, explicit=True, dropin=True)
+        except InvalidConfig as e:
+            errors.extend(e.errors)
+            continue
+        assert raw is not None
+        layers.append((str(f), raw))
+    for src, raw in layers:  # each file's own mistakes, named with its file
+        _, errs = _build(raw)
+        errors.extend(dataclasses.replace(e, source=src) for e in errs)
+    merged: dict[str, dict[str, Any]] = {}
+    sources: dict[str, str] = {}
+    for src, raw in layers:
+        for sec, table in raw.items():
+            if isinstance(table, dict):
+                merged.setdefault(sec, {}).update(table)
+        sources.update(_keys_of(raw, src))
+    # The cross-field rules on the merged keys that are valid (a bad key keeps its default).
+    cfg, _ = _build(merged)
+    errors += [dataclasses.replace(e, source=sources.get(e.path, "")) for e in _cross_checks(cfg)]
+    if errors:
+        raise InvalidConfig(errors, f"{p} and {d}/")
+    return Loaded(cfg, tuple(src for src, _ in layers), sources, tuple(ignored))
+
+
+def _keys_of(raw: dict[str, Any], src: str) -> dict[str, str]:
+    return {
+        f"{sec}.{key}": src
+        for sec, table in raw.items()
+        if isinstance(table, dict)
+        for key in table
+    }
+
+
+def load(path: str | Path | None = None) -> Config:
+    """The merged config (:func:`load_sources`); raises InvalidConfig listing every error."""
+    return load_sources(path).config
 
 
 def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
@@ -708,9 +860,10 @@ def _toml_value(v: object, duration: bool) -> str:
     raise TypeError(f"no TOML form for {v!r}")
 
 
-def to_toml(cfg: Config) -> str:
+def to_toml(cfg: Config, sources: Loaded | None = None) -> str:
     """The effective config as TOML that :func:`load` reads back to the same values (durations
-    as ``"30s"``, booleans as ``true``): what ``config show`` prints."""
+    as ``"30s"``, booleans as ``true``): what ``config show`` prints. With ``sources`` each key
+    ends with a comment naming the file that set it, or ``default``."""
     hints = typing.get_type_hints(Config)
     out: list[str] = []
     for sec in dataclasses.fields(Config):
@@ -719,7 +872,14 @@ def to_toml(cfg: Config) -> str:
         out.append(f"[{sec.name}]")
         for f in dataclasses.fields(section):
             value = getattr(section, f.name)
-            out.append(f"{f.name} = {_toml_value(value, types[f.name] is Duration)}")
+            line = f"{f.name} = {_toml_value(value, types[f.name] is Duration)}"
+            if sources is not None:
+                # A file name may hold any byte but "/" and NUL: one comment line, printable.
+                src = "".join(
+                    c if c.isprintable() else "?" for c in sources.source_of(f"{sec.name}.{f.name}")
+                )
+                line += f"  # {src}"
+            out.append(line)
         out.append("")
     return "\n".join(out)
 

@@ -1,4 +1,4 @@
-"""structlog set-up: one key=value line per event on stderr, which systemd sends to the journal.
+"""structlog set-up: one journal entry per event, with its fields; a key=value line elsewhere.
 
 Every line has a syslog priority (sd-daemon(3)): decisions and alarms at ``alert``/``crit``,
 failures at ``err``/``warning``, routine lines at ``notice``/``info``/``debug``. Under systemd
@@ -6,13 +6,27 @@ failures at ``err``/``warning``, routine lines at ``notice``/``info``/``debug``.
 prefix that journald reads with the unit's default ``SyslogLevelPrefix=yes``, so
 ``journalctl -p warning -u gce-watchdog`` shows the decisions and failures only. On a terminal
 the prefix is left out; the ``level=`` field says the same in words either way.
+
+When stderr is the journal stream, each event goes instead as one structured entry through
+journald's native protocol (a datagram to ``/run/systemd/journal/socket``,
+systemd-journald.service(8), the "Native Journal Protocol" document, as sd_journal_sendv(3)
+sends it): ``MESSAGE`` (the event
+and its fields as one readable line, without a second timestamp), ``PRIORITY``,
+``SYSLOG_IDENTIFIER=gce-watchdog`` and every field as ``GCEWD_<NAME>`` (``GCEWD_EVENT``,
+``GCEWD_RUNG``, ...), so ``journalctl -o json`` users get them as data. A datagram that cannot be
+sent (no socket, too big, journald gone) is written as the prefixed line on stderr instead: a line
+is never lost.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
+import struct
 import sys
+import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import IO, Any, TextIO
 
@@ -115,23 +129,159 @@ def render(prefix: bool) -> Callable[[Any, str, MutableMapping[str, Any]], str]:
     return _render
 
 
+# systemd-journald.service(8): "/run/systemd/journal/socket: ... the native protocol".
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+IDENTIFIER = "gce-watchdog"
+FIELD_PREFIX = "GCEWD_"
+# journald's rule for a field name (systemd.journal-fields(7), sd_journal_sendv(3)): upper-case
+# letters, digits and "_", not starting with "_" (those are trusted fields) or a digit, at most
+# 64 characters. Our prefix takes care of the start.
+_BAD_NAME_CHAR = re.compile(r"[^A-Z0-9_]")
+MAX_FIELD_NAME = 64
+SEND_TIMEOUT_S = 1.0  # a stalled journald must not hold the ladder: the line goes to stderr
+
+
+def field_name(key: str) -> str:
+    """``GCEWD_`` and the key in upper case, anything journald does not take as ``_``."""
+    return (FIELD_PREFIX + _BAD_NAME_CHAR.sub("_", key.upper()))[:MAX_FIELD_NAME]
+
+
+def encode_native(fields: list[tuple[str, str | bytes]]) -> bytes:
+    """One entry in journald's native protocol: ``NAME=value\\n``, or, for a value holding a
+    newline, ``NAME\\n``, its length as a 64-bit little-endian integer, the bytes as they are,
+    ``\\n`` (binary-safe; the "Native Journal Protocol" document)."""
+    out = bytearray()
+    for name, value in fields:
+        v = value.encode("utf-8", "replace") if isinstance(value, str) else value
+        if b"\n" in v:
+            out += name.encode("ascii") + b"\n" + struct.pack("<Q", len(v)) + v + b"\n"
+        else:
+            out += name.encode("ascii") + b"=" + v + b"\n"
+    return bytes(out)
+
+
+def _text(v: object) -> str:
+    return v if isinstance(v, str) else str(v)
+
+
+def journal_fields(ed: Mapping[str, Any], pri: int) -> list[tuple[str, str | bytes]]:
+    """The entry for one event: MESSAGE, PRIORITY, SYSLOG_IDENTIFIER, then GCEWD_* (pure)."""
+    event = _text(ed.get("event", ""))
+    rest = [(k, v) for k, v in ed.items() if k not in ("event", "timestamp") and v is not None]
+    text = next((_text(v) for k, v in rest if k == "text"), "")
+    words = [event, *(f"{k}={_text(v)}" for k, v in rest if k != "text")]
+    message = " ".join(w for w in words if w) + (f" | {text}" if text else "")
+    out: list[tuple[str, str | bytes]] = [
+        ("MESSAGE", message),
+        ("PRIORITY", str(pri)),
+        ("SYSLOG_IDENTIFIER", IDENTIFIER),
+        (field_name("event"), event),
+        (field_name("level"), NAMES[pri]),
+    ]
+    seen = {name for name, _ in out}
+    for k, v in rest:
+        name = field_name(k)
+        if name not in seen:  # two keys that only differ in case or punctuation: first wins
+            seen.add(name)
+            out.append((name, v if isinstance(v, bytes) else _text(v)))
+    return out
+
+
+class JournalSender:
+    """Datagrams to journald's native socket. ``send`` never raises: False means "not sent"."""
+
+    def __init__(self, path: str = JOURNAL_SOCKET) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+        self.failures = 0
+
+    def send(self, data: bytes) -> bool:
+        try:
+            with self._lock:
+                if self._sock is None:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                    s.settimeout(SEND_TIMEOUT_S)
+                    self._sock = s
+                self._sock.sendto(data, self.path)
+            return True
+        except OSError:  # no socket (not under systemd after all), EMSGSIZE, timeout, ...
+            self.failures += 1
+            return False
+
+
+class JournalLogger:
+    """structlog's logger under systemd: each event as a native journal entry, or, when that
+    cannot be sent, as the prefixed line on the stream (which is the journal's too)."""
+
+    def __init__(self, stream: IO[str], sender: JournalSender) -> None:
+        self.stream = stream
+        self.sender = sender
+        self._lock = threading.Lock()
+
+    def msg(self, line: str, entry: bytes = b"") -> None:
+        if entry and self.sender.send(entry):
+            return
+        with self._lock:
+            try:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):  # stderr gone: nothing else is left to tell
+                pass
+
+    log = debug = info = warning = warn = error = critical = exception = fatal = failure = msg
+
+
+def render_journal() -> Callable[
+    [Any, str, MutableMapping[str, Any]], tuple[tuple[str], dict[str, bytes]]
+]:
+    """The final processor under systemd: the native entry and the prefixed fallback line."""
+    line_of = render(True)
+
+    def _render(
+        logger: Any, method: str, ed: MutableMapping[str, Any]
+    ) -> tuple[tuple[str], dict[str, bytes]]:
+        pri = ed.get("priority")
+        if not isinstance(pri, int) or not EMERG <= pri <= DEBUG:
+            pri = _METHOD.get(method, INFO)
+        entry = encode_native(journal_fields({k: v for k, v in ed.items() if k != "priority"}, pri))
+        return (line_of(logger, method, ed),), {"entry": entry}
+
+    return _render
+
+
 _configured = False
 
 
-def setup(level: str = "info", stream: TextIO | None = None) -> None:
+def setup(
+    level: str = "info",
+    stream: TextIO | None = None,
+    env: Mapping[str, str] | None = None,
+    journal_socket: str | None = None,
+) -> None:
+    """Configure structlog once. Under systemd (``out`` is ``$JOURNAL_STREAM``) events go to
+    ``journal_socket`` (default ``$GCEWD_JOURNAL_SOCKET``, else :data:`JOURNAL_SOCKET`; the
+    variable is for tests that must not write into the host's journal)."""
     global _configured
     if _configured:
         return
     out = stream or sys.stderr
+    env = os.environ if env is None else env
+    journal = journal_stream(out, env)
+    journal_socket = journal_socket or env.get("GCEWD_JOURNAL_SOCKET") or JOURNAL_SOCKET
+    final: Any = render_journal() if journal else render(False)
+    sender = JournalSender(journal_socket)  # one socket for every logger
+    factory: Any = (
+        (lambda *_a: JournalLogger(out, sender))
+        if journal
+        else structlog.PrintLoggerFactory(file=out)
+    )
     structlog.configure(
-        processors=[
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            render(journal_stream(out, os.environ)),
-        ],
+        processors=[structlog.processors.TimeStamper(fmt="iso", utc=True), final],
         wrapper_class=structlog.make_filtering_bound_logger(
             getattr(logging, level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )
     _configured = True
