@@ -480,7 +480,9 @@ def test_chain_retry_never_crosses_its_deadline_whatever_the_api_asks(
             break
         assert w >= p.wait_before(n, jitter)  # never shorter than the back-off
         hint = asked[n - 1]
-        if hint is not None and hint == hint and t + hint + attempt_time <= deadline:
+        # fits: the attempt after it still starts before the deadline (strict, as `t < deadline`
+        # below: a wait ending exactly at the deadline leaves no time for the attempt)
+        if hint is not None and hint == hint and t + hint + attempt_time < deadline:
             assert w >= hint  # a wait that fits is honoured in full
         t += w
         assert t < deadline

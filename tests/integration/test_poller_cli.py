@@ -252,19 +252,21 @@ def test_invented_boots_give_no_second_decision(
 
     data, w = dump()
     api.append_serial("vm-1", data)  # a real boot that shut itself down
-    api.set_status("vm-1", "TERMINATED")
     for boot in ("cccc0003", "dddd0004"):
         for seq, name in enumerate(("phase", "shutdown")):
             ev = protocol.make_event(name, boot, seq, w.ts_ms + 600_000, {"ph": "workload"})
             api.append_serial("vm-1", protocol.encode(ev, secrets.token_bytes(32)).encode() + b"\n")
+    # GCE serves serial output only while the VM is RUNNING (docs/fakes.md): read it then.
     actions = []
-    for _ in range(3):
+    for i in range(4):
+        if i == 1:
+            api.set_status("vm-1", "TERMINATED")  # then it powers off; later rounds read nothing
         assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
         out = outputs(capsys)["vm-1"]
         actions.append(out["action"])
         assert out["verdict"] == "self_shutdown" and out["boot"] == "aaaa0001"
         assert out["forged"] == 4
-    assert actions == ["failover", "already_decided", "already_decided"]
+    assert actions == ["failover", "already_decided", "already_decided", "already_decided"]
     with open_ledger(str(tmp_path / "ledger.sqlite")) as led:
         assert [(d.boot, d.verdict) for d in led.all()] == [("aaaa0001", "self_shutdown")]
 

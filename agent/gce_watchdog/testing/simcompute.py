@@ -18,12 +18,12 @@ with its reference.
   as ``start``; a negative ``start`` means "the most recent ``-start`` bytes"; ``next`` is the
   offset for the next call; int64s are JSON strings. Where the reference is silent the fake
   chooses: a ``start`` beyond the end returns no contents with ``start = next = end``.
-  With ``serial_needs_running=True`` (the faithful mode) a VM that is not RUNNING is refused with
-  503 ``backendError``: GCE serves serial output "only while the VM instance is running" (Compute
-  Engine docs, "Viewing serial port output"), and 503 ``TIMEOUT, backendError`` is the error
-  Google's own serial poller met on a STOPPING VM (compute-image-tools PR #456). What GCE answers
-  for a TERMINATED one is not documented; the fake gives the same 503, and the poller must not
-  depend on the code.
+  By default (``serial_needs_running=True``, the faithful mode) a VM that is not RUNNING is
+  refused with 503 ``backendError``: GCE serves serial output "only while the VM instance is
+  running" (Compute Engine docs, "Viewing serial port output"), and 503 ``TIMEOUT,
+  backendError`` is the error Google's own serial poller met on a STOPPING VM
+  (compute-image-tools PR #456). What GCE answers for a TERMINATED one is not documented; the
+  fake gives the same 503, and the poller must not depend on the code.
 - **Operations** (``Operation``: PENDING, RUNNING, DONE, with ``error``): ``delete``, ``stop`` and
   ``setMetadata`` return an Operation that is PENDING for ``op_pending_s``, RUNNING for
   ``stop_delay_s``, then DONE, on the injected ``clock`` (tests advance it; nothing sleeps). While
@@ -272,7 +272,8 @@ class FakeComputeAPI:
     ``clock`` (seconds, default wall time) drives operations and is the time in ``insertTime``;
     ``stop_delay_s`` how long a stop, a delete or a system event keeps the VM STOPPING;
     ``op_pending_s`` how long an operation stays PENDING; ``serial_needs_running`` the faithful
-    serial rule (off by default: the e2e harness still feeds a stopped VM, see docs/fakes.md).
+    serial rule (on by default, as GCE; ``False`` only for a test about the reader's own window
+    arithmetic that has no VM life cycle, see docs/fakes.md).
     """
 
     def __init__(
@@ -285,7 +286,7 @@ class FakeComputeAPI:
         clock: Callable[[], float] = time.time,
         stop_delay_s: float = 0.0,
         op_pending_s: float = 0.0,
-        serial_needs_running: bool = False,
+        serial_needs_running: bool = True,
     ) -> None:
         self.tokens = {token} if isinstance(token, str) else set(token)
         self.window = window
