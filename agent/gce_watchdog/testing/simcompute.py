@@ -457,10 +457,7 @@ class FakeComputeAPI:
                 key=lambda i: (i.zone, i.name),
             )
             matching = [i for i in matching if match is None or match(i)]
-            page = [
-                _instance_json(i) | {"labels": dict(i.labels)}
-                for i in matching[offset : offset + size]
-            ]
+            page = [_instance_json(i) for i in matching[offset : offset + size]]
             zones = sorted(z for p, z in self.zones if p == project)
         items: dict[str, Any] = {}
         for z in zones:
@@ -536,6 +533,9 @@ def _instance_json(inst: FakeInstance) -> dict[str, Any]:
         "id": inst.id,
         "name": inst.name,
         "status": inst.status,
+        # Instance.labels, served by instances.get and aggregatedList alike (compute v1
+        # reference, https://cloud.google.com/compute/docs/reference/rest/v1/instances).
+        "labels": dict(inst.labels),
         "zone": f"https://www.googleapis.com/compute/v1/{base}",
         "selfLink": f"https://www.googleapis.com/compute/v1/{base}/instances/{inst.name}",
         "scheduling": {
