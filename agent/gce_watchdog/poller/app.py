@@ -46,6 +46,7 @@ from gce_watchdog.lib.compute import (
     ComputeRetry,
     InstanceStatus,
 )
+from gce_watchdog.poller.decisions import doc_for
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
     BudgetedSession,
@@ -54,6 +55,7 @@ from gce_watchdog.poller.fleet import (
     Target,
     plan_interval,
 )
+from gce_watchdog.poller.hooks import FailoverHook
 from gce_watchdog.poller.ledger import BaseLedger
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import (
@@ -88,6 +90,35 @@ class Parts:
     budget: ProjectBudget
     stop: threading.Event  # set by SIGTERM/SIGINT
     ledger_errors: tuple[type[BaseException], ...]  # what a failed ledger or cursor write raises
+    hook: FailoverHook | None = None  # --on-failover
+
+    def deliver(
+        self, out: PollOutcome, as_json: bool, mark: Callable[[PollOutcome], object]
+    ) -> None:
+        """Print an outcome; if it announces a decision, run ``--on-failover`` (when given) and
+        ``mark`` the announcement done only once the command exited 0. A held failover raises
+        the brake's alarm."""
+        _print_outcome(out, as_json)
+        d = out.decision
+        if d is not None and d.held:
+            _log(
+                f"ALARM: the fleet-wide brake holds the failover of {d.instance} "
+                f"({d.verdict}, boot {d.boot}): more than the brake's share of the fleet "
+                "failed over within its window; `gce-watchdog decisions held` lists what it "
+                "holds, `gce-watchdog decisions release --all|ID...` lets it through"
+            )
+            return
+        if not out.announce or d is None:
+            return
+        if self.hook is not None:
+            doc = doc_for(self.ledger, d.token)
+            if doc is None or not self.hook(doc):
+                _log(
+                    f"--on-failover did not succeed for token {d.token}: the announcement stays "
+                    "pending and is retried after its lease"
+                )
+                return
+        mark(out)
 
 
 def run_poll(s: PollSettings) -> int:
@@ -123,7 +154,11 @@ def run_poll(s: PollSettings) -> int:
     errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, *ledger.errors)
     budget = budgeted(client, s.budget, s.workers)
     stop = threading.Event()
-    parts = Parts(client, store, ledger, budget, stop, errors)
+    hook = None
+    if s.on_failover:
+        hook = FailoverHook(s.on_failover, s.on_failover_timeout_s, stop=stop, log=_log)
+    ledger.brake = s.brake
+    parts = Parts(client, store, ledger, budget, stop, errors, hook)
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}
     with _signals_set(stop):
         try:
@@ -179,12 +214,49 @@ def budgeted(client: ComputeClient, per_minute: float, workers: int) -> ProjectB
     return budget
 
 
+def run_decisions_cmd(
+    spec: str | None,
+    what: str,
+    after: int,
+    keep_following: bool,
+    as_json: bool,
+    ids: list[str],
+    every: bool,
+) -> int:
+    """``gce-watchdog decisions``: open the ledger (a release announces through the pollers'
+    next round: its lease is 0), run :func:`gce_watchdog.poller.decisions.run_decisions`."""
+    from gce_watchdog.lib.cli import EX_USAGE
+    from gce_watchdog.poller.decisions import run_decisions
+    from gce_watchdog.poller.ledgers import ledger_backend
+
+    if spec is not None:
+        try:
+            ledger_backend(spec)
+        except ValueError as e:
+            print(f"gce-watchdog decisions: --ledger: {e}", file=sys.stderr)
+            return EX_USAGE
+    try:
+        ledger = open_ledger(
+            spec or _state_home() / "gce-watchdog" / "ledger.sqlite", announce_lease_s=0.0
+        )
+    except Exception as e:  # the driver's own errors, psycopg missing
+        print(f"gce-watchdog decisions: cannot open the ledger: {_redact(e)}", file=sys.stderr)
+        return EX_IOERR
+    stop = threading.Event()
+    with _signals_set(stop):
+        try:
+            return run_decisions(ledger, what, after, keep_following, as_json, ids, every, stop)
+        finally:
+            ledger.close()
+
+
 # -- instances ----------------------------------------------------------------------------------
 
 
 def _run_instances(s: PollSettings, p: Parts) -> int:
     assert s.zone is not None  # settings: this mode has one --project, --zone and names
     poller = Poller(p.client, p.store, s.projects[0], s.zone, p.ledger, s.policy, s.reap)
+    p.ledger.fleet_size = lambda: len(s.instances)
     rc = EX_OK
     rounds = 0
     while not p.stop.is_set():
@@ -195,16 +267,14 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
                 out = poller.poll(name)
                 if out.error:
                     rc = EX_UNAVAILABLE
-                _print_outcome(out, s.json)
-                poller.announced(out)  # after the line is out: pending until then
+                p.deliver(out, s.json, poller.announced)  # marked after: pending until then
             except TargetNotFound as e:
                 # a wrong project or zone: a configuration error, never a verdict
                 _log(str(e))
                 return EX_UNAVAILABLE
         try:  # decisions whose claimer died before announcing them (e.g. a reaped VM)
             for out in lapsed_announcements(p.ledger, time.time()):
-                _print_outcome(out, s.json)
-                announced_outcome(p.ledger, out, time.time())
+                p.deliver(out, s.json, lambda o: announced_outcome(p.ledger, o, time.time()))
         except p.ledger_errors as e:
             _log(f"ledger write failed: {e}")
             return EX_IOERR
@@ -228,6 +298,7 @@ def _fleet(s: PollSettings, p: Parts) -> FleetPoller:
 
 def _run_fleet(s: PollSettings, p: Parts) -> int:
     fleet = _fleet(s, p)
+    p.ledger.fleet_size = lambda: len(fleet.known)
     rc = EX_OK
     rounds = 0
     effective = s.wait_s
@@ -243,8 +314,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
                 nonlocal rc
                 if out.error:
                     rc = EX_UNAVAILABLE
-                _print_outcome(out, s.json)
-                fleet.announced(out)  # after the line is out: pending until then
+                p.deliver(out, s.json, fleet.announced)  # marked after: pending until then
 
             rep = fleet.round(deadline, emit, time.monotonic)
             took = time.monotonic() - t0
@@ -310,6 +380,8 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
 
     sub = s.pubsub
     worker = PubSubWorker(subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s)
+    # the fleet the brake is a share of: every instance heard from on the stream or listed
+    p.ledger.fleet_size = lambda: len(worker.last_heard)
     sweeper = None
     if s.label_filter is not None:  # (settings: --label comes with its --project)
         sweeper = threading.Thread(
@@ -351,7 +423,10 @@ def _sweep(
 
     def announce(out: PollOutcome) -> None:
         emit(out)
-        fleet.announced(out)
+        if out.decision is not None and out.decision.held:
+            _log(f"ALARM: the fleet-wide brake holds the failover of {out.decision.instance}")
+        elif out.announce:
+            fleet.announced(out)
 
     try:
         while not p.stop.is_set():
