@@ -123,6 +123,7 @@ class Parts:
 
 def run_poll(s: PollSettings) -> int:
     """Build the parts, run the mode's loop, close everything; the command's exit status."""
+    global _write_line
     state = _state_home() / "gce-watchdog"
     try:
         retry = ComputeRetry(attempts=s.api.attempts)
@@ -157,6 +158,7 @@ def run_poll(s: PollSettings) -> int:
     hook = None
     if s.on_failover:
         hook = FailoverHook(s.on_failover, s.on_failover_timeout_s, stop=stop, log=_log)
+        _write_line = StdoutSink()
     ledger.brake = s.brake
     parts = Parts(client, store, ledger, budget, stop, errors, hook)
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}
@@ -172,6 +174,7 @@ def run_poll(s: PollSettings) -> int:
         finally:
             ledger.close()
             client.close()
+            _write_line = _print_line
 
 
 @contextmanager
@@ -459,10 +462,10 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
 
         doc = out.to_json()
         doc.setdefault("ts", ts)
-        print(json.dumps(doc, sort_keys=True), flush=True)
+        _write_line(json.dumps(doc, sort_keys=True))
         return
     if out.error:
-        print(f"{ts} {out.instance}: ERROR {out.error}", flush=True)
+        _write_line(f"{ts} {out.instance}: ERROR {out.error}")
         return
     v = out.verdict
     line = f"{ts} {out.instance} id={out.instance_id or '-'} status={out.status}"
@@ -480,4 +483,47 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
     if forged or conflict:  # lines that do not authenticate: someone forges
         line += f" ALARM forged={forged}" + (" key_conflict" if conflict else "")
     line += f" | {v.reason}"
+    _write_line(line)
+
+
+def _print_line(line: str) -> None:
     print(line, flush=True)
+
+
+# Where outcome lines go: stdout, written in the caller's thread (a reader that stops reading
+# blocks the poller: the existing exactly-once tests rely on that to stop a poller after its
+# claim). With --on-failover the hook is the delivery and stdout a log: run_poll routes the lines
+# through a StdoutSink, so a full stdout pipe never blocks an announcement.
+_write_line: Callable[[str], None] = _print_line
+
+
+class StdoutSink:
+    """Outcome lines to stdout from a thread of their own, through a bounded queue: when stdout
+    is not being read and the queue is full, lines are dropped and counted (said on stderr),
+    never waited for."""
+
+    def __init__(self, write: Callable[[str], None] = _print_line, size: int = 10_000) -> None:
+        import queue
+
+        self._q: queue.Queue[str] = queue.Queue(size)
+        self._write = write
+        self.dropped = 0
+        threading.Thread(target=self._drain, name="stdout", daemon=True).start()
+
+    def __call__(self, line: str) -> None:
+        import queue
+
+        try:
+            self._q.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                _log(f"stdout is not being read: {self.dropped} outcome line(s) dropped")
+
+    def _drain(self) -> None:
+        while True:
+            line = self._q.get()
+            try:
+                self._write(line)
+            except (OSError, ValueError):
+                self.dropped += 1  # a closed stdout: the ledger and the hook still deliver

@@ -137,6 +137,9 @@ class FakeComputeAPI:
         self.retry_after: str | None = "1"  # the Retry-After header of a RATE_LIMIT fault
         self.host = host
         self.calls: list[Call] = []
+        # requests per endpoint as they arrive, before any fault (a hung call is in ``calls``
+        # only once it is answered): a test waits on this to act while a call hangs
+        self.arrived: dict[str, int] = {}
         self.operations: dict[str, dict[str, Any]] = {}  # requestId -> operation
         self._instances: dict[tuple[str, str, str], FakeInstance] = {}
         self._zones: set[tuple[str, str]] = set()  # projects and zones that exist (add_zone)
@@ -317,6 +320,8 @@ class FakeComputeAPI:
                 ("stop", "POST"),
             }:
                 endpoint = "unknown"
+        with self._lock:
+            self.arrived[endpoint] = self.arrived.get(endpoint, 0) + 1
         token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
         authorized = token in self.tokens
         if scope is not None:
