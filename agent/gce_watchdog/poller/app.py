@@ -46,6 +46,7 @@ from gce_watchdog.lib.compute import (
     ComputeRetry,
     InstanceStatus,
 )
+from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.decisions import doc_for
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
@@ -80,6 +81,67 @@ def _log(msg: str) -> None:
     print(f"gce-watchdog poll: {msg}", file=sys.stderr, flush=True)
 
 
+CREDENTIAL_TOKEN = "token"  # noqa: S105 (a credential's name): $CREDENTIALS_DIRECTORY/token
+CREDENTIAL_PGPASS = "pgpass"  # $CREDENTIALS_DIRECTORY/pgpass: the ledger's password file
+
+
+def service_credentials(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The credentials systemd passed (``LoadCredential=``), by name: regular files whose
+    content is neither empty nor ``-`` (the shipped unit's ``SetCredential=`` default for each,
+    so that a missing source file is not fatal: "not configured")."""
+    d = env.get("CREDENTIALS_DIRECTORY")
+    found: dict[str, str] = {}
+    if not d:
+        return found
+    for name in (CREDENTIAL_TOKEN, CREDENTIAL_PGPASS):
+        path = Path(d) / name
+        try:
+            if path.is_file() and not path.is_symlink():
+                if path.read_bytes()[:4096].strip() not in (b"", b"-"):
+                    found[name] = str(path)
+        except OSError:
+            continue
+    return found
+
+
+class Pulse:
+    """sd_notify for ``Type=notify``: READY=1 once the loop runs, WATCHDOG=1 (at most once a
+    second) on progress (an outcome, a pull, a wait between rounds), STOPPING=1 at the end."""
+
+    def __init__(self, notifier: Notifier, clock: Callable[[], float] = time.monotonic) -> None:
+        self.notifier = notifier
+        self.clock = clock
+        self._last = -math.inf
+        self._lock = threading.Lock()
+
+    def ready(self, status: str) -> None:
+        self.notifier.notify("READY=1", f"STATUS={status}")
+
+    def beat(self) -> None:
+        if not self.notifier.watchdog_interval:
+            return
+        with self._lock:
+            now = self.clock()
+            if now - self._last < 1.0:
+                return
+            self._last = now
+        self.notifier.notify("WATCHDOG=1")
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        step = self.notifier.watchdog_interval / 3 or seconds
+        end = self.clock() + seconds
+        while True:
+            self.beat()
+            left = end - self.clock()
+            if left <= 0:
+                return stop.is_set()
+            if stop.wait(min(step, left)):
+                return True
+
+    def stopping(self) -> None:
+        self.notifier.notify("STOPPING=1")
+
+
 @dataclass(frozen=True)
 class Parts:
     """What every mode's loop runs on, built by :func:`run_poll`."""
@@ -91,6 +153,17 @@ class Parts:
     stop: threading.Event  # set by SIGTERM/SIGINT
     ledger_errors: tuple[type[BaseException], ...]  # what a failed ledger or cursor write raises
     hook: FailoverHook | None = None  # --on-failover
+    pulse: Pulse | None = None  # systemd's watchdog (Type=notify); None: not under systemd
+
+    def wait(self, seconds: float) -> bool:
+        """``stop.wait`` that keeps the watchdog fed while the loop waits between rounds."""
+        if self.pulse is None:
+            return self.stop.wait(seconds)
+        return self.pulse.wait(self.stop, seconds)
+
+    def beat(self) -> None:
+        if self.pulse is not None:
+            self.pulse.beat()
 
     def deliver(
         self, out: PollOutcome, as_json: bool, mark: Callable[[PollOutcome], object]
@@ -99,6 +172,7 @@ class Parts:
         ``mark`` the announcement done only once the command exited 0. A held failover raises
         the brake's alarm."""
         _print_outcome(out, as_json)
+        self.beat()  # an outcome is progress
         d = out.decision
         if d is not None and d.held:
             _log(
@@ -125,10 +199,14 @@ def run_poll(s: PollSettings) -> int:
     """Build the parts, run the mode's loop, close everything; the command's exit status."""
     global _write_line
     state = _state_home() / "gce-watchdog"
+    creds = service_credentials(os.environ)
+    token_file = s.api.token_file or creds.get(CREDENTIAL_TOKEN)
+    if CREDENTIAL_PGPASS in creds and "PGPASSFILE" not in os.environ:
+        os.environ["PGPASSFILE"] = creds[CREDENTIAL_PGPASS]  # libpq reads it from there
     try:
         retry = ComputeRetry(attempts=s.api.attempts)
         client = ComputeClient.create(
-            _credentials(s.api.token_file), s.api.base or DEFAULT_API_BASE, retry=retry
+            _credentials(token_file), s.api.base or DEFAULT_API_BASE, retry=retry
         )
     except (OSError, ValueError) as e:
         _log(f"--access-token-file: {e}")
@@ -160,7 +238,11 @@ def run_poll(s: PollSettings) -> int:
         hook = FailoverHook(s.on_failover, s.on_failover_timeout_s, stop=stop, log=_log)
         _write_line = StdoutSink()
     ledger.brake = s.brake
-    parts = Parts(client, store, ledger, budget, stop, errors, hook)
+    notifier = Notifier()
+    pulse = Pulse(notifier) if notifier.enabled else None
+    parts = Parts(client, store, ledger, budget, stop, errors, hook, pulse)
+    if pulse is not None:
+        pulse.ready(f"polling ({s.mode.value})")
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}
     with _signals_set(stop):
         try:
@@ -172,6 +254,8 @@ def run_poll(s: PollSettings) -> int:
             _log(f"ledger/cursor write failed: {e}")
             return EX_IOERR
         finally:
+            if pulse is not None:
+                pulse.stopping()
             ledger.close()
             client.close()
             _write_line = _print_line
@@ -284,7 +368,7 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
         _cursor_notes(p.store)
         if s.once or (s.max_polls and rounds >= s.max_polls):
             break
-        p.stop.wait(s.wait_s)
+        p.wait(s.wait_s)
     return rc
 
 
@@ -343,7 +427,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
             effective = plan.interval_s
             if s.once or (s.max_polls and rounds >= s.max_polls):
                 break
-            p.stop.wait(max(0.0, effective - (time.monotonic() - t0)))
+            p.wait(max(0.0, effective - (time.monotonic() - t0)))
     finally:
         fleet.close()
     return rc
@@ -395,6 +479,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
     try:
         while not p.stop.is_set():
             worker.step(PULL_TIMEOUT_S)
+            p.beat()
     finally:
         p.stop.set()
         if sweeper is not None:
