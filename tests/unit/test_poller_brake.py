@@ -90,13 +90,17 @@ def test_the_ledger_holds_failovers_beyond_the_share_and_releases_them(tmp_path:
         released = [led.release(h, "operator", 1200.0) for h in picked]
         assert [d.token for d in released] == [7, 8] and all(d.won for d in released)
         assert len(led.holds()) == 42
+        released_all = [led.release(h, "operator", 1200.0) for h in led.holds()]
+        assert [d.token for d in released_all] == list(range(9, 51))
+        # at 1606 the six admitted at 1000..1005 aged out; the 44 released at 1200 would not
+        assert claim(led, 60, 1606.0).won  # released ones do not fill the window
         assert not claim(led, 7, 1300.0).won
         rows = led.details_after(0)
-        assert [d.token for d, _ in rows] == list(range(1, 9))  # gap-free, increasing
-        doc = decision_doc(*rows[-1])
+        assert [d.token for d, _ in rows] == list(range(1, 52))  # gap-free, increasing
+        doc = decision_doc(*rows[7])
         assert (doc["v"], doc["project"], doc["zone"], doc["name"]) == (1, "p", "z", "vm-8")
         assert doc["job"] == "job-8" and doc["labels"] == {"gce-watchdog-job": "job-8"}
-        assert doc["evidence"] == ["line 8"] and doc["request_id"] == rows[-1][0].request_id
+        assert doc["evidence"] == ["line 8"] and doc["request_id"] == rows[7][0].request_id
 
 
 def test_the_window_slides_and_a_wedge_in_a_healthy_fleet_goes_through(tmp_path: Path) -> None:

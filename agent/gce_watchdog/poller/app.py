@@ -96,9 +96,9 @@ def service_credentials(env: dict[str, str] | os._Environ[str]) -> dict[str, str
     for name in (CREDENTIAL_TOKEN, CREDENTIAL_PGPASS):
         path = Path(d) / name
         try:
-            if path.is_file() and not path.is_symlink():
-                if path.read_bytes()[:4096].strip() not in (b"", b"-"):
-                    found[name] = str(path)
+            usable = path.is_file() and not path.is_symlink()
+            if usable and path.read_bytes()[:4096].strip() not in (b"", b"-"):
+                found[name] = str(path)
         except OSError:
             continue
     return found

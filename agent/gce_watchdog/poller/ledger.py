@@ -334,8 +334,13 @@ class BaseLedger:
         )
         if held:
             return held[0][0] is not None
+        # released holds do not count: an operator let them through, and a real failover after
+        # a release must not be held for it
         ((recent,),) = self._exec(
-            "SELECT count(*) FROM decisions WHERE decided_at > ?", (now - self.brake.window_s,)
+            "SELECT count(*) FROM decisions d WHERE d.decided_at > ? AND NOT EXISTS"
+            " (SELECT 1 FROM brake_holds h WHERE h.instance_id = d.instance_id"
+            " AND h.boot = d.boot)",
+            (now - self.brake.window_s,),
         )
         if self.brake.admits(int(recent), int(self.fleet_size())):  # type: ignore[call-overload]
             return True
@@ -351,10 +356,13 @@ class BaseLedger:
 
     @_locked
     def holds(self) -> list[Hold]:
-        """The failovers the brake holds now (not released), oldest first."""
+        """The failovers the brake holds now, oldest first: not released, and not decided since
+        (by a poller with the brake off)."""
         rows = self._exec(
             "SELECT instance_id, boot, verdict, reason, instance, details, held_at"
-            " FROM brake_holds WHERE released_at IS NULL ORDER BY held_at, instance_id"
+            " FROM brake_holds h WHERE released_at IS NULL AND NOT EXISTS"
+            " (SELECT 1 FROM decisions d WHERE d.instance_id = h.instance_id AND d.boot = h.boot)"
+            " ORDER BY held_at, instance_id"
         )
         return [
             Hold(str(a), str(b), str(c), str(d), str(e), json.loads(str(f)), float(g))  # type: ignore[arg-type]
