@@ -447,3 +447,52 @@ def test_a_dispatcher_follows_decisions_as_they_are_made(tmp_path: Path) -> None
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=DEADLINE_S)
+
+
+def test_decisions_are_published_to_a_topic_with_the_request_id(
+    api: FakeComputeAPI, tmp_path: Path, pubsub_host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--publish``: one message per announced decision on the real emulator, the view's JSON
+    as data, ``request_id`` and ``token`` as attributes; a second poll publishes nothing more."""
+    import random
+
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
+    from google.cloud import pubsub_v1
+
+    n = f"{os.getpid()}-{random.getrandbits(32):x}"
+    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    topic = pub.topic_path(P, f"decisions-{n}")
+    subscription = sub.subscription_path(P, f"dispatcher-{n}")
+    pub.create_topic(request={"name": topic})
+    sub.create_subscription(request={"name": subscription, "topic": topic})
+    try:
+        wedge(api, "vm-1", "0000000b", {"gce-watchdog-job": "job-1"})
+        (tmp_path / "tok").write_text("tok\n")
+        argv = ["poll", "--project", P, "--zone", Z, "--api-base", api.base_url,
+                "--access-token-file", str(tmp_path / "tok"),
+                "--ledger", str(tmp_path / "l.sqlite"), "--cursor-dir", str(tmp_path / "c"),
+                "--json", "--once", "--publish", topic, "vm-1"]  # fmt: skip
+        assert main(argv) == 0
+        assert main(argv) == 0  # already decided and announced: nothing published
+        pub.publish(topic, b"end", sentinel="1").result(timeout=DEADLINE_S)
+        got = []  # what the pollers published before the sentinel (the emulator keeps order)
+        deadline = time.monotonic() + DEADLINE_S
+        while not any(m.message.attributes.get("sentinel") for m in got):
+            assert time.monotonic() < deadline, "the sentinel never came"
+            r = sub.pull(request={"subscription": subscription, "max_messages": 10}, timeout=10)
+            got += list(r.received_messages)
+        sub.acknowledge(request={"subscription": subscription, "ack_ids": [m.ack_id for m in got]})
+        got = [m for m in got if not m.message.attributes.get("sentinel")]
+    finally:
+        sub.delete_subscription(request={"subscription": subscription})
+        pub.delete_topic(request={"topic": topic})
+        sub.close()
+    assert len(got) == 1
+    msg = got[0].message
+    doc = json.loads(msg.data)
+    with open_ledger(str(tmp_path / "l.sqlite")) as led:
+        (d,) = led.all()
+        assert d.announced_at is not None
+    assert dict(msg.attributes) == {"request_id": d.request_id, "token": "1",
+                                    "verdict": "self_shutdown"}  # fmt: skip
+    assert (doc["v"], doc["token"], doc["job"], doc["name"]) == (1, 1, "job-1", "vm-1")

@@ -56,7 +56,7 @@ from gce_watchdog.poller.fleet import (
     Target,
     plan_interval,
 )
-from gce_watchdog.poller.hooks import FailoverHook
+from gce_watchdog.poller.hooks import FailoverHook, TopicPublisher
 from gce_watchdog.poller.ledger import BaseLedger
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import (
@@ -154,6 +154,8 @@ class Parts:
     ledger_errors: tuple[type[BaseException], ...]  # what a failed ledger or cursor write raises
     hook: FailoverHook | None = None  # --on-failover
     pulse: Pulse | None = None  # systemd's watchdog (Type=notify); None: not under systemd
+    # --publish, then --on-failover: each must succeed before the announcement is marked done
+    deliveries: tuple[Callable[[dict[str, Any]], bool], ...] = ()
 
     def wait(self, seconds: float) -> bool:
         """``stop.wait`` that keeps the watchdog fed while the loop waits between rounds."""
@@ -184,11 +186,11 @@ class Parts:
             return
         if not out.announce or d is None:
             return
-        if self.hook is not None:
+        if self.deliveries:
             doc = doc_for(self.ledger, d.token)
-            if doc is None or not self.hook(doc):
+            if doc is None or not all(deliver(doc) for deliver in self.deliveries):
                 _log(
-                    f"--on-failover did not succeed for token {d.token}: the announcement stays "
+                    f"the delivery of token {d.token} did not succeed: the announcement stays "
                     "pending and is retried after its lease"
                 )
                 return
@@ -236,11 +238,24 @@ def run_poll(s: PollSettings) -> int:
     hook = None
     if s.on_failover:
         hook = FailoverHook(s.on_failover, s.on_failover_timeout_s, stop=stop, log=_log)
-        _write_line = StdoutSink()
     ledger.brake = s.brake
     notifier = Notifier()
     pulse = Pulse(notifier) if notifier.enabled else None
-    parts = Parts(client, store, ledger, budget, stop, errors, hook, pulse)
+    deliveries: list[Callable[[dict[str, Any]], bool]] = []
+    if s.publish:
+        try:
+            from google.cloud import pubsub_v1
+        except ImportError as e:
+            ledger.close()
+            client.close()
+            _log(f"--publish needs the [pubsub] extra: {e}")
+            return EX_UNAVAILABLE
+        deliveries.append(TopicPublisher(pubsub_v1.PublisherClient(), s.publish, log=_log))
+    if hook is not None:
+        deliveries.append(hook)
+    if deliveries:
+        _write_line = StdoutSink()
+    parts = Parts(client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries))
     if pulse is not None:
         pulse.ready(f"polling ({s.mode.value})")
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}

@@ -146,6 +146,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--on-failover-timeout", default="60s", help="a run of --on-failover is killed after this"
     )
     p.add_argument(
+        "--publish",
+        default=None,
+        metavar="projects/P/topics/T",
+        help="publish each announced decision to this Pub/Sub topic (the [pubsub] extra; "
+        "attribute request_id for dedup); marked done only once accepted",
+    )
+    p.add_argument(
         "--brake",
         default="on",
         metavar="on|off|SHARE/WINDOW[/FLOOR]",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import tempfile
@@ -100,3 +101,34 @@ class FailoverHook:
         except (ProcessLookupError, PermissionError):
             proc.kill()
         proc.wait()
+
+
+# A topic's resource name (Pub/Sub resource names: a topic id starts with a letter, 3-255 of
+# letters, digits and - _ . ~ + %).
+TOPIC_RE = re.compile(r"projects/[^/\s]+/topics/[A-Za-z][-A-Za-z0-9._~%+]{2,254}\Z")
+
+
+@dataclass
+class TopicPublisher:
+    """``poll --publish projects/P/topics/T``: each announced decision as one Pub/Sub message,
+    the view's JSON as data and attributes ``request_id``, ``token``, ``verdict`` (subscribers
+    dedup on ``request_id``: delivery is at-least-once, like ``--on-failover``). True once the
+    service accepted it (the publish future resolved), within ``timeout_s``."""
+
+    publisher: Any  # a google.cloud.pubsub_v1.PublisherClient
+    topic: str
+    timeout_s: float = 60.0
+    log: Callable[[str], None] = lambda _msg: None
+
+    def __call__(self, doc: Mapping[str, Any]) -> bool:
+        data = json.dumps(doc, sort_keys=True).encode()
+        try:
+            future = self.publisher.publish(
+                self.topic, data, request_id=str(doc["request_id"]), token=str(doc["token"]),
+                verdict=str(doc["verdict"]),
+            )  # fmt: skip
+            future.result(timeout=self.timeout_s)
+        except Exception as e:  # the client's errors (google.api_core), a timeout
+            self.log(f"--publish {self.topic} for token {doc['token']}: {type(e).__name__}: {e}")
+            return False
+        return True

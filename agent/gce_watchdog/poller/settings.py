@@ -66,6 +66,7 @@ class PollSettings:
     on_failover: tuple[str, ...] = ()
     on_failover_timeout_s: float = 60.0
     brake: BrakeRule | None = None  # --brake; None: off (poll_settings: on by default)
+    publish: str | None = None  # --publish projects/P/topics/T
 
     @property
     def mode(self) -> Mode:
@@ -149,6 +150,14 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         errs.append("--max-polls must be >= 0")
     on_failover, hook_timeout_s = _on_failover(v, errs)
     brake = _brake(v.get("brake") or "on", errs)
+    publish: str | None = v.get("publish")
+    if publish is not None:
+        from gce_watchdog.poller.hooks import TOPIC_RE
+
+        if not TOPIC_RE.match(publish):
+            errs.append(f"--publish {publish!r}: want projects/PROJECT/topics/NAME")
+        if v.get("pubsub") is not None:
+            errs.append("--publish is not run by --pubsub workers: follow `gce-watchdog decisions`")
     if errs or policy is None:
         raise InvalidSettings(errs)
     return PollSettings(
@@ -172,6 +181,7 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         on_failover=on_failover,
         on_failover_timeout_s=hook_timeout_s,
         brake=brake,
+        publish=publish,
     )
 
 
