@@ -496,3 +496,14 @@ def test_decisions_are_published_to_a_topic_with_the_request_id(
     assert dict(msg.attributes) == {"request_id": d.request_id, "token": "1",
                                     "verdict": "self_shutdown"}  # fmt: skip
     assert (doc["v"], doc["token"], doc["job"], doc["name"]) == (1, 1, "job-1", "vm-1")
+
+
+def test_decisions_never_creates_a_ledger(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo in --ledger must not follow a fresh, empty ledger forever."""
+    missing = tmp_path / "typo.sqlite"
+    assert main(["decisions", "--ledger", str(missing), "--follow"]) == 74
+    assert not missing.exists() and "no ledger at" in capsys.readouterr().err
+    assert main(["decisions", "--ledger", "mysql://h/db"]) == 64
+    assert main(["decisions", "release", "--ledger", str(missing)]) == 64  # neither --all nor IDs

@@ -16,6 +16,13 @@ cursor store, the per-project budget and the SIGTERM/SIGINT handlers, then runs 
   the ordinary poller) the instances the stream cannot speak for: not RUNNING, silent for longer
   than the drain timeout, or never heard from (their console is not exported).
 
+Every mode prints each outcome; an announcing one is delivered (``--publish``, then
+``--on-failover``: :mod:`gce_watchdog.poller.hooks`) and only then marked announced; a failover
+the fleet-wide brake holds (:mod:`gce_watchdog.poller.brake`, applied in the ledger's claim)
+raises an alarm instead. Under systemd (``$NOTIFY_SOCKET``) the loops notify READY, WATCHDOG on
+progress, and STOPPING; secrets come from ``$CREDENTIALS_DIRECTORY`` (:func:`service_credentials`).
+:func:`run_decisions_cmd` is ``gce-watchdog decisions`` (:mod:`gce_watchdog.poller.decisions`).
+
 Only ``poller/cli.py`` imports this module, inside its handler, so ``gce-watchdog run`` never
 loads sqlite3 or the poller. Exit codes are ``lib/cli.py``'s, listed in ``poll --help``.
 """
@@ -331,16 +338,18 @@ def run_decisions_cmd(
     from gce_watchdog.poller.decisions import run_decisions
     from gce_watchdog.poller.ledgers import ledger_backend
 
-    if spec is not None:
-        try:
-            ledger_backend(spec)
-        except ValueError as e:
-            print(f"gce-watchdog decisions: --ledger: {e}", file=sys.stderr)
-            return EX_USAGE
+    where: str | Path = spec or _state_home() / "gce-watchdog" / "ledger.sqlite"
     try:
-        ledger = open_ledger(
-            spec or _state_home() / "gce-watchdog" / "ledger.sqlite", announce_lease_s=0.0
-        )
+        backend = ledger_backend(where)
+    except ValueError as e:
+        print(f"gce-watchdog decisions: --ledger: {e}", file=sys.stderr)
+        return EX_USAGE
+    if backend == "sqlite" and not Path(where).is_file():
+        # a reader never creates a ledger: a typo would follow an empty one forever
+        print(f"gce-watchdog decisions: no ledger at {where}", file=sys.stderr)
+        return EX_IOERR
+    try:
+        ledger = open_ledger(where, announce_lease_s=0.0)
     except Exception as e:  # the driver's own errors, psycopg missing
         print(f"gce-watchdog decisions: cannot open the ledger: {_redact(e)}", file=sys.stderr)
         return EX_IOERR
