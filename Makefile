@@ -53,8 +53,9 @@ demo: $(STAMP)
 test: $(STAMP) apt-test
 	$(VENV)/bin/ruff check agent tests bench tools
 	$(VENV)/bin/mypy
+	MYPYPATH=tests $(VENV)/bin/mypy --strict tests/kit
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -p no:cacheprovider
 	@$(MAKE) --no-print-directory e2e-if-possible
 
 # The fast loop (docs/architecture.md, "Tests"): the unit tier only, pure tests with no processes
@@ -68,6 +69,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check agent tests bench tools
 	$(VENV)/bin/ruff format --check agent tests bench e2e tools
 	$(VENV)/bin/mypy
+	MYPYPATH=tests $(VENV)/bin/mypy --strict tests/kit
 	$(VENV)/bin/lint-imports
 
 # Benchmarks (docs/performance.md): the agent vs monit and watchdog(8) in network namespaces.
