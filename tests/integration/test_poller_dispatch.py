@@ -31,6 +31,8 @@ from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer
 from kit.paths import REPO
+from kit.pipes import blocked_pipe
+from kit.wait import wait_for
 
 P, Z = "test-project", "us-central1-a"
 DEADLINE_S = 60.0  # every wait for an event is bounded by this
@@ -109,10 +111,7 @@ def ledger_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def until(pred: Callable[[], object], what: str) -> None:
     """Wait for an event (bounded); the predicate is the event."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+    assert wait_for(pred, DEADLINE_S, 0.02), f"timed out waiting for {what}"
 
 
 def wedge(api: FakeComputeAPI, name: str, boot: str, labels: dict[str, str]) -> None:
@@ -306,29 +305,13 @@ def test_a_hook_writing_without_end_never_blocks(tmp_path: Path) -> None:
     assert FailoverHook(argv, 30.0, attempts=1)(DOC)
 
 
-def _blocked_stdout() -> tuple[int, int]:
-    """A pipe whose buffer is already full: the first write to it blocks (nobody reads it)."""
-    import fcntl
-
-    r, w = os.pipe()
-    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: the smallest buffer, one page
-    os.set_blocking(w, False)
-    try:
-        while True:
-            os.write(w, b"x" * 4096)
-    except BlockingIOError:
-        pass
-    os.set_blocking(w, True)
-    return r, w
-
-
 def test_a_full_stdout_pipe_never_blocks_an_announcement(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:
     ledger = str(tmp_path / "l.sqlite")
     rig = Rig(api, tmp_path, ledger)
     wedge(api, "vm-1", "0000000a", {"gce-watchdog-job": "job-1"})
-    r, w = _blocked_stdout()
+    r, w = blocked_pipe()
     try:
         p = subprocess.run(rig.argv("vm-1"), stdout=w, stderr=subprocess.PIPE, env=ENV,
                            timeout=DEADLINE_S, check=False)  # fmt: skip

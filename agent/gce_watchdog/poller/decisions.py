@@ -129,12 +129,13 @@ def run_decisions(
     ids: list[str],
     every: bool,
     stop: threading.Event,
-    stdout: TextIO = sys.stdout,
+    stdout: TextIO | None = None,
 ) -> int:
-    """``gce-watchdog decisions [list|held|release]``: the exit status."""
+    """``gce-watchdog decisions [list|held|release]``: the exit status. ``stdout``: None is
+    ``sys.stdout`` as it is when a line is written."""
 
     def emit(doc: dict[str, Any]) -> None:
-        print(_line(doc, as_json), file=stdout, flush=True)
+        print(_line(doc, as_json), file=stdout or sys.stdout, flush=True)
 
     try:
         if what == "list":
