@@ -356,16 +356,17 @@ def outcomes(text: str) -> list[dict[str, object]]:
 def test_the_brake_holds_a_zone_outage_of_50_vms_and_a_release_lets_them_through(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """100 VMs in two zones; every VM of one zone goes off at once (TERMINATED, no line: each
-    alone would be ``terminated_unexplained``, failover yes). The default brake (10 %/10 min,
-    at least 3) lets 10 through, holds 40 with an alarm, and lists them; one release command
-    decides the rest, and the next round announces them."""
-    names = sorted(fleet(api, 50, ["us-central1-a", "us-central1-b"]))
+    """100 VMs in two zones; one zone loses its network: every agent there climbs its ladder
+    and powers its VM off (``self_shutdown``, each alone a failover). The default brake
+    (10 %/10 min, at least 3) lets 10 through, holds 40 with an alarm, and lists them; one
+    release command decides the rest, and the next round announces them."""
+    writers = fleet(api, 50, ["us-central1-a", "us-central1-b"])
     assert main(fleet_argv(api, tmp_path)) == 0
     assert {o["action"] for o in outcomes(capsys.readouterr().out)} == {"none"}
-    outage = [n for n in names if n.startswith("vm-b-")]
+    outage = [n for n in sorted(writers) if n.startswith("vm-b-")]
     for n in outage:
-        api.set_status(n, "TERMINATED")
+        w = writers[n]
+        api.append_serial(n, w.line("shutdown", {"reason": "ladder", "rung": "10/10"}, "off"))
     main(fleet_argv(api, tmp_path))
     cap = capsys.readouterr()
     actions = Counter(str(o["action"]) for o in outcomes(cap.out))
