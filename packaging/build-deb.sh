@@ -101,6 +101,7 @@ unit.parent.mkdir(parents=True)
 cfg = cfgmod.load(conf)
 unit.write_text(render_unit(template(UNIT), DEFAULT_EXEC, str(cfgmod.DEFAULT_PATH), cfg))
 PY
+install -D -m 0644 "$repo/systemd/gce-watchdog-poller.service" "$stage/lib/systemd/system/gce-watchdog-poller.service"
 install -D -m 0755 "$repo/startup/startup-script.sh" "$stage/usr/share/gce-watchdog/startup-script.sh"
 install -d "$stage/usr/bin"
 ln -s "$prefix/bin/gce-watchdog" "$stage/usr/bin/gce-watchdog"

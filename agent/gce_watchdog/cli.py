@@ -126,6 +126,11 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("74", "the ledger or cursor directory cannot be opened or written"),
         ("77", "no credentials, or the API rejected them"),
     ),
+    ("decisions",): (
+        ("0", "listed (or followed until SIGTERM), or released"),
+        ("64", "usage error; release: an ID that is not held"),
+        ("74", "the ledger cannot be opened or read"),
+    ),
     ("parse",): (
         ("0", "parsed"),
         ("64", "usage error: bad --now or --drain-timeout"),

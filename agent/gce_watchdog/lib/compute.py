@@ -194,6 +194,17 @@ class InstanceStatus:
     status: str
     spot: bool
     termination_action: str = ""
+    # The instance's labels (Instance.labels, a map of strings), sorted: hashable, for the
+    # decisions the poller records (docs/poller.md, "Decisions as an interface").
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def instance_labels(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """``Instance.labels`` of an instance resource, sorted; () when absent or not a map."""
+    raw = body.get("labels")
+    if not isinstance(raw, dict):
+        return ()
+    return tuple(sorted((str(k), str(v)) for k, v in raw.items()))
 
 
 def validate_target(project: str, zone: str, names: list[str]) -> list[str]:
@@ -354,6 +365,7 @@ class ComputeClient:
             status=str(body.get("status", "")),
             spot=spot,
             termination_action=str(sched.get("instanceTerminationAction", "")),
+            labels=instance_labels(body),
         )
 
     def scope_exists(self, project: str, zone: str | None = None) -> bool:

@@ -19,8 +19,13 @@ imports the rest only inside its handlers):
 - :mod:`gce_watchdog.poller.settings`: ``PollSettings``, ``poll``'s options checked once.
 - :mod:`gce_watchdog.poller.app`: the composition root of ``poll``: client, ledger, cursors,
   budget, signals, then one loop per mode.
+- :mod:`gce_watchdog.poller.decisions`: the ledger's versioned view for dispatchers, and
+  ``gce-watchdog decisions`` (list, follow, held, release).
+- :mod:`gce_watchdog.poller.hooks`: ``--on-failover`` (a command per announcement) and
+  ``--publish`` (a Pub/Sub message per announcement).
+- :mod:`gce_watchdog.poller.brake`: the fleet-wide brake's pure rule.
 - :mod:`gce_watchdog.poller.dump`: ``parse``'s reading and printing of a saved dump.
-- :mod:`gce_watchdog.poller.cli`: ``gce-watchdog poll`` and ``gce-watchdog parse`` (options only).
+- :mod:`gce_watchdog.poller.cli`: ``gce-watchdog poll``, ``parse`` and ``decisions`` (options only).
 
 ``docs/poller.md`` documents the decision table, the reader and the ledger.
 """

@@ -16,6 +16,13 @@ cursor store, the per-project budget and the SIGTERM/SIGINT handlers, then runs 
   the ordinary poller) the instances the stream cannot speak for: not RUNNING, silent for longer
   than the drain timeout, or never heard from (their console is not exported).
 
+Every mode prints each outcome; an announcing one is delivered (``--publish``, then
+``--on-failover``: :mod:`gce_watchdog.poller.hooks`) and only then marked announced; a failover
+the fleet-wide brake holds (:mod:`gce_watchdog.poller.brake`, applied in the ledger's claim)
+raises an alarm instead. Under systemd (``$NOTIFY_SOCKET``) the loops notify READY, WATCHDOG on
+progress, and STOPPING; secrets come from ``$CREDENTIALS_DIRECTORY`` (:func:`service_credentials`).
+:func:`run_decisions_cmd` is ``gce-watchdog decisions`` (:mod:`gce_watchdog.poller.decisions`).
+
 Only ``poller/cli.py`` imports this module, inside its handler, so ``gce-watchdog run`` never
 loads sqlite3 or the poller. Exit codes are ``lib/cli.py``'s, listed in ``poll --help``.
 """
@@ -46,6 +53,8 @@ from gce_watchdog.lib.compute import (
     ComputeRetry,
     InstanceStatus,
 )
+from gce_watchdog.lib.sdnotify import Notifier
+from gce_watchdog.poller.decisions import doc_for
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
     BudgetedSession,
@@ -54,6 +63,7 @@ from gce_watchdog.poller.fleet import (
     Target,
     plan_interval,
 )
+from gce_watchdog.poller.hooks import FailoverHook, TopicPublisher
 from gce_watchdog.poller.ledger import BaseLedger
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import (
@@ -78,6 +88,67 @@ def _log(msg: str) -> None:
     print(f"gce-watchdog poll: {msg}", file=sys.stderr, flush=True)
 
 
+CREDENTIAL_TOKEN = "token"  # noqa: S105 (a credential's name): $CREDENTIALS_DIRECTORY/token
+CREDENTIAL_PGPASS = "pgpass"  # $CREDENTIALS_DIRECTORY/pgpass: the ledger's password file
+
+
+def service_credentials(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The credentials systemd passed (``LoadCredential=``), by name: regular files whose
+    content is neither empty nor ``-`` (the shipped unit's ``SetCredential=`` default for each,
+    so that a missing source file is not fatal: "not configured")."""
+    d = env.get("CREDENTIALS_DIRECTORY")
+    found: dict[str, str] = {}
+    if not d:
+        return found
+    for name in (CREDENTIAL_TOKEN, CREDENTIAL_PGPASS):
+        path = Path(d) / name
+        try:
+            usable = path.is_file() and not path.is_symlink()
+            if usable and path.read_bytes()[:4096].strip() not in (b"", b"-"):
+                found[name] = str(path)
+        except OSError:
+            continue
+    return found
+
+
+class Pulse:
+    """sd_notify for ``Type=notify``: READY=1 once the loop runs, WATCHDOG=1 (at most once a
+    second) on progress (an outcome, a pull, a wait between rounds), STOPPING=1 at the end."""
+
+    def __init__(self, notifier: Notifier, clock: Callable[[], float] = time.monotonic) -> None:
+        self.notifier = notifier
+        self.clock = clock
+        self._last = -math.inf
+        self._lock = threading.Lock()
+
+    def ready(self, status: str) -> None:
+        self.notifier.notify("READY=1", f"STATUS={status}")
+
+    def beat(self) -> None:
+        if not self.notifier.watchdog_interval:
+            return
+        with self._lock:
+            now = self.clock()
+            if now - self._last < 1.0:
+                return
+            self._last = now
+        self.notifier.notify("WATCHDOG=1")
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
+        step = self.notifier.watchdog_interval / 3 or seconds
+        end = self.clock() + seconds
+        while True:
+            self.beat()
+            left = end - self.clock()
+            if left <= 0:
+                return stop.is_set()
+            if stop.wait(min(step, left)):
+                return True
+
+    def stopping(self) -> None:
+        self.notifier.notify("STOPPING=1")
+
+
 @dataclass(frozen=True)
 class Parts:
     """What every mode's loop runs on, built by :func:`run_poll`."""
@@ -88,15 +159,63 @@ class Parts:
     budget: ProjectBudget
     stop: threading.Event  # set by SIGTERM/SIGINT
     ledger_errors: tuple[type[BaseException], ...]  # what a failed ledger or cursor write raises
+    hook: FailoverHook | None = None  # --on-failover
+    pulse: Pulse | None = None  # systemd's watchdog (Type=notify); None: not under systemd
+    # --publish, then --on-failover: each must succeed before the announcement is marked done
+    deliveries: tuple[Callable[[dict[str, Any]], bool], ...] = ()
+
+    def wait(self, seconds: float) -> bool:
+        """``stop.wait`` that keeps the watchdog fed while the loop waits between rounds."""
+        if self.pulse is None:
+            return self.stop.wait(seconds)
+        return self.pulse.wait(self.stop, seconds)
+
+    def beat(self) -> None:
+        if self.pulse is not None:
+            self.pulse.beat()
+
+    def deliver(
+        self, out: PollOutcome, as_json: bool, mark: Callable[[PollOutcome], object]
+    ) -> None:
+        """Print an outcome; if it announces a decision, run ``--on-failover`` (when given) and
+        ``mark`` the announcement done only once the command exited 0. A held failover raises
+        the brake's alarm."""
+        _print_outcome(out, as_json)
+        self.beat()  # an outcome is progress
+        d = out.decision
+        if d is not None and d.held:
+            _log(
+                f"ALARM: the fleet-wide brake holds the failover of {d.instance} "
+                f"({d.verdict}, boot {d.boot}): more than the brake's share of the fleet "
+                "failed over within its window; `gce-watchdog decisions held` lists what it "
+                "holds, `gce-watchdog decisions release --all|ID...` lets it through"
+            )
+            return
+        if not out.announce or d is None:
+            return
+        if self.deliveries:
+            doc = doc_for(self.ledger, d.token)
+            if doc is None or not all(deliver(doc) for deliver in self.deliveries):
+                _log(
+                    f"the delivery of token {d.token} did not succeed: the announcement stays "
+                    "pending and is retried after its lease"
+                )
+                return
+        mark(out)
 
 
 def run_poll(s: PollSettings) -> int:
     """Build the parts, run the mode's loop, close everything; the command's exit status."""
+    global _write_line
     state = _state_home() / "gce-watchdog"
+    creds = service_credentials(os.environ)
+    token_file = s.api.token_file or creds.get(CREDENTIAL_TOKEN)
+    if CREDENTIAL_PGPASS in creds and "PGPASSFILE" not in os.environ:
+        os.environ["PGPASSFILE"] = creds[CREDENTIAL_PGPASS]  # libpq reads it from there
     try:
         retry = ComputeRetry(attempts=s.api.attempts)
         client = ComputeClient.create(
-            _credentials(s.api.token_file), s.api.base or DEFAULT_API_BASE, retry=retry
+            _credentials(token_file), s.api.base or DEFAULT_API_BASE, retry=retry
         )
     except (OSError, ValueError) as e:
         _log(f"--access-token-file: {e}")
@@ -123,7 +242,29 @@ def run_poll(s: PollSettings) -> int:
     errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, *ledger.errors)
     budget = budgeted(client, s.budget, s.workers)
     stop = threading.Event()
-    parts = Parts(client, store, ledger, budget, stop, errors)
+    hook = None
+    if s.on_failover:
+        hook = FailoverHook(s.on_failover, s.on_failover_timeout_s, stop=stop, log=_log)
+    ledger.brake = s.brake
+    notifier = Notifier()
+    pulse = Pulse(notifier) if notifier.enabled else None
+    deliveries: list[Callable[[dict[str, Any]], bool]] = []
+    if s.publish:
+        try:
+            from google.cloud import pubsub_v1
+        except ImportError as e:
+            ledger.close()
+            client.close()
+            _log(f"--publish needs the [pubsub] extra: {e}")
+            return EX_UNAVAILABLE
+        deliveries.append(TopicPublisher(pubsub_v1.PublisherClient(), s.publish, log=_log))
+    if hook is not None:
+        deliveries.append(hook)
+    if deliveries:
+        _write_line = StdoutSink()
+    parts = Parts(client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries))
+    if pulse is not None:
+        pulse.ready(f"polling ({s.mode.value})")
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}
     with _signals_set(stop):
         try:
@@ -135,8 +276,11 @@ def run_poll(s: PollSettings) -> int:
             _log(f"ledger/cursor write failed: {e}")
             return EX_IOERR
         finally:
+            if pulse is not None:
+                pulse.stopping()
             ledger.close()
             client.close()
+            _write_line = _print_line
 
 
 @contextmanager
@@ -179,12 +323,51 @@ def budgeted(client: ComputeClient, per_minute: float, workers: int) -> ProjectB
     return budget
 
 
+def run_decisions_cmd(
+    spec: str | None,
+    what: str,
+    after: int,
+    keep_following: bool,
+    as_json: bool,
+    ids: list[str],
+    every: bool,
+) -> int:
+    """``gce-watchdog decisions``: open the ledger (a release announces through the pollers'
+    next round: its lease is 0), run :func:`gce_watchdog.poller.decisions.run_decisions`."""
+    from gce_watchdog.lib.cli import EX_USAGE
+    from gce_watchdog.poller.decisions import run_decisions
+    from gce_watchdog.poller.ledgers import ledger_backend
+
+    where: str | Path = spec or _state_home() / "gce-watchdog" / "ledger.sqlite"
+    try:
+        backend = ledger_backend(where)
+    except ValueError as e:
+        print(f"gce-watchdog decisions: --ledger: {e}", file=sys.stderr)
+        return EX_USAGE
+    if backend == "sqlite" and not Path(where).is_file():
+        # a reader never creates a ledger: a typo would follow an empty one forever
+        print(f"gce-watchdog decisions: no ledger at {where}", file=sys.stderr)
+        return EX_IOERR
+    try:
+        ledger = open_ledger(where, announce_lease_s=0.0)
+    except Exception as e:  # the driver's own errors, psycopg missing
+        print(f"gce-watchdog decisions: cannot open the ledger: {_redact(e)}", file=sys.stderr)
+        return EX_IOERR
+    stop = threading.Event()
+    with _signals_set(stop):
+        try:
+            return run_decisions(ledger, what, after, keep_following, as_json, ids, every, stop)
+        finally:
+            ledger.close()
+
+
 # -- instances ----------------------------------------------------------------------------------
 
 
 def _run_instances(s: PollSettings, p: Parts) -> int:
     assert s.zone is not None  # settings: this mode has one --project, --zone and names
     poller = Poller(p.client, p.store, s.projects[0], s.zone, p.ledger, s.policy, s.reap)
+    p.ledger.fleet_size = lambda: len(s.instances)
     rc = EX_OK
     rounds = 0
     while not p.stop.is_set():
@@ -195,23 +378,21 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
                 out = poller.poll(name)
                 if out.error:
                     rc = EX_UNAVAILABLE
-                _print_outcome(out, s.json)
-                poller.announced(out)  # after the line is out: pending until then
+                p.deliver(out, s.json, poller.announced)  # marked after: pending until then
             except TargetNotFound as e:
                 # a wrong project or zone: a configuration error, never a verdict
                 _log(str(e))
                 return EX_UNAVAILABLE
         try:  # decisions whose claimer died before announcing them (e.g. a reaped VM)
             for out in lapsed_announcements(p.ledger, time.time()):
-                _print_outcome(out, s.json)
-                announced_outcome(p.ledger, out, time.time())
+                p.deliver(out, s.json, lambda o: announced_outcome(p.ledger, o, time.time()))
         except p.ledger_errors as e:
             _log(f"ledger write failed: {e}")
             return EX_IOERR
         _cursor_notes(p.store)
         if s.once or (s.max_polls and rounds >= s.max_polls):
             break
-        p.stop.wait(s.wait_s)
+        p.wait(s.wait_s)
     return rc
 
 
@@ -228,6 +409,7 @@ def _fleet(s: PollSettings, p: Parts) -> FleetPoller:
 
 def _run_fleet(s: PollSettings, p: Parts) -> int:
     fleet = _fleet(s, p)
+    p.ledger.fleet_size = lambda: len(fleet.known)
     rc = EX_OK
     rounds = 0
     effective = s.wait_s
@@ -243,8 +425,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
                 nonlocal rc
                 if out.error:
                     rc = EX_UNAVAILABLE
-                _print_outcome(out, s.json)
-                fleet.announced(out)  # after the line is out: pending until then
+                p.deliver(out, s.json, fleet.announced)  # marked after: pending until then
 
             rep = fleet.round(deadline, emit, time.monotonic)
             took = time.monotonic() - t0
@@ -270,7 +451,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
             effective = plan.interval_s
             if s.once or (s.max_polls and rounds >= s.max_polls):
                 break
-            p.stop.wait(max(0.0, effective - (time.monotonic() - t0)))
+            p.wait(max(0.0, effective - (time.monotonic() - t0)))
     finally:
         fleet.close()
     return rc
@@ -310,6 +491,8 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
 
     sub = s.pubsub
     worker = PubSubWorker(subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s)
+    # the fleet the brake is a share of: every instance heard from on the stream or listed
+    p.ledger.fleet_size = lambda: len(worker.last_heard)
     sweeper = None
     if s.label_filter is not None:  # (settings: --label comes with its --project)
         sweeper = threading.Thread(
@@ -320,6 +503,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
     try:
         while not p.stop.is_set():
             worker.step(PULL_TIMEOUT_S)
+            p.beat()
     finally:
         p.stop.set()
         if sweeper is not None:
@@ -351,7 +535,10 @@ def _sweep(
 
     def announce(out: PollOutcome) -> None:
         emit(out)
-        fleet.announced(out)
+        if out.decision is not None and out.decision.held:
+            _log(f"ALARM: the fleet-wide brake holds the failover of {out.decision.instance}")
+        elif out.announce:
+            fleet.announced(out)
 
     try:
         while not p.stop.is_set():
@@ -384,10 +571,10 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
 
         doc = out.to_json()
         doc.setdefault("ts", ts)
-        print(json.dumps(doc, sort_keys=True), flush=True)
+        _write_line(json.dumps(doc, sort_keys=True))
         return
     if out.error:
-        print(f"{ts} {out.instance}: ERROR {out.error}", flush=True)
+        _write_line(f"{ts} {out.instance}: ERROR {out.error}")
         return
     v = out.verdict
     line = f"{ts} {out.instance} id={out.instance_id or '-'} status={out.status}"
@@ -405,4 +592,47 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
     if forged or conflict:  # lines that do not authenticate: someone forges
         line += f" ALARM forged={forged}" + (" key_conflict" if conflict else "")
     line += f" | {v.reason}"
+    _write_line(line)
+
+
+def _print_line(line: str) -> None:
     print(line, flush=True)
+
+
+# Where outcome lines go: stdout, written in the caller's thread (a reader that stops reading
+# blocks the poller: the existing exactly-once tests rely on that to stop a poller after its
+# claim). With --on-failover the hook is the delivery and stdout a log: run_poll routes the lines
+# through a StdoutSink, so a full stdout pipe never blocks an announcement.
+_write_line: Callable[[str], None] = _print_line
+
+
+class StdoutSink:
+    """Outcome lines to stdout from a thread of their own, through a bounded queue: when stdout
+    is not being read and the queue is full, lines are dropped and counted (said on stderr),
+    never waited for."""
+
+    def __init__(self, write: Callable[[str], None] = _print_line, size: int = 10_000) -> None:
+        import queue
+
+        self._q: queue.Queue[str] = queue.Queue(size)
+        self._write = write
+        self.dropped = 0
+        threading.Thread(target=self._drain, name="stdout", daemon=True).start()
+
+    def __call__(self, line: str) -> None:
+        import queue
+
+        try:
+            self._q.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                _log(f"stdout is not being read: {self.dropped} outcome line(s) dropped")
+
+    def _drain(self) -> None:
+        while True:
+            line = self._q.get()
+            try:
+                self._write(line)
+            except (OSError, ValueError):
+                self.dropped += 1  # a closed stdout: the ledger and the hook still deliver

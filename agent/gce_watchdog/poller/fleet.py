@@ -38,6 +38,7 @@ from gce_watchdog.lib.compute import (
     ComputeClient,
     HTTPSession,
     InstanceStatus,
+    instance_labels,
 )
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.poller.ledger import BaseLedger
@@ -115,6 +116,7 @@ def _status(body: dict[str, Any]) -> InstanceStatus:
         status=str(body.get("status", "")),
         spot=sched.get("provisioningModel") == "SPOT" or bool(sched.get("preemptible")),
         termination_action=str(sched.get("instanceTerminationAction", "")),
+        labels=instance_labels(body),
     )
 
 

@@ -18,16 +18,20 @@ delete and GCE treats the retries as one request.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
 import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+if TYPE_CHECKING:
+    from gce_watchdog.poller.brake import BrakeRule
 
 # A claim holds the write lock for a few milliseconds; 30 s covers a busy disk and many pollers.
 BUSY_TIMEOUT_MS = 30_000
@@ -73,6 +77,30 @@ _ADDED_COLUMNS = (
     ("announce_owner", "TEXT"),
     ("announce_until", "REAL"),
 )
+# Decisions as an interface (docs/poller.md): what a dispatcher needs beyond the decision (the
+# instance's labels, its job, the verdict's evidence), one row per token, written in the claim's
+# transaction; and the fleet-wide brake's holds: failovers it did not let through, one per
+# (instance id, boot), until an operator releases them. Tables of their own, in both backends.
+DISPATCH_TABLES = (
+    """CREATE TABLE IF NOT EXISTS decision_details (
+        token    BIGINT PRIMARY KEY,
+        labels   TEXT NOT NULL,
+        job      TEXT,
+        evidence TEXT NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS brake_holds (
+        instance_id TEXT NOT NULL,
+        boot        TEXT NOT NULL,
+        verdict     TEXT NOT NULL,
+        reason      TEXT NOT NULL,
+        instance    TEXT NOT NULL,
+        details     TEXT NOT NULL,
+        held_at     DOUBLE PRECISION NOT NULL,
+        released_at DOUBLE PRECISION,
+        released_by TEXT,
+        PRIMARY KEY (instance_id, boot)
+    )""",
+)
 _COLUMNS = (
     "instance_id, boot, token, verdict, reason, instance, owner, decided_at, reaped_at,"
     " reap_result, announced_at, announced_by"
@@ -96,11 +124,30 @@ class Decision:
     reap_result: str | None = None
     announced_at: float | None = None
     announced_by: str | None = None
+    # The fleet-wide brake held this failover: nothing was recorded but the hold (token 0, no
+    # announcement, no reap) until ``gce-watchdog decisions release`` (docs/poller.md).
+    held: bool = False
 
     @property
     def request_id(self) -> str:
         """The requestId for reaping this decision's instance: the same for every retry."""
         return str(uuid.uuid5(_REQUEST_NS, f"{self.instance_id}/{self.boot}/{self.token}"))
+
+
+_COLUMNS_D = ", ".join(f"d.{c.strip()}" for c in _COLUMNS.split(","))
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A failover the fleet-wide brake holds (``brake_holds``)."""
+
+    instance_id: str
+    boot: str
+    verdict: str
+    reason: str
+    instance: str  # project/zone/name
+    details: dict[str, Any]
+    held_at: float
 
 
 # Keys without a boot: the verdict came from no line of ours ("-"), or without an instance id
@@ -159,6 +206,10 @@ class BaseLedger:
     _lock: threading.RLock
     # The driver's exception types: the CLI treats these as "ledger unavailable" (exit 74).
     errors: tuple[type[BaseException], ...] = ()
+    # The fleet-wide brake (None: off) and the size of the fleet it is a share of; the poller's
+    # loop sets both (``fleet_size`` as an instance attribute).
+    brake: BrakeRule | None = None
+    fleet_size: Callable[[], int] = staticmethod(lambda: 0)
 
     # -- what a backend supplies -----------------------------------------------------------
 
@@ -199,11 +250,15 @@ class BaseLedger:
         reason: str,
         instance: str = "",
         now: float | None = None,
+        details: Mapping[str, Any] | None = None,
     ) -> Decision:
         """Record a FAILOVER decision for (instance_id, boot) unless one exists.
 
         Returns the new decision with ``won=True`` and a fresh fencing token, or the existing one
-        with ``won=False`` ("already decided"), whoever and whenever decided it.
+        with ``won=False`` ("already decided"), whoever and whenever decided it. ``details``
+        (``labels``, ``job``, ``evidence``) go in ``decision_details`` in the same transaction.
+        With the brake on and its share of the window taken, nothing is decided: the failover is
+        held (``held=True``) until released.
         """
         decided_at = time.time() if now is None else now
         try:
@@ -214,6 +269,14 @@ class BaseLedger:
             if row is not None:
                 self._commit()
                 return row
+            if self.brake is not None and not self._brake_passes(
+                instance_id, boot, verdict, reason, instance, details or {}, decided_at
+            ):
+                self._commit()
+                return Decision(
+                    instance_id, boot, 0, verdict, reason, instance, self.owner, decided_at,
+                    False, held=True,
+                )  # fmt: skip
             (last,) = self._exec("SELECT last_token FROM fence WHERE id = 1")[0]
             token = int(last) + 1  # type: ignore[call-overload]
             self._exec("UPDATE fence SET last_token = ? WHERE id = 1", (token,))
@@ -234,6 +297,16 @@ class BaseLedger:
                     decided_at + self.announce_lease_s,
                 ),
             )
+            d = details or {}
+            self._exec(
+                "INSERT INTO decision_details (token, labels, job, evidence) VALUES (?, ?, ?, ?)",
+                (
+                    token,
+                    json.dumps(dict(d.get("labels") or {}), sort_keys=True),
+                    d.get("job"),
+                    json.dumps(list(d.get("evidence") or [])),
+                ),
+            )
             self._commit()
         except BaseException:
             self._rollback()
@@ -241,6 +314,99 @@ class BaseLedger:
         return Decision(
             instance_id, boot, token, verdict, reason, instance, self.owner, decided_at, True
         )
+
+    def _brake_passes(
+        self,
+        instance_id: str,
+        boot: str,
+        verdict: str,
+        reason: str,
+        instance: str,
+        details: Mapping[str, Any],
+        now: float,
+    ) -> bool:
+        """Inside the claim's transaction (its lock serialises every claimer): a released hold
+        passes; a held one stays held; else the brake's rule over the window's decisions."""
+        assert self.brake is not None
+        held = self._exec(
+            "SELECT released_at FROM brake_holds WHERE instance_id = ? AND boot = ?",
+            (instance_id, boot),
+        )
+        if held:
+            return held[0][0] is not None
+        # released holds do not count: an operator let them through, and a real failover after
+        # a release must not be held for it
+        ((recent,),) = self._exec(
+            "SELECT count(*) FROM decisions d WHERE d.decided_at > ? AND NOT EXISTS"
+            " (SELECT 1 FROM brake_holds h WHERE h.instance_id = d.instance_id"
+            " AND h.boot = d.boot)",
+            (now - self.brake.window_s,),
+        )
+        if self.brake.admits(int(recent), int(self.fleet_size())):  # type: ignore[call-overload]
+            return True
+        self._exec(
+            "INSERT INTO brake_holds (instance_id, boot, verdict, reason, instance, details,"
+            " held_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                instance_id, boot, verdict, reason, instance,
+                json.dumps(dict(details), sort_keys=True, default=list), now,
+            ),
+        )  # fmt: skip
+        return False
+
+    @_locked
+    def holds(self) -> list[Hold]:
+        """The failovers the brake holds now, oldest first: not released, and not decided since
+        (by a poller with the brake off)."""
+        rows = self._exec(
+            "SELECT instance_id, boot, verdict, reason, instance, details, held_at"
+            " FROM brake_holds h WHERE released_at IS NULL AND NOT EXISTS"
+            " (SELECT 1 FROM decisions d WHERE d.instance_id = h.instance_id AND d.boot = h.boot)"
+            " ORDER BY held_at, instance_id"
+        )
+        return [
+            Hold(str(a), str(b), str(c), str(d), str(e), json.loads(str(f)), float(g))  # type: ignore[arg-type]
+            for a, b, c, d, e, f, g in rows
+        ]
+
+    @_locked
+    def release(self, hold: Hold, by: str, now: float | None = None) -> Decision:
+        """Release one held failover: mark it released, then claim it past the brake (two
+        transactions: a release that dies between them is claimed by the next poll)."""
+        at = time.time() if now is None else now
+        self._rowcount(
+            "UPDATE brake_holds SET released_at = ?, released_by = ?"
+            " WHERE instance_id = ? AND boot = ? AND released_at IS NULL",
+            (at, by, hold.instance_id, hold.boot),
+        )
+        return self.claim(
+            hold.instance_id, hold.boot, hold.verdict, hold.reason, hold.instance, at,
+            hold.details,
+        )  # fmt: skip
+
+    @_locked
+    def details_after(self, after: int, limit: int = 500) -> list[tuple[Decision, dict[str, Any]]]:
+        """Decisions with a token above ``after``, in token order, with their details."""
+        rows = self._exec(
+            f"SELECT {_COLUMNS_D}, x.labels, x.job, x.evidence FROM decisions d"  # noqa: S608
+            " LEFT JOIN decision_details x ON x.token = d.token"
+            " WHERE d.token > ? ORDER BY d.token LIMIT ?",
+            (after, limit),
+        )
+        out = []
+        for r in rows:
+            labels, job, evidence = r[12:15]
+            out.append(
+                (
+                    _row(r[:12]),
+                    {
+                        "labels": json.loads(str(labels)) if labels is not None else {},
+                        "job": None if job is None else str(job),
+                        "evidence": json.loads(str(evidence)) if evidence is not None else [],
+                    },
+                )
+            )
+        return out
 
     def _settled(self, instance_id: str, boot: str, instance: str) -> Decision | None:
         """The instance's decision that rules out a new one (see the class docstring)."""
@@ -393,6 +559,8 @@ class Ledger(BaseLedger):
         db.execute("BEGIN IMMEDIATE")
         try:
             for stmt in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
+                db.execute(stmt)
+            for stmt in DISPATCH_TABLES:
                 db.execute(stmt)
             have = {str(r[1]) for r in db.execute("PRAGMA table_info(decisions)")}
             missing = [(n, t) for n, t in _ADDED_COLUMNS if n not in have]

@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, BaseLedger
+from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, DISPATCH_TABLES, BaseLedger
 
 # A statement that waits this long for a lock is cancelled, so a stuck peer cannot hold every
 # poller forever (the same bound as SQLite's busy timeout).
@@ -98,12 +98,22 @@ class PostgresLedger(BaseLedger):
                     if not self._schema_ready():
                         for stmt in _SCHEMA:
                             self._db.execute(stmt)
+            if not self._ready("brake_holds"):  # the decisions interface's tables (later)
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._ready("brake_holds"):
+                        for stmt in DISPATCH_TABLES:
+                            self._db.execute(stmt)
         except BaseException:
             self._db.close()
             raise
 
     def _schema_ready(self) -> bool:
         row = self._db.execute("SELECT to_regclass('decisions_pending') IS NOT NULL").fetchone()
+        return bool(row and row[0])
+
+    def _ready(self, table: str) -> bool:
+        row = self._db.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
         return bool(row and row[0])
 
     def close(self) -> None:

@@ -31,6 +31,9 @@ from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind
 
+# The label that names an instance's job for the dispatcher (docs/poller.md, "Decisions as an
+# interface"): recorded with each decision as ``job``.
+JOB_LABEL = "gce-watchdog-job"
 # The verdicts of a job's own ending: reaped with ``reap`` once the VM is off (issue 24).
 END_VERDICTS = frozenset(
     {VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_FAILED, VerdictKind.SETUP_FAILED}
@@ -97,6 +100,8 @@ class PollOutcome:
             return "none"
         if self.decision is None:
             return "failover_unrecorded"
+        if self.decision.held:
+            return "held"
         return "failover" if self.announce else "already_decided"
 
     def to_json(self) -> dict[str, Any]:
@@ -122,6 +127,7 @@ class PollOutcome:
                 "owner": d.owner,
                 "decided_at": d.decided_at,
                 "request_id": d.request_id,
+                "held": d.held,  # the fleet-wide brake holds it: token 0, nothing decided yet
             },
             "alarm": v.alarm if v else False,
             "reaped": self.reaped,
@@ -144,6 +150,12 @@ class PollOutcome:
             "forged_reasons": self.forged_reasons or {},
             "key_conflict": self.key_conflict,
         }
+
+
+def decision_details(info: InstanceStatus | None, verdict: Verdict) -> dict[str, Any]:
+    """What the ledger records beside a decision for the dispatcher: labels, job, evidence."""
+    labels = dict(info.labels) if info is not None else {}
+    return {"labels": labels, "job": labels.get(JOB_LABEL), "evidence": list(verdict.evidence)}
 
 
 class TargetNotFound(ComputeAPIError):
@@ -246,6 +258,7 @@ class Poller:
                 verdict.reason,
                 self.path(name),
                 now,
+                decision_details(info, verdict),
             )
             # The ledger decides, not the cursor: an existing decision (even one for another key
             # of the same instance) is what this poll reports. Its announcement is ours if we
@@ -254,7 +267,9 @@ class Poller:
                 decision.announced_at is None
                 and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
             )
-            if self.reap and decision.reaped_at is None:
+            if decision.held:
+                pass  # the brake holds it: nothing is announced nor reaped until released
+            elif self.reap and decision.reaped_at is None:
                 reaped, reap_error, reap_pending = self._reap(name, info, decision)
             elif decision.reaped_at is not None:
                 reaped = decision.reap_result

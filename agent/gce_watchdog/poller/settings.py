@@ -15,6 +15,7 @@ from typing import Any
 
 from gce_watchdog.lib.compute import validate_target
 from gce_watchdog.lib.durations import parse_duration
+from gce_watchdog.poller.brake import BrakeRule, parse_share
 from gce_watchdog.poller.verdict import Policy
 
 
@@ -61,6 +62,11 @@ class PollSettings:
     reap: bool
     api: ApiSettings
     policy: Policy
+    # --on-failover: the dispatcher's argv, run per announced decision (poller/hooks.py)
+    on_failover: tuple[str, ...] = ()
+    on_failover_timeout_s: float = 60.0
+    brake: BrakeRule | None = None  # --brake; None: off (poll_settings: on by default)
+    publish: str | None = None  # --publish projects/P/topics/T
 
     @property
     def mode(self) -> Mode:
@@ -146,6 +152,16 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         errs.append("--api-attempts must be >= 1")
     if v["max_polls"] < 0:
         errs.append("--max-polls must be >= 0")
+    on_failover, hook_timeout_s = _on_failover(v, errs)
+    brake = _brake(v.get("brake") or "on", errs)
+    publish: str | None = v.get("publish")
+    if publish is not None:
+        from gce_watchdog.poller.hooks import TOPIC_RE
+
+        if not TOPIC_RE.match(publish):
+            errs.append(f"--publish {publish!r}: want projects/PROJECT/topics/NAME")
+        if v.get("pubsub") is not None:
+            errs.append("--publish is not run by --pubsub workers: follow `gce-watchdog decisions`")
     if errs or policy is None:
         raise InvalidSettings(errs)
     return PollSettings(
@@ -166,7 +182,55 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         reap=v["reap"],
         api=ApiSettings(v["api_base"], v["access_token_file"], v["api_attempts"]),
         policy=policy,
+        on_failover=on_failover,
+        on_failover_timeout_s=hook_timeout_s,
+        brake=brake,
+        publish=publish,
     )
+
+
+def _on_failover(v: Mapping[str, Any], errs: list[str]) -> tuple[tuple[str, ...], float]:
+    import shlex
+
+    raw = v.get("on_failover")
+    timeout_s = 60.0
+    try:
+        timeout_s = parse_duration(v.get("on_failover_timeout") or "60s")
+        if timeout_s <= 0:
+            errs.append("--on-failover-timeout must be > 0")
+    except ValueError as exc:
+        errs.append(f"--on-failover-timeout: {exc}")
+    if raw is None:
+        return (), timeout_s
+    try:
+        argv = tuple(shlex.split(raw))  # an argv: no shell ever sees it
+    except ValueError as exc:
+        errs.append(f"--on-failover {raw!r}: {exc}")
+        return (), timeout_s
+    if not argv:
+        errs.append("--on-failover needs a command")
+    if v.get("pubsub") is not None:
+        errs.append(
+            "--on-failover is not run by --pubsub workers: follow `gce-watchdog decisions` there"
+        )
+    return argv, timeout_s
+
+
+def _brake(raw: str, errs: list[str]) -> BrakeRule | None:
+    """``--brake``: ``on`` (the defaults), ``off``, or ``SHARE/WINDOW[/FLOOR]``."""
+    if raw == "off":
+        return None
+    if raw == "on":
+        return BrakeRule()
+    parts = raw.split("/")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError("want on, off or SHARE/WINDOW[/FLOOR], e.g. 10%/10m/3")
+        floor = int(parts[2]) if len(parts) == 3 else BrakeRule().floor
+        return BrakeRule(parse_share(parts[0]), parse_duration(parts[1]), floor)
+    except ValueError as exc:
+        errs.append(f"--brake {raw!r}: {exc}")
+        return None
 
 
 def _pubsub(v: Mapping[str, Any], errs: list[str]) -> PubSubSettings | None:

@@ -298,6 +298,9 @@ class FakeComputeAPI:
         self.op_pending_s = op_pending_s
         self.serial_needs_running = serial_needs_running
         self.calls: list[Call] = []
+        # requests per endpoint as they arrive, before any fault (a hung call is in ``calls``
+        # only once it is answered): a test waits on this to act while a call hangs
+        self.arrived: dict[str, int] = {}
         # (project, zone, instance name, method id, requestId) -> operation
         self.operations: dict[tuple[str, str, str, str, str], FakeOperation] = {}
         self._ops: list[FakeOperation] = []
@@ -566,6 +569,8 @@ class FakeComputeAPI:
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
         route = self._route(method, parts.path)
         endpoint = route[1].endpoint if route else "unknown"
+        with self._lock:
+            self.arrived[endpoint] = self.arrived.get(endpoint, 0) + 1
         token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
         authorized = token in self.tokens
         status, out, headers = self._dispatch(method, route, query, authorized, body)
@@ -901,6 +906,9 @@ def _instance_json(inst: FakeInstance) -> dict[str, Any]:
         "id": inst.id,
         "name": inst.name,
         "status": inst.status,
+        # Instance.labels, served by instances.get and aggregatedList alike (compute v1
+        # reference, https://cloud.google.com/compute/docs/reference/rest/v1/instances).
+        "labels": dict(inst.labels),
         "zone": f"{API}/{base}",
         "selfLink": f"{API}/{base}/instances/{inst.name}",
         "scheduling": {

@@ -1,0 +1,134 @@
+"""``poll --on-failover CMD``: run the dispatcher's command for each announced decision.
+
+The command is an argv (``shlex.split`` of the option, never a shell), started with the decision's
+versioned JSON (:func:`gce_watchdog.poller.decisions.decision_doc`) and a newline on stdin, and in
+its environment ``GCE_WATCHDOG_TOKEN``, ``GCE_WATCHDOG_REQUEST_ID``, ``GCE_WATCHDOG_INSTANCE``
+(project/zone/name) and ``GCE_WATCHDOG_JOB`` (empty when the instance has no job label).
+
+- Exit 0 is the only success: only then does the poller mark the announcement done.
+- Anything else (an exit status, a signal, a timeout, a command that cannot start) is retried
+  with the package's back-off (``lib.retry.Backoff``) up to ``attempts`` times; then the
+  announcement stays pending and the next announcement sweep (after the lease) tries again.
+  Delivery is at-least-once: the token is the dedup key.
+- Each run is bounded by ``timeout_s``: its whole process group is killed (SIGKILL) then.
+- The command's stdout and stderr go to an unlinked temporary file, never a pipe: a command that
+  writes without end can neither block on a full pipe nor block the poller; the last 2 KiB of
+  a failed run are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gce_watchdog.lib.retry import Backoff
+
+TAIL_BYTES = 2048
+
+
+@dataclass
+class FailoverHook:
+    argv: Sequence[str]
+    timeout_s: float = 60.0
+    attempts: int = 3
+    backoff: Backoff = field(default_factory=lambda: Backoff(initial=1.0, max_wait=30.0))
+    stop: threading.Event = field(default_factory=threading.Event)  # cuts the back-off short
+    log: Callable[[str], None] = lambda _msg: None
+    rng: Callable[[], float] = random.random
+
+    def __call__(self, doc: Mapping[str, Any]) -> bool:
+        """Run the command until it exits 0 (True) or the attempts are spent (False)."""
+        data = (json.dumps(doc, sort_keys=True) + "\n").encode()
+        env = dict(os.environ)
+        env.update(
+            GCE_WATCHDOG_TOKEN=str(doc["token"]),
+            GCE_WATCHDOG_REQUEST_ID=str(doc["request_id"]),
+            GCE_WATCHDOG_INSTANCE=f"{doc['project']}/{doc['zone']}/{doc['name']}",
+            GCE_WATCHDOG_JOB=str(doc.get("job") or ""),
+        )
+        for n in range(1, self.attempts + 1):
+            why = self._once(data, env)
+            if why is None:
+                return True
+            self.log(f"--on-failover for token {doc['token']}: {why} (attempt {n}/{self.attempts})")
+            if n < self.attempts and self.stop.wait(self.backoff.wait(n, self.rng())):
+                break
+        return False
+
+    def _once(self, data: bytes, env: dict[str, str]) -> str | None:
+        """None on exit 0, else what went wrong."""
+        with tempfile.TemporaryFile() as out:
+            try:
+                proc = subprocess.Popen(  # an argv from the operator, no shell
+                    list(self.argv),
+                    stdin=subprocess.PIPE,
+                    stdout=out,
+                    stderr=out,
+                    env=env,
+                    start_new_session=True,  # its own process group: a timeout kills it whole
+                    close_fds=True,
+                )
+            except OSError as e:
+                return f"cannot start {self.argv[0]!r}: {e}"
+            try:
+                proc.communicate(data, timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                self._kill(proc)
+                return f"timed out after {self.timeout_s:g}s (killed)"
+            except BrokenPipeError:
+                proc.wait(timeout=self.timeout_s)  # it exited without reading: its status says
+            rc = proc.returncode
+            if rc == 0:
+                return None
+            out.seek(max(0, out.seek(0, os.SEEK_END) - TAIL_BYTES))
+            tail = out.read().decode("utf-8", "replace").strip()
+            what = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+            return what + (f"; output ends: {tail!r}" if tail else "")
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+        proc.wait()
+
+
+# A topic's resource name (Pub/Sub resource names: a topic id starts with a letter, 3-255 of
+# letters, digits and - _ . ~ + %).
+TOPIC_RE = re.compile(r"projects/[^/\s]+/topics/[A-Za-z][-A-Za-z0-9._~%+]{2,254}\Z")
+
+
+@dataclass
+class TopicPublisher:
+    """``poll --publish projects/P/topics/T``: each announced decision as one Pub/Sub message,
+    the view's JSON as data and attributes ``request_id``, ``token``, ``verdict`` (subscribers
+    dedup on ``request_id``: delivery is at-least-once, like ``--on-failover``). True once the
+    service accepted it (the publish future resolved), within ``timeout_s``."""
+
+    publisher: Any  # a google.cloud.pubsub_v1.PublisherClient
+    topic: str
+    timeout_s: float = 60.0
+    log: Callable[[str], None] = lambda _msg: None
+
+    def __call__(self, doc: Mapping[str, Any]) -> bool:
+        data = json.dumps(doc, sort_keys=True).encode()
+        try:
+            future = self.publisher.publish(
+                self.topic, data, request_id=str(doc["request_id"]), token=str(doc["token"]),
+                verdict=str(doc["verdict"]),
+            )  # fmt: skip
+            future.result(timeout=self.timeout_s)
+        except Exception as e:  # the client's errors (google.api_core), a timeout
+            self.log(f"--publish {self.topic} for token {doc['token']}: {type(e).__name__}: {e}")
+            return False
+        return True
