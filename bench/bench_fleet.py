@@ -185,7 +185,7 @@ def _publish(host: str, topic: str, msgs: list[bytes], rate: float) -> None:
 
 def bench_pubsub(vms: int, rate: float) -> dict[str, Any]:
     from kit import pubsub_emulator
-    from test_poller_pubsub import fleet_messages
+    from kit.logentries import fleet_messages
 
     why = pubsub_emulator.unavailable()
     if why:
