@@ -191,3 +191,16 @@ def test_ctrl_c_or_sigterm_deletes_everything_itself(
     assert alive(api) == [], err.decode()
     doc = json.loads((tmp_path / "out" / "validate.json").read_text())
     assert doc["interrupted"] and not doc["passed"]
+
+
+def test_cleanup_without_a_run_deletes_every_validation_vm_and_nothing_else(
+    api: FakeComputeAPI, tmp_path: Path
+) -> None:
+    api.add_instance("gcewd-vaa1-wedge", project=P, zone=Z, labels={LABEL: "vaa1"})
+    api.add_instance("gcewd-vbb1-done", project=P, zone="europe-west4-b", labels={LABEL: "vbb1"})
+    api.add_instance("production-1", project=P, zone=Z, labels={"team": "ml"})
+    assert main(argv(api, tmp_path, "--cleanup", "vaa1")) == 0
+    assert sorted(i.name for i in alive(api)) == ["gcewd-vbb1-done", "production-1"]
+    assert main(argv(api, tmp_path, "--cleanup")) == 0
+    assert [i.name for i in alive(api)] == ["production-1"]
+    assert main(argv(api, tmp_path, "--cleanup", "Not-A-Run")) == 64

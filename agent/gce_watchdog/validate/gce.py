@@ -21,13 +21,14 @@ from gce_watchdog.lib.compute import (
 from gce_watchdog.validate.plan import LABEL
 
 OP_POLL_S = 2.0  # between two reads of an operation not DONE yet (tests: less)
-# A fixed namespace: the requestId of (run, VM, action) is the same in every retry and every
-# process, so a validate killed and run again, or a cleanup, never creates or deletes twice.
-_NS = uuid.UUID("5b0c4f4e-8f0e-4d8e-9b7a-6f3e2a1c0d9e")
 
 
-def request_id(*parts: str) -> str:
-    return str(uuid.uuid5(_NS, "/".join(parts)))
+def request_id() -> str:
+    """A new requestId for one call: its retries (inside ComputeRetry.call) reuse it, so a retry
+    is one request to GCE. Never derived from the run: GCE keeps a requestId's operation for a
+    while, and a second run with the same --run-id would get the first run's insert back (no VM)
+    or its delete (the new VM left running)."""
+    return str(uuid.uuid4())
 
 
 class OperationFailed(ComputeAPIError):
@@ -91,9 +92,10 @@ class ValidateApi:
         return result
 
     # -- instances -------------------------------------------------------------------------------
-    def insert(self, project: str, zone: str, body: dict[str, object], rid: str) -> dict[str, Any]:
+    def insert(self, project: str, zone: str, body: dict[str, object]) -> dict[str, Any]:
+        """instances.insert; its retries are one insert (one requestId)."""
         url = f"{self.base}/projects/{project}/zones/{zone}/instances"
-        return self.call("POST", url, {"requestId": rid}, body)
+        return self.call("POST", url, {"requestId": request_id()}, body)
 
     def get(self, project: str, zone: str, name: str) -> dict[str, Any] | None:
         try:
@@ -111,13 +113,13 @@ class ValidateApi:
         items.append({"key": key, "value": value})
         body = {"fingerprint": md.get("fingerprint", ""), "items": items}
         url = self.client.instance_url(project, zone, name, "/setMetadata")
-        op = self.call("POST", url, {"requestId": request_id(name, key, value)}, body)
+        op = self.call("POST", url, {"requestId": request_id()}, body)
         self.wait(project, zone, op)
 
-    def delete(self, project: str, zone: str, name: str, run: str) -> dict[str, Any] | None:
-        """Delete (None: already gone). The requestId is per (run, VM): a retry is one delete."""
+    def delete(self, project: str, zone: str, name: str) -> dict[str, Any] | None:
+        """Delete (None: already gone); its retries are one delete (one requestId)."""
         try:
-            return self.client.delete_instance(project, zone, name, request_id(run, name, "delete"))
+            return self.client.delete_instance(project, zone, name, request_id())
         except NotFoundError:
             return None
 

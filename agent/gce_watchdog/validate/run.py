@@ -29,7 +29,7 @@ from gce_watchdog.poller.poller import Poller
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import Policy
-from gce_watchdog.validate.gce import ValidateApi, request_id
+from gce_watchdog.validate.gce import ValidateApi
 from gce_watchdog.validate.plan import LABEL, Plan, VMPlan
 from gce_watchdog.validate.scenarios import (
     SCENARIOS,
@@ -136,7 +136,7 @@ class Run:
                 except (KeyboardInterrupt, Interrupted) as e:
                     interrupted = str(e) or "Ctrl-C"
                     self.say(f"interrupted ({interrupted}): deleting what this run created")
-                except ComputeAPIError as e:
+                except (ComputeAPIError, TimeoutError) as e:
                     interrupted = f"API error: {e}"
                     self.say(f"{interrupted}; deleting what this run created")
                 finally:
@@ -154,9 +154,7 @@ class Run:
         for vm in self.vms:
             self.say(f"creating {vm.plan.name} ({vm.plan.scenario})")
             self.created.append(vm.plan.name)  # before the call: it may land and we be killed
-            op = self.api.insert(
-                p.project, p.zone, vm.plan.body, request_id(p.run, vm.plan.name, "insert")
-            )
+            op = self.api.insert(p.project, p.zone, vm.plan.body)
             vm.inserted_at = self.clock()
             self.api.wait(p.project, p.zone, op)
 
@@ -331,7 +329,7 @@ def cleanup(
     for name in names:
         z = zone or ""
         try:
-            op = api.delete(project, z, name, run)
+            op = api.delete(project, z, name)
             if op is not None:
                 api.wait(project, z, op, within)
             if api.get(project, z, name) is not None:
