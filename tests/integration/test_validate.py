@@ -82,7 +82,8 @@ def test_the_whole_run_wedge_fails_over_once_the_rest_never_and_nothing_is_left(
     rc = main(argv(api, tmp_path, "--yes", "--run-id", "vfull1", "--out", str(out), *FAST))
     doc = json.loads((out / "validate.json").read_text())
     by = {s["scenario"]: s for s in doc["scenarios"]}
-    assert rc == 0, [s["evidence"] for s in doc["scenarios"]]
+    assert rc == 0, [(s["scenario"], [e for e in s["evidence"] if "FAIL" in e], s["notes"])
+                     for s in doc["scenarios"]]  # fmt: skip
     assert doc["passed"] and doc["interrupted"] is None
     wedge = by["wedge"]
     assert wedge["failovers"] == 1 and wedge["verdict"] == "self_shutdown"
@@ -94,6 +95,7 @@ def test_the_whole_run_wedge_fails_over_once_the_rest_never_and_nothing_is_left(
     for name in ("done", "setup-failed", "flap"):
         assert by[name]["failovers"] == 0 and by[name]["passed"], by[name]
     assert by["done"]["verdict"] == "workload_ok" and by["done"]["deleted"]
+    assert by["done"]["reaped_by_poller"]
     assert by["flap"]["timings"]["fault_to_recovered_s"] is not None
     assert all(s["deleted"] for s in doc["scenarios"])
     assert alive(api) == []

@@ -140,8 +140,9 @@ def test_failover_count_must_be_exact(n: int) -> None:
     o = replace(wedge_seen(), failovers=n)
     assert judge(SCENARIOS["wedge"], o).passed == (n == 1)
     done = Observation("done", "vm", left_running_at=1.0, failovers=n, verdict="workload_ok",
-                       deleted=True)  # fmt: skip
+                       deleted=True, reaped_by_poller=True)  # fmt: skip
     assert judge(SCENARIOS["done"], done).passed == (n == 0)
+    assert not judge(SCENARIOS["done"], replace(done, failovers=0, reaped_by_poller=False)).passed
 
 
 def test_a_shutdown_read_only_after_the_vm_was_off_fails() -> None:

@@ -27,7 +27,6 @@ from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.poller.ledger import Ledger
 from gce_watchdog.poller.poller import Poller
 from gce_watchdog.poller.reader import CursorStore
-from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import Policy
 from gce_watchdog.validate.gce import ValidateApi
 from gce_watchdog.validate.plan import LABEL, Plan, VMPlan
@@ -39,6 +38,7 @@ from gce_watchdog.validate.scenarios import (
     report_entry,
 )
 from gce_watchdog.wire import vocab
+from gce_watchdog.wire.protocol import Event
 
 FAULT_KEY = "gce-watchdog-fault"
 BOOT_DEADLINE_S = 15 * 60.0  # insert to the agent's first line (boot, install)
@@ -61,13 +61,13 @@ class VMState:
     plan: VMPlan
     obs: Observation
     serial: bytearray = field(default_factory=bytearray)
-    offset: int = 0
-    tl: Timeline = field(default_factory=Timeline)
+    offset: int = 0  # validate's own reads (the console log in the report folder)
+    seen_events: int = 0  # lines of the poller's timeline already folded in
+    events: list[Event] = field(default_factory=list)
     inserted_at: float | None = None
     workload_at: float | None = None
     fault_sent: bool = False
     seen_running: bool = False
-    reaped: bool = False
     finished: bool = False
     judgement: Judgement | None = None
 
@@ -171,11 +171,12 @@ class Run:
         now = self.clock()
         self._read_serial(vm)
         out = poller.poll(vm.plan.name)
+        self._observe(vm, poller, now)
         if out.verdict is not None:
             o.verdict = out.verdict.kind.value
         status = "gone" if out.status == "MISSING" else out.status
-        if out.reaped and not vm.reaped:
-            vm.reaped = True
+        if out.reaped and not o.reaped_by_poller:
+            o.reaped_by_poller = True
             o.notes.append(f"reaped by the poller ({out.reaped})")
         if status == "RUNNING":
             vm.seen_running = True
@@ -196,7 +197,7 @@ class Run:
             and vm.workload_at is not None
             and now - vm.workload_at >= healthy_for
         ):
-            if any(_rung_above_zero(e) for e in vm.tl.events):
+            if any(_rung_above_zero(e) for e in vm.events):
                 o.notes.append("the ladder was above 0 before the fault (not healthy)")
             self.say(f"{vm.plan.name}: requesting the fault {req}")
             self.api.set_metadata(p.project, p.zone, vm.plan.name, FAULT_KEY, req)
@@ -206,7 +207,7 @@ class Run:
     def _finished(self, vm: VMState, now: float) -> bool:
         s, o = SCENARIOS[vm.plan.scenario], vm.obs
         started = vm.inserted_at or now
-        if vm.workload_at is None and not vm.tl.events and now - started > self.t.boot_deadline_s:
+        if vm.workload_at is None and not vm.events and now - started > self.t.boot_deadline_s:
             o.timed_out = True
             o.notes.append("no line from the VM within the boot deadline")
             return True
@@ -220,7 +221,8 @@ class Run:
         if s.expect_recovered:
             return o.recovered_at is not None
         if s.expect_off:
-            return o.left_running_at is not None and o.verdict in s.expect_verdicts
+            off = o.left_running_at is not None and o.verdict in s.expect_verdicts
+            return off and (o.reaped_by_poller or not s.expect_reaped)
         return False
 
     def _read_serial(self, vm: VMState) -> None:
@@ -230,16 +232,24 @@ class Run:
         except ComputeAPIError:
             return  # not RUNNING (the API serves no output then), or gone
         if chunk.start > vm.offset:
-            vm.obs.notes.append(f"{chunk.start - vm.offset} serial bytes lost")
+            vm.obs.notes.append(f"console log: {chunk.start - vm.offset} bytes lost")
         vm.offset = chunk.next
-        if not chunk.contents:
-            return
         vm.serial += chunk.contents
-        now = self.clock()
-        for ev in vm.tl.feed(chunk.contents, now):
+
+    def _observe(self, vm: VMState, poller: Poller, now: float) -> None:
+        """Fold in the lines the poller read in its last poll: the evidence is what the poller
+        saw (its own reads, before it decides and reaps), never a second read that could race
+        with a delete."""
+        events = poller.reader.cursor(self.plan.project, self.plan.zone, vm.plan.name).timeline
+        evs = events.events
+        if len(evs) < vm.seen_events:  # the poller started the VM's cursor over
+            vm.seen_events = 0
+        for ev in evs[vm.seen_events :]:
             vm.obs.observe_line(ev, now)
+            vm.events.append(ev)
             if ev.event == vocab.PHASE and ev.fields_dict.get("ph") == "workload":
-                vm.workload_at = vm.workload_at or self.clock()
+                vm.workload_at = vm.workload_at or now
+        vm.seen_events = len(evs)
 
     # -- cleanup --------------------------------------------------------------------------------
     def _cleanup(self) -> None:

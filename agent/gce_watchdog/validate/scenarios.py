@@ -32,6 +32,7 @@ class Scenario:
     expect_shutdown: bool = False  # the agent's ladder must write its shutdown line
     expect_recovered: bool = False
     expect_off: bool = False  # the VM must leave RUNNING by itself
+    expect_reaped: bool = False  # the poller (reap) must delete the ended VM
     expect_verdicts: tuple[str, ...] = ()  # acceptable poller verdict kinds (empty: any)
 
     def fault_request(self, run: str, interval_s: float, threshold: int) -> str | None:
@@ -65,6 +66,7 @@ SCENARIOS: dict[str, Scenario] = {
             "a short job finishes: no failover, the VM ends and is reaped",
             workload=("sleep", "30"),
             expect_off=True,
+            expect_reaped=True,
             expect_verdicts=("workload_ok",),
         ),
         Scenario(
@@ -107,6 +109,7 @@ class Observation:
     verdict: str | None = None  # the poller's last verdict kind
     final_status: str | None = None  # the API's last answer ("gone": 404)
     deleted: bool = False
+    reaped_by_poller: bool = False
     timed_out: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -186,7 +189,7 @@ def judge(s: Scenario, o: Observation) -> Judgement:
         check(o.top_rung_at is not None, "the ladder reached the top (N/N read)")
         check(o.shutdown_at is not None, "the shutdown line was read")
         read, left = o.shutdown_read_at, o.left_running_at
-        check(read is not None and (left is None or read <= left),
+        check(read is not None and (left is None or read < left),
               "the shutdown line was read while the VM was RUNNING")  # fmt: skip
     else:
         check(o.shutdown_at is None, "no shutdown line")
@@ -194,6 +197,8 @@ def judge(s: Scenario, o: Observation) -> Judgement:
         check(o.recovered_at is not None, "the recovered line was read")
     if s.expect_off:
         check(o.left_running_at is not None, "the VM left RUNNING by itself")
+    if s.expect_reaped:
+        check(o.reaped_by_poller, "the poller reaped the ended VM")
     if s.expect_failover:
         check(o.decided_at is not None, "the poller recorded its decision")
     if s.expect_verdicts:
@@ -217,6 +222,7 @@ def report_entry(s: Scenario, o: Observation, j: Judgement) -> dict[str, Any]:
         "verdict": o.verdict,
         "final_status": o.final_status,
         "deleted": o.deleted,
+        "reaped_by_poller": o.reaped_by_poller,
         "timings": o.timings(),
         "clocks": {
             "fault, rungs, shutdown line, recovered": "the VM (console lines)",
