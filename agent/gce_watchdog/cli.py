@@ -26,6 +26,7 @@ MODULES: tuple[str, ...] = (
     "gce_watchdog.poller.cli",
     "gce_watchdog.memory.cli",
     "gce_watchdog.report.cli",
+    "gce_watchdog.validate.cli",
 )
 
 
@@ -158,6 +159,13 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("78", "the existing config is invalid: fix it, then run install again"),
     ),
     ("uninstall",): (("0", "removed"), ("1", "a file or systemctl step failed"), _USAGE),
+    ("validate",): (
+        ("0", "every scenario met its expectation (--plan: printed; --cleanup: nothing left)"),
+        ("1", "a scenario failed, the run was interrupted, or --cleanup left a VM"),
+        ("64", "usage error, or a real run without --yes (the plan is printed)"),
+        ("69", "the Compute API failed (--cleanup)"),
+        ("77", "no credentials, or the API rejected them"),
+    ),
 }
 
 

@@ -160,6 +160,12 @@ def served_responses(api: FakeComputeAPI) -> list[tuple[str, dict[str, Any]]]:
     call("compute.zoneOperations.list", "GET", f"{base}/operations",
          params={"filter": 'operationType = "compute.instances.preempted"'})  # fmt: skip
     call("compute.instances.get", "GET", f"{base}/instances/vm-1")  # TERMINATED now
+    body = {"name": "vm-3", "machineType": f"zones/{Z}/machineTypes/e2-small",
+            "labels": {"run": "r1"}, "scheduling": {"provisioningModel": "SPOT"},
+            "metadata": {"items": [{"key": "startup-script", "value": "#!/bin/sh"}]}}  # fmt: skip
+    call("compute.instances.insert", "POST", f"{base}/instances",
+         params={"requestId": str(uuid.uuid4())}, json=body)  # fmt: skip
+    call("compute.instances.get", "GET", f"{base}/instances/vm-3")  # RUNNING, with its metadata
     return out
 
 

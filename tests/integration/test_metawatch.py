@@ -14,10 +14,13 @@ from gce_watchdog.daemon.metawatch import (
     MetadataClient,
     MetadataError,
     MetadataWatcher,
+    SystemdFaultApplier,
+    load_applied,
     load_instance_cache,
     metadata_root,
     parse_disarm_value,
 )
+from gce_watchdog.faults.request import FaultRequest, parse_request
 from gce_watchdog.testing.simgce import FakeMetadataServer
 from gce_watchdog.testing.simgce import SimInstance as SimInfo
 from gce_watchdog.testing.synth import SYNTH_KEY
@@ -269,7 +272,7 @@ def test_a_server_ignoring_wait_for_change_is_not_hammered(tmp_path: Path) -> No
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     client = SameEtagClient()
-    w = MetadataWatcher.from_config(cfg, em, client=client)  # type: ignore[arg-type]
+    w = MetadataWatcher.from_config(cfg, em, client=client)
     t = threading.Thread(target=w._watch, args=("instance/preempted", w._on_pre), daemon=True)
     t.start()
     stop_at = time.monotonic() + 1.5
@@ -278,3 +281,116 @@ def test_a_server_ignoring_wait_for_change_is_not_hammered(tmp_path: Path) -> No
     t.join(3)
     assert not t.is_alive()
     assert client.calls <= 3  # one read + at most one poll per MIN_POLL_GAP_S (1 s)
+
+
+# -- faults requested through metadata ---------------------------------------------------------
+
+
+class RecordingApplier:
+    """Stands in for SystemdFaultApplier: records the requests it was asked to apply."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.applied: list[FaultRequest] = []
+        self.fail = fail
+
+    def __call__(self, req: FaultRequest) -> str | None:
+        self.applied.append(req)
+        return self.fail
+
+
+FAULT = '{"id": "wedge-1", "cut": "metadata+egress443", "ttl": "15m"}'
+
+
+def test_fault_requests_are_ignored_unless_enabled(tmp_path: Path, md: FakeMetadataServer) -> None:
+    md.set_attribute("gce-watchdog-fault", FAULT)
+    w, sink, client = make(tmp_path, md)
+    rec = RecordingApplier()
+    w.apply_fault = rec
+    w.start()
+    try:
+        assert wait_for(lambda: w.refreshes >= 1)
+        w.on_fault_value(FAULT)  # even handed the value, a disabled watcher applies nothing
+    finally:
+        w.stop()
+    assert rec.applied == []
+    assert not any(p.endswith("gce-watchdog-fault") for p, _, _ in client.asked)  # never read
+    refused = [e for e in events(sink) if e.event == "fault"]
+    assert [(e.get("op"), e.get("why"), e.get("req")) for e in refused] == [
+        ("refused", "disabled", "wedge-1")
+    ]
+
+
+def test_a_fault_set_later_is_applied_once_through_the_long_poll(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    w, sink, _ = make(tmp_path, md, faults_from_metadata=True)
+    rec = RecordingApplier()
+    w.apply_fault = rec
+    w.start()
+    try:
+        assert wait_for(lambda: md.count("instance/attributes/") >= 1)
+        md.set_attribute("gce-watchdog-fault", FAULT)  # added while the watcher waits
+        assert wait_for(lambda: len(rec.applied) == 1)
+        req = rec.applied[0]
+        assert (req.id, req.cut.label, req.ttl) == ("wedge-1", "metadata+egress443", 900.0)
+        # The key stays set, an unrelated attribute changes: nothing is applied again.
+        md.set_attribute("other", "x")
+        md.set_attribute("gce-watchdog-fault", FAULT.replace("15m", "16m"))  # same id
+        assert wait_for(lambda: md.count("gce-watchdog-fault") >= 3)
+        md.set_attribute("gce-watchdog-fault", FAULT.replace("wedge-1", "flap-1"))
+        assert wait_for(lambda: len(rec.applied) == 2)
+    finally:
+        w.stop()
+    assert [r.id for r in rec.applied] == ["wedge-1", "flap-1"]
+    assert [e for e in events(sink) if e.event == "fault"] == []  # fault inject writes those
+
+
+def test_an_applied_request_survives_a_restart_and_is_not_reapplied(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    w, _, _ = make(tmp_path, md, faults_from_metadata=True)
+    rec = RecordingApplier()
+    w.apply_fault = rec
+    w.on_fault_value(FAULT)
+    assert len(rec.applied) == 1
+    w2, _, _ = make(tmp_path, md, faults_from_metadata=True)  # the agent restarted (same state)
+    rec2 = RecordingApplier()
+    w2.apply_fault = rec2
+    w2.on_fault_value(FAULT)
+    assert rec2.applied == []
+    assert load_applied(tmp_path) == ["wedge-1"]
+
+
+def test_a_failed_or_invalid_request_is_said_on_the_console(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    w, sink, _ = make(tmp_path, md, faults_from_metadata=True)
+    w.apply_fault = RecordingApplier(fail="rc=1: iptables: not found")
+    w.on_fault_value(FAULT)
+    w.on_fault_value('{"id": "x", "cut": "ssh", "ttl": "1m"}')
+    got = [(e.get("op"), e.get("req"), e.get("why")) for e in events(sink) if e.event == "fault"]
+    assert got == [("refused", "wedge-1", "apply_failed"), ("refused", "x", "invalid")]
+
+
+def test_the_applier_runs_fault_inject_in_a_transient_unit_under_systemd() -> None:
+    ran: list[list[str]] = []
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        ran.append(argv)
+        return 0, ""
+
+    req = parse_request(FAULT)
+    a = SystemdFaultApplier("/etc/gce-watchdog/config.toml", ["gcewd"], run, lambda: True)
+    assert a(req) is None
+    argv = ran[0]
+    assert argv[0] == "systemd-run" and "--unit=gcewd-fault-md-wedge-1" in argv
+    inner = argv[argv.index("--") + 1 :]
+    assert inner == [
+        "gcewd", "fault", "inject", "--metadata", "--egress443", "--ttl", "900s",
+        "--config", "/etc/gce-watchdog/config.toml",
+    ]  # fmt: skip
+    direct = SystemdFaultApplier(None, ["gcewd"], run, lambda: False)
+    assert direct.argv(req) == ["gcewd", "fault", "inject", "--metadata", "--egress443",
+                                "--ttl", "900s"]  # fmt: skip
+    failing = SystemdFaultApplier(None, ["gcewd"], lambda argv: (1, "boom\n"), lambda: False)
+    assert failing(req) == "rc=1: boom"

@@ -671,3 +671,47 @@ def test_real_missing_iptables_exits_69(topo: Topology, tmp_path: Path) -> None:
     r = fault_cli(topo, cfg, "inject", "--metadata", "--ttl", "1m", "--iptables", "/nonexistent")
     assert r.returncode == EX_UNAVAILABLE
     assert "apt-get install iptables" in r.stderr
+
+
+@pytest.mark.netns
+def test_real_fault_from_metadata_cuts_keeps_ssh_and_reverts_after_the_agent_dies(
+    topo: Topology, tmp_path: Path
+) -> None:
+    """The metadata path end to end: the watcher sees the request on a metadata server and runs
+    the real `fault inject` in the VM's namespace; the agent then dies and the TTL still reverts."""
+    from gce_watchdog.daemon.metawatch import MetadataWatcher, SystemdFaultApplier, metadata_root
+    from gce_watchdog.testing.simgce import FakeMetadataServer
+    from gce_watchdog.vm import config as cfgmod
+
+    cfg_path = write_config(tmp_path)
+    topo.start_tcp_listener(topo.gce, "0.0.0.0", 22)
+    with FakeMetadataServer() as md:
+        cfg = cfgmod.from_dict(
+            {
+                "agent": {"state_dir": str(tmp_path / "agent-state")},
+                "metadata": {"url": md.url},
+                "watch": {"faults_from_metadata": True, "poll_timeout": "2s", "refresh": "5s"},
+            }
+        )
+        em = Emitter(
+            MemorySink(), SeqAllocator(tmp_path / "w", "0000abcd"), "0000abcd", key=SYNTH_KEY
+        )
+        applier = SystemdFaultApplier(
+            str(cfg_path), ["ip", "netns", "exec", topo.vm, PY, "-m", "gce_watchdog"],
+            systemd=lambda: False,
+        )  # fmt: skip
+        w = MetadataWatcher(
+            cfg.watch, metadata_root(cfg), cfg.agent.state_dir, em, apply_fault=applier
+        ).start()
+        try:
+            md.set_attribute(
+                "gce-watchdog-fault", '{"id": "t1", "cut": "metadata+egress443", "ttl": "4s"}'
+            )
+            poll(lambda: rule_count(topo) > 0, 15, "rules installed from metadata")
+            assert not topo.tcp_ok(topo.vm, EGRESS_IP, 443, timeout=0.5)
+            assert topo.tcp_ok(topo.vm, "192.0.2.1", 22)  # SSH out of the VM stays open
+        finally:
+            w.stop()  # the agent dies with the fault on
+    poll(lambda: rule_count(topo) == 0, 15, "rules removed at the TTL without the agent")
+    poll(lambda: len(fault_events(tmp_path)) == 2, 5, "expire line")
+    assert [e.get("op") for e in fault_events(tmp_path)] == ["inject", "expire"]

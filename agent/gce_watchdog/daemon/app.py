@@ -35,7 +35,7 @@ from gce_watchdog.daemon.endoflife import (
     run_here,
 )
 from gce_watchdog.daemon.ladder import ProbeVerdict
-from gce_watchdog.daemon.metawatch import MetadataWatcher, metadata_root
+from gce_watchdog.daemon.metawatch import MetadataWatcher, SystemdFaultApplier, metadata_root
 from gce_watchdog.daemon.metrics import MetricsExporter
 from gce_watchdog.daemon.probes import Prober, build_prober
 from gce_watchdog.daemon.sdnotify import Notifier
@@ -111,7 +111,7 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     emitter = console.emitter
     stop = threading.Event()
 
-    agent, prober = build_agent(cfg, emitter, Notifier())
+    agent, prober = build_agent(cfg, emitter, Notifier(), config_path=config_path)
     agent.notes.extend(notes)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -129,13 +129,21 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
             shutil.rmtree(private_state, ignore_errors=True)
 
 
-def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Prober]:
+def build_agent(
+    cfg: cfgmod.Config, emitter: Emitter, notifier: Notify, config_path: str | None = None
+) -> tuple[Agent, Prober]:
     """The real edges for a config, each from its own section. Returns the agent and the
-    prober (to close)."""
+    prober (to close). ``config_path`` is passed on to a fault requested through metadata."""
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
     prober = _prober(cfg)
-    watcher = MetadataWatcher(cfg.watch, metadata_root(cfg), a.state_dir, emitter)
+    watcher = MetadataWatcher(
+        cfg.watch,
+        metadata_root(cfg),
+        a.state_dir,
+        emitter,
+        apply_fault=SystemdFaultApplier(config_path),
+    )
 
     def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
         notifier.notify("WATCHDOG=1", "STATUS=shutdown chain running")

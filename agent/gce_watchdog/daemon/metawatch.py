@@ -10,7 +10,11 @@ While the metadata server answers, :class:`MetadataWatcher`:
 - long-polls ``instance/preempted`` and ``instance/maintenance-event`` with wait-for-change (ETag,
   ``timeout_sec``, a client timeout 10 s above the server's), and writes a ``preempted`` line the
   moment GCE announces a preemption (about 30 s before the VM is stopped), or a ``maintenance``
-  line.
+  line;
+- when ``watch.faults_from_metadata`` is on (off by default), follows the fault attribute
+  (``watch.fault_attribute``) and applies each new request once, by running ``gce-watchdog fault
+  inject`` (the operator's command, so SSH and loopback stay open and the TTL reverts it) in a
+  transient systemd unit, outside the agent's sandbox (``faults/request.py`` parses and decides).
 
 Every request runs in the watcher's own threads with its own timeout; the daemon only reads
 attributes, so the watcher can never delay a tick. Imports only the standard library.
@@ -21,16 +25,20 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from gce_watchdog.faults.request import FaultRequest, decide, inject_argv, remember
 from gce_watchdog.lib.files import atomic_write, read_json
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
@@ -38,6 +46,8 @@ from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
 
 INSTANCE_CACHE = "instance.json"
+FAULT_REQUESTS = "fault-requests.json"  # ids of the metadata fault requests already applied
+FAULT_APPLY_TIMEOUT_S = 60.0  # systemd-run returns once the unit started; `fault inject` in ms
 FLAVOR = "Metadata-Flavor"
 # The metadata server answers a wait-for-change request after at most timeout_sec; the client waits
 # this much longer so that the server, not the client, ends an idle long poll (guest-agent: 60+10).
@@ -181,6 +191,7 @@ class MetadataWatcher:
         clock: MonoClock = time.monotonic,
         client: MetadataClient | None = None,
         log: Callable[..., object] | None = None,
+        apply_fault: FaultApplier | None = None,
     ) -> None:
         self.watch = watch
         self.state_dir = state_dir  # the instance identity cache (instance.json) lives here
@@ -188,7 +199,9 @@ class MetadataWatcher:
         self.clock = clock
         self.client = client or MetadataClient(root)
         self.log = log
+        self.apply_fault = apply_fault or SystemdFaultApplier(None)
         self._lock = threading.Lock()
+        self._fault_seen: str | None = None  # the last fault attribute value acted on
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._instance: InstanceInfo | None = None
@@ -238,6 +251,8 @@ class MetadataWatcher:
         targets.append(
             ("mdwatch-maint", lambda: self._watch("instance/maintenance-event", self._on_maint))
         )
+        if self.watch.faults_from_metadata:
+            targets.append(("mdwatch-fault", self._fault_loop))
         for name, fn in targets:
             t = threading.Thread(target=fn, name=name, daemon=True)
             self._threads.append(t)
@@ -394,6 +409,103 @@ class MetadataWatcher:
                 sync=True,
             )
 
+    # -- faults requested through metadata --------------------------------------------------------
+    def _fault_loop(self) -> None:
+        """Follow the fault attribute: long-poll its value while it exists, and the attribute
+        listing while it does not (a missing key cannot be long-polled); every change is read."""
+        w = self.watch
+        key = "instance/attributes/" + w.fault_attribute
+        listing = "instance/attributes/"
+        key_etag = ""
+        backoff = BACKOFF.counter()
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                if key_etag:
+                    r = self.client.get(key, self._wait_params(key_etag), w.poll_timeout + 10.0)
+                else:
+                    r = self.client.get(key, None, float(w.request_timeout))
+                if r.status not in (200, 404):
+                    raise MetadataError(f"{key}: HTTP {r.status}")
+                if r.status == 404:
+                    key_etag = ""
+                    self.on_fault_value(None)
+                    # Wait for the listing to change (the key added), or for the server's
+                    # timeout; then read the key again either way (it may have been added
+                    # between our two reads).
+                    lr = self.client.get(listing, None, float(w.request_timeout))
+                    if lr.status == 200 and lr.etag:
+                        self.client.get(listing, self._wait_params(lr.etag), w.poll_timeout + 10.0)
+                    elif self._stop.wait(w.refresh):
+                        return
+                    gap = MIN_POLL_GAP_S - (time.monotonic() - t0)
+                    if gap > 0 and self._stop.wait(gap):
+                        return
+                    continue
+            except MetadataError as e:
+                if self._stop.is_set():
+                    return
+                self._note("fault attribute read failed", error=str(e))
+                key_etag = ""
+                if self._stop.wait(backoff.next()):
+                    return
+                continue
+            backoff.reset()
+            if not r.etag:
+                self.on_fault_value(r.body)
+                if self._stop.wait(w.refresh):
+                    return
+                continue
+            if r.etag == key_etag:
+                gap = MIN_POLL_GAP_S - (time.monotonic() - t0)
+                if gap > 0 and self._stop.wait(gap):
+                    return
+                continue
+            key_etag = r.etag
+            self.on_fault_value(r.body)
+
+    def _wait_params(self, etag: str) -> dict[str, str]:
+        return {
+            "wait_for_change": "true",
+            "last_etag": etag,
+            "timeout_sec": str(int(self.watch.poll_timeout)),
+        }
+
+    def on_fault_value(self, value: str | None) -> None:
+        """Act on one value of the fault attribute (None: absent): apply a new request once."""
+        if value == self._fault_seen:
+            return
+        self._fault_seen = value
+        applied = load_applied(self.state_dir)
+        d = decide(value, self.watch.faults_from_metadata, applied)
+        if d.request is None:
+            if d.why in ("absent", "applied-before"):
+                return
+            self._note("fault request refused", why=d.why)
+            self.emitter.emit(
+                vocab.FAULT,
+                {"op": "refused", "req": _request_id(value), "why": d.why.split(":")[0]},
+                d.why[:100],
+                sync=True,
+            )
+            return
+        req = d.request
+        # Recorded BEFORE it runs: a crash half-way never applies the same request twice.
+        try:
+            save_applied(self.state_dir, remember(applied, req.id))
+        except OSError as e:
+            self._note("cannot record the fault request; not applied", error=str(e))
+            return
+        err = self.apply_fault(req)
+        if err:
+            self._note("fault request failed", req=req.id, error=err)
+            self.emitter.emit(
+                vocab.FAULT,
+                {"op": "refused", "req": req.id, "why": "apply_failed"},
+                err[:100],
+                sync=True,
+            )
+
     def _note(self, msg: str, **kw: Any) -> None:
         if self.log is not None:
             with contextlib.suppress(Exception):
@@ -403,3 +515,83 @@ class MetadataWatcher:
 def parse_disarm_value(body: str) -> bool:
     """An attribute value that disarms: true/1/yes/on (any case); anything else does not."""
     return body.strip().lower() in ("true", "1", "yes", "on")
+
+
+FaultApplier = Callable[[FaultRequest], str | None]
+"""Applies a fault request; returns None when started, else what went wrong."""
+
+
+def load_applied(state_dir: str | Path) -> list[str]:
+    raw = read_json(Path(state_dir) / FAULT_REQUESTS)
+    ids = raw.get("applied") if isinstance(raw, dict) else None
+    return [x for x in ids if isinstance(x, str)] if isinstance(ids, list) else []
+
+
+def save_applied(state_dir: str | Path, ids: Sequence[str]) -> None:
+    blob = (json.dumps({"applied": list(ids)}) + "\n").encode()
+    atomic_write(Path(state_dir) / FAULT_REQUESTS, blob)
+
+
+def _request_id(value: str | None) -> str:
+    """The request's id for a refusal line, only when it is a safe token (else ``-``)."""
+    try:
+        raw = json.loads(value or "")
+    except ValueError:
+        return "-"
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) and _NAME_RE.match(rid) and len(rid) <= 63 else "-"
+
+
+class SystemdFaultApplier:
+    """Runs ``gce-watchdog fault inject`` for a request.
+
+    Under systemd it runs in a transient unit (``systemd-run``): the agent's own unit has no
+    CAP_NET_ADMIN and no netlink, and the fault's reverter (a systemd timer) then lives outside the
+    agent's cgroup, so it fires even if the agent dies or is restarted. Without systemd (a
+    container, a test) the command runs directly.
+    """
+
+    def __init__(
+        self,
+        config: str | None,
+        command: Sequence[str] = (sys.executable, "-m", "gce_watchdog"),
+        run: Callable[[list[str]], tuple[int, str]] | None = None,
+        systemd: Callable[[], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.command = list(command)
+        self.run = run or _run_bounded
+        self.systemd = systemd or (lambda: os.path.isdir("/run/systemd/system"))
+
+    def argv(self, req: FaultRequest) -> list[str]:
+        inner = inject_argv(req, self.command, self.config)
+        if not self.systemd():
+            return inner
+        return [
+            "systemd-run",
+            f"--unit=gcewd-fault-md-{req.id}",
+            "--description=gce-watchdog: fault requested through metadata",
+            "--collect",
+            "--quiet",
+            "--",
+            *inner,
+        ]
+
+    def __call__(self, req: FaultRequest) -> str | None:
+        rc, err = self.run(self.argv(req))
+        return None if rc == 0 else f"rc={rc}: {err.strip()[:200]}"
+
+
+def _run_bounded(argv: list[str]) -> tuple[int, str]:
+    try:
+        p = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=FAULT_APPLY_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 127, str(e)
+    return p.returncode, p.stderr

@@ -102,6 +102,62 @@ INSTANCE_STATUSES = (
     "TERMINATED",
 )
 OPERATION_STATUSES = ("DONE", "PENDING", "RUNNING")
+# Instance.properties of the document: the fields an instances.insert body may carry (any other
+# is refused, as Google's API front end refuses an unknown field of a JSON payload).
+INSTANCE_FIELDS = frozenset(
+    {
+        "advancedMachineFeatures",
+        "canIpForward",
+        "confidentialInstanceConfig",
+        "cpuPlatform",
+        "creationTimestamp",
+        "deletionProtection",
+        "description",
+        "disks",
+        "displayDevice",
+        "fingerprint",
+        "guestAccelerators",
+        "hostname",
+        "id",
+        "instanceEncryptionKey",
+        "keyRevocationActionType",
+        "kind",
+        "labelFingerprint",
+        "labels",
+        "lastStartTimestamp",
+        "lastStopTimestamp",
+        "lastSuspendedTimestamp",
+        "localSsdEncryptionMode",
+        "machineType",
+        "metadata",
+        "minCpuPlatform",
+        "name",
+        "networkInterfaces",
+        "networkPerformanceConfig",
+        "params",
+        "privateIpv6GoogleAccess",
+        "reservationAffinity",
+        "resourcePolicies",
+        "resourceStatus",
+        "satisfiesPzi",
+        "satisfiesPzs",
+        "scheduling",
+        "selfLink",
+        "serviceAccounts",
+        "shieldedInstanceConfig",
+        "shieldedInstanceIntegrityPolicy",
+        "sourceMachineImage",
+        "sourceMachineImageEncryptionKey",
+        "startRestricted",
+        "status",
+        "statusMessage",
+        "tags",
+        "workloadIdentityConfig",
+        "zone",
+    }
+)
+# Instance.name.pattern (RFC 1035, 1-63 characters).
+INSTANCE_NAME_RE = re.compile(r"[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?\Z")
 # The document's top-level "parameters": accepted by every method.
 STANDARD_PARAMETERS = frozenset(
     {
@@ -160,6 +216,12 @@ METHODS: dict[str, Method] = {
         "set_metadata", "POST", _I + "/setMetadata", "instance project requestId zone"
     ),
     "compute.instances.list": _m("zone_list", "GET", _Z + "/instances", _LIST + " zone"),
+    "compute.instances.insert": _m(
+        "insert",
+        "POST",
+        _Z + "/instances",
+        "project requestId sourceInstanceTemplate sourceMachineImage zone",
+    ),
     "compute.instances.aggregatedList": _m(
         "list",
         "GET",
@@ -229,6 +291,8 @@ class FakeInstance:
     labels: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     fingerprint: str = "AAAAAAAAAAA="
+    machine_type: str = ""  # set by instances.insert (its machineType, as sent)
+    inserted: dict[str, Any] = field(default_factory=dict)  # the insert body, as sent
 
 
 @dataclass
@@ -318,6 +382,9 @@ class FakeComputeAPI:
         self._op_ids = itertools.count(7_000_000_000_000_000_001)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        # Called (outside the lock, on the request's thread) with each instance that
+        # instances.insert created: tests start a simulated guest there, e2e a qemu VM.
+        self.on_insert: list[Callable[[FakeInstance], None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -485,7 +552,13 @@ class FakeComputeAPI:
     # -- operations -------------------------------------------------------------------------
 
     def _new_op(
-        self, inst: FakeInstance, kind: str, effect: str, user: str, running_s: float
+        self,
+        inst: FakeInstance,
+        kind: str,
+        effect: str,
+        user: str,
+        running_s: float,
+        meta: dict[str, str] | None = None,
     ) -> FakeOperation:
         n = next(self._op_ids)
         prefix = "systemevent" if user == "system" else "operation"
@@ -500,6 +573,7 @@ class FakeComputeAPI:
             running_s=running_s,
             user=user,
             effect=effect,
+            meta=dict(meta or {}),
         )
         if user != "system" and self._op_errors:
             op.error = self._op_errors.pop(0)
@@ -529,6 +603,8 @@ class FakeComputeAPI:
                 elif op.effect == "delete":
                     inst.deleted = True
                     inst.status = "TERMINATED"
+                elif op.effect == "start" and not inst.deleted:
+                    inst.status = "RUNNING"
                 elif op.effect == "metadata":
                     inst.metadata = dict(op.meta)
                     inst.fingerprint = uuid.uuid4().hex[:11] + "="
@@ -628,6 +704,8 @@ class FakeComputeAPI:
         if m.endpoint == "list":
             return self._list(project, query)
         zone = groups["zone"]
+        if m.endpoint == "insert":
+            return self._insert(mid, project, zone, query, body)
         with self._lock:
             self._advance()
             if m.endpoint == "zone_list":
@@ -675,14 +753,96 @@ class FakeComputeAPI:
             if fp != inst.fingerprint:  # Metadata.fingerprint: optimistic locking
                 msg = "Supplied fingerprint does not match current metadata fingerprint."
                 return 412, _error(412, msg, "conditionNotMet"), {}
-            op = self._new_op(inst, "setMetadata", "", "user", 0.0)
-            op.meta = items
-            op.effect = "metadata"
-            self._advance()
-            return op
+            # The items go in before the operation can be DONE (with no delay it is DONE at
+            # once, and its effect is applied when it becomes DONE, never later).
+            return self._new_op(inst, "setMetadata", "metadata", "user", 0.0, meta=items)
         running = self.stop_delay_s if inst.status not in ("TERMINATED", "STOPPED") else 0.0
         effect = "delete" if endpoint == "delete" else "terminate"
         return self._new_op(inst, endpoint, effect, "user", running)
+
+    def _insert(
+        self, mid: str, project: str, zone: str, query: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """instances.insert: PROVISIONING, then RUNNING when its operation is DONE."""
+        try:
+            doc = json.loads(body or b"null")
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            return 400, _error(400, "Invalid JSON payload received.", "invalid"), {}
+        unknown = sorted(set(doc) - INSTANCE_FIELDS)
+        if unknown:
+            msg = f'Invalid JSON payload received. Unknown name "{unknown[0]}": Cannot find field.'
+            return 400, _error(400, msg, "invalid"), {}
+        name = doc.get("name")
+        if not isinstance(name, str) or not INSTANCE_NAME_RE.match(name):
+            msg = f"Invalid value for field 'resource.name': '{name}'. Must be a match of regex"
+            return 400, _error(400, msg, "invalid"), {}
+        rid = query.get("requestId", "")
+        with self._lock:
+            self._advance()
+            made = self._insert_locked(mid, project, zone, name, rid, doc)
+        if len(made) == 3:
+            return made
+        op_json, new = made
+        if new is not None:  # (None: a repeated requestId, nothing was created)
+            for hook in list(self.on_insert):
+                hook(new)  # without the lock: hooks call back into the fake
+        return 200, op_json, {}
+
+    def _insert_locked(
+        self, mid: str, project: str, zone: str, name: str, rid: str, doc: dict[str, Any]
+    ) -> tuple[dict[str, Any], FakeInstance | None] | tuple[int, dict[str, Any], dict[str, str]]:
+        """(the operation, the new instance or None for a repeated requestId), or an error."""
+        if rid:
+            try:
+                parsed = uuid.UUID(rid)
+            except ValueError:
+                parsed = None
+            if parsed is None or parsed.int == 0:
+                return (
+                    400,
+                    _error(400, f"Invalid value for field 'requestId': '{rid}'", "invalid"),
+                    {},
+                )
+            rid = str(parsed)
+            done = self.operations.get((project, zone, name, mid, rid))
+            if done is not None:
+                return self._op_json(done), None  # the same request again: nothing new
+        old = self._instances.get((project, zone, name))
+        if old is not None and not old.deleted:
+            what = f"projects/{project}/zones/{zone}/instances/{name}"
+            return 409, _error(409, f"The resource '{what}' already exists", "alreadyExists"), {}
+        md = doc.get("metadata") or {}
+        sched = doc.get("scheduling") or {}
+        labels = doc.get("labels") or {}
+        try:
+            items = {str(i["key"]): str(i.get("value", "")) for i in md.get("items") or []}
+            labels = {str(k): str(v) for k, v in labels.items()}
+        except (TypeError, KeyError, AttributeError):
+            return 400, _error(400, "Invalid JSON payload received.", "invalid"), {}
+        inst = FakeInstance(
+            name=name,
+            project=project,
+            zone=zone,
+            id=str(next(self._ids)),
+            status="PROVISIONING",
+            spot=isinstance(sched, dict) and sched.get("provisioningModel") == "SPOT",
+            termination_action=str(
+                (sched.get("instanceTerminationAction") if isinstance(sched, dict) else "")
+                or "STOP"
+            ),
+            labels=labels,
+            metadata=items,
+            machine_type=str(doc.get("machineType", "")),
+            inserted=doc,
+        )
+        self._instances[(project, zone, name)] = inst
+        self.zones.add((project, zone))
+        op = self._new_op(inst, "insert", "start", "user", 0.0)
+        if rid:
+            self.operations[(project, zone, name, mid, rid)] = op
+        return self._op_json(op), inst
 
     def _op_json(self, op: FakeOperation) -> dict[str, Any]:
         inst = op.inst
@@ -924,6 +1084,8 @@ def _instance_json(inst: FakeInstance) -> dict[str, Any]:
     }
     if inst.labels:
         out["labels"] = dict(inst.labels)
+    if inst.machine_type:
+        out["machineType"] = f"{API}/{base}/machineTypes/{inst.machine_type.rsplit('/', 1)[-1]}"
     return out
 
 

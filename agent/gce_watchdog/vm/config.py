@@ -328,6 +328,21 @@ class WatchSection:
     request_timeout: Duration = field(
         default=Duration(3.0), metadata=_check(_within(0, 60.0, lo_open=True))
     )
+    # Apply faults requested through the instance attribute `fault_attribute`
+    # (docs/fault-injection.md, "Faults through metadata").
+    # Off by default: whoever can set metadata (every process on the VM, through its service
+    # account) could otherwise cut the network and have the watchdog power the VM off.
+    faults_from_metadata: bool = False
+    fault_attribute: str = field(
+        default="gce-watchdog-fault",
+        metadata=_check(
+            lambda v: (
+                None
+                if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", v)
+                else "must be a metadata key: letters, digits, '-' and '_'"
+            )
+        ),
+    )
 
 
 def _prom_file(v: str) -> str | None:

@@ -1,0 +1,208 @@
+"""``gce-watchdog validate`` against the fake Compute API with simulated guests
+(testing/simguest.py): the whole run, the plan, the refusals, and cleanup after a kill at every
+step (issue 28 items 4 and 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from gce_watchdog.cli import main
+from gce_watchdog.testing.simcompute import FakeComputeAPI, FakeInstance
+from gce_watchdog.testing.simguest import SimGuest
+from gce_watchdog.validate.plan import LABEL
+from kit.paths import REPO
+
+P, Z = "val-project", "us-central1-a"
+FAST = ["--poll-every", "0.05", "--agent-interval", "0.2", "--deadline", "90", "--op-poll", "0.05"]
+SOURCE = ["--deb-url", "https://example.invalid/gce-watchdog.deb", "--deb-sha256", "0" * 64]
+
+
+@pytest.fixture
+def api() -> Iterator[FakeComputeAPI]:
+    with FakeComputeAPI(token="tok", serial_needs_running=True) as a:
+        a.add_zone(P, Z)
+        yield a
+
+
+@pytest.fixture
+def guest(api: FakeComputeAPI) -> Iterator[SimGuest]:
+    with SimGuest(api) as g:
+        yield g
+    assert g.errors == []
+
+
+def argv(api: FakeComputeAPI, tmp: Path, *extra: str) -> list[str]:
+    tok = tmp / "token"
+    tok.write_text("tok\n")
+    return ["validate", "--project", P, "--zone", Z, *SOURCE, "--api-base", api.base_url,
+            "--access-token-file", str(tok), *extra]  # fmt: skip
+
+
+def alive(api: FakeComputeAPI) -> list[FakeInstance]:
+    return [i for i in api._instances.values() if not i.deleted]
+
+
+def inserted(api: FakeComputeAPI) -> list[FakeInstance]:
+    return [i for i in api._instances.values() if i.inserted]
+
+
+def test_plan_lists_vms_cost_and_permissions_and_touches_nothing(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv(api, tmp_path, "--plan", "--run-id", "vplan1")) == 0
+    out = capsys.readouterr().out
+    for scenario in ("wedge", "done", "setup-failed", "flap"):
+        assert f"gcewd-vplan1-{scenario}" in out
+    assert "e2-small" in out and "estimated cost: $" in out
+    assert "compute.instances.create" in out and "roles/compute.instanceAdmin.v1" in out
+    assert api.calls == []  # not one request: nothing read, nothing created
+    assert main(argv(api, tmp_path, "--plan", "--json", "--run-id", "vplan1")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["estimated_cost_usd"] > 0 and len(doc["instances"]) == 4
+    assert api.calls == []
+
+
+def test_a_real_run_needs_yes(api: FakeComputeAPI, tmp_path: Path) -> None:
+    assert main(argv(api, tmp_path, "--run-id", "vnoyes")) == 64
+    assert api.calls == []
+
+
+def test_the_whole_run_wedge_fails_over_once_the_rest_never_and_nothing_is_left(
+    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    rc = main(argv(api, tmp_path, "--yes", "--run-id", "vfull1", "--out", str(out), *FAST))
+    doc = json.loads((out / "validate.json").read_text())
+    by = {s["scenario"]: s for s in doc["scenarios"]}
+    assert rc == 0, [(s["scenario"], [e for e in s["evidence"] if "FAIL" in e], s["notes"])
+                     for s in doc["scenarios"]]  # fmt: skip
+    assert doc["passed"] and doc["interrupted"] is None
+    wedge = by["wedge"]
+    assert wedge["failovers"] == 1 and wedge["verdict"] == "self_shutdown"
+    t = wedge["timings"]
+    for k in ("fault_to_first_rung_s", "fault_to_top_rung_s", "fault_to_shutdown_line_s",
+              "fault_to_left_running_s", "fault_to_decision_s"):  # fmt: skip
+        assert t[k] is not None and t[k] >= 0, (k, t)
+    assert t["fault_to_first_rung_s"] < t["fault_to_top_rung_s"] <= t["fault_to_decision_s"]
+    for name in ("done", "setup-failed", "flap"):
+        assert by[name]["failovers"] == 0 and by[name]["passed"], by[name]
+    assert by["done"]["verdict"] == "workload_ok" and by["done"]["deleted"]
+    assert by["done"]["reaped_by_poller"]
+    assert by["flap"]["timings"]["fault_to_recovered_s"] is not None
+    assert all(s["deleted"] for s in doc["scenarios"])
+    assert alive(api) == []
+    assert {i.labels[LABEL] for i in inserted(api)} == {"vfull1"}
+    for s in doc["scenarios"]:
+        assert (out / s["files"]["serial"]).stat().st_size > 0
+        assert "<html" in (out / s["files"]["html"]).read_text().lower()
+    assert (out / "ledger.sqlite").exists()
+
+
+def test_a_vm_that_does_not_enable_faults_fails_its_scenario(
+    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path
+) -> None:
+    """The fault switch is off (e.g. a start-up script without the config drop-in): the agent
+    refuses the fault, and validate says so and exits non-zero."""
+
+    def strip_config(inst: FakeInstance) -> None:
+        inst.metadata.pop("gce-watchdog-config", None)
+
+    api.on_insert.insert(0, strip_config)  # before the guest reads its metadata
+    out = tmp_path / "out"
+    rc = main(argv(api, tmp_path, "--yes", "--run-id", "voff1", "--out", str(out),
+                   "--scenario", "flap", *FAST))  # fmt: skip
+    assert rc == 1
+    flap = json.loads((out / "validate.json").read_text())["scenarios"][0]
+    assert not flap["passed"]
+    assert any("refused the fault" in e for e in flap["evidence"])
+    assert alive(api) == []
+
+
+# -- killed at any step -------------------------------------------------------------------------
+
+
+def spawn(api: FakeComputeAPI, tmp: Path, run: str) -> subprocess.Popen[bytes]:
+    args = argv(api, tmp, "--yes", "--run-id", run, "--out", str(tmp / "out"),
+                "--scenario", "wedge", "--scenario", "done", *FAST)  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
+    return subprocess.Popen([sys.executable, "-m", "gce_watchdog", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def wait_until(pred: Callable[[], bool], proc: subprocess.Popen[bytes], within: float) -> None:
+    deadline = time.monotonic() + within
+    while not pred():
+        assert proc.poll() is None, "validate ended before the step"
+        assert time.monotonic() < deadline, "the step was not reached"
+        time.sleep(0.005)
+
+
+def count(api: FakeComputeAPI, endpoint: str) -> int:
+    return len(api.calls_to(endpoint))
+
+
+STEPS: dict[str, Callable[[FakeComputeAPI], bool]] = {
+    "first insert sent": lambda a: count(a, "insert") >= 1,
+    "every VM created": lambda a: count(a, "insert") >= 2,
+    "polling": lambda a: count(a, "serial") >= 3,
+    "fault requested": lambda a: count(a, "set_metadata") >= 1,
+    "deleting": lambda a: count(a, "delete") >= 1,
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_sigkill_at_any_step_leaves_only_what_cleanup_removes(
+    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path, step: str
+) -> None:
+    run = "vkill" + str(list(STEPS).index(step))
+    proc = spawn(api, tmp_path, run)
+    try:
+        wait_until(lambda: STEPS[step](api), proc, 60)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL
+    # Everything the killed run created carries its label, so --cleanup finds it.
+    assert all(i.labels.get(LABEL) == run for i in inserted(api))
+    assert main(argv(api, tmp_path, "--cleanup", run)) == 0
+    assert alive(api) == []
+    assert main(argv(api, tmp_path, "--cleanup", run)) == 0  # again: nothing to do
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_deletes_everything_itself(
+    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path, sig: signal.Signals
+) -> None:
+    proc = spawn(api, tmp_path, "vsig" + str(int(sig)))
+    try:
+        wait_until(lambda: count(api, "set_metadata") >= 1, proc, 60)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err.decode()
+    assert alive(api) == [], err.decode()
+    doc = json.loads((tmp_path / "out" / "validate.json").read_text())
+    assert doc["interrupted"] and not doc["passed"]
+
+
+def test_cleanup_without_a_run_deletes_every_validation_vm_and_nothing_else(
+    api: FakeComputeAPI, tmp_path: Path
+) -> None:
+    api.add_instance("gcewd-vaa1-wedge", project=P, zone=Z, labels={LABEL: "vaa1"})
+    api.add_instance("gcewd-vbb1-done", project=P, zone="europe-west4-b", labels={LABEL: "vbb1"})
+    api.add_instance("production-1", project=P, zone=Z, labels={"team": "ml"})
+    assert main(argv(api, tmp_path, "--cleanup", "vaa1")) == 0
+    assert sorted(i.name for i in alive(api)) == ["gcewd-vbb1-done", "production-1"]
+    assert main(argv(api, tmp_path, "--cleanup")) == 0
+    assert [i.name for i in alive(api)] == ["production-1"]
+    assert main(argv(api, tmp_path, "--cleanup", "Not-A-Run")) == 64
