@@ -210,3 +210,62 @@ def test_postgres_claim_behind_a_stuck_lock_fails_cleanly_and_the_ledger_stays_u
             stuck.close()
         d = led.claim("id-1", "b", "self_shutdown", "r")
         assert d.won and d.token == 1
+
+
+# -- protocol v3 pins: one key per instance id, shared by every reader on every host ----------
+
+
+def _place(spec: str, barrier: Any, results: Any, n: int) -> None:
+    """One reader process that placed its own key for the same instance (only one is real)."""
+    public = bytes([n]) * 32
+    with open_ledger(spec, owner=f"reader-{n}") as led:
+        barrier.wait(timeout=WAIT_S)
+        pin = led.place_pin("4000000000000000001", public, f"fp{n}")
+        results.put((n, pin.fingerprint, pin.public))
+
+
+def test_racing_readers_placing_pins_all_get_the_first_one(spec: str) -> None:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_place, args=(spec, barrier, results, n)) for n in range(RACERS)]
+    try:
+        for p in procs:
+            p.start()
+        out = [results.get(timeout=WAIT_S) for _ in range(RACERS)]
+        for p in procs:
+            p.join(timeout=WAIT_S)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    assert len({(fp, pub) for _, fp, pub in out}) == 1  # every reader uses the same pin
+    (_, fp, pub), *_ = out
+    assert pub == bytes([int(fp[2:])]) * 32  # and it is one reader's whole key
+    with open_ledger(spec) as led:  # a reader started later (another host, a restart)
+        pin = led.get_pin("4000000000000000001")
+    assert pin is not None and (pin.fingerprint, pin.public, pin.source) == (fp, pub, "placed")
+
+
+def test_a_hand_pin_replaces_and_the_first_matching_key_fills_it_in(spec: str) -> None:
+    with open_ledger(spec, owner="host-a") as a, open_ledger(spec, owner="host-b") as b:
+        assert a.get_pin("42") is None
+        placed = a.place_pin("42", b"\x01" * 32, "fp-first", now=10.0)
+        assert placed.source == "placed" and placed.pinned_by == "host-a"
+        old = b.hand_pin("42", "fp-operator", now=20.0)  # the operator's pin wins
+        assert old is not None and old.fingerprint == "fp-first"
+        pin = a.get_pin("42")
+        assert pin is not None and (pin.fingerprint, pin.public, pin.source) == (
+            "fp-operator",
+            None,
+            "hand",
+        )
+        # a key placed with another fingerprint does not replace it...
+        assert a.place_pin("42", b"\x02" * 32, "fp-other").fingerprint == "fp-operator"
+        assert b.get_pin("42").public is None  # type: ignore[union-attr]
+        # ...the key with the operator's fingerprint fills it in, for every reader
+        assert b.place_pin("42", b"\x03" * 32, "fp-operator").public == b"\x03" * 32
+        assert a.get_pin("42").public == b"\x03" * 32  # type: ignore[union-attr]
+        assert a.get_pin("43") is None

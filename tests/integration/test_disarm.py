@@ -112,7 +112,7 @@ def _gate(tmp: Path, md: list[bool], wall: list[float]) -> tuple[DisarmGate, Mem
 def _events(sink: MemorySink) -> list[tuple[str, str | None, str | None]]:
     out = []
     for line in sink.lines:
-        ev = protocol.decode_line(line, SYNTH_KEY)
+        ev = protocol.decode_line(line, pin=SYNTH_KEY.public)
         if isinstance(ev, protocol.KeyAnnounce):
             continue
         assert isinstance(ev, protocol.Event)

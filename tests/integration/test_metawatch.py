@@ -81,7 +81,7 @@ def make(
 def events(sink: MemorySink) -> list[protocol.Event]:
     out = []
     for line in list(sink.lines):
-        ev = protocol.decode_line(line, SYNTH_KEY)
+        ev = protocol.decode_line(line, pin=SYNTH_KEY.public)
         if isinstance(ev, protocol.KeyAnnounce):
             continue
         assert isinstance(ev, protocol.Event)

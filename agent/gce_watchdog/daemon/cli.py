@@ -22,7 +22,13 @@ from gce_watchdog.lib.cli import EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import DiscardSink, Emitter, SerialPort, key_or_none
+from gce_watchdog.vm.console import (
+    DiscardSink,
+    Emitter,
+    SerialPort,
+    cached_instance_id,
+    key_or_none,
+)
 from gce_watchdog.vm.platform import arming, detect
 from gce_watchdog.vm.runtime import (
     add_config_arg,
@@ -123,12 +129,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         boot = boot_of(cfg)
         sink = DiscardSink()
+        key, problems = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
         emitter = Emitter(
             sink,
             SeqAllocator(cfg.agent.run_dir, boot),
             boot,
             log=logs.mirror(log),
-            key=key_or_none(cfg.agent.state_dir, cfg.agent.run_dir),
+            key=key,
+            inst=cached_instance_id(cfg.agent.state_dir),
+            key_problems=problems,
         )
     stop = threading.Event()
 

@@ -402,7 +402,9 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
     if out.read is not None:
         line += f" new={out.read.new}B lost={out.read.lost}B"
     forged, conflict = getattr(out, "forged", 0), getattr(out, "key_conflict", False)
-    if forged or conflict:  # lines that do not authenticate: someone forges
+    key_alarm = getattr(out, "key_alarm", "")
+    if forged or conflict or key_alarm:  # lines that do not authenticate, keys not placed
         line += f" ALARM forged={forged}" + (" key_conflict" if conflict else "")
+        line += f" key={key_alarm.split(' ', 1)[0]}" if key_alarm else ""
     line += f" | {v.reason}"
     print(line, flush=True)

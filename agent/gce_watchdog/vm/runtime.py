@@ -100,7 +100,9 @@ def open_console(cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog"
             file=sys.stderr,
         )
         boot = boot_of(cfg)
-        key = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
+        key, problems = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
         seq = SeqAllocator(cfg.agent.run_dir, boot)
-        return CommandConsole(Emitter(MemorySink(), seq, boot, key=key), None)
+        return CommandConsole(
+            Emitter(MemorySink(), seq, boot, key=key, key_problems=problems), None
+        )
     return CommandConsole(emitter, port)
