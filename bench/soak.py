@@ -77,7 +77,7 @@ def start_sim(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any], str]
 
 
 def soak(ticks: int, work: Path) -> dict[str, Any]:
-    from gce_watchdog.daemon.service import build_agent
+    from gce_watchdog.daemon.app import build_agent
     from gce_watchdog.testing.simgce import send_command
     from gce_watchdog.vm import config as cfgmod
     from gce_watchdog.vm.runtime import make_emitter

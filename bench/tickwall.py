@@ -1,6 +1,6 @@
 """Tick wall time, measured inside the agent: ``python -m bench.tickwall --config PATH``.
 
-Runs inside the vm namespace with the agent's real edges (``daemon.service.build_agent``): one
+Runs inside the vm namespace with the agent's real edges (``daemon.app.build_agent``): one
 healthy tick first (it fills the DNS address cache, as a running agent would have), then prints
 ``ready``, waits for one line on stdin (the runner black-holes both paths meanwhile), runs
 ``--ticks`` ticks back to back and prints one JSON object: each tick's wall time
@@ -25,7 +25,7 @@ class _NoNotify:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gce_watchdog.daemon.service import build_agent
+    from gce_watchdog.daemon.app import build_agent
     from gce_watchdog.vm import config as cfgmod
     from gce_watchdog.vm.runtime import make_emitter
 

@@ -30,9 +30,11 @@ tar --numeric-owner --xattrs --xattrs-include='*' -C "$stage" -xf "$tarball"
 # pointing at the metadata server, fw_cfg module loading.
 cp -rT --no-preserve=ownership "$here/guest" "$stage"
 chroot "$stage" systemctl enable systemd-networkd.service gce-startup.service >/dev/null 2>&1
-# Masked: agetty on ttyS0 calls vhangup() on the port the agent writes to, and nobody logs in on
-# the e2e console; apt's daily timers only burn CPU under TCG.
-chroot "$stage" systemctl mask serial-getty@ttyS0.service getty@tty1.service \
+# Not masked: serial-getty@ttyS0, as on a GCE image (systemd-getty-generator starts it for
+# console=ttyS0; its TTYVHangup= hangs up the port the agent writes to at every start, which the
+# agent's writer must survive, issue 23). Masked: tty1's getty (no display here) and apt's daily
+# timers (they only burn CPU under TCG).
+chroot "$stage" systemctl mask getty@tty1.service \
   apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1
 # A fixed machine-id: an empty one makes every -snapshot boot a "first boot" (preset-all).
 head -c16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$stage/etc/machine-id"

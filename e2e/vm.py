@@ -203,7 +203,8 @@ def qemu_argv(
         "-no-reboot",
         "-kernel", str(image.kernel),
         "-initrd", str(image.initrd),
-        "-append", "root=/dev/vda rw console=ttyS0 panic=-1",
+        # console= as on GCE images (38400 baud, 8 bits, no parity): the serial getty runs there.
+        "-append", "root=/dev/vda rw console=ttyS0,38400n8 panic=-1",
         # -snapshot: every boot starts from the same image; writes go to a temporary overlay.
         "-drive", f"file={image.disk},format=raw,if=virtio",
         "-snapshot",

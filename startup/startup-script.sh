@@ -11,6 +11,10 @@
 # Any failure: a `setup_failed` line (step, reason, rc, cause=infra|job), drained, then the
 # failure action (default: power off). cause=infra (the network, DNS or the package source never
 # came up) lets the poller fail over; cause=job (the step itself failed) does not.
+# Every end of the VM (the done action, the failure action) goes through the agent's one
+# end-of-life chain (`gce-watchdog end`: linger so a poller reads the terminal line while the VM
+# is RUNNING, agent.action, power-off with escalation); the script's own chain (end_here) only
+# when no agent could be installed.
 #
 # Every line written to the serial port is a protocol v2 line (docs/serial-protocol.md), also
 # before the agent is installed: EMITTER_PY below is the one encoder besides agent/gce_watchdog/wire/protocol.py,
@@ -37,6 +41,15 @@ SYSTEMD_RUN_DIR="${GCEWD_SYSTEMD_RUN_DIR:-/run/systemd/system}"
 PYTHON="${GCEWD_PYTHON:-python3}"
 # The failure action runs as "$ACTION_CMD <action>" (systemctl poweroff / systemctl reboot).
 ACTION_CMD="${GCEWD_ACTION_CMD:-systemctl}"
+# The script's own end of life (end_here, only without an agent): waits after an accepted
+# `systemctl poweroff` (a graceful stop; systemd's default per-unit stop timeout is 90 s) and
+# `--force`, then the kernel's power-off by sysrq. Tests shorten them and point sysrq at a file.
+POWEROFF_WAIT="${GCEWD_POWEROFF_WAIT:-120}"
+FORCE_WAIT="${GCEWD_FORCE_WAIT:-30}"
+SYSRQ="${GCEWD_SYSRQ:-/proc/sysrq-trigger}"
+# The linger before the power-off: gce-watchdog-linger, else this (two polls of a 30 s poller
+# plus 15 s for the read itself: docs/actions.md).
+DEFAULT_LINGER="${GCEWD_DEFAULT_LINGER:-75}"
 # Installs a downloaded .deb: "$DPKG -i --force-confold FILE" (tests: a recorder).
 DPKG="${GCEWD_DPKG:-dpkg}"
 # Deadlines in seconds. DNS: a fresh Spot VM's resolver is normally up within a minute; five
@@ -50,6 +63,7 @@ SERIAL_EVERY=60   # at most one `fetch out=retry` line per minute per download
 AGENT="$PREFIX/bin/gce-watchdog"
 STEP=init
 CFG_ARGS=()
+MD_LINGER=""
 
 log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 
@@ -332,17 +346,82 @@ step_done() { # NAME STATUS STARTED_AT [text...]
 	emit bootstrap_step "step=$name" "st=$st" "dur=$((SECONDS - t0))" -- "$@"
 }
 
+# linger_seconds VALUE: gce-watchdog-linger as whole seconds ("90", "90s", "2m"; 0 to 1 h), or
+# DEFAULT_LINGER when empty or invalid (an ending never fails over a bad value).
+linger_seconds() {
+	local v=${1:-} n
+	if [[ $v =~ ^([0-9]{1,4})(s|m)?$ ]]; then
+		n=$((10#${BASH_REMATCH[1]}))
+		[[ ${BASH_REMATCH[2]} != m ]] || n=$((n * 60))
+		if ((n <= 3600)); then
+			printf '%s\n' "$n"
+			return 0
+		fi
+	fi
+	[[ -z $v ]] || log "gce-watchdog-linger '$v' is not 0 to 1h in s or m: lingering ${DEFAULT_LINGER}s"
+	printf '%s\n' "$DEFAULT_LINGER"
+}
+
+# end_here REASON [LINGER]: the script's own end of life, only when no agent could do it: the
+# same order as the agent's chain (docs/actions.md). An `end` line, the linger (the terminal line
+# is already drained: a poller reads it while the VM is RUNNING), then power-off with
+# escalation, each step bounded: `systemctl poweroff`, waited for; `systemctl poweroff --force
+# --force` (systemctl(1): "executed immediately without terminating any processes or unmounting
+# any file systems"); sysrq `o`. SIGTERM/SIGHUP are ignored from here on: systemd stopping units
+# during the very power-off this started must not stop the escalation.
+end_here() {
+	local reason=$1 linger=${2:-}
+	[[ -n $linger ]] || linger=$(linger_seconds "$MD_LINGER")
+	trap '' TERM HUP
+	emit end "reason=$reason" action=poweroff chain=linger+poweroff+force+kernel -- \
+		"no agent: ending the VM after ${linger}s"
+	log "end of life ($reason) without the agent: lingering ${linger}s, then powering off"
+	sleep "$linger"
+	if timeout 30 "$ACTION_CMD" poweroff; then
+		sleep "$POWEROFF_WAIT"
+		log "still up ${POWEROFF_WAIT}s after '$ACTION_CMD poweroff': forcing"
+	else
+		log "'$ACTION_CMD poweroff' failed: forcing"
+	fi
+	if timeout 30 "$ACTION_CMD" poweroff --force --force; then
+		sleep "$FORCE_WAIT"
+		log "still up ${FORCE_WAIT}s after '$ACTION_CMD poweroff --force --force': sysrq"
+	fi
+	{ echo o >"$SYSRQ"; } 2>/dev/null || log "cannot write $SYSRQ: the VM may stay up"
+}
+
+# end_vm REASON: the VM's end of life (done, failed, setup_failed), after its terminal line was
+# written and drained: the agent's one chain when the agent is installed (it hands the ending to
+# the running agent, or runs the chain itself), else end_here.
+end_vm() {
+	local reason=$1 rc=0 linger=()
+	[[ -z $MD_LINGER ]] || linger=(--linger "$MD_LINGER")
+	if have_agent; then
+		"$AGENT" end "${CFG_ARGS[@]}" --reason "$reason" "${linger[@]}" 9>&- || rc=$?
+		((rc != 0)) || return 0
+		if ((rc == 69)); then # the agent's whole chain ran (to the kernel step): still up
+			log "gce-watchdog end: its chain ran through and the VM is still up"
+			return 0
+		fi
+		log "gce-watchdog end exited $rc: ending with the script's own chain"
+	fi
+	end_here "$reason"
+}
+
+# A reboot is not an end of life: the instance stays RUNNING (its serial output readable), so it
+# is run as it is. poweroff (the default) and anything unknown end the VM through end_vm.
 failure_action() {
 	local action="${GCEWD_FAILURE_ACTION:-${MD_FAILURE_ACTION:-poweroff}}"
 	case "$action" in
 	none) log "failure action: none, the VM stays up" ;;
-	poweroff | reboot)
-		log "failure action: $ACTION_CMD $action"
-		"$ACTION_CMD" "$action" || log "failure action '$ACTION_CMD $action' failed: rc=$?"
+	reboot)
+		log "failure action: $ACTION_CMD reboot"
+		"$ACTION_CMD" reboot || log "failure action '$ACTION_CMD reboot' failed: rc=$?"
 		;;
+	poweroff) end_vm setup_failed ;;
 	*)
 		log "unknown failure action '$action' (want poweroff, reboot or none): powering off"
-		"$ACTION_CMD" poweroff || log "failure action '$ACTION_CMD poweroff' failed: rc=$?"
+		end_vm setup_failed
 		;;
 	esac
 }
@@ -759,6 +838,8 @@ main() {
 	md_get gce-watchdog-dns-name MD_DNS_NAME
 	md_get gce-watchdog-done-action DONE_ACTION none
 	DONE_ACTION="${GCEWD_DONE_ACTION:-$DONE_ACTION}"
+	md_get gce-watchdog-linger MD_LINGER
+	md_get gce-watchdog-expect-result MD_EXPECT_RESULT
 
 	STEP=dns
 	local t0=$SECONDS dns_name="" src_url
@@ -787,14 +868,15 @@ main() {
 		step_done workload skip "$SECONDS" "no gce-watchdog-workload attribute; run the job under gce-watchdog exec"
 		return 0
 	fi
-	local wdir msg rc=0
+	local wdir msg rc=0 exec_args=()
+	case "${MD_EXPECT_RESULT,,}" in true | 1 | yes | on) exec_args=(--expect-result) ;; esac
 	wdir=$(mktemp -d)
 	msg=$(json_argvs "$MD_WORKLOAD" argv "$wdir" 2>&1) || fail workload "gce-watchdog-workload: $msg" 64
 	mapfile -d '' -t WORKLOAD <"$wdir/000"
 	rm -rf "$wdir"
 	trap - ERR
 	# From here on the job runs: its failure is an `exit` line (the job's result), not setup_failed.
-	"$AGENT" exec "${CFG_ARGS[@]}" -- "${WORKLOAD[@]}" 9>&- || rc=$?
+	"$AGENT" exec "${CFG_ARGS[@]}" "${exec_args[@]}" -- "${WORKLOAD[@]}" 9>&- || rc=$?
 	# exec records phase `workload` before it starts the job. If it is not there, exec refused to
 	# run (bad config, usage): the job never ran, so this is a setup failure, never `done`.
 	if [[ "$(cat "$STATE_DIR/phase" 2>/dev/null)" != workload ]]; then
@@ -803,7 +885,8 @@ main() {
 	phase "done"
 	case "${DONE_ACTION:-none}" in
 	none) ;;
-	poweroff | reboot) "$ACTION_CMD" "$DONE_ACTION" || log "done action failed: rc=$?" ;;
+	poweroff) if ((rc == 0)); then end_vm "done"; else end_vm failed; fi ;;
+	reboot) "$ACTION_CMD" reboot || log "done action failed: rc=$?" ;;
 	*) log "unknown gce-watchdog-done-action '$DONE_ACTION' (want none, poweroff or reboot)" ;;
 	esac
 	return "$rc"

@@ -99,6 +99,18 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("74", "the line could not be written"),
         _CONFIG,
     ),
+    ("end",): (
+        ("0", "handed to the agent (its chain lingers, acts and powers off)"),
+        _USAGE,
+        ("69", "no agent took it: the chain ran here and the VM is still up at its end"),
+        _CONFIG,
+    ),
+    ("result",): (
+        ("0", "the line was written"),
+        _USAGE,
+        ("74", "the line could not be written"),
+        _CONFIG,
+    ),
     ("exec",): (
         ("N", "the command's own exit status"),
         ("128+N", "the command was killed by signal N"),

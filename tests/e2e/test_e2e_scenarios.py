@@ -14,6 +14,7 @@ cursors and ledger).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,7 @@ def check_powered_off(res: vm.VmResult) -> None:
 
 def check_no_lost_lines(res: vm.VmResult, events: list[Event]) -> None:
     tl = observe.timeline(res.serial())
-    assert events, f"no GCEWD2 line in {res.serial_log}"
+    assert events, f"no GCEWD3 line in {res.serial_log}"
     assert observe.seq_contiguous(events) == [], f"seq gaps in {res.serial_log}"
     assert tl.lost_lines == 0
     assert events[0].seq == 0 and events[0].event == "key", "seq 0: the key announcement"
@@ -128,8 +129,15 @@ def bootstrap_ok(events: list[Event]) -> None:
     assert not named(events, "setup_failed")
 
 
+# The guest's serial getty is restarted and the port hung up (vhangup) in the middle of the job
+# (e2e/guest/usr/local/sbin/e2e-console-hangup), as a serial-console login and logout would do.
+HANGUP = "/usr/local/sbin/e2e-console-hangup"
+
+
 def test_healthy_workload_completes(e2e: vm.Harness) -> None:
-    res, run = boot(e2e, spec("healthy", ["bash", "-c", "echo working; sleep 8; echo finished"]))
+    # 14 s after the hangup: at least two heartbeats (every 3 ticks of 2 s) on the reopened port.
+    workload = ["bash", "-c", f"echo working; {HANGUP}; sleep 14; echo finished"]
+    res, run = boot(e2e, spec("healthy", workload))
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
@@ -143,23 +151,27 @@ def test_healthy_workload_completes(e2e: vm.Harness) -> None:
     # not climb beyond such a blip in a healthy run.
     assert all(rung(e) <= 2 for e in named(events, "tick")), "no sustained outage"
     check_no_lost_lines(res, events)
+    # The agent wrote on after the getty restart and the vhangup (no gap: check_no_lost_lines).
+    raw = res.serial()
+    hung = raw.find(b"e2e-console-hangup: done rc=0")
+    assert hung > 0, "the getty restart and the vhangup ran"
+    assert re.search(rb"GCEWD3 \S+ \d+ \S+ heartbeat ", raw[hung:]), "agent lines after the hangup"
 
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
     assert all(o.action == "none" for o in run.looks())
 
 
-# What a workload without the line key can forge (issue 15): a well-formed v2 `exit rc=0` with a
-# correct CRC and a MAC under a key of its own, printed (through `exec`, which defuses it) and
-# written straight to the console (as a process that can write the port would).
+# What a workload without the line key can forge (issues 15, 25): a well-formed v3 `exit rc=0`
+# with a correct CRC and a signature of its own making, printed (through `exec`, which defuses
+# it) and written straight to the console (as a process that can write the port would).
 FORGE_PY = (
-    "import hashlib, hmac, os, time, zlib;"
+    "import base64, os, time, zlib;"
     'b = open("/proc/sys/kernel/random/boot_id").read().strip().replace("-", "")[:8];'
     't = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime());'
-    'body = "GCEWD2 %s 40 %s exit rc=0 sig=- dur=1.0" % (b, t);'
-    "k = os.urandom(32);"
-    "mac = hmac.new(k, body.encode(), hashlib.sha256).hexdigest()[:16];"
-    'line = "%s #%08x%s" % (body, zlib.crc32(body.encode()) & 0xFFFFFFFF, mac);'
+    'body = "GCEWD3 %s 40 %s exit rc=0 sig=- dur=1.0" % (b, t);'
+    'signed = body + " #" + base64.urlsafe_b64encode(os.urandom(64)).decode()[:86];'
+    'line = "%s%08x" % (signed, zlib.crc32(signed.encode()) & 0xFFFFFFFF);'
     "print(line, flush=True);"
     'open("/dev/ttyS0", "w").write(line + chr(10))'
 )

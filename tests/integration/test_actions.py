@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import stat
 import subprocess
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from gce_watchdog.daemon.actions import ActionChain, ApiResult, RetryPolicy
+from gce_watchdog.daemon.actions import ActionChain, ApiResult, ChainRetry
 from gce_watchdog.daemon.metawatch import InstanceInfo, save_instance_cache
 from gce_watchdog.lib.proc import RunResult
 from gce_watchdog.testing.synth import SYNTH_KEY
@@ -404,7 +405,7 @@ def test_a_failing_keepalive_does_not_stop_the_chain(tmp_path: Path) -> None:
     jitter=st.floats(0, 0.999),
 )
 def test_retry_policy_is_bounded(attempts: int, deadline: float, jitter: float) -> None:
-    p = RetryPolicy(attempts, deadline)
+    p = ChainRetry(attempts, deadline)
     for n in range(2, attempts + 1):
         w = p.wait_before(n, jitter)
         assert 0 < w <= p.max_wait
@@ -418,6 +419,81 @@ def test_retry_policy_is_bounded(attempts: int, deadline: float, jitter: float) 
             t += w
         tries += 1
     assert 1 <= tries <= attempts and t < deadline
+
+
+@dataclass
+class TimedApi(FakeApi):
+    """A FakeApi that records the fake clock's time of each attempt."""
+
+    clock: FakeClock = field(default_factory=FakeClock)
+    times: list[float] = field(default_factory=list)
+
+    def act(self, op: str, inst: InstanceInfo, request_id: str) -> ApiResult:
+        self.times.append(self.clock.monotonic())
+        return super().act(op, inst, request_id)
+
+
+RATE_LIMITED = "Rate Limit Exceeded"
+
+
+@pytest.mark.parametrize(("asked", "waited"), [(20.0, 20.0), (1e6, 25.0), (float("inf"), 25.0)])
+def test_a_rate_limited_delete_waits_what_the_api_asked_within_the_deadline(
+    tmp_path: Path, asked: float, waited: float
+) -> None:
+    """The least wait (Retry-After, or the next quota interval) is honoured; one that would
+    leave no whole attempt (api_timeout 5 s) before the deadline (30 s) is shortened to the last
+    start that does: one late try, never past the deadline."""
+    clock = FakeClock()
+    api = TimedApi(
+        script=[
+            ApiResult(False, 403, RATE_LIMITED, retryable=True, wait_at_least=asked),
+            ApiResult(True, 200, "operation-9"),
+        ],
+        clock=clock,
+    )
+    r = rig(
+        tmp_path,
+        "delete",
+        api=api,
+        clock=clock,
+        linger=0,
+        api_attempts=3,
+        api_deadline=30.0,
+        api_timeout=5.0,
+    )
+    r.chain.execute("ladder", 10, 10)
+    assert len(api.times) == 2 and api.times[1] - api.times[0] == pytest.approx(waited)
+    ok = next(e for e in r.events() if e.get("step") == "delete" and e.get("status") == "ok")
+    assert ok.get("tries") == "2"
+
+
+@given(
+    attempts=st.integers(1, 10),
+    deadline=st.floats(0.5, 120),
+    attempt_time=st.floats(0, 60),
+    jitter=st.floats(0, 0.999),
+    asked=st.lists(
+        st.none() | st.floats(0, 1e9) | st.sampled_from([math.inf, math.nan]),
+        min_size=10,
+        max_size=10,
+    ),
+)
+def test_chain_retry_never_crosses_its_deadline_whatever_the_api_asks(
+    attempts: int, deadline: float, attempt_time: float, jitter: float, asked: list[float | None]
+) -> None:
+    p = ChainRetry(attempts, deadline, attempt_time=attempt_time)
+    t = 0.0
+    for n in range(2, attempts + 1):
+        w = p.next_wait(n, jitter, t, asked[n - 1])
+        if w is None:
+            assert t + p.wait_before(n, jitter) >= deadline  # stops only when it must
+            break
+        assert w >= p.wait_before(n, jitter)  # never shorter than the back-off
+        hint = asked[n - 1]
+        if hint is not None and hint == hint and t + hint + attempt_time <= deadline:
+            assert w >= hint  # a wait that fits is honoured in full
+        t += w
+        assert t < deadline
 
 
 # -- end to end against real local servers (child process) --------------------------------------
@@ -619,6 +695,24 @@ def test_e2e_api_refuses_403(e2e: E2E) -> None:
     assert len(e2e.api.calls_to("stop")) == 1  # type: ignore[attr-defined]
     assert e2e.api.instance("sim-vm-1").status == "RUNNING"  # type: ignore[attr-defined]
     assert ("poweroff", "start") in _actions(events)
+
+
+def test_e2e_delete_rate_limited_403_is_retried_and_deletes(e2e: E2E) -> None:
+    """GCE answers a rate limit with 403 rateLimitExceeded (its API rate-limit docs): a mass
+    recovery where many VMs delete at once. The chain waits the Retry-After and deletes."""
+    from gce_watchdog.testing.simcompute import Fault
+
+    e2e.api.set_fault("delete", Fault.RATE_LIMIT, count=1)  # type: ignore[attr-defined]
+    # a wide deadline: the test is about the retry, not about a loaded machine's speed
+    cfg = e2e.config("delete", api_timeout="5s", api_attempts=3, api_deadline="30s")
+    _, events = e2e.run(cfg)
+    end = next(e for e in events if e.get("step") == "delete" and e.get("status") != "start")
+    assert (end.get("status"), end.get("http"), end.get("tries")) == ("ok", "200", "2")
+    calls = e2e.api.calls_to("delete")  # type: ignore[attr-defined]
+    assert [c.status for c in calls] == [403, 200]
+    assert len({c.query["requestId"] for c in calls}) == 1
+    assert e2e.api.instance("sim-vm-1").deleted  # type: ignore[attr-defined]
+    assert ("poweroff", "start") in _actions(events)  # the chain goes on to the power-off
 
 
 def test_e2e_poweroff_fails_and_the_chain_escalates(e2e: E2E) -> None:

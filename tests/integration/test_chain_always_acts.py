@@ -208,7 +208,9 @@ def make_rig(
         store=LadderStore(tmp / "ladder.json", "b1"),
         on_shutdown=chain.execute,
     )
-    return Rig(cfg, clock, sink, runner, api, kernel, cc, chain, Agent(cfg, deps), inst_fail)
+    return Rig(
+        cfg, clock, sink, runner, api, kernel, cc, chain, Agent.from_config(cfg, deps), inst_fail
+    )
 
 
 def inject(r: Rig, step: str, exc: BaseException) -> None:
@@ -401,7 +403,7 @@ def real_file_agent(tmp: Path) -> tuple[Agent, MemorySink, list[object]]:
         phase=lambda: read_phase(tmp),
         instance_id=lambda: _instance_id(str(tmp), None),
     )
-    return Agent(cfg, deps), sink, decided
+    return Agent.from_config(cfg, deps), sink, decided
 
 
 @pytest.mark.parametrize("content", NASTY, ids=range(len(NASTY)))

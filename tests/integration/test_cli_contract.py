@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog import cli
-from gce_watchdog.lib.cli import EX_USAGE, all_parsers
+from gce_watchdog.lib.cli import EX_CONFIG, EX_USAGE, all_parsers
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm import config as cfgmod
 from hypothesis import given, settings
@@ -182,7 +182,7 @@ def test_to_toml_round_trips_any_valid_config(
 )
 def test_a_top_level_typo_gets_the_right_hint(tmp_path: Path, toml: str, want: str) -> None:
     r = _gw("config", "check", "--config", str(_cfg(tmp_path, toml)))
-    assert r.returncode == cfgmod.EX_CONFIG and want in r.stderr, r.stderr
+    assert r.returncode == EX_CONFIG and want in r.stderr, r.stderr
 
 
 def _agent_cfg(tmp: Path, sim: SimGCE) -> Path:
@@ -213,7 +213,7 @@ def test_check_json_and_npd_against_a_real_fake_gce(tmp_path: Path) -> None:
     bad = _cfg(tmp_path, "[agent]\nthreshold = 0\n")
     unknown = _gw("check", "--npd", "--config", str(bad))
     assert unknown.returncode == 2 and unknown.stdout.startswith("check could not run")
-    assert _gw("check", "--config", str(bad)).returncode == cfgmod.EX_CONFIG
+    assert _gw("check", "--config", str(bad)).returncode == EX_CONFIG
     assert _gw("check", "--json", "--npd").returncode == EX_USAGE
 
 

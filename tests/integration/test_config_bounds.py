@@ -286,7 +286,7 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
             store=LadderStore(tmp / "ladder.json", "b1"),
             on_shutdown=chain.execute,
         )
-        agent = Agent(cfg, deps)
+        agent = Agent.from_config(cfg, deps)
         assert deps.store.save(LadderState(rung=cfg.agent.threshold - 1))
         agent.run(threading.Event(), max_ticks=1)  # start line, the deciding tick, the chain
         assert agent.tick_errors == 0

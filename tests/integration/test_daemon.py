@@ -61,7 +61,7 @@ def make(
         store=LadderStore(tmp_path / "ladder.json", boot),
         on_shutdown=on_shutdown,
     )
-    return Agent(cfg, deps), sink, shutdowns, clock
+    return Agent.from_config(cfg, deps), sink, shutdowns, clock
 
 
 def events(sink: MemorySink) -> list:

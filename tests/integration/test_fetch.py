@@ -20,20 +20,16 @@ from typing import Any
 import pytest
 from gce_watchdog import cli
 from gce_watchdog.bootstrap.fetch import (
-    EX_CANTCREAT,
-    EX_DATAERR,
-    EX_TEMPFAIL,
-    EX_UNAVAILABLE,
-    EX_USAGE,
     DnsResolver,
     FetchDeps,
     FetchRequest,
+    FetchRetry,
     Progress,
     RateLimit,
-    RetryPolicy,
     parse_url,
     run_fetch,
 )
+from gce_watchdog.lib.cli import EX_CANTCREAT, EX_DATAERR, EX_TEMPFAIL, EX_UNAVAILABLE, EX_USAGE
 from gce_watchdog.lib.dns import hosts_file_lookup
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.netaddr import parse_dns_server
@@ -122,8 +118,8 @@ class Scripted:
         return f"http://{host}:{self.port}{path}"
 
 
-def fast_policy(deadline: float = 20.0) -> RetryPolicy:
-    return RetryPolicy(deadline=deadline, initial=0.05, max_wait=0.3, min_attempt=0.2)
+def fast_policy(deadline: float = 20.0) -> FetchRetry:
+    return FetchRetry(deadline=deadline, initial=0.05, max_wait=0.3, min_attempt=0.2)
 
 
 def mem_emitter(tmp_path: Path) -> tuple[Emitter, MemorySink]:
@@ -162,7 +158,7 @@ def req(url: str, out: Path, **kw: Any) -> FetchRequest:
 def test_policy_never_overshoots_the_deadline(
     attempt: int, elapsed: float, retry_after: float | None, u: float, deadline: float
 ) -> None:
-    p = RetryPolicy(deadline=deadline)
+    p = FetchRetry(deadline=deadline)
     w = p.next_wait(attempt, elapsed, retry_after, u)
     if w is None:
         return
@@ -175,14 +171,14 @@ def test_policy_never_overshoots_the_deadline(
 
 @given(attempt=st.integers(1, 100), u=st.floats(0, 1, exclude_max=True))
 def test_backoff_is_jittered_exponential_and_capped(attempt: int, u: float) -> None:
-    p = RetryPolicy(deadline=600)
+    p = FetchRetry(deadline=600)
     base = min(p.max_wait, p.initial * p.multiplier ** (attempt - 1))
     b = p.backoff(attempt, u)
     assert base * (1 - p.jitter) <= b <= base
 
 
 def test_policy_table() -> None:
-    p = RetryPolicy(deadline=10, initial=1, max_wait=8, jitter=0, min_attempt=1)
+    p = FetchRetry(deadline=10, initial=1, max_wait=8, jitter=0, min_attempt=1)
     assert [p.next_wait(a, 0, None, 0) for a in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 8]
     assert p.next_wait(1, 8.5, None, 0) == pytest.approx(0.5)  # clipped, not a full step
     assert p.next_wait(1, 9.5, None, 0) is None  # no time left for another attempt
@@ -331,7 +327,7 @@ def test_serial_rate_limit_caps_lines_but_stderr_has_every_attempt(tmp_path: Pat
         em, sink = mem_emitter(tmp_path)
         err = io.StringIO()
         r = req("http://x.gcewd.test/", tmp_path / "o", dns_servers=(("127.0.0.1", dns.port),))
-        policy = RetryPolicy(deadline=2.0, initial=0.02, max_wait=0.05, min_attempt=0.1)
+        policy = FetchRetry(deadline=2.0, initial=0.02, max_wait=0.05, min_attempt=0.1)
         res = run_fetch(r, FetchDeps(emitter=em, policy=policy, serial_every=0.5, stderr=err))
     assert res.rc == EX_TEMPFAIL and res.attempts >= 10
     evs = fetch_events(sink)

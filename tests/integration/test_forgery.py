@@ -201,7 +201,10 @@ def test_seqs_claimed_in_advance_do_not_hide_the_real_lines() -> None:
 def test_a_line_replayed_from_an_earlier_boot_does_not_switch_the_boot() -> None:
     old = Writer(boot="aaaa0001")
     old_lines = [old.line("phase", {"ph": "workload"}), old.line("exit", {"rc": 0, "sig": "-"})]
-    new = Writer(boot="bbbb0002", ts_ms=old.ts_ms + 600_000)
+    # v3 orders boots by where they appear, not by the guest's clock; a reader that never saw
+    # the earlier boot tells its replay from a reboot only by a signed time more than
+    # REPLAY_BOUND_MS (a day) older than the current boot's: the earlier boot ran two days ago.
+    new = Writer(boot="bbbb0002", ts_ms=old.ts_ms + 2 * 86_400_000)
     new_lines = [
         new.line("phase", {"ph": "workload"}),
         new.line("shutdown", {"reason": "ladder", "rung": "10/10"}),
@@ -215,6 +218,22 @@ def test_a_line_replayed_from_an_earlier_boot_does_not_switch_the_boot() -> None
     # ...also when the reader never saw the earlier boot's lines before the replay
     tl, v = judge(b"".join(new_lines) + old_lines[0] + replayed)
     assert v == want and tl.latest_boot == "bbbb0002"
+
+
+def test_a_new_boot_whose_clock_is_an_hour_behind_is_current() -> None:
+    """Issue 25: boots were ordered by their earliest signed time, so a reboot with a clock an
+    hour behind was never current and a healthy (or shut down) new boot was a wedge."""
+    old = Writer(boot="aaaa0001")
+    old_lines = [old.line("phase", {"ph": "workload"}), old.line("heartbeat", {"rung": "0/10"})]
+    new = Writer(boot="bbbb0002", ts_ms=old.ts_ms - 3_600_000)
+    shutdown = new.line("shutdown", {"reason": "ladder", "rung": "10/10"})
+    tl, v = judge(b"".join(old_lines) + new.line("phase", {"ph": "workload"}) + shutdown)
+    assert tl.latest_boot == "bbbb0002" and v.kind is VerdictKind.SELF_SHUTDOWN  # type: ignore[attr-defined]
+    healthy = Writer(boot="cccc0003", ts_ms=old.ts_ms - 3_600_000)
+    data = b"".join(old_lines) + healthy.line("phase", {"ph": "workload"})
+    tl = parse_bytes(data, rx=1000.0)
+    v = tl.judge(RUN, 1000.0 + 60, POL)  # a minute after its last line: healthy
+    assert tl.latest_boot == "cccc0003" and v.kind is VerdictKind.HEALTHY and not v.failover
 
 
 def test_invented_boot_ids_create_no_boot_and_a_second_key_is_an_alarm() -> None:

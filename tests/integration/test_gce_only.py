@@ -46,7 +46,7 @@ def test_arming_matrix() -> None:
     assert arming(gce, False) == (True, "")
     assert arming(other, True) == (True, "")
     ok, why = arming(other, False)
-    assert not ok and "watching and reporting only, never acting" in why
+    assert not ok and why.startswith("WATCH ONLY, never acting here: not a GCE VM (x)")
 
 
 def _config(tmp: Path, sim: SimGCE, product: str | None, **agent: object) -> Path:
@@ -112,7 +112,8 @@ def test_off_gce_the_agent_watches_and_reports_but_never_acts(
     evs = _run(tmp_path, product)
     names = [e.event for e in evs]
     assert names[:2] == ["start", "warn"]
-    assert evs[1].get("what") == "gce" and "not a GCE VM" in evs[1].text
+    assert evs[1].get("what") == "gce" and evs[1].text.startswith("WATCH ONLY, never acting here")
+    assert "not a GCE VM" in evs[1].text
     would = [e for e in evs if e.event == "would_shutdown"]
     assert len(would) == 1 and would[0].get("why") == "not-gce"
     assert "shutdown" not in names and "action" not in names
@@ -149,8 +150,10 @@ def _check(tmp: Path, product: str | None, outage: bool) -> subprocess.Completed
 def test_check_says_not_gce_and_no_metadata_server(tmp_path: Path) -> None:
     r = _check(tmp_path, QEMU, outage=True)
     assert r.returncode == 2
-    assert f"platform: not a GCE VM (DMI product name is '{QEMU}'" in r.stdout
-    assert "never acting" in r.stdout
+    assert (
+        f"platform: WATCH ONLY, never acting here: not a GCE VM (DMI product name is '{QEMU}'"
+        in (r.stdout)
+    )
     assert "metadata: no metadata server answered at" in r.stdout
 
 

@@ -44,6 +44,7 @@ def test_the_import_rules_hold() -> None:
         ("vm/state.py", "from gce_watchdog.testing import synth", "testing kit"),
         ("wire/vocab.py", "from gce_watchdog.vm import state", "layers"),
         ("daemon/tick.py", "from gce_watchdog.daemon import service", "import cycles"),
+        ("vm/runtime.py", "import argparse", "only the CLI modules import argparse"),
     ],
 )
 def test_a_violation_breaks_its_contract(

@@ -23,8 +23,8 @@ from gce_watchdog.bootstrap.install import (
     template,
     uninstall,
 )
+from gce_watchdog.lib.cli import EX_CONFIG
 from gce_watchdog.lib.proc import RunResult
-from gce_watchdog.vm import config as cfgmod
 from kit.agent import AGENT, agent_in
 from kit.paths import REPO
 
@@ -141,7 +141,7 @@ def test_an_invalid_config_stops_the_install(tmp_path: Path) -> None:
     write_config(tmp_path, '[agent]\ninterval = "soon"\n')
     with pytest.raises(InstallError) as e:
         install(opts(tmp_path), out=quiet)
-    assert e.value.code == cfgmod.EX_CONFIG
+    assert e.value.code == EX_CONFIG
     assert "agent.interval" in str(e.value)
     assert not (tmp_path / UNIT_PATH).exists()
 

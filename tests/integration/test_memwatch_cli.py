@@ -12,13 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+from gce_watchdog.lib.cli import EX_FAIL, EX_NOTFOUND, EX_OK
 from gce_watchdog.memory import GIB, MIB
 from gce_watchdog.memory.detector import DetectorParams
 from gce_watchdog.memory.memwatch import (
-    EXIT_CANNOT_RUN,
-    EXIT_FAIL,
     EXIT_NOT_ENOUGH_DATA,
-    EXIT_PASS,
     Run,
     collect,
     judge,
@@ -55,7 +53,7 @@ def _memwatch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[st
 def test_growing_command_fails_with_a_climb(tmp_path: Path) -> None:
     out = tmp_path / "memory_log.json"
     r = _memwatch(*FAST, "--out", str(out), "--", sys.executable, "-c", _GROW)
-    assert r.returncode == EXIT_FAIL, r.stdout + r.stderr
+    assert r.returncode == EX_FAIL, r.stdout + r.stderr
     assert r.stdout.strip().endswith("FAIL")
     doc = json.loads(out.read_text())
     assert doc["verdict"] == "FAIL"
@@ -73,7 +71,7 @@ def test_growing_command_fails_with_a_climb(tmp_path: Path) -> None:
 def test_steady_command_passes(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     r = _memwatch(*FAST, "--out", str(out), "--", sys.executable, "-c", _HOLD)
-    assert r.returncode == EXIT_PASS, r.stdout + r.stderr
+    assert r.returncode == EX_OK, r.stdout + r.stderr
     doc = json.loads(out.read_text())
     tree = doc["gauges"]["tree_rss"]
     assert tree["status"] == "pass"
@@ -91,7 +89,7 @@ def test_short_command_is_not_enough_data_and_keeps_its_rc() -> None:
 
 def test_missing_command_and_bad_options_are_clear() -> None:
     r = _memwatch("--", "/nonexistent/trainer")
-    assert r.returncode == EXIT_CANNOT_RUN
+    assert r.returncode == EX_NOTFOUND
     assert "cannot run '/nonexistent/trainer'" in r.stderr
     r = _memwatch("--band", "lots")
     assert r.returncode == 64 and "expected a size like '512MiB'" in r.stderr
@@ -148,7 +146,7 @@ def test_sigterm_is_forwarded_to_the_command(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     assert doc["target"]["forwarded_signals"] == ["SIGTERM"]
     assert doc["target"]["rc"] == 0
-    assert p.returncode in (EXIT_PASS, EXIT_NOT_ENOUGH_DATA), stdout
+    assert p.returncode in (EX_OK, EXIT_NOT_ENOUGH_DATA), stdout
 
 
 def test_pid_mode_with_duration(tmp_path: Path) -> None:
@@ -170,7 +168,7 @@ def test_pid_mode_with_duration(tmp_path: Path) -> None:
         assert doc["stopped_by"] == "duration"
         assert doc["target"]["pid"] == child.pid
         assert doc["gauges"]["tree_rss"]["status"] == "pass", r.stdout
-        assert r.returncode == EXIT_PASS
+        assert r.returncode == EX_OK
     finally:
         child.kill()
         child.wait(5)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gce_watchdog.memory.memwatch import EXIT_USAGE
+from gce_watchdog.lib.cli import EX_USAGE
 from kit.paths import REPO
 
 FAST = ["--interval", "50ms", "--warmup", "2", "--min-samples", "30", "--band", "64MiB", "--no-gpu"]
@@ -78,7 +78,7 @@ def test_a_bad_out_path_is_refused_before_the_run(tmp_path: Path, where: str, wh
     code = f"open({str(marker)!r}, 'w').close()"
     t0 = time.monotonic()
     r = _memwatch(*FAST, "--out", str(tmp_path / where), "--", sys.executable, "-c", code)
-    assert r.returncode == EXIT_USAGE, r.stdout + r.stderr
+    assert r.returncode == EX_USAGE, r.stdout + r.stderr
     assert why in r.stderr and "Traceback" not in r.stderr
     assert not marker.exists()  # the workload never started
     assert time.monotonic() - t0 < 30
@@ -108,5 +108,5 @@ def test_an_unwritable_out_dir_is_refused_before_the_run_as_an_unprivileged_user
         shutil.rmtree(base, ignore_errors=True)
     if "gce-watchdog memwatch" not in r.stderr:
         pytest.skip(f"nobody cannot run this interpreter here: {r.stderr[-200:]}")
-    assert r.returncode == EXIT_USAGE, r.stdout + r.stderr
+    assert r.returncode == EX_USAGE, r.stdout + r.stderr
     assert "cannot write in" in r.stderr and "Permission denied" in r.stderr

@@ -14,7 +14,7 @@ import pytest
 import requests
 from gce_watchdog.cli import main
 from gce_watchdog.lib.cli import EX_USAGE
-from gce_watchdog.lib.compute import ComputeClient, RetryPolicy
+from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
 from gce_watchdog.poller.fleet import (
     DEFAULT_BUDGET_PER_MIN,
     BudgetedSession,
@@ -49,7 +49,7 @@ def api() -> Iterator[FakeComputeAPI]:
 def client_for(api: FakeComputeAPI, timeout: tuple[float, float] = (2.0, 30.0)) -> ComputeClient:
     waits: list[float] = []
     return ComputeClient.create(
-        Credentials("tok"), api.base_url, timeout=timeout, retry=RetryPolicy(3, sleep=waits.append)
+        Credentials("tok"), api.base_url, timeout=timeout, retry=ComputeRetry(3, sleep=waits.append)
     )
 
 
@@ -233,7 +233,7 @@ def test_a_429_with_retry_after_pauses_that_project_only(api: FakeComputeAPI) ->
     for p in ("proj-slow", "proj-fine"):
         api.add_instance("vm-1", project=p, labels=LABEL)
     api.retry_after = "7"
-    api.set_project_fault("proj-slow", Fault.RATE_LIMIT, count=1)
+    api.set_project_fault("proj-slow", Fault.TOO_MANY_REQUESTS, count=1)
     t = FakeTime()
     budget = ProjectBudget(DEFAULT_BUDGET_PER_MIN, clock=t.clock, sleep=t.sleep)
     client = client_for(api)

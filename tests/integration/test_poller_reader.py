@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gce_watchdog.lib.compute import AuthError, ComputeClient, GaveUpError, RetryPolicy
+from gce_watchdog.lib.compute import AuthError, ComputeClient, ComputeRetry, GaveUpError
 from gce_watchdog.poller.ledger import Ledger
 from gce_watchdog.poller.poller import Poller
 from gce_watchdog.poller.reader import CursorStore, SerialReader
@@ -45,6 +45,10 @@ def sleeps() -> Sleeps:
     return Sleeps()
 
 
+# The wall clock the client sees: 50 s into a minute (a rate limit without Retry-After waits 10 s).
+WALL = 1_800_000_050.0
+
+
 def make_client(
     api: FakeComputeAPI, sleeps: Sleeps, token: str = "tok", attempts: int = 3
 ) -> ComputeClient:
@@ -52,7 +56,7 @@ def make_client(
         Credentials(token),
         api.base_url,
         timeout=(2.0, 0.5),
-        retry=RetryPolicy(attempts=attempts, sleep=sleeps),
+        retry=ComputeRetry(attempts=attempts, sleep=sleeps, wall=lambda: WALL),
     )
 
 
@@ -184,23 +188,22 @@ def test_rate_limit_backs_off_then_succeeds(api: FakeComputeAPI, sleeps: Sleeps)
     client = make_client(api, sleeps, attempts=5)
     chunk = client.serial_port_output(P, Z, "vm-1", 0)
     assert chunk.contents == b"hello\n"
-    assert [c.status for c in api.calls_to("serial")] == [429, 429, 200]
+    assert [c.status for c in api.calls_to("serial")] == [403, 403, 200]  # GCE's rate limit
     assert len(sleeps.waits) == 2 and all(0 <= s <= 30 for s in sleeps.waits)
 
 
-@pytest.mark.parametrize(("header", "want"), [("7", 7.0), ("600", 30.0), (None, None)])
+# No header: the start of the next minute, when GCE refills the quota (WALL is 50 s into one).
+@pytest.mark.parametrize(("header", "want"), [("7", 7.0), ("600", 30.0), (None, 10.0)])
 def test_rate_limit_honours_retry_after_capped_at_one_poll(
-    api: FakeComputeAPI, sleeps: Sleeps, header: str | None, want: float | None
+    api: FakeComputeAPI, sleeps: Sleeps, header: str | None, want: float
 ) -> None:
     api.append_serial("vm-1", b"hello\n")
     api.retry_after = header
     api.set_fault("serial", Fault.RATE_LIMIT, count=2)
     chunk = make_client(api, sleeps, attempts=5).serial_port_output(P, Z, "vm-1", 0)
     assert chunk.contents == b"hello\n" and len(sleeps.waits) == 2
-    if want is None:  # no header: the jittered backoff alone (first waits at most 2 and 4 s)
-        assert sleeps.waits[0] <= 2 and sleeps.waits[1] <= 4
-    else:  # at least what the server asked, never more than one poll interval
-        assert sleeps.waits == [want, want]
+    # at least what the server asked (or the next minute), never more than one poll interval
+    assert sleeps.waits == [want, want]
 
 
 def test_gives_up_after_n_attempts_with_the_last_error(api: FakeComputeAPI, sleeps: Sleeps) -> None:
@@ -210,7 +213,7 @@ def test_gives_up_after_n_attempts_with_the_last_error(api: FakeComputeAPI, slee
         client.serial_port_output(P, Z, "vm-1", 0)
     msg = str(ei.value)
     assert "gave up after 3 attempts, last error:" in msg
-    assert "HTTP 429 rateLimitExceeded" in msg
+    assert "HTTP 403 rateLimitExceeded" in msg
     assert len(api.calls_to("serial")) == 3
 
 

@@ -116,7 +116,7 @@ def agent_lines(
     )
     for name, fields, txt in extra.get(0, []):
         em.emit(name, fields, txt)
-    Agent(cfg, deps).run(threading.Event(), max_ticks=ticks)
+    Agent.from_config(cfg, deps).run(threading.Event(), max_ticks=ticks)
     return list(sink.lines)
 
 

@@ -138,10 +138,15 @@ def test_stop_sets_terminated_once(api: FakeComputeAPI) -> None:
 def test_rate_limit_refuse_and_counted_faults(api: FakeComputeAPI) -> None:
     api.set_fault("serial", Fault.RATE_LIMIT, count=2)
     r = serial(api, 0)
-    assert r.status_code == 429
-    assert r.json()["error"]["errors"][0]["reason"] == "rateLimitExceeded"
-    assert serial(api, 0).status_code == 429
+    assert r.status_code == 403  # GCE answers a rate limit with 403 rateLimitExceeded
+    err = r.json()["error"]
+    assert err["code"] == 403 and err["errors"][0]["reason"] == "rateLimitExceeded"
+    assert serial(api, 0).status_code == 403
     assert serial(api, 0).status_code == 200  # count exhausted
+    api.set_fault("serial", Fault.TOO_MANY_REQUESTS, count=1)
+    r = serial(api, 0)
+    assert r.status_code == 429 and r.json()["error"]["errors"][0]["reason"] == "rateLimitExceeded"
+    assert serial(api, 0).status_code == 200
     api.set_fault("delete", Fault.REFUSE)
     r = requests.delete(url(api), headers=AUTH, timeout=5)
     assert r.status_code == 403 and r.json()["error"]["errors"][0]["reason"] == "forbidden"

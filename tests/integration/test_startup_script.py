@@ -34,6 +34,10 @@ SCRIPT = REPO / "startup" / "startup-script.sh"
 BAKE = REPO / "startup" / "bake-image.sh"
 BOOT_ID = "5f1e2d3c-0000-4000-8000-0123456789ab"
 PY = sys.executable
+# What the recorder saw of an end of life: the agent's chain (poweroff_cmd, then force_cmd: the
+# recorder never powers off, so the chain escalates), or the script's own (no agent).
+AGENT_END = ["poweroff", "force"]
+SCRIPT_END = ["poweroff", "poweroff", "--force", "--force"]
 
 
 def test_shellcheck_clean() -> None:
@@ -116,14 +120,19 @@ def vm(tmp_path: Path) -> Iterator[Vm]:
     cfg = root / "etc/gce-watchdog/config.toml"
     cfg.parent.mkdir(parents=True)
     (root / "serial.log").touch()  # the "serial device" (a missing one is unusable)
+    recorder = root / "action-cmd"
+    recorder.write_text(f'#!/bin/sh\necho "$@" >> "{root}/actions.log"\n')
+    recorder.chmod(0o755)
+    # The agent's end-of-life chain records its power-off commands too, never powers off
+    # (kernel = []: no reboot(2) of the test machine), and lingers briefly.
     cfg.write_text(
         f'[agent]\nstate_dir = "{state}"\nrun_dir = "{root}/run/gce-watchdog"\n'
         f'boot_id_path = "{boot}"\n'
         f'[serial]\ndevice = "{root}/serial.log"\nfallback_file = "{root}/fallback.log"\n'
+        f'[actions]\nlinger = "0.2s"\nrepeat_every = "0.1s"\npoweroff_wait = "0.1s"\n'
+        f'force_wait = "0.1s"\nkernel = []\npoweroff_cmd = ["{recorder}", "poweroff"]\n'
+        f'force_cmd = ["{recorder}", "force"]\n'
     )
-    recorder = root / "action-cmd"
-    recorder.write_text(f'#!/bin/sh\necho "$@" >> "{root}/actions.log"\n')
-    recorder.chmod(0o755)
     mds = FakeMetadataServer().start()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -137,6 +146,11 @@ def vm(tmp_path: Path) -> Iterator[Vm]:
         "GCEWD_SYSTEMD_RUN_DIR": str(root / "run/systemd/system"),  # absent: no systemd
         "GCEWD_ACTION_CMD": str(recorder),
         "GCEWD_METADATA_DEADLINE": "3",
+        # the script's own end of life (no agent): no linger or waits, sysrq into a file
+        "GCEWD_DEFAULT_LINGER": "0",
+        "GCEWD_POWEROFF_WAIT": "0",
+        "GCEWD_FORCE_WAIT": "0",
+        "GCEWD_SYSRQ": str(root / "sysrq"),
     }
     try:
         yield Vm(root, mds, env)
@@ -208,10 +222,14 @@ def test_failing_bootstrap_step_is_setup_failed_with_that_step(vm: Vm) -> None:
     (sf,) = [e for e in evs if e.event == "setup_failed"]
     assert (sf.get("step"), sf.get("rc"), sf.get("cause")) == ("bootstrap:md001", "3", "job")
     assert "exited with 3" in sf.text
-    assert evs[-1] is sf  # nothing after the terminal line: no workload, no third step
+    # nothing after the terminal line but its end of life: no workload, no third step
+    after = evs[evs.index(sf) + 1 :]
+    assert after[0].event == "end" and after[0].get("reason") == "setup_failed"
+    assert {e.event for e in after} == {"end", "action"}
     assert _phases(evs) == ["bootstrap"]
     assert read_phase(vm.state) == "setup_failed"
-    assert vm.actions == ["poweroff"]  # the default failure action, after the line
+    # the default failure action (poweroff), after the line, through the agent's chain
+    assert vm.actions == AGENT_END
 
 
 def test_failure_action_from_metadata_and_env(vm: Vm) -> None:
@@ -236,7 +254,7 @@ def test_dns_that_never_resolves_fails_the_dns_step(vm: Vm) -> None:
     (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
     assert (sf.get("step"), sf.get("rc"), sf.get("cause")) == ("dns", "75", "infra")
     assert took < 15  # bounded by the DNS deadline, not a fixed number of tries
-    assert vm.actions == ["poweroff"]
+    assert vm.actions == AGENT_END
 
 
 def test_workload_must_be_an_argv_not_a_shell_string(vm: Vm) -> None:
@@ -731,5 +749,68 @@ echo "still running: $value"
     assert len(failed) == 1, [e.text for e in failed]
     assert failed[0].get("step") == "probe"
     assert failing.replace("\n", " ") in failed[0].text  # whole, a newline in it or not
-    assert vm.actions == ["poweroff"]
+    assert vm.actions == SCRIPT_END  # no agent here: the script's own end of life
     assert not (vm.state / ".startup-failure").exists()
+
+
+# -- the end of life (issue 24) --------------------------------------------------------------------
+
+
+def _steps(evs: list[protocol.Event]) -> list[tuple[str | None, str | None]]:
+    return [(e.get("step"), e.get("status")) for e in evs if e.event == "action"]
+
+
+@pytest.mark.parametrize(("code", "reason"), [("pass", "done"), ("raise SystemExit(3)", "failed")])
+def test_done_action_poweroff_ends_through_the_agent_chain(vm: Vm, code: str, reason: str) -> None:
+    vm.bake()
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", code]))
+    vm.mds.set_attribute("gce-watchdog-done-action", "poweroff")
+    vm.mds.set_attribute("gce-watchdog-linger", "1s")
+    p = vm.run()
+    assert p.returncode == (0 if reason == "done" else 3), p.stderr
+    evs = vm.events()
+    names = [e.event for e in evs]
+    i_exit, i_end = names.index("exit"), names.index("end")
+    i_done = next(i for i, e in enumerate(evs) if e.event == "phase" and e.get("ph") == "done")
+    assert i_exit < i_done < i_end, "the end of life comes after the terminal lines"
+    end = evs[i_end]
+    assert (end.get("reason"), end.get("action")) == (reason, "poweroff")
+    assert end.get("chain") == "linger+poweroff+force"
+    steps = _steps(evs)
+    assert steps.index(("linger", "ok")) < steps.index(("poweroff", "start"))
+    linger = next(e for e in evs if e.get("step") == "linger" and e.get("status") == "start")
+    assert linger.get("ms") == "1000", "gce-watchdog-linger reaches the agent's chain"
+    assert "shutdown" not in names
+    assert vm.actions == AGENT_END
+    assert not (vm.root / "sysrq").exists()
+
+
+def test_done_action_none_leaves_the_vm_up(vm: Vm) -> None:
+    vm.bake()
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
+    assert vm.run().returncode == 0
+    assert "end" not in [e.event for e in vm.events()] and vm.actions == []
+
+
+def test_without_an_agent_the_script_ends_the_vm_itself(vm: Vm) -> None:
+    # No agent source: the install fails (cause job) before any agent exists.
+    vm.mds.set_attribute("gce-watchdog-linger", "inf")  # refused: the default (0 in tests)
+    p = vm.run()
+    assert p.returncode == 78, p.stderr
+    evs = vm.events()
+    names = [e.event for e in evs]
+    assert names.index("setup_failed") < names.index("end")
+    end = evs[names.index("end")]
+    assert (end.get("reason"), end.get("action")) == ("setup_failed", "poweroff")
+    assert "gce-watchdog-linger 'inf' is not 0 to 1h" in p.stderr
+    assert vm.actions == SCRIPT_END
+    assert (vm.root / "sysrq").read_text() == "o\n", "the last resort: sysrq o"
+
+
+def test_expect_result_from_metadata_marks_a_silent_job_missing(vm: Vm) -> None:
+    vm.bake()
+    vm.mds.set_attribute("gce-watchdog-workload", json.dumps([PY, "-c", "pass"]))
+    vm.mds.set_attribute("gce-watchdog-expect-result", "true")
+    assert vm.run().returncode == 0
+    ex = next(e for e in vm.events() if e.event == "exit")
+    assert (ex.get("rc"), ex.get("result")) == ("0", "missing")

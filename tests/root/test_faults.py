@@ -24,6 +24,7 @@ from gce_watchdog.faults import firewall
 from gce_watchdog.faults import plan as fplan
 from gce_watchdog.faults.firewall import Deps, Paths, Result
 from gce_watchdog.faults.plan import CHAIN_IN, CHAIN_OUT, Cut, FaultError
+from gce_watchdog.lib.cli import EX_NOPERM, EX_UNAVAILABLE
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -639,7 +640,7 @@ def test_without_root_nothing_runs() -> None:
     ran: list[bool] = []
     args = argparse.Namespace(config=None, iptables="iptables", ip6tables="ip6tables")
     rc = faults_cli._run_op(args, True, lambda d, p: ran.append(True) or 0, euid=lambda: 1000)
-    assert rc == firewall.EX_NOPERM and ran == []
+    assert rc == EX_NOPERM and ran == []
 
 
 @pytest.mark.netns
@@ -659,7 +660,7 @@ def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
          "--config", str(cfg)],
         capture_output=True, text=True, timeout=30, cwd="/",
     )  # fmt: skip
-    assert r.returncode == firewall.EX_NOPERM
+    assert r.returncode == EX_NOPERM
     assert "must run as root" in r.stderr
     assert rule_count(topo) == 0
 
@@ -668,5 +669,5 @@ def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
 def test_real_missing_iptables_exits_69(topo: Topology, tmp_path: Path) -> None:
     cfg = write_config(tmp_path)
     r = fault_cli(topo, cfg, "inject", "--metadata", "--ttl", "1m", "--iptables", "/nonexistent")
-    assert r.returncode == firewall.EX_UNAVAILABLE
+    assert r.returncode == EX_UNAVAILABLE
     assert "apt-get install iptables" in r.stderr

@@ -66,7 +66,7 @@ def make_agent(
         on_shutdown=on_shutdown or (lambda *a, **k: None),
         tick_hooks=[exp],
     )
-    return Agent(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
+    return Agent.from_config(cfg, deps), exp, sink, prom / "gce_watchdog.prom"
 
 
 def read(path: Path) -> Series:
@@ -184,7 +184,7 @@ def test_wrap_shutdown_writes_decided_before_the_chain_runs(tmp_path: Path) -> N
         on_shutdown=exp.wrap_shutdown(chain),
         tick_hooks=[exp],
     )
-    agent = Agent(cfg, deps)
+    agent = Agent.from_config(cfg, deps)
     for _ in range(12):
         agent.tick_once()
     (before,) = seen
@@ -359,3 +359,28 @@ def test_a_link_planted_at_the_temporary_name_is_never_written_through(tmp_path:
     agent.tick_once()
     assert victim.read_text() == "precious\n"
     assert val(read(path), "ticks_total") == 2
+
+
+def test_serial_reopens_are_exported(tmp_path: Path) -> None:
+    port = MemorySink(reopens=3)  # a port's counter, read by the exporter at each tick
+    agent, _, _, path = make_agent(
+        tmp_path, [result("ok", "ok")], {"reopens": lambda: port.reopens}
+    )
+    agent.tick_once()
+    assert val(read(path), "serial_reopens_total") == 3
+
+
+def test_the_daemon_wires_the_ports_reopen_counter(tmp_path: Path) -> None:
+    from gce_watchdog.daemon.app import build_agent
+
+    cfg = cfgmod.replace(
+        cfg_for(tmp_path), agent={"state_dir": str(tmp_path), "run_dir": str(tmp_path / "run")}
+    )
+    sink = MemorySink(reopens=5)
+    em = Emitter(sink, SeqAllocator(tmp_path, "0000abcd"), "0000abcd", key=SYNTH_KEY)
+    agent, prober = build_agent(cfg, em, FakeNotifier())
+    try:
+        exporters = [h for h in agent.d.tick_hooks if isinstance(h, MetricsExporter)]
+        assert [e.reopens() for e in exporters] == [5]
+    finally:
+        prober.close()

@@ -72,7 +72,7 @@ def make(
         ),
         tick_hooks=[exporter],
     )
-    return Agent(cfg, deps), prober, sink, decided
+    return Agent.from_config(cfg, deps), prober, sink, decided
 
 
 def events(sink: MemorySink) -> list[protocol.Event]:

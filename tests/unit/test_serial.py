@@ -94,7 +94,7 @@ def test_stalled_pty_never_stalls_the_ladder(tmp_path: Path) -> None:
             store=LadderStore(tmp_path / "ladder.json", "boot"),
             on_shutdown=lambda reason, rung, thr, **k: fired.append(agent.ticks),
         )
-        agent = Agent(cfg, deps)
+        agent = Agent.from_config(cfg, deps)
         t0 = time.monotonic()
         agent.run(threading.Event(), max_ticks=30)
         took = time.monotonic() - t0

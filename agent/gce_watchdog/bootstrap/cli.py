@@ -12,7 +12,6 @@ from typing import Any
 from gce_watchdog.bootstrap.fetch import (
     _SHA_RE,
     DEFAULT_DEADLINE,
-    EX_USAGE,
     FetchDeps,
     FetchRequest,
     Interrupted,
@@ -23,16 +22,18 @@ from gce_watchdog.bootstrap.fetch import (
 from gce_watchdog.bootstrap.install import InstallError, InstallOptions, install, uninstall
 from gce_watchdog.bootstrap.phases import (
     CAUSES,
-    EX_IOERR,
     PHASES,
     SETUP_FAILED,
     emit_terminal,
+    report_result,
     run_exec,
 )
+from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_OK, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit, open_console
+from gce_watchdog.vm.cli import add_config_arg
+from gce_watchdog.vm.runtime import load_config_or_exit, open_console
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import sanitize_value
 
@@ -92,15 +93,45 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     add_config_arg(e)
+    e.add_argument(
+        "--expect-result",
+        action="store_true",
+        help=(
+            "the job reports its result (`gce-watchdog result`); the exit line says "
+            "result=reported or result=missing"
+        ),
+    )
     e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
     usage_errors_exit_64(e)
     e.set_defaults(func=cmd_exec)
 
+    r = sub.add_parser(
+        "result",
+        help="the job's own result: a signed `result` line, written and drained",
+        description=(
+            "Write `result status=ok|fail [detail=k:v,...]` on the serial console, synchronously "
+            "and signed, through no log pipeline. Under `gce-watchdog exec` it also tells exec "
+            "that this run reported (the exit line's result=reported with --expect-result). "
+            "From Python: gce_watchdog.jobresult.report(ok=True, step=1)."
+        ),
+    )
+    r.add_argument("status", choices=vocab.RESULT_STATUSES)
+    r.add_argument(
+        "--detail",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a key=value about the run (repeatable; 64 characters in all on the line)",
+    )
+    add_config_arg(r)
+    usage_errors_exit_64(r)
+    r.set_defaults(func=cmd_result)
+
 
 def cmd_phase(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     ok = emit_terminal(cfg, vocab.PHASE, {"ph": args.phase}, phase=args.phase)
-    return 0 if ok else EX_IOERR
+    return EX_OK if ok else EX_IOERR
 
 
 def cmd_setup_failed(args: argparse.Namespace) -> int:
@@ -108,7 +139,7 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
     if not step or not reason:
         print("gce-watchdog setup-failed: --step and --reason must not be empty", file=sys.stderr)
         return EX_USAGE
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     fields: dict[str, object] = {
         "step": sanitize_value(step, 32),
         "reason": sanitize_value(reason, 32),
@@ -116,7 +147,7 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
         "cause": args.cause,
     }
     ok = emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
-    return 0 if ok else EX_IOERR
+    return EX_OK if ok else EX_IOERR
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
@@ -129,8 +160,18 @@ def cmd_exec(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EX_USAGE
-    cfg = load_config_or_exit(args)
-    return run_exec(cfg, argv)
+    cfg = load_config_or_exit(args.config)
+    return run_exec(cfg, argv, expect_result=args.expect_result, config_path=args.config)
+
+
+def cmd_result(args: argparse.Namespace) -> int:
+    bad = [d for d in args.detail if "=" not in d or not d.partition("=")[0].strip()]
+    if bad:
+        print(f"gce-watchdog result: --detail must be K=V, got {bad[0]!r}", file=sys.stderr)
+        return EX_USAGE
+    cfg = load_config_or_exit(args.config)
+    ok = report_result(cfg, args.status, args.detail)
+    return EX_OK if ok else EX_IOERR
 
 
 def register_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -238,7 +279,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"gce-watchdog fetch: {e}", file=sys.stderr)
         return EX_USAGE
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     con = open_console(cfg)
     try:
         import signal
@@ -314,7 +355,7 @@ def cmd_install(args: argparse.Namespace) -> int:
         return e.code
     except OSError as e:
         print(f"gce-watchdog install: {e}", file=sys.stderr)
-        return 1
+        return EX_FAIL
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
@@ -325,4 +366,4 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
         return e.code
     except OSError as e:
         print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
-        return 1
+        return EX_FAIL

@@ -2,7 +2,7 @@
 
 Shape (deciding is separated from doing):
 
-- :class:`RetryPolicy` is the pure decision core: given the attempt number, the time spent, the
+- :class:`FetchRetry` is the pure decision core: given the attempt number, the time spent, the
   server's ``Retry-After`` and a jitter sample, it says how long to wait, or to give up. It never
   lets a wait carry the run past the deadline.
 - :class:`RateLimit` decides which failed attempts get a serial line (a 10-minute DNS outage must
@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.lib import dns as dnslib
+from gce_watchdog.lib.cli import EX_CANTCREAT, EX_DATAERR, EX_OK, EX_TEMPFAIL, EX_UNAVAILABLE
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.wire import vocab
@@ -41,12 +42,6 @@ if TYPE_CHECKING:
 
     from gce_watchdog.vm.console import Emitter
 
-EX_OK = 0
-EX_USAGE = 64  # sysexits.h: bad command line
-EX_DATAERR = 65  # sysexits.h: the data was wrong (checksum mismatch)
-EX_UNAVAILABLE = 69  # sysexits.h: the server refused (4xx other than 408/429, bad redirect, TLS)
-EX_CANTCREAT = 73  # sysexits.h: cannot create the output file
-EX_TEMPFAIL = 75  # sysexits.h: temporary failure; gave up at the deadline
 
 DEFAULT_DEADLINE = 600.0  # 10 min: covers a fresh Spot VM's DNS start-up with a wide margin
 # One DNS attempt: dnspython retries its servers within this lifetime. 5 s is the guest agent's
@@ -113,7 +108,7 @@ class Interrupted(BaseException):
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class FetchRetry:
     """When to try again. Exponential back-off with jitter, bounded by an absolute deadline.
 
     A wait is ``min(max_wait, initial * multiplier**(attempt-1))`` shortened by up to ``jitter`` of
@@ -752,7 +747,7 @@ class FetchDeps:
     stderr: IO[str] | None = None
     progress: IO[str] | None = None  # a tty stream, or None for no progress display
     serial_every: float = SERIAL_EVERY
-    policy: RetryPolicy | None = None
+    policy: FetchRetry | None = None
 
 
 def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
@@ -762,7 +757,7 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
     import tenacity
 
     rng = deps.rng or random.Random()  # noqa: S311 - jitter, not cryptography
-    policy = deps.policy or RetryPolicy(deadline=req.deadline)
+    policy = deps.policy or FetchRetry(deadline=req.deadline)
     resolver = deps.resolver or DnsResolver(req.dns_servers)
     clock = deps.clock
     t0 = clock()

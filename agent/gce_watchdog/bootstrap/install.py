@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gce_watchdog.lib.cli import EX_CONFIG, EX_FAIL, EX_OK
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.lib.proc import run_command
 from gce_watchdog.vm import config as cfgmod
@@ -42,7 +43,7 @@ Runner = Callable[[Sequence[str], float], "RunResult"]
 
 
 class InstallError(Exception):
-    def __init__(self, message: str, code: int = 1) -> None:
+    def __init__(self, message: str, code: int = EX_FAIL) -> None:
         super().__init__(message)
         self.code = code
 
@@ -198,7 +199,7 @@ def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print
         try:
             cfg = cfgmod.load(cfg_file)
         except cfgmod.InvalidConfig as e:
-            raise InstallError(f"{e}\nfix the config, then run install again", 78) from None
+            raise InstallError(f"{e}\nfix the config, then run install again", EX_CONFIG) from None
     plat = opts.platform
     if plat is None and root == Path("/"):
         plat = detect(cfg.agent.dmi_product_path)
@@ -224,7 +225,7 @@ def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print
     if not live:
         _enable_offline(root, runner, out)
         out("systemd is not running here (or --root was given): enabled, not started")
-        return 0
+        return EX_OK
     if changed:
         _systemctl(runner, out, "daemon-reload")
     _systemctl(runner, out, "enable", UNIT)
@@ -232,7 +233,7 @@ def install(opts: InstallOptions, runner: Runner | None = None, out: Out = print
         # restart picks up a changed unit; start is a no-op for a running one.
         _systemctl(runner, out, "restart" if changed else "start", UNIT)
         out("started")
-    return 0
+    return EX_OK
 
 
 def uninstall(
@@ -265,7 +266,7 @@ def uninstall(
                 out(f"removed /{d}")
     else:
         out("config and state kept (--purge removes them)")
-    return 0
+    return EX_OK
 
 
 def _real_runner() -> Runner:

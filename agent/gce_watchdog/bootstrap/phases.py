@@ -10,12 +10,20 @@ lines carry it.
 and SIGHUP to it, writes an ``exit`` line with the exit code or signal and the duration, and returns
 the child's status the way shells do (128 + signal number for a signal death; 127 when the command
 is not found, 126 when it cannot be executed).
+
+``result ok|fail [--detail k=v ...]`` is the job's own word on its run: a signed, drained
+``result`` line, through no log pipeline. Under ``exec`` the job's environment carries
+``GCEWD_RESULT_RUN`` (fresh per run) and ``GCEWD_CONFIG``; ``result`` also records
+``<run_dir>/result.<token>``, so ``exec --expect-result`` can tell, on its ``exit`` line, whether
+this very run reported (``result=reported``) or not (``result=missing``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
 import signal
 import sys
 import time
@@ -23,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from gce_watchdog.lib.cli import EX_NOEXEC, EX_NOTFOUND
 from gce_watchdog.vm.runtime import CommandConsole, open_console
 from gce_watchdog.vm.state import write_phase
 from gce_watchdog.wire import vocab
@@ -35,11 +44,13 @@ SETUP_FAILED = vocab.SETUP_FAILED  # also recorded as the phase in the state dir
 # Why bootstrap failed, for the poller (docs/poller.md row 1): `infra` (network, DNS, the package
 # source never came up: the job never ran, failing over is safe) or `job` (the step itself failed).
 CAUSES = ("infra", "job")
-EX_USAGE = 64  # sysexits.h: bad command line
-EX_IOERR = 74  # sysexits.h: the line could not be written (callers fall back to their own)
-EX_NOTFOUND = 127  # shell convention: command not found
-EX_NOEXEC = 126  # shell convention: found but cannot be executed
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# The job's environment under exec: which run a `result` belongs to, and the config to use.
+RESULT_RUN_ENV = "GCEWD_RESULT_RUN"
+CONFIG_ENV = "GCEWD_CONFIG"
+AGENT_ENV = "GCEWD_AGENT"
+_TOKEN_RE = re.compile(r"[0-9a-f]{16}\Z")
+DETAIL_MAX = 64  # a field value's limit (wire/protocol.py)
 
 
 def emit_terminal(
@@ -69,6 +80,65 @@ def emit_terminal(
     if not ok:
         print(f"gce-watchdog: the {event} line was not confirmed written", file=sys.stderr)
     return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# result
+
+
+def result_path(run_dir: str, token: str) -> str:
+    return os.path.join(run_dir, f"result.{token}")
+
+
+def encode_detail(pairs: Sequence[str]) -> tuple[str, str]:
+    """``k=v`` pairs as the ``detail`` field (``k:v``, ``,``-joined: ``=`` is not in the value
+    alphabet; cut to 64 characters) and as the readable text (``k=v k=v``)."""
+    from gce_watchdog.wire.protocol import sanitize_value
+
+    cleaned = [p.strip() for p in pairs if p.strip()]
+    field_value = ",".join(
+        sanitize_value(p.replace("=", ":", 1).replace(",", ";"), DETAIL_MAX) for p in cleaned
+    )
+    return field_value[:DETAIL_MAX], " ".join(cleaned)
+
+
+def report_result(
+    cfg: Config,
+    status: str,
+    detail: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> bool:
+    """Write the ``result`` line (drained) and, under ``exec``, record that this run reported.
+    Returns whether the line was confirmed written."""
+    fields: dict[str, object] = {"status": status}
+    value, readable = encode_detail(detail)
+    if value:
+        fields["detail"] = value
+    text = f"job result: {status}" + (f" {readable}" if readable else "")
+    ok = emit_terminal(cfg, vocab.RESULT, fields, text)
+    token = (os.environ if env is None else env).get(RESULT_RUN_ENV, "")
+    if _TOKEN_RE.match(token):
+        try:
+            from gce_watchdog.lib.files import atomic_write
+
+            atomic_write(result_path(cfg.agent.run_dir, token), f"{status}\n".encode(), 0o600)
+        except OSError as e:
+            print(f"gce-watchdog result: cannot record the result: {e}", file=sys.stderr)
+    elif token:
+        print(f"gce-watchdog result: ignoring a malformed ${RESULT_RUN_ENV}", file=sys.stderr)
+    return ok
+
+
+def took_result(run_dir: str, token: str) -> bool:
+    """Whether this run's job reported (and forget it: the file is this run's only)."""
+    path = result_path(run_dir, token)
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,8 +232,14 @@ def run_exec(
     cfg: Config,
     argv: Sequence[str],
     clock: Callable[[], float] = time.monotonic,
+    expect_result: bool = False,
+    config_path: str | None = None,
 ) -> int:
-    """Phase workload, run argv, forward signals, write the `exit` line drained; child's status."""
+    """Phase workload, run argv, forward signals, write the `exit` line drained; child's status.
+
+    ``expect_result``: the job is configured to report (``gce-watchdog result``); the ``exit`` line
+    then says ``result=reported`` or ``result=missing``. ``config_path`` goes to the job as
+    ``$GCEWD_CONFIG``, so its ``result`` writes where this exec does."""
     import subprocess
     import threading
 
@@ -173,10 +249,20 @@ def run_exec(
     old = {s: signal.signal(s, fwd.handler) for s in FORWARDED}
     t0 = clock()
     text = ""
+    token = secrets.token_hex(8)
+    env = dict(os.environ)
+    env[RESULT_RUN_ENV] = token
+    if config_path:
+        env[CONFIG_ENV] = os.path.abspath(config_path)
+    exe = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(exe) == "gce-watchdog" and os.access(exe, os.X_OK):
+        env[AGENT_ENV] = exe  # the gce-watchdog the job's `result` runs (gce_watchdog.jobresult)
     try:
         try:
             # argv, no shell; stdout and stderr pass through us, markers defused
-            child = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            child = subprocess.Popen(
+                list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            )
         except FileNotFoundError:
             status, text = ExitStatus(EX_NOTFOUND, None), f"command not found: {argv[0]}"
         except OSError as e:
@@ -203,7 +289,13 @@ def run_exec(
         text = f"workload killed by {status.sig_name}"
     else:
         text = f"workload exited with {status.rc}"
-    emit_terminal(cfg, vocab.EXIT, status.fields(dur), text, opened=opened)
+    fields = status.fields(dur)
+    reported = took_result(cfg.agent.run_dir, token)
+    if expect_result:
+        fields["result"] = vocab.EXIT_RESULT_REPORTED if reported else vocab.EXIT_RESULT_MISSING
+        if not reported:
+            text += ", without its result"
+    emit_terminal(cfg, vocab.EXIT, fields, text, opened=opened)
     return status.shell_status
 
 

@@ -14,23 +14,30 @@ Steps, each announced on the serial console before it is taken and its outcome w
    (``actions.force_cmd``); still up after ``force_wait``: ``kernel`` (reboot(2), then sysrq).
 
 ``agent.action = "dry-run"`` runs the chain but replaces steps 3-4 with ``status=dry_run`` lines.
+
+The job's own ending (``gce-watchdog end``: job done, job failed, ``setup_failed``) runs the same
+chain through :meth:`ActionChain.end_of_life`: its first line is ``end`` (never ``shutdown``: the
+job's terminal line, already drained, decides the verdict), then the same linger, API step and
+power-off escalation (docs/actions.md, "The one end-of-life path").
 Every edge (commands, clock, Compute API, kernel) is injectable; nothing here runs at import.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
-from gce_watchdog.lib.compute import ComputeClient
+from gce_watchdog.lib.compute import ComputeClient, classify
+from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
@@ -78,13 +85,16 @@ class RealChainClock:
 
 @dataclass(frozen=True)
 class ApiResult:
-    """One Compute API attempt. ``retryable``: a timeout, a connection error, 429 or 5xx."""
+    """One Compute API attempt. ``retryable``: a timeout, a connection error, or an answer
+    :func:`gce_watchdog.lib.compute.classify` calls transient (a rate limit, 500/502/503/504);
+    ``wait_at_least``: its least wait before the next try (None: the back-off alone)."""
 
     ok: bool
     http: int | None = None
     detail: str = ""
     retryable: bool = False
     timeout: bool = False
+    wait_at_least: float | None = None
 
 
 class ComputeApi(Protocol):
@@ -98,10 +108,17 @@ class GoogleComputeApi:
     VM's own service account. Every request carries an explicit ``timeout`` and
     ``max_allowed_time`` (google-auth's default is 120 s); every failure becomes a result."""
 
-    def __init__(self, base_url: str, timeout: float, client: ComputeClient | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float,
+        client: ComputeClient | None = None,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self._client = client  # None: made on first use (google-auth is imported then)
+        self.wall = wall  # wall time: a rate limit without Retry-After waits for the next minute
 
     def _get_client(self) -> ComputeClient:
         if self._client is None:
@@ -124,11 +141,12 @@ class GoogleComputeApi:
             except ValueError:
                 name = "-"
             return ApiResult(True, r.status_code, name)
+        message, reason = _api_error(r)
+        now = self.wall()
+        after = parse_retry_after(r.headers.get("Retry-After"), now)
+        c = classify(r.status_code, reason, after, now)
         return ApiResult(
-            False,
-            r.status_code,
-            _api_error_message(r),
-            retryable=r.status_code == 429 or r.status_code >= 500,
+            False, r.status_code, message, retryable=c.transient, wait_at_least=c.wait_at_least
         )
 
 
@@ -148,13 +166,18 @@ def _api_exception(e: Exception) -> ApiResult:
     return ApiResult(False, None, text, retryable=False)
 
 
-def _api_error_message(r: Any) -> str:
+def _api_error(r: Any) -> tuple[str, str]:
+    """The error's message (for the console) and its first ``errors[].reason``."""
+    msg, reason = "", ""
     try:
         err = r.json().get("error", {})
         msg = str(err.get("message") or "")
+        errs = err.get("errors")
+        if isinstance(errs, list) and errs and isinstance(errs[0], dict):
+            reason = str(errs[0].get("reason") or "")
     except (ValueError, AttributeError):
-        msg = ""
-    return (msg or r.reason or f"HTTP {r.status_code}")[:DETAIL_MAX]
+        pass
+    return (msg or r.reason or f"HTTP {r.status_code}")[:DETAIL_MAX], reason
 
 
 class Kernel(Protocol):
@@ -199,13 +222,34 @@ def _bounded_sync(bound: float) -> None:
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
-    """Stop after ``attempts`` or when the next wait would cross ``deadline``; jittered waits."""
+class ChainRetry:
+    """Stop after ``attempts`` or when the next wait would cross ``deadline``; jittered waits.
+    ``attempt_time``: one attempt's own bound (``actions.api_timeout``)."""
 
     attempts: int
     deadline: float
     first_wait: float = API_WAIT_FIRST_S
     max_wait: float = API_WAIT_MAX_S
+    attempt_time: float = 0.0
+
+    def next_wait(
+        self, attempt: int, jitter: float, elapsed: float, at_least: float | None = None
+    ) -> float | None:
+        """The wait before attempt ``attempt`` (2, 3, ...), ``elapsed`` seconds into the step;
+        None: stop (even the back-off would cross the deadline).
+
+        ``at_least`` is the last answer's least wait (its Retry-After, or the next quota
+        interval for a rate limit): honoured, but shortened to the last start that leaves a
+        whole attempt before the deadline (one late try beats none; the deadline always holds).
+        """
+        wait = self.wait_before(attempt, jitter)
+        if elapsed + wait >= self.deadline:
+            return None
+        if at_least is None or not at_least > wait:  # also a NaN: the back-off alone
+            return wait
+        latest = self.deadline - self.attempt_time - elapsed
+        longer = max(wait, min(at_least, latest))
+        return longer if elapsed + longer < self.deadline else wait
 
     def wait_before(self, attempt: int, jitter: float) -> float:
         """Wait before attempt number ``attempt`` (2, 3, ...); ``jitter`` in [0, 1)."""
@@ -268,6 +312,7 @@ class ActionChain:
             jitter = random.random
         self.jitter = jitter
         self.last_result: ChainResult | None = None
+        self._event = ""  # "": the ladder's chain; vocab.END: a job's end of life
 
     @classmethod
     def from_config(
@@ -289,7 +334,46 @@ class ActionChain:
     def verdict_event(self) -> str:
         """The decision's line: ``dry_run_shutdown`` in a dry run, so that no reader takes a
         rehearsal for a shutdown (no poller fails over on it)."""
+        if self._event:
+            return self._event
         return vocab.DRY_RUN_SHUTDOWN if self.dry_run else vocab.SHUTDOWN
+
+    # -- the job's end of life -------------------------------------------------------------------
+    def for_end(self, linger: float | None = None) -> ActionChain:
+        """The same chain for a job's end of life: its line is ``end``, its action
+        :func:`end_action` of ``agent.action``, its linger ``linger`` (None: ``actions.linger``).
+        A copy: the ladder's chain is left as it is."""
+        c = copy.copy(self)
+        c._event = vocab.END
+        c._action = end_action(self._action)
+        if linger is not None:
+            c.actions = replace(self.actions, linger=cfgmod.Duration(linger))
+        return c
+
+    def end_of_life(
+        self,
+        reason: str,
+        *,
+        linger: float | None = None,
+        resume_at: str | None = None,
+        linger_left: float | None = None,
+        progress: Callable[[str], object] | None = None,
+    ) -> None:
+        """The job ended (``reason``: done, failed, setup_failed) and its terminal line is already
+        written and drained: announce ``end``, linger, act, power off with escalation. Returns
+        only if the machine is still up at its end (the outcome is in :attr:`last_result`)."""
+        chain = self.for_end(linger)
+        try:
+            chain.execute(
+                reason,
+                0,
+                0,
+                resume_at=resume_at,
+                linger_left=linger_left,
+                progress=progress,
+            )
+        finally:
+            self.last_result = chain.last_result
 
     def api_op(self) -> str | None:
         """The Compute API self-action of this chain (None: none)."""
@@ -335,7 +419,8 @@ class ActionChain:
         plan = self.plan()
         res = ChainResult(reason, plan)
         self.last_result = res
-        r = vocab.encode_rung(rung, threshold)
+        # An end of life has no rung: the ladder did not decide it.
+        r = "" if self._event else vocab.encode_rung(rung, threshold)
         first = _order(resume_at)
         todo = [s for s in plan if _order(s) >= first]
 
@@ -375,14 +460,17 @@ class ActionChain:
             "action": self.action,
             "chain": "+".join(plan),
         }
+        if not r:
+            del fields["rung"]
         text = _verdict_text(reason, r)
         if resume_at is not None:  # no `chain` on a resumed line: room for the text
             del fields["chain"]
             fields["resume"] = "poweroff" if resume_at == "end" else resume_at
+            what = "end-of-life" if self._event else "shutdown"
             text = (
-                "shutdown chain ended with the VM still up: powering off again"
+                f"{what} chain ended with the VM still up: powering off again"
                 if resume_at == "end"
-                else f"resuming the shutdown chain at {resume_at} (agent restarted)"
+                else f"resuming the {what} chain at {resume_at} (agent restarted)"
             )
         self.emitter.emit(self.verdict_event, fields, text, sync=True)
 
@@ -411,19 +499,36 @@ class ActionChain:
         with contextlib.suppress(Exception):  # best effort at the edge: never stop the chain
             self.keepalive()
 
-    def _pause(self, seconds: float) -> None:
-        """Sleep ``seconds``, pinging systemd at least every ``repeat_every``."""
-        end = self.clock.monotonic() + seconds
+    def _wait_pinging(
+        self,
+        seconds: float,
+        done: threading.Event | None = None,
+        each: Callable[[float], object] | None = None,
+        start: float | None = None,
+    ) -> None:
+        """Wait ``seconds`` from ``start`` (default: now), or until ``done`` is set, pinging
+        systemd before every slice of at most ``repeat_every``; ``each(left)`` after a slice that
+        leaves time. Bounded: one pass per slice, whatever the clock does (the one wait of the
+        linger, the API step's deadline and the power-off waits)."""
+        end = (self.clock.monotonic() if start is None else start) + seconds
         step = self.actions.repeat_every
-        for _ in range(int(seconds / step) + 2):  # bounded: one pass per slice
+        for _ in range(int(seconds / step) + 2):
+            self._ping()
             left = end - self.clock.monotonic()
             if left <= 0:
                 return
-            self._ping()
-            self.clock.sleep(min(step, left))
+            if done is not None:
+                if self.clock.wait(done, min(step, left)):
+                    return
+            else:
+                self.clock.sleep(min(step, left))
+            if each is not None:
+                left = end - self.clock.monotonic()
+                if left <= 0:
+                    return
+                each(left)
 
     def _linger(self, res: ChainResult, reason: str, r: str, linger: float) -> None:
-        a = self.actions
         t0 = self.clock.monotonic()
         self._line(
             res,
@@ -432,29 +537,25 @@ class ActionChain:
             {"ms": int(linger * 1000)},
             f"keeping the VM up {linger:g}s so the poller reads the verdict",
         )
-        end = t0 + linger
         rep = 0
-        for _ in range(int(linger / a.repeat_every) + 2):  # bounded: one pass per repeat
-            self._ping()
-            left = end - self.clock.monotonic()
-            if left <= 0:
-                break
-            self.clock.sleep(min(a.repeat_every, left))
-            left = end - self.clock.monotonic()
-            if left <= 0:
-                break
+
+        def repeat(left: float) -> None:
+            nonlocal rep
             rep += 1
+            fields: dict[str, object] = {
+                "reason": reason,
+                "rung": r,
+                "action": self.action,
+                "rep": rep,
+                "left": f"{int(left * 1000)}ms",
+            }
+            if not r:
+                del fields["rung"]
             self.emitter.emit(
-                self.verdict_event,
-                {
-                    "reason": reason,
-                    "rung": r,
-                    "action": self.action,
-                    "rep": rep,
-                    "left": f"{int(left * 1000)}ms",
-                },
-                _verdict_text(reason, r) + f", {left:.0f}s to go",
+                self.verdict_event, fields, _verdict_text(reason, r) + f", {left:.0f}s to go"
             )
+
+        self._wait_pinging(linger, each=repeat, start=t0)
         ms = int((self.clock.monotonic() - t0) * 1000)
         self._line(res, "linger", "ok", {"ms": ms, "reps": rep})
 
@@ -478,7 +579,7 @@ class ActionChain:
         rid = str(uuid.uuid4())  # one id for every retry: GCE acts at most once per requestId
         self._line(res, op, "start", {**fields, "rid": rid}, f"instances.{op} on {inst.name}")
         a = self.actions
-        policy = RetryPolicy(a.api_attempts, a.api_deadline)
+        policy = ChainRetry(a.api_attempts, a.api_deadline, attempt_time=a.api_timeout)
         t0 = self.clock.monotonic()
         done = threading.Event()
         box: list[tuple[ApiResult, int]] = []
@@ -490,12 +591,7 @@ class ActionChain:
         threading.Thread(target=work, name="compute-api", daemon=True).start()
         # The hard bound: whatever google-auth does inside (its token fetch retries on its own),
         # the chain moves on at the deadline; the abandoned thread is a daemon thread.
-        end = t0 + a.api_deadline
-        for _ in range(int(a.api_deadline / a.repeat_every) + 2):
-            self._ping()
-            left = end - self.clock.monotonic()
-            if left <= 0 or self.clock.wait(done, min(a.repeat_every, left)):
-                break
+        self._wait_pinging(a.api_deadline, done=done, start=t0)
         ms = int((self.clock.monotonic() - t0) * 1000)
         if not box:
             self._line(
@@ -522,15 +618,16 @@ class ActionChain:
             self._line(res, op, "fail", extra, f"instances.{op} refused: {result.detail}".strip())
 
     def _api_attempts(
-        self, op: str, inst: InstanceInfo, rid: str, policy: RetryPolicy, t0: float
+        self, op: str, inst: InstanceInfo, rid: str, policy: ChainRetry, t0: float
     ) -> tuple[ApiResult, int]:
         """Try until success, a final answer, ``attempts`` or the deadline (runs in a thread)."""
         result = ApiResult(False, None, "not attempted", retryable=True)
         tries = 0
         for attempt in range(1, policy.attempts + 1):
             if attempt > 1:
-                wait = policy.wait_before(attempt, self.jitter())
-                if self.clock.monotonic() - t0 + wait >= policy.deadline:
+                elapsed = self.clock.monotonic() - t0
+                wait = policy.next_wait(attempt, self.jitter(), elapsed, result.wait_at_least)
+                if wait is None:
                     break
                 self.clock.sleep(wait)
             tries = attempt
@@ -558,7 +655,7 @@ class ActionChain:
             )
             return
         self._line(res, step, "ok", {"rc": 0}, f"accepted; waiting up to {wait:g}s")
-        self._pause(wait)
+        self._wait_pinging(wait)
         self._line(
             res,
             step,
@@ -613,7 +710,23 @@ def step_after(step: str) -> str:
     return STEP_ORDER[i + 1]
 
 
+def end_action(action: str) -> str:
+    """What a job's end of life does for ``agent.action``: the same (poweroff, stop, delete),
+    except a dry run, which rehearses the ladder only: a job's ending is asked for (the
+    done/failure action), so it powers off for real, as the start-up script always did."""
+    return "poweroff" if action == "dry-run" else action
+
+
+_END_TEXT = {
+    "done": "job done",
+    "failed": "job failed",
+    "setup_failed": "setup failed",
+}
+
+
 def _verdict_text(reason: str, r: str) -> str:
+    if not r:  # an end of life
+        return f"{_END_TEXT.get(reason, reason)}: ending the VM after the linger"
     if reason == "ladder":
         return f"shutting down: BOTH reachability probes FAILED ({r})"
     return f"shutting down: {reason} ({r})"
@@ -623,9 +736,10 @@ __all__ = [
     "ActionChain",
     "ApiResult",
     "ChainResult",
+    "ChainRetry",
     "GoogleComputeApi",
     "RealKernel",
-    "RetryPolicy",
     "RunResult",
+    "end_action",
     "run_command",
 ]

@@ -56,6 +56,7 @@ FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("shutdowns_decided_total", "counter", "shutdowns decided (threshold reached, armed)"),
     ("would_shutdowns_total", "counter", "threshold reached while disarmed: nothing was done"),
     ("serial_lines_dropped_total", "counter", "serial lines lost (queue full or write failed)"),
+    ("serial_reopens_total", "counter", "serial port reopens after a hangup or I/O error"),
     ("memory_bytes", "gauge", "latest memory sample per gauge (host_used, gpu0_used, ...)"),
     ("metrics_write_errors_total", "counter", "failed writes of this file (seen on the next)"),
 )
@@ -80,6 +81,7 @@ class Snapshot:
     shutdowns: int = 0
     would_shutdowns: int = 0
     dropped: int = 0
+    reopens: int = 0
     memory: Mapping[str, float] = field(default_factory=dict)
     write_errors: int = 0
     version: str = __version__
@@ -129,6 +131,7 @@ def _samples(s: Snapshot) -> dict[str, list[tuple[dict[str, str], float]]]:
     out["shutdowns_decided_total"].append(({}, s.shutdowns))
     out["would_shutdowns_total"].append(({}, s.would_shutdowns))
     out["serial_lines_dropped_total"].append(({}, s.dropped))
+    out["serial_reopens_total"].append(({}, s.reopens))
     seen: set[str] = set()
     for gauge in sorted(s.memory):
         label = printable(gauge)
@@ -171,6 +174,7 @@ class MetricsExporter:
         dropped: Callable[[], int],
         memory: Callable[[], Mapping[str, float]] | None = None,
         clock: Callable[[], float] = time.time,
+        reopens: Callable[[], int] = lambda: 0,
     ) -> None:
         m = metrics
         self.enabled = m.enabled
@@ -179,6 +183,7 @@ class MetricsExporter:
         self.tmp_path = os.path.join(m.directory, f".{m.filename}.tmp")
         self.threshold = threshold  # agent.threshold: the ladder's top, a gauge of its own
         self.dropped = dropped
+        self.reopens = reopens  # the serial port's reopen attempts (vm/console.py)
         self.memory = memory
         self.clock = clock
         self.shutdowns = 0
@@ -234,6 +239,7 @@ class MetricsExporter:
             shutdowns=self.shutdowns,
             would_shutdowns=self.would_shutdowns,
             dropped=self._safe(self.dropped, 0),
+            reopens=self._safe(self.reopens, 0),
             memory=self._safe(self.memory, {}) if self.memory is not None else {},
             write_errors=self.errors,
         )

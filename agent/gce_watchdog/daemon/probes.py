@@ -33,6 +33,7 @@ from gce_watchdog.daemon.tick import ProbeResult, TickResult
 from gce_watchdog.lib.dns import DnsResolver, Resolver
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.lib.netaddr import is_ip, parse_host_port
+from gce_watchdog.vm.config import EgressSection
 
 Clock = Callable[[], float]
 _MAX_HEADER = 16 * 1024  # bytes of response we read at most; the metadata answer is tiny
@@ -332,23 +333,30 @@ def _result(
         return on_error(e)
 
 
-def build_prober(cfg: Any, clock: Clock = time.monotonic) -> Prober:
-    """The real prober for a config (``gce_watchdog.vm.config.Config``)."""
-    timeout = cfg.agent.probe_timeout
-    targets = [parse_host_port(t) for t in cfg.egress.targets]
+def build_prober(
+    egress: EgressSection,
+    metadata_url: str,
+    timeout: float,
+    state_dir: str,
+    clock: Clock = time.monotonic,
+) -> Prober:
+    """The real prober: egress to ``egress.targets`` (its own section), the metadata server at
+    ``metadata_url``, ``timeout`` for each probe (``agent.probe_timeout``), the DNS cache in
+    ``state_dir``."""
+    targets = [parse_host_port(t) for t in egress.targets]
     resolver: Resolver | None
     if any(not is_ip(h) for h, _ in targets):
         try:
-            resolver = DnsResolver.from_strings(cfg.egress.dns_servers)
+            resolver = DnsResolver.from_strings(egress.dns_servers)
         except Exception:  # no usable resolver config at all: cached addresses only
             resolver = None
     else:
         resolver = None
-    cache = AddressCache(Path(cfg.agent.state_dir) / "dns-cache.json")
-    egress = EgressProbe(targets, timeout, cfg.egress.dns_timeout, resolver, cache, clock)
-    url = cfg.metadata.url
+    cache = AddressCache(Path(state_dir) / "dns-cache.json")
+    probe = EgressProbe(targets, timeout, egress.dns_timeout, resolver, cache, clock)
+    url = metadata_url
 
     def metadata() -> ProbeResult:
         return probe_metadata(url, timeout, clock)
 
-    return Prober(metadata, egress, timeout)
+    return Prober(metadata, probe, timeout)

@@ -1,7 +1,7 @@
 """The agent daemon: ticks on the monotonic clock, feeds the ladder, performs its actions.
 
-``main``-style wiring lives in :func:`build_agent` (real edges) and the ``run``/``check``
-commands; :class:`Agent` only sees the small interfaces in :class:`Deps`, so tests swap every edge
+The real edges are wired in :mod:`gce_watchdog.daemon.app` (the composition root);
+:class:`Agent` only sees the small interfaces in :class:`Deps`, so tests swap every edge
 for a hand-written fake and drive it with a fake clock.
 """
 
@@ -20,22 +20,15 @@ from typing import Any, Protocol
 
 from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
-from gce_watchdog.daemon.actions import ActionChain, step_after
-from gce_watchdog.daemon.disarm import DisarmGate
+from gce_watchdog.daemon.actions import step_after
 from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
-from gce_watchdog.daemon.metawatch import MetadataWatcher, load_instance_cache, metadata_root
-from gce_watchdog.daemon.metrics import MetricsExporter
-from gce_watchdog.daemon.probes import build_prober
+from gce_watchdog.daemon.metawatch import load_instance_cache
 from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
+from gce_watchdog.lib.cli import EX_OK
 from gce_watchdog.lib.files import read_json, write_json
-from gce_watchdog.memory.monitor import MemoryMonitor
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
-from gce_watchdog.vm.platform import arming, detect
-from gce_watchdog.vm.state import read_boot_id, read_phase
 from gce_watchdog.wire import vocab
-
-EX_TEMPFAIL = 75  # another agent holds the lock: try again later
 
 
 class Clock(Protocol):
@@ -165,6 +158,14 @@ class ShutdownHook(Protocol):
     ) -> None: ...
 
 
+class EndHook(Protocol):
+    """The job's end of life (``endoflife.EndWatch``): ``poll`` runs its chain when one is due."""
+
+    running: bool
+
+    def poll(self) -> bool: ...
+
+
 @dataclass
 class Deps:
     emitter: Emitter
@@ -180,6 +181,7 @@ class Deps:
     instance_name: Callable[[], str] = lambda: "-"
     tick_hooks: list[Callable[[TickReport], None]] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
+    end_of_life: EndHook | None = None
 
 
 def _probe_field(r: ProbeResult) -> str:
@@ -187,10 +189,18 @@ def _probe_field(r: ProbeResult) -> str:
 
 
 class Agent:
-    def __init__(self, cfg: cfgmod.Config, deps: Deps) -> None:
-        self.cfg = cfg
+    """The tick loop. ``agent``: its own section; ``linger``: ``actions.linger`` (what is left
+    of it when a restart resumes the chain there); ``cfg_digest``: the config's digest, for the
+    ``start`` line."""
+
+    def __init__(
+        self, agent: cfgmod.AgentSection, deps: Deps, *, linger: float, cfg_digest: str
+    ) -> None:
+        self.settings = agent
+        self.linger = linger
+        self.cfg_digest = cfg_digest
         self.d = deps
-        self.threshold = cfg.agent.threshold
+        self.threshold = agent.threshold
         self.state = LadderState()
         self.ticks = 0
         self.healthy_streak = 0
@@ -203,19 +213,25 @@ class Agent:
         self._chain_ended: float | None = None  # monotonic time the last chain returned
         self.notes: list[tuple[str, str]] = []  # (what, text): `warn` lines after `start`
 
+    @classmethod
+    def from_config(cls, cfg: cfgmod.Config, deps: Deps) -> Agent:
+        """An agent for ``cfg`` (the convenience for callers that hold a whole config)."""
+        return cls(cfg.agent, deps, linger=cfg.actions.linger, cfg_digest=cfgmod.digest(cfg))
+
     # -- one tick -------------------------------------------------------------------------------
     def tick_once(self) -> TickReport:
         d, thr = self.d, self.threshold
+        self.end_of_life()
         t0 = d.clock.monotonic()
         res = d.prober()
         armed, why = d.armed()
         # A dry run decides like an armed agent but latches nothing: to the ladder it is
         # "disarmed" (one decision per outage, reset by a recovery), and the chain is rehearsed.
-        dry = self.cfg.agent.action == "dry-run"
+        dry = self.settings.action == "dry-run"
         obs = Observation(
             metadata=res.metadata.verdict,
             egress=res.egress.verdict,
-            in_grace=d.uptime() < self.cfg.agent.boot_grace,
+            in_grace=d.uptime() < self.settings.boot_grace,
             armed=armed and not dry,
         )
         prev = self.state
@@ -269,7 +285,7 @@ class Agent:
             )
         else:
             self.healthy_streak += 1
-            if self.healthy_streak % self.cfg.agent.heartbeat_every == 0:
+            if self.healthy_streak % self.settings.heartbeat_every == 0:
                 d.emitter.emit(
                     vocab.HEARTBEAT,
                     {
@@ -314,6 +330,18 @@ class Agent:
                 hook(report)
         return report
 
+    # -- the job's end of life ------------------------------------------------------------------
+    def end_of_life(self) -> None:
+        """A job's ending handed over by ``gce-watchdog end``: its chain runs here, on the loop's
+        thread (docs/actions.md). Not once the ladder decided: that chain ends the VM already."""
+        hook = self.d.end_of_life
+        if hook is None or self.state.fired or self.chain_running:
+            return
+        try:
+            hook.poll()
+        except Exception as e:
+            self._report_error("chain", e, "end-of-life chain failed")
+
     # -- the shutdown chain ---------------------------------------------------------------------
     def chain_due(self) -> str | None:
         """Where a decided chain must (re)start now, or None (not decided, running, or it ran
@@ -356,7 +384,7 @@ class Agent:
         since = self.mark.since
         linger_left = None
         if resume_at == "linger":
-            full = self.cfg.actions.linger
+            full = self.linger
             spent = d.clock.wall() - since
             linger_left = full if spent < 0 else max(0.0, full - spent)
 
@@ -415,8 +443,9 @@ class Agent:
         """
         stop.reason = reason  # type: ignore[attr-defined]
         stop.set()
-        if self.chain_running:
-            step = self.mark.step if self.mark is not None else "-"
+        eol = self.d.end_of_life is not None and self.d.end_of_life.running
+        if self.chain_running or eol:
+            step = self.mark.step if self.mark is not None and not eol else "-"
 
             def say() -> None:
                 with contextlib.suppress(Exception):
@@ -435,7 +464,7 @@ class Agent:
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
-        d, cfg = self.d, self.cfg
+        d = self.d
         self.state, self.mark = d.store.load_full(self.threshold)
         d.emitter.emit(
             vocab.START,
@@ -444,11 +473,11 @@ class Agent:
                 "inst": d.instance_id(),
                 "name": d.instance_name(),
                 "bootid": d.store.boot_id,  # the full kernel boot id (the header carries 8 hex)
-                "cfg": cfgmod.digest(cfg),
+                "cfg": self.cfg_digest,
                 "pid": os.getpid(),
                 "rung": vocab.encode_rung(self.state.rung, self.threshold),
             },
-            f"gce-watchdog {__version__} started, every {cfg.agent.interval:g}s",
+            f"gce-watchdog {__version__} started, every {self.settings.interval:g}s",
             sync=True,
         )
         for what, text in self.notes:
@@ -461,7 +490,7 @@ class Agent:
         resume = self.chain_due()
         if resume is not None:  # restarted in the middle of a decided chain: go on with it
             self.run_chain(resume)
-        interval = cfg.agent.interval
+        interval = self.settings.interval
         # Ping systemd at least twice per WatchdogSec even when the tick interval is longer.
         ping_every = d.notifier.watchdog_interval / 2 if d.notifier.watchdog_interval else 0.0
         t0 = d.clock.monotonic()
@@ -524,7 +553,7 @@ class Agent:
                 "gce-watchdog stopped",
                 sync=True,
             )
-        return 0
+        return EX_OK
 
 
 # -- real wiring ---------------------------------------------------------------------------------
@@ -567,75 +596,3 @@ def _instance_id(state_dir: str, known: Any, attr: str = "id") -> str:
     "-"."""
     info = known or load_instance_cache(state_dir)
     return str(getattr(info, attr)) if info is not None else "-"
-
-
-def build_agent(cfg: cfgmod.Config, emitter: Emitter, notifier: Notify) -> tuple[Agent, Any]:
-    """The real edges for a config. Returns the agent and the prober (to close)."""
-    a = cfg.agent
-    boot_id = read_boot_id(a.boot_id_path)
-    prober = build_prober(cfg)
-    watcher = MetadataWatcher(cfg.watch, metadata_root(cfg), a.state_dir, emitter)
-
-    def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
-        notifier.notify("WATCHDOG=1", "STATUS=shutdown chain running")
-
-    chain = ActionChain(
-        cfg.actions,
-        a.action,
-        a.state_dir,
-        emitter,
-        keepalive=keepalive,
-        instance=lambda: watcher.instance,
-    )
-    services: list[Service] = [watcher]
-    monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
-    if monitor is not None:
-        services.append(monitor)
-    exporter = MetricsExporter(
-        cfg.metrics,
-        a.threshold,
-        dropped=lambda: emitter.sink.dropped,
-        memory=(lambda: monitor.latest) if monitor is not None else None,
-    )
-    armed, gce_note = platform_gate(
-        cfg, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
-    )
-    deps = Deps(
-        emitter=emitter,
-        prober=prober.tick,
-        clock=RealClock(),
-        notifier=notifier,
-        store=LadderStore(Path(a.state_dir) / "ladder.json", boot_id),
-        # The exporter writes the "decided" metrics before the chain (which may never return).
-        on_shutdown=exporter.wrap_shutdown(chain.execute),
-        armed=armed,
-        uptime=read_uptime,
-        phase=lambda: read_phase(a.state_dir),
-        # One identity cache: the metadata watcher's (instance.json, learnt while healthy).
-        instance_id=lambda: _instance_id(a.state_dir, watcher.instance),
-        instance_name=lambda: _instance_id(a.state_dir, watcher.instance, "name"),
-        services=services,
-        tick_hooks=[exporter],
-    )
-    agent = Agent(cfg, deps)
-    if gce_note:
-        agent.notes.append(("gce", gce_note))
-    return agent, prober
-
-
-def platform_gate(
-    cfg: cfgmod.Config, gate: Callable[[], tuple[bool, str]]
-) -> tuple[Callable[[], tuple[bool, str]], str]:
-    """The ``armed`` input on this machine, and what to say at start ("" when nothing).
-
-    Off GCE (the DMI product name) and without ``agent.allow_non_gce`` the agent is never armed:
-    it climbs and reports (``would_shutdown why=not-gce``) but runs no chain. A dry run is left
-    alone: it never acts anyway.
-    """
-
-    if cfg.agent.action == "dry-run":
-        return gate, ""
-    may_act, why_not = arming(detect(cfg.agent.dmi_product_path), cfg.agent.allow_non_gce)
-    if may_act:
-        return gate, ""
-    return (lambda: (False, "not-gce")), why_not

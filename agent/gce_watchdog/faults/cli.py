@@ -12,12 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gce_watchdog.faults.firewall import (
-    EX_FAIL,
-    EX_IOERR,
-    EX_NOPERM,
-    EX_OK,
-    EX_UNAVAILABLE,
-    EX_USAGE,
     Deps,
     Paths,
     ToolMissing,
@@ -32,13 +26,10 @@ from gce_watchdog.faults.plan import (
     iso,
     parse_ttl,
 )
+from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE, EX_USAGE
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import (
-    CommandConsole,
-    add_config_arg,
-    load_config_or_exit,
-    open_console,
-)
+from gce_watchdog.vm.cli import add_config_arg
+from gce_watchdog.vm.runtime import CommandConsole, load_config_or_exit, open_console
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -121,7 +112,7 @@ def _run_op(
         return EX_NOPERM
     # The config is read before `before` (the reverter's wait): a config edited or broken during
     # the TTL must not stop the rules from being removed.
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     before()
     deps, paths, console = _deps_from_args(args, emit, cfg)
     try:

@@ -60,13 +60,6 @@ CMD_TIMEOUT = 20.0  # one iptables/systemd-run call; they take milliseconds when
 LOCK_WAIT = 30.0  # another fault command (e.g. a reverter firing) holds the lock at most this long
 HOOK_MAX = 8  # bound on removing duplicate jump rules (only a hand edit could make more than 1)
 
-EX_OK = 0
-EX_FAIL = 1
-EX_USAGE = 64  # sysexits.h: every command exits 64 on a usage error (lib/cli.py)
-EX_UNAVAILABLE = 69  # sysexits.h: iptables missing
-EX_NOPERM = 77  # sysexits.h: not root
-EX_IOERR = 74  # sysexits.h: done, but its serial line could not be written
-
 
 class ToolMissing(FaultError):
     """iptables is not installed."""

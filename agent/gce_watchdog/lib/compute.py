@@ -12,6 +12,7 @@ down.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable
@@ -33,9 +34,51 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 30.0
 # Rate-limit reasons GCE puts in error.errors[].reason (with 403 or 429).
 RATE_LIMIT_REASONS = frozenset({"rateLimitExceeded", "userRateLimitExceeded"})
-TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+# Worth another try: a server error that may pass. 501 (not implemented) never will.
+TRANSIENT_SERVER_STATUS = frozenset({500, 502, 503, 504})
+# GCE's rate quotas are per minute and "refilled at the start of the next interval" (Compute
+# Engine docs, "API rate limits"): without a Retry-After, a rate-limited call waits for it.
+QUOTA_INTERVAL_S = 60.0
 _NAME_RE = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?\Z")
 _PROJECT_RE = re.compile(r"[a-z][-a-z0-9:.]{4,61}[a-z0-9]\Z")
+
+
+@dataclass(frozen=True)
+class ErrorClass:
+    """What a Compute API error means for a retry: ``transient`` (worth another try), and
+    ``wait_at_least`` (seconds before it: the Retry-After, or the start of the next quota
+    interval for a rate limit without one; None: the caller's own back-off alone)."""
+
+    transient: bool
+    wait_at_least: float | None = None
+    rate_limited: bool = False
+
+
+def classify(
+    status: int, reason: str = "", retry_after: float | None = None, now: float = 0.0
+) -> ErrorClass:
+    """The one classifier of Compute API errors, for the poller and the agent's action chain.
+
+    ``status`` 0 is no response at all (a timeout, a refused connection): transient. A rate
+    limit, 429 or 403 with reason ``rateLimitExceeded``/``userRateLimitExceeded`` (GCE answers
+    403, Compute Engine docs, "API rate limits"), is transient and waits ``retry_after``, else
+    until the start of the next minute of the wall clock ``now``. 500/502/503/504 are transient
+    (and honour a Retry-After); 501 and every other status are final.
+    """
+    if status == 429 or (status == 403 and reason in RATE_LIMIT_REASONS):
+        wait = retry_after if retry_after is not None else until_next_interval(now)
+        return ErrorClass(True, wait, rate_limited=True)
+    if status == 0 or status in TRANSIENT_SERVER_STATUS:
+        return ErrorClass(True, retry_after)
+    return ErrorClass(False)
+
+
+def until_next_interval(now: float, interval: float = QUOTA_INTERVAL_S) -> float:
+    """Seconds from the wall time ``now`` to the start of the next quota interval, in
+    (0, interval]: a call made right at a boundary waits for the next one (its quota is spent)."""
+    if not math.isfinite(now):
+        return interval
+    return interval - (now % interval)
 
 
 class ComputeAPIError(Exception):
@@ -49,13 +92,13 @@ class ComputeAPIError(Exception):
         self.reason = reason
         self.retry_after = retry_after  # the response's Retry-After, in seconds, if it had one
 
+    def classify(self, now: float) -> ErrorClass:
+        """This error through :func:`classify` (``now``: wall time, for a rate limit)."""
+        return classify(self.status, self.reason, self.retry_after, now)
+
     @property
     def transient(self) -> bool:
-        return (
-            self.status == 0
-            or self.status in TRANSIENT_STATUS
-            or (self.status == 403 and self.reason in RATE_LIMIT_REASONS)
-        )
+        return self.classify(0.0).transient
 
 
 class AuthError(ComputeAPIError):
@@ -71,18 +114,20 @@ class GaveUpError(ComputeAPIError):
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class ComputeRetry:
     """Retry transient API errors: ``attempts`` tries, jittered exponential waits, then give up.
 
-    A response's ``Retry-After`` is honoured as the least wait before the next try, capped at
-    ``max_wait_s`` (one poll interval: a poller that sleeps longer misses its own schedule).
-    ``sleep`` is injectable so tests never wait.
+    The least wait before the next try is :func:`classify`'s: a response's ``Retry-After``, or
+    for a rate limit without one the start of the next minute; capped at ``max_wait_s`` (one poll
+    interval: a poller that sleeps longer misses its own schedule). ``sleep`` and ``wall`` are
+    injectable so tests never wait.
     """
 
     attempts: int = 5
-    initial_s: float = 1.0  # first wait ~1 s: GCE's rate limits are per 100-second windows
+    initial_s: float = 1.0  # first wait ~1 s, doubling: most transient errors pass in seconds
     max_wait_s: float = 30.0  # a single wait never exceeds one poll interval
     sleep: Callable[[float], None] = time.sleep
+    wall: Callable[[], float] = time.time
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -97,7 +142,9 @@ class RetryPolicy:
         def wait(rs: tenacity.RetryCallState) -> float:
             w = float(backoff(rs))
             e = rs.outcome.exception() if rs.outcome is not None else None
-            after = e.retry_after if isinstance(e, ComputeAPIError) else None
+            after = (
+                e.classify(self.wall()).wait_at_least if isinstance(e, ComputeAPIError) else None
+            )
             return w if after is None else min(self.max_wait_s, max(w, after))
 
         retrying = tenacity.Retrying(
@@ -168,13 +215,13 @@ class ComputeClient:
         session: HTTPSession,
         api_base: str = DEFAULT_API_BASE,
         timeout: float | tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
-        retry: RetryPolicy | None = None,
+        retry: ComputeRetry | None = None,
         max_allowed_time: float | None = None,
     ) -> None:
         self.session = session
         self.api_base = api_base.rstrip("/")
         self.timeout = timeout
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or ComputeRetry()
         # google-auth's bound on the whole call, token refresh included (its default is 120 s)
         self.max_allowed_time = max_allowed_time
 
@@ -184,7 +231,7 @@ class ComputeClient:
         credentials: Any = None,
         api_base: str = DEFAULT_API_BASE,
         timeout: float | tuple[float, float] = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S),
-        retry: RetryPolicy | None = None,
+        retry: ComputeRetry | None = None,
     ) -> ComputeClient:
         """A client on an ``AuthorizedSession``; ``credentials`` None = application defaults.
 
@@ -216,7 +263,7 @@ class ComputeClient:
         gce: Any = google.auth.compute_engine
         transport: Any = google.auth.transport.requests
         session = transport.AuthorizedSession(gce.Credentials())
-        return cls(session, api_base, timeout, RetryPolicy(attempts=1), max_allowed_time=timeout)
+        return cls(session, api_base, timeout, ComputeRetry(attempts=1), max_allowed_time=timeout)
 
     def close(self) -> None:
         self.session.close()

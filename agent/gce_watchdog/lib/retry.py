@@ -1,7 +1,7 @@
 """The one back-off: exponential, capped, jittered, as a value (deciding is separate from doing).
 
 Its callers keep their own stop rule, the part that really differs: ``fetch`` stops at an absolute
-deadline and honours ``Retry-After`` (:class:`gce_watchdog.bootstrap.fetch.RetryPolicy`), the
+deadline and honours ``Retry-After`` (:class:`gce_watchdog.bootstrap.fetch.FetchRetry`), the
 action chain after N attempts or when the next wait would cross its deadline, the poller after N
 attempts through tenacity (:func:`tenacity_wait`), the metadata watcher never (it backs off while
 the server is unreachable, :class:`Backoff.counter`).

@@ -10,16 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from gce_watchdog.lib.cli import EX_FAIL, EX_NOTFOUND, EX_OK, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import MIN_WINDOW, ClimbVerdict, DetectorParams, Status
 from gce_watchdog.memory.memwatch import (
-    EXIT_CANNOT_RUN,
-    EXIT_FAIL,
     EXIT_NOT_ENOUGH_DATA,
-    EXIT_PASS,
-    EXIT_USAGE,
     collect,
     judge,
     killed_by,
@@ -165,10 +162,10 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if argv and args.pid is not None:
         print("gce-watchdog memwatch: give --pid or -- CMD, not both", file=sys.stderr)
-        return EXIT_USAGE
+        return EX_USAGE
     if args.pid is not None and args.pid <= 0:
         print(f"gce-watchdog memwatch: bad --pid {args.pid}", file=sys.stderr)
-        return EXIT_USAGE
+        return EX_USAGE
     kind, amount = args.warmup
     warmup = int(amount) if kind == "samples" else math.ceil(amount / args.interval)
     params = DetectorParams(
@@ -178,7 +175,7 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
         why = _unwritable(args.out)
         if why:  # found out now, not after an hour of sampling (the verdict would be lost)
             print(f"gce-watchdog memwatch: --out {args.out}: {why}", file=sys.stderr)
-            return EXIT_USAGE
+            return EX_USAGE
     watching = bool(argv) or args.pid is not None
     gate = args.gate or (("tree", "gpu") if watching else ("host", "gpu"))
     try:
@@ -191,7 +188,7 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
         )
     except OSError as e:  # the command could not be started (not found, not executable)
         print(f"gce-watchdog memwatch: cannot run {argv[0]!r}: {e.strerror or e}", file=sys.stderr)
-        return EXIT_CANNOT_RUN
+        return EX_NOTFOUND
     overall, per = judge(run, params, gate)
     target: dict[str, Any] = {"pid": args.pid, "argv": argv or None}
     if args.out:
@@ -213,4 +210,4 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     if sig is not None:
         print(f"  command    FAIL: killed by {sig} (not sent by memwatch; an OOM kill is SIGKILL)")
     print(overall.replace("_", " "))
-    return {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL}.get(overall, EXIT_NOT_ENOUGH_DATA)
+    return {"PASS": EX_OK, "FAIL": EX_FAIL}.get(overall, EXIT_NOT_ENOUGH_DATA)

@@ -24,11 +24,9 @@ from gce_watchdog.lib.cli import size_arg
 from gce_watchdog.memory.detector import ClimbVerdict, DetectorParams, Status, detect
 from gce_watchdog.memory.samplers import GpuSampler, host_gauges, tree_rss
 
-EXIT_PASS = 0
-EXIT_FAIL = 1
-EXIT_USAGE = 64  # sysexits.h EX_USAGE, like every command (lib/cli.py)
+# memwatch's own verdict code (the others are lib/cli's: EX_OK PASS, EX_FAIL FAIL, EX_USAGE,
+# EX_NOTFOUND when the command could not be started, like a shell)
 EXIT_NOT_ENOUGH_DATA = 3
-EXIT_CANNOT_RUN = 127  # like a shell: the command could not be started
 # After a forwarded SIGINT/SIGTERM the command gets this long to exit before SIGKILL: long enough
 # for a training loop to write a checkpoint line, short enough that Ctrl-C still feels like a stop.
 KILL_GRACE_S = 10.0

@@ -43,8 +43,8 @@ from gce_watchdog.lib.compute import (
     DEFAULT_API_BASE,
     AuthError,
     ComputeClient,
+    ComputeRetry,
     InstanceStatus,
-    RetryPolicy,
 )
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
@@ -94,7 +94,7 @@ def run_poll(s: PollSettings) -> int:
     """Build the parts, run the mode's loop, close everything; the command's exit status."""
     state = _state_home() / "gce-watchdog"
     try:
-        retry = RetryPolicy(attempts=s.api.attempts)
+        retry = ComputeRetry(attempts=s.api.attempts)
         client = ComputeClient.create(
             _credentials(s.api.token_file), s.api.base or DEFAULT_API_BASE, retry=retry
         )

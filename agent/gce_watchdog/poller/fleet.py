@@ -68,7 +68,7 @@ BURST_S = 10.0
 _PROJECT_IN_URL = re.compile(r"/projects/([^/?]+)")
 _LABEL_RE = re.compile(r"[a-z][-_a-z0-9]{0,62}\Z")
 _VALUE_RE = re.compile(r"[-_a-z0-9]{0,63}\Z")
-# A serial read's worst case: connect + read timeout, then the retries (RetryPolicy).
+# A serial read's worst case: connect + read timeout, then the retries (ComputeRetry).
 SLOW_POLL_NOTE = "still polling at the round's deadline; its next poll waits for this one"
 
 

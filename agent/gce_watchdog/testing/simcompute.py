@@ -30,7 +30,10 @@ with ``start = next = end`` (a reader sees ``next`` below its offset, i.e. a res
 
 Every request needs ``Authorization: Bearer <token>`` with an accepted token (401 otherwise).
 Tests can make an endpoint hang (sleep past the client's timeout), refuse (403) or rate-limit
-(429 with reason ``rateLimitExceeded`` in the error body, as GCE does) for the next N calls.
+for the next N calls: ``RATE_LIMIT`` answers as GCE does, 403 with reason ``rateLimitExceeded``
+in the error body (Compute Engine docs, "API rate limits": "a 403 error with the reason
+rateLimitExceeded"); ``TOO_MANY_REQUESTS`` is a 429 with the same reason, what Google front ends
+answer for other APIs (a client must take both).
 ``delete`` and ``stop`` honour ``requestId``: the same id returns the same operation and does
 not act twice.
 
@@ -74,7 +77,9 @@ class Fault(enum.Enum):
 
     HANG = "hang"  # sleep hang_s before answering (the client's read timeout fires first)
     REFUSE = "refuse"  # 403 forbidden
-    RATE_LIMIT = "rate_limit"  # 429 with reason rateLimitExceeded
+    # Compute Engine docs, "API rate limits": "a 403 error with the reason rateLimitExceeded"
+    RATE_LIMIT = "rate_limit"  # 403 with reason rateLimitExceeded, as GCE answers
+    TOO_MANY_REQUESTS = "too_many_requests"  # 429 with reason rateLimitExceeded
     SERVER_ERROR = "server_error"  # 503 backendError
 
 
@@ -372,11 +377,12 @@ class FakeComputeAPI:
             self._closing.wait(self.hang_s)
         elif fault is Fault.REFUSE:
             return 403, _error(403, "Required permission denied.", "forbidden"), {}
-        elif fault is Fault.RATE_LIMIT:
+        elif fault in (Fault.RATE_LIMIT, Fault.TOO_MANY_REQUESTS):
+            code = 403 if fault is Fault.RATE_LIMIT else 429
             return (
-                429,
+                code,
                 _error(
-                    429,
+                    code,
                     "Rate Limit Exceeded",
                     "rateLimitExceeded",
                     domain="usageLimits",

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from gce_watchdog.lib.cli import EX_USAGE
+from gce_watchdog.lib.cli import EX_CONFIG, EX_OK, EX_USAGE
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.runtime import add_config_arg, load_config_or_exit
+from gce_watchdog.vm.runtime import load_config_or_exit
+
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    # GCEWD_CONFIG (what the start-up script exports to bootstrap steps) is the default, so a step
+    # that runs `gce-watchdog fetch` writes to the console and state dir it was configured for.
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        default=os.environ.get("GCEWD_CONFIG") or None,
+        help=(
+            f"config file (default $GCEWD_CONFIG, else {cfgmod.DEFAULT_PATH}; "
+            "missing default file = all defaults)"
+        ),
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,13 +56,13 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         cfg = cfgmod.load(path)
     except cfgmod.InvalidConfig as e:
         print(str(e), file=sys.stderr)
-        return cfgmod.EX_CONFIG
+        return EX_CONFIG
     src = path or (str(cfgmod.DEFAULT_PATH) + " (defaults if missing)")
     print(f"{src}: OK (digest {cfgmod.digest(cfg)})")
-    return 0
+    return EX_OK
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    cfg = load_config_or_exit(args)
+    cfg = load_config_or_exit(args.config)
     sys.stdout.write(cfgmod.to_toml(cfg))
-    return 0
+    return EX_OK

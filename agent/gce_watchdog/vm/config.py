@@ -29,7 +29,6 @@ from gce_watchdog.lib.netaddr import parse_dns_server, parse_host_port
 from gce_watchdog.lib.sizes import GIB, parse_size
 
 DEFAULT_PATH = Path("/etc/gce-watchdog/config.toml")
-EX_CONFIG = 78  # sysexits.h: configuration error
 
 
 class Duration(float):

@@ -1,26 +1,38 @@
 """Writing protocol lines to the serial console.
 
-- :class:`SerialPort` is the edge: one ``write()`` per line, ``tcdrain`` on a tty, all done by one
-  writer thread behind a bounded queue, so a port that stops accepting data never stalls the
-  caller. Lines that cannot be queued are counted in ``dropped``.
+- :class:`SerialPort` is the edge: one writer thread takes lines in order from a bounded queue and
+  writes each with non-blocking ``write()`` calls (``poll()`` between them), then ``tcdrain`` on a
+  tty. A port that stops taking data (XOFF, nobody reading) never stalls the caller: lines wait in
+  the queue, in order, and go out when the port moves again. Lines that cannot be queued, or whose
+  write failed for good, are counted in ``dropped``.
+- The writer survives a hangup: on EIO, EBADF, ENXIO or ENODEV it reopens the device and writes
+  the line again, at most :data:`REOPEN_ATTEMPTS` times per line, counted in ``reopens``.
 - :class:`Emitter` numbers, timestamps and encodes events (through :mod:`wire.protocol`) and
   mirrors each line to the structured log (stdout/journald).
 
 Lines that decide money (``shutdown``, ``exit``, ``setup_failed``, ``phase``) are emitted with
-``sync=True``: the call returns only once the line was written and drained (or the bounded wait ran
-out, which is reported as False).
+``sync=True``: the call returns once the line was written and drained (True), or when the wait
+ran out (False; the line stays queued and is still written, in order, when the port moves). The
+wait is bounded twice: at most ``sync_timeout`` in all, and it ends as soon as the port has made no
+progress (no byte taken by the tty, none sent from its output queue) for :data:`STALL_GRACE`
+seconds; while the port stays stalled, later sync lines do not
+wait at all. So a console held under XOFF costs the tick loop and the shutdown chain about
+:data:`STALL_GRACE` once, not ``sync_timeout`` per line (docs/serial-protocol.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
-import queue
+import select
 import stat
+import struct
 import termios
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +42,27 @@ from gce_watchdog.vm.state import KeyUnavailable, SeqAllocator, load_line_key
 from gce_watchdog.wire import protocol
 
 Waiter = Callable[[], bool]
+
+# A hung-up tty: every other open file description gets the kernel's hung_up_tty_fops, whose
+# write and ioctl (so tcdrain) fail with EIO while a fresh open works (linux drivers/tty/tty_io.c
+# hung_up_tty_write, hung_up_tty_ioctl; vhangup(2)). EBADF: our descriptor is gone. ENXIO, ENODEV:
+# the device went away (a reopen may find it back).
+REOPEN_ERRNOS = frozenset({errno.EIO, errno.EBADF, errno.ENXIO, errno.ENODEV})
+# Reopens per line before it is given up (and counted as dropped). The console is hung up at every
+# getty start (serial-getty@.service: TTYVHangup=yes; agetty itself only with --hangup), at every
+# serial-console login (util-linux login(1) vhangup()s its tty) and logout (the session leader's
+# exit hangs up a controlling tty that is not a pty: linux drivers/tty/tty_jobctrl.c
+# disassociate_ctty), then the getty restarts (Restart=always). A logout and the next getty's
+# start can fall between two writes: 2 in a row, 3 leave room.
+REOPEN_ATTEMPTS = 3
+REOPEN_PAUSE = 0.05  # seconds before the n-th reopen: n * REOPEN_PAUSE (lets the getty settle)
+# A sync wait ends once the port made no progress (no byte taken) for this long.
+STALL_GRACE = 1.0
+# Sync lines are accepted this far beyond queue_size: a full queue of old heartbeats must not
+# cost the shutdown line.
+SYNC_RESERVE = 64
+_POLL_SLICE_MS = 250  # the writer's poll() slice: it notices close() within this
+_DRAIN_POLL = 0.02  # seconds between two looks at a tty's output queue while it drains
 
 
 class LineSink(Protocol):
@@ -52,6 +85,7 @@ class MemorySink:
 
     lines: list[str] = field(default_factory=list)
     dropped: int = 0
+    reopens: int = 0
 
     def submit(self, line: str, sync: bool = False) -> Waiter:
         self.lines.append(line)
@@ -65,6 +99,7 @@ class DiscardSink:
     keeps protecting the VM instead of crash-looping over its console."""
 
     dropped: int = 0
+    reopens: int = 0
 
     def submit(self, line: str, sync: bool = False) -> Waiter:
         self.dropped += 1
@@ -72,28 +107,38 @@ class DiscardSink:
 
 
 def _open_port(path: str, create: bool = False) -> tuple[int, bool]:
-    """Open a tty (or an existing regular file) for appending; returns (fd, is_tty).
+    """Open a tty (or an existing regular file) for appending, non-blocking; returns (fd, is_tty).
 
     The serial device is never created, nor its directory: a missing device means the console
     is unusable and the caller uses the fallback file. ``create`` is for that fallback file (its
-    directory is ours: /var/log/gce-watchdog).
+    directory is ours: /var/log/gce-watchdog). O_NONBLOCK: a tty waiting for carrier must not hang
+    the open, and a tty under XOFF must not hang a write (the writer polls instead). O_NOCTTY: the
+    agent never takes the console as its controlling terminal (a hangup would signal it).
     """
-    flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC | os.O_APPEND
+    flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC | os.O_APPEND | os.O_NONBLOCK
     if create:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW, 0o640), False
-    # O_NONBLOCK for the open only (a tty waiting for carrier, a FIFO with no reader must not
-    # hang us), then blocking writes in the writer thread.
-    fd = os.open(path, flags | os.O_NONBLOCK)
+    fd = os.open(path, flags)
     try:
         mode = os.fstat(fd).st_mode
         if not (stat.S_ISCHR(mode) or stat.S_ISREG(mode)):
             raise OSError(errno.EINVAL, "not a character device or a regular file")
-        os.set_blocking(fd, True)
         return fd, stat.S_ISCHR(mode) and os.isatty(fd)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _errno_of(e: Exception) -> int | None:
+    """termios.error is not an OSError: its errno is args[0]."""
+    if isinstance(e, OSError):
+        return e.errno
+    return e.args[0] if e.args and isinstance(e.args[0], int) else None
+
+
+class _Abandoned(Exception):
+    """close() gave up on the lines still queued: the writer stops."""
 
 
 class _Waiter:
@@ -113,25 +158,51 @@ class SerialPort:
         fallback: str | None = None,
         queue_size: int = 256,
         sync_timeout: float = 5.0,
+        stall_grace: float = STALL_GRACE,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.device = device
         self.fallback = fallback
+        self.queue_size = queue_size
         self.sync_timeout = sync_timeout
-        self._q: queue.Queue[tuple[bytes | None, _Waiter | None]] = queue.Queue(maxsize=queue_size)
-        self._dropped = 0
-        self._failed_writes = 0
-        self._lock = threading.Lock()
+        self.stall_grace = stall_grace
+        self.clock = clock
+        self._items: deque[tuple[bytes, _Waiter | None]] = deque()  # [0]: being written
+        self._cond = threading.Condition()
+        self._abandon = threading.Event()
+        self._closing = False
+        # When the port last moved: a byte taken or sent, a line done, or a line queued while
+        # the writer was idle. Sync waits end STALL_GRACE after it.
+        self._progress_at = 0.0
+        self._dropped = 0  # not queued: the queue was full
+        self._failed_writes = 0  # given up: a write error, or no reopen helped
+        self._lost_at_close = 0  # still queued when close() gave up on them
+        self._reopens = 0
+        self._late = 0  # sync waits that ended before their line was written
         self._fd = -1
         self._tty = False
+        self._create = False
         self.target = ""  # what we actually write to (device or fallback path)
         self.open_error = ""
         self._thread: threading.Thread | None = None
 
     @property
     def dropped(self) -> int:
-        """Lines lost: not queued (port stalled) or failed to write."""
-        with self._lock:
-            return self._dropped + self._failed_writes
+        """Lines lost: not queued (queue full), failed to write, or still queued at close."""
+        with self._cond:
+            return self._dropped + self._failed_writes + self._lost_at_close
+
+    @property
+    def reopens(self) -> int:
+        """Reopens of the port after a hangup or a lost descriptor (each attempt counts)."""
+        with self._cond:
+            return self._reopens
+
+    @property
+    def late(self) -> int:
+        """Sync waits that ended (stall or timeout) before their line was written."""
+        with self._cond:
+            return self._late
 
     def open(self) -> SerialPort:
         try:
@@ -142,7 +213,7 @@ class SerialPort:
             if not self.fallback:
                 raise
             self._fd, self._tty = _open_port(self.fallback, create=True)
-            self.target = self.fallback
+            self.target, self._create = self.fallback, True
         self._thread = threading.Thread(target=self._run, name="serial-writer", daemon=True)
         self._thread.start()
         return self
@@ -156,28 +227,55 @@ class SerialPort:
     def submit(self, line: str, sync: bool = False) -> Waiter:
         data = (line + "\n").encode("ascii", "replace")
         waiter = _Waiter() if sync else None
-        try:
-            self._q.put_nowait((data, waiter))
-        except queue.Full:
-            with self._lock:
+        with self._cond:
+            limit = self.queue_size + (SYNC_RESERVE if sync else 0)
+            if self._closing or len(self._items) >= limit:
                 self._dropped += 1
-            return lambda: False
+                return lambda: False
+            if not self._items:  # the writer was idle: its progress clock starts now
+                self._progress_at = self.clock()
+            self._items.append((data, waiter))
+            self._cond.notify_all()
         if waiter is None:
             return lambda: True
-        w, timeout = waiter, self.sync_timeout
-        return lambda: w.done.wait(timeout) and w.ok
+        w = waiter
+        return lambda: self._wait(w)
+
+    def _wait(self, w: _Waiter) -> bool:
+        deadline = self.clock() + self.sync_timeout
+        while not w.done.is_set():
+            now = self.clock()
+            with self._cond:
+                limit = min(deadline, self._progress_at + self.stall_grace)
+                if now >= limit:
+                    self._late += 1
+                    return False
+            w.done.wait(limit - now)
+        return w.ok
 
     def write_line(self, line: str, sync: bool = False) -> bool:
         """Queue a line and wait for it (a sync line: its drain); the blocking form of submit."""
         return self.submit(line, sync)()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Flush what is queued (bounded wait), stop the writer, close the port."""
+        """Flush what is queued (bounded wait), stop the writer, close the port. Lines the port
+        did not take within ``timeout`` are counted in ``dropped``."""
         if self._thread is None:
             return
-        with contextlib.suppress(queue.Full):
-            self._q.put((None, None), timeout=timeout)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
         self._thread.join(timeout)
+        if self._thread.is_alive():  # stalled (XOFF, nobody reading): give the rest up
+            with self._cond:
+                self._abandon.set()
+                self._lost_at_close += len(self._items)
+                for _, waiter in self._items:
+                    if waiter is not None:
+                        waiter.done.set()
+                self._items.clear()
+                self._cond.notify_all()
+            self._thread.join(_POLL_SLICE_MS / 1000 * 2)
         if not self._thread.is_alive() and self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -185,31 +283,136 @@ class SerialPort:
 
     def _run(self) -> None:
         while True:
-            data, waiter = self._q.get()
-            if data is None:  # close() asked us to stop
-                return
-            ok = self._write(data)
-            if not ok:
-                with self._lock:
+            with self._cond:
+                while not self._items and not self._closing:
+                    self._cond.wait()
+                if not self._items or self._abandon.is_set():
+                    return  # closing, and everything was written
+                data, waiter = self._items[0]
+            try:
+                ok = self._write_line(data)
+            except _Abandoned:
+                return  # close() counted this line and the rest
+            with self._cond:
+                if self._abandon.is_set():
+                    return
+                self._items.popleft()
+                if ok:  # a line that failed is no progress: waiters behind it must not wait on
+                    self._progress_at = self.clock()
+                else:
                     self._failed_writes += 1
             if waiter is not None:  # a failed write answers at once: no waiting out the timeout
                 waiter.ok = ok
                 waiter.done.set()
 
-    def _write(self, data: bytes) -> bool:
-        # os.write retries EINTR itself (PEP 475); a short write on a tty is finished in a loop.
+    def _write_line(self, data: bytes) -> bool:
+        """Write one line and drain it; reopen and write it again after a hangup (bounded)."""
+        attempt = 0
+        out = data
+        while True:
+            try:
+                self._write_all(out)
+                self._drain()
+                return True
+            except _PartialWrite as e:
+                code: int | None = e.errno
+                # Part of the line is out: the copy starts on a line of its own, so the fragment
+                # is one rejected line and the copy an intact one (not one broken line).
+                out = b"\n" + data
+            except (OSError, termios.error) as e:
+                # (A tcdrain that failed after the whole line was taken: the line may be out
+                # already; it is written again and the reader drops the duplicate.)
+                code = _errno_of(e)
+            if code not in REOPEN_ERRNOS:
+                return False
+            while True:
+                if attempt >= REOPEN_ATTEMPTS:
+                    return False
+                attempt += 1
+                with self._cond:
+                    self._reopens += 1
+                if self._abandon.wait(attempt * REOPEN_PAUSE):
+                    raise _Abandoned
+                if self._reopen():
+                    break
+
+    def _reopen(self) -> bool:
+        old, self._fd = self._fd, -1
+        if old >= 0:
+            with contextlib.suppress(OSError):
+                os.close(old)
         try:
-            view = memoryview(data)
-            while view:
-                n = os.write(self._fd, view)
-                view = view[n:]
-            if self._tty:
-                termios.tcdrain(self._fd)
-            else:
-                os.fsync(self._fd)
+            self._fd, self._tty = _open_port(self.target, create=self._create)
             return True
         except OSError:
             return False
+
+    def _write_all(self, data: bytes) -> None:
+        """Write all of ``data``: non-blocking writes, poll() while the port takes nothing.
+        An error after some bytes were taken is raised as :class:`_PartialWrite`."""
+        view = memoryview(data)
+        sent = 0
+        busy = 0
+        while view:
+            if self._abandon.is_set():
+                raise _Abandoned
+            try:
+                n = os.write(self._fd, view)  # EINTR is retried by os.write itself (PEP 475)
+            except BlockingIOError:
+                busy += 1
+                self._await_room(busy)
+                continue
+            except OSError as e:
+                if sent:
+                    raise _PartialWrite(e, sent) from e
+                raise
+            busy = 0
+            if n > 0:
+                sent += n
+                view = view[n:]
+                with self._cond:
+                    self._progress_at = self.clock()
+
+    def _await_room(self, busy: int) -> None:
+        p = select.poll()
+        p.register(self._fd, select.POLLOUT)
+        ready = p.poll(_POLL_SLICE_MS)
+        if ready and busy > 1:
+            # poll() said writable but write() keeps refusing: do not spin.
+            self._abandon.wait(_POLL_SLICE_MS / 1000 / 5)
+
+    def _drain(self) -> None:
+        """Wait until the tty sent what it holds: poll its output queue (TIOCOUTQ), which
+        shrinks while bytes leave (progress) and stays put under XOFF (a stall the sync waiters
+        see), then tcdrain for the rest (the UART's FIFO: a few bytes). A file: fsync."""
+        if not self._tty:
+            os.fsync(self._fd)
+            return
+        last = -1
+        while True:
+            try:
+                queued = struct.unpack("i", fcntl.ioctl(self._fd, termios.TIOCOUTQ, b"\0" * 4))[0]
+            except OSError as e:
+                if e.errno in REOPEN_ERRNOS:
+                    raise
+                break  # no output queue to read: tcdrain alone
+            if queued <= 0:
+                break
+            if last < 0 or queued < last:
+                with self._cond:
+                    self._progress_at = self.clock()
+            last = queued
+            if self._abandon.wait(_DRAIN_POLL):
+                raise _Abandoned
+        termios.tcdrain(self._fd)
+
+
+class _PartialWrite(OSError):
+    """A write error after part of the line was taken."""
+
+    def __init__(self, e: OSError, sent: int) -> None:
+        super().__init__(e.errno, e.strerror)
+        self.sent = sent
 
 
 Clock = Callable[[], float]

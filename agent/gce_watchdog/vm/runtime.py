@@ -5,37 +5,29 @@ This is the only place (with each command's handler) where real implementations 
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from typing import Any
 
+from gce_watchdog.lib.cli import EX_CONFIG
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import Emitter, MemorySink, SerialPort, key_or_none, open_emitter
+from gce_watchdog.vm.console import (
+    DiscardSink,
+    Emitter,
+    SerialPort,
+    key_or_none,
+    open_emitter,
+)
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, short_boot
 
 
-def add_config_arg(p: argparse.ArgumentParser) -> None:
-    # GCEWD_CONFIG (what the start-up script exports to bootstrap steps) is the default, so a step
-    # that runs `gce-watchdog fetch` writes to the console and state dir it was configured for.
-    p.add_argument(
-        "--config",
-        metavar="PATH",
-        default=os.environ.get("GCEWD_CONFIG") or None,
-        help=(
-            f"config file (default $GCEWD_CONFIG, else {cfgmod.DEFAULT_PATH}; "
-            "missing default file = all defaults)"
-        ),
-    )
-
-
-def load_config_or_exit(args: argparse.Namespace) -> cfgmod.Config:
-    """Load the config named by --config; print every error and exit 78 when invalid."""
+def load_config_or_exit(path: str | None) -> cfgmod.Config:
+    """Load the config at ``path`` (the command's --config; None: the default); print every
+    error and exit 78 when invalid."""
     try:
-        return cfgmod.load(getattr(args, "config", None))
+        return cfgmod.load(path)
     except cfgmod.InvalidConfig as e:
         print(f"gce-watchdog: {e}", file=sys.stderr)
-        raise SystemExit(cfgmod.EX_CONFIG) from None
+        raise SystemExit(EX_CONFIG) from None
 
 
 def boot_of(cfg: cfgmod.Config) -> str:
@@ -89,20 +81,30 @@ class CommandConsole:
         self.close()
 
 
-def open_console(cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog") -> CommandConsole:
-    """The console for a command (see :class:`CommandConsole`); the caller closes it."""
+def open_console(
+    cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog", journal: Any = None
+) -> CommandConsole:
+    """The console for a command or the agent (see :class:`CommandConsole`); the caller closes
+    it. The one fallback: when neither the device nor the fallback file opens, lines are counted
+    as dropped (:class:`DiscardSink`) and still mirrored to ``log``; the reason goes to
+    ``journal`` (the agent's logger) when given, else to stderr."""
     try:
         emitter, port = make_emitter(cfg, log=log)
     except OSError as e:
         s = cfg.serial
-        print(
-            f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}; lines are not written",
-            file=sys.stderr,
-        )
+        if journal is not None:
+            journal.error(
+                "serial_unavailable", error=str(e), device=s.device, fallback=s.fallback_file
+            )
+        else:
+            print(
+                f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}; lines are not written",
+                file=sys.stderr,
+            )
         boot = boot_of(cfg)
         key, problems = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
         seq = SeqAllocator(cfg.agent.run_dir, boot)
         return CommandConsole(
-            Emitter(MemorySink(), seq, boot, key=key, key_problems=problems), None
+            Emitter(DiscardSink(), seq, boot, log=log, key=key, key_problems=problems), None
         )
     return CommandConsole(emitter, port)

@@ -45,6 +45,10 @@ MEMORY_ACTION = "memory_action"
 PHASE = "phase"
 SETUP_FAILED = "setup_failed"
 EXIT = "exit"
+# the job's own result, written by `gce-watchdog result ok|fail` (field `status`, optional `detail`)
+RESULT = "result"
+# the end-of-life chain's announcement after a job's terminal line (`gce-watchdog end`)
+END = "end"
 FETCH = "fetch"
 BOOTSTRAP_STEP = "bootstrap_step"
 # the fault CLI
@@ -57,7 +61,7 @@ ALL_EVENTS = frozenset(
         START, TICK, HEARTBEAT, RECOVERED, SHUTDOWN, WOULD_SHUTDOWN, ACTION, STOP, SIGNAL, ERROR,
         WARN, STALL, PREEMPTED, INSTANCE, MAINTENANCE, DISARM, ARM, MEM, MEMORY_GPU, MEMORY_CLIMB,
         MEMORY_OK, MEMORY_ACTION, PHASE, SETUP_FAILED, EXIT, FETCH, BOOTSTRAP_STEP, FAULT,
-        DRY_RUN_SHUTDOWN, KEY,
+        DRY_RUN_SHUTDOWN, KEY, RESULT, END,
     }
 )  # fmt: skip
 
@@ -71,6 +75,18 @@ MARKER_EVENTS = VERDICT_EVENTS | {WOULD_SHUTDOWN, DRY_RUN_SHUTDOWN, MEMORY_CLIMB
 # Rows the HTML report highlights: the markers, except shutdown (it has a colour of its own) and
 # memory_ok (the end of something already highlighted), plus the chain's steps and faults.
 HIGHLIGHT_EVENTS = (MARKER_EVENTS - {SHUTDOWN, MEMORY_OK}) | {ACTION, FAULT}
+
+# -- the job's result (docs/serial-protocol.md, `result` and `exit`) ----------------------------
+# `result status=...`: what the job itself says about its run.
+RESULT_OK = "ok"
+RESULT_FAIL = "fail"
+RESULT_STATUSES = (RESULT_OK, RESULT_FAIL)
+# The `exit` line's `result` field, present only when the job was configured to report
+# (`exec --expect-result`): whether a `result` line came from this run before the job exited.
+EXIT_RESULT_REPORTED = "reported"
+EXIT_RESULT_MISSING = "missing"
+# Why the VM ends (`end reason=...`): the job's own ending, never a wedge.
+END_REASONS = ("done", "failed", "setup_failed")
 
 # -- field codecs --------------------------------------------------------------------------------
 # A probe result on ``tick``/``recovered`` lines: ``md``/``eg`` = ``verdict/reason/latency_ms``.
