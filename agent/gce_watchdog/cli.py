@@ -126,6 +126,18 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("74", "the ledger or cursor directory cannot be opened or written"),
         ("77", "no credentials, or the API rejected them"),
     ),
+    ("key",): (
+        ("0", "printed the fingerprint"),
+        ("1", "printed, but the key is ephemeral (not kept in the state dir): do not pin it"),
+        _USAGE,
+        ("77", "not root: the key is root's alone"),
+        _CONFIG,
+    ),
+    ("pin",): (
+        ("0", "pinned"),
+        ("64", "usage error: not an instance id or not a fingerprint"),
+        ("74", "the ledger cannot be opened or written"),
+    ),
     ("parse",): (
         ("0", "parsed"),
         ("64", "usage error: bad --now or --drain-timeout"),

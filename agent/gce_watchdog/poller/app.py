@@ -74,6 +74,11 @@ def _state_home() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
 
 
+def default_ledger() -> Path:
+    """The ledger ``poll`` and ``pin`` use without --ledger."""
+    return _state_home() / "gce-watchdog" / "ledger.sqlite"
+
+
 def _log(msg: str) -> None:
     print(f"gce-watchdog poll: {msg}", file=sys.stderr, flush=True)
 

@@ -136,6 +136,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--drain-timeout", default="15m", help="silence that means a wedge (15m)")
     p.set_defaults(func=cmd_poll)
 
+    pin = sub.add_parser(
+        "pin",
+        help="pin an instance's line key by hand (a fleet running before its poller)",
+        description="Record in the ledger that INSTANCE_ID's protocol v3 line key is the one "
+        "with FINGERPRINT (read on the VM as root: `gce-watchdog key --fingerprint`). Every "
+        "poller and Pub/Sub worker sharing the ledger then trusts that key only; it replaces "
+        "any pin the instance had.",
+    )
+    pin.add_argument("instance_id", metavar="INSTANCE_ID")
+    pin.add_argument("fingerprint", metavar="FINGERPRINT", help="32 lowercase hex")
+    pin.add_argument("--ledger", default=None, help="the ledger (as for poll)")
+    pin.set_defaults(func=cmd_pin)
+
     q = sub.add_parser(
         "parse",
         help="decode a saved serial dump into a timeline and a verdict",
@@ -247,6 +260,32 @@ def cmd_parse(args: argparse.Namespace) -> int:
 
     rx, now = times
     return show_dump(args.file, rx, now, args.status, args.spot, policy, args.json)
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    import re
+
+    from gce_watchdog.poller.app import default_ledger
+    from gce_watchdog.poller.ledgers import open_ledger
+
+    if not re.fullmatch(r"[0-9]{1,20}", args.instance_id):
+        print("gce-watchdog pin: INSTANCE_ID is the numeric instance id", file=sys.stderr)
+        return EX_USAGE
+    if not re.fullmatch(r"[0-9a-f]{32}", args.fingerprint):
+        print("gce-watchdog pin: FINGERPRINT is 32 lowercase hex", file=sys.stderr)
+        return EX_USAGE
+    try:
+        with open_ledger(args.ledger or default_ledger()) as led:
+            old = led.hand_pin(args.instance_id, args.fingerprint)
+    except ValueError as e:
+        print(f"gce-watchdog pin: --ledger: {e}", file=sys.stderr)
+        return EX_USAGE
+    except Exception as e:  # the ledger's own errors: unreachable, unwritable
+        print(f"gce-watchdog pin: ledger: {e}", file=sys.stderr)
+        return 74
+    was = f" (was {old.fingerprint}, {old.source})" if old is not None else ""
+    print(f"pinned {args.instance_id} {args.fingerprint}{was}")
+    return 0
 
 
 # -- poll ---------------------------------------------------------------------------------------

@@ -26,6 +26,19 @@ def add_config_arg(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    k = sub.add_parser(
+        "key",
+        help="show this instance's line key (its public half, never the private key)",
+        description="Print the fingerprint of this instance's protocol v3 line key (run as "
+        "root on the VM), for `gce-watchdog pin INSTANCE_ID FINGERPRINT` on the poller side. "
+        "Reads the key; creates it if the instance has none yet (as the first line would). "
+        "Problems with the key file (a wrong mode or owner, no place to keep it) go to stderr.",
+    )
+    add_config_arg(k)
+    k.add_argument(
+        "--fingerprint", action="store_true", help="print the fingerprint only (the default)"
+    )
+    k.set_defaults(func=cmd_key)
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     c = csub.add_parser("check", help="validate a config file and report every error")
@@ -66,3 +79,21 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args.config)
     sys.stdout.write(cfgmod.to_toml(cfg))
     return EX_OK
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    from gce_watchdog.vm.state import KeyUnavailable, load_line_key
+    from gce_watchdog.wire.protocol import LineKey
+
+    cfg = load_config_or_exit(args.config)
+    try:
+        ks = load_line_key(cfg.agent.state_dir, cfg.agent.run_dir)
+    except KeyUnavailable as e:
+        print(f"gce-watchdog key: {e} (run as root)", file=sys.stderr)
+        return 77
+    for problem in ks.problems:
+        print(f"gce-watchdog key: {problem}", file=sys.stderr)
+    if ks.ephemeral:
+        print("gce-watchdog key: ephemeral (not in the state dir): do not pin it", file=sys.stderr)
+    print(LineKey(ks.seed, ks.ephemeral).fingerprint)
+    return 1 if ks.ephemeral else EX_OK

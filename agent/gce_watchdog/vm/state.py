@@ -195,6 +195,26 @@ def _create_key(d: Path, seed: bytes) -> Path:
     return p
 
 
+def inspect_line_key(state_dir: str | Path, run_dir: str | Path) -> KeyState | None:
+    """The line key as it stands, for ``check``: never creates, never changes anything. None:
+    no key yet (the first line creates it). Raises KeyUnavailable when not readable (not
+    root)."""
+    problems: list[str] = []
+    try:
+        seed = _read_key(Path(state_dir) / KEY_FILE, problems)
+        if seed is not None:
+            return KeyState(seed, Path(state_dir) / KEY_FILE, False, problems)
+        boot_seed = _read_key(Path(run_dir) / KEY_FILE, problems)
+    except PermissionError as e:
+        raise KeyUnavailable(f"{e.filename}: {e.strerror or e}") from e
+    if boot_seed is not None:
+        problems.append("the key is in the run dir only (ephemeral): the state dir cannot hold it")
+        return KeyState(boot_seed, Path(run_dir) / KEY_FILE, True, problems)
+    if problems:
+        return KeyState(b"", None, True, problems)
+    return None
+
+
 def _not_root(e: OSError) -> None:
     """A permission error of a process that is not root: it must not sign at all."""
     if isinstance(e, PermissionError) and os.geteuid() != 0:
