@@ -175,6 +175,16 @@ def neutralize(data: bytes) -> bytes:
     return data.replace(MARKER_PREFIX, b"GCEWd")
 
 
+def neutralize_after(before: bytes, data: bytes) -> bytes:
+    """``data`` defused as it follows ``before`` in one output stream: every marker wholly in
+    ``data`` and every marker that ``before`` (what was written last, to any stream sharing the
+    destination) begins and ``data`` ends. Only bytes of ``data`` change (the marker's ``D``
+    always lies in it), so nothing is held back: a workload that ends stdout with ``GCEW``,
+    closes it and writes ``D3 ...`` on stderr gets ``GCEWd3``."""
+    tail = before[-(len(MARKER_PREFIX) - 1) :] if before else b""
+    return neutralize(tail + data)[len(tail) :]
+
+
 class Neutralizer:
     """:func:`neutralize` for a stream cut into arbitrary chunks: a marker split between two
     chunks is held back (at most len(MARKER_PREFIX) - 1 bytes) until the next one decides it."""
