@@ -82,6 +82,10 @@ _HEXKEY_RE = re.compile(r"[0-9a-f]{64}\Z")
 _TS_RE = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)\.(\d{3})Z\Z")
 _MARKER_RE = re.compile(rb"GCEWD([123])")
 _PK_RE = re.compile(r"[A-Za-z0-9_-]{43}\Z")
+# One match per console line that carries a marker: from its first marker to the line's end.
+_MARKER_LINE_RE = re.compile(rb"GCEWD[123][^\n]*")
+# Of those (joined by LF), the ones with " #" after the marker: only these can be intact.
+_TRAILER_LINE_RE = re.compile(rb"^GCEWD[123][^\n]* #[^\n]*", re.MULTILINE)
 # Trailer candidates: v2 " #" + 24 hex (crc + mac), v1 " #" + 8 hex. We look for every occurrence
 # within MAX_LINE bytes of a marker, not only at the end of the console line, so a kernel message
 # glued after an intact line does not lose it.
@@ -512,6 +516,11 @@ def _parse_body(body: str) -> Event | None:
     return Event(name, boot, int(seq_s), ts_ms, tuple(fields), text)
 
 
+@functools.lru_cache(maxsize=256)
+def _pk_text(public: bytes) -> str:
+    return b64(public)
+
+
 def _v3_announce(ev: Event, body: bytes, sig: bytes) -> KeyAnnounce | None:
     """A v3 ``key`` line's announcement, or None when it is not one (wrong fields)."""
     d = ev.fields_dict
@@ -570,6 +579,9 @@ def decode_line(
                 if ev is None or not body.startswith(MARKER_BYTES):
                     syntax = True
                     continue
+                if ev.event == KEY_EVENT and pin is not None and ev.get("pk") != _pk_text(pin):
+                    # another key than the pin: unplaced, whatever its signature (not checked)
+                    return Forged(Forgery.UNPLACED, raw, ev)
                 sig = unb64(t.group(1).decode())
                 if ev.event == KEY_EVENT:
                     ann = _v3_announce(ev, body, sig)
@@ -624,12 +636,6 @@ def decode_line(
     if tried == 0:
         return None
     return Rejected(Reject.SYNTAX if syntax else Reject.CHECKSUM, raw)
-
-
-def _reject_fast(raw: bytes) -> Rejected | None:
-    """decode_line's answer for a line with no `` #`` in it: no marker of any version, or one
-    that cannot be intact."""
-    return Rejected(Reject.CHECKSUM, raw) if _MARKER_RE.search(raw) else None
 
 
 @dataclass
@@ -711,20 +717,49 @@ class StreamDecoder:
 
     def feed(self, chunk: bytes) -> list[Event]:
         data = self._pending + chunk
-        lines = split_lines(data)
-        self._pending = lines.pop()
+        if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines)
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        cut = data.rfind(b"\n") + 1
+        body, self._pending = data[:cut], data[cut:]
         if len(self._pending) > self.MAX_PENDING:
             self._pending = self._pending[-self.MAX_PENDING :]
-        return list(self._decode_lines(lines))
+        return self._decode_block(body)
 
     def flush(self) -> list[Event]:
         """Decode the held partial line (end of a dump): a truncated last line is rejected."""
         rest, self._pending = self._pending, b""
-        return list(self._decode_lines([rest] if rest else []))
+        return self._decode_block(rest + b"\n") if rest else []
 
-    def _note_unplaced(self, fp: str) -> None:
-        if fp not in self.unplaced and len(self.unplaced) < self.MAX_UNPLACED:
-            self.unplaced.append(fp)
+    def _decode_block(self, body: bytes) -> list[Event]:
+        """Whole lines (each ended by LF). The scan is C-level: the lines with a marker, from
+        their first marker on (``_MARKER_LINE_RE``), and of those the ones with a trailer
+        candidate after it (``_TRAILER_LINE_RE``); only those are decoded one by one. A marker
+        line without one cannot be intact: rejected, counted in bulk (nothing about it depends
+        on its place in the stream). So a MiB of short hostile lines costs a few regex scans."""
+        st = self.stats
+        lines = body.split(b"\n")
+        st.lines += len(lines) - lines.count(b"")
+        if MARKER_PREFIX not in body:
+            return []
+        full = _MARKER_LINE_RE.findall(body)
+        cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
+        bare = len(full) - len(cands)
+        if bare:
+            st.rejected += bare
+            st.reject_reasons[Reject.CHECKSUM] = st.reject_reasons.get(Reject.CHECKSUM, 0) + bare
+            room = self.MAX_SAMPLES - len(self.rejects)
+            if room > 0:
+                samples = (x for x in full[: 2 * self.MAX_SAMPLES] if b" #" not in x)
+                self.rejects.extend(
+                    Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
+                )
+        return list(self._decode_lines(cands))
+
+    def _note_unplaced(self, ann: KeyAnnounce) -> None:
+        if len(self.unplaced) < self.MAX_UNPLACED:
+            fp = ann.fingerprint
+            if fp not in self.unplaced:
+                self.unplaced.append(fp)
 
     def _announce(self, ln: bytes, ann: KeyAnnounce) -> Event | None:
         """Pin or accept a v3 announcement; None when it was counted as forged."""
@@ -741,7 +776,7 @@ class StreamDecoder:
                 self.pin = ann.key
                 self.pinned_here = True
         if self.pin is None or not hmac.compare_digest(self.pin, ann.key):
-            self._note_unplaced(ann.fingerprint)  # no signature check: it decides nothing
+            self._note_unplaced(ann)  # no signature check: it decides nothing
             self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
             return None
         if other_vm:
@@ -754,16 +789,10 @@ class StreamDecoder:
         return ann.event
 
     def _decode_lines(self, lines: list[bytes]) -> Iterator[Event]:
+        """Lines that start with a marker and carry a trailer candidate after it, in order."""
         st = self.stats
         for ln in lines:
-            if not ln:
-                continue
-            st.lines += 1
-            if MARKER_PREFIX not in ln:
-                continue
-            # No trailer anywhere: nothing to verify, rejected without the full decode (a
-            # stream of short hostile lines costs a substring test each, not a regex scan).
-            res = decode_line(ln, self.key, self.pin) if b" #" in ln else _reject_fast(ln)
+            res = decode_line(ln, self.key, self.pin)
             if isinstance(res, KeyAnnounce) and res.version == 3:
                 got = self._announce(ln, res)
                 if got is None:
@@ -784,6 +813,12 @@ class StreamDecoder:
                 ev = res
             elif isinstance(res, Forged):
                 self.placeable = False
+                if res.reason == Forgery.UNPLACED and res.event is not None:
+                    pk = res.event.get("pk") or ""
+                    if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
+                        fp = pk_fingerprint(unb64(pk))
+                        if fp not in self.unplaced:
+                            self.unplaced.append(fp)
                 self._forged(res)
                 continue
             elif isinstance(res, Rejected):
