@@ -193,7 +193,12 @@ def next_seq(run, boot, last=[-1]):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             old = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            n = int(old) if old.isdigit() else 0
+            if old.isdigit():
+                n = int(old)
+            elif old:  # a corrupt record: never back to 0 (state.py SeqAllocator)
+                n = max(last[0] + 1, time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000)
+            else:
+                n = 0
             rec = ("%020d\n" % (n + 1)).encode()
             if os.pwrite(fd, rec, 0) != len(rec):
                 raise OSError("short write")

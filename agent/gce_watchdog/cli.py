@@ -141,7 +141,8 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
     ("parse",): (
         ("0", "parsed"),
         ("64", "usage error: bad --now or --drain-timeout"),
-        ("66", "the input cannot be read"),
+        ("65", "the input is over 1 GiB (stopped there)"),
+        ("66", "the input cannot be read, or is not a regular file or a pipe (/dev/zero)"),
     ),
     ("memwatch",): (
         ("0", "PASS: every gated gauge stayed in the band"),

@@ -123,3 +123,14 @@ def test_the_private_key_is_never_shown(tmp_path: Path) -> None:
     key = protocol.LineKey(ks.seed)
     for shown in (repr(key), str(key), protocol.key_line("aaaa0001", 0, 0, key)):
         assert ks.seed.hex() not in shown and protocol.b64(ks.seed) not in shown
+
+
+def test_a_corrupt_seq_record_never_numbers_back_from_zero(tmp_path: Path) -> None:
+    """Issue 25: a corrupt run/seq.<boot> record numbered every line 0."""
+    alloc = SeqAllocator(tmp_path, "aaaa0001", floor=lambda: 5_000_000)
+    assert [alloc.next() for _ in range(3)] == [0, 1, 2]
+    (tmp_path / "seq.aaaa0001").write_bytes(b"\x00garbage\n")
+    other = SeqAllocator(tmp_path, "aaaa0001", floor=lambda: 5_000_000)  # another writer
+    got = [other.next() for _ in range(3)]
+    assert got == [5_000_000, 5_000_001, 5_000_002] and other.fallbacks == 1
+    assert [alloc.next() for _ in range(2)] == [5_000_003, 5_000_004]  # the record goes on

@@ -348,3 +348,13 @@ def test_a_cursor_file_writable_by_others_is_not_read(
     first, second = api.calls_to("serial")
     assert first.query["start"] == second.query["start"] == "0"  # read again from the start
     assert cursor.stat().st_mode & 0o777 == 0o600  # rewritten by the poller, private
+
+
+def test_parse_refuses_what_is_not_a_file_or_a_pipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25: `parse /dev/zero` never ended. A device or a directory is refused at once."""
+    assert main(["parse", "/dev/zero"]) == 66
+    assert "/dev/zero is not a regular file or a pipe" in capsys.readouterr().err
+    assert main(["parse", str(tmp_path)]) == 66
+    assert "is a directory" in capsys.readouterr().err

@@ -73,7 +73,8 @@ class SeqAllocator:
 
     The record is fixed-width and rewritten in place (``pwrite``, never truncated), so once the
     file exists an update needs no new block: a full tmpfs cannot fail it. If the file cannot be
-    used at all (it could not even be created), numbering never falls back to 0: it continues
+    used at all (it could not even be created) or its record is corrupt, numbering never falls
+    back to 0: it continues
     from CLOCK_BOOTTIME in microseconds, above every seq the counter can have handed out (the
     console carries far fewer than one line per microsecond), and strictly increasing within
     this process.
@@ -109,7 +110,16 @@ class SeqAllocator:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            n = int(raw) if raw.isdigit() else 0
+            if raw.isdigit():
+                n = int(raw)
+            elif raw:
+                # A corrupt record (a torn write, someone's edit): numbering never goes back to
+                # 0 (that would reuse seqs): it continues from the boot-time floor, as when the
+                # file cannot be used, and the record is rewritten from there.
+                self.fallbacks += 1
+                n = max(self._last + 1, self.floor())
+            else:
+                n = 0  # a new file: the boot's first line
             data = f"{n + 1:0{self.WIDTH}d}\n".encode()
             if os.pwrite(fd, data, 0) != len(data):
                 raise OSError(errno.ENOSPC, "short write of the seq record")
