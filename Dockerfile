@@ -3,12 +3,26 @@
 #   docker run IMAGE --label gce-watchdog=on --project P --ledger postgresql://poller@db/wd
 # Credentials: the runtime's service account (application default credentials on Cloud Run and
 # GKE with Workload Identity). The ledger must be PostgreSQL: a container's disk is not durable.
+#
+# Nothing is installed unpinned (docs/packaging.md): the poller's dependencies (the agent's, plus
+# matplotlib for report --png, psycopg, google-cloud-pubsub) from packaging/requirements-poller.lock
+# and the build backend from packaging/requirements-build.lock, both --require-hashes, binary
+# wheels only; the agent's own wheel is built from this tree with no index.
 FROM python:3.11-slim-bookworm AS build
 WORKDIR /src
+COPY packaging/requirements-poller.lock packaging/requirements-build.lock ./packaging/
+RUN python -m venv /opt/gce-watchdog \
+ && /opt/gce-watchdog/bin/pip --isolated install --no-cache-dir --disable-pip-version-check \
+      --require-hashes --only-binary=:all: -r packaging/requirements-poller.lock \
+ && python -m venv /opt/build \
+ && /opt/build/bin/pip --isolated install --no-cache-dir --disable-pip-version-check \
+      --require-hashes --only-binary=:all: -r packaging/requirements-build.lock
 COPY pyproject.toml README.md ./
 COPY agent ./agent
-RUN python -m venv /opt/gce-watchdog \
- && /opt/gce-watchdog/bin/pip install --no-cache-dir --disable-pip-version-check '.[postgres,pubsub]'
+RUN /opt/build/bin/pip --isolated wheel --no-cache-dir --no-build-isolation --no-deps --no-index \
+      -w /tmp/whl . \
+ && /opt/gce-watchdog/bin/pip --isolated install --no-cache-dir --no-deps --no-index \
+      /tmp/whl/gce_watchdog-*.whl
 
 FROM python:3.11-slim-bookworm
 COPY --from=build /opt/gce-watchdog /opt/gce-watchdog

@@ -7,12 +7,14 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 # Packages the tests use for real parts: network namespaces, iptables, systemd-analyze, shellcheck;
 # nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test);
-# lintian: make deb's package has no lintian errors (tests/integration/test_deb.py);
+# lintian: make deb's package has no lintian errors (tests/root/test_deb.py);
+# debootstrap: the Debian 12 and 13 trees the packages are built and installed in
+# (tests/root/test_deb_releases.py; cached under build/cache/debroot);
 # postgresql: the ledger's contract suite (tests/kit/pgserver.py runs its own initdb and pg_ctl in a
 # temp dir on a loopback port).
 # The tests start their own servers from temp configs; the packages' own services are never
 # started (policy-rc.d during the install) and disabled afterwards.
-APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian
+APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian debootstrap
 
 .PHONY: demo test test-fast lint venv apt-test install bench e2e e2e-if-possible clean cli-docs deb
 
@@ -51,8 +53,9 @@ demo: $(STAMP)
 test: $(STAMP) apt-test
 	$(VENV)/bin/ruff check agent tests bench tools
 	$(VENV)/bin/mypy
+	MYPYPATH=tests $(VENV)/bin/mypy --strict tests/kit
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -p no:cacheprovider
 	@$(MAKE) --no-print-directory e2e-if-possible
 
 # The fast loop (docs/architecture.md, "Tests"): the unit tier only, pure tests with no processes
@@ -66,6 +69,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check agent tests bench tools
 	$(VENV)/bin/ruff format --check agent tests bench e2e tools
 	$(VENV)/bin/mypy
+	MYPYPATH=tests $(VENV)/bin/mypy --strict tests/kit
 	$(VENV)/bin/lint-imports
 
 # Benchmarks (docs/performance.md): the agent vs monit and watchdog(8) in network namespaces.
@@ -101,12 +105,20 @@ bench: $(STAMP) apt-test
 	@# and the Pub/Sub path on the emulator. FLEET_ARGS: e.g. --sizes 1000 or --tiny.
 	$(VPY) -m bench.bench_fleet bench/results/fleet.json $(FLEET_ARGS)
 
-# The Debian package (docs/packaging.md): build/deb/gce-watchdog_<version>_amd64.deb, a
-# self-contained venv under /opt/gce-watchdog from Debian 12's python3 and the wheels pinned by
-# hash in packaging/requirements.lock (downloaded once into build/cache), reproducible; then
-# lintian must report no errors (installed as root when missing).
+# The Debian packages (docs/packaging.md), one per release in DEB_RELEASES:
+# build/deb/gce-watchdog_<version>-1~deb12u1_amd64.deb (bookworm) and ~deb13u1 (trixie), each a
+# self-contained venv under /opt/gce-watchdog made in a debootstrap tree of that release with its
+# own python3 (packaging/debroot.sh, cached under build/: ~1.5 min per release the first time),
+# from the wheels pinned by hash in packaging/requirements.lock (downloaded once into
+# build/cache), reproducible; then lintian must report no errors (installed as root when missing).
+# Needs root (debootstrap, chroot).
+DEB_RELEASES ?= bookworm trixie
 deb: $(STAMP) cli-docs
-	GCEWD_CLI_DOCS=$(CLI_DOCS) packaging/build-deb.sh build/deb
+	@command -v debootstrap >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends debootstrap; }
+	@for r in $(DEB_RELEASES); do t0=$$(date +%s); \
+	  GCEWD_CLI_DOCS=$(CLI_DOCS) packaging/build-deb.sh build/deb $$r || exit 1; \
+	  echo "deb: $$r in $$(( $$(date +%s) - t0 ))s"; done
 	@command -v lintian >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian; } || \
 	  echo "deb: lintian missing and not root: not checked"
@@ -151,14 +163,16 @@ e2e-if-possible:
 	  echo "e2e: skipped (no qemu and no apt-get to install it)"; \
 	else $(MAKE) --no-print-directory e2e; fi
 
-# The man page and shell completion, generated from the argparse definitions (tools/cli_docs.py;
-# shtab and argparse-manpage are in the dev extra, never runtime dependencies). The .deb installs
-# them as /usr/share/man/man1/gce-watchdog.1.gz, /usr/share/bash-completion/completions/gce-watchdog
+# The man pages and shell completion, generated from the argparse definitions and the config's
+# dataclasses (tools/cli_docs.py; shtab and argparse-manpage are in the dev extra, never runtime
+# dependencies). The .deb installs them as /usr/share/man/man1/gce-watchdog.1.gz,
+# /usr/share/man/man5/gce-watchdog.toml.5.gz, /usr/share/bash-completion/completions/gce-watchdog
 # and /usr/share/zsh/vendor-completions/_gce-watchdog.
 CLI_DOCS := build/cli-docs
 cli-docs: $(STAMP)
-	@mkdir -p $(CLI_DOCS)/man1 $(CLI_DOCS)/bash-completion $(CLI_DOCS)/zsh
+	@mkdir -p $(CLI_DOCS)/man1 $(CLI_DOCS)/man5 $(CLI_DOCS)/bash-completion $(CLI_DOCS)/zsh
 	$(VPY) tools/cli_docs.py exit-status $(CLI_DOCS)/exit-status.include
+	$(VPY) tools/cli_docs.py config-man $(CLI_DOCS)/man5/gce-watchdog.toml.5
 	$(VENV)/bin/argparse-manpage --module gce_watchdog.cli --function build_parser \
 	  --project-name gce-watchdog --prog gce-watchdog \
 	  --version "$$($(VPY) -c 'import gce_watchdog; print(gce_watchdog.__version__)')" \
@@ -167,7 +181,7 @@ cli-docs: $(STAMP)
 	  --include $(CLI_DOCS)/exit-status.include --output $(CLI_DOCS)/man1/gce-watchdog.1
 	$(VENV)/bin/shtab --shell=bash gce_watchdog.cli.build_parser > $(CLI_DOCS)/bash-completion/gce-watchdog
 	$(VENV)/bin/shtab --shell=zsh gce_watchdog.cli.build_parser > $(CLI_DOCS)/zsh/_gce-watchdog
-	@echo "written: $(CLI_DOCS)/man1/gce-watchdog.1 $(CLI_DOCS)/bash-completion/gce-watchdog $(CLI_DOCS)/zsh/_gce-watchdog"
+	@echo "written: $(CLI_DOCS)/man1/gce-watchdog.1 $(CLI_DOCS)/man5/gce-watchdog.toml.5 $(CLI_DOCS)/bash-completion/gce-watchdog $(CLI_DOCS)/zsh/_gce-watchdog"
 
 clean:
 	rm -rf $(VENV) .bench-venv build .pytest_cache .mypy_cache .ruff_cache

@@ -112,7 +112,7 @@ def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, list[fl
 
 
 def run(size: int, every: int, repeats: int) -> dict[str, object]:
-    d = corpus_dir()
+    d = corpus_dir(Path(__file__).resolve().parents[1] / "tests" / "data" / "serial-corpus")
     if d is None:
         raise FileNotFoundError("serial corpus not found (set GCE_WATCHDOG_SERIAL_CORPUS)")
     grep = shutil.which("grep")

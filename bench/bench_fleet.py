@@ -43,8 +43,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "agent"))
 sys.path.insert(0, str(REPO / "tests"))
-# fleet_messages still lives beside the Pub/Sub tests (tests/integration since the re-layout).
-sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from gce_watchdog.poller.ledgers import open_ledger  # noqa: E402
 from gce_watchdog.testing.simcompute import FakeComputeAPI  # noqa: E402
@@ -187,7 +185,7 @@ def _publish(host: str, topic: str, msgs: list[bytes], rate: float) -> None:
 
 def bench_pubsub(vms: int, rate: float) -> dict[str, Any]:
     from kit import pubsub_emulator
-    from test_poller_pubsub import fleet_messages
+    from kit.logentries import fleet_messages
 
     why = pubsub_emulator.unavailable()
     if why:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the wheelhouse the start-up script installs from (gce-watchdog-wheel-url) and the .deb's
-# venv is built from: the dependencies pinned by hash in packaging/requirements.lock (downloaded
+# venv is built from: the dependencies pinned by hash in packaging/requirements.lock, a wheel of
+# each for every Python the lock is for (CPython 3.11, 3.12, 3.13; downloaded
 # once, checked against the lock's hashes, cached by the lock's own hash), the lock itself, and
 # the agent's wheel built from this tree. Installing from it needs no index:
 #   pip install --no-index --find-links DIR --require-hashes -r DIR/requirements.lock
@@ -18,14 +19,20 @@ py="$repo/.venv/bin/python"
 t0=$(date +%s)
 key="$(sha256sum "$lock" | cut -c1-16)"
 cache="${GCEWD_WHEEL_CACHE:-$repo/build/cache/wheels-$key}"
+# The Pythons the lock has wheels for (its `# python:` line, packaging/lock.sh): one wheel of each
+# compiled dependency per Python; pip picks the one that fits where it installs.
+read -ra pyvers <<<"$(sed -n 's/^# python: //p' "$lock")"
+[ "${#pyvers[@]}" -gt 0 ] || { echo "wheelhouse.sh: $lock has no '# python:' line (packaging/lock.sh)" >&2; exit 1; }
 if [ ! -s "$cache/.complete" ]; then
   rm -rf "$cache" && mkdir -p "$cache"
-  # --require-hashes: a file whose sha256 is not the lock's is refused here already.
-  "$py" -m pip download -q --dest "$cache" --no-deps --require-hashes --only-binary=:all: \
-    --implementation cp --python-version 3.11 --abi cp311 --abi abi3 --abi none \
-    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux_2_28_x86_64 --platform any -r "$lock" >"$cache.log" 2>&1 || {
-      cat "$cache.log" >&2; exit 1; }
+  for v in "${pyvers[@]}"; do
+    # --require-hashes: a file whose sha256 is not the lock's is refused here already.
+    "$py" -m pip download -q --disable-pip-version-check --dest "$cache" --no-deps --require-hashes \
+      --only-binary=:all: --implementation cp --python-version "$v" --abi "cp${v//./}" --abi abi3 \
+      --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux_2_28_x86_64 --platform any -r "$lock" >"$cache.log" 2>&1 || {
+        cat "$cache.log" >&2; exit 1; }
+  done
   cp "$lock" "$cache/.complete"
 fi
 wh="$out/wheelhouse"

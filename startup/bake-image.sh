@@ -11,8 +11,9 @@
 #   bake-image.sh --wheelhouse DIR [--root DIR]
 # Options: --python PY (default python3; the wheelhouse mode's venv interpreter, inside the root),
 #          --no-unit (wheelhouse mode: do not run `gce-watchdog install`).
-# Exit codes: 0 ok (the agent ran `--version` inside the image), 64 bad arguments, 1 the install
-# failed (the message is above).
+# Exit codes: 0 ok (the agent ran `--version` inside the image), 64 bad arguments, 1 refused
+# before anything changed (no python3, a Python or a dependency the package or the wheelhouse
+# does not fit) or the install failed (the message is above).
 set -Eeuo pipefail
 umask 022
 
@@ -22,7 +23,7 @@ PYTHON="${GCEWD_PYTHON:-python3}"
 mode="" src="" unit=1
 
 usage() {
-	sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+	sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
 	exit 64
 }
 die() {
@@ -69,6 +70,47 @@ fi
 in_root() {
 	if [[ -n $ROOT ]]; then chroot "$ROOT" "$@"; else "$@"; fi
 }
+
+# Refuse an image this cannot finish, before anything in it changes (issue 27): no /tmp, no
+# interpreter, a Python the package or the wheelhouse has no build for, a dependency missing.
+refuse() {
+	echo "bake-image.sh: refused, nothing in ${ROOT:-/} was changed: $*" >&2
+	exit 1
+}
+[[ -d $ROOT/tmp ]] || refuse "${ROOT:-/} has no /tmp"
+case $mode in
+deb)
+	command -v dpkg-deb >/dev/null || refuse "dpkg-deb missing on this host"
+	depends=$(dpkg-deb -f "$src" Depends) || refuse "$src is not a Debian package"
+	in_root dpkg-query --version >/dev/null 2>&1 || refuse "the image has no dpkg"
+	# Every dependency must be installed in the image already: `dpkg -i` resolves nothing, and
+	# a package whose dependencies are missing stays half-installed.
+	IFS=, read -ra deps <<<"$depends"
+	for dep in "${deps[@]}"; do
+		shown=${dep#"${dep%%[![:space:]]*}"}
+		dep=${dep//[[:space:]]/}
+		name=${dep%%(*}
+		# shellcheck disable=SC2016 # dpkg-query's format, not the shell's
+		have=$(in_root dpkg-query -W -f '${db:Status-Status} ${Version}' "$name" 2>/dev/null) || have=""
+		[[ $have == "installed "* ]] || refuse "$src needs $name, which the image does not have (apt-get install $name in it first, or use the package built for its release)"
+		if [[ $dep == *"("* ]]; then
+			rel=${dep#*(} && rel=${rel%)}
+			op=${rel%%[0-9]*} ver=${rel#"$op"}
+			case $op in '>=') op=ge ;; '<<') op=lt ;; '<=') op=le ;; '>>') op=gt ;; '=') op=eq ;; *) refuse "cannot read '$dep' in $src's Depends" ;; esac
+			dpkg --compare-versions "${have#installed }" "$op" "$ver" ||
+				refuse "$src needs $shown; the image has $name ${have#installed } (use the package built for the image's release: docs/packaging.md)"
+		fi
+	done
+	;;
+wheelhouse)
+	pyver=$(in_root "$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
+		refuse "no $PYTHON in the image to make the agent's venv with"
+	want=$(sed -n 's/^# python: //p' "$src/requirements.lock")
+	[[ -z $want || " $want " == *" $pyver "* ]] ||
+		refuse "$PYTHON in the image is Python $pyver; the wheelhouse is for CPython $want"
+	in_root "$PYTHON" -c 'import venv' 2>/dev/null || refuse "$PYTHON in the image has no venv module (apt-get install python3-venv in it)"
+	;;
+esac
 
 echo "bake-image.sh: installing gce-watchdog into ${ROOT:-/}$PREFIX ($mode)" >&2
 rm -f "$ROOT$PREFIX/.baked"

@@ -680,6 +680,14 @@ install_wheelhouse() {
 	tar -xf "$file" -C "$wh" || fail install "cannot unpack the wheelhouse" $?
 	lock=$(find "$wh" -name requirements.lock -type f -print -quit)
 	[[ -n $lock ]] || fail install "the wheelhouse has no requirements.lock (dependencies pinned by hash)" 65
+	# The lock names the Pythons it has wheels for (packaging/lock.sh): refuse any other before
+	# the venv is made (Ubuntu 22.04's python3 is 3.10: docs/packaging.md).
+	local want have
+	want=$(sed -n 's/^# python: //p' "$lock")
+	have=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) ||
+		fail install "no $PYTHON to make the agent's venv with (the image needs python3)" 65
+	[[ -z $want || " $want " == *" $have "* ]] ||
+		fail install "$PYTHON is Python $have; the wheelhouse is for CPython $want (gce-watchdog needs one of those)" 65
 	"$PYTHON" -m venv --clear "$PREFIX" >&2 || fail install "cannot create a venv at $PREFIX" $?
 	# --isolated: no PIP_* variables or pip.conf (an index URL there must not matter).
 	local pip=("$PREFIX/bin/python" -m pip --isolated install --disable-pip-version-check

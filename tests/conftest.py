@@ -1,11 +1,26 @@
-"""Shared pytest fixtures. Keep this file small: feature fixtures live in their own modules."""
+"""Shared pytest fixtures and the hypothesis profiles. Keep this file small: helpers live in
+tests/kit/, feature fixtures in their own modules."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 from kit.netns import Topology, iptables_unavailable, netns_unavailable
+
+# Hypothesis (docs/architecture.md, "Tests"): the properties check values, never how fast the
+# machine is, so no profile has a deadline or the too_slow health check (a loaded CI runner
+# failed DeadlineExceeded at 467 ms against the 200 ms default). "dev" (the default) draws new
+# examples every run; "ci" is derandomized: the same examples on every run, from the test's
+# source, so a red CI run is red again on a rerun and on a laptop. `make test` and CI (the
+# variable CI set) use "ci"; HYPOTHESIS_PROFILE names one explicitly.
+_NOT_TIMING = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("dev", **_NOT_TIMING)
+settings.register_profile("ci", derandomize=True, print_blob=True, **_NOT_TIMING)
+_DEFAULT_PROFILE = "ci" if os.environ.get("CI") else "dev"
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or _DEFAULT_PROFILE)
 
 
 @pytest.fixture

@@ -12,15 +12,14 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from kit.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from e2e import vm  # noqa: E402
+from e2e import vm
 
 
 def _requested(config: pytest.Config) -> bool:

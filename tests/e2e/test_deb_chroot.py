@@ -16,12 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kit.paths import REPO
 
 from e2e import vm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parents[2]
 BAKE = REPO / "startup" / "bake-image.sh"
 # What dpkg and apt keep about packages, and scratch space: not part of "the system as it was".
 VOLATILE = ("tmp/", "var/lib/dpkg/", "var/cache/", "var/log/", "var/lib/apt/", "run/")

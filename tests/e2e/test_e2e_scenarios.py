@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 from gce_watchdog.poller.verdict import VerdictKind
 from gce_watchdog.wire.protocol import Event
+from kit.paths import REPO
 
 from e2e import observe, vm
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-REPO = Path(__file__).resolve().parents[2]
 STARTUP_SCRIPT = (REPO / "startup" / "startup-script.sh").read_text()
 AGENT = "/opt/gce-watchdog/bin/gce-watchdog"
 

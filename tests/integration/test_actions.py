@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +36,13 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.agent import agent_config
+from kit.cli import agent_env, gcewd_argv
+from kit.configs import chain_config
+from kit.events import read_events, sink_events
+from kit.gce import add_spot_vm, spot_vm_info
 from kit.paths import REPO
+from kit.wait import wait_for
 
 INST = InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145")
 
@@ -111,18 +117,24 @@ class Pings:
 
 
 def make_cfg(tmp: Path, action: str = "poweroff", **actions: object) -> cfgmod.Config:
-    base: dict[str, object] = {
-        "linger": 20.0,
-        "repeat_every": 5.0,
-        "poweroff_wait": 60.0,
-        "force_wait": 30.0,
-        "poweroff_cmd": ["systemctl", "poweroff"],
-        "force_cmd": ["systemctl", "poweroff", "--force"],
-    }
-    base.update(actions)
-    return cfgmod.from_dict(
-        {"agent": {"action": action, "state_dir": str(tmp)}, "actions": base}, "test"
-    )
+    return chain_config(tmp, action, **{"linger": 20.0, "poweroff_wait": 60.0, **actions})
+
+
+# Every step of a chain whose delete works and whose poweroff and force both go stuck, once each.
+FULL_CHAIN = [
+    ("linger", "start"),
+    ("linger", "ok"),
+    ("delete", "start"),
+    ("delete", "ok"),
+    ("poweroff", "start"),
+    ("poweroff", "ok"),
+    ("poweroff", "stuck"),
+    ("force", "start"),
+    ("force", "ok"),
+    ("force", "stuck"),
+    ("kernel", "start"),
+    ("kernel", "fail"),
+]
 
 
 @dataclass
@@ -137,14 +149,7 @@ class Rig:
     pings: Pings
 
     def events(self) -> list[protocol.Event]:
-        out = []
-        for line in self.sink.lines:
-            ev = protocol.decode_line(line, pin=SYNTH_KEY.public)
-            if isinstance(ev, protocol.KeyAnnounce):
-                continue
-            assert isinstance(ev, protocol.Event), line
-            out.append(ev)
-        return out
+        return sink_events(self.sink)
 
     def steps(self) -> list[tuple[str, str | None, str | None]]:
         return [(e.event, e.get("step"), e.get("status")) for e in self.events()]
@@ -222,22 +227,7 @@ def test_poweroff_chain_in_order_and_every_step_announced_before_its_outcome(
     # shortened to fit beside the signed trailer, never dropped
     assert first.text.startswith("shutting down: BOTH reachability pro")
     actions = [(s, st) for e, s, st in steps if e == "action"]
-    assert actions == [
-        ("linger", "start"),
-        ("linger", "ok"),
-        ("delete", "start"),
-        ("delete", "ok"),
-        ("poweroff", "start"),
-        ("poweroff", "ok"),
-        ("poweroff", "stuck"),
-        ("force", "start"),
-        ("force", "ok"),
-        ("force", "stuck"),
-        ("kernel", "start"),
-        ("kernel", "fail"),
-        ("kernel", "start"),
-        ("kernel", "fail"),
-    ]
+    assert actions == [*FULL_CHAIN, ("kernel", "start"), ("kernel", "fail")]
     # The verdict is repeated during the 20 s linger, every 5 s.
     reps = [e for e in r.events() if e.event == "shutdown" and e.get("rep")]
     assert [e.get("rep") for e in reps] == ["1", "2", "3"]
@@ -608,22 +598,15 @@ class E2E:
 def e2e(tmp_path: Path) -> Iterator[E2E]:
     from gce_watchdog.testing.simcompute import FakeComputeAPI
     from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
-    from gce_watchdog.testing.simgce import SimInstance as SimInfo
 
     record = tmp_path / "argv.log"
     recorder = tmp_path / "record.sh"
     # Records its argv, so the test sees which power-off commands ran and in which order.
     recorder.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\n')
     recorder.chmod(recorder.stat().st_mode | stat.S_IXUSR)
-    info = SimInfo(project="sim-project", zone="us-central1-a", name="sim-vm-1")
+    info = spot_vm_info()
     with FakeMetadataServer(info=info) as md, FakeComputeAPI(token=TOKEN, hang_s=20) as api:
-        api.add_instance(
-            "sim-vm-1",
-            project="sim-project",
-            zone="us-central1-a",
-            spot=True,
-            termination_action="DELETE",
-        )
+        add_spot_vm(api)
         yield E2E(tmp_path, md, api, recorder, record)
 
 
@@ -635,20 +618,7 @@ def test_e2e_api_succeeds(e2e: E2E) -> None:
     summary, events = e2e.run(e2e.config("delete"))
     assert events[0].event == "shutdown"
     assert events[0].get("chain") == "linger+delete+poweroff+force+kernel"
-    assert _actions(events) == [
-        ("linger", "start"),
-        ("linger", "ok"),
-        ("delete", "start"),
-        ("delete", "ok"),
-        ("poweroff", "start"),
-        ("poweroff", "ok"),
-        ("poweroff", "stuck"),
-        ("force", "start"),
-        ("force", "ok"),
-        ("force", "stuck"),
-        ("kernel", "start"),
-        ("kernel", "fail"),
-    ]
+    assert _actions(events) == FULL_CHAIN
     calls = e2e.api.calls_to("delete")  # type: ignore[attr-defined]
     assert len(calls) == 1
     c = calls[0]
@@ -758,47 +728,22 @@ def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) 
     from gce_watchdog.testing.simgce import SimGCE
 
     with SimGCE() as sim:
-        assert sim.tcp is not None
-        (tmp_path / "ttyS0").touch()  # the "serial device" (a missing one is unusable)
-        cfg = tmp_path / "config.toml"
-        cfg.write_text(
-            f"""
-[agent]
-interval = 0.4
-probe_timeout = 0.2
-threshold = 10
-state_dir = "{tmp_path}/state"
-run_dir = "{tmp_path}/run"
-action = "dry-run"
-[metadata]
-url = "{sim.metadata.url}"
-[egress]
-targets = ["127.0.0.1:{sim.tcp.port}"]
-dns_timeout = 0.1
-[actions]
-linger = 0
-dry_run_op = "none"
-[watch]
-enabled = false
-[serial]
-device = "{tmp_path}/ttyS0"
-"""
+        cfg = agent_config(
+            tmp_path,
+            sim,
+            {"threshold": 10, "heartbeat_every": None},
+            actions={"dry_run_op": "none"},
+            watch={"enabled": False},
         )
         serial = tmp_path / "ttyS0"
-        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
-        env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
+        cmd = gcewd_argv("run", "--config", str(cfg))
+        env = agent_env()
 
         def evs() -> list[protocol.Event]:
-            got = protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []
-            return [e for e in got if e.event != "key"]
+            return read_events(serial)
 
-        def wait(pred: object, timeout: float = 30.0) -> bool:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if pred():  # type: ignore[operator]
-                    return True
-                time.sleep(0.02)
-            return False
+        def wait(pred: Callable[[], object], timeout: float = 30.0) -> bool:
+            return wait_for(pred, timeout, interval=0.02)
 
         sim.outage(True)
         first = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)

@@ -149,3 +149,18 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
     if res["peers_skipped"] is None:  # monit/watchdog installed: they were measured too
         assert {"monit-native", "watchdog-test"} <= set(det)
     assert "| target |" in doc.read_text()
+
+
+def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
+    import importlib.util
+
+    path = REPO / "bench" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r" / "decode.json"
+    assert mod.main([str(out), "--size", "65536", "--repeats", "1"]) == 0
+    res = json.loads(out.read_text())
+    assert res["bytes"] == 65536 and res["grep_count"] == res["marker_lines"] > 0
+    assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0

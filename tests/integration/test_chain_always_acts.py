@@ -13,9 +13,6 @@ Every edge is a hand-written fake injected through the constructors (no patching
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,8 +32,11 @@ from gce_watchdog.vm.state import SeqAllocator, read_phase
 from gce_watchdog.wire import protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit.agent import agent_config, agent_process, stop_agent
+from kit.clocks import ChainClock
+from kit.events import read_events, sink_events
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
-from kit.paths import REPO
+from kit.wait import wait_for
 
 INST = InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145")
 BOOT = "0000abcd"
@@ -49,29 +49,6 @@ class Crash(BaseException):
 
 class Boom(RuntimeError):
     """An ordinary bug in a step."""
-
-
-@dataclass
-class ChainClock:
-    """The chain's clock on the daemon's fake clock: sleeping advances time."""
-
-    fc: FakeClock
-    fail_sleep: BaseException | None = None
-
-    def monotonic(self) -> float:
-        return self.fc.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        if self.fail_sleep is not None:
-            exc, self.fail_sleep = self.fail_sleep, None
-            raise exc
-        self.fc.advance(max(0.0, seconds))
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        if event.wait(1.0):
-            return True
-        self.fc.advance(max(0.0, seconds))
-        return event.is_set()
 
 
 @dataclass
@@ -160,14 +137,7 @@ class Rig:
     instance: list[BaseException]
 
     def events(self) -> list[protocol.Event]:
-        out = []
-        for line in self.sink.lines:
-            ev = protocol.decode_line(line, pin=SYNTH_KEY.public)
-            if isinstance(ev, protocol.KeyAnnounce):
-                continue
-            assert isinstance(ev, protocol.Event), line
-            out.append(ev)
-        return out
+        return sink_events(self.sink)
 
     def actions(self) -> list[tuple[str | None, str | None]]:
         return [(e.get("step"), e.get("status")) for e in self.events() if e.event == "action"]
@@ -484,64 +454,39 @@ def test_sigterm_during_the_chain_writes_that_the_chain_goes_on(tmp_path: Path) 
     assert evs[-1].event == "stop" and evs[-1].get("reason") == "sigterm"
 
 
-def _wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_real_sigterm_during_the_linger_of_a_real_agent(tmp_path: Path) -> None:
     serial = tmp_path / "ttyS0"
 
     def evs() -> list[protocol.Event]:
-        got = protocol.decode_all(serial.read_bytes())[0] if serial.exists() else []
-        return [e for e in got if e.event != "key"]
+        return read_events(serial)
 
     dmi = tmp_path / "product_name"  # this test acts: it must look like GCE
     dmi.write_text("Google Compute Engine\n")
     with SimGCE() as sim:
-        assert sim.tcp is not None
-        cfg = tmp_path / "config.toml"
-        cfg.write_text(f"""
-[agent]
-interval = 0.4
-probe_timeout = 0.2
-threshold = 2
-state_dir = "{tmp_path}/state"
-run_dir = "{tmp_path}/run"
-action = "poweroff"
-dmi_product_path = "{dmi}"
-[metadata]
-url = "{sim.metadata.url}"
-[egress]
-targets = ["127.0.0.1:{sim.tcp.port}"]
-dns_timeout = 0.1
-[actions]
-linger = 3
-repeat_every = 0.5
-poweroff_cmd = ["false"]
-force_cmd = ["false"]
-kernel = []
-[serial]
-device = "{serial}"
-""")
-        serial.touch()  # the "serial device"
+        cfg = agent_config(
+            tmp_path,
+            sim,
+            {
+                "threshold": 2,
+                "heartbeat_every": None,
+                "action": "poweroff",
+                "dmi_product_path": str(dmi),
+            },
+            actions={
+                "linger": 3,
+                "repeat_every": 0.5,
+                "poweroff_cmd": ["false"],
+                "force_cmd": ["false"],
+                "kernel": [],
+            },
+        )
         sim.outage(True)
-        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
-        p = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.DEVNULL)
-        try:
-            assert _wait_for(
-                lambda: ("linger", "start") in [(e.get("step"), e.get("status")) for e in evs()]
+        with agent_process(cfg) as p:
+            assert wait_for(
+                lambda: ("linger", "start") in [(e.get("step"), e.get("status")) for e in evs()],
+                timeout=30,
             )
-            p.send_signal(signal.SIGTERM)
-            assert p.wait(30) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+            assert stop_agent(p, timeout=30) == 0
     got = [(e.event, e.get("step"), e.get("status")) for e in evs()]
     i = next(i for i, g in enumerate(got) if g[0] == "signal")
     assert ("action", "linger", "ok") in got[i:]  # the linger went on to its end

@@ -18,24 +18,15 @@ from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm import config as cfgmod
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.cli import gcewd
 from kit.paths import REPO
 
 PARSERS = all_parsers(cli.build_parser())
 LEAVES = [path for path, p in PARSERS if path and not p._subparsers]
 
 
-def _gw(
-    *args: str, env: dict[str, str] | None = None, **kw: object
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-        **kw,  # type: ignore[call-overload]
-    )
+def _gw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return gcewd(*args, env={**os.environ, **(env or {})})
 
 
 def test_every_command_has_its_exit_codes_and_help_ends_with_them() -> None:

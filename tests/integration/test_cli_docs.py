@@ -71,3 +71,39 @@ def test_man_page_has_every_command_and_its_exit_status(generated: Path) -> None
             env={"MANWIDTH": "100", "PATH": "/usr/bin:/bin"},
         )  # fmt: skip
         assert r.returncode == 0 and "EXIT STATUS" in r.stdout, r.stderr
+
+
+def test_man_page_has_files_environment_and_see_also(generated: Path) -> None:
+    page = (generated / "man1" / "gce-watchdog.1").read_text()
+    for sec in ("FILES", "ENVIRONMENT", "SEE ALSO"):
+        assert f"\n.SH {sec}\n" in page, sec
+    files = page.split("\n.SH FILES\n", 1)[1].split("\n.SH ", 1)[0]
+    assert "/etc/gce-watchdog/config.toml" in files and "/opt/gce-watchdog" in files
+    env = page.split("\n.SH ENVIRONMENT\n", 1)[1].split("\n.SH ", 1)[0]
+    assert "GCEWD_CONFIG" in env
+    assert "gce-watchdog.toml(5)" in page.split("\n.SH SEE ALSO\n", 1)[1]
+
+
+def test_config_page_lists_every_key_with_its_default(generated: Path) -> None:
+    """gce-watchdog.toml(5) comes from the config's dataclasses: a new key is on the page (with
+    its meaning from docs/configuration.md, or the build fails)."""
+    import dataclasses
+    import typing
+
+    from gce_watchdog.vm import config as cfgmod
+
+    page = (generated / "man5" / "gce-watchdog.toml.5").read_text()
+    assert page.startswith(".TH GCE-WATCHDOG.TOML 5 ")
+    hints = typing.get_type_hints(cfgmod.Config)
+    for sec in dataclasses.fields(cfgmod.Config):
+        assert f'.SS "[{sec.name}]"' in page, sec.name
+        for f in dataclasses.fields(hints[sec.name]):
+            assert f"\n\\fB{f.name}\\fR = " in page, f"{sec.name}.{f.name}"
+    assert '\\fBinterval\\fR = "30s"\ntime between ticks' in page
+    man = shutil.which("man")
+    if man is not None:
+        r = subprocess.run([man, "-l", str(generated / "man5" / "gce-watchdog.toml.5")],
+                           capture_output=True, text=True, timeout=60,
+                           env={"MANWIDTH": "100", "PATH": "/usr/bin:/bin"})  # fmt: skip
+        assert r.returncode == 0 and "threshold = 10" in r.stdout, r.stderr
+        assert not r.stderr.strip(), r.stderr

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.vm import config as cfgmod
+from kit.cli import gcewd
 from kit.paths import REPO
 
 
@@ -104,34 +103,19 @@ def test_bad_durations(raw: object) -> None:
 
 def test_config_check_cli_exit_codes(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = 0\ninterval = 1\nprobe_timeout = 2\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "config", "check", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = gcewd("config", "check", str(bad))
     assert r.returncode == 78
     assert "agent.threshold: must be between 1 and 10000" in r.stderr
     assert "agent.probe_timeout: must be less than agent.interval" in r.stderr
     good = tmp_path / "good.toml"
     good.write_text("[agent]\ninterval = 10\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "config", "check", str(good)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = gcewd("config", "check", str(good))
     assert r.returncode == 0 and "OK" in r.stdout
 
 
 def test_run_refuses_invalid_config(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = -3\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "run", "--config", str(bad)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = gcewd("run", "--config", str(bad))
     assert r.returncode == 78 and "agent.threshold" in r.stderr
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -26,8 +25,9 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit.cli import gcewd
+from kit.clocks import ChainClock
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
-from kit.paths import REPO
 
 INF = float("inf")
 
@@ -91,13 +91,7 @@ def test_the_bounds_themselves_are_accepted() -> None:
 
 
 def _check(path: Path | str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "config", "check", str(path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return gcewd("config", "check", str(path), timeout=timeout)
 
 
 def test_config_check_cli_refuses_every_value_at_once_with_exit_78(tmp_path: Path) -> None:
@@ -172,23 +166,6 @@ def test_deep_nesting_is_refused_without_a_traceback(tmp_path: Path) -> None:
 
 
 # -- the property: accepted means it runs --------------------------------------------------------
-
-
-class _Clock:
-    def __init__(self, fc: FakeClock) -> None:
-        self.fc = fc
-
-    def monotonic(self) -> float:
-        return self.fc.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        self.fc.advance(max(0.0, seconds))
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        if event.wait(2.0):
-            return True
-        self.fc.advance(max(0.0, seconds))
-        return event.is_set()
 
 
 class _Api:
@@ -272,7 +249,7 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
             em,
             lambda: None,
             runner=lambda argv, timeout: RunResult(0),
-            clock=_Clock(fc),
+            clock=ChainClock(fc, real_slice=2.0),
             api=_Api(),
             kernel=_Kernel(),
             instance=lambda: InstanceInfo("p", "z", "vm", "1"),

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -19,11 +17,10 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
-from gce_watchdog.wire.protocol import decode_all
-from kit.agent import agent_config
-from kit.events import read_events
+from gce_watchdog.wire.protocol import Event
+from kit.agent import agent_config, agent_process, run_agent, stop_agent
+from kit.events import read_events, sink_events
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
-from kit.paths import REPO
 from kit.wait import wait_for
 
 
@@ -64,10 +61,8 @@ def make(
     return Agent.from_config(cfg, deps), sink, shutdowns, clock
 
 
-def events(sink: MemorySink) -> list:
-    evs, stats = decode_all("\n".join(sink.lines).encode() + b"\n", pin=SYNTH_KEY.public)
-    assert stats.rejected == 0 and stats.forged == 0
-    return [e for e in evs if e.event != "key"]
+def events(sink: MemorySink) -> list[Event]:
+    return sink_events(sink)
 
 
 def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
@@ -165,23 +160,14 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
     with SimGCE() as sim:
         cfg = agent_config(tmp_path, sim)
         serial = tmp_path / "ttyS0"
-        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
-        p = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
-        try:
+        with agent_process(cfg, stderr=subprocess.PIPE) as p:
             assert wait_for(lambda: any(e.event == "heartbeat" for e in read_events(serial)))
-            second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=30)
+            second = run_agent(cfg, timeout=30)
             assert second.returncode == 75 and "refusing to run a second ladder" in second.stderr
             sim.outage(True)
             assert wait_for(lambda: any(e.event == "dry_run_shutdown" for e in read_events(serial)))
             sim.outage(False)
-            p.send_signal(signal.SIGTERM)
-            assert p.wait(15) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-            if p.stderr:
-                p.stderr.close()
+            assert stop_agent(p) == 0
     evs = read_events(serial)
     names = [e.event for e in evs]
     # a dry run's decision: its own event, once per outage (the repeats carry rep=)
@@ -221,19 +207,11 @@ def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
     """Neither the serial device nor the fallback can be opened: the agent keeps ticking (and
     deciding) with its lines in the journal only, instead of crash-looping."""
     with SimGCE() as sim:
-        cfg = agent_config(tmp_path, sim)
-        text = cfg.read_text().replace(
-            f'device = "{tmp_path}/ttyS0"',
-            'device = "/proc/no-such-dir/ttyS0"\nfallback_file = "/proc/no-such-dir/serial.log"',
+        gone = "/proc/no-such-dir"
+        cfg = agent_config(
+            tmp_path, sim, serial={"device": f"{gone}/ttyS0", "fallback_file": f"{gone}/serial.log"}
         )
-        cfg.write_text(text)
-        r = subprocess.run(
-            [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg), "--max-ticks", "3"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = run_agent(cfg, "--max-ticks", "3", timeout=60)
     assert r.returncode == 0, r.stderr
     assert "serial_unavailable" in r.stderr
     assert "event='heartbeat'" in r.stderr and "event='stop'" in r.stderr

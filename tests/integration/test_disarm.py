@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +21,8 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from hypothesis import given
 from hypothesis import strategies as st
-from kit.paths import REPO
+from kit.cli import agent_env, gcewd
+from kit.events import sink_events
 
 T0 = 1_800_000_000.0  # a fixed wall clock for the pure checks
 
@@ -110,14 +109,7 @@ def _gate(tmp: Path, md: list[bool], wall: list[float]) -> tuple[DisarmGate, Mem
 
 
 def _events(sink: MemorySink) -> list[tuple[str, str | None, str | None]]:
-    out = []
-    for line in sink.lines:
-        ev = protocol.decode_line(line, pin=SYNTH_KEY.public)
-        if isinstance(ev, protocol.KeyAnnounce):
-            continue
-        assert isinstance(ev, protocol.Event)
-        out.append((ev.event, ev.get("src"), ev.get("why")))
-    return out
+    return [(ev.event, ev.get("src"), ev.get("why")) for ev in sink_events(sink)]
 
 
 def test_gate_reports_metadata_transitions_and_expiry(tmp_path: Path) -> None:
@@ -169,15 +161,7 @@ def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
             f'[agent]\nstate_dir = "{tmp / "state"}"\nrun_dir = "{tmp / "run"}"\n'
             f'[serial]\ndevice = "{tmp / "serial.log"}"\n'
         )
-    env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", *args, "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        cwd=REPO,
-    )
+    return gcewd(*args, "--config", str(cfg), env=agent_env())
 
 
 def test_cli_disarm_then_arm(tmp_path: Path) -> None:

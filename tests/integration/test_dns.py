@@ -49,14 +49,16 @@ def test_every_server_at_once_under_one_deadline() -> None:
         silent.mode = "silent"
         r = DnsResolver.from_strings([f"127.0.0.1:{silent.port}", f"127.0.0.1:{good.port}"])
         t0 = time.monotonic()
-        assert r.resolve("a.test", 2.0) == ["192.0.2.8"]
-        assert time.monotonic() - t0 < 1.0  # the good one answered; the silent one cost nothing
+        assert r.resolve("a.test", 30.0) == ["192.0.2.8"]
+        # the good one answered; waiting on the silent one would have cost the 30 s lifetime
+        assert time.monotonic() - t0 < 10
         assert silent.queries >= 1  # it was asked too
         good.mode = "silent"
         t0 = time.monotonic()
         with pytest.raises(DnsError, match="timed out"):
-            r.resolve("a.test", 0.3)
-        assert time.monotonic() - t0 < 0.45
+            r.resolve("a.test", 2.0)
+        # one deadline for both servers: one after the other would take 4 s or more
+        assert time.monotonic() - t0 < 3.5
 
 
 def test_rcodes_are_named() -> None:

@@ -43,6 +43,8 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol, vocab
+from kit.configs import chain_config
+from kit.gce import add_spot_vm, spot_vm_info
 from kit.paths import REPO
 
 INST = InstanceInfo("sim-project", "us-central1-a", "sim-vm-1", "4520031799277582145")
@@ -144,18 +146,7 @@ class Kernel:
 def make_chain(
     tmp: Path, action: str = "delete", fail: set[str] | None = None, **actions: object
 ) -> tuple[ActionChain, Timeline, TimelineSink]:
-    base: dict[str, object] = {
-        "linger": 75.0,
-        "repeat_every": 5.0,
-        "poweroff_wait": 120.0,
-        "force_wait": 30.0,
-        "poweroff_cmd": ["systemctl", "poweroff"],
-        "force_cmd": ["systemctl", "poweroff", "--force"],
-    }
-    base.update(actions)
-    cfg = cfgmod.from_dict(
-        {"agent": {"action": action, "state_dir": str(tmp)}, "actions": base}, "test"
-    )
+    cfg = chain_config(tmp, action, **{"linger": 75.0, "poweroff_wait": 120.0, **actions})
     tl = Timeline()
     sink = TimelineSink(tl)
     em = Emitter(sink, SeqAllocator(tmp, BOOT), BOOT, key=SYNTH_KEY)  # type: ignore[arg-type]
@@ -559,17 +550,10 @@ def _boot_id() -> str:
 def test_with_no_agent_end_runs_the_chain_and_deletes_the_spot_vm(tmp_path: Path) -> None:
     from gce_watchdog.testing.simcompute import FakeComputeAPI
     from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
-    from gce_watchdog.testing.simgce import SimInstance as SimInfo
 
-    info = SimInfo(project="sim-project", zone="us-central1-a", name="sim-vm-1")
+    info = spot_vm_info()
     with FakeMetadataServer(info=info) as md, FakeComputeAPI(token=TOKEN) as api:
-        api.add_instance(
-            "sim-vm-1",
-            project="sim-project",
-            zone="us-central1-a",
-            spot=True,
-            termination_action="DELETE",
-        )
+        add_spot_vm(api)
         cfg = _write_config(
             tmp_path,
             md.url,

@@ -10,19 +10,12 @@ import dns.message
 import dns.query
 import dns.rdatatype
 from gce_watchdog.testing.simgce import FakeDNS
+from kit.clocks import ManualClock
 
 # How long one query waits for an answer that must come (loopback) or must not (silence). The
 # silent case is also confirmed by the server's own record of the query (on_query), so a short
 # wait does not make the check pass by itself.
 QUERY_WAIT = 2.0
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def ask(port: int, seen: queue.Queue[tuple[str, bool]]) -> tuple[bool, bool]:
@@ -39,7 +32,7 @@ def ask(port: int, seen: queue.Queue[tuple[str, bool]]) -> tuple[bool, bool]:
 
 
 def test_silence_runs_from_the_first_query_not_from_the_start() -> None:
-    clock = Clock(100.0)
+    clock = ManualClock(100.0)
     seen: queue.Queue[tuple[str, bool]] = queue.Queue()
     records = {"a.test": ["192.0.2.1"]}
     with FakeDNS(

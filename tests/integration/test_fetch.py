@@ -40,6 +40,8 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.clocks import ManualClock
+from kit.events import read_events
 
 BODY = os.urandom(300_000)  # several read chunks, so "closed mid-body" really is mid-body
 
@@ -288,9 +290,7 @@ def _config(tmp_path: Path) -> Path:
 
 
 def _serial_events(tmp_path: Path) -> list[protocol.Event]:
-    events, stats = protocol.decode_all((tmp_path / "serial.log").read_bytes())
-    assert stats.rejected == 0 and stats.forged == 0
-    return [e for e in events if e.event != "key"]
+    return read_events(tmp_path / "serial.log", forged_ok=False, rejected_ok=False)
 
 
 def test_dns_never_fixed_exits_75_close_to_the_deadline(
@@ -306,7 +306,9 @@ def test_dns_never_fixed_exits_75_close_to_the_deadline(
         )  # fmt: skip
         took = time.monotonic() - t0
     assert rc == EX_TEMPFAIL
-    assert 2.5 <= took <= 4.5, took
+    # tried until close to its deadline, then gave up: never the endless retries of a loop
+    # without one (the exact bound is checked on a fake clock below)
+    assert 2.5 <= took < 15, took
     assert not out.exists() and leftovers(tmp_path) == []
     err = capsys.readouterr().err
     assert "gave up after" in err and "last error:" in err and "DNS timed out" in err
@@ -533,16 +535,7 @@ def test_ten_minute_dns_outage_on_a_fake_clock(tmp_path: Path) -> None:
 
     from gce_watchdog.bootstrap.fetch import FetchError
 
-    class Clock:
-        t = 0.0
-
-        def __call__(self) -> float:
-            return self.t
-
-        def sleep(self, s: float) -> None:
-            self.t += s
-
-    clock = Clock()
+    clock = ManualClock(0.0)
 
     class DeadDNS:
         def resolve(self, host: str, timeout: float) -> list[str]:

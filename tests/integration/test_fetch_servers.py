@@ -35,17 +35,12 @@ from typing import Any
 import pytest
 from gce_watchdog.testing.simgce import FakeDNS
 from gce_watchdog.wire import protocol
+from kit.ports import free_port
 
 BODY = os.urandom(200_000)
 TEXT = b"".join(b"line %06d of a text file served through SSI\n" % i for i in range(5000))
 STARTUP_WAIT = 20.0  # bound on a server or child process getting ready (a loaded 2-core machine)
 SECRETS = ("TOKEN123", "SIG456", "FRAG789", "alice")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(cond: Callable[[], bool], what: str, limit: float = STARTUP_WAIT) -> None:
@@ -411,6 +406,14 @@ def test_redirect_across_hosts_to_stock_server_and_credentials_stay_home(
 # Senders that trickle: the deadline is a hard bound.
 
 
+def listen() -> tuple[socket.socket, int]:
+    """A listening loopback socket and its port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    return sock, int(sock.getsockname()[1])
+
+
 class Trickle:
     """A raw TCP server sending ``head`` then ``body`` one piece per ``every`` seconds."""
 
@@ -419,10 +422,7 @@ class Trickle:
         self.every = every
         self.sent = threading.Event()  # set once the first two pieces went out
         self.stop = threading.Event()
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = int(self.sock.getsockname()[1])
+        self.sock, self.port = listen()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -599,10 +599,7 @@ class CuttingRelay:
     def __init__(self, upstream: int, cut: int, between: Callable[[], None] | None = None) -> None:
         self.upstream, self.cut, self.between = upstream, cut, between
         self.requests: list[str] = []
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(8)
-        self.port = int(self.sock.getsockname()[1])
+        self.sock, self.port = listen()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:

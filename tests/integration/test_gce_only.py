@@ -10,7 +10,6 @@ ran would leave a trace.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,9 @@ from gce_watchdog.bootstrap.install import InstallOptions, install
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm.platform import GCE_PRODUCT, Platform, arming, detect
 from gce_watchdog.wire import protocol
-from kit.agent import agent_in
-from kit.paths import REPO
+from kit.agent import LADDER_ONLY, SHORT_LADDER, agent_config, agent_in, run_agent
+from kit.cli import gcewd
+from kit.events import read_events
 
 QEMU = "Standard PC (Q35 + ICH9, 2009)"
 
@@ -50,59 +50,34 @@ def test_arming_matrix() -> None:
 
 
 def _config(tmp: Path, sim: SimGCE, product: str | None, **agent: object) -> Path:
-    assert sim.tcp is not None
-    (tmp / "ttyS0").touch()
     rec = tmp / "recorder"
     rec.write_text(f'#!/bin/sh\necho "$@" >> "{tmp}/actions.log"\nexit 1\n')
     rec.chmod(0o755)
-    extra = "".join(
-        f"{k} = {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in agent.items()
+    return agent_config(
+        tmp,
+        sim,
+        {
+            **SHORT_LADDER,
+            "action": "poweroff",
+            "dmi_product_path": str(dmi(tmp, product)),
+            **agent,
+        },
+        actions={
+            "poweroff_cmd": [str(rec), "poweroff"],
+            "force_cmd": [str(rec), "force"],
+            "kernel": [],
+        },
+        **LADDER_ONLY,
     )
-    p = tmp / "config.toml"
-    p.write_text(f"""
-[agent]
-interval = 0.3
-probe_timeout = 0.2
-threshold = 2
-state_dir = "{tmp}/state"
-run_dir = "{tmp}/run"
-action = "poweroff"
-dmi_product_path = "{dmi(tmp, product)}"
-{extra}
-[metadata]
-url = "{sim.metadata.url}"
-[egress]
-targets = ["127.0.0.1:{sim.tcp.port}"]
-dns_timeout = 0.1
-[actions]
-linger = 0
-poweroff_cmd = ["{rec}", "poweroff"]
-force_cmd = ["{rec}", "force"]
-kernel = []
-[serial]
-device = "{tmp}/ttyS0"
-[watch]
-enabled = false
-[memory]
-enabled = false
-""")
-    return p
 
 
 def _run(tmp: Path, product: str | None, **agent: object) -> list[protocol.Event]:
     with SimGCE() as sim:
         cfg = _config(tmp, sim, product, **agent)
         sim.outage(True)
-        r = subprocess.run(
-            [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg), "--max-ticks", "4"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = run_agent(cfg, "--max-ticks", "4")
     assert r.returncode == 0, r.stderr
-    evs = protocol.decode_all((tmp / "ttyS0").read_bytes())[0]
-    return [e for e in evs if e.event != protocol.KEY_EVENT]
+    return read_events(tmp / "ttyS0")
 
 
 @pytest.mark.parametrize("product", [QEMU, None], ids=["other-product", "no-dmi"])
@@ -138,13 +113,7 @@ def _check(tmp: Path, product: str | None, outage: bool) -> subprocess.Completed
     with SimGCE() as sim:
         cfg = _config(tmp, sim, product)
         sim.outage(outage)
-        return subprocess.run(
-            [sys.executable, "-m", "gce_watchdog", "check", "--config", str(cfg)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return gcewd("check", "--config", str(cfg))
 
 
 def test_check_says_not_gce_and_no_metadata_server(tmp_path: Path) -> None:

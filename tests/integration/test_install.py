@@ -26,7 +26,7 @@ from gce_watchdog.bootstrap.install import (
 from gce_watchdog.lib.cli import EX_CONFIG
 from gce_watchdog.lib.proc import RunResult
 from kit.agent import AGENT, agent_in
-from kit.paths import REPO
+from kit.cli import agent_env, gcewd
 
 UNIT_PATH = Path("etc/systemd/system") / UNIT
 WANTS = Path("etc/systemd/system/multi-user.target.wants") / UNIT
@@ -227,14 +227,7 @@ def test_uninstall_live_disables_and_stops(tmp_path: Path) -> None:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "agent"), **(env or {})},
-    )
+    return gcewd(*args, timeout=120, env=agent_env(**(env or {})))
 
 
 @pytest.mark.skipif(shutil.which("systemctl") is None, reason="systemctl not installed")

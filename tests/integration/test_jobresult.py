@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from gce_watchdog import cli, jobresult
+from gce_watchdog import jobresult
 from gce_watchdog.wire import protocol
+from kit.cli import main_rc
+from kit.events import read_events
 from kit.paths import REPO
 
 AGENT = str(Path(sys.executable).parent / "gce-watchdog")
@@ -28,16 +30,8 @@ def _config(tmp_path: Path) -> str:
 
 
 def _events(tmp_path: Path) -> list[protocol.Event]:
-    events, stats = protocol.decode_all((tmp_path / "serial.log").read_bytes())
-    assert stats.rejected == 0 and stats.forged == 0, "every line is signed by our key"
-    return [e for e in events if e.event != "key"]
-
-
-def _run(argv: list[str]) -> int:
-    try:
-        return cli.main(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+    # every line is signed by our key
+    return read_events(tmp_path / "serial.log", forged_ok=False, rejected_ok=False)
 
 
 def _exit(tmp_path: Path) -> protocol.Event:
@@ -46,13 +40,13 @@ def _exit(tmp_path: Path) -> protocol.Event:
 
 def test_result_writes_a_signed_line_with_its_detail(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
-    assert _run(["result", "ok", "--detail", "step=1000", "--detail", "loss=0.31",
+    assert main_rc(["result", "ok", "--detail", "step=1000", "--detail", "loss=0.31",
                  "--config", cfg]) == 0  # fmt: skip
     (ev,) = _events(tmp_path)
     assert ev.event == "result"
     assert ev.fields_dict == {"status": "ok", "detail": "step:1000,loss:0.31"}
     assert ev.text == "job result: ok step=1000 loss=0.31"
-    assert _run(["result", "fail", "--config", cfg]) == 0
+    assert main_rc(["result", "fail", "--config", cfg]) == 0
     assert _events(tmp_path)[-1].fields_dict == {"status": "fail"}
 
 
@@ -61,14 +55,14 @@ def test_result_writes_a_signed_line_with_its_detail(tmp_path: Path) -> None:
     [["result", "maybe"], ["result", "ok", "--detail", "novalue"], ["result"]],
 )
 def test_result_usage_errors_write_nothing(tmp_path: Path, argv: list[str]) -> None:
-    assert _run([*argv, "--config", _config(tmp_path)]) == 64
+    assert main_rc([*argv, "--config", _config(tmp_path)]) == 64
     assert _events(tmp_path) == []
 
 
 def test_a_long_or_hostile_detail_stays_one_valid_line(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     hostile = "x=" + "GCEWD2 0 0 forged | " * 20 + "\n#\x00"
-    assert _run(["result", "ok", "--detail", hostile, "--config", cfg]) == 0
+    assert main_rc(["result", "ok", "--detail", hostile, "--config", cfg]) == 0
     (ev,) = _events(tmp_path)
     assert ev.event == "result" and len(ev.get("detail") or "") <= 64
 
@@ -112,7 +106,7 @@ def test_a_job_that_exits_0_without_reporting_gets_result_missing(tmp_path: Path
 
 def test_a_result_outside_this_run_does_not_count(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
-    assert _run(["result", "ok", "--config", cfg]) == 0  # before exec, no run of its own
+    assert main_rc(["result", "ok", "--config", cfg]) == 0  # before exec, no run of its own
     assert _exec(tmp_path, "pass", "--expect-result") == 0
     assert _exit(tmp_path).get("result") == "missing"
 

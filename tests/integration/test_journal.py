@@ -6,17 +6,13 @@ from __future__ import annotations
 import io
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm import logs
-from kit.agent import agent_config
+from kit.agent import agent_config, agent_process, stop_agent
 from kit.events import read_events
-from kit.paths import REPO
 from kit.wait import wait_for
 
 PREFIXED = re.compile(r"<([0-7])>timestamp='[^']+' level='(\w+)' event='(\w+)'")
@@ -83,9 +79,7 @@ def _run_agent(tmp_path: Path, journal: bool) -> tuple[list[tuple[int, str, str]
         if journal:
             st = os.fstat(err.fileno())
             env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
-        cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
-        p = subprocess.Popen(cmd, cwd=REPO, stderr=err, env=env)
-        try:
+        with agent_process(cfg, stderr=err, env=env) as p:
             assert wait_for(lambda: any(e.event == "heartbeat" for e in read_events(serial)))
             sim.outage(True)
             assert wait_for(
@@ -93,12 +87,7 @@ def _run_agent(tmp_path: Path, journal: bool) -> tuple[list[tuple[int, str, str]
                     e.event == "action" and e.get("step") == "kernel" for e in read_events(serial)
                 )
             )
-            p.send_signal(signal.SIGTERM)
-            assert p.wait(15) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
+            assert stop_agent(p) == 0
     text = err_path.read_text()
     found = [(int(m[1]), m[2], m[3]) for m in PREFIXED.finditer(text)]
     return found, text

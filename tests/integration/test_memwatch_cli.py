@@ -23,7 +23,9 @@ from gce_watchdog.memory.memwatch import (
     parse_size,
 )
 from kit import fake_pynvml
+from kit.cli import gcewd
 from kit.paths import REPO
+from kit.wait import wait_for
 
 # Scaled for seconds: 50 ms samples, 2 warm-up, 30 judged, a 64 MiB band.
 FAST = ["--interval", "50ms", "--warmup", "2", "--min-samples", "30", "--band", "64MiB", "--no-gpu"]
@@ -36,18 +38,22 @@ _GROW = (
     "    time.sleep(0.05)\n"
 )
 
-_HOLD = "import time\nkeep = bytearray(b'\\x01' * (32 << 20))\ntime.sleep(2.2)\n"
+
+def _hold(ready: Path, seconds: float) -> str:
+    """A child that takes 32 MiB, touches every page in place (no temporary copy: its footprint
+    never goes above interpreter + 32 MiB, well under the 64 MiB band), says so by creating
+    ``ready``, then holds it for ``seconds``."""
+    return (
+        "import pathlib, time\n"
+        "keep = bytearray(32 << 20)\n"
+        "keep[::4096] = b'\\x01' * len(range(0, len(keep), 4096))\n"
+        f"pathlib.Path({str(ready)!r}).write_text('ready')\n"
+        f"time.sleep({seconds})\n"
+    )
 
 
 def _memwatch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "memwatch", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return gcewd("memwatch", *args, timeout=timeout)
 
 
 def test_growing_command_fails_with_a_climb(tmp_path: Path) -> None:
@@ -69,9 +75,16 @@ def test_growing_command_fails_with_a_climb(tmp_path: Path) -> None:
 
 
 def test_steady_command_passes(tmp_path: Path) -> None:
+    """memwatch starts the command, so some samples after the warm-up can fall before the child
+    is ready. They cannot fail it: the child never holds more than interpreter + 32 MiB and
+    never a temporary copy (the old child's bytes literal briefly doubled it to ~64 MiB, over
+    the band on a loaded machine), so the range of any samples stays under the 64 MiB band.
+    Its ready file proves the 32 MiB were really taken before it held them."""
     out = tmp_path / "m.json"
-    r = _memwatch(*FAST, "--out", str(out), "--", sys.executable, "-c", _HOLD)
+    ready = tmp_path / "ready"
+    r = _memwatch(*FAST, "--out", str(out), "--", sys.executable, "-c", _hold(ready, 2.2))
     assert r.returncode == EX_OK, r.stdout + r.stderr
+    assert ready.read_text() == "ready"
     doc = json.loads(out.read_text())
     tree = doc["gauges"]["tree_rss"]
     assert tree["status"] == "pass"
@@ -150,8 +163,12 @@ def test_sigterm_is_forwarded_to_the_command(tmp_path: Path) -> None:
 
 
 def test_pid_mode_with_duration(tmp_path: Path) -> None:
-    child = subprocess.Popen([sys.executable, "-c", _HOLD.replace("2.2", "10")])
+    """The child says it is ready (its 32 MiB taken) before memwatch starts: every sample, the
+    warm-up's included, is of the steady child."""
+    ready = tmp_path / "ready"
+    child = subprocess.Popen([sys.executable, "-c", _hold(ready, 60)])
     try:
+        assert wait_for(ready.exists, timeout=30), "the child never became ready"
         out = tmp_path / "m.json"
         r = _memwatch(
             *FAST,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.lib.cli import EX_USAGE
+from kit.cli import gcewd
 from kit.paths import REPO
 
 FAST = ["--interval", "50ms", "--warmup", "2", "--min-samples", "30", "--band", "64MiB", "--no-gpu"]
@@ -24,14 +25,7 @@ _DIE = (
 
 
 def _memwatch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "memwatch", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return gcewd("memwatch", *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSEGV", "SIGTERM"])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ from gce_watchdog.lib.netaddr import join_host_port, parse_dns_server, parse_hos
 from gce_watchdog.vm import config as cfgmod
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.cli import gcewd
 
 
 @pytest.mark.parametrize(
@@ -92,12 +92,7 @@ def test_dns_server_roundtrip(ip: str, port: int) -> None:
 def _check(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     f = tmp_path / "c.toml"
     f.write_text(body)
-    return subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "config", "check", str(f)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return gcewd("config", "check", str(f))
 
 
 def test_config_check_refuses_a_bad_dns_server(tmp_path: Path) -> None:

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from gce_watchdog import cli
 from gce_watchdog.bootstrap.phases import ExitStatus
 from gce_watchdog.vm.state import read_phase
 from gce_watchdog.wire import protocol
 from hypothesis import given
 from hypothesis import strategies as st
+from kit.cli import main_rc
 from kit.paths import REPO
 
 
@@ -44,17 +44,10 @@ def _events(tmp_path: Path) -> list[protocol.Event]:
     return [e for e in events if e.event != "key"]
 
 
-def _run(argv: list[str]) -> int:
-    try:
-        return cli.main(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-
-
 def test_phase_line_and_state(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     for ph in ("bootstrap", "workload", "done"):
-        assert _run(["phase", ph, "--config", cfg]) == 0
+        assert main_rc(["phase", ph, "--config", cfg]) == 0
         assert read_phase(tmp_path / "state") == ph
     evs = _events(tmp_path)
     assert [(e.event, e.get("ph")) for e in evs] == [
@@ -66,16 +59,16 @@ def test_phase_line_and_state(tmp_path: Path) -> None:
 
 
 def test_bad_phase_is_a_usage_error(tmp_path: Path) -> None:
-    assert _run(["phase", "running", "--config", str(_config(tmp_path))]) == 64
-    assert _run(["setup-failed", "--step", "x", "--config", str(_config(tmp_path))]) == 64
-    assert _run(["exec", "--config", str(_config(tmp_path))]) == 64
+    assert main_rc(["phase", "running", "--config", str(_config(tmp_path))]) == 64
+    assert main_rc(["setup-failed", "--step", "x", "--config", str(_config(tmp_path))]) == 64
+    assert main_rc(["exec", "--config", str(_config(tmp_path))]) == 64
     assert _events(tmp_path) == []
 
 
 def test_setup_failed_line(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     reason = "pip install failed: No matching distribution found for torch==9.9"
-    rc = _run(["setup-failed", "--step", "install", "--reason", reason, "--exit-code", "1",
+    rc = main_rc(["setup-failed", "--step", "install", "--reason", reason, "--exit-code", "1",
                "--config", cfg])  # fmt: skip
     assert rc == 0
     (ev,) = _events(tmp_path)
@@ -85,7 +78,7 @@ def test_setup_failed_line(tmp_path: Path) -> None:
     # The readable reason, shortened (not dropped) to keep the line within 200 bytes.
     assert ev.text.endswith("...") and reason.startswith(ev.text[:-3]) and len(ev.text) > 30
     assert read_phase(tmp_path / "state") == "setup_failed"
-    _run(["setup-failed", "--step", "dns", "--reason", "no DNS", "--config", cfg])
+    main_rc(["setup-failed", "--step", "dns", "--reason", "no DNS", "--config", cfg])
     last = _events(tmp_path)[-1]
     assert last.get("rc") == "-" and last.text == "no DNS"
     assert last.get("cause") == "job", "the default cause: the step itself failed"
@@ -95,20 +88,20 @@ def test_setup_failed_cause_infra_and_its_verdict(tmp_path: Path) -> None:
     from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 
     cfg = str(_config(tmp_path))
-    rc = _run(["setup-failed", "--step", "dns", "--reason", "DNS never came up", "--exit-code",
+    rc = main_rc(["setup-failed", "--step", "dns", "--reason", "DNS never came up", "--exit-code",
                "75", "--cause", "infra", "--config", cfg])  # fmt: skip
     assert rc == 0
     (ev,) = _events(tmp_path)
     assert (ev.get("cause"), ev.get("rc")) == ("infra", "75")
     v = decide([ev], InstanceState("TERMINATED"), ev.ts_ms / 1000, Policy())
     assert v.kind is VerdictKind.SETUP_FAILED_INFRA and v.failover
-    assert _run(["setup-failed", "--step", "x", "--reason", "r", "--cause", "net", "--config",
+    assert main_rc(["setup-failed", "--step", "x", "--reason", "r", "--cause", "net", "--config",
                  cfg]) == 64  # fmt: skip
 
 
 def test_exec_passes_the_exit_code_through(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
-    rc = _run(["exec", "--config", cfg, "--", sys.executable, "-c", "raise SystemExit(3)"])
+    rc = main_rc(["exec", "--config", cfg, "--", sys.executable, "-c", "raise SystemExit(3)"])
     assert rc == 3
     evs = _events(tmp_path)
     assert [e.event for e in evs] == ["phase", "exit"]
@@ -122,19 +115,19 @@ def test_exec_passes_the_exit_code_through(tmp_path: Path) -> None:
 def test_exec_signal_death_is_128_plus_signal(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
-    assert _run(["exec", "--config", cfg, "--", sys.executable, "-c", code]) == 128 + 9
+    assert main_rc(["exec", "--config", cfg, "--", sys.executable, "-c", code]) == 128 + 9
     ex = _events(tmp_path)[-1]
     assert (ex.event, ex.get("rc"), ex.get("sig")) == ("exit", "-", "SIGKILL")
 
 
 def test_exec_command_not_found_is_127(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
-    assert _run(["exec", "--config", cfg, "--", str(tmp_path / "no-such-program")]) == 127
+    assert main_rc(["exec", "--config", cfg, "--", str(tmp_path / "no-such-program")]) == 127
     ex = _events(tmp_path)[-1]
     assert ex.get("rc") == "127" and "not found" in ex.text
     script = tmp_path / "not-executable"
     script.write_text("#!/bin/sh\n")
-    assert _run(["exec", "--config", cfg, "--", str(script)]) == 126
+    assert main_rc(["exec", "--config", cfg, "--", str(script)]) == 126
 
 
 def test_exit_status_table() -> None:
@@ -235,7 +228,7 @@ def test_unusable_serial_port_records_the_phase_and_exits_74(
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     cfg = str(_config(tmp_path, device=f"{blocker}/ttyS0", fallback=f"{blocker}/serial.log"))
-    assert _run(["phase", "bootstrap", "--config", cfg]) == 74
+    assert main_rc(["phase", "bootstrap", "--config", cfg]) == 74
     assert read_phase(tmp_path / "state") == "bootstrap"
     err = capsys.readouterr().err
     assert "lines are not written" in err and "not confirmed" in err

@@ -20,6 +20,7 @@ from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer
 from kit.paths import REPO
+from kit.pipes import blocked_pipe
 
 P, Z = "test-project", "us-central1-a"
 DEADLINE_S = 60.0  # every wait for an event is bounded by this
@@ -200,22 +201,6 @@ def test_eight_pollers_with_separate_cursors_race_over_100_wedged_vms(
     assert len(api.operations) == FLEET and all(api.instance(n).deleted for n in names)
 
 
-def _blocked_stdout() -> tuple[int, int]:
-    """A pipe whose buffer is already full: the first write to it blocks (nobody reads it)."""
-    import fcntl
-
-    r, w = os.pipe()
-    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: the smallest buffer, one page
-    os.set_blocking(w, False)
-    try:
-        while True:
-            os.write(w, b"x" * 4096)
-    except BlockingIOError:
-        pass
-    os.set_blocking(w, True)
-    return r, w
-
-
 def test_a_poller_killed_after_its_reap_before_announcing_is_announced_once(
     api: FakeComputeAPI, tmp_path: Path, ledger_spec: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -227,7 +212,7 @@ def test_a_poller_killed_after_its_reap_before_announcing_is_announced_once(
     argv = poll_argv(api, tmp_path, ledger_spec, "cursors-a", "--once", "--reap",
                      "--announce-lease", "1s", "vm-1")  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
-    r, w = _blocked_stdout()
+    r, w = blocked_pipe()
     first = subprocess.Popen([sys.executable, "-m", "gce_watchdog", *argv], stdout=w,
                              stderr=subprocess.PIPE, env=env)  # fmt: skip
     os.close(w)

@@ -26,35 +26,11 @@ from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire.protocol import Event, decode_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.logentries import PROJECT, fleet_messages, lines_of, log_entry
 from kit.paths import REPO
+from kit.pipes import blocked_pipe
 
-PROJECT = "test-project"
 DEADLINE_S = 90.0
-SERIAL_LOG = "serialconsole.googleapis.com%2Fserial_port_1_output"
-
-
-def log_entry(iid: str, name: str, text: str, zone: str = "us-central1-a") -> bytes:
-    """A LogEntry as a Cloud Logging sink publishes it for a serial port 1 line."""
-    return json.dumps(
-        {
-            "insertId": f"{random.getrandbits(48):x}",
-            "logName": f"projects/{PROJECT}/logs/{SERIAL_LOG}",
-            "resource": {
-                "type": "gce_instance",
-                "labels": {"instance_id": iid, "project_id": PROJECT, "zone": zone},
-            },
-            "labels": {"compute.googleapis.com/resource_name": name},
-            "textPayload": text,
-            "timestamp": "2026-12-01T05:00:00.123456Z",
-            "receiveTimestamp": "2026-12-01T05:00:00.456789Z",
-            "severity": "DEFAULT",
-        }
-    ).encode()
-
-
-def lines_of(w: Writer, *events: tuple[str, dict[str, str]]) -> list[str]:
-    """One console line per entry (a boot's first also gives its key announcement before it)."""
-    return [ln for name, fields in events for ln in w.line(name, fields).decode().splitlines()]
 
 
 # -- pure parts ----------------------------------------------------------------------------------
@@ -164,33 +140,6 @@ def publish(topic: str, datas: list[bytes]) -> None:
         f.result(timeout=30)
 
 
-def fleet_messages(rnd: random.Random, vms: int) -> tuple[list[bytes], set[str], set[str]]:
-    """Every VM runs, then shuts down (ladder), except the last: its job exits 0 just before.
-    Noise lines, duplicates of a third of the lines, and the whole stream shuffled."""
-    msgs: list[bytes] = []
-    wedged, finished = set(), set()
-    for i in range(vms):
-        iid, name = f"{4_000_000_000 + i}", f"vm-{i:03d}"
-        w = Writer(boot=f"{i:08x}")
-        evs: list[tuple[str, dict[str, str]]] = [
-            ("start", {"v": "1"}),
-            ("phase", {"ph": "workload"}),
-        ]
-        evs += [("tick", {"rung": f"{r}/10", "md": "fail", "eg": "fail"}) for r in range(1, 6)]
-        if i == vms - 1:
-            evs.append(("exit", {"rc": "0"}))
-            finished.add(iid)
-        else:
-            wedged.add(iid)
-        evs.append(("shutdown", {"reason": "ladder", "rung": "10/10"}))
-        for text in lines_of(w, *evs):
-            msgs.append(log_entry(iid, name, text))
-        msgs.append(log_entry(iid, name, "[  12.3] systemd[1]: Started foo.service"))
-    msgs += [rnd.choice(msgs) for _ in range(len(msgs) // 3)]  # duplicates
-    rnd.shuffle(msgs)
-    return msgs, wedged, finished
-
-
 def test_workers_decide_once_per_vm_from_a_shuffled_duplicated_stream(
     topic: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -275,22 +224,6 @@ def led_count(led: Any) -> int:
     return len(led.all())
 
 
-def _blocked_stdout() -> tuple[int, int]:
-    """A pipe whose buffer is already full: the first write to it blocks (nobody reads it)."""
-    import fcntl
-
-    r, w = os.pipe()
-    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: the smallest buffer, one page
-    os.set_blocking(w, False)
-    try:
-        while True:
-            os.write(w, b"x" * 4096)
-    except BlockingIOError:
-        pass
-    os.set_blocking(w, True)
-    return r, w
-
-
 def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     topic: tuple[str, str], pubsub_host: str, pg_database: str, tmp_path: Path
 ) -> None:
@@ -309,7 +242,7 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", pg_database,
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok")]  # fmt: skip
     (tmp_path / "tok").write_text("unused\n")
-    r, wfd = _blocked_stdout()
+    r, wfd = blocked_pipe()
     # its lease outlives the redelivery (ack deadline 10 s): worker 2 first sees the lines of a
     # decision it must not announce yet, acks them, then announces when the lease lapses
     first = subprocess.Popen([*argv, "--announce-lease", "20s"], stdout=wfd,

@@ -36,7 +36,7 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import format_ts
 from kit.corpus import scenario_one_boot_with_damage
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber
-from kit.paths import REPO
+from kit.paths import CORPUS, REPO
 
 try:
     import matplotlib  # noqa: F401
@@ -155,7 +155,7 @@ def wedge_and_reboot(tmp: Path) -> tuple[bytes, list[str], list[str]]:
     }
     b2 = agent_lines(tmp, "bbbb0002", T0_MS / 1000 + 3600, [ok], 9, extra2)
     b2 = b2[:-1]  # still running: no stop line yet
-    console = corpus_lines()
+    console = corpus_lines(CORPUS)
     assert console
     ours1 = [ln.encode() + b"\n" for ln in b1]
     hb = next(i for i, ln in enumerate(b1) if " heartbeat " in ln)
@@ -538,7 +538,7 @@ def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
 
 
 def test_render_time_of_a_1mib_log() -> None:
-    data, expected = realistic_dump(1024 * 1024)
+    data, expected = realistic_dump(1024 * 1024, directory=CORPUS)
     t0 = time.perf_counter()
     r = build_report(data, source="1mib.log")
     lines = list(text.render(r))

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,10 @@ from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm.console import SerialPort
 from gce_watchdog.vm.state import SeqAllocator, read_phase, untrusted_dir
 from gce_watchdog.wire import protocol
+from kit.agent import LADDER_ONLY, SHORT_LADDER, agent_config, run_agent
+from kit.events import read_events
 from kit.paths import REPO
+from kit.wait import wait_for
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (the checks are root's)")
 
@@ -105,58 +107,21 @@ def test_a_missing_device_in_an_existing_directory_is_not_created_either(tmp_pat
 
 
 def _config(tmp: Path, sim: SimGCE, state: Path, run: Path) -> Path:
-    assert sim.tcp is not None
-    (tmp / "ttyS0").touch()
-    p = tmp / "config.toml"
-    p.write_text(f"""
-[agent]
-interval = 0.3
-probe_timeout = 0.2
-threshold = 2
-state_dir = "{state}"
-run_dir = "{run}"
-action = "dry-run"
-[metadata]
-url = "{sim.metadata.url}"
-[egress]
-targets = ["127.0.0.1:{sim.tcp.port}"]
-dns_timeout = 0.1
-[actions]
-linger = 0
-dry_run_op = "none"
-[serial]
-device = "{tmp}/ttyS0"
-[watch]
-enabled = false
-[memory]
-enabled = false
-""")
-    return p
-
-
-def _run(cfg: Path, ticks: int = 4) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gce_watchdog",
-            "run",
-            "--config",
-            str(cfg),
-            "--max-ticks",
-            str(ticks),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return agent_config(
+        tmp,
+        sim,
+        {**SHORT_LADDER, "state_dir": str(state), "run_dir": str(run)},
+        actions={"dry_run_op": "none"},
+        **LADDER_ONLY,
     )
 
 
+def _run(cfg: Path, ticks: int = 4) -> subprocess.CompletedProcess[str]:
+    return run_agent(cfg, "--max-ticks", str(ticks))
+
+
 def _events(tmp: Path) -> list[protocol.Event]:
-    evs, stats = protocol.decode_all((tmp / "ttyS0").read_bytes())
-    assert stats.forged == 0
-    return [e for e in evs if e.event != protocol.KEY_EVENT]
+    return read_events(tmp / "ttyS0", forged_ok=False)
 
 
 def _plant_disarm(state: Path) -> None:
@@ -259,15 +224,6 @@ def test_a_planted_lock_link_is_not_truncated_and_the_agent_still_runs(tmp_path:
     assert evs[0].event == "start" and evs[-1].event == "stop"
 
 
-def _wait(pred: Callable[[], bool], timeout: float = 30) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_real_second_agent_is_still_refused_with_75(tmp_path: Path) -> None:
     """The lock still does its job where it can be used."""
     with SimGCE() as sim:
@@ -275,8 +231,8 @@ def test_a_real_second_agent_is_still_refused_with_75(tmp_path: Path) -> None:
         cmd = [sys.executable, "-m", "gce_watchdog", "run", "--config", str(cfg)]
         p = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.DEVNULL)
         try:
-            assert _wait(lambda: (tmp_path / "run" / "agent.lock").exists())
-            assert _wait(lambda: any(e.event == "start" for e in _events(tmp_path)))
+            assert wait_for(lambda: (tmp_path / "run" / "agent.lock").exists())
+            assert wait_for(lambda: any(e.event == "start" for e in _events(tmp_path)))
             r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
             assert r.returncode == 75 and "refusing to run a second ladder" in r.stderr
         finally:

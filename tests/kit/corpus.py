@@ -6,7 +6,6 @@ from __future__ import annotations
 from gce_watchdog.testing.synth import (
     KERNEL_MSG,
     Writer,
-    corpus_dir,
     crlf,
     splice,
     truncate,
@@ -14,11 +13,11 @@ from gce_watchdog.testing.synth import (
 )
 from gce_watchdog.wire.protocol import Event
 
+from kit.paths import CORPUS
+
 
 def file_lines(name: str) -> list[bytes]:
-    d = corpus_dir()
-    assert d is not None
-    return (d / name).read_bytes().splitlines(keepends=True)
+    return (CORPUS / name).read_bytes().splitlines(keepends=True)
 
 
 def weave(console: list[bytes], inserts: dict[int, bytes]) -> bytes:

@@ -11,12 +11,13 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from kit.ports import free_port
 
 START_TIMEOUT_S = 60  # pg_ctl -w waits for the server to accept connections, up to this
 
@@ -44,12 +45,6 @@ def unavailable() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def postgres_server() -> Iterator[str]:
     """Start a server; yield a ``postgresql://`` URL of database ``postgres`` on it."""
@@ -67,7 +62,7 @@ def postgres_server() -> Iterator[str]:
         os.chown(root, pw.pw_uid, pw.pw_gid)
         as_user = ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups"]
         user = "postgres"
-    port = _free_port()
+    port = free_port()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}
     log = root / "server.log"
     started = False

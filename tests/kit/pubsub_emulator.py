@@ -10,13 +10,14 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from kit.ports import free_port
 
 START_TIMEOUT_S = 90  # a JVM start on a loaded 2-core machine
 
@@ -44,19 +45,13 @@ def unavailable() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def pubsub_emulator() -> Iterator[str]:
     """Yield the emulator's ``host:port`` (for PUBSUB_EMULATOR_HOST)."""
     binary = emulator_bin()
     assert binary is not None
     root = Path(tempfile.mkdtemp(prefix="gcewd-pubsub-"))
-    port = _free_port()
+    port = free_port()
     log = root / "emulator.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(

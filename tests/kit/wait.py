@@ -13,4 +13,4 @@ def wait_for(pred: Callable[[], object], timeout: float = 15.0, interval: float 
         if pred():
             return True
         time.sleep(interval)
-    return False
+    return bool(pred())  # one last look: the deadline may have passed while it slept

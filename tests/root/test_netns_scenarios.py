@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 from gce_watchdog.faults import plan as fplan
-from gce_watchdog.wire.protocol import Event, decode_all
+from gce_watchdog.wire.protocol import Event
+from kit.events import read_events
 from kit.netns import PY, VM_ADDR, SimHandle, Topology
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -106,12 +107,7 @@ dry_run_op = "none"
         return self.agent
 
     def events(self) -> list[Event]:
-        if not self.serial.exists():
-            return []
-        evs, stats = decode_all(self.serial.read_bytes())
-        assert stats.rejected == 0, f"rejected lines in {self.serial}"
-        assert stats.forged == 0, f"forged lines in {self.serial}"
-        return [e for e in evs if e.event != "key"]  # the boot's key announcement (seq 0)
+        return read_events(self.serial, forged_ok=False, rejected_ok=False)
 
     def since(self, seq: int) -> list[Event]:
         return [e for e in self.events() if e.seq > seq]

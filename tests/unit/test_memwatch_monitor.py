@@ -14,17 +14,11 @@ from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
-from gce_watchdog.wire.protocol import MAX_LINE, Event, decode_all
+from gce_watchdog.wire.protocol import MAX_LINE, Event
 from gce_watchdog.wire.vocab import pack_fields as _pack
 from kit import fake_pynvml
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from kit.clocks import ManualClock
+from kit.events import sink_events
 
 
 class Host:
@@ -55,7 +49,7 @@ def _cfg(**memory: object) -> cfgmod.Config:
 
 def _monitor(
     tmp_path: Path,
-    clock: FakeClock,
+    clock: ManualClock,
     host: Host,
     gpus: list[fake_pynvml.Device] | None,
     **mem: object,
@@ -82,22 +76,20 @@ def _monitor(
 
 
 def _events(sink: MemorySink) -> list[Event]:
-    events, stats = decode_all(("\n".join(sink.lines) + "\n").encode(), pin=SYNTH_KEY.public)
-    assert stats.rejected == 0 and stats.forged == 0
     assert all(len(line) <= MAX_LINE for line in sink.lines)
-    return [e for e in events if e.event != "key"]
+    return sink_events(sink)
 
 
-def _run(mon: MemoryMonitor, clock: FakeClock, n: int, each: object = None) -> None:
+def _run(mon: MemoryMonitor, clock: ManualClock, n: int, each: object = None) -> None:
     for i in range(n):
         if callable(each):
             each(i)
         mon.tick()
-        clock.now += 30.0
+        clock.advance(30.0)
 
 
 def test_no_gpu_one_line_saying_why_then_flat_host_is_quiet(tmp_path: Path) -> None:
-    clock, host = FakeClock(), Host()
+    clock, host = ManualClock(), Host()
     mon, sink, _ = _monitor(tmp_path, clock, host, None)
     mon.open()
     _run(mon, clock, 100)  # 50 min
@@ -116,7 +108,7 @@ def test_no_gpu_one_line_saying_why_then_flat_host_is_quiet(tmp_path: Path) -> N
 
 
 def test_gpu_climb_then_ok(tmp_path: Path) -> None:
-    clock, host = FakeClock(), Host()
+    clock, host = ManualClock(), Host()
     devs = [
         fake_pynvml.Device("NVIDIA L4", 24 * GIB, 2 * GIB),
         fake_pynvml.Device("NVIDIA L4", 24 * GIB, 2 * GIB),
@@ -153,7 +145,7 @@ def test_gpu_climb_then_ok(tmp_path: Path) -> None:
 
 
 def test_warmup_samples_are_not_judged(tmp_path: Path) -> None:
-    clock, host = FakeClock(), Host()
+    clock, host = ManualClock(), Host()
     mon, _, _ = _monitor(tmp_path, clock, host, None, warmup=600.0)
     mon.open()
     _run(mon, clock, 20, lambda i: setattr(host, "used", 8 * GIB + i * 0.5 * GIB))  # 10 min
@@ -163,7 +155,7 @@ def test_warmup_samples_are_not_judged(tmp_path: Path) -> None:
 
 
 def test_host_climb_names_top_process_and_runs_opt_in_command(tmp_path: Path) -> None:
-    clock, host = FakeClock(), Host()
+    clock, host = ManualClock(), Host()
     mon, sink, calls = _monitor(
         tmp_path, clock, host, [], on_climb="command", climb_command=["/usr/bin/true", "x"]
     )
@@ -184,7 +176,7 @@ def test_host_climb_names_top_process_and_runs_opt_in_command(tmp_path: Path) ->
 
 
 def test_lost_gpu_is_one_line_and_recovery_another(tmp_path: Path) -> None:
-    clock, host = FakeClock(), Host()
+    clock, host = ManualClock(), Host()
     devs = [fake_pynvml.Device("NVIDIA A100-SXM4-80GB", 80 * GIB, 10 * GIB)]
     mon, sink, _ = _monitor(tmp_path, clock, host, devs)
     mon.open()
@@ -199,7 +191,7 @@ def test_lost_gpu_is_one_line_and_recovery_another(tmp_path: Path) -> None:
 
 
 def test_mem_lines_split_for_sixteen_gpus(tmp_path: Path) -> None:
-    clock, host = FakeClock(), Host()
+    clock, host = ManualClock(), Host()
     devs = [fake_pynvml.Device("NVIDIA A100-SXM4-40GB", 40 * GIB, 39 * GIB) for _ in range(16)]
     mon, sink, _ = _monitor(tmp_path, clock, host, devs)
     mon.open()
@@ -217,7 +209,7 @@ def test_pack_never_exceeds_line_budget() -> None:
 
 
 def test_disabled_monitor_does_not_start(tmp_path: Path) -> None:
-    clock, host = FakeClock(), Host()
+    clock, host = ManualClock(), Host()
     mon, sink, _ = _monitor(tmp_path, clock, host, None, enabled=False)
     mon.start()
     assert mon.stop(1.0) is True
@@ -227,7 +219,7 @@ def test_disabled_monitor_does_not_start(tmp_path: Path) -> None:
 def test_thread_start_stop_is_bounded(tmp_path: Path) -> None:
     # Real thread, real time, tiny period: poll for the first sample with a deadline.
     host = Host()
-    mon, _sink, _ = _monitor(tmp_path, FakeClock(), host, None, period=0.05)
+    mon, _sink, _ = _monitor(tmp_path, ManualClock(), host, None, period=0.05)
     mon = MemoryMonitor.from_config(
         _cfg(period=0.05), mon.emitter, time.monotonic, host=host, top=_top, gpu=mon._gpu
     )
@@ -254,7 +246,7 @@ def test_a_failing_reader_does_not_kill_the_thread(tmp_path: Path) -> None:
             raise OSError("proc read failed")
         return Host()()
 
-    mon0, _, _ = _monitor(tmp_path, FakeClock(), Host(), None)
+    mon0, _, _ = _monitor(tmp_path, ManualClock(), Host(), None)
     mon = MemoryMonitor.from_config(
         _cfg(period=0.02), mon0.emitter, host=flaky, top=_top, gpu=mon0._gpu
     )
@@ -272,7 +264,7 @@ def test_climb_that_wobbles_is_one_climb_line(tmp_path: Path) -> None:
     from gce_watchdog.memory.detector import ClimbVerdict, Status
     from gce_watchdog.memory.monitor import OK_AFTER
 
-    mon, sink, _ = _monitor(tmp_path, FakeClock(), Host(), None)
+    mon, sink, _ = _monitor(tmp_path, ManualClock(), Host(), None)
     climb = ClimbVerdict(Status.CLIMB, 40, "c", range_bytes=2 * GIB, slope_bytes_per_s=1e6)
     other = ClimbVerdict(Status.UNSTABLE, 40, "u", range_bytes=2 * GIB)
     # climb, then below the significance level for fewer than OK_AFTER periods, then climb again

@@ -28,6 +28,7 @@ from kit.prom import Series, parse_prom
 
 # -- a strict parser for the text exposition format (0.0.4) ---------------------------------------
 
+
 def val(series: Series, name: str, **labels: str) -> float:
     return series[(f"gce_watchdog_{name}", frozenset(labels.items()))]
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import time
 from pathlib import Path
 
+import pytest
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 from gce_watchdog.testing.synth import (
+    CORPUS_ENV,
     KERNEL_MSG,
     SYNTH_KEY,
     Writer,
@@ -24,13 +25,13 @@ from gce_watchdog.wire.protocol import Event, decode_all, decode_line, encode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kit.corpus import file_lines, scenario_one_boot_with_damage, weave
-from kit.paths import CORPUS, REPO
+from kit.paths import CORPUS
 
 
 def test_the_corpus_is_vendored_with_its_sources() -> None:
     """A clean clone holds the real corpus: no test may skip for want of it."""
-    assert corpus_dir() == CORPUS
-    files = corpus_files()
+    assert corpus_dir(CORPUS) == CORPUS
+    files = corpus_files(CORPUS)
     assert len(files) == 10
     assert sum(f.stat().st_size for f in files) > 1_000_000
     sources = (CORPUS / "SOURCES.md").read_text()
@@ -39,8 +40,21 @@ def test_the_corpus_is_vendored_with_its_sources() -> None:
     assert b"\r\n" in (CORPUS / "debian11-workbench-notebook-boot-ok.log").read_bytes()
 
 
+def test_the_kit_finds_no_corpus_by_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gce_watchdog.testing ships in the wheel: it never reaches into a checkout's tests/data.
+    The caller names the corpus (or $GCE_WATCHDOG_SERIAL_CORPUS does)."""
+    monkeypatch.delenv(CORPUS_ENV, raising=False)
+    assert corpus_dir() is None
+    assert corpus_dir(tmp_path) is None  # a directory without dumps is no corpus
+    (tmp_path / "a.log").write_bytes(b"console\n")
+    monkeypatch.setenv(CORPUS_ENV, str(tmp_path))
+    assert corpus_dir(CORPUS) == tmp_path  # the variable wins over the caller's default
+    with pytest.raises(FileNotFoundError, match="no serial corpus"):
+        realistic_dump(1024, directory=tmp_path / "missing")
+
+
 def test_nothing_in_the_real_corpus_decodes_as_ours() -> None:
-    files = corpus_files()
+    files = corpus_files(CORPUS)
     assert len(files) >= 5
     for p in files:
         events, stats = decode_all(p.read_bytes())
@@ -129,7 +143,7 @@ def test_silent_workload_is_a_wedge_only_after_the_drain_timeout() -> None:
 
 
 def test_realistic_dump_builder_is_decoded_exactly() -> None:
-    data, expected = realistic_dump(256 * 1024)
+    data, expected = realistic_dump(256 * 1024, directory=CORPUS)
     assert 256 * 1024 - 300 < len(data) <= 256 * 1024
     events, stats = decode_all(data)
     assert events == expected
@@ -141,7 +155,7 @@ def test_realistic_dump_builder_is_decoded_exactly() -> None:
 
 
 def _small_realistic() -> tuple[bytes, list[Event]]:
-    lines = corpus_lines()[:400]
+    lines = corpus_lines(CORPUS)[:400]
     w = Writer(boot="dddd0004", step_ms=1000)
     ins = {i: w.line("tick", {"rung": f"{i % 10}/10", "ph": "workload"}) for i in range(0, 400, 9)}
     ins[126] = splice(ins[126])
@@ -220,7 +234,6 @@ def test_fuzz_decoder_no_exception_no_false_event() -> None:
     known = set(originals)
     n = 100_000
     accepted = rejected = 0
-    t0 = time.monotonic()
     for _ in range(n):
         raw = _mutate(rng, rng.choice(pool), pool)
         if rng.random() < 0.3:  # sometimes mutate twice
@@ -234,10 +247,8 @@ def test_fuzz_decoder_no_exception_no_false_event() -> None:
             accepted += 1
         elif res is not None:
             rejected += 1
-    elapsed = time.monotonic() - t0
     # (v3 lines are ~100 bytes longer than v2: more mutations land in them, fewer stay whole)
     assert accepted > 300 and rejected > 10_000  # the mix exercises both paths
-    assert elapsed < 30, f"fuzz took {elapsed:.1f}s"
 
 
 def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
@@ -252,21 +263,6 @@ def test_fuzz_stream_decoder_on_concatenated_garbage() -> None:
     events, _ = decode_all(blob, pin=SYNTH_KEY.public)
     known = set(originals)
     assert events and all(encode(e, SYNTH_KEY) in known for e in events)
-
-
-def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
-    import importlib.util
-
-    path = REPO / "bench" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    out = tmp_path / "r" / "decode.json"
-    assert mod.main([str(out), "--size", "65536", "--repeats", "1"]) == 0
-    res = json.loads(out.read_text())
-    assert res["bytes"] == 65536 and res["grep_count"] == res["marker_lines"] > 0
-    assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0
 
 
 def test_compaction_keeps_the_first_terminal_event_behind_a_long_tail() -> None:

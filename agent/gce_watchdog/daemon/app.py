@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.actions import ActionChain
@@ -60,6 +61,9 @@ from gce_watchdog.vm.platform import arming, detect
 from gce_watchdog.vm.runtime import load_config_or_exit, open_console
 from gce_watchdog.vm.state import read_boot_id, read_phase, untrusted_dir
 from gce_watchdog.wire import vocab
+
+if TYPE_CHECKING:
+    from gce_watchdog.memory.samplers import GpuSampler
 
 
 def run(config_path: str | None, max_ticks: int | None) -> int:
@@ -226,6 +230,19 @@ def platform_line(agent: cfgmod.AgentSection) -> tuple[bool, str]:
     return False, f"platform: {why_not}"
 
 
+def gpu_line(sampler: GpuSampler | None = None) -> tuple[bool, str]:
+    """Whether GPU memory gauges are available here (NVML through nvidia-ml-py), and why not."""
+    from gce_watchdog.memory.samplers import GpuSampler
+
+    sampler = sampler if sampler is not None else GpuSampler()
+    try:
+        present = sampler.open()
+        names = ", ".join(sampler.names)
+        return present, sampler.reason + (f" ({names})" if present and names else "")
+    finally:
+        sampler.close()
+
+
 NPD_OK, NPD_NONOK, NPD_UNKNOWN = 0, 1, 2  # node-problem-detector's custom plugin statuses
 
 
@@ -276,6 +293,7 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
         Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
     )
     rung = st.load(cfg.agent.threshold).rung
+    gpu = gpu_line()
     cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
     if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
         verdict, rc, npd = "healthy", 0, NPD_OK
@@ -317,6 +335,7 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
             "threshold": cfg.agent.threshold,
             "ladder_file": str(st.path),
             "platform": platform_line(cfg.agent)[1],
+            "gpu": {"present": gpu[0], "reason": gpu[1]},
         }
         print(json.dumps(out, sort_keys=True))
         return rc
@@ -339,6 +358,7 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
         print(f"line key: {problem}")
     gce, line = platform_line(cfg.agent)
     print(line)
+    print(f"gpu: {gpu[1]}" if gpu[0] else f"gpu: no GPU ({gpu[1]}): GPU memory gauges absent")
     if res.metadata.verdict is not ProbeVerdict.OK:
         hint = "" if gce else ": outside GCE there is none"
         print(

@@ -1,4 +1,6 @@
-"""A test kit, like structlog.testing: the fake GCE, the fake Compute API, dumps and the demo.
+"""A public test kit, like structlog.testing: the fake GCE (simgce), the fake Compute API
+(simcompute), realistic serial dumps (synth) and the demo (docs/architecture.md, "The test kit").
 
-No product module imports this package (enforced by import-linter).
+It reads nothing outside the package: synth's corpus readers take the corpus's directory from the
+caller. No product module imports this package (enforced by import-linter).
 """

@@ -1,9 +1,14 @@
 """Realistic serial dumps for tests, the e2e test and the benchmarks.
 
-Real GCE serial output (the repository's ``tests/data/serial-corpus``: kernel, systemd, guest
-agent, start-up script lines, CRLF endings, ANSI escapes) interleaved with our protocol lines,
-plus the damage a real console does to them. Every builder returns the bytes and the events a
-correct decoder must return, so tests can compare exactly.
+Real GCE serial output (a corpus of console dumps: kernel, systemd, guest agent, start-up script
+lines, CRLF endings, ANSI escapes) interleaved with our protocol lines, plus the damage a real
+console does to them. Every builder returns the bytes and the events a correct decoder must
+return, so tests can compare exactly.
+
+The package ships no corpus and never looks outside itself for one: the caller names the
+directory (the repository vendors one in ``tests/data/serial-corpus``, with its SOURCES.md;
+``$GCE_WATCHDOG_SERIAL_CORPUS`` names one for ``corpus_dir``). The line builders (``Writer``,
+``crlf``, ``splice``...) need no corpus.
 """
 
 from __future__ import annotations
@@ -23,9 +28,7 @@ from gce_watchdog.wire.protocol import (
     needs_announcement,
 )
 
-# The corpus is vendored in the repository (tests/data/serial-corpus, with its SOURCES.md); an
-# installed wheel has no tests/, so there GCE_WATCHDOG_SERIAL_CORPUS names it.
-DEFAULT_CORPUS = Path(__file__).resolve().parents[3] / "tests" / "data" / "serial-corpus"
+CORPUS_ENV = "GCE_WATCHDOG_SERIAL_CORPUS"
 KERNEL_MSG = b'[  123.456789] audit: type=1400 audit(1700000000.123:42): apparmor="DENIED"'
 T0_MS = 1_764_475_094_000  # 2025-11-30T03:58:14Z: a fixed, realistic start time
 # The line key of synthetic dumps (a real instance's key is random, see vm/state.py).
@@ -33,19 +36,20 @@ SYNTH_SEED = bytes(range(32))
 SYNTH_KEY = LineKey(SYNTH_SEED)
 
 
-def corpus_dir() -> Path | None:
-    """The corpus directory (``GCE_WATCHDOG_SERIAL_CORPUS`` overrides), or None if absent."""
-    env = os.environ.get("GCE_WATCHDOG_SERIAL_CORPUS")
-    d = Path(env) if env else DEFAULT_CORPUS
-    return d if d.is_dir() and any(d.glob("*.log")) else None
+def corpus_dir(default: Path | None = None) -> Path | None:
+    """The corpus directory: ``$GCE_WATCHDOG_SERIAL_CORPUS`` if set, else ``default``; None when
+    that is not a directory holding ``*.log`` files."""
+    env = os.environ.get(CORPUS_ENV)
+    d = Path(env) if env else default
+    return d if d is not None and d.is_dir() and any(d.glob("*.log")) else None
 
 
-def corpus_files(directory: Path | None = None) -> list[Path]:
-    d = directory or corpus_dir()
-    return sorted(d.glob("*.log")) if d else []
+def corpus_files(directory: Path) -> list[Path]:
+    """The corpus's dumps (``*.log`` in ``directory``), sorted; none when it is absent."""
+    return sorted(directory.glob("*.log")) if directory.is_dir() else []
 
 
-def corpus_lines(directory: Path | None = None) -> list[bytes]:
+def corpus_lines(directory: Path) -> list[bytes]:
     """Every line of every corpus file, line endings kept (CRLF stays CRLF)."""
     out: list[bytes] = []
     for p in corpus_files(directory):
@@ -145,16 +149,17 @@ def interleave(console: list[bytes], ours: list[bytes], every: int) -> bytes:
 
 
 def realistic_dump(
-    size: int = 1024 * 1024, every: int = 20, directory: Path | None = None
+    size: int = 1024 * 1024, every: int = 20, *, directory: Path
 ) -> tuple[bytes, list[Event]]:
     """About ``size`` bytes of corpus output with one of our lines per ``every`` console lines.
 
     The events are heartbeats and ticks of a healthy-then-degrading agent. Returns the dump and
-    the events a correct decoder yields (in order). Raises FileNotFoundError without a corpus.
+    the events a correct decoder yields (in order). Raises FileNotFoundError when ``directory``
+    holds no corpus.
     """
     console = corpus_lines(directory)
     if not console:
-        raise FileNotFoundError("serial corpus not found (set GCE_WATCHDOG_SERIAL_CORPUS)")
+        raise FileNotFoundError(f"no serial corpus (*.log) in {directory}")
     w = Writer()
     out = bytearray()
     inst = "4000000000000000001"

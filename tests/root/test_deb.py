@@ -1,11 +1,12 @@
 """``make deb``'s package, built by packaging/build-deb.sh (issue 17 item 6): its name and
-contents, the maintainer scripts, lintian (no errors), and two builds giving the same bytes.
-Installing it on a fresh Debian 12 tree and removing it: tests/e2e/test_deb_chroot.py; in the VM:
-the wedge scenario."""
+contents, the maintainer scripts, lintian (no errors), and two builds giving the same bytes; here
+the Debian 12 build (the Debian 13 one, and installing both with apt in fresh trees:
+tests/root/test_deb_releases.py; in the VM: the wedge scenario)."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import tomllib
@@ -15,7 +16,8 @@ import pytest
 from kit.paths import REPO
 
 BUILD = REPO / "packaging" / "build-deb.sh"
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+UPSTREAM = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+VERSION = f"{UPSTREAM}-1~deb12u1"  # the bookworm build (build-deb.sh's default release)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -23,10 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def _usable() -> str | None:
     if shutil.which("dpkg-deb") is None:
         return "dpkg-deb missing"
-    p = subprocess.run(["/usr/bin/python3", "-c", "import sys; print(sys.version_info[:2])"],
-                       capture_output=True, text=True, check=False)  # fmt: skip
-    if p.stdout.strip() != "(3, 11)":
-        return "the package is built from Debian 12's /usr/bin/python3 (3.11)"
+    if os.geteuid() != 0:
+        return "build-deb.sh builds in a debootstrap tree of the release (root: chroot)"
+    cached = (REPO / "build/cache/debroot/bookworm-base.tar").exists()
+    if not cached and shutil.which("debootstrap") is None:
+        return "debootstrap missing and no cached tree (build/cache/debroot)"
     return None
 
 
@@ -68,7 +71,9 @@ def test_name_and_control(debs: tuple[Path, Path]) -> None:
     assert deb_field(deb, "Package") == "gce-watchdog"
     assert deb_field(deb, "Version") == VERSION
     assert deb_field(deb, "Architecture") == "amd64"
-    assert "python3 (>= 3.11)" in deb_field(deb, "Depends")
+    assert "python3 (>= 3.11), python3 (<< 3.12)" in deb_field(deb, "Depends")
+    maint = deb_field(deb, "Maintainer")
+    assert maint == "gce-watchdog maintainers <maintainers@gce-watchdog.invalid>", maint
 
 
 def test_contents_venv_unit_config(debs: tuple[Path, Path]) -> None:
@@ -80,13 +85,15 @@ def test_contents_venv_unit_config(debs: tuple[Path, Path]) -> None:
         "etc/gce-watchdog/config.toml",
         "usr/bin/gce-watchdog",
         "usr/share/doc/gce-watchdog/copyright",
-        "usr/share/doc/gce-watchdog/changelog.gz",
+        "usr/share/doc/gce-watchdog/changelog.Debian.gz",
         "usr/share/gce-watchdog/startup-script.sh",
     ):
         assert path in files, path
     site = "opt/gce-watchdog/lib/python3.11/site-packages/"
     for dep in ("gce_watchdog/", "dns/", "psutil/", "tenacity/", "structlog/", "google/auth/"):
         assert site + dep in files, dep
+    assert site + "pynvml.py" in files, "nvidia-ml-py (GPU gauges) is in the package"
+    assert "opt/gce-watchdog/.gitignore" not in files
     assert not [p for p in files if "__pycache__" in p or p.endswith(".pyc")]
     assert not [p for p in files if p.endswith("direct_url.json")]
 
@@ -113,6 +120,8 @@ def test_venv_names_no_build_path_and_runs_here(debs: tuple[Path, Path], tmp_pat
     assert (bin_ / "gce-watchdog").read_text().startswith("#!/opt/gce-watchdog/bin/python\n")
     assert "/tmp" not in (x / "opt/gce-watchdog/pyvenv.cfg").read_text()
     # The packaged code itself imports and runs on this (Debian 12) python3.
+    if not Path("/usr/lib/python3.11").is_dir():
+        pytest.skip("this host's python3 is not Debian 12's 3.11")
     site = next((x / "opt/gce-watchdog/lib").glob("python3.11/site-packages"))
     p = subprocess.run(["/usr/bin/python3", "-I", "-c",
                         f"import sys; sys.path.insert(0, {str(site)!r}); "
@@ -151,9 +160,50 @@ def test_lock_pins_every_runtime_dependency_by_hash() -> None:
     pins = {}
     for line in lock:
         if line and not line.startswith("#"):
-            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+) --hash=sha256:([0-9a-f]{64})", line)
+            # One hash per wheel: a compiled dependency has one for each Python of the lock.
+            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)((?: --hash=sha256:[0-9a-f]{64})+)", line)
             assert m, f"not a hash-pinned line: {line}"
             pins[m[1].lower().replace("_", "-")] = m[2]
-    for dep in meta["dependencies"]:
+    assert "# python: 3.11 3.12 3.13" in lock
+    for dep in meta["dependencies"] + meta["optional-dependencies"]["gpu"]:
         name = re.split(r"[\[<>=!~; ]", dep, maxsplit=1)[0].lower().replace("_", "-")
         assert name in pins, f"{name} ({dep}) is not in requirements.lock: run packaging/lock.sh"
+
+
+def _pins(lock: Path) -> dict[str, str]:
+    import re
+
+    pins = {}
+    for line in lock.read_text().splitlines():
+        if line and not line.startswith("#"):
+            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)((?: --hash=sha256:[0-9a-f]{64})+)", line)
+            assert m, f"{lock.name}: not a hash-pinned line: {line}"
+            pins[m[1].lower().replace("_", "-")] = m[2]
+    return pins
+
+
+def test_poller_lock_pins_the_operator_side_and_the_agent_the_same() -> None:
+    """report --png (matplotlib), the PostgreSQL ledger (psycopg), Pub/Sub: pinned for the
+    container, every dependency the agent shares at the agent's lock's version."""
+    poller = _pins(REPO / "packaging/requirements-poller.lock")
+    agent = _pins(REPO / "packaging/requirements.lock")
+    for name in ("matplotlib", "psycopg", "psycopg-binary", "google-cloud-pubsub", "grpcio"):
+        assert name in poller, name
+    shared = {k: v for k, v in agent.items() if k != "nvidia-ml-py"}
+    assert {k: poller.get(k) for k in shared} == shared, "run packaging/lock.sh"
+    assert set(_pins(REPO / "packaging/requirements-build.lock")) >= {"setuptools", "wheel"}
+
+
+def test_dockerfile_installs_only_hash_pinned_wheels() -> None:
+    import re
+
+    text = (REPO / "Dockerfile").read_text()
+    runs = re.sub(r"\\\n", " ", text)
+    installs = [ln for ln in runs.splitlines() if re.search(r"\bpip\b.*\binstall\b", ln)]
+    assert installs, "the Dockerfile installs the poller with pip"
+    for ln in installs:
+        for cmd in ln.split("&&"):
+            if re.search(r"\bpip\b.*\binstall\b", cmd):
+                pinned = "--require-hashes" in cmd and "--only-binary=:all:" in cmd
+                local = "--no-deps" in cmd and "--no-index" in cmd
+                assert pinned or local, f"an unpinned install: {cmd.strip()}"
