@@ -322,6 +322,15 @@ class Timeline:
                 kind=VerdictKind.UNKNOWN,
                 reason=f"ALARM: {alarm}; silence not judged: {v.reason}",
             )
+        elif alarm and v.failover and self.pin is None:
+            # Lines of ours are there but no key can be placed (a late reader, an instance that
+            # ran before its poller): not acting is the one safe answer, whatever the status
+            # says (a finished job's VM is TERMINATED too). Pin by hand to decide again.
+            v = replace(
+                v,
+                kind=VerdictKind.UNKNOWN,
+                reason=f"ALARM: {alarm}; not acted on without a pin: {v.reason}",
+            )
         elif alarm:
             v = replace(v, reason=f"ALARM: {alarm}; {v.reason}")
         return v
