@@ -1,26 +1,29 @@
-"""Serial-line protocol v2: the public contract between the agent (encode) and the poller (decode).
+"""Serial-line protocol v3: the public contract between the agent (encode) and the poller (decode).
 
 A line looks like::
 
-    GCEWD2 3f2a9c1e 42 2026-11-30T04:18:14.123Z tick rung=3/10 md=fail eg=fail \
-        | BOTH reachability probes FAILED (3/10) #1a2b3c4d0f1e2d3c4b5a6978
+    GCEWD3 3f2a9c1e 42 2026-11-30T04:18:14.123Z tick rung=3/10 md=fail eg=fail \
+        | BOTH reachability probes FAILED (3/10) #<86 base64url: Ed25519 signature><8 hex: CRC>
 
 (one line on the wire; wrapped here).
 
-- ``GCEWD2``: marker and protocol version; a substring scan finds it anywhere in a console line.
+- ``GCEWD3``: marker and protocol version; a substring scan finds it anywhere in a console line.
 - boot: the first 8 hex digits of the kernel boot id (a new boot is a new incarnation of the VM).
 - seq: per-boot sequence number, +1 per line across every writer on the VM.
 - ts: UTC, millisecond precision (the guest's clock: shown, never used to measure silence).
 - event: ``[a-z][a-z0-9_]*``.
 - fields: ``key=value``; keys ``[a-z][a-z0-9_]*``, values from a safe token alphabet (no spaces).
 - text: optional human-readable trailer after `` | `` (printable ASCII, no ``#``).
-- ``#<crc><mac>``: CRC-32 (8 hex) of every byte from the marker up to the space before ``#``
-  (damage: anyone can compute it), then HMAC-SHA256 of the same bytes under the instance's
-  secret key, truncated to 8 bytes (16 hex): authenticity, which only root on the VM can produce.
+- ``#<sig><crc>``: the Ed25519 signature (PyNaCl/libsodium) of every byte from the marker up to
+  the space before ``#``, under the instance's private key (only root on the VM holds it), then
+  the CRC-32 of everything from the marker through the signature (damage, which anyone can
+  compute).
 
-The key is announced once per boot, as that boot's seq 0, by a ``key`` line whose own MAC is
-made with the key it announces. Readers pin the first key they see for an instance; a line whose
-MAC does not verify under the pinned key is **forged**: counted, shown, never decides.
+The announcement (``key pk=<public key> inst=<instance id> [eph=1]``, self-signed) takes seq 0 and
+1 of every boot and every multiple of ANNOUNCE_EVERY. Readers pin a key only from the first line of
+the instance's first boot read from byte 0, or by hand (the ledger keeps pins); a line that does
+not verify under the pin is **forged**: counted, shown, never decides. v2 (HMAC) and v1 (CRC)
+lines never decide once a v3 pin exists (docs/serial-protocol.md, "Upgrade from v2").
 
 The whole line is ASCII and at most :data:`MAX_LINE` bytes. A line whose CRC does not match
 (spliced with kernel output, truncated, bit-flipped) is rejected and counted, never misread.
