@@ -422,3 +422,42 @@ def test_forged_lines_written_by_nobody_change_nothing(open_dir: Path) -> None:
     assert tl.forged == 75 and len(tl.unplaced) == 1  # 74 forged lines and one forged key
     assert v.reason.startswith("ALARM")
     assert [e.event for e in tl.events] == ["key", "key", "phase", "setup_failed"]
+
+
+def test_upgrade_pollers_first_v2_lines_then_the_v3_agent() -> None:
+    """docs/serial-protocol.md, "Upgrade from v2": a v3 reader keeps verifying a v2 instance's
+    lines under the v2 key it held before the upgrade (the cursor's), takes no new v2 key from
+    the console, and once the instance speaks v3 and is pinned its v2 lines never decide."""
+    v2_key = bytes(range(100, 132))
+    v2 = [
+        protocol.key_line_v2("aaaa0001", 0, 0, v2_key),
+        protocol.encode_v2(
+            protocol.make_event("phase", "aaaa0001", 1, 0, {"ph": "workload"}), v2_key
+        ),
+        protocol.encode_v2(
+            protocol.make_event("shutdown", "aaaa0001", 2, 0, {"reason": "ladder"}), v2_key
+        ),
+    ]
+    data = "".join(x + "\n" for x in v2).encode()
+    held = Timeline(v2_key, from_start=False)  # a cursor of before the upgrade: its v2 key
+    held.feed(data, 10.0)
+    assert [e.event for e in held.events] == ["key", "phase", "shutdown"] and held.forged == 0
+    assert held.judge(OFF, 20.0, POL).kind is VerdictKind.SELF_SHUTDOWN
+    fresh = parse_bytes(data, rx=10.0)  # no v2 key held: v2 is never pinned from the console
+    assert fresh.events == [] and fresh.forged_reasons == {Forgery.V2: 3}
+    assert not fresh.judge(OFF, 20.0, POL).failover  # an alarm, not a decision (no pin)
+    # the agent is upgraded in place: v3 lines after v2 ones cannot be placed (no_pin) until an
+    # operator pins by hand; with the hand pin, the v3 key decides and v2 lines are forged
+    w = Writer(boot="bbbb0002", ts_ms=10**12)
+    v3 = w.line("phase", {"ph": "workload"}) + w.line("exit", {"rc": 0, "sig": "-"})
+    late = parse_bytes(data + v3, rx=10.0)
+    assert late.pin is None and "no_pin" in late.key_alarm
+    hand = parse_bytes(data + v3, rx=10.0, pin_fp=SYNTH_KEY.fingerprint)
+    assert hand.pin == SYNTH_KEY.public and hand.pinned_here
+    assert [e.event for e in hand.events] == ["key", "key", "phase", "exit"]
+    replay = protocol.encode_v2(
+        protocol.make_event("exit", "bbbb0002", 9, 10**12, {"rc": 1}), v2_key
+    )
+    hand.feed(replay.encode() + b"\n", 11.0)
+    assert hand.forged_reasons.get(Forgery.V2, 0) == 4  # the v2 key read back speaks for nobody
+    assert hand.judge(OFF, 20.0, POL).kind is VerdictKind.WORKLOAD_OK

@@ -266,7 +266,9 @@ class Timeline:
     def key_alarm(self) -> str:
         """Why an operator must look at this instance's keys ("" when nothing is wrong)."""
         parts = []
-        if self.pin is None and (self.unplaced or self.forged_reasons.get(Forgery.NO_KEY)):
+        reasons = self.forged_reasons
+        unverified = reasons.get(Forgery.NO_KEY) or reasons.get(Forgery.V2)
+        if self.pin is None and self.key is None and (self.unplaced or unverified):
             fps = ",".join(self.unplaced) or "-"
             parts.append(f"no_pin (announced {fps}; `gce-watchdog pin` after checking the VM)")
         elif self.unplaced:
