@@ -1,12 +1,17 @@
 """Judge an e2e serial log as the poller does: through the fake Compute API and the real poller.
 
 :class:`LivePoller` is handed to :func:`e2e.vm.run` as its ``watch``: while the VM runs, the new
-serial bytes go to :class:`testing.simcompute.FakeComputeAPI` (real HTTP, ``getSerialPortOutput``
-semantics, status RUNNING) and :class:`poller.poller.Poller` polls every ``every`` seconds,
-deciding and claiming in a real SQLite ledger, as the central poller would (reads land wherever the
-file happens to end, often inside a line). When qemu has exited the instance becomes TERMINATED
-and three more looks follow: the final poll, the same poller again, and a second poller with a
-fresh cursor sharing the ledger: a FAILOVER must be claimed exactly once.
+serial bytes go to :class:`testing.simcompute.FakeComputeAPI` in its faithful mode (serial output
+only while RUNNING, as GCE serves it) and :class:`poller.poller.Poller` polls every ``every``
+seconds with ``reap``, deciding and claiming in a real SQLite ledger, as the central poller would
+(reads land wherever the file happens to end, often inside a line). When qemu has exited, the
+guest powered itself off: the fake records ``compute.instances.guestTerminate`` and the VM is
+TERMINATED, and **nothing written after the last live read reaches the poller** (the agent's
+linger exists so that the terminal line is read while the VM runs). Three more looks follow: the
+final poll, the same poller again, and a second poller with a fresh cursor sharing the ledger: a
+FAILOVER must be claimed exactly once. ``preempt_on``: GCE preempts the (Spot) VM at the first
+look whose serial output contains these bytes (the fake records ``compute.instances.preempted``;
+the guest, which is not told, writes on unread).
 """
 
 from __future__ import annotations
@@ -55,10 +60,18 @@ class LivePoller:
         workdir: Path,
         every: float = POLL_EVERY,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        spot: bool = False,
+        preempt_on: bytes | None = None,
+        reap: bool = True,
     ) -> None:
         self.workdir = workdir
         self.every = every
         self.clock = clock
+        self.spot = spot
+        self.preempt_on = preempt_on
+        self.reap = reap
+        self.preempted = False
         self.during: list[PollOutcome] = []
         self._sent = 0
         self._last = float("-inf")
@@ -72,8 +85,8 @@ class LivePoller:
         # into this one, and the poller would rightly decide for both boots.
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
-        self.api = self._stack.enter_context(FakeComputeAPI(token=TOKEN))
-        self.api.add_instance(NAME, project=PROJECT, zone=ZONE)
+        self.api = self._stack.enter_context(FakeComputeAPI(token=TOKEN, serial_needs_running=True))
+        self.api.add_instance(NAME, project=PROJECT, zone=ZONE, spot=self.spot)
         self.ledger = self._stack.enter_context(Ledger(self.workdir / "ledger.sqlite", "e2e"))
         creds = Credentials(TOKEN)  # type: ignore[no-untyped-call]
         self.client = ComputeClient.create(creds, api_base=self.api.base_url)
@@ -86,7 +99,7 @@ class LivePoller:
 
     def _poller(self, cursors: str) -> Poller:
         store = CursorStore(self.workdir / cursors)
-        return Poller(self.client, store, PROJECT, ZONE, self.ledger, Policy())
+        return Poller(self.client, store, PROJECT, ZONE, self.ledger, Policy(), reap=self.reap)
 
     def _append(self, data: bytes) -> None:
         if len(data) > self._sent:
@@ -99,13 +112,21 @@ class LivePoller:
         if now - self._last < self.every:
             return
         self._last = now
-        self._append(data)
+        if self.preempt_on is not None and self.preempt_on in data and not self.preempted:
+            self.preempted = True
+            self.api.preempt(NAME)
+        if not self.preempted:  # the guest keeps writing, but GCE took the VM back
+            self._append(data)
         self.during.append(self.poller.poll(NAME))
 
     def finish(self, data: bytes, status: str = "TERMINATED") -> PollRun:
-        """The VM is off: the rest of the log, the final status, then the three last looks."""
-        self._append(data)
-        self.api.set_status(NAME, status)
+        """The VM is off (``TERMINATED``: the guest powered itself off) or still running
+        (``RUNNING``: the harness timed out and killed qemu), then the three last looks.
+        Bytes written after the last live read are served only to a RUNNING VM."""
+        if status == "RUNNING":
+            self._append(data)
+        elif not self.preempted:
+            self.api.guest_shutdown(NAME)
         final = self.poller.poll(NAME)
         again = self.poller.poll(NAME)
         other = self._poller("cursors-b").poll(NAME)

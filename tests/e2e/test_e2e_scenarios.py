@@ -13,6 +13,7 @@ cursors and ledger).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -66,7 +67,9 @@ def spec(name: str, workload: list[str] | None, *, deb: bool = False, **kw: obje
             "gce-watchdog-wheel-url": vm.WHEEL_URL,
             "gce-watchdog-wheel-sha256": vm.sha256_of(vm.WWW_DIR, "wheelhouse.tar"),
         }
-    attrs = {**src, "gce-watchdog-done-action": "poweroff"}
+    # The linger of the end-of-life chain, with or without the agent (CONFIG's actions.linger):
+    # three reads of the 2 s live poller while the VM is RUNNING.
+    attrs = {**src, "gce-watchdog-done-action": "poweroff", "gce-watchdog-linger": "6s"}
     if workload is not None:
         attrs["gce-watchdog-workload"] = json.dumps(workload)
     return vm.VmSpec(
@@ -79,10 +82,13 @@ def spec(name: str, workload: list[str] | None, *, deb: bool = False, **kw: obje
     )
 
 
-def boot(e2e: vm.Harness, spec: vm.VmSpec) -> tuple[vm.VmResult, observe.PollRun]:
-    """Boot once with the poller reading the serial port live; the VM's final status is
-    TERMINATED when qemu exited by itself."""
-    with observe.LivePoller(vm.BUILD / spec.name / "poller") as live:
+def boot(
+    e2e: vm.Harness, spec: vm.VmSpec, **live_kw: object
+) -> tuple[vm.VmResult, observe.PollRun]:
+    """Boot once with the poller reading the serial port live (faithful fake: reads only while
+    RUNNING, nothing fed after the VM is off; ``--reap``); the VM's final status is TERMINATED
+    when qemu exited by itself."""
+    with observe.LivePoller(vm.BUILD / spec.name / "poller", **live_kw) as live:  # type: ignore[arg-type]
         res = e2e.boot(spec, watch=live.watch)
         run = live.finish(res.serial(), "RUNNING" if res.timed_out else "TERMINATED")
     return res, run
@@ -158,7 +164,47 @@ def test_healthy_workload_completes(e2e: vm.Harness) -> None:
 
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
-    assert all(o.action == "none" for o in run.looks())
+    # Read while RUNNING (the linger), never failed over, and deleted once off (--reap).
+    assert any(o.verdict and o.verdict.kind is VerdictKind.WORKLOAD_OK for o in run.during)
+    assert all(o.action == "none" for o in [*run.during, run.final, run.again])
+    assert run.final.reaped and run.final.reap_error is None, run.final
+    # a second poller with a fresh cursor: the VM is gone (404), it never saw it and the ledger
+    # holds no decision (nothing failed over): no verdict, as for a typo'd name
+    assert run.other.verdict is None and "never seen" in (run.other.error or ""), run.other
+
+
+def test_setup_failed_job_never_fails_over_and_is_reaped(e2e: vm.Harness) -> None:
+    """Issue 24: a `setup_failed cause=job` (a wheelhouse whose sha256 does not match: the
+    job's own configuration is wrong) is read during the linger, never failed over, and the VM
+    is deleted once it powered itself off."""
+    s = spec("setup-failed-job", ["true"])
+    s = dataclasses.replace(s, attributes={**s.attributes, "gce-watchdog-wheel-sha256": "0" * 64})
+    res, run = boot(e2e, s)
+    save_report(res)
+    check_powered_off(res)
+    events = events_of(res)
+    failed = named(events, "setup_failed")
+    assert len(failed) == 1 and failed[0].get("cause") == "job", failed
+    assert not named(events, "start")
+    check_no_lost_lines(res, events)
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.SETUP_FAILED, run.final.verdict
+    assert "failover" not in [o.action for o in run.looks()]
+    assert run.final.reaped, run.final
+
+
+def test_spot_preemption_through_the_fake_fails_over_once(e2e: vm.Harness) -> None:
+    """Issue 24: GCE preempts the Spot VM while its job runs (the fake records
+    compute.instances.preempted and the VM is TERMINATED); the guest is not told and writes on,
+    unread. The poller finds the operation: one failover, the VM deleted."""
+    workload = ["bash", "-c", "echo working; sleep 20; echo finished"]
+    res, run = boot(e2e, spec("spot-preempt", workload), spot=True, preempt_on=b" ph=workload")
+    check_powered_off(res)
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.PREEMPTED, run.final.verdict
+    actions = [o.action for o in run.looks()]
+    assert actions.count("failover") == 1, f"exactly one failover decision: {actions}"
+    assert any(o.reaped for o in run.looks()), "deleted after the failover (--reap)"
 
 
 # What a workload without the line key can forge (issues 15, 25): a well-formed v3 `exit rc=0`

@@ -162,18 +162,17 @@ def test_new_vms_are_picked_up_and_gone_ones_finalized_once(
             assert sorted(t.name for t in rep.gone) == ["b-wedged", "c-deleted"]  # type: ignore[attr-defined]
             assert outs["b-wedged"].action == "already_decided"  # reaped by us: no second one
             assert outs["c-deleted"].verdict is not None
-            assert outs["c-deleted"].verdict.kind.value == "terminated_unexplained"
-            assert outs["c-deleted"].action == "failover"  # gone without a word: decided once
+            # gone without a word and without a terminal line read: the ended_unread alarm, no
+            # failover by default (issue 24; it was terminated_unexplained, a failover)
+            assert outs["c-deleted"].verdict.kind.value == "ended_unread"
+            assert outs["c-deleted"].action == "none" and outs["c-deleted"].verdict.alarm
             assert outs["d-new"].action == "none"
             outs, rep = _outcomes(fleet)  # gone ones are forgotten after their last poll
             assert sorted(outs) == ["a-healthy", "d-new"]
         finally:
             fleet.close()
         decisions = led.all()
-    assert sorted(d.instance for d in decisions) == [
-        "test-project/europe-west1-b/c-deleted",
-        "test-project/us-central1-b/b-wedged",
-    ]
+    assert sorted(d.instance for d in decisions) == ["test-project/us-central1-b/b-wedged"]
     assert "unwatched" not in {c.path.rsplit("/", 2)[-2] for c in api.calls_to("serial")}
 
 
@@ -362,13 +361,14 @@ def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
                 fleet.close()
             if _ == 0:
                 assert [t.name for t in rep.gone] == ["deleted", "unlabelled"]  # type: ignore[attr-defined]
-                assert outs["deleted"].action == "failover"
+                # issue 24: an alarm, no failover (it was terminated_unexplained, a failover)
+                assert outs["deleted"].action == "none"
                 assert outs["deleted"].verdict is not None
-                assert outs["deleted"].verdict.kind.value == "terminated_unexplained"
+                assert outs["deleted"].verdict.kind.value == "ended_unread"
                 assert "unlabelled" not in outs  # still there: not decided, not announced
             else:
                 assert sorted(outs) == ["stays"]
-        assert [d.instance for d in led.all()] == ["test-project/us-central1-a/deleted"]
+        assert [d.instance for d in led.all()] == []
     assert sorted(p.name for p in cursors.glob("*.json")) == [
         "test-project.us-central1-a.stays.json",
         "test-project.us-central1-a.unlabelled.json",
@@ -441,9 +441,11 @@ def test_a_list_that_gives_up_keeps_that_projects_vms_and_lists_again_next_round
         assert sorted(outs) == ["proj-two-vm-0", "proj-two-vm-1"]
         api.instance("proj-one-vm-0").deleted = True
         outs, rep = _outcomes(again)  # its project listed: what is not there any more is gone
-        # (vm-1 again too: without a ledger its decision is never recorded, so its cursor stays)
+        # (not vm-1: issue 24 made its end the ended_unread alarm, no failover, so nothing was
+        # left to record and its cursor was dropped when it was finalized; before, an
+        # unrecorded terminated_unexplained failover kept it)
         gone = [t.name for t in rep.gone]  # type: ignore[attr-defined]
-        assert gone == ["proj-one-vm-0", "proj-one-vm-1"]
+        assert gone == ["proj-one-vm-0"]
     finally:
         again.close()
 

@@ -290,14 +290,15 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
 ) -> None:
     """A worker with --label also sweeps the Compute API: a VM that stopped without writing a
     line (nothing on the stream) is decided by the sweep; a healthy VM heard on the stream is
-    not decided about."""
+    not decided about. (Issue 24: the stop is a preemption GCE recorded; a stop without any
+    evidence is the ended_unread alarm, never a failover, so it would not be decided.)"""
     from gce_watchdog.testing.simcompute import FakeComputeAPI
 
     t, s = topic
     with FakeComputeAPI(token="tok") as api:
-        api.add_instance("vm-stopped", project=PROJECT, labels={"gce-watchdog": "on"})
+        api.add_instance("vm-stopped", project=PROJECT, labels={"gce-watchdog": "on"}, spot=True)
         heard = api.add_instance("vm-heard", project=PROJECT, labels={"gce-watchdog": "on"})
-        api.set_status("vm-stopped", "TERMINATED")
+        api.preempt("vm-stopped")
         w = Writer(boot="dddd0004")
         w.ts_ms = int(time.time() * 1000)
         text = w.line("phase", {"ph": "workload"})
@@ -327,7 +328,7 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
     lines = [json.loads(x) for x in out.decode().splitlines()]
     failovers = [x for x in lines if x["action"] == "failover"]
     assert [(x["instance"], x["verdict"]) for x in failovers] == [
-        ("vm-stopped", "terminated_unexplained")
+        ("vm-stopped", "preempted")
     ]
     with open_ledger(tmp_path / "l.sqlite") as led:
         assert [d.instance for d in led.all()] == [f"{PROJECT}/us-central1-a/vm-stopped"]

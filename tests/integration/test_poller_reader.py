@@ -321,15 +321,26 @@ def test_api_outage_gives_no_verdict_and_no_decision(
     assert p.poll("vm-1").verdict.kind is VerdictKind.SUSPECTED_WEDGE  # type: ignore[union-attr]
 
 
-def test_spot_vm_terminated_without_a_line_is_preempted(
+def test_spot_vm_terminated_without_a_line_is_preempted_only_on_evidence(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
-    api.add_instance("spot-1", project=P, zone=Z, spot=True, status="TERMINATED")
+    # Issue 24: a Spot VM off without a terminal line is no longer "presumed preempted"; the
+    # zone operation compute.instances.preempted decides, and without it the verdict is the
+    # ended_unread alarm, no failover.
+    api.add_instance("spot-1", project=P, zone=Z, spot=True, status="RUNNING")
+    api.add_instance("spot-0", project=P, zone=Z, spot=True, status="RUNNING")
     w = Writer()
-    api.append_serial("spot-1", w.line("phase", {"ph": "workload"}) + KERNEL_MSG + b"\n")
-    out = make_poller(api, sleeps, tmp_path, w.ts_ms / 1000).poll("spot-1")
+    for name in ("spot-1", "spot-0"):
+        api.append_serial(name, w.line("phase", {"ph": "workload"}) + KERNEL_MSG + b"\n")
+    api.preempt("spot-1")
+    api.guest_shutdown("spot-0")
+    p = make_poller(api, sleeps, tmp_path, w.ts_ms / 1000)
+    out = p.poll("spot-1")
     assert out.verdict is not None and out.verdict.kind is VerdictKind.PREEMPTED
     assert out.action == "failover"
+    other = p.poll("spot-0")
+    assert other.verdict is not None and other.verdict.kind is VerdictKind.ENDED_UNREAD
+    assert other.action == "none" and other.to_json()["alarm"] is True
 
 
 def test_an_off_vm_whose_serial_port_cannot_be_read_still_gets_its_verdict(
@@ -342,7 +353,7 @@ def test_an_off_vm_whose_serial_port_cannot_be_read_still_gets_its_verdict(
     api.append_serial("spot-2", w.line("phase", {"ph": "workload"}))
     p = make_poller(api, sleeps, tmp_path, w.ts_ms / 1000)
     assert p.poll("spot-2").verdict.kind is VerdictKind.HEALTHY  # type: ignore[union-attr]
-    api.set_status("spot-2", "TERMINATED")
+    api.preempt("spot-2")  # (issue 24: the preemption is evidence, no longer presumed)
     api.set_fault("serial", Fault.SERVER_ERROR)
     out = p.poll("spot-2")
     assert out.verdict is not None and out.verdict.kind is VerdictKind.PREEMPTED

@@ -61,7 +61,11 @@ def test_the_unit_and_the_image_run_the_poller_with_a_real_command_line() -> Non
     assert exec_start.split("=", 1)[1].split()[1:3] == ["poll", "--json"]
     docker = (REPO / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["gce-watchdog", "poll", "--json"]' in docker
-    assert "[postgres,pubsub]" in docker  # the extras the central side needs
+    # The parts the central side needs come pinned by hash from the poller's lock (issue 27).
+    assert "--require-hashes" in docker and "-r packaging/requirements-poller.lock" in docker
+    lock = (REPO / "packaging" / "requirements-poller.lock").read_text()
+    for dist in ("psycopg==", "google-cloud-pubsub==", "matplotlib=="):
+        assert re.search(rf"^{re.escape(dist)}\S+ --hash=sha256:[0-9a-f]{{64}}", lock, re.M), dist
     r = subprocess.run([sys.executable, "-m", "gce_watchdog", "poll", "--json", "--help"],
                        capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert r.returncode == 0 and "--label" in r.stdout and "--pubsub" in r.stdout

@@ -280,8 +280,8 @@ def test_nine_tick_outage_then_clear_recovers_without_shutdown(scene: Scene) -> 
     assert [e.get("op") for e in scene.events() if e.event == "fault"] == ["inject", "clear"]
 
 
-def test_flapping_for_sixty_ticks_never_shuts_down(scene: Scene) -> None:
-    interval, n = 0.4, 60
+def test_flapping_never_shuts_down(scene: Scene) -> None:
+    interval, flaps = 0.4, 30
     scene.configure(interval=interval, threshold=10, probe_timeout=0.15)
     scene.start_agent()
     hb = scene.healthy()
@@ -292,26 +292,32 @@ def test_flapping_for_sixty_ticks_never_shuts_down(scene: Scene) -> None:
         r = scene.topo.run_in(gce, ["iptables", "-w", "-A" if down else "-D", *drop])
         assert r.returncode == 0, r.stderr
 
-    # The agent ticks on a fixed grid (t0 + k*interval). Find its phase from a healthy tick's
-    # line, then flip the gce side half-way between ticks: down for one tick, up for the next.
-    lat = max(int(hb.get("mdl") or 0), int(hb.get("egl") or 0)) / 1000
-    tick_start = time.monotonic() - (time.time() - (hb.ts_ms / 1000 - lat))
-    k0 = int((time.monotonic() - tick_start) / interval) + 1
-    for j in range(n):
-        due = tick_start + (k0 + j - 0.5) * interval
-        time.sleep(max(0.0, due - time.monotonic()))  # drives the environment on a schedule
-        flip(down=j % 2 == 0)
-    if n % 2:
+    # Driven by the agent's own lines, not by a schedule: after each tick's line the gce side is
+    # set to the opposite of what that tick saw (a climb -> up, anything else -> down). A loaded
+    # machine only makes a phase last longer; it never makes the test guess at the agent's grid.
+    down, seen, recoveries = False, hb.seq, 0
+    for _ in range(10 * flaps):  # bounded: each pass consumes one tick line
+        e = wait_for(
+            lambda: next(iter(scene.ticks_after(seen)), None), 10 * interval + 10, "next tick"
+        )
+        seen = e.seq
+        climbed = e.event == "tick" and "FAILED (" in e.text
+        if climbed == down:  # that tick saw the state we set: set the other one
+            down = not climbed
+            flip(down)
+        recoveries = sum(x.event == "recovered" for x in scene.since(hb.seq))
+        if recoveries >= flaps:
+            break
+    if down:
         flip(down=False)
     last = scene.events()[-1]
     wait_for(lambda: len(scene.ticks_after(last.seq)) >= 2, 10, "ticks after the flapping")
     evs = [e for e in scene.events() if e.seq > hb.seq]
     assert not any(e.event == DECISION for e in evs), scene.debug()
-    # Exact alternation gives rung 1 then a reset, 30 times. A loaded machine may wake the
-    # flipper late now and then (two downs in a row); the ladder must still never get far.
-    assert max(rung_of(e) for e in evs if e.event == "tick") <= 3, scene.debug()
-    assert len(climbs(evs)) >= n // 3, scene.debug()
-    assert sum(e.event == "recovered" for e in evs) >= n // 3, scene.debug()
+    assert recoveries >= flaps, scene.debug()  # the outage really came and went, again and again
+    assert len(climbs(evs)) >= flaps, scene.debug()
+    # Each outage ends as soon as its first climb is seen: the ladder never gets near 10.
+    assert max(rung_of(e) for e in evs if e.event == "tick") < 10, scene.debug()
 
 
 def test_sigkill_at_rung_five_restart_continues_and_fires_at_threshold(scene: Scene) -> None:

@@ -379,11 +379,40 @@ class ComputeClient:
     def aggregated_instances(
         self, project: str, filter: str = "", page_token: str = "", max_results: int = 500
     ) -> dict[str, Any]:
-        """One page of ``instances.aggregatedList`` (``items`` keyed ``zones/ZONE``), with
-        ``returnPartialSuccess`` so one unreachable zone does not fail the whole list."""
-        params = {"maxResults": str(max_results), "returnPartialSuccess": "true"}
+        """One page of ``instances.aggregatedList`` (``items`` keyed ``zones/ZONE``).
+
+        Only parameters the discovery document declares are sent: ``returnPartialSuccess`` is
+        not declared for this method in revision 20261106 (it was in 20241001), and a service
+        that validates parameters would refuse it. Unreachable zones still come back in
+        ``unreachables`` (``InstanceAggregatedList``).
+        """
+        params = {"maxResults": str(max_results)}
         if filter:
             params["filter"] = filter
         if page_token:
             params["pageToken"] = page_token
         return self._call("GET", f"{self.api_base}/projects/{project}/aggregated/instances", params)
+
+    def zone_operations(
+        self, project: str, zone: str, filter: str = "", max_results: int = 500
+    ) -> list[dict[str, Any]]:
+        """``zoneOperations.list`` with ``filter`` (e.g. ``targetLink = "..."``), every page."""
+        url = f"{self.api_base}/projects/{project}/zones/{zone}/operations"
+        items: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            params = {"maxResults": str(max_results)}
+            if filter:
+                params["filter"] = filter
+            if token:
+                params["pageToken"] = token
+            body = self._call("GET", url, params)
+            items += [i for i in body.get("items") or [] if isinstance(i, dict)]
+            token = str(body.get("nextPageToken") or "")
+            if not token:
+                return items
+
+    def get_operation(self, project: str, zone: str, name: str) -> dict[str, Any]:
+        """``zoneOperations.get``: the operation as it is now (PENDING, RUNNING or DONE)."""
+        url = f"{self.api_base}/projects/{project}/zones/{zone}/operations/{name}"
+        return self._call("GET", url, {})

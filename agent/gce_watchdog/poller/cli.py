@@ -126,7 +126,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="read a bearer token from this file instead of application default credentials",
     )
-    p.add_argument("--reap", action="store_true", help="delete an instance after its failover")
+    p.add_argument(
+        "--reap",
+        action="store_true",
+        help="delete an instance after its failover, and after its job ended once it is off",
+    )
+    for flag, what in (("--on-ended-unread", "ended_unread"), ("--on-unverified", "unverified")):
+        p.add_argument(
+            flag,
+            choices=("alarm", "failover"),
+            default="alarm",
+            help=f"what a {what} verdict does: alarm only (default) or also fail over",
+        )
     p.add_argument(
         "--api-attempts",
         type=int,
@@ -240,7 +251,11 @@ def _policy(args: argparse.Namespace) -> Policy:
     from gce_watchdog.lib.durations import parse_duration
     from gce_watchdog.poller.verdict import Policy
 
-    return Policy(drain_timeout_s=parse_duration(args.drain_timeout))
+    return Policy(
+        drain_timeout_s=parse_duration(args.drain_timeout),
+        ended_unread_failover=getattr(args, "on_ended_unread", "alarm") == "failover",
+        unverified_failover=getattr(args, "on_unverified", "alarm") == "failover",
+    )
 
 
 # -- parse --------------------------------------------------------------------------------------

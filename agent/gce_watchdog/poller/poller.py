@@ -4,21 +4,62 @@ The wiring of the reader (I/O), the verdict (pure) and the ledger (durable). Err
 API produce an outcome with ``error`` set and **no verdict**: a poller that cannot see the
 serial port must not mistake its own blindness for the VM's silence (an API outage would
 otherwise look like every VM wedged at once).
+
+The poller never guesses why a VM ended: when it is off and the last line read is not terminal,
+it looks for evidence first (the cursors of other pollers, then the instance's zone operations:
+one ``zoneOperations.list`` per instance and boot, remembered), and only then takes the verdict,
+``ended_unread`` when nothing explains the end. With ``reap`` it deletes a VM after a failover and
+after every end (``workload_ok``, ``workload_failed``, ``setup_failed``) once the VM is off, and
+records ``reaped`` only when the delete operation is DONE without ``error``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime as dt
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
+from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind
+
+# The verdicts of a job's own ending: reaped with ``reap`` once the VM is off (issue 24).
+END_VERDICTS = frozenset(
+    {VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_FAILED, VerdictKind.SETUP_FAILED}
+)
+# Verdicts a peer's cursor can prove (a line it read): they replace an ended_unread.
+_LINE_VERDICTS = frozenset(
+    {
+        VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_FAILED, VerdictKind.WORKLOAD_UNVERIFIED,
+        VerdictKind.SETUP_FAILED, VerdictKind.SETUP_FAILED_INFRA, VerdictKind.SELF_SHUTDOWN,
+        VerdictKind.PREEMPTED,
+    }
+)  # fmt: skip
+# A zone operation counts for the current boot from this long before the boot's first line
+# (signed guest time): the guest clock is synced to Google's (metadata server NTP).
+OP_SLACK_S = 60.0
+SELF_LINK_BASE = "https://www.googleapis.com/compute/v1"  # how GCE writes targetLink
+_END_NS = uuid.UUID("6f1d5b52-43c5-4c1e-9a40-5d0f3f1f2a7e")
+
+
+def end_request_id(instance_id: str, boot: str) -> str:
+    """The requestId of the delete after an end: one per (instance id, boot)."""
+    return str(uuid.uuid5(_END_NS, f"end/{instance_id}/{boot}"))
+
+
+def _op_time(op: dict[str, Any]) -> float | None:
+    try:
+        return dt.datetime.fromisoformat(str(op.get("insertTime", ""))).timestamp()
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -33,6 +74,7 @@ class PollOutcome:
     decision: Decision | None = None
     reaped: str | None = None  # the delete operation's name, or "gone"
     reap_error: str | None = None
+    reap_pending: str | None = None  # a delete operation not DONE yet (checked next poll)
     error: str | None = None
     lost_lines: int = 0
     lost_bytes: int = 0
@@ -82,8 +124,10 @@ class PollOutcome:
                 "decided_at": d.decided_at,
                 "request_id": d.request_id,
             },
+            "alarm": v.alarm if v else False,
             "reaped": self.reaped,
             "reap_error": self.reap_error,
+            "reap_pending": self.reap_pending,
             "error": self.error,
             "read": None
             if self.read is None
@@ -122,6 +166,7 @@ class Poller:
         policy: Policy | None = None,
         reap: bool = False,
         clock: Callable[[], float] = time.time,
+        peers: Sequence[Path] = (),
     ) -> None:
         self.client = client
         self.reader = SerialReader(client, store, clock, pins=ledger)
@@ -131,6 +176,11 @@ class Poller:
         self.policy = policy or Policy()
         self.reap = reap
         self.clock = clock
+        self.peers = tuple(peers)  # other pollers' cursor dirs (read only): evidence of an end
+        # (instance id, boot) -> the zone operation types found for that boot's end
+        self._end_ops: dict[tuple[str, str], tuple[str, ...]] = {}
+        # (instance id, boot) -> the name of our delete of an ended job's VM, not DONE yet
+        self._reaping: dict[tuple[str, str], str] = {}
 
     def poll(
         self, name: str, known: InstanceStatus | None = None, gone: bool = False
@@ -178,8 +228,15 @@ class Poller:
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
         verdict = tl.judge(state, self.clock(), self.policy)
         instance_id = info.id if info else cur.instance_id
+        if verdict.kind is VerdictKind.ENDED_UNREAD:
+            try:
+                verdict = self._evidence(name, instance_id, tl, state, verdict)
+            except AuthError:
+                raise
+            except ComputeAPIError as e:  # blind to the evidence: no verdict, retried next poll
+                return PollOutcome(name, instance_id, state.status or "", None, error=str(e))
         decision = None
-        reaped = reap_error = None
+        reaped = reap_error = reap_pending = None
         announce = False
         if verdict.failover and self.ledger is not None:
             key = instance_id or f"name:{name}"
@@ -200,9 +257,14 @@ class Poller:
                 and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
             )
             if self.reap and decision.reaped_at is None:
-                reaped, reap_error = self._reap(name, info, decision)
+                reaped, reap_error, reap_pending = self._reap(name, info, decision)
             elif decision.reaped_at is not None:
                 reaped = decision.reap_result
+        elif self.reap and verdict.kind in END_VERDICTS and instance_id:
+            boot = verdict.boot or NO_BOOT
+            ours = info is None and (instance_id, boot) in self._reaping  # our delete, done?
+            if ours or self._ended(info, tl):
+                reaped, reap_error, reap_pending = self._reap_end(name, instance_id, boot)
         return PollOutcome(
             name,
             instance_id,
@@ -212,6 +274,7 @@ class Poller:
             decision,
             reaped,
             reap_error,
+            reap_pending,
             lost_lines=tl.lost_lines,
             lost_bytes=tl.lost_bytes,
             rejected=tl.rejected,
@@ -256,25 +319,113 @@ class Poller:
         d = out.decision
         return self.ledger.mark_announced(d.instance_id, d.boot, self.clock())
 
+    def _evidence(
+        self, name: str, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict
+    ) -> Verdict:
+        """Off, and the last line read is not terminal: what other pollers read, then what
+        GCE recorded, decides; the verdict stays ``ended_unread`` only when nothing does."""
+        now = self.clock()
+        for d in self.peers:
+            peer = CursorStore(d).load(self.project, self.zone, name)
+            if not peer.instance_id or peer.instance_id != instance_id:
+                continue
+            pv = peer.timeline.judge(state, now, self.policy)
+            if pv.kind in _LINE_VERDICTS and verdict.boot in (None, pv.boot):
+                return dataclasses.replace(pv, evidence=(*pv.evidence, f"peer_cursor={d}"))
+        if self.ledger is not None:  # another poller decided this boot (and maybe reaped it)
+            prior = self.ledger.find_instance(instance_id or f"name:{name}", self.path(name))
+            if prior is not None and verdict.boot in (None, prior.boot, NO_BOOT):
+                why = f"{prior.reason} (recorded by {prior.owner})"
+                kind = VerdictKind(prior.verdict)
+                return Verdict(kind, why, prior.boot, verdict.evidence, policy_failover=True)
+        if not instance_id:
+            return verdict
+        boot = tl.latest_boot or "-"
+        key = (instance_id, boot)
+        if key not in self._end_ops:
+            since = None
+            if tl.latest_boot is not None:
+                since = tl.boots[tl.latest_boot].first_ts_ms / 1000 - OP_SLACK_S
+            # Google's sample "List preemption history" filters on targetLink this way
+            link = f"{SELF_LINK_BASE}/projects/{self.project}/zones/{self.zone}/instances/{name}"
+            flt = f'targetLink = "{link}"'
+            ops = self.client.zone_operations(self.project, self.zone, flt)
+            found = []
+            for op in ops:
+                if str(op.get("targetId", "")) != instance_id:
+                    continue  # an earlier instance under the same name
+                t = _op_time(op)
+                if since is not None and (t is None or t < since):
+                    continue  # before this boot
+                found.append(str(op.get("operationType", "")))
+            self._end_ops[key] = tuple(found)
+        state = dataclasses.replace(state, end_ops=self._end_ops[key])
+        return tl.judge(state, now, self.policy)
+
+    def _ended(self, info: InstanceStatus | None, tl: Timeline) -> bool:
+        """The VM of an ended job may be reaped: it is off, or still RUNNING past the drain
+        timeout after its last line (its own power-off failed)."""
+        if info is None:
+            return False  # gone already
+        if info.status != "RUNNING":
+            return True
+        boot = tl.latest_boot
+        rx = tl.boots[boot].last_rx if boot is not None else None
+        return rx is not None and self.clock() - rx > self.policy.drain_timeout_s
+
+    def _delete(
+        self, name: str, request_id: str
+    ) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """(operation DONE without error, error, pending operation name); None op = gone."""
+        try:
+            op = self.client.delete_instance(self.project, self.zone, name, request_id)
+        except AuthError as e:
+            return None, str(e), None
+        except ComputeAPIError as e:
+            if e.status == 404:
+                return None, None, None
+            return None, str(e), None  # the next poll retries with the same requestId
+        if op.get("status") != "DONE":
+            return None, None, str(op.get("name", "operation"))
+        err = op.get("error")
+        if err:
+            errs = err.get("errors") if isinstance(err, dict) else None
+            first = errs[0] if isinstance(errs, list) and errs and isinstance(errs[0], dict) else {}
+            code = first.get("code", op.get("httpErrorStatusCode", "?"))
+            return (
+                None,
+                f"delete operation {op.get('name')} failed: {code} {first.get('message', '')}",
+                None,
+            )
+        return op, None, None
+
     def _reap(
         self, name: str, info: InstanceStatus | None, decision: Decision
-    ) -> tuple[str | None, str | None]:
+    ) -> tuple[str | None, str | None, str | None]:
         assert self.ledger is not None
         if info is None:
             self.ledger.mark_reaped(decision.instance_id, decision.boot, "gone", self.clock())
-            return "gone", None
-        try:
-            op = self.client.delete_instance(self.project, self.zone, name, decision.request_id)
-        except AuthError as e:
-            return None, str(e)
-        except ComputeAPIError as e:
-            if e.status == 404:
-                self.ledger.mark_reaped(decision.instance_id, decision.boot, "gone", self.clock())
-                return "gone", None
-            return None, str(e)  # the next poll retries with the same requestId
-        result = str(op.get("name", "operation"))
+            return "gone", None, None
+        op, err, pending = self._delete(name, decision.request_id)
+        if err is not None or pending is not None:
+            return None, err, pending
+        result = "gone" if op is None else str(op.get("name", "operation"))
         self.ledger.mark_reaped(decision.instance_id, decision.boot, result, self.clock())
-        return result, None
+        return result, None, None
+
+    def _reap_end(
+        self, name: str, instance_id: str, boot: str
+    ) -> tuple[str | None, str | None, str | None]:
+        """Delete the VM of an ended job (no ledger entry: nothing was decided). The same
+        requestId again returns the same operation, also once the VM is gone."""
+        key = (instance_id, boot)
+        op, err, pending = self._delete(name, end_request_id(instance_id, boot))
+        if pending is not None:
+            self._reaping[key] = pending
+        if err is not None or pending is not None:
+            return None, err, pending
+        self._reaping.pop(key, None)
+        return ("gone" if op is None else str(op.get("name", "operation"))), None, None
 
 
 def lapsed_announcements(ledger: BaseLedger, now: float) -> list[PollOutcome]:
@@ -293,7 +444,8 @@ def lapsed_announcements(ledger: BaseLedger, now: float) -> list[PollOutcome]:
         zone, sep, name = rest.partition("/")
         if not sep:  # recorded by an older poller: the bare name
             project, zone, name = "", "", d.instance
-        verdict = Verdict(VerdictKind(d.verdict), d.reason, d.boot)
+        # every recorded decision is a failover (an alarm recorded by policy too)
+        verdict = Verdict(VerdictKind(d.verdict), d.reason, d.boot, policy_failover=True)
         outs.append(
             PollOutcome(
                 name or d.instance_id,

@@ -121,7 +121,11 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         interval_s = parse_duration(v["interval"])
         if interval_s <= 0:
             errs.append("--interval must be > 0")
-        policy = Policy(drain_timeout_s=parse_duration(v["drain_timeout"]))
+        policy = Policy(
+            drain_timeout_s=parse_duration(v["drain_timeout"]),
+            ended_unread_failover=v.get("on_ended_unread", "alarm") == "failover",
+            unverified_failover=v.get("on_unverified", "alarm") == "failover",
+        )
     except ValueError as exc:
         errs.append(str(exc))
     lease_s = 0.0

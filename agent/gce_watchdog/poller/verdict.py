@@ -11,9 +11,13 @@ rules below are in the same order. In short:
    ``preempted``, ``exit`` (rc 0 or not) and ``phase ph=done``. First, because what follows a
    terminal event is its consequence (a ladder shutdown kills the workload, which then logs a
    signal exit), never new information about the job.
-3. Without a terminal event, the instance status decides: off (TERMINATED, STOPPED, SUSPENDED,
-   or gone) means preempted for a Spot VM and an unexplained stop otherwise; in transition
-   (STOPPING, PROVISIONING, ...) means wait.
+3. Without a terminal event, the instance status decides. Off (TERMINATED, STOPPED, SUSPENDED,
+   or gone): the poller never guesses; the zone operations of the instance decide (a
+   ``compute.instances.preempted`` one: preempted; ``compute.instances.hostError``: terminated by
+   the host), and without such evidence the verdict is ``ended_unread``, an alarm that fails over
+   only if the policy says so (the job may have finished after the last read). In transition or
+   not started (STOPPING, PENDING_STOP, DEPROVISIONING, PENDING, PROVISIONING, ...): wait. A
+   status outside the documented enum: no verdict.
 4. Running (or unknown, e.g. a saved dump) and silent for longer than the drain timeout while
    in a non-terminal phase: a suspected wedge the agent could not even report. Otherwise healthy.
    Silence is measured on the reader's clock from when it received the boot's newest line.
@@ -33,10 +37,28 @@ from gce_watchdog.wire.protocol import Event
 # cannot be an agent at work.
 DEFAULT_DRAIN_TIMEOUT_S = 900.0
 
+# Instance.status.enum of the Compute v1 discovery document, revision 20261106; "MISSING" is
+# ours (the GET answered 404). docs/poller.md gives the reason for each status's row.
+INSTANCE_STATUSES = frozenset(
+    {
+        "DEPROVISIONING", "PENDING", "PENDING_STOP", "PROVISIONING", "REPAIRING", "RUNNING",
+        "STAGING", "STOPPED", "STOPPING", "SUSPENDED", "SUSPENDING", "TERMINATED",
+    }
+)  # fmt: skip
 OFF_STATES = frozenset({"TERMINATED", "STOPPED", "SUSPENDED", "MISSING"})
 TRANSITIONAL_STATES = frozenset(
-    {"STOPPING", "SUSPENDING", "PROVISIONING", "STAGING", "REPAIRING", "PENDING_STOP"}
-)
+    {
+        "STOPPING", "PENDING_STOP", "SUSPENDING", "DEPROVISIONING", "REPAIRING",
+        "PENDING", "PROVISIONING", "STAGING",
+    }
+)  # fmt: skip
+# Zone operation types that explain an end (docs/fakes.md has the references).
+OP_PREEMPTED = "compute.instances.preempted"
+OP_HOST_ERROR = "compute.instances.hostError"
+OP_GUEST_TERMINATE = "compute.instances.guestTerminate"
+# Ends that are evidence of neither a wedge nor a lost job: the guest powered itself off (what
+# the end-of-life chain does after the final line), or a user stopped or deleted it.
+BENIGN_END_OPS = frozenset({OP_GUEST_TERMINATE, "stop", "delete", "suspend"})
 TERMINAL_PHASES = frozenset({"done"})
 
 
@@ -52,11 +74,20 @@ class VerdictKind(enum.Enum):
     TERMINATED_UNEXPLAINED = "terminated_unexplained"
     WORKLOAD_OK = "workload_ok"
     WORKLOAD_FAILED = "workload_failed"
+    # exit rc=0 of a job configured to report its result, without the result: an alarm
+    WORKLOAD_UNVERIFIED = "workload_unverified"
+    # off without a terminal line read and without evidence of why: an alarm
+    ENDED_UNREAD = "ended_unread"
     UNKNOWN = "unknown"
 
     @property
     def failover(self) -> bool:
         return self in _FAILOVER
+
+    @property
+    def alarm(self) -> bool:
+        """A verdict a human must look at (the policy says whether it also fails over)."""
+        return self in (VerdictKind.WORKLOAD_UNVERIFIED, VerdictKind.ENDED_UNREAD)
 
 
 _FAILOVER = frozenset(
@@ -76,11 +107,18 @@ class InstanceState:
 
     status: str | None = None
     spot: bool = False
+    # The zone operation types recorded for this instance since the boot began (zoneOperations
+    # .list); None = not looked up (a saved dump, or the poller has not asked yet).
+    end_ops: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Policy:
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # What to do about the alarms (docs/poller.md, "ended_unread"): default no failover, since
+    # a job that may have finished must not run twice (a duplicate costs GPU hours).
+    ended_unread_failover: bool = False
+    unverified_failover: bool = False
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
@@ -93,10 +131,15 @@ class Verdict:
     reason: str
     boot: str | None = None  # the boot the verdict is about (None: no line of ours at all)
     evidence: tuple[str, ...] = ()  # the deciding lines (encoded) and observations
+    policy_failover: bool = False  # an alarm the policy fails over (or a recorded decision)
 
     @property
     def failover(self) -> bool:
-        return self.kind.failover
+        return self.kind.failover or self.policy_failover
+
+    @property
+    def alarm(self) -> bool:
+        return self.kind.alarm
 
 
 def current_boot(events: Sequence[Event]) -> str | None:
@@ -121,7 +164,7 @@ def latest_boot_events(events: Sequence[Event], boot: str | None = None) -> list
     return sorted((e for e in events if e.boot == boot), key=lambda e: e.seq)
 
 
-def terminal_kind(ev: Event) -> VerdictKind | None:
+def terminal_kind(ev: Event, reported_fail: bool = False) -> VerdictKind | None:
     """The verdict a terminal event decides (rows 1-5), or None for any other event."""
     name = ev.event
     if name == vocab.SETUP_FAILED:
@@ -132,7 +175,11 @@ def terminal_kind(ev: Event) -> VerdictKind | None:
     if name == vocab.PREEMPTED:
         return VerdictKind.PREEMPTED
     if name == vocab.EXIT:
-        return VerdictKind.WORKLOAD_OK if ev.get("rc") == "0" else VerdictKind.WORKLOAD_FAILED
+        if ev.get("rc") != "0" or reported_fail:
+            return VerdictKind.WORKLOAD_FAILED
+        if ev.get("result") == vocab.EXIT_RESULT_MISSING:
+            return VerdictKind.WORKLOAD_UNVERIFIED
+        return VerdictKind.WORKLOAD_OK
     if name == vocab.PHASE and ev.get("ph") in TERMINAL_PHASES:
         return VerdictKind.WORKLOAD_OK
     return None
@@ -161,8 +208,15 @@ def _describe(kind: VerdictKind, ev: Event) -> str:
         return f"the agent saw a preemption notice ({detail})"
     if ev.event == vocab.PHASE:
         return "the job reported phase done"
+    if kind is VerdictKind.WORKLOAD_UNVERIFIED:
+        return (
+            "ALARM: the workload exited with rc 0 but never reported the result it was "
+            "configured to report (its last line may be lost): not verified"
+        )
     if kind is VerdictKind.WORKLOAD_OK:
         return "the workload exited with rc 0"
+    if ev.get("rc") == "0":
+        return "the workload exited with rc 0 after reporting result fail"
     return f"the workload exited with rc {f.get('rc', '?')} signal {f.get('sig', '-')}"
 
 
@@ -198,31 +252,25 @@ def decide(
     status_ev = f"status={status or 'unknown'}" + (" spot" if instance.spot else "")
 
     # Row 1-5: the first terminal event of the latest boot.
+    reported_fail = False
     for ev in mine:
-        kind = terminal_kind(ev)
+        if ev.event == vocab.RESULT:
+            reported_fail = ev.get("status") == vocab.RESULT_FAIL
+        kind = terminal_kind(ev, reported_fail)
         if kind is not None:
-            return Verdict(kind, _describe(kind, ev), boot, (ev.render(), status_ev))
+            pf = kind is VerdictKind.WORKLOAD_UNVERIFIED and policy.unverified_failover
+            return Verdict(kind, _describe(kind, ev), boot, (ev.render(), status_ev), pf)
 
-    # Row 6-7: no terminal line and the instance is off (or gone).
+    # Row 6-7: no terminal line and the instance is off (or gone): evidence, never a guess.
     if status in OFF_STATES:
-        tail: tuple[str, ...] = (mine[-1].render(),) if mine else ()
-        if instance.spot:
-            return Verdict(
-                VerdictKind.PREEMPTED,
-                f"Spot VM is {status} without a terminal line: presumed preempted by GCE",
-                boot,
-                (status_ev, *tail),
-            )
-        return Verdict(
-            VerdictKind.TERMINATED_UNEXPLAINED,
-            f"instance is {status} without a terminal line: the job is not running anywhere",
-            boot,
-            (status_ev, *tail),
-        )
+        return _ended(mine, instance, status, status_ev, boot, policy)
 
-    # Row 8: in transition: the next poll sees where it lands.
+    # Row 8: in transition, or not started: the next poll sees where it lands.
     if status in TRANSITIONAL_STATES:
         reason = f"instance is {status}: deciding on a later poll"
+        return Verdict(VerdictKind.UNKNOWN, reason, boot, (status_ev,))
+    if status is not None and status not in INSTANCE_STATUSES:
+        reason = f"instance status {status!r} is not in the documented enum: no verdict"
         return Verdict(VerdictKind.UNKNOWN, reason, boot, (status_ev,))
 
     # Row 9: nothing of ours yet.
@@ -271,3 +319,38 @@ def decide(
         boot,
         evidence,
     )
+
+
+def _ended(
+    mine: Sequence[Event],
+    instance: InstanceState,
+    status: str,
+    status_ev: str,
+    boot: str | None,
+    policy: Policy,
+) -> Verdict:
+    """Off without a terminal line read: decide on the zone operations, or raise the alarm."""
+    tail: tuple[str, ...] = (mine[-1].render(),) if mine else ()
+    ops = instance.end_ops
+    seen = f"operations={','.join(ops) or 'none'}" if ops is not None else "operations=unknown"
+    evidence = (status_ev, seen, *tail)
+    if ops is not None and OP_PREEMPTED in ops:
+        reason = f"instance is {status}: GCE preempted it ({OP_PREEMPTED})"
+        return Verdict(VerdictKind.PREEMPTED, reason, boot, evidence)
+    if ops is not None and OP_HOST_ERROR in ops:
+        reason = f"instance is {status}: its host failed ({OP_HOST_ERROR}), the job was killed"
+        return Verdict(VerdictKind.TERMINATED_UNEXPLAINED, reason, boot, evidence)
+    benign = sorted(set(ops or ()) & BENIGN_END_OPS)
+    why = (
+        f"ended by {', '.join(benign)} (not evidence of a wedge)"
+        if benign
+        else "no operation explains it"
+        if ops is not None
+        else "its operations were not looked up"
+    )
+    action = "failing over by policy" if policy.ended_unread_failover else "no failover"
+    reason = (
+        f"ALARM: instance is {status} and its last line read is not terminal; {why}: the job "
+        f"may have finished after the last read ({action})"
+    )
+    return Verdict(VerdictKind.ENDED_UNREAD, reason, boot, evidence, policy.ended_unread_failover)

@@ -1,32 +1,51 @@
-"""A fake Compute Engine API: a real HTTP server on 127.0.0.1 with the real serial-port semantics.
+"""A fake Compute Engine API: a real HTTP server on 127.0.0.1, pinned to Google's own references.
 
 Used by the poller's tests, the e2e test, the benchmarks and the action-chain tests. It serves the
-few ``compute/v1`` calls this project makes, under ``/compute/v1`` like the real service::
+``compute/v1`` methods in :data:`METHODS`, under ``/compute/v1`` like the real service. Each
+method's HTTP verb, path and declared parameters are copied from the Compute Engine v1 discovery
+document (revision 20261106, in google-api-python-client 2.202.0); a test
+(``tests/test_simcompute_discovery.py``) reads the vendored document
+(``tests/data/discovery/compute.v1.subset.json``) and fails when this table, the status enums or
+the fields and types of any response disagree with it. ``docs/fakes.md`` lists every behaviour
+with its reference.
 
-    GET    /compute/v1/projects/{p}/zones/{z}/instances/{name}/serialPort?port=1&start=N
-    GET    /compute/v1/projects/{p}/zones/{z}/instances/{name}
-    GET    /compute/v1/projects/{p} and /compute/v1/projects/{p}/zones/{z} (404 unless known)
-    DELETE /compute/v1/projects/{p}/zones/{z}/instances/{name}?requestId=UUID
-    POST   /compute/v1/projects/{p}/zones/{z}/instances/{name}/stop?requestId=UUID
-    GET    /compute/v1/projects/{p}/aggregated/instances?filter=F&maxResults=N&pageToken=T
-
-``instances.aggregatedList`` answers as the API does: ``items`` keyed ``zones/ZONE``, each with an
-``instances`` list, or, for a known zone with none that match, a ``warning`` with code
-``NO_RESULTS_ON_PAGE``; ``nextPageToken`` while more remain (``maxResults`` 0..500, default 500).
-The fake's filter understands the label forms the poller sends: ``labels.KEY = "VALUE"`` (AIP-160)
-and ``labels.KEY:*`` (has the label); any other filter is a 400, like a malformed one on GCE.
-
-Semantics copied from the API reference of ``instances.getSerialPortOutput``:
-
-- only the most recent ``window`` bytes (1 MiB by default) are kept; a ``start`` that refers to
-  discarded output is moved to the oldest byte still held, and that adjusted value is returned
-  as ``start``;
-- a negative ``start`` means "the most recent ``-start`` bytes", bounded by the retained window;
-- ``next`` is the offset to pass as ``start`` on the following call;
-- int64 fields (``start``, ``next``, ``id``) are JSON strings, as in every Compute API response.
-
-Where the reference is silent the fake chooses: a ``start`` beyond the end returns no contents
-with ``start = next = end`` (a reader sees ``next`` below its offset, i.e. a reset buffer).
+- **Parameters.** A query parameter the method does not declare (nor the document's standard
+  parameters, ``alt``, ``fields``, ...) is refused with 400, as Google's API front end refuses a
+  parameter it "cannot bind" (so a client sending ``returnPartialSuccess``, undeclared in this
+  revision, fails here as it would on GCE).
+- **Serial output** (``instances.getSerialPortOutput``): only the most recent ``window`` bytes
+  (1 MiB by default) are kept; an older ``start`` is moved to the oldest byte held and returned
+  as ``start``; a negative ``start`` means "the most recent ``-start`` bytes"; ``next`` is the
+  offset for the next call; int64s are JSON strings. Where the reference is silent the fake
+  chooses: a ``start`` beyond the end returns no contents with ``start = next = end``.
+  With ``serial_needs_running=True`` (the faithful mode) a VM that is not RUNNING is refused with
+  503 ``backendError``: GCE serves serial output "only while the VM instance is running" (Compute
+  Engine docs, "Viewing serial port output"), and 503 ``TIMEOUT, backendError`` is the error
+  Google's own serial poller met on a STOPPING VM (compute-image-tools PR #456). What GCE answers
+  for a TERMINATED one is not documented; the fake gives the same 503, and the poller must not
+  depend on the code.
+- **Operations** (``Operation``: PENDING, RUNNING, DONE, with ``error``): ``delete``, ``stop`` and
+  ``setMetadata`` return an Operation that is PENDING for ``op_pending_s``, RUNNING for
+  ``stop_delay_s``, then DONE, on the injected ``clock`` (tests advance it; nothing sleeps). While
+  a stop or delete runs the VM is STOPPING ("currently stopping (either being deleted or
+  killed)", ``Instance.status.enumDescriptions``), then TERMINATED, or gone (404) for a delete.
+  ``fail_next_operation`` makes the next one end DONE with ``error`` and ``httpErrorStatusCode``
+  and change nothing. ``zoneOperations.get`` and ``zoneOperations.list`` (``filter`` on
+  ``operationType``, ``targetId``, ``targetLink``, ``status``, joined by AND) read them back.
+- **System events** recorded as zone operations, with the operation types Google's tools read:
+  ``preempt`` records ``compute.instances.preempted`` (Google's sample "List preemption history
+  of an instance" filters zone operations on ``operationType="compute.instances.preempted"``),
+  ``guest_shutdown`` records ``compute.instances.guestTerminate`` and ``host_error``
+  ``compute.instances.hostError`` (GoogleCloudPlatform/gcpdiag ``runbook/gce/vm_termination.py``
+  and its test, which tells a guest-OS-issued shutdown by that type).
+- **requestId** ("a valid UUID with the exception that zero UUID is not supported",
+  ``instances.delete.parameters.requestId``): the zero UUID and a non-UUID are 400; a repeated id
+  returns the first request's operation and does not act twice; ids are kept per instance and
+  method, so one id sent for two instances is two requests.
+- ``instances.aggregatedList``: ``items`` keyed ``zones/ZONE``, each with ``instances`` or, for a
+  zone with none that match, a ``warning`` ``NO_RESULTS_ON_PAGE``; ``nextPageToken`` while more
+  remain (``maxResults`` 0..500, default 500). The filter understands the label forms the poller
+  sends: ``labels.KEY = "VALUE"`` and ``labels.KEY:*``; any other filter is a 400.
 
 Every request needs ``Authorization: Bearer <token>`` with an accepted token (401 otherwise).
 Tests can make an endpoint hang (sleep past the client's timeout), refuse (403) or rate-limit
@@ -34,12 +53,10 @@ for the next N calls: ``RATE_LIMIT`` answers as GCE does, 403 with reason ``rate
 in the error body (Compute Engine docs, "API rate limits": "a 403 error with the reason
 rateLimitExceeded"); ``TOO_MANY_REQUESTS`` is a 429 with the same reason, what Google front ends
 answer for other APIs (a client must take both).
-``delete`` and ``stop`` honour ``requestId``: the same id returns the same operation and does
-not act twice.
 
 Usage::
 
-    with FakeComputeAPI(token="t") as api:
+    with FakeComputeAPI(token="t", serial_needs_running=True) as api:
         api.add_instance("vm-1", spot=True)
         api.append_serial("vm-1", b"hello\\n")
         client = ComputeClient.create(credentials, api_base=api.base_url)  # lib.compute
@@ -47,13 +64,16 @@ Usage::
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import itertools
 import json
 import re
 import socket
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -61,14 +81,113 @@ from urllib.parse import parse_qs, urlsplit
 
 DEFAULT_WINDOW = 1024 * 1024  # the API keeps "the most recent 1 MB" of serial output
 DEFAULT_HANG_S = 30.0  # longer than any client read timeout a test would use
+MAX_RESULTS = 500  # the API's default and maximum page size for list calls
+ZERO_UUID = "00000000-0000-0000-0000-000000000000"
+USER_EMAIL = "poller@test-project.iam.gserviceaccount.com"  # Operation.user of our own calls
+API = "https://www.googleapis.com/compute/v1"
 
-_LIST_RE = re.compile(r"^/compute/v1/projects/(?P<project>[^/]+)/aggregated/instances$")
+# Instance.status.enum and Operation.status.enum of revision 20261106 (the test compares).
+INSTANCE_STATUSES = (
+    "DEPROVISIONING",
+    "PENDING",
+    "PENDING_STOP",
+    "PROVISIONING",
+    "REPAIRING",
+    "RUNNING",
+    "STAGING",
+    "STOPPED",
+    "STOPPING",
+    "SUSPENDED",
+    "SUSPENDING",
+    "TERMINATED",
+)
+OPERATION_STATUSES = ("DONE", "PENDING", "RUNNING")
+# The document's top-level "parameters": accepted by every method.
+STANDARD_PARAMETERS = frozenset(
+    {
+        "$.xgafv",
+        "access_token",
+        "alt",
+        "callback",
+        "fields",
+        "key",
+        "oauth_token",
+        "prettyPrint",
+        "quotaUser",
+        "uploadType",
+        "upload_protocol",
+        "userIp",
+    }
+)
+# Operation types of system events (see the module docstring for the references).
+OP_PREEMPTED = "compute.instances.preempted"
+OP_GUEST_TERMINATE = "compute.instances.guestTerminate"
+OP_HOST_ERROR = "compute.instances.hostError"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One served method, as the discovery document declares it."""
+
+    endpoint: str  # the fake's short name (faults, calls)
+    http: str
+    path: str  # relative to /compute/v1/, with {param} placeholders
+    parameters: frozenset[str]
+
+
+def _m(endpoint: str, http: str, path: str, params: str) -> Method:
+    return Method(endpoint, http, path, frozenset(params.split()))
+
+
+_I = "projects/{project}/zones/{zone}/instances/{instance}"
+_Z = "projects/{project}/zones/{zone}"
+_LIST = "filter maxResults orderBy pageToken project"
+METHODS: dict[str, Method] = {
+    "compute.instances.get": _m("get", "GET", _I, "instance project zone"),
+    "compute.instances.getSerialPortOutput": _m(
+        "serial", "GET", _I + "/serialPort", "instance port project start zone"
+    ),
+    "compute.instances.delete": _m(
+        "delete", "DELETE", _I, "instance noGracefulShutdown project requestId zone"
+    ),
+    "compute.instances.stop": _m(
+        "stop",
+        "POST",
+        _I + "/stop",
+        "discardLocalSsd instance noGracefulShutdown project requestId zone",
+    ),
+    "compute.instances.setMetadata": _m(
+        "set_metadata", "POST", _I + "/setMetadata", "instance project requestId zone"
+    ),
+    "compute.instances.list": _m("zone_list", "GET", _Z + "/instances", _LIST + " zone"),
+    "compute.instances.aggregatedList": _m(
+        "list",
+        "GET",
+        "projects/{project}/aggregated/instances",
+        _LIST + " includeAllScopes serviceProjectNumber",
+    ),
+    "compute.zoneOperations.get": _m(
+        "operation", "GET", _Z + "/operations/{operation}", "operation project zone"
+    ),
+    "compute.zoneOperations.list": _m("operations", "GET", _Z + "/operations", _LIST + " zone"),
+    "compute.projects.get": _m("scope", "GET", "projects/{project}", "project"),
+    "compute.zones.get": _m("scope", "GET", _Z, "project zone"),
+}
+_ROUTES = [
+    (
+        mid,
+        m,
+        re.compile("^/compute/v1/" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", m.path) + "$"),
+    )
+    for mid, m in METHODS.items()
+]
+ENDPOINTS = tuple(sorted({m.endpoint for m in METHODS.values()}))
+
 _LABEL_EQ_RE = re.compile(r'^labels\.(?P<key>[a-z][-_a-z0-9]*)\s*=\s*"(?P<value>[-_a-z0-9]*)"$')
 _LABEL_HAS_RE = re.compile(r"^labels\.(?P<key>[a-z][-_a-z0-9]*):\*$")
-MAX_RESULTS = 500  # the API's default and maximum page size for aggregatedList
-_PATH_RE = re.compile(
-    r"^/compute/v1/projects/(?P<project>[^/]+)/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)"
-    r"(?P<rest>/serialPort|/stop)?$"
+_OP_TERM_RE = re.compile(
+    r"^\(?\s*(?P<field>operationType|targetId|targetLink|status)\s*=\s*"
+    r'(?:"(?P<q>[^"]*)"|(?P<bare>[^\s()"]+))\s*\)?$'
 )
 
 
@@ -83,17 +202,12 @@ class Fault(enum.Enum):
     SERVER_ERROR = "server_error"  # 503 backendError
 
 
-ENDPOINTS = ("serial", "get", "delete", "stop", "list", "scope")
-# A project, or a zone of a project: known once an instance was added there (or add_zone).
-_SCOPE_RE = re.compile(r"^/compute/v1/projects/(?P<project>[^/]+)(?:/zones/(?P<zone>[^/]+))?$")
-
-
 @dataclass(frozen=True)
 class Call:
     """One request as the server saw it."""
 
     method: str
-    endpoint: str  # serial | get | delete | stop | unknown
+    endpoint: str  # one of ENDPOINTS, or unknown
     path: str
     query: dict[str, str]
     authorized: bool
@@ -113,6 +227,33 @@ class FakeInstance:
     total: int = 0  # bytes ever written to serial port 1
     retained: bytearray = field(default_factory=bytearray)
     labels: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    fingerprint: str = "AAAAAAAAAAA="
+
+
+@dataclass
+class FakeOperation:
+    """A zone operation; its status follows the clock: PENDING, RUNNING, then DONE."""
+
+    id: str
+    name: str
+    type: str
+    inst: FakeInstance
+    insert_s: float
+    pending_s: float
+    running_s: float
+    user: str
+    error: tuple[int, str, str] | None = None  # (HTTP status, error code, message)
+    effect: str = ""  # what DONE does to the instance: terminate | delete | metadata | ""
+    meta: dict[str, str] = field(default_factory=dict)
+    applied: str = "PENDING"  # the last status whose effect was applied
+
+    def status(self, now: float) -> str:
+        if now < self.insert_s + self.pending_s:
+            return "PENDING"
+        if now < self.insert_s + self.pending_s + self.running_s:
+            return "RUNNING"
+        return "DONE"
 
 
 @dataclass
@@ -121,8 +262,18 @@ class _FaultPlan:
     remaining: int  # calls left to affect; -1 = every call until cleared
 
 
+def _rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat(timespec="milliseconds")
+
+
 class FakeComputeAPI:
-    """A threaded HTTP server pretending to be ``compute.googleapis.com``; a context manager."""
+    """A threaded HTTP server pretending to be ``compute.googleapis.com``; a context manager.
+
+    ``clock`` (seconds, default wall time) drives operations and is the time in ``insertTime``;
+    ``stop_delay_s`` how long a stop, a delete or a system event keeps the VM STOPPING;
+    ``op_pending_s`` how long an operation stays PENDING; ``serial_needs_running`` the faithful
+    serial rule (off by default: the e2e harness still feeds a stopped VM, see docs/fakes.md).
+    """
 
     def __init__(
         self,
@@ -130,14 +281,26 @@ class FakeComputeAPI:
         window: int = DEFAULT_WINDOW,
         hang_s: float = DEFAULT_HANG_S,
         host: str = "127.0.0.1",
+        *,
+        clock: Callable[[], float] = time.time,
+        stop_delay_s: float = 0.0,
+        op_pending_s: float = 0.0,
+        serial_needs_running: bool = False,
     ) -> None:
         self.tokens = {token} if isinstance(token, str) else set(token)
         self.window = window
         self.hang_s = hang_s
         self.retry_after: str | None = "1"  # the Retry-After header of a RATE_LIMIT fault
         self.host = host
+        self.clock = clock
+        self.stop_delay_s = stop_delay_s
+        self.op_pending_s = op_pending_s
+        self.serial_needs_running = serial_needs_running
         self.calls: list[Call] = []
-        self.operations: dict[str, dict[str, Any]] = {}  # requestId -> operation
+        # (project, zone, instance name, method id, requestId) -> operation
+        self.operations: dict[tuple[str, str, str, str, str], FakeOperation] = {}
+        self._ops: list[FakeOperation] = []
+        self._op_errors: list[tuple[int, str, str]] = []
         self._instances: dict[tuple[str, str, str], FakeInstance] = {}
         self._zones: set[tuple[str, str]] = set()  # projects and zones that exist (add_zone)
         self._faults: dict[str, _FaultPlan] = {}
@@ -145,9 +308,10 @@ class FakeComputeAPI:
         self._instance_faults: dict[str, _FaultPlan] = {}
         self._project_faults: dict[str, _FaultPlan] = {}
         self.zones: set[tuple[str, str]] = set()  # (project, zone) pairs a list reports
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closing = threading.Event()
         self._ids = itertools.count(4_000_000_000_000_000_001)
+        self._op_ids = itertools.count(7_000_000_000_000_000_001)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -201,6 +365,8 @@ class FakeComputeAPI:
         instance_id: str | None = None,
         labels: dict[str, str] | None = None,
     ) -> FakeInstance:
+        if status not in INSTANCE_STATUSES:
+            raise ValueError(f"status {status!r} is not in Instance.status.enum")
         inst = FakeInstance(
             name=name,
             project=project,
@@ -219,6 +385,7 @@ class FakeComputeAPI:
     def instance(self, name: str) -> FakeInstance:
         """The instance with this name (in any project/zone); KeyError if none."""
         with self._lock:
+            self._advance()
             for (_, _, n), inst in self._instances.items():
                 if n == name:
                     return inst
@@ -242,9 +409,39 @@ class FakeComputeAPI:
             inst.retained = bytearray()
 
     def set_status(self, name: str, status: str) -> None:
+        if status not in INSTANCE_STATUSES:
+            raise ValueError(f"status {status!r} is not in Instance.status.enum")
         inst = self.instance(name)
         with self._lock:
             inst.status = status
+
+    def preempt(self, name: str) -> FakeOperation:
+        """GCE takes a Spot VM back: a ``compute.instances.preempted`` operation; the VM goes
+        STOPPING, then TERMINATED (deleted with termination action DELETE)."""
+        inst = self.instance(name)
+        effect = "delete" if inst.termination_action == "DELETE" else "terminate"
+        return self._system_event(inst, OP_PREEMPTED, effect)
+
+    def guest_shutdown(self, name: str) -> FakeOperation:
+        """The guest powered itself off: ``compute.instances.guestTerminate``; STOPPING, then
+        TERMINATED, whatever the termination action (a guest shutdown does not delete)."""
+        return self._system_event(self.instance(name), OP_GUEST_TERMINATE, "terminate")
+
+    def host_error(self, name: str) -> FakeOperation:
+        """The host failed: ``compute.instances.hostError``; the VM is TERMINATED."""
+        return self._system_event(self.instance(name), OP_HOST_ERROR, "terminate")
+
+    def fail_next_operation(
+        self, http_status: int = 403, code: str = "PERMISSION_DENIED", message: str = "denied"
+    ) -> None:
+        """The next delete/stop/setMetadata operation ends DONE with this ``error``."""
+        with self._lock:
+            self._op_errors.append((http_status, code, message))
+
+    def zone_operations(self, name: str | None = None) -> list[FakeOperation]:
+        with self._lock:
+            self._advance()
+            return [o for o in self._ops if name is None or o.inst.name == name]
 
     def set_fault(self, endpoint: str, fault: Fault | None, count: int = -1) -> None:
         """Make the next ``count`` calls to ``endpoint`` (or all, -1) fail; None clears it."""
@@ -276,6 +473,63 @@ class FakeComputeAPI:
         with self._lock:
             return [c for c in self.calls if c.endpoint == endpoint]
 
+    def add_zone(self, project: str, zone: str) -> None:
+        """Make a project and zone exist without any instance in them."""
+        with self._lock:
+            self._zones.add((project, zone))
+
+    # -- operations -------------------------------------------------------------------------
+
+    def _new_op(
+        self, inst: FakeInstance, kind: str, effect: str, user: str, running_s: float
+    ) -> FakeOperation:
+        n = next(self._op_ids)
+        prefix = "systemevent" if user == "system" else "operation"
+        now = self.clock()
+        op = FakeOperation(
+            id=str(n),
+            name=f"{prefix}-{int(now * 1000)}-{n:x}",
+            type=kind,
+            inst=inst,
+            insert_s=now,
+            pending_s=self.op_pending_s,
+            running_s=running_s,
+            user=user,
+            effect=effect,
+        )
+        if user != "system" and self._op_errors:
+            op.error = self._op_errors.pop(0)
+        self._ops.append(op)
+        self._advance()
+        return op
+
+    def _system_event(self, inst: FakeInstance, kind: str, effect: str) -> FakeOperation:
+        with self._lock:
+            return self._new_op(inst, kind, effect, "system", self.stop_delay_s)
+
+    def _advance(self) -> None:
+        """Apply the effects of operations whose status moved on (caller holds the lock)."""
+        now = self.clock()
+        for op in self._ops:
+            st = op.status(now)
+            if st == op.applied or op.error is not None:
+                op.applied = st
+                continue
+            inst = op.inst
+            stopping = st in ("RUNNING", "DONE") and op.effect in ("terminate", "delete")
+            if stopping and not inst.deleted and inst.status not in ("TERMINATED", "STOPPED"):
+                inst.status = "STOPPING"
+            if st == "DONE":
+                if op.effect == "terminate" and not inst.deleted:
+                    inst.status = "TERMINATED"
+                elif op.effect == "delete":
+                    inst.deleted = True
+                    inst.status = "TERMINATED"
+                elif op.effect == "metadata":
+                    inst.metadata = dict(op.meta)
+                    inst.fingerprint = uuid.uuid4().hex[:11] + "="
+            op.applied = st
+
     # -- request handling (called from server threads) --------------------------------------
 
     def _take_fault(self, endpoint: str, project: str = "", name: str = "") -> Fault | None:
@@ -295,73 +549,36 @@ class FakeComputeAPI:
                 return plan.fault
             return None
 
+    def _route(self, method: str, path: str) -> tuple[str, Method, dict[str, str]] | None:
+        for mid, m, rx in _ROUTES:
+            if m.http != method:
+                continue
+            hit = rx.match(path)
+            if hit:
+                return mid, m, hit.groupdict()
+        return None
+
     def _handle(
-        self, method: str, raw_path: str, auth: str | None
+        self, method: str, raw_path: str, auth: str | None, body: bytes = b""
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         parts = urlsplit(raw_path)
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-        m = _PATH_RE.match(parts.path) or _LIST_RE.match(parts.path)
-        rest = m.group("rest") if m and "rest" in m.groupdict() else None
-        scope = _SCOPE_RE.match(parts.path) if m is None and method == "GET" else None
-        endpoint = "scope" if scope else "unknown"
-        if m and "name" not in m.groupdict():
-            endpoint = "list" if method == "GET" else "unknown"
-        elif m:
-            endpoint = {None: "get" if method == "GET" else "delete", "/serialPort": "serial"}.get(
-                rest, "stop"
-            )
-            if (endpoint, method) not in {
-                ("get", "GET"),
-                ("delete", "DELETE"),
-                ("serial", "GET"),
-                ("stop", "POST"),
-            }:
-                endpoint = "unknown"
+        route = self._route(method, parts.path)
+        endpoint = route[1].endpoint if route else "unknown"
         token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
         authorized = token in self.tokens
-        if scope is not None:
-            status, body, headers = self._scope(scope, authorized)
-        else:
-            status, body, headers = self._dispatch(method, endpoint, m, query, authorized)
+        status, out, headers = self._dispatch(method, route, query, authorized, body)
         with self._lock:
             self.calls.append(Call(method, endpoint, parts.path, query, authorized, status))
-        return status, body, headers
-
-    def _scope(
-        self, m: re.Match[str], authorized: bool
-    ) -> tuple[int, dict[str, Any], dict[str, str]]:
-        """projects.get / zones.get: 404 with the API's wording for what does not exist."""
-        if not authorized:
-            return (
-                401,
-                _error(401, "Request is missing required authentication credential.", "required"),
-                {},
-            )
-        project, zone = m.group("project"), m.group("zone")
-        with self._lock:
-            zones = {(p, z) for p, z, _ in self._instances} | self._zones
-        if project not in {p for p, _ in zones}:
-            what = f"projects/{project}"
-            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
-        if zone is None:
-            return 200, {"kind": "compute#project", "name": project}, {}
-        if (project, zone) not in zones:
-            what = f"projects/{project}/zones/{zone}"
-            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
-        return 200, {"kind": "compute#zone", "name": zone, "status": "UP"}, {}
-
-    def add_zone(self, project: str, zone: str) -> None:
-        """Make a project and zone exist without any instance in them."""
-        with self._lock:
-            self._zones.add((project, zone))
+        return status, out, headers
 
     def _dispatch(
         self,
         method: str,
-        endpoint: str,
-        m: re.Match[str] | None,
+        route: tuple[str, Method, dict[str, str]] | None,
         query: dict[str, str],
         authorized: bool,
+        body: bytes,
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         if not authorized:
             return (
@@ -369,10 +586,20 @@ class FakeComputeAPI:
                 _error(401, "Request is missing required authentication credential.", "required"),
                 {"WWW-Authenticate": 'Bearer realm="https://accounts.google.com/"'},
             )
-        if m is None or endpoint == "unknown":
+        if route is None:
             return 404, _error(404, "The requested URL was not found.", "notFound"), {}
-        groups = m.groupdict()
-        fault = self._take_fault(endpoint, groups["project"], groups.get("name") or "")
+        mid, m, groups = route
+        unknown = sorted(set(query) - m.parameters - STANDARD_PARAMETERS)
+        if unknown:
+            name = unknown[0]
+            msg = (
+                f'Invalid JSON payload received. Unknown name "{name}": Cannot bind query '
+                f"parameter. Field '{name}' could not be found in request message."
+            )
+            return 400, _error(400, msg, "invalid"), {}
+        if m.endpoint == "scope":
+            return self._scope(groups.get("project", ""), groups.get("zone"))
+        fault = self._take_fault(m.endpoint, groups["project"], groups.get("instance") or "")
         if fault is Fault.HANG:
             self._closing.wait(self.hang_s)
         elif fault is Fault.REFUSE:
@@ -391,37 +618,165 @@ class FakeComputeAPI:
             )
         elif fault is Fault.SERVER_ERROR:
             return 503, _error(503, "Backend Error", "backendError"), {}
-        if endpoint == "list":
-            return self._list(m.group("project"), query)
-        project, zone, name = m.group("project"), m.group("zone"), m.group("name")
+        project = groups["project"]
+        if m.endpoint == "list":
+            return self._list(project, query)
+        zone = groups["zone"]
         with self._lock:
+            self._advance()
+            if m.endpoint == "zone_list":
+                return self._zone_list(project, zone, query)
+            if m.endpoint in ("operation", "operations"):
+                return self._operations(project, zone, groups.get("operation"), query)
+            name = groups["instance"]
             inst = self._instances.get((project, zone, name))
-            if endpoint in ("delete", "stop"):
-                rid = query.get("requestId")
-                if rid:
-                    try:
-                        uuid.UUID(rid)
-                    except ValueError:
-                        bad = "Invalid value for field 'requestId'"
-                        return 400, _error(400, bad, "invalid"), {}
-                    if rid in self.operations:
-                        return 200, self.operations[rid], {}
+            rid = query.get("requestId", "")
+            if rid:
+                try:
+                    parsed = uuid.UUID(rid)
+                except ValueError:
+                    parsed = None
+                if parsed is None or parsed.int == 0:
+                    bad = f"Invalid value for field 'requestId': '{rid}'"
+                    return 400, _error(400, bad, "invalid"), {}
+                done = self.operations.get((project, zone, name, mid, str(parsed)))
+                if done is not None:
+                    return 200, self._op_json(done), {}
             if inst is None or inst.deleted:
                 what = f"projects/{project}/zones/{zone}/instances/{name}"
                 return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
-            if endpoint == "get":
+            if m.endpoint == "get":
                 return 200, _instance_json(inst), {}
-            if endpoint == "serial":
+            if m.endpoint == "serial":
                 return self._serial(inst, query)
-            op = _operation(inst, endpoint)
-            if endpoint == "delete":
-                inst.deleted = True
-                inst.status = "TERMINATED"
-            else:
-                inst.status = "TERMINATED"
-            if query.get("requestId"):
-                self.operations[query["requestId"]] = op
-            return 200, op, {}
+            op = self._mutate(inst, m.endpoint, body)
+            if isinstance(op, tuple):
+                return op
+            if rid:
+                self.operations[(project, zone, name, mid, str(uuid.UUID(rid)))] = op
+            return 200, self._op_json(op), {}
+
+    def _mutate(
+        self, inst: FakeInstance, endpoint: str, body: bytes
+    ) -> FakeOperation | tuple[int, dict[str, Any], dict[str, str]]:
+        if endpoint == "set_metadata":
+            try:
+                doc = json.loads(body or b"{}")
+                items = {str(i["key"]): str(i.get("value", "")) for i in doc.get("items") or []}
+                fp = str(doc.get("fingerprint", ""))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                return 400, _error(400, "Invalid JSON payload received.", "invalid"), {}
+            if fp != inst.fingerprint:  # Metadata.fingerprint: optimistic locking
+                msg = "Supplied fingerprint does not match current metadata fingerprint."
+                return 412, _error(412, msg, "conditionNotMet"), {}
+            op = self._new_op(inst, "setMetadata", "", "user", 0.0)
+            op.meta = items
+            op.effect = "metadata"
+            self._advance()
+            return op
+        running = self.stop_delay_s if inst.status not in ("TERMINATED", "STOPPED") else 0.0
+        effect = "delete" if endpoint == "delete" else "terminate"
+        return self._new_op(inst, endpoint, effect, "user", running)
+
+    def _op_json(self, op: FakeOperation) -> dict[str, Any]:
+        inst = op.inst
+        base = f"projects/{inst.project}/zones/{inst.zone}"
+        st = op.status(self.clock())
+        out: dict[str, Any] = {
+            "kind": "compute#operation",
+            "id": op.id,
+            "name": op.name,
+            "operationType": op.type,
+            "status": st,
+            "progress": {"PENDING": 0, "RUNNING": 50, "DONE": 100}[st],
+            "targetId": inst.id,
+            "targetLink": f"{API}/{base}/instances/{inst.name}",
+            "zone": f"{API}/{base}",
+            "selfLink": f"{API}/{base}/operations/{op.name}",
+            "insertTime": _rfc3339(op.insert_s),
+            "user": op.user if op.user == "system" else USER_EMAIL,
+        }
+        if st != "PENDING":
+            out["startTime"] = _rfc3339(op.insert_s + op.pending_s)
+        if st == "DONE":
+            out["endTime"] = _rfc3339(op.insert_s + op.pending_s + op.running_s)
+            if op.error is not None:
+                status, code, message = op.error
+                out["error"] = {"errors": [{"code": code, "message": message}]}
+                out["httpErrorStatusCode"] = status
+                out["httpErrorMessage"] = code.replace("_", " ")
+        return out
+
+    def _operations(
+        self, project: str, zone: str, name: str | None, query: dict[str, str]
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        here = [o for o in self._ops if o.inst.project == project and o.inst.zone == zone]
+        base = f"projects/{project}/zones/{zone}"
+        if name is not None:
+            for o in here:
+                if o.name == name:
+                    return 200, self._op_json(o), {}
+            what = f"{base}/operations/{name}"
+            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+        flt = query.get("filter", "").strip()
+        terms: list[tuple[str, str]] = []
+        for raw in re.split(r"\s+AND\s+", flt) if flt else []:
+            t = _OP_TERM_RE.match(raw.strip())
+            if t is None:
+                return 400, _error(400, f"Invalid value for field 'filter': '{flt}'", "invalid"), {}
+            terms.append((t["field"], t["q"] if t["q"] is not None else t["bare"]))
+        page, token, err = _page(query)
+        if err is not None:
+            return err
+        rows = [self._op_json(o) for o in here]
+        rows = [r for r in rows if all(str(r.get(f)) == v for f, v in terms)]
+        body: dict[str, Any] = {
+            "kind": "compute#operationList",
+            "id": f"{base}/operations",
+            "items": rows[token : token + page],
+            "selfLink": f"{API}/{base}/operations",
+        }
+        if token + page < len(rows):
+            body["nextPageToken"] = format(token + page, "x")
+        return 200, body, {}
+
+    def _scope(self, project: str, zone: str | None) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """projects.get / zones.get: 404 with the API's wording for what does not exist."""
+        with self._lock:
+            zones = {(p, z) for p, z, _ in self._instances} | self._zones
+        if project not in {p for p, _ in zones}:
+            what = f"projects/{project}"
+            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+        if zone is None:
+            return 200, {"kind": "compute#project", "name": project}, {}
+        if (project, zone) not in zones:
+            what = f"projects/{project}/zones/{zone}"
+            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+        return 200, {"kind": "compute#zone", "name": zone, "status": "UP"}, {}
+
+    def _zone_list(
+        self, project: str, zone: str, query: dict[str, str]
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        if query.get("filter"):
+            return 400, _error(400, "the fake's instances.list takes no filter", "invalid"), {}
+        page, token, err = _page(query)
+        if err is not None:
+            return err
+        rows = sorted(
+            (i for (p, z, _), i in self._instances.items() if (p, z) == (project, zone)),
+            key=lambda i: i.name,
+        )
+        rows = [i for i in rows if not i.deleted]
+        base = f"projects/{project}/zones/{zone}"
+        body: dict[str, Any] = {
+            "kind": "compute#instanceList",
+            "id": f"{base}/instances",
+            "items": [_instance_json(i) for i in rows[token : token + page]],
+            "selfLink": f"{API}/{base}/instances",
+        }
+        if token + page < len(rows):
+            body["nextPageToken"] = format(token + page, "x")
+        return 200, body, {}
 
     def _list(
         self, project: str, query: dict[str, str]
@@ -436,19 +791,11 @@ class FakeComputeAPI:
                 match = lambda i: has["key"] in i.labels  # noqa: E731
             else:
                 return 400, _error(400, f"Invalid value for field 'filter': '{flt}'", "invalid"), {}
-        try:
-            size = int(query.get("maxResults", str(MAX_RESULTS)))
-            offset = int(query.get("pageToken") or "0", 16) if query.get("pageToken") else 0
-        except ValueError:
-            return 400, _error(400, "Invalid value for 'maxResults' or 'pageToken'", "invalid"), {}
-        if not 0 <= size <= MAX_RESULTS:
-            return (
-                400,
-                _error(400, f"Invalid value for field 'maxResults': '{size}'", "invalid"),
-                {},
-            )
-        size = size or MAX_RESULTS
+        size, offset, err = _page(query)
+        if err is not None:
+            return err
         with self._lock:
+            self._advance()
             if not any(p == project for p, _ in self.zones):
                 what = f"projects/{project}"
                 return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
@@ -457,10 +804,7 @@ class FakeComputeAPI:
                 key=lambda i: (i.zone, i.name),
             )
             matching = [i for i in matching if match is None or match(i)]
-            page = [
-                _instance_json(i) | {"labels": dict(i.labels)}
-                for i in matching[offset : offset + size]
-            ]
+            page = [_instance_json(i) for i in matching[offset : offset + size]]
             zones = sorted(z for p, z in self.zones if p == project)
         items: dict[str, Any] = {}
         for z in zones:
@@ -479,7 +823,7 @@ class FakeComputeAPI:
             "kind": "compute#instanceAggregatedList",
             "id": f"projects/{project}/aggregated/instances",
             "items": items,
-            "selfLink": f"https://www.googleapis.com/compute/v1/projects/{project}/aggregated/instances",
+            "selfLink": f"{API}/projects/{project}/aggregated/instances",
         }
         if offset + size < len(matching):
             body["nextPageToken"] = format(offset + size, "x")
@@ -495,6 +839,10 @@ class FakeComputeAPI:
             return 400, _error(400, "Invalid value for 'port' or 'start'", "invalid"), {}
         if not 1 <= port <= 4:
             return 400, _error(400, f"Invalid value for field 'port': '{port}'", "invalid"), {}
+        if self.serial_needs_running and inst.status != "RUNNING":
+            # "only while the VM instance is running"; 503 TIMEOUT backendError on STOPPING
+            # (compute-image-tools PR #456); the same for any other status (not documented).
+            return 503, _error(503, "TIMEOUT", "backendError"), {}
         total = inst.total if port == 1 else 0
         data = bytes(inst.retained) if port == 1 else b""
         oldest = total - len(data)
@@ -513,10 +861,26 @@ class FakeComputeAPI:
                 "contents": contents.decode("utf-8", errors="replace"),
                 "start": str(s),
                 "next": str(total),
-                "selfLink": f"https://www.googleapis.com/compute/v1/{base}/serialPort",
+                "selfLink": f"{API}/{base}/serialPort",
             },
             {},
         )
+
+
+def _page(
+    query: dict[str, str],
+) -> tuple[int, int, tuple[int, dict[str, Any], dict[str, str]] | None]:
+    """(page size, offset, error): ``maxResults`` 0..500 (0 and absent: 500), ``pageToken``."""
+    try:
+        size = int(query.get("maxResults", str(MAX_RESULTS)))
+        offset = int(query.get("pageToken") or "0", 16) if query.get("pageToken") else 0
+    except ValueError:
+        bad = "Invalid value for 'maxResults' or 'pageToken'"
+        return 0, 0, (400, _error(400, bad, "invalid"), {})
+    if not 0 <= size <= MAX_RESULTS:
+        bad = f"Invalid value for field 'maxResults': '{size}'"
+        return 0, 0, (400, _error(400, bad, "invalid"), {})
+    return size or MAX_RESULTS, offset, None
 
 
 def _error(code: int, message: str, reason: str, domain: str = "global") -> dict[str, Any]:
@@ -531,35 +895,27 @@ def _error(code: int, message: str, reason: str, domain: str = "global") -> dict
 
 def _instance_json(inst: FakeInstance) -> dict[str, Any]:
     base = f"projects/{inst.project}/zones/{inst.zone}"
-    return {
+    out: dict[str, Any] = {
         "kind": "compute#instance",
         "id": inst.id,
         "name": inst.name,
         "status": inst.status,
-        "zone": f"https://www.googleapis.com/compute/v1/{base}",
-        "selfLink": f"https://www.googleapis.com/compute/v1/{base}/instances/{inst.name}",
+        "zone": f"{API}/{base}",
+        "selfLink": f"{API}/{base}/instances/{inst.name}",
         "scheduling": {
             "provisioningModel": "SPOT" if inst.spot else "STANDARD",
             "preemptible": inst.spot,
             "instanceTerminationAction": inst.termination_action,
         },
+        "metadata": {
+            "kind": "compute#metadata",
+            "fingerprint": inst.fingerprint,
+            "items": [{"key": k, "value": v} for k, v in sorted(inst.metadata.items())],
+        },
     }
-
-
-def _operation(inst: FakeInstance, kind: str) -> dict[str, Any]:
-    base = f"projects/{inst.project}/zones/{inst.zone}"
-    op_id = uuid.uuid4().int % 10**19
-    return {
-        "kind": "compute#operation",
-        "id": str(op_id),
-        "name": f"operation-{op_id}",
-        "operationType": kind,
-        "status": "DONE",
-        "progress": 100,
-        "targetId": inst.id,
-        "targetLink": f"https://www.googleapis.com/compute/v1/{base}/instances/{inst.name}",
-        "zone": f"https://www.googleapis.com/compute/v1/{base}",
-    }
+    if inst.labels:
+        out["labels"] = dict(inst.labels)
+    return out
 
 
 def _make_handler(api: FakeComputeAPI) -> type[BaseHTTPRequestHandler]:
@@ -574,12 +930,11 @@ def _make_handler(api: FakeComputeAPI) -> type[BaseHTTPRequestHandler]:
 
         def _serve(self, method: str) -> None:
             length = int(self.headers.get("Content-Length") or 0)
-            if length:
-                self.rfile.read(length)  # stop takes an empty body; drain what was sent
-            status, body, headers = api._handle(
-                method, self.path, self.headers.get("Authorization")
+            body = self.rfile.read(length) if length else b""
+            status, out, headers = api._handle(
+                method, self.path, self.headers.get("Authorization"), body
             )
-            blob = json.dumps(body).encode()
+            blob = json.dumps(out).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json; charset=UTF-8")
