@@ -48,6 +48,11 @@ with its reference.
   sends: ``labels.KEY = "VALUE"`` and ``labels.KEY:*``; any other filter is a 400.
 
 Every request needs ``Authorization: Bearer <token>`` with an accepted token (401 otherwise).
+IAM per permission: ``roles`` maps a token to the permission set its principal's role grants (a
+role is a set of permissions, Compute Engine docs "IAM roles and permissions"); a call whose
+permission (``PERMISSIONS``, from the "IAM Permissions" section of each method's API reference
+page) the set lacks is a 403 ``forbidden``, "Required 'compute.instances.get' permission for
+'projects/P/zones/Z/instances/N'". A token not in ``roles`` has every permission.
 Tests can make an endpoint hang (sleep past the client's timeout), refuse (403) or rate-limit
 for the next N calls: ``RATE_LIMIT`` answers as GCE does, 403 with reason ``rateLimitExceeded``
 in the error body (Compute Engine docs, "API rate limits": "a 403 error with the reason
@@ -73,7 +78,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -235,6 +240,16 @@ METHODS: dict[str, Method] = {
     "compute.projects.get": _m("scope", "GET", "projects/{project}", "project"),
     "compute.zones.get": _m("scope", "GET", _Z, "project zone"),
 }
+# The IAM permission each method checks: the "IAM Permissions" section of each method's page in
+# the Compute Engine API reference (compute/docs/reference/rest/v1/instances/getSerialPortOutput:
+# "compute.instances.getSerialPortOutput"; instances/aggregatedList and instances/list:
+# "compute.instances.list"; instances/insert: "compute.instances.create"; zoneOperations/get and
+# list, projects/get, zones/get: the permission of the same name). Roles and permissions:
+# Compute Engine docs, "IAM roles and permissions" (compute/docs/access/iam).
+PERMISSIONS: dict[str, str] = {mid: mid for mid in METHODS} | {
+    "compute.instances.aggregatedList": "compute.instances.list",
+    "compute.instances.insert": "compute.instances.create",
+}
 _ROUTES = [
     (
         mid,
@@ -351,8 +366,14 @@ class FakeComputeAPI:
         stop_delay_s: float = 0.0,
         op_pending_s: float = 0.0,
         serial_needs_running: bool = True,
+        roles: dict[str, Iterable[str]] | None = None,
     ) -> None:
         self.tokens = {token} if isinstance(token, str) else set(token)
+        # token -> the permissions its principal's role grants (a role is a permission set,
+        # Compute Engine docs "IAM roles and permissions"); a token not named here has them all
+        self.roles: dict[str, frozenset[str]] = {
+            t: frozenset(p) for t, p in (roles or {}).items()
+        }
         self.window = window
         self.hang_s = hang_s
         self.retry_after: str | None = "1"  # the Retry-After header of a RATE_LIMIT fault
@@ -649,7 +670,7 @@ class FakeComputeAPI:
             self.arrived[endpoint] = self.arrived.get(endpoint, 0) + 1
         token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
         authorized = token in self.tokens
-        status, out, headers = self._dispatch(method, route, query, authorized, body)
+        status, out, headers = self._dispatch(method, route, query, authorized, body, token)
         with self._lock:
             self.calls.append(Call(method, endpoint, parts.path, query, authorized, status))
         return status, out, headers
@@ -661,6 +682,7 @@ class FakeComputeAPI:
         query: dict[str, str],
         authorized: bool,
         body: bytes,
+        token: str | None = None,
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         if not authorized:
             return (
@@ -679,8 +701,19 @@ class FakeComputeAPI:
                 f"parameter. Field '{name}' could not be found in request message."
             )
             return 400, _error(400, msg, "invalid"), {}
-        if m.endpoint == "scope":
-            return self._scope(groups.get("project", ""), groups.get("zone"))
+        granted = self.roles.get(token or "")
+        if granted is not None and PERMISSIONS[mid] not in granted:
+            # GCE's answer to a call the caller's role does not allow: 403, reason "forbidden",
+            # "Required '<permission>' permission for '<resource>'" (Compute Engine API
+            # reference, "IAM Permissions" of each method; Cloud APIs error model, 403
+            # PERMISSION_DENIED)
+            resource = "projects/" + "/".join(
+                f"{k}s/{groups[k]}" if k != "project" else groups[k]
+                for k in ("project", "zone", "instance")
+                if k in groups
+            )
+            msg = f"Required '{PERMISSIONS[mid]}' permission for '{resource}'"
+            return 403, _error(403, msg, "forbidden"), {}
         fault = self._take_fault(m.endpoint, groups["project"], groups.get("instance") or "")
         if fault is Fault.HANG:
             self._closing.wait(self.hang_s)
@@ -700,6 +733,8 @@ class FakeComputeAPI:
             )
         elif fault is Fault.SERVER_ERROR:
             return 503, _error(503, "Backend Error", "backendError"), {}
+        if m.endpoint == "scope":
+            return self._scope(groups.get("project", ""), groups.get("zone"))
         project = groups["project"]
         if m.endpoint == "list":
             return self._list(project, query)
