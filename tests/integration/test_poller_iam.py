@@ -46,7 +46,7 @@ REAP = documented_role("`--reap`", "evidence for an ended VM (rows 6/7)")
 
 def test_the_documented_roles_name_real_permissions() -> None:
     known = set(PERMISSIONS.values())
-    assert READ <= known and REAP <= known
+    assert known >= READ and known >= REAP
     assert "compute.instances.getSerialPortOutput" in READ
     assert "compute.projects.get" not in REAP and "compute.zones.get" not in REAP
 
@@ -135,3 +135,18 @@ def test_the_least_privilege_role_polls_decides_and_reaps(
     assert api.instance("vm-1").deleted
     assert all(c.status != 403 for c in api.calls)
 
+
+def test_a_typo_under_the_least_privilege_role_stops_only_that_name(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23: a never-seen name used to call projects.get, which the role lacks: AuthError
+    (exit 77) stopped every name."""
+    healthy = Writer(boot="bbbb0002")
+    healthy.ts_ms = int(time.time() * 1000)
+    api.append_serial("vm-2", healthy.line("phase", {"ph": "workload"}))
+    assert main(poll_args(api, tmp_path, "--once", "--reap", "vm-9", "vm-2")) == 69
+    out = outputs(capsys)
+    assert out["vm-9"]["verdict"] is None
+    assert "instance 'vm-9' not found" in str(out["vm-9"]["error"])
+    assert out["vm-2"]["error"] is None and out["vm-2"]["verdict"] == "healthy"
+    assert api.calls_to("delete") == []
