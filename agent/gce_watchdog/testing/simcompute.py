@@ -371,9 +371,7 @@ class FakeComputeAPI:
         self.tokens = {token} if isinstance(token, str) else set(token)
         # token -> the permissions its principal's role grants (a role is a permission set,
         # Compute Engine docs "IAM roles and permissions"); a token not named here has them all
-        self.roles: dict[str, frozenset[str]] = {
-            t: frozenset(p) for t, p in (roles or {}).items()
-        }
+        self.roles: dict[str, frozenset[str]] = {t: frozenset(p) for t, p in (roles or {}).items()}
         self.window = window
         self.hang_s = hang_s
         self.retry_after: str | None = "1"  # the Retry-After header of a RATE_LIMIT fault
@@ -397,6 +395,8 @@ class FakeComputeAPI:
         self._instance_faults: dict[str, _FaultPlan] = {}
         self._project_faults: dict[str, _FaultPlan] = {}
         self.zones: set[tuple[str, str]] = set()  # (project, zone) pairs a list reports
+        # (project, zone) -> how aggregatedList says it could not reach the zone
+        self._unreachable: dict[tuple[str, str], str] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._ids = itertools.count(4_000_000_000_000_000_001)
@@ -564,6 +564,21 @@ class FakeComputeAPI:
     def calls_to(self, endpoint: str) -> list[Call]:
         with self._lock:
             return [c for c in self.calls if c.endpoint == endpoint]
+
+    def set_unreachable(self, project: str, zone: str, via: str | None = "warning") -> None:
+        """aggregatedList cannot reach ``zone``: its instances are left out of the list, and the
+        zone is reported by ``via``: ``"warning"`` (its scoped list carries only the warning
+        ``UNREACHABLE``, "A given scope cannot be reached", ``InstancesScopedList.warning.code``)
+        or ``"unreachables"`` (``zones/ZONE`` in ``InstanceAggregatedList.unreachables``,
+        "Unreachable resources"). Which one GCE uses for a zone outage is not documented, so a
+        client must take both. ``None`` makes the zone reachable again."""
+        if via not in (None, "warning", "unreachables"):
+            raise ValueError(f"via must be 'warning', 'unreachables' or None, not {via!r}")
+        with self._lock:
+            if via is None:
+                self._unreachable.pop((project, zone), None)
+            else:
+                self._unreachable[(project, zone)] = via
 
     def add_zone(self, project: str, zone: str) -> None:
         """Make a project and zone exist without any instance in them."""
@@ -1005,12 +1020,25 @@ class FakeComputeAPI:
                 key=lambda i: (i.zone, i.name),
             )
             matching = [i for i in matching if match is None or match(i)]
+            lost = {z: v for (p, z), v in self._unreachable.items() if p == project}
+            matching = [i for i in matching if i.zone not in lost]
             page = [_instance_json(i) for i in matching[offset : offset + size]]
-            zones = sorted(z for p, z in self.zones if p == project)
+            zones = sorted({z for p, z in self.zones if p == project} | set(lost))
         items: dict[str, Any] = {}
+        unreachables: list[str] = []
         for z in zones:
             here = [i for i in page if i["zone"].endswith(f"/zones/{z}")]
-            if here:
+            if lost.get(z) == "unreachables":
+                unreachables.append(f"zones/{z}")
+            if lost.get(z) == "warning":
+                items[f"zones/{z}"] = {
+                    "warning": {
+                        "code": "UNREACHABLE",
+                        "message": f"Scope 'zones/{z}' is unreachable.",  # wording: ours
+                        "data": [{"key": "scope", "value": f"zones/{z}"}],
+                    }
+                }
+            elif here:
                 items[f"zones/{z}"] = {"instances": here}
             else:
                 items[f"zones/{z}"] = {
@@ -1026,6 +1054,8 @@ class FakeComputeAPI:
             "items": items,
             "selfLink": f"{API}/projects/{project}/aggregated/instances",
         }
+        if unreachables:
+            body["unreachables"] = unreachables
         if offset + size < len(matching):
             body["nextPageToken"] = format(offset + size, "x")
         return 200, body, {}
