@@ -20,8 +20,8 @@ P, Z = "test-project", "us-central1-a"
 
 
 def documented_role(*modes: str) -> set[str]:
-    """The permissions docs/poller.md lists for these rows of its IAM table ("the above +"
-    rows add to the rows before them)."""
+    """The permissions docs/poller.md lists for these rows of its IAM table: a "the above +"
+    row adds to the row above it, a "+" row is what that option adds to a mode."""
     text = (REPO / "docs" / "poller.md").read_text()
     table = text[text.index("IAM, per mode") :]
     perms: set[str] = set()
@@ -31,7 +31,7 @@ def documented_role(*modes: str) -> set[str]:
             break
         mode, granted = line.split("|")[1:3]
         names = set(re.findall(r"`(compute\.[a-zA-Z.]+)`", granted))
-        perms = perms | names if "+" in granted else names
+        perms = perms | names if "the above" in granted else names
         rows[mode.strip()] = set(perms)
     out: set[str] = set()
     for m in modes:
@@ -41,7 +41,7 @@ def documented_role(*modes: str) -> set[str]:
 
 
 READ = documented_role("poll by name")
-REAP = documented_role("`--reap`", "evidence for an ended VM (rows 6/7)")
+REAP = documented_role("poll by name", "`--reap`", "evidence for an ended VM (rows 6/7)")
 
 
 def test_the_documented_roles_name_real_permissions() -> None:
@@ -150,3 +150,26 @@ def test_a_typo_under_the_least_privilege_role_stops_only_that_name(
     assert "instance 'vm-9' not found" in str(out["vm-9"]["error"])
     assert out["vm-2"]["error"] is None and out["vm-2"]["verdict"] == "healthy"
     assert api.calls_to("delete") == []
+
+
+def test_the_least_privilege_fleet_role_lists_polls_and_reaps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    role = documented_role("fleet (`--label`)", "`--reap`", "evidence for an ended VM (rows 6/7)")
+    with FakeComputeAPI(token="tok", roles={"tok": role}) as api:
+        for name in ("vm-1", "vm-2"):
+            api.add_instance(name, project=P, zone=Z, labels={"gce-watchdog": "on"})
+        w = Writer(boot="aaaa0001")
+        api.append_serial("vm-1", w.line("phase", {"ph": "workload"}))
+        api.append_serial("vm-1", w.line("shutdown", {"reason": "ladder", "rung": "10/10"}, "x"))
+        healthy = Writer(boot="bbbb0002")
+        healthy.ts_ms = int(time.time() * 1000)
+        api.append_serial("vm-2", healthy.line("phase", {"ph": "workload"}))
+        argv = poll_args(api, tmp_path, "--once", "--reap")
+        i = argv.index("--zone")
+        argv = [*argv[:i], *argv[i + 2 :], "--label", "gce-watchdog=on"]
+        assert main(argv) == 0
+        out = outputs(capsys)
+        assert out["vm-1"]["verdict"] == "self_shutdown" and out["vm-1"]["reaped"]
+        assert out["vm-2"]["verdict"] == "healthy"
+        assert all(c.status != 403 for c in api.calls)
