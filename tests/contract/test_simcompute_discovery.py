@@ -146,6 +146,13 @@ def served_responses(api: FakeComputeAPI) -> list[tuple[str, dict[str, Any]]]:
     call("compute.instances.list", "GET", f"{base}/instances", params={"maxResults": "1"})
     call("compute.instances.aggregatedList", "GET", f"projects/{P}/aggregated/instances",
          params={"filter": 'labels.gce-watchdog = "on"'})  # fmt: skip
+    for zone, via in (("asia-east1-a", "warning"), ("asia-east1-b", "unreachables")):
+        api.add_instance(f"vm-{via}", project=P, zone=zone)
+        api.set_unreachable(P, zone, via)
+    lost = call("compute.instances.aggregatedList", "GET", f"projects/{P}/aggregated/instances")
+    assert lost["items"]["zones/asia-east1-a"]["warning"]["code"] == "UNREACHABLE"
+    assert lost["unreachables"] == ["zones/asia-east1-b"]
+    assert "instances" not in lost["items"].get("zones/asia-east1-b", {})
     fp = call("compute.instances.get", "GET", f"{base}/instances/vm-2")["metadata"]["fingerprint"]
     call("compute.instances.setMetadata", "POST", f"{base}/instances/vm-2/setMetadata",
          params={"requestId": str(uuid.uuid4())},

@@ -476,3 +476,84 @@ def test_cli_a_list_that_gives_up_is_an_error_line_and_a_retry_next_round(
     assert main([*argv, "--once"]) == 0  # listed: both polled
     cap = capsys.readouterr()
     assert sorted(json.loads(x)["instance"] for x in cap.out.splitlines()) == ["vm-0", "vm-1"]
+
+
+@pytest.mark.parametrize("via", ["warning", "unreachables"])
+def test_an_unreachable_zone_keeps_its_vms_never_takes_them_for_deleted(
+    api: FakeComputeAPI, tmp_path: Path, via: str
+) -> None:
+    """A zone aggregatedList cannot reach (``UNREACHABLE`` / ``unreachables``) leaves its VMs out
+    of the list: absence there proves nothing, so they are kept and polled, never finalized."""
+    api.add_instance("a-vm", zone="us-central1-a", labels=LABEL)
+    api.add_instance("b-vm", zone="us-central1-b", labels=LABEL)
+    healthy(api, "a-vm", "aaaa0001")
+    healthy(api, "b-vm", "bbbb0002")
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        fleet = FleetPoller(client_for(api), CursorStore(tmp_path / "c"), led, ["test-project"],
+                            FLT, Policy(), reap=True, workers=2)  # fmt: skip
+        try:
+            outs, rep = _outcomes(fleet)
+            assert sorted(outs) == ["a-vm", "b-vm"]
+            api.set_unreachable("test-project", "us-central1-b", via)
+            outs, rep = _outcomes(fleet)
+            assert rep.unreachable == {("test-project", "us-central1-b")}  # type: ignore[attr-defined]
+            assert rep.gone == []  # type: ignore[attr-defined]
+            assert outs["b-vm"].action == "none" and outs["b-vm"].verdict is not None
+            assert outs["b-vm"].verdict.kind.value == "healthy"
+            api.set_unreachable("test-project", "us-central1-b", None)
+            api.instance("b-vm").deleted = True  # reachable again, and deleted meanwhile
+            outs, rep = _outcomes(fleet)
+            assert [t.name for t in rep.gone] == ["b-vm"]  # type: ignore[attr-defined]
+        finally:
+            fleet.close()
+        assert led.all() == []  # nothing failed over
+    assert api.calls_to("delete") == []
+
+
+def test_cli_an_unreachable_zone_is_an_error_line(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api.add_instance("vm-0", project="proj-one", zone="us-central1-a", labels=LABEL)
+    api.add_instance("vm-1", project="proj-one", zone="us-central1-b", labels=LABEL)
+    healthy(api, "vm-0", "00000000")
+    healthy(api, "vm-1", "00000001")
+    api.set_unreachable("proj-one", "us-central1-b")
+    tok = tmp_path / "token"
+    tok.write_text("tok\n")
+    argv = ["poll", "--label", "gce-watchdog=on", "--project", "proj-one", "--api-base",
+            api.base_url, "--access-token-file", str(tok), "--ledger", str(tmp_path / "l.sqlite"),
+            "--cursor-dir", str(tmp_path / "c"), "--json", "--once"]  # fmt: skip
+    main(argv)
+    cap = capsys.readouterr()
+    assert "zone us-central1-b of proj-one did not answer the list" in cap.err
+    assert [json.loads(x)["instance"] for x in cap.out.splitlines()] == ["vm-0"]
+
+
+def test_a_restarted_poller_keeps_the_cursors_of_an_unreachable_zone_until_it_is_listed(
+    api: FakeComputeAPI, tmp_path: Path
+) -> None:
+    """A VM deleted while the poller was down, in a zone the first list after the restart
+    cannot reach: it is finalized once the zone answers again, not forgotten."""
+    api.add_instance("lost", zone="us-central1-b", labels=LABEL)
+    api.add_instance("here", zone="us-central1-a", labels=LABEL)
+    healthy(api, "lost", "0000000a")
+    healthy(api, "here", "0000000b")
+    cursors = tmp_path / "cursors"
+    fleet = FleetPoller(client_for(api), CursorStore(cursors), None, ["test-project"], FLT)
+    try:
+        outs, _ = _outcomes(fleet)
+        assert sorted(outs) == ["here", "lost"]
+    finally:
+        fleet.close()
+    api.instance("lost").deleted = True
+    api.set_unreachable("test-project", "us-central1-b")
+    fleet = FleetPoller(client_for(api), CursorStore(cursors), None, ["test-project"], FLT)
+    try:
+        outs, rep = _outcomes(fleet)
+        assert rep.gone == []  # type: ignore[attr-defined]  # the zone said nothing
+        api.set_unreachable("test-project", "us-central1-b", None)
+        outs, rep = _outcomes(fleet)
+        assert [t.name for t in rep.gone] == ["lost"]  # type: ignore[attr-defined]
+        assert outs["lost"].verdict is not None
+    finally:
+        fleet.close()

@@ -385,8 +385,9 @@ class FleetPoller:
         rep.gone = sorted(
             t for t in (set(self.known) | self._unlisted) - set(found.instances) if not unlisted(t)
         )
-        # cursors of a project whose list failed wait for its next list to say whether they are gone
-        self._unlisted = {t for t in self._unlisted if t.project in found.failed}
+        # cursors of a project whose list failed, or of a zone it could not reach, wait for the
+        # next list that answers for them to say whether they are gone
+        self._unlisted = {t for t in self._unlisted if unlisted(t)}
         jobs: dict[Target, InstanceStatus | None] = dict(found.instances)
         for t in rep.gone:
             jobs[t] = None  # poll by name: GET says 404, the ledger finalizes it once

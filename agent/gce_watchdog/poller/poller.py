@@ -313,13 +313,25 @@ class Poller:
         """What does not exist, most general first; raises TargetNotFound for a project or
         zone (every instance is affected)."""
         p, z = self.project, self.zone
-        if not self.client.scope_exists(p):
-            raise TargetNotFound(f"project {p!r} not found (GET projects/{p}: 404)", 404)
-        if not self.client.scope_exists(p, z):
-            raise TargetNotFound(f"zone {z!r} not found in project {p!r} (404)", 404)
+        # projects.get and zones.get only sharpen the message: the documented least-privilege
+        # role (docs/poller.md) has neither permission, and there a 404 from instances.get is
+        # all we know. A 403 from them must not stop the other names (issue 23).
+        unchecked = ""
+        try:
+            if not self.client.scope_exists(p):
+                raise TargetNotFound(f"project {p!r} not found (GET projects/{p}: 404)", 404)
+            if not self.client.scope_exists(p, z):
+                raise TargetNotFound(f"zone {z!r} not found in project {p!r} (404)", 404)
+        except AuthError as e:
+            if e.status != 403:
+                raise
+            unchecked = (
+                "; the project and zone were not checked (no compute.projects.get/"
+                "compute.zones.get permission)"
+            )
         return (
             f"instance {name!r} not found in {p}/{z} and never seen by this poller "
-            "(a typo? no verdict)"
+            f"(a typo? no verdict){unchecked}"
         )
 
     def path(self, name: str) -> str:

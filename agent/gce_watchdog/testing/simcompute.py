@@ -48,6 +48,11 @@ with its reference.
   sends: ``labels.KEY = "VALUE"`` and ``labels.KEY:*``; any other filter is a 400.
 
 Every request needs ``Authorization: Bearer <token>`` with an accepted token (401 otherwise).
+IAM per permission: ``roles`` maps a token to the permission set its principal's role grants (a
+role is a set of permissions, Compute Engine docs "IAM roles and permissions"); a call whose
+permission (``PERMISSIONS``, from the "IAM Permissions" section of each method's API reference
+page) the set lacks is a 403 ``forbidden``, "Required 'compute.instances.get' permission for
+'projects/P/zones/Z/instances/N'". A token not in ``roles`` has every permission.
 Tests can make an endpoint hang (sleep past the client's timeout), refuse (403) or rate-limit
 for the next N calls: ``RATE_LIMIT`` answers as GCE does, 403 with reason ``rateLimitExceeded``
 in the error body (Compute Engine docs, "API rate limits": "a 403 error with the reason
@@ -73,7 +78,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -235,6 +240,16 @@ METHODS: dict[str, Method] = {
     "compute.projects.get": _m("scope", "GET", "projects/{project}", "project"),
     "compute.zones.get": _m("scope", "GET", _Z, "project zone"),
 }
+# The IAM permission each method checks: the "IAM Permissions" section of each method's page in
+# the Compute Engine API reference (compute/docs/reference/rest/v1/instances/getSerialPortOutput:
+# "compute.instances.getSerialPortOutput"; instances/aggregatedList and instances/list:
+# "compute.instances.list"; instances/insert: "compute.instances.create"; zoneOperations/get and
+# list, projects/get, zones/get: the permission of the same name). Roles and permissions:
+# Compute Engine docs, "IAM roles and permissions" (compute/docs/access/iam).
+PERMISSIONS: dict[str, str] = {mid: mid for mid in METHODS} | {
+    "compute.instances.aggregatedList": "compute.instances.list",
+    "compute.instances.insert": "compute.instances.create",
+}
 _ROUTES = [
     (
         mid,
@@ -351,8 +366,12 @@ class FakeComputeAPI:
         stop_delay_s: float = 0.0,
         op_pending_s: float = 0.0,
         serial_needs_running: bool = True,
+        roles: dict[str, Iterable[str]] | None = None,
     ) -> None:
         self.tokens = {token} if isinstance(token, str) else set(token)
+        # token -> the permissions its principal's role grants (a role is a permission set,
+        # Compute Engine docs "IAM roles and permissions"); a token not named here has them all
+        self.roles: dict[str, frozenset[str]] = {t: frozenset(p) for t, p in (roles or {}).items()}
         self.window = window
         self.hang_s = hang_s
         self.retry_after: str | None = "1"  # the Retry-After header of a RATE_LIMIT fault
@@ -376,6 +395,8 @@ class FakeComputeAPI:
         self._instance_faults: dict[str, _FaultPlan] = {}
         self._project_faults: dict[str, _FaultPlan] = {}
         self.zones: set[tuple[str, str]] = set()  # (project, zone) pairs a list reports
+        # (project, zone) -> how aggregatedList says it could not reach the zone
+        self._unreachable: dict[tuple[str, str], str] = {}
         self._lock = threading.RLock()
         self._closing = threading.Event()
         self._ids = itertools.count(4_000_000_000_000_000_001)
@@ -544,6 +565,21 @@ class FakeComputeAPI:
         with self._lock:
             return [c for c in self.calls if c.endpoint == endpoint]
 
+    def set_unreachable(self, project: str, zone: str, via: str | None = "warning") -> None:
+        """aggregatedList cannot reach ``zone``: its instances are left out of the list, and the
+        zone is reported by ``via``: ``"warning"`` (its scoped list carries only the warning
+        ``UNREACHABLE``, "A given scope cannot be reached", ``InstancesScopedList.warning.code``)
+        or ``"unreachables"`` (``zones/ZONE`` in ``InstanceAggregatedList.unreachables``,
+        "Unreachable resources"). Which one GCE uses for a zone outage is not documented, so a
+        client must take both. ``None`` makes the zone reachable again."""
+        if via not in (None, "warning", "unreachables"):
+            raise ValueError(f"via must be 'warning', 'unreachables' or None, not {via!r}")
+        with self._lock:
+            if via is None:
+                self._unreachable.pop((project, zone), None)
+            else:
+                self._unreachable[(project, zone)] = via
+
     def add_zone(self, project: str, zone: str) -> None:
         """Make a project and zone exist without any instance in them."""
         with self._lock:
@@ -649,7 +685,7 @@ class FakeComputeAPI:
             self.arrived[endpoint] = self.arrived.get(endpoint, 0) + 1
         token = auth[len("Bearer ") :] if auth and auth.startswith("Bearer ") else None
         authorized = token in self.tokens
-        status, out, headers = self._dispatch(method, route, query, authorized, body)
+        status, out, headers = self._dispatch(method, route, query, authorized, body, token)
         with self._lock:
             self.calls.append(Call(method, endpoint, parts.path, query, authorized, status))
         return status, out, headers
@@ -661,6 +697,7 @@ class FakeComputeAPI:
         query: dict[str, str],
         authorized: bool,
         body: bytes,
+        token: str | None = None,
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         if not authorized:
             return (
@@ -679,8 +716,19 @@ class FakeComputeAPI:
                 f"parameter. Field '{name}' could not be found in request message."
             )
             return 400, _error(400, msg, "invalid"), {}
-        if m.endpoint == "scope":
-            return self._scope(groups.get("project", ""), groups.get("zone"))
+        granted = self.roles.get(token or "")
+        if granted is not None and PERMISSIONS[mid] not in granted:
+            # GCE's answer to a call the caller's role does not allow: 403, reason "forbidden",
+            # "Required '<permission>' permission for '<resource>'" (Compute Engine API
+            # reference, "IAM Permissions" of each method; Cloud APIs error model, 403
+            # PERMISSION_DENIED)
+            resource = "projects/" + "/".join(
+                f"{k}s/{groups[k]}" if k != "project" else groups[k]
+                for k in ("project", "zone", "instance")
+                if k in groups
+            )
+            msg = f"Required '{PERMISSIONS[mid]}' permission for '{resource}'"
+            return 403, _error(403, msg, "forbidden"), {}
         fault = self._take_fault(m.endpoint, groups["project"], groups.get("instance") or "")
         if fault is Fault.HANG:
             self._closing.wait(self.hang_s)
@@ -700,6 +748,8 @@ class FakeComputeAPI:
             )
         elif fault is Fault.SERVER_ERROR:
             return 503, _error(503, "Backend Error", "backendError"), {}
+        if m.endpoint == "scope":
+            return self._scope(groups.get("project", ""), groups.get("zone"))
         project = groups["project"]
         if m.endpoint == "list":
             return self._list(project, query)
@@ -970,12 +1020,25 @@ class FakeComputeAPI:
                 key=lambda i: (i.zone, i.name),
             )
             matching = [i for i in matching if match is None or match(i)]
+            lost = {z: v for (p, z), v in self._unreachable.items() if p == project}
+            matching = [i for i in matching if i.zone not in lost]
             page = [_instance_json(i) for i in matching[offset : offset + size]]
-            zones = sorted(z for p, z in self.zones if p == project)
+            zones = sorted({z for p, z in self.zones if p == project} | set(lost))
         items: dict[str, Any] = {}
+        unreachables: list[str] = []
         for z in zones:
             here = [i for i in page if i["zone"].endswith(f"/zones/{z}")]
-            if here:
+            if lost.get(z) == "unreachables":
+                unreachables.append(f"zones/{z}")
+            if lost.get(z) == "warning":
+                items[f"zones/{z}"] = {
+                    "warning": {
+                        "code": "UNREACHABLE",
+                        "message": f"Scope 'zones/{z}' is unreachable.",  # wording: ours
+                        "data": [{"key": "scope", "value": f"zones/{z}"}],
+                    }
+                }
+            elif here:
                 items[f"zones/{z}"] = {"instances": here}
             else:
                 items[f"zones/{z}"] = {
@@ -991,6 +1054,8 @@ class FakeComputeAPI:
             "items": items,
             "selfLink": f"{API}/projects/{project}/aggregated/instances",
         }
+        if unreachables:
+            body["unreachables"] = unreachables
         if offset + size < len(matching):
             body["nextPageToken"] = format(offset + size, "x")
         return 200, body, {}
