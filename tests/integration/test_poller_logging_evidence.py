@@ -188,3 +188,16 @@ def test_paging_is_followed_within_the_budget(logs: FakeLoggingAPI) -> None:
     assert data.count(b"\n") == 1500 and data.startswith(b"line 0\n")
     assert [c.body.get("pageToken") for c in logs.calls] == [None, "1000"]
     lc.close()
+
+
+def test_a_long_log_is_read_from_its_end(logs: FakeLoggingAPI) -> None:
+    """More entries than the pages allowed: the newest are read (the final line is there)."""
+    from google.oauth2.credentials import Credentials
+
+    creds = Credentials("tok")  # type: ignore[no-untyped-call]
+    lc = create_logging_client(creds, logs.base_url, max_pages=1)
+    for i in range(2500):
+        logs.add_serial(P, "7", f"line {i}", T0 + i)
+    data = lc.serial_lines(P, "7", None)
+    assert data.endswith(b"line 2499\n") and data.startswith(b"line 1500\n")
+    lc.close()

@@ -88,11 +88,13 @@ class LoggingClient:
 
     def serial_lines(self, project: str, instance_id: str, since: float | None) -> bytes:
         """The instance's exported serial output from ``since`` on, oldest first, one line per
-        entry. Raises LoggingError on any failure (a 403 without the permission, a 404, ...)."""
+        entry. Read newest first (``timestamp desc``), so that the pages allowed always hold the
+        end of the log, where a final line is; then put back in order. Raises LoggingError on
+        any failure (a 403 without the permission, a 404, ...)."""
         body: dict[str, Any] = {
             "resourceNames": [f"projects/{project}"],
             "filter": serial_filter(project, instance_id, since),
-            "orderBy": "timestamp asc",
+            "orderBy": "timestamp desc",
             "pageSize": PAGE_SIZE,
         }
         out: list[bytes] = []
@@ -116,7 +118,7 @@ class LoggingClient:
             if not isinstance(token, str) or not token:
                 break
             body["pageToken"] = token
-        return b"".join(out)
+        return b"".join(reversed(out))
 
     def close(self) -> None:
         self.session.close()
