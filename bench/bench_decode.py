@@ -10,13 +10,13 @@ or ``GCE_WATCHDOG_SERIAL_CORPUS``) with one of our lines after every ``N`` conso
 20: a degrading agent writing a tick per 30 s tick between the console output of a busy VM).
 Both sides read the same bytes in the same run:
 
-- decode: ``wire.protocol.decode_all`` (split, marker scan, CRC check, parse, dedup), in
-  process, from bytes already in memory;
+- decode: ``wire.protocol.decode_all`` (split, marker scan, CRC check, parse, Ed25519 verify of
+  every intact line, dedup), in process, from bytes already in memory;
 - hostile inputs (issue 15: one VM's output must not stall a poll round), each 1 MiB: one line of
   nothing but markers (``hostile_line``), one line of markers each followed by trailer-shaped
   candidates (``hostile_trailers``), and a stream of short marker lines ended by a bare CR
   (``hostile_cr``). Decoding is linear: at most 8 markers per line, 200 bytes after each;
-- grep: ``grep -F -c GCEWD2 FILE`` as a subprocess (process start included: that is what a
+- grep: ``grep -F -c GCEWD3 FILE`` as a subprocess (process start included: that is what a
   shell pipeline pays too), the file in the page cache after a warm-up run.
 
 Each is timed ``R`` times (after one warm-up); the median is reported. MB/s means 10^6 bytes
@@ -42,8 +42,63 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "agent"))
 
 from gce_watchdog.poller.timeline import parse_bytes
-from gce_watchdog.testing.synth import corpus_dir, realistic_dump
-from gce_watchdog.wire.protocol import MARKER, decode_all
+from gce_watchdog.testing.synth import SYNTH_KEY, Writer, corpus_dir, realistic_dump
+from gce_watchdog.wire.protocol import (
+    MARKER,
+    SIG_CHARS,
+    LineKey,
+    b64,
+    decode_all,
+    encode,
+    key_line,
+    make_event,
+    verify,
+)
+
+
+def _crc(signed: bytes) -> bytes:
+    import zlib
+
+    return b"%08x" % (zlib.crc32(signed) & 0xFFFFFFFF)
+
+
+def hostile_inputs(mib: int) -> dict[str, bytes]:
+    """The hostile 1 MiB shapes (issues 15 and 25): what anyone reaching the console can write.
+
+    - ``hostile_line``: one line of nothing but markers;
+    - ``hostile_trailers``: markers each followed by trailer-shaped candidates (a v3 trailer's
+      shape, the CRC wrong);
+    - ``hostile_cr``: short marker lines ended by a bare CR;
+    - ``hostile_bad_sig``: intact lines (the CRC right) of the pinned instance's boot, each
+      with a signature of nobody's making (each must be verified: the costly one);
+    - ``hostile_self_signed``: self-signed announcements of other keys (no signature is
+      checked: their key is not the pin).
+
+    Each follows the instance's real first lines (its announcement, pinned)."""
+    head = Writer(boot="3f2a9c1e").line("start", {"v": "3"})
+    fill = b"A" * SIG_CHARS
+    shapes = {
+        "hostile_line": b"GCEWD3 " * (mib // 7) + b"\n",
+        "hostile_trailers": (b"GCEWD3 x" + (b" #" + fill + b"0123abcd") * 2 + b"\n") * (mib // 201),
+        "hostile_cr": b"GCEWD3 x\r" * (mib // 9),
+    }
+    bad, seq = bytearray(head), 3
+    evil = LineKey(bytes(range(1, 33)))
+    while len(bad) < mib:
+        ev = make_event("shutdown", "3f2a9c1e", seq, 1_800_000_000_000, {"reason": "ladder"})
+        # a real signature, by another key (libsodium rejects malformed ones before the math)
+        body = encode(ev, SYNTH_KEY).encode()[: -(SIG_CHARS + 10)]
+        signed = body + b" #" + b64(evil.sign(body)).encode()
+        bad += signed + _crc(signed) + b"\n"
+        seq += 1
+    shapes["hostile_bad_sig"] = bytes(bad)
+    keys = [LineKey(bytes([i]) * 32) for i in range(64)]
+    own, i = bytearray(head), 0
+    while len(own) < mib:
+        own += key_line(f"{i:08x}", i % 2, 0, keys[i % 64]).encode() + b"\n"
+        i += 1
+    shapes["hostile_self_signed"] = bytes(own)
+    return shapes
 
 
 def _median_time(fn: Callable[[], object], repeats: int) -> tuple[float, list[float]]:
@@ -75,17 +130,23 @@ def run(size: int, every: int, repeats: int) -> dict[str, object]:
         )
     t_decode, decode_times = _median_time(lambda: decode_all(data), repeats)
     mib = 1 << 20
-    hostile = {
-        "hostile_line": b"GCEWD2 " * (mib // 7) + b"\n",
-        "hostile_trailers": (b"GCEWD2 x #0123456789abcdef01234567 " * 7 + b"\n") * (mib // 246),
-        "hostile_cr": b"GCEWD2 x\r" * (mib // 9),
-    }
+    hostile = hostile_inputs(mib)
+    pin = SYNTH_KEY.public
     hostile_res: dict[str, object] = {}
     for name, blob in hostile.items():
-        t, _ = _median_time(lambda b=blob: decode_all(b), max(3, repeats // 3))  # type: ignore[misc]
+        t, _ = _median_time(lambda b=blob: decode_all(b, pin=pin), max(3, repeats // 3))  # type: ignore[misc]
         hostile_res[f"{name}_bytes"] = len(blob)
         hostile_res[f"{name}_median_s"] = t
+        hostile_res[f"{name}_ms_per_mib"] = t * 1000 * mib / len(blob)
         hostile_res[f"{name}_mb_s"] = len(blob) / 1e6 / t
+    body = b"GCEWD3 3f2a9c1e 42 2026-11-30T04:18:14.123Z tick rung=3/10 md=fail/timeout/5001"
+    body += b" " + b"x" * (199 - len(body))
+    sig = SYNTH_KEY.sign(body)
+    n = 2000
+    t_sign, _ = _median_time(lambda: [SYNTH_KEY.sign(body) for _ in range(n)], 5)
+    t_verify, _ = _median_time(lambda: [verify(pin, body, sig) for _ in range(n)], 5)
+    hostile_res["sign_us_per_line"] = t_sign / n * 1e6
+    hostile_res["verify_us_per_line"] = t_verify / n * 1e6
     t_timeline, _ = _median_time(lambda: parse_bytes(data), repeats)
     marker_lines = sum(1 for ln in data.split(b"\n") if MARKER.encode() in ln)
     mb = len(data) / 1e6
@@ -137,9 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"decode {res['decode_mb_s']:.1f} MB/s ({res['events']} events, {res['bytes']} bytes), "
         f"timeline {res['timeline_mb_s']:.1f} MB/s, grep -F -c {res['grep_mb_s']:.1f} MB/s, "
-        f"ratio {res['ratio_decode_to_grep']:.2f}x (goal <= 5x); hostile 1 MiB: one line of "
-        f"markers {res['hostile_line_mb_s']:.1f} MB/s, trailers {res['hostile_trailers_mb_s']:.1f}"
-        f" MB/s, CR-ended marker lines {res['hostile_cr_mb_s']:.1f} MB/s -> {out}"
+        f"ratio {res['ratio_decode_to_grep']:.2f}x (goal <= 5x); sign "
+        f"{res['sign_us_per_line']:.0f} us, verify {res['verify_us_per_line']:.0f} us per line; "
+        "hostile ms per MiB (goal < 50): "
+        + ", ".join(
+            f"{k[len('hostile_') :]} {res[f'{k}_ms_per_mib']:.0f}"
+            for k in (
+                "hostile_line",
+                "hostile_trailers",
+                "hostile_cr",
+                "hostile_bad_sig",
+                "hostile_self_signed",
+            )
+        )
+        + f" -> {out}"
     )
     ok = res["grep_count"] == res["marker_lines"] and res["events"] == res["events_expected"]
     return 0 if ok else 1

@@ -72,51 +72,123 @@ MD_LINGER=""
 log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$*" >&2; }
 
 # ---- the pre-agent emitter ----------------------------------------------------------------------
-# Same wire format (v2, signed) as agent/gce_watchdog/wire/protocol.py, same key file and seq
+# Same wire format (v3, Ed25519-signed) as agent/gce_watchdog/wire/protocol.py, same key file and seq
 # file (<run>/seq.<boot>, fixed width, under flock) as
 # agent/gce_watchdog/vm/state.py's SeqAllocator, same port semantics as agent/gce_watchdog/vm/console.py (one write, then tcdrain
 # on a tty or fsync on a file; the fallback file when the device cannot be opened).
 read -r -d '' EMITTER_PY <<'PY' || true
-import fcntl, hashlib, hmac, os, re, secrets, stat, sys, termios, time, zlib
-def key_of(dirs):
-    # agent/gce_watchdog/vm/state.py load_or_create_key: <state>/key, else <run>/key; 0600, ours
-    for d in dirs:
-        p, bad = os.path.join(d, "key"), False
+import base64, fcntl, hashlib, json, os, re, secrets, stat, sys, termios, time, zlib
+P25519, L25519 = 2**255 - 19, 2**252 + 27742317777372353535851937790883648493
+def ed25519(seed, msg):
+    # RFC 8032 section 5.1 (Ed25519), the reference's extended coordinates: libsodium (the
+    # agent's PyNaCl) and this give the same bytes (signing is deterministic; tested).
+    p, L = P25519, L25519
+    d = -121665 * pow(121666, p - 2, p) % p
+    def add(P, Q):
+        a = (P[1] - P[0]) * (Q[1] - Q[0]) % p
+        b = (P[1] + P[0]) * (Q[1] + Q[0]) % p
+        c, dd = 2 * P[3] * Q[3] * d % p, 2 * P[2] * Q[2] % p
+        e, f, g, h = b - a, dd - c, dd + c, b + a
+        return (e * f % p, g * h % p, f * g % p, e * h % p)
+    def mul(s, P):
+        Q = (0, 1, 1, 0)
+        while s:
+            if s & 1:
+                Q = add(Q, P)
+            P, s = add(P, P), s >> 1
+        return Q
+    def enc(P):
+        zi = pow(P[2], p - 2, p)
+        x, y = P[0] * zi % p, P[1] * zi % p
+        return (y | (x & 1) << 255).to_bytes(32, "little")
+    gy = 4 * pow(5, p - 2, p) % p
+    x2 = (gy * gy - 1) * pow(d * gy * gy + 1, p - 2, p) % p
+    gx = pow(x2, (p + 3) // 8, p)
+    if (gx * gx - x2) % p:
+        gx = gx * pow(2, (p - 1) // 4, p) % p
+    if gx & 1:
+        gx = p - gx
+    G = (gx, gy, 1, gx * gy % p)
+    h = hashlib.sha512(seed).digest()
+    a = int.from_bytes(h[:32], "little") & ((1 << 254) - 8) | (1 << 254)
+    A = enc(mul(a, G))
+    r = int.from_bytes(hashlib.sha512(h[32:] + msg).digest(), "little") % L
+    R = enc(mul(r, G))
+    k = int.from_bytes(hashlib.sha512(R + A + msg).digest(), "little") % L
+    return R + ((r + k * a) % L).to_bytes(32, "little"), A
+def read_key(p):
+    # agent/gce_watchdog/vm/state.py _read_key: a regular file of 32 bytes, whatever its mode
+    # (a wrong mode is reported, never a reason to replace the key). PermissionError: not root.
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None, False
+    except PermissionError:
+        raise
+    except OSError as e:
+        sys.stderr.write("emit: %s: %s (not used, not replaced)\n" % (p, e))
+        return None, True
+    try:
+        st, k = os.fstat(fd), os.read(fd, 33)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode) or len(k) != 32:
+        sys.stderr.write("emit: %s is not a 32-byte file (not used, not replaced)\n" % p)
+        return None, True
+    if st.st_mode & 0o077 or st.st_uid != os.geteuid():
+        sys.stderr.write("emit: %s: mode %o uid %d (kept)\n" % (p, st.st_mode & 0o777, st.st_uid))
+    return k, False
+def create_key(d, k):
+    os.makedirs(d, 0o755, exist_ok=True)
+    p, tmp = os.path.join(d, "signing.key"), os.path.join(d, ".signing.key.%d.tmp" % os.getpid())
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                st, k = os.fstat(fd), os.read(fd, 33)
-            finally:
-                os.close(fd)
-            if st.st_uid == os.geteuid() and not st.st_mode & 0o077 and len(k) == 32:
-                return k
-            bad = True
-        except FileNotFoundError:
+            if os.write(fd, k) != 32:
+                raise OSError("short write of the key")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, p)
+        except FileExistsError:
             pass
-        except OSError:
-            continue
+    finally:
         try:
-            os.makedirs(d, 0o755, exist_ok=True)
-            k, tmp = secrets.token_bytes(32), os.path.join(d, ".key.%d.tmp" % os.getpid())
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, k)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if bad:
-                os.replace(tmp, p)
-                return k
-            try:
-                os.link(tmp, p)
-            except FileExistsError:
-                os.unlink(tmp)
-                return key_of(dirs)
             os.unlink(tmp)
-            return k
+        except OSError:
+            pass
+    return read_key(p)[0]
+def key_of(state, run):
+    # agent/gce_watchdog/vm/state.py load_line_key: (seed, ephemeral); never replaces a key
+    try:
+        k, broken = read_key(os.path.join(state, "signing.key"))
+        if k is not None:
+            return k, False
+        boot_k = read_key(os.path.join(run, "signing.key"))[0]
+    except PermissionError as e:
+        sys.stderr.write("emit: %s\n" % e)
+        return None, False
+    if not broken:
+        try:
+            k = create_key(state, boot_k or secrets.token_bytes(32))
+            if k is not None:
+                return k, False
         except OSError as e:
-            sys.stderr.write("emit: no key in %s: %s\n" % (d, e))
-    return None
+            if isinstance(e, PermissionError) and os.geteuid() != 0:
+                return None, False
+            sys.stderr.write("emit: no key in %s: %s\n" % (state, e))
+    if boot_k is not None:
+        return boot_k, True
+    try:
+        k = create_key(run, secrets.token_bytes(32))
+        if k is not None:
+            return k, True
+    except OSError as e:
+        if isinstance(e, PermissionError) and os.geteuid() != 0:
+            return None, False
+        sys.stderr.write("emit: no key in %s: %s\n" % (run, e))
+    return secrets.token_bytes(32), True
 def next_seq(run, boot, last=[-1]):
     # agent/gce_watchdog/vm/state.py SeqAllocator: <run>/seq.<boot>, fixed width, in place
     try:
@@ -125,7 +197,12 @@ def next_seq(run, boot, last=[-1]):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             old = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            n = int(old) if old.isdigit() else 0
+            if old.isdigit():
+                n = int(old)
+            elif old:  # a corrupt record: never back to 0 (state.py SeqAllocator)
+                n = max(last[0] + 1, time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000)
+            else:
+                n = 0
             rec = ("%020d\n" % (n + 1)).encode()
             if os.pwrite(fd, rec, 0) != len(rec):
                 raise OSError("short write")
@@ -136,10 +213,20 @@ def next_seq(run, boot, last=[-1]):
         n = max(last[0] + 1, time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000)
     last[0] = n
     return n
+def b64(b):
+    return base64.urlsafe_b64encode(b).decode().rstrip("=")
 def sign(body, key):
+    # v3: body " #" signature (86 base64url) crc (8 hex, over everything before it)
     b = body.encode()
-    mac = hmac.new(key, b, hashlib.sha256).hexdigest()[:16]
-    return "%s #%08x%s" % (body, zlib.crc32(b) & 0xFFFFFFFF, mac)
+    signed = b + b" #" + b64(ed25519(key, b)[0]).encode()
+    return "%s%08x" % (signed.decode(), zlib.crc32(signed) & 0xFFFFFFFF)
+def instance_id(state):
+    try:
+        with open(os.path.join(state, "instance.json"), "rb") as f:
+            iid = str(json.loads(f.read(4096)).get("id", ""))
+    except (OSError, ValueError, AttributeError):
+        return "-"
+    return iid if iid.isdigit() and len(iid) <= 20 else "-"
 def main(argv):
     event, rest = argv[0], argv[1:]
     text = ""
@@ -167,7 +254,7 @@ def main(argv):
         raw = "0" * 32
     boot = (raw + "0" * 8)[:8]
     state, run = os.environ["GCEWD_STATE_DIR"], os.environ["GCEWD_RUN_DIR"]
-    key = key_of([state, run])
+    key, eph = key_of(state, run)
     if key is None:
         sys.stderr.write("emit: no line key, the line is not written (not root?)\n")
         return
@@ -175,15 +262,19 @@ def main(argv):
     ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + ".%03dZ" % (ms % 1000)
     lines = []
     seq = next_seq(run, boot)
-    if seq == 0:  # the boot's first line announces the key (never copied to stderr)
-        lines.append(sign(" ".join(["GCEWD2", boot, "0", ts, "key", "k=" + key.hex()]), key))
+    # the announcement: seq 0 and 1 of a boot and every multiple of 32 (protocol
+    # needs_announcement); never copied to stderr
+    while seq <= 1 or seq % 32 == 0:
+        pk = b64(ed25519(key, b"")[1])
+        ann = ["GCEWD3", boot, str(seq), ts, "key", "pk=" + pk, "inst=" + instance_id(state)]
+        lines.append(sign(" ".join(ann + (["eph=1"] if eph else [])), key))
         seq = next_seq(run, boot)
-    head = " ".join(["GCEWD2", boot, str(seq), ts, event])
-    # Fields alone too long for 200 bytes (a long host and file name): shorten the longest value,
+    head = " ".join(["GCEWD3", boot, str(seq), ts, event])
+    # Fields alone too long for 280 bytes (a long host and file name): shorten the longest value,
     # as a reader would reject the whole line otherwise. Every pass makes the line shorter.
-    # The trailer " #" + crc (8 hex) + mac (16 hex) is 26 bytes.
+    # The trailer " #" + signature (86) + crc (8 hex) is 96 bytes.
     while fields:
-        over = len(" ".join([head] + fields)) + 26 - 200
+        over = len(" ".join([head] + fields)) + 96 - 280
         if over <= 0:
             break
         i = max(range(len(fields)), key=lambda j: len(fields[j]))
@@ -193,7 +284,7 @@ def main(argv):
         else:
             del fields[i]
     body = " ".join([head] + fields)
-    room = 200 - len(body) - len(" | ") - 26
+    room = 280 - len(body) - len(" | ") - 96
     if len(text) > room:
         text = text[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
     if text:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -72,3 +73,11 @@ def pubsub_host() -> Iterator[str]:
         pytest.skip(f"pubsub: {why}")
     with pubsub_emulator() as host:
         yield host
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def ledger_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A ledger location for each backend: a SQLite file, then a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "ledger.sqlite")
+    return str(request.getfixturevalue("pg_database"))

@@ -24,6 +24,7 @@ MODULES: tuple[str, ...] = (
     "gce_watchdog.faults.cli",
     "gce_watchdog.bootstrap.cli",
     "gce_watchdog.poller.cli",
+    "gce_watchdog.poller.ledger_cli",
     "gce_watchdog.memory.cli",
     "gce_watchdog.report.cli",
     "gce_watchdog.validate.cli",
@@ -132,10 +133,23 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("64", "usage error; release: an ID that is not held"),
         ("74", "the ledger cannot be opened or read"),
     ),
+    ("key",): (
+        ("0", "printed the fingerprint"),
+        ("1", "printed, but the key is ephemeral (not kept in the state dir): do not pin it"),
+        _USAGE,
+        ("77", "not root: the key is root's alone"),
+        _CONFIG,
+    ),
+    ("pin",): (
+        ("0", "pinned"),
+        ("64", "usage error: not an instance id or not a fingerprint"),
+        ("74", "the ledger cannot be opened or written"),
+    ),
     ("parse",): (
         ("0", "parsed"),
         ("64", "usage error: bad --now or --drain-timeout"),
-        ("66", "the input cannot be read"),
+        ("65", "the input is over 1 GiB (stopped there)"),
+        ("66", "the input cannot be read, or is not a regular file or a pipe (/dev/zero)"),
     ),
     ("memwatch",): (
         ("0", "PASS: every gated gauge stayed in the band"),

@@ -210,3 +210,122 @@ def test_postgres_claim_behind_a_stuck_lock_fails_cleanly_and_the_ledger_stays_u
             stuck.close()
         d = led.claim("id-1", "b", "self_shutdown", "r")
         assert d.won and d.token == 1
+
+
+# -- protocol v3 pins: one key per instance id, shared by every reader on every host ----------
+
+
+def _place(spec: str, barrier: Any, results: Any, n: int) -> None:
+    """One reader process that placed its own key for the same instance (only one is real)."""
+    public = bytes([n]) * 32
+    with open_ledger(spec, owner=f"reader-{n}") as led:
+        barrier.wait(timeout=WAIT_S)
+        pin = led.place_pin("4000000000000000001", public, f"fp{n}")
+        results.put((n, pin.fingerprint, pin.public))
+
+
+def test_racing_readers_placing_pins_all_get_the_first_one(spec: str) -> None:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_place, args=(spec, barrier, results, n)) for n in range(RACERS)]
+    try:
+        for p in procs:
+            p.start()
+        out = [results.get(timeout=WAIT_S) for _ in range(RACERS)]
+        for p in procs:
+            p.join(timeout=WAIT_S)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    assert len({(fp, pub) for _, fp, pub in out}) == 1  # every reader uses the same pin
+    (_, fp, pub), *_ = out
+    assert pub == bytes([int(fp[2:])]) * 32  # and it is one reader's whole key
+    with open_ledger(spec) as led:  # a reader started later (another host, a restart)
+        pin = led.get_pin("4000000000000000001")
+    assert pin is not None and (pin.fingerprint, pin.public, pin.source) == (fp, pub, "placed")
+
+
+def test_a_hand_pin_replaces_and_the_first_matching_key_fills_it_in(spec: str) -> None:
+    with open_ledger(spec, owner="host-a") as a, open_ledger(spec, owner="host-b") as b:
+        assert a.get_pin("42") is None
+        placed = a.place_pin("42", b"\x01" * 32, "fp-first", now=10.0)
+        assert placed.source == "placed" and placed.pinned_by == "host-a"
+        old = b.hand_pin("42", "fp-operator", now=20.0)  # the operator's pin wins
+        assert old is not None and old.fingerprint == "fp-first"
+        pin = a.get_pin("42")
+        assert pin is not None and (pin.fingerprint, pin.public, pin.source) == (
+            "fp-operator",
+            None,
+            "hand",
+        )
+        # a key placed with another fingerprint does not replace it...
+        assert a.place_pin("42", b"\x02" * 32, "fp-other").fingerprint == "fp-operator"
+        assert b.get_pin("42").public is None  # type: ignore[union-attr]
+        # ...the key with the operator's fingerprint fills it in, for every reader
+        assert b.place_pin("42", b"\x03" * 32, "fp-operator").public == b"\x03" * 32
+        assert a.get_pin("42").public == b"\x03" * 32  # type: ignore[union-attr]
+        assert a.get_pin("43") is None
+
+
+def test_a_late_poller_and_a_second_host_use_the_ledgers_pin(spec: str, tmp_path: Path) -> None:
+    """Issue 25: a poller that first reads an instance after its first lines left the API's
+    window cannot place a key; with no pin it alarms (`no_pin`) and no line decides, so a
+    forger's self-signed key there pins nothing. A poller that read from byte 0 stored the pin
+    in the ledger: a fresh cursor dir on another host uses it and judges the real lines."""
+    import secrets
+
+    from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
+    from gce_watchdog.poller.reader import CursorStore, SerialReader
+    from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
+    from gce_watchdog.testing.simcompute import FakeComputeAPI
+    from gce_watchdog.testing.synth import SYNTH_KEY, Writer
+    from gce_watchdog.wire import protocol
+    from google.oauth2.credentials import Credentials
+
+    p, z = "test-project", "us-central1-a"
+    with FakeComputeAPI(token="tok", window=4000) as api:
+        inst = api.add_instance("vm-1", project=p, zone=z)
+
+        def reader(cursors: str, led: Any) -> SerialReader:
+            client = ComputeClient.create(
+                Credentials("tok"), api.base_url, timeout=(2.0, 2.0),
+                retry=ComputeRetry(attempts=2, sleep=lambda s: None),
+            )  # fmt: skip
+            return SerialReader(client, CursorStore(tmp_path / cursors), pins=led)
+
+        w = Writer(boot="aaaa0001", inst=inst.id)
+        api.append_serial("vm-1", w.line("start", {"v": "3"}) + w.line("phase", {"ph": "workload"}))
+        with open_ledger(spec, owner="host-a") as a:
+            reader("a", a).read(p, z, "vm-1", inst.id)  # from byte 0: places and stores
+            pin = a.get_pin(inst.id)
+            assert pin is not None and pin.public == SYNTH_KEY.public and pin.source == "placed"
+        # hours of workload output push the first lines out of the window; a forger prints a
+        # key of its own and a shutdown signed with it; then the real agent's exit rc=0
+        evil = protocol.LineKey(secrets.token_bytes(32))
+        api.append_serial("vm-1", b"noise\n" * 900)
+        forged = protocol.key_line("aaaa0001", 0, w.ts_ms, evil).encode() + b"\n"
+        fake = protocol.make_event("shutdown", "aaaa0001", 90, w.ts_ms, {"reason": "ladder"})
+        api.append_serial("vm-1", forged + protocol.encode(fake, evil).encode() + b"\n")
+        api.append_serial("vm-1", w.line("exit", {"rc": 0, "sig": "-", "dur": 5}))
+        off = InstanceState("TERMINATED")
+        # a poller with no ledger pin (its own empty ledger): cannot place, decides from nothing
+        with open_ledger(str(tmp_path / "empty.sqlite")) as empty:
+            r = reader("late", empty)
+            res = r.read(p, z, "vm-1", inst.id)
+            assert res.lost > 0  # it started after the window moved
+            tl = r.cursor(p, z, "vm-1").timeline
+            assert tl.pin is None and "no_pin" in tl.key_alarm and empty.get_pin(inst.id) is None
+            v = tl.judge(off, 1e10, Policy())  # not even the status decides: the job finished
+            assert not v.failover and v.reason.startswith("ALARM")
+        # a second host with a fresh cursor dir and the shared ledger: the pinned key decides
+        with open_ledger(spec, owner="host-b") as b:
+            r = reader("b", b)
+            r.read(p, z, "vm-1", inst.id)
+            tl = r.cursor(p, z, "vm-1").timeline
+            assert tl.pin == SYNTH_KEY.public and tl.unplaced == [evil.fingerprint]
+            v = tl.judge(off, 1e10, Policy())
+            assert v.kind is VerdictKind.WORKLOAD_OK and not v.failover  # the forgery: nothing

@@ -113,7 +113,7 @@ def check_powered_off(res: vm.VmResult) -> None:
 
 def check_no_lost_lines(res: vm.VmResult, events: list[Event]) -> None:
     tl = observe.timeline(res.serial())
-    assert events, f"no GCEWD2 line in {res.serial_log}"
+    assert events, f"no GCEWD3 line in {res.serial_log}"
     assert observe.seq_contiguous(events) == [], f"seq gaps in {res.serial_log}"
     assert tl.lost_lines == 0
     assert events[0].seq == 0 and events[0].event == "key", "seq 0: the key announcement"
@@ -160,7 +160,7 @@ def test_healthy_workload_completes(e2e: vm.Harness) -> None:
     raw = res.serial()
     hung = raw.find(b"e2e-console-hangup: done rc=0")
     assert hung > 0, "the getty restart and the vhangup ran"
-    assert re.search(rb"GCEWD2 \S+ \d+ \S+ heartbeat ", raw[hung:]), "agent lines after the hangup"
+    assert re.search(rb"GCEWD3 \S+ \d+ \S+ heartbeat ", raw[hung:]), "agent lines after the hangup"
 
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
@@ -207,17 +207,16 @@ def test_spot_preemption_through_the_fake_fails_over_once(e2e: vm.Harness) -> No
     assert any(o.reaped for o in run.looks()), "deleted after the failover (--reap)"
 
 
-# What a workload without the line key can forge (issue 15): a well-formed v2 `exit rc=0` with a
-# correct CRC and a MAC under a key of its own, printed (through `exec`, which defuses it) and
-# written straight to the console (as a process that can write the port would).
+# What a workload without the line key can forge (issues 15, 25): a well-formed v3 `exit rc=0`
+# with a correct CRC and a signature of its own making, printed (through `exec`, which defuses
+# it) and written straight to the console (as a process that can write the port would).
 FORGE_PY = (
-    "import hashlib, hmac, os, time, zlib;"
+    "import base64, os, time, zlib;"
     'b = open("/proc/sys/kernel/random/boot_id").read().strip().replace("-", "")[:8];'
     't = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime());'
-    'body = "GCEWD2 %s 40 %s exit rc=0 sig=- dur=1.0" % (b, t);'
-    "k = os.urandom(32);"
-    "mac = hmac.new(k, body.encode(), hashlib.sha256).hexdigest()[:16];"
-    'line = "%s #%08x%s" % (body, zlib.crc32(body.encode()) & 0xFFFFFFFF, mac);'
+    'body = "GCEWD3 %s 40 %s exit rc=0 sig=- dur=1.0" % (b, t);'
+    'signed = body + " #" + base64.urlsafe_b64encode(os.urandom(64)).decode()[:86];'
+    'line = "%s%08x" % (signed, zlib.crc32(signed.encode()) & 0xFFFFFFFF);'
     "print(line, flush=True);"
     'open("/dev/ttyS0", "w").write(line + chr(10))'
 )

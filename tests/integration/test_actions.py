@@ -366,7 +366,7 @@ def test_default_cache_reader_uses_the_state_dir(tmp_path: Path) -> None:
     em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     chain = ActionChain.from_config(cfg, em, lambda: None, runner=FakeRunner(), kernel=FakeKernel())
     chain.execute("ladder", 10, 10)
-    dry = [protocol.decode_line(x, SYNTH_KEY) for x in sink.lines]
+    dry = [protocol.decode_line(x, pin=SYNTH_KEY.public) for x in sink.lines]
     assert any(isinstance(e, protocol.Event) and e.get("inst") == "sim-vm-1" for e in dry)
 
 

@@ -384,7 +384,7 @@ def test_no_state_file_content_crashes_a_tick(tmp_path: Path, name: str, content
     agent.run(threading.Event(), max_ticks=3)
     assert agent.tick_errors == 0
     assert decided  # armed (an unreadable disarm file never disarms), and the chain was called
-    decoded = [protocol.decode_line(x, SYNTH_KEY) for x in sink.lines]
+    decoded = [protocol.decode_line(x, pin=SYNTH_KEY.public) for x in sink.lines]
     assert not any(isinstance(e, protocol.Event) and e.event == "error" for e in decoded)
 
 

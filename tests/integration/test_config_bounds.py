@@ -267,7 +267,8 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
         assert deps.store.save(LadderState(rung=cfg.agent.threshold - 1))
         agent.run(threading.Event(), max_ticks=1)  # start line, the deciding tick, the chain
         assert agent.tick_errors == 0
-        evs = [protocol.decode_line(x, SYNTH_KEY) for x in sink.lines if " key k=" not in x]
+        ours = [x for x in sink.lines if " key pk=" not in x]
+        evs = [protocol.decode_line(x, pin=SYNTH_KEY.public) for x in ours]
         assert all(isinstance(e, protocol.Event) for e in evs)
         steps = [(e.get("step"), e.get("status")) for e in evs if isinstance(e, protocol.Event)]
         assert not [s for s in steps if s[1] == "error"], steps

@@ -16,6 +16,7 @@ from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
+from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event
 from kit.agent import agent_config, agent_process, run_agent, stop_agent
 from kit.events import read_events, sink_events
@@ -74,7 +75,9 @@ def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
     assert texts[:10] == [f"BOTH reachability probes FAILED ({i}/10)" for i in range(1, 11)]
     assert evs[0].event == "start" and evs[-1].event == "stop"
     assert evs[0].get("bootid") == "b1" and evs[0].get("cfg") and evs[0].get("v")
-    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))  # contiguous after the key
+    # contiguous around the key announcements (seq 0, 1 and every multiple of 32)
+    free = [n for n in range(2 * len(evs) + 2) if not protocol.needs_announcement(n)]
+    assert [e.seq for e in evs] == free[: len(evs)]
 
 
 def test_nine_tick_outage_recovers_without_shutdown(tmp_path: Path) -> None:
@@ -172,7 +175,8 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
     assert evs[-1].get("reason") == "sigterm"
     climbs = [e.get("rung") for e in evs if e.event == "tick" and "FAILED (" in e.text]
     assert climbs[:3] == ["1/3", "2/3", "3/3"]
-    assert [e.seq for e in evs] == list(range(1, len(evs) + 1))  # after the key line
+    free = [n for n in range(2 * len(evs) + 2) if not protocol.needs_announcement(n)]
+    assert [e.seq for e in evs] == free[: len(evs)]  # around the key announcements
     hb = next(e for e in evs if e.event == "heartbeat")
     assert hb.get("ph") == "unknown" and hb.get("rung") == "0/3"
     assert os.path.exists(tmp_path / "state" / "ladder.json")
@@ -180,7 +184,7 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
 
 def test_long_phase_and_exception_names_never_crash_the_tick(tmp_path: Path) -> None:
     # The phase comes from a file anyone with root may write; a probe's reason can carry an
-    # exception class name. Together they can exceed the 200-byte line: the tick must still
+    # exception class name. Together they can exceed the 280-byte line: the tick must still
     # be written (values shortened), never raise out of the loop.
     (tmp_path / "phase").write_text("p" * 80 + "\n")
     reason = "internal_" + "VeryLongExceptionName" * 3
@@ -189,7 +193,7 @@ def test_long_phase_and_exception_names_never_crash_the_tick(tmp_path: Path) -> 
     agent.run(threading.Event(), max_ticks=3)
     evs = events(sink)
     assert [e.event for e in evs] == ["start", "tick", "tick", "tick", "stop"]
-    assert all(len(x) <= 200 for x in sink.lines)
+    assert all(len(x) <= protocol.MAX_LINE for x in sink.lines)
     assert evs[1].get("rung") == "0/10"
 
 

@@ -85,7 +85,7 @@ class TimelineSink:
         self.dropped = 0
 
     def submit(self, line: str, sync: bool = False) -> object:
-        ev = protocol.decode_line(line, SYNTH_KEY)
+        ev = protocol.decode_line(line, pin=SYNTH_KEY.public)
         name = ev.event if isinstance(ev, protocol.Event) else "key"
         self.lines.append(line)
         self.tl.add("write", name)
@@ -167,7 +167,7 @@ def make_chain(
 def decoded(sink: TimelineSink) -> list[protocol.Event]:
     out = []
     for line in sink.lines:
-        ev = protocol.decode_line(line, SYNTH_KEY)
+        ev = protocol.decode_line(line, pin=SYNTH_KEY.public)
         if isinstance(ev, protocol.Event):
             out.append(ev)
     return out
@@ -622,7 +622,7 @@ def _agent(tmp_path: Path, script: list[object], chain: object) -> tuple[object,
 
 def _names(sink: object) -> list[protocol.Event]:
     lines = getattr(sink, "lines", [])
-    evs = (protocol.decode_line(ln, SYNTH_KEY) for ln in list(lines))
+    evs = (protocol.decode_line(ln, pin=SYNTH_KEY.public) for ln in list(lines))
     return [e for e in evs if isinstance(e, protocol.Event)]
 
 

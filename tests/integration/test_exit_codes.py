@@ -73,7 +73,7 @@ def test_a_written_line_still_exits_0(tmp_path: Path) -> None:
     r = _cli(cfg, "setup-failed", "--step", "install", "--reason", "pip failed")
     assert r.returncode == 0, r.stderr
     evs, _ = protocol.decode_all((tmp_path / "fallback.log").read_bytes())
-    assert [e.event for e in evs] == ["key", "phase", "setup_failed"]
+    assert [e.event for e in evs] == ["key", "key", "phase", "setup_failed"]
     assert not (tmp_path / "absent-tty").exists()
 
 

@@ -132,7 +132,8 @@ def mem_emitter(tmp_path: Path) -> tuple[Emitter, MemorySink]:
 
 
 def fetch_events(sink: MemorySink) -> list[protocol.Event]:
-    evs = [protocol.decode_line(ln, SYNTH_KEY) for ln in sink.lines if " key k=" not in ln]
+    ours = [ln for ln in sink.lines if " key pk=" not in ln]
+    evs = [protocol.decode_line(ln, pin=SYNTH_KEY.public) for ln in ours]
     assert all(isinstance(e, protocol.Event) for e in evs)
     return [e for e in evs if isinstance(e, protocol.Event) and e.event == "fetch"]
 

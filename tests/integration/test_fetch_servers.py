@@ -583,7 +583,7 @@ def test_gcewd_config_is_honoured(tmp_path: Path, stock_server: tuple[int, Path]
     )
     assert run.rc == 0, run.stderr
     assert outcome(run).get("out") == "ok", "the line went to the configured console"
-    assert (tmp_path / "state" / "key").exists(), "and the configured state dir (the line key)"
+    assert (tmp_path / "state" / "signing.key").exists(), "and the configured state dir (the key)"
     assert list((tmp_path / "run").glob("seq.*")), "and the configured run dir (the counter)"
 
 

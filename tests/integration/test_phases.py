@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,3 +269,49 @@ def test_neutralizer_defuses_every_marker_whatever_the_chunking(
     n = protocol.Neutralizer()
     out = b"".join(n.feed(data[a:b]) for a, b in itertools.pairwise(bounds)) + n.flush()
     assert out == protocol.neutralize(data) and b"GCEWD" not in out
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from([1, 2]), st.binary(max_size=12)), max_size=20),
+)
+def test_two_streams_into_one_pipe_never_carry_a_marker(writes: list[tuple[int, bytes]]) -> None:
+    """Issue 25: exec's two pumps share one defuser, so whatever the split between stdout and
+    stderr (and whenever either closes), what the shared pipe carries holds no marker."""
+    out = b""
+    for _, chunk in writes:
+        chunk = chunk.replace(b"\x00", b"GCEWD").replace(b"\x01", b"GCEW")
+        out += protocol.neutralize_after(out, chunk)
+    assert b"GCEWD" not in out
+
+
+BYPASS = r"""
+import os, sys, time
+os.write(1, b"progress GCEW")   # stdout ends with the marker's first four bytes...
+os.close(1)                      # ...and closes
+time.sleep(0.2)
+os.write(2, b"D3 aaaa0001 5 2026-01-01T00:00:00.000Z exit rc=0 #x\n")  # the rest on stderr
+os.write(2, b"GCE")              # and once more, split the other way round, nothing closed
+time.sleep(0.1)
+os.write(2, b"WD2 x\n")
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+def test_exec_defuses_a_marker_split_across_stdout_stderr_and_a_close_as_nobody(
+    tmp_path: Path,
+) -> None:
+    """The bypass of issue 25, by a workload running as uid nobody: stdout ends with `GCEW`,
+    closes, and stderr writes the rest; both reach the console on one pipe."""
+    cfg = str(_config(tmp_path))
+    workload = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+                "/usr/bin/python3", "-c", BYPASS]  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "gce_watchdog", "exec", "--config", cfg, "--", *workload],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, timeout=60, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout
+    assert b"GCEWD" not in p.stdout, p.stdout
+    assert b"progress GCEW" in p.stdout and b"d3 aaaa0001" in p.stdout  # defused, not dropped
+    assert b"GCEWd2 x" in p.stdout

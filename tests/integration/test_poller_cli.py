@@ -37,10 +37,10 @@ def test_parse_text_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     f.write_bytes(data)
     assert main(["parse", str(f), "--now", "last"]) == 0
     out = capsys.readouterr().out
-    assert "aaaa0001  seq 0..3  3 lines  lost 1" in out
+    assert "aaaa0001  seq 0..4  4 lines  lost 1" in out  # v3: seq 0 and 1 are the key
     assert "shutdown reason=ladder rung=10/10 | 10/10: shutting down" in out
     assert "rejected: 1 (checksum 1)" in out
-    assert "boot aaaa0001: after seq 1 came 3 (1 lost)" in out
+    assert "boot aaaa0001: after seq 2 came 4 (1 lost)" in out
     assert "verdict: self_shutdown (FAILOVER)" in out
 
 
@@ -67,7 +67,7 @@ def test_parse_json_from_stdin_in_a_real_process() -> None:
     )
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert [e["event"] for e in doc["events"]] == ["key", "phase", "shutdown"]
+    assert [e["event"] for e in doc["events"]] == ["key", "key", "phase", "shutdown"]
     assert doc["rejected"] == 1 and doc["lost_lines"] == 1
     assert doc["verdict"]["kind"] == "self_shutdown" and doc["verdict"]["failover"] is True
     assert doc["bytes"] == len(data)
@@ -218,11 +218,12 @@ def test_poll_reports_forged_lines_as_an_alarm_and_never_decides_on_them(
     w.ts_ms = int(time.time() * 1000)
     api.append_serial("vm-1", w.line("phase", {"ph": "workload"}))
     fake = protocol.make_event("shutdown", "aaaa0001", 2, w.ts_ms, {"reason": "ladder"})
-    api.append_serial("vm-1", protocol.encode(fake, secrets.token_bytes(32)).encode() + b"\n")
+    evil = protocol.LineKey(secrets.token_bytes(32))
+    api.append_serial("vm-1", protocol.encode(fake, evil).encode() + b"\n")
     assert main(poll_args(api, tmp_path, "--once", "--reap", "vm-1")) == 0
     out = outputs(capsys)["vm-1"]
     assert out["verdict"] == "healthy" and out["action"] == "none"
-    assert out["forged"] == 1 and out["forged_reasons"] == {"bad_mac": 1}
+    assert out["forged"] == 1 and out["forged_reasons"] == {"bad_sig": 1}
     assert api.calls_to("delete") == []
 
 
@@ -238,8 +239,10 @@ def test_parse_keeps_every_event_of_a_long_dump(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert len(doc["events"]) == 5001  # the key announcement and 5000 heartbeats
-    assert [e["seq"] for e in doc["events"]] == list(range(5001))
+    # the key announcements (seq 0, 1 and every multiple of 32) and 5000 heartbeats
+    assert [e["event"] for e in doc["events"]].count("heartbeat") == 5000
+    assert [e["seq"] for e in doc["events"]] == list(range(len(doc["events"])))
+    assert len(doc["events"]) > 5000 + 5000 // 32
 
 
 def test_invented_boots_give_no_second_decision(
@@ -255,7 +258,8 @@ def test_invented_boots_give_no_second_decision(
     for boot in ("cccc0003", "dddd0004"):
         for seq, name in enumerate(("phase", "shutdown")):
             ev = protocol.make_event(name, boot, seq, w.ts_ms + 600_000, {"ph": "workload"})
-            api.append_serial("vm-1", protocol.encode(ev, secrets.token_bytes(32)).encode() + b"\n")
+            evil = protocol.LineKey(secrets.token_bytes(32))
+            api.append_serial("vm-1", protocol.encode(ev, evil).encode() + b"\n")
     # GCE serves serial output only while the VM is RUNNING (docs/fakes.md): read it then.
     actions = []
     for i in range(4):
@@ -346,3 +350,13 @@ def test_a_cursor_file_writable_by_others_is_not_read(
     first, second = api.calls_to("serial")
     assert first.query["start"] == second.query["start"] == "0"  # read again from the start
     assert cursor.stat().st_mode & 0o777 == 0o600  # rewritten by the poller, private
+
+
+def test_parse_refuses_what_is_not_a_file_or_a_pipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 25: `parse /dev/zero` never ended. A device or a directory is refused at once."""
+    assert main(["parse", "/dev/zero"]) == 66
+    assert "/dev/zero is not a regular file or a pipe" in capsys.readouterr().err
+    assert main(["parse", str(tmp_path)]) == 66
+    assert "is a directory" in capsys.readouterr().err

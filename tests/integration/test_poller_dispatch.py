@@ -102,13 +102,6 @@ def api() -> Iterator[FakeComputeAPI]:
         yield a
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def ledger_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return str(tmp_path / "ledger.sqlite")
-    return str(request.getfixturevalue("pg_database"))
-
-
 def until(pred: Callable[[], object], what: str) -> None:
     """Wait for an event (bounded); the predicate is the event."""
     assert wait_for(pred, DEADLINE_S, 0.02), f"timed out waiting for {what}"

@@ -32,13 +32,6 @@ def api() -> Iterator[FakeComputeAPI]:
         yield a
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def ledger_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return str(tmp_path / "ledger.sqlite")
-    return str(request.getfixturevalue("pg_database"))
-
-
 def wedge(api: FakeComputeAPI, names: list[str]) -> None:
     """Each VM's agent climbed its ladder and wrote its shutdown line (a real boot each)."""
     for i, name in enumerate(names):

@@ -53,7 +53,7 @@ def test_parse_log_entry_takes_serial_port_1_only() -> None:
 def _events(n: int) -> list[Event]:
     w = Writer(boot="aaaa0001", announce=False)
     evs = [w.line("heartbeat", {"ph": "workload"}) for _ in range(n)]
-    return [e for e in (decode_line(b, SYNTH_KEY) for b in evs) if isinstance(e, Event)]
+    return [e for e in (decode_line(b, pin=SYNTH_KEY.public) for b in evs) if isinstance(e, Event)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -95,7 +95,7 @@ def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives
     w = Writer(boot="bbbb0002", announce=False)
     raw = lines_of(w, ("phase", {"ph": "workload"}), ("exit", {"rc": "0"}),
                    ("shutdown", {"reason": "ladder", "rung": "10/10"}))  # fmt: skip
-    phase, exit_, shutdown = (decode_line(x, SYNTH_KEY) for x in raw)
+    phase, exit_, shutdown = (decode_line(x, pin=SYNTH_KEY.public) for x in raw)
     asm = Assembler(settle_s=2.0)
     for e in (phase, shutdown):
         assert isinstance(e, Event)
@@ -161,6 +161,8 @@ def test_workers_decide_once_per_vm_from_a_shuffled_duplicated_stream(
     )
     outs: list[PollOutcome] = []
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
+        for iid in wedged | _finished:  # pinned by the poll path (read from byte 0), or by hand
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         # settle: long enough that a line handed back (nack) or held up by a loaded machine comes
         # back before its gap is declared lost (a boot with a lost line is left to the sweep)
         w1 = PubSubWorker(sub, s, led, outs.append, settle_s=5.0)
@@ -205,6 +207,8 @@ def test_a_boot_that_lost_a_line_is_left_to_the_sweep_never_decided_from_the_str
     sub = pubsub_v1.SubscriberClient()
     outs: list[PollOutcome] = []
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
+        for iid in ("5000000000", "5000000001"):
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         w = PubSubWorker(sub, s, led, outs.append, settle_s=1.0)
         deadline = time.monotonic() + DEADLINE_S
         while not (led_count(led) >= 1 and w.gapped) or w.asm.next_deadline() is not None:
@@ -232,6 +236,8 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
         w, ("phase", {"ph": "workload"}), ("shutdown", {"reason": "ladder", "rung": "10/10"})
     )
     publish(t, [log_entry("4242", "vm-k", x) for x in reversed(texts)])
+    with open_ledger(pg_database) as led:
+        led.place_pin("4242", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", pg_database,
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok")]  # fmt: skip
@@ -332,3 +338,42 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
 def _decided(path: Path) -> bool:
     with open_ledger(path) as led:
         return bool(led.all())
+
+
+def test_no_pin_no_decision_and_a_relabelled_line_decides_nothing(
+    topic: tuple[str, str], tmp_path: Path
+) -> None:
+    """Issue 25, the Pub/Sub path, with the attacker reading everything the API shows: an
+    instance with no pin in the ledger is never decided from its stream (a forged key and a
+    forged shutdown, self-consistent, change nothing: an alarm), and a real `shutdown` of one VM
+    relabelled with another VM's instance id (a replayed LogEntry) decides nothing for it."""
+    import secrets
+
+    from gce_watchdog.wire import protocol
+    from google.cloud import pubsub_v1
+
+    t, s = topic
+    evil = protocol.LineKey(secrets.token_bytes(32))
+    fake = Writer(boot="eeee0005", key=evil, inst="7000000001")
+    forged = lines_of(fake, ("phase", {"ph": "workload"}), ("shutdown", {"reason": "ladder"}))
+    real = Writer(boot="ffff0006", inst="7000000002")
+    texts = lines_of(real, ("phase", {"ph": "workload"}), ("shutdown", {"reason": "ladder"}))
+    msgs = [log_entry("7000000001", "vm-unpinned", x) for x in forged]
+    msgs += [log_entry("7000000003", "vm-other", x) for x in texts]  # relabelled: not its key
+    publish(t, msgs)
+    sub = pubsub_v1.SubscriberClient()
+    outs: list[PollOutcome] = []
+    with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
+        other = protocol.LineKey(secrets.token_bytes(32))  # vm-other's own (real) key
+        led.place_pin("7000000003", other.public, other.fingerprint)
+        w = PubSubWorker(sub, s, led, outs.append, settle_s=0.5)
+        deadline = time.monotonic() + DEADLINE_S
+        while w.stats.messages < len(msgs) or w.stats.forged < len(texts):
+            assert time.monotonic() < deadline, f"saw {w.stats.messages} of {len(msgs)}"
+            w.step(timeout=1.0)
+        for _ in range(3):
+            w.step(timeout=0.5)
+        assert led.all() == [] and outs == []
+    assert w.unpinned == {"7000000001"} and w.stats.unpinned == 1
+    assert w.stats.forged >= len(texts)  # the relabelled lines: not under vm-other's pin
+    sub.close()

@@ -112,11 +112,11 @@ def test_line_split_across_reads_and_a_restart_is_decoded_once(
     api.append_serial("vm-1", line[30:] + line)  # and a duplicate of the same line
     r2 = SerialReader(make_client(api, sleeps), CursorStore(tmp_path))
     res = r2.read(P, Z, "vm-1")
-    assert res.new_events == 2  # the boot's key announcement and the phase line
+    assert res.new_events == 3  # the boot's two key announcements and the phase line
     assert res.fetched == len(line) - 30 + len(line)
     tl = r2.cursor(P, Z, "vm-1").timeline
-    assert [e.event for e in tl.events] == ["key", "phase"]
-    assert tl.duplicates == 2
+    assert [e.event for e in tl.events] == ["key", "key", "phase"]
+    assert tl.duplicates == 3
 
 
 def test_restart_resumes_from_next_with_the_same_accounting(
@@ -133,8 +133,8 @@ def test_restart_resumes_from_next_with_the_same_accounting(
     res = r.read(P, Z, "vm-1")
     assert res.fetched == res.new == len(last)  # resumed at `next`: only the new line
     tl = r.cursor(P, Z, "vm-1").timeline
-    assert [e.seq for e in tl.events] == [0, 1, 2, 4, 5]  # 0: the key announcement
-    assert tl.lost_lines == 1 and tl.boots["3f2a9c1e"].count == 5
+    assert [e.seq for e in tl.events] == [0, 1, 2, 3, 5, 6]  # 0, 1: the key announcement
+    assert tl.lost_lines == 1 and tl.boots["3f2a9c1e"].count == 6
 
 
 def test_byte_gap_is_counted_and_a_cut_line_is_rejected_not_misread(
@@ -157,7 +157,7 @@ def test_byte_gap_is_counted_and_a_cut_line_is_rejected_not_misread(
         assert res.fetched == 1000 and res.new == total - at
         tl = reader.cursor(P, Z, "vm-1").timeline
         assert tl.lost_bytes == res.lost and len(tl.byte_gaps) == 1
-        assert [e.event for e in tl.events] == ["key", "start", "tick"]
+        assert [e.event for e in tl.events] == ["key", "key", "start", "tick"]
         assert tl.rejected == 1  # the held half line, decoded alone
 
 

@@ -221,7 +221,7 @@ def test_poller_damage_scenario_reports_rejects_gaps_and_shutdown() -> None:
     r = build_report(data, source="damaged.log", instance=InstanceState("TERMINATED"))
     assert r.events == expected
     assert r.rejected == 3 and r.duplicates == 1 and r.lost_lines == 2
-    assert [(g.after, g.next) for g in r.seq_gaps] == [(2, 4), (4, 6)]
+    assert [(g.after, g.next) for g in r.seq_gaps] == [(3, 5), (5, 7)]  # v3: 2 key lines
     assert r.verdict.kind is VerdictKind.SELF_SHUTDOWN and r.verdict.failover
     lines = list(text.render(r))
     assert any("3 rejected (checksum 3), 1 duplicates, 2 sequence gaps" in ln for ln in lines)
@@ -329,9 +329,11 @@ def _log(lines: list[tuple[int, str, dict[str, object], str]], boot: str = "aaaa
     return (
         key_line(boot, 0, T0_MS, SYNTH_KEY).encode()
         + b"\n"
+        + key_line(boot, 1, T0_MS, SYNTH_KEY).encode()
+        + b"\n"
         + b"".join(
             encode(make_event(name, boot, i, T0_MS + dt, f, t), SYNTH_KEY).encode() + b"\n"
-            for i, (dt, name, f, t) in enumerate(lines, 1)
+            for i, (dt, name, f, t) in enumerate(lines, 2)
         )
     )
 
@@ -587,6 +589,6 @@ def test_human_output_shows_units_and_the_wire_keeps_its_compact_fields() -> Non
     assert " md=fail/timeout/500 eg=ok/ok/3 " in encode(ev, SYNTH_KEY)
     assert human_value("md", "unknown/dns") == "unknown dns"
     assert human_value("ph", "fail/timeout/500") == "fail/timeout/500"  # only probe fields
-    r = build_report(encode(ev, SYNTH_KEY).encode() + b"\n", key=SYNTH_KEY)
+    r = build_report(encode(ev, SYNTH_KEY).encode() + b"\n", pin=SYNTH_KEY.public)
     [line] = [ln for ln in text.render(r, width=400) if " tick " in ln]
     assert "fail timeout 500ms" in line and "ok 3ms" in line and "/500" not in line

@@ -22,7 +22,7 @@ from gce_watchdog.testing.simgce import FakeMetadataServer, StaticFileServer
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import (
     SeqAllocator,
-    load_or_create_key,
+    load_line_key,
     read_boot_id,
     read_phase,
     short_boot,
@@ -82,8 +82,8 @@ class Vm:
         (the key announcement itself is left out)."""
         if not self.serial.exists():
             return []
-        key = (self.state / "key").read_bytes()
-        events, stats = protocol.decode_all(self.serial.read_bytes(), key)
+        key = protocol.LineKey((self.state / "signing.key").read_bytes())
+        events, stats = protocol.decode_all(self.serial.read_bytes(), pin=key.public)
         assert stats.rejected == 0, "every line the script writes must decode"
         assert stats.forged == 0, "every line the script writes must authenticate"
         return [e for e in events if e.event != protocol.KEY_EVENT]
@@ -327,47 +327,52 @@ def test_bootstrap_step_that_gives_up_with_75_is_infra(vm: Vm) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The pre-agent emitter: the one other encoder of protocol v2.
+# The pre-agent emitter: the one other encoder of protocol v3 (its own Ed25519, RFC 8032).
 
 
 def test_script_emitter_decodes_and_shares_the_seq_file_with_the_agent(vm: Vm) -> None:
     boot = short_boot(read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"]))
     sink = MemorySink()
-    # the agent first: it creates the key and announces it as the boot's seq 0
-    key, where = load_or_create_key(vm.state, vm.run_dir)
-    assert where == vm.state / "key" and (where.stat().st_mode & 0o777) == 0o600
+    # the agent first: it creates the key and announces it as the boot's seq 0 and 1
+    ks = load_line_key(vm.state, vm.run_dir)
+    assert ks.path == vm.state / "signing.key" and not ks.ephemeral and not ks.problems
+    assert (ks.path.stat().st_mode & 0o777) == 0o600
+    key = protocol.LineKey(ks.seed)
     agent = Emitter(sink, SeqAllocator(vm.run_dir, boot), boot, key=key)
     agent.emit("heartbeat", {"rung": "0/10"})
     p = vm.run("emit", "fetch", "out=retry", "att=1", "host=pypi.org", "--", "DNS not ready")
     assert p.returncode == 0, p.stderr
     agent.emit("heartbeat", {"rung": "0/10"})
-    assert (vm.run_dir / f"seq.{boot}").read_text() == f"{4:020d}\n"
+    assert (vm.run_dir / f"seq.{boot}").read_text() == f"{5:020d}\n"
     (ev,) = vm.events()  # the script signed with the agent's key: it authenticates
-    assert (ev.event, ev.boot, ev.seq) == ("fetch", boot, 2)
+    assert (ev.event, ev.boot, ev.seq) == ("fetch", boot, 3)
     assert ev.fields == (("out", "retry"), ("att", "1"), ("host", "pypi.org"))
     assert ev.text == "DNS not ready"
-    got = [protocol.decode_line(ln, key) for ln in sink.lines]
-    assert [type(r).__name__ for r in got] == ["KeyAnnounce", "Event", "Event"]
-    assert [r.event.seq if isinstance(r, protocol.KeyAnnounce) else r.seq for r in got] == [  # type: ignore[union-attr]
-        0,
-        1,
-        3,
-    ]
+    got = [protocol.decode_line(ln, pin=key.public) for ln in sink.lines]
+    assert [type(r).__name__ for r in got] == ["KeyAnnounce", "KeyAnnounce", "Event", "Event"]
+    seqs = [r.event.seq if isinstance(r, protocol.KeyAnnounce) else r.seq for r in got]  # type: ignore[union-attr]
+    assert seqs == [0, 1, 2, 4]
+    # the script's Ed25519 (pure Python, RFC 8032) and libsodium's give the same bytes
+    script_lines = vm.serial.read_bytes().splitlines()
+    assert protocol.encode(ev, key).encode() in script_lines
 
 
 def test_script_emitter_creates_the_key_and_announces_it_first(vm: Vm) -> None:
     assert vm.run("emit", "phase", "ph=bootstrap").returncode == 0
-    key = vm.state / "key"
+    key = vm.state / "signing.key"
     st = key.stat()
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid() and st.st_size == 32
     lines = vm.serial.read_bytes().splitlines()
-    first = protocol.decode_line(lines[0])
-    assert isinstance(first, protocol.KeyAnnounce) and first.key == key.read_bytes()
-    assert first.event.seq == 0 and first.event.get("kid") == protocol.fingerprint(first.key)
+    first, second = (protocol.decode_line(ln) for ln in lines[:2])
+    public = protocol.LineKey(key.read_bytes()).public
+    assert isinstance(first, protocol.KeyAnnounce) and first.key == public and first.valid()
+    assert isinstance(second, protocol.KeyAnnounce) and second.key == public and second.valid()
+    assert (first.event.seq, second.event.seq) == (0, 1) and not first.ephemeral
+    assert first.event.get("kid") == protocol.pk_fingerprint(public)
     assert [e.event for e in vm.events()] == ["phase"]
-    # the second line of the boot does not announce again
+    # the next line of the boot does not announce again
     assert vm.run("emit", "phase", "ph=workload").returncode == 0
-    assert len(vm.serial.read_bytes().splitlines()) == 3
+    assert len(vm.serial.read_bytes().splitlines()) == 4
 
 
 @pytest.mark.parametrize(
@@ -679,7 +684,7 @@ def test_unit_step_runs_gce_watchdog_install_when_systemd_runs(vm: Vm) -> None:
 
 def test_script_emitter_keeps_a_line_with_long_fields_within_the_limit(vm: Vm) -> None:
     # download()'s outcome line with a 40-character host and a long wheel file name: the fields
-    # alone are over 200 bytes, and a reader rejects an over-long line as a whole.
+    # alone are over 184 bytes, and a reader rejects an over-long line as a whole.
     fields = [
         "out=gave_up",
         "att=123",

@@ -6,7 +6,14 @@ from pathlib import Path
 
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm.console import MemorySink
-from gce_watchdog.wire.protocol import KEY_EVENT, Event, KeyAnnounce, decode_all, decode_line
+from gce_watchdog.wire.protocol import (
+    KEY_EVENT,
+    Event,
+    KeyAnnounce,
+    LineKey,
+    decode_all,
+    decode_line,
+)
 
 
 def read_events(path: Path, *, forged_ok: bool = True, rejected_ok: bool = True) -> list[Event]:
@@ -21,12 +28,12 @@ def read_events(path: Path, *, forged_ok: bool = True, rejected_ok: bool = True)
     return [e for e in evs if e.event != KEY_EVENT]
 
 
-def sink_events(sink: MemorySink, key: bytes = SYNTH_KEY) -> list[Event]:
+def sink_events(sink: MemorySink, key: LineKey = SYNTH_KEY) -> list[Event]:
     """The events an Emitter wrote into a MemorySink, key lines left out; every other line must
     decode and verify under ``key`` (asserted)."""
     out = []
     for line in list(sink.lines):
-        ev = decode_line(line, key)
+        ev = decode_line(line, pin=key.public)
         if isinstance(ev, KeyAnnounce):
             continue
         assert isinstance(ev, Event), line

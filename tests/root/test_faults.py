@@ -228,7 +228,7 @@ class World:
     clock: list[float]
 
     def events(self) -> list[Event]:
-        evs, _ = decode_all("\n".join(self.sink.lines).encode() + b"\n", SYNTH_KEY)
+        evs, _ = decode_all("\n".join(self.sink.lines).encode() + b"\n", pin=SYNTH_KEY.public)
         return [e for e in evs if e.event != "key"]
 
 
@@ -313,7 +313,7 @@ def test_injecting_twice_replaces_never_stacks(tmp_path: Path) -> None:
     from gce_watchdog.wire.protocol import encode
 
     lines = b"".join(encode(e, SYNTH_KEY).encode() + b"\n" for e in w.events())
-    r = build_report(lines, key=SYNTH_KEY)
+    r = build_report(lines, pin=SYNTH_KEY.public)
     assert [(f.fault_id, f.end) for f in r.faults] == [
         (a.fault_id, "replaced"),
         (b.fault_id, "open"),

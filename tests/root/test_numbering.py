@@ -66,10 +66,10 @@ def test_full_then_read_only_state_dir_and_a_full_run_dir_keep_numbering(tmp_pat
     events, stats = protocol.decode_all(serial.read_bytes())
     assert stats.rejected == 0 and stats.forged == 0 and stats.duplicates == 0
     assert [e.seq for e in events] == list(range(len(events)))  # 0..n, nothing reused or lost
-    assert [e.event for e in events] == ["key", "phase", "setup_failed"] + ["phase"] * 4
+    assert [e.event for e in events] == ["key", "key", "phase", "setup_failed"] + ["phase"] * 4
     rcs = (tmp_path / "rcs").read_text().split()
     assert rcs.count("rc=0") == 6, rcs  # every command wrote its line
-    assert events[2].get("step") == "install"
+    assert events[3].get("step") == "install"
 
 
 def test_an_unusable_run_dir_never_numbers_from_zero(tmp_path: Path) -> None:

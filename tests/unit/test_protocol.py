@@ -1,9 +1,7 @@
-"""Protocol v2: round trip, damage, authentication, the real serial corpus as background noise."""
+"""Protocol v3: round trip, damage, authentication, the real serial corpus as background noise."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import random
 import zlib
 from pathlib import Path
@@ -22,6 +20,8 @@ from gce_watchdog.wire.protocol import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit.paths import CORPUS
+
+P = K.public
 
 keys = st.from_regex(r"[a-z][a-z0-9_]{0,10}", fullmatch=True)
 values = st.from_regex(r"[A-Za-z0-9._:/@,+%~()<>\[\]-]{1,20}", fullmatch=True)
@@ -61,17 +61,21 @@ def test_round_trip(e: Event) -> None:
     except ProtocolError:
         return  # too long for 200 bytes: refused loudly, which is the contract
     assert len(line) <= protocol.MAX_LINE and line.isascii()
-    assert decode_line(line, K) == e
-    assert decode_line(line.encode() + b"\r\n\x00", K) == e
+    assert decode_line(line, pin=P) == e
+    assert decode_line(line.encode() + b"\r\n\x00", pin=P) == e
 
 
 def test_example_line_is_readable_and_checksummed() -> None:
     line = encode(ev(), K)
-    assert line.startswith("GCEWD2 3f2a9c1e 42 2026-")
+    assert line.startswith("GCEWD3 3f2a9c1e 42 2026-")
     assert "| BOTH reachability probes FAILED (3/10) #" in line
     body, trailer = line.rsplit(" #", 1)
-    assert trailer[:8] == f"{zlib.crc32(body.encode()):08x}"
-    assert trailer[8:] == hmac.new(K, body.encode(), hashlib.sha256).hexdigest()[:16]
+    assert len(trailer) == protocol.SIG_CHARS + 8
+    signed = f"{body} #{trailer[:-8]}".encode()
+    assert trailer[-8:] == f"{zlib.crc32(signed):08x}"  # the CRC covers the signature too
+    sig = protocol.unb64(trailer[:-8])
+    assert protocol.verify(K.public, body.encode(), sig)
+    assert not protocol.verify(K.public, body.encode()[:-1] + b"X", sig)
 
 
 @pytest.mark.parametrize(
@@ -92,41 +96,43 @@ def test_encode_refuses_bad_events(bad: Event) -> None:
 
 
 def test_make_event_sanitizes_and_shortens_or_drops_text_when_too_long() -> None:
-    e = protocol.make_event("tick", "3f2a9c1e", 1, 0, {"reason": "Errno 111 refused\n"}, "x" * 150)
+    # v3 lines leave fields and text 184 bytes (v2: 174): a field more makes the text too long
+    fields = {"reason": "Errno 111 refused\n", "host": "h" * 20}
+    e = protocol.make_event("tick", "3f2a9c1e", 1, 0, fields, "x" * 150)
     assert e.get("reason") == "Errno_111_refused_" and e.text.endswith("...")
-    assert decode_line(encode(e, K), K) == e
+    assert decode_line(encode(e, K), pin=P) == e
     long_fields = {f"f{i}": "v" * 20 for i in range(4)}
     e2 = protocol.make_event("tick", "3f2a9c1e", 1, 0, long_fields, "some text " * 8)
     assert e2.text.endswith("...") and "some text some" in e2.text
-    assert len(encode(e2, K)) <= protocol.MAX_LINE and decode_line(encode(e2, K), K) == e2
+    assert len(encode(e2, K)) <= protocol.MAX_LINE and decode_line(encode(e2, K), pin=P) == e2
     long_fields = {f"f{i}": "v" * 24 for i in range(5)}
     e3 = protocol.make_event("tick", "3f2a9c1e", 1, 0, long_fields, "some text " * 8)
-    assert e3.text == "" and decode_line(encode(e3, K), K) == e3  # under MIN_TEXT: dropped
+    assert e3.text == "" and decode_line(encode(e3, K), pin=P) == e3  # under MIN_TEXT: dropped
 
 
 def test_damage_is_rejected_never_misread() -> None:
     line = encode(ev(), K).encode()
     spliced = line[:30] + b"[   12.345678] eth0: link down" + line[30:]
-    assert isinstance(decode_line(spliced, K), Rejected)
+    assert isinstance(decode_line(spliced, pin=P), Rejected)
     for cut in range(len(line) - 1):
-        assert isinstance(decode_line(line[:cut] or b"GCEWD2", K), Rejected | type(None))
+        assert isinstance(decode_line(line[:cut] or b"GCEWD2", pin=P), Rejected | type(None))
     flipped = bytearray(line)
     flipped[40] ^= 0x01
-    assert isinstance(decode_line(bytes(flipped), K), Rejected)
+    assert isinstance(decode_line(bytes(flipped), pin=P), Rejected)
     # ANSI colour, CR, NUL around an intact line: found
-    assert decode_line(b"\x1b[0;32m\x00" + line + b"\r", K) == ev()
+    assert decode_line(b"\x1b[0;32m\x00" + line + b"\r", pin=P) == ev()
     # a kernel message glued after our checksum (before our newline): the line still counts
-    assert decode_line(line + b"[ 3.1] audit: type=1400", K) == ev()
-    assert decode_line(b"plain console output", K) is None
+    assert decode_line(line + b"[ 3.1] audit: type=1400", pin=P) == ev()
+    assert decode_line(b"plain console output", pin=P) is None
 
 
 def test_stream_decoder_joins_splits_and_dedupes() -> None:
     a = encode(ev(seq=1), K).encode() + b"\r\n"
     b = encode(ev(seq=2), K).encode() + b"\n"
     journal_copy = b"Nov 17 04:03:47 vm gce-watchdog[5]: " + a
-    data = b"boot noise\n" + a + journal_copy + b + b"GCEWD2 3f2a9c1e 3 trunc"
+    data = b"boot noise\n" + a + journal_copy + b + b"GCEWD3 3f2a9c1e 3 trunc"
     for cut in range(0, len(data), 7):
-        d = protocol.StreamDecoder(K)
+        d = protocol.StreamDecoder(pin=P)
         got = d.feed(data[:cut]) + d.feed(data[cut:]) + d.flush()
         assert [e.seq for e in got] == [1, 2]
         assert d.stats.duplicates == 1 and d.stats.rejected == 1
@@ -143,7 +149,7 @@ def test_garbage_never_raises_never_yields_false_events() -> None:
             for _ in range(rnd.randrange(1, 4)):
                 b[rnd.randrange(len(b))] = rnd.randrange(256)
             blob = bytes(b)
-        res = decode_line(blob, K)
+        res = decode_line(blob, pin=P)
         if isinstance(res, Event):
             assert encode(res, K).encode() in blob  # only an intact encoded line is accepted
 
@@ -169,13 +175,13 @@ def test_corpus_holds_nothing_of_ours_and_our_lines_are_found_in_it() -> None:
             out.append(ln)
             if i % step == 0 and i // step < 25:
                 out.append(ours[i // step].encode() + b"\r")
-        got, stats = decode_all(b"\n".join(out), K)
+        got, stats = decode_all(b"\n".join(out), pin=P)
         assert [e.seq for e in got] == list(range(min(25, len(range(0, len(lines), step)))))
         assert stats.rejected == 0
 
 
 def test_dedup_memory_is_bounded_over_a_long_run() -> None:
-    d = protocol.StreamDecoder(K)
+    d = protocol.StreamDecoder(pin=P)
     n = 3 * protocol.StreamDecoder.DEDUP_WINDOW
     data = b"".join(encode(ev(seq=i, text=""), K).encode() + b"\n" for i in range(n))
     assert len(d.feed(data)) == n
@@ -193,7 +199,7 @@ def test_make_event_shortens_the_longest_values_when_the_fields_alone_do_not_fit
     line = encode(e, K)
     assert len(line) == protocol.MAX_LINE and e.text == ""
     assert e.get("rung") == "3/10"  # the short, structured value is kept whole
-    assert decode_line(line, K) == e
+    assert decode_line(line, pin=P) == e
     with pytest.raises(ProtocolError):  # a bad key is a bug: still loud
         protocol.make_event("tick", "3f2a9c1e", 1, 0, {"Bad": "v" * 64, "md": "m" * 200})
     with pytest.raises(ProtocolError):  # far too many fields even at one byte each

@@ -23,11 +23,12 @@ def test_lines_reach_a_file_in_order_and_decode(tmp_path: Path) -> None:
         em = Emitter(port, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
         for i in range(50):
             em.emit("heartbeat", {"i": i})
-        assert em.emit("exit", {"rc": 0}, sync=True).seq == 51  # seq 0: the key announcement
+        # seq 0, 1 and 32: the key announcement
+        assert em.emit("exit", {"rc": 0}, sync=True).seq == 53
         # the sync line is on disk when emit returns
         evs, stats = decode_all(f.read_bytes())
-        assert [e.seq for e in evs] == list(range(52)) and stats.rejected == 0
-        assert evs[0].event == "key" and stats.forged == 0
+        assert [e.seq for e in evs] == list(range(54)) and stats.rejected == 0
+        assert [e.seq for e in evs if e.event == "key"] == [0, 1, 32] and stats.forged == 0
 
 
 def test_missing_device_falls_back_to_file(tmp_path: Path) -> None:
@@ -145,8 +146,11 @@ def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> N
         for t in threads:
             t.join(30)
         em.emit("stop", sync=True)
-    raw = [int(line.split(" ")[2]) for line in f.read_text().splitlines()]
-    assert raw == list(range(802))  # on the port itself, not only after decoding
+    lines = f.read_text().splitlines()
+    raw = [int(line.split(" ")[2]) for line in lines]
+    announcements = [n for n, line in zip(raw, lines, strict=True) if " key pk=" in line]
+    assert announcements == [0, 1, *range(32, len(raw), 32)]
+    assert raw == list(range(801 + len(announcements)))  # on the port itself, not decoded
 
 
 def test_without_the_key_nothing_is_written_and_seq_0_stays_for_the_announcement(
@@ -159,4 +163,5 @@ def test_without_the_key_nothing_is_written_and_seq_0_stays_for_the_announcement
     signed = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
     signed.emit("phase", {"ph": "workload"})
     evs, stats = decode_all("".join(ln + "\n" for ln in sink.lines).encode())
-    assert [(e.seq, e.event) for e in evs] == [(0, "key"), (1, "phase")] and stats.forged == 0
+    assert [(e.seq, e.event) for e in evs] == [(0, "key"), (1, "key"), (2, "phase")]
+    assert stats.forged == 0

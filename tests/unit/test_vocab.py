@@ -36,7 +36,7 @@ def test_probe_field_roundtrip(verdict: str, reason: str, ms: int) -> None:
     assert (pf.verdict, pf.reason, pf.latency_ms) == (verdict, reason, ms)
     # and it is a valid field value on the wire
     ev = protocol.make_event(vocab.TICK, "0" * 8, 1, 0, {"md": raw})
-    decoded = protocol.decode_line(protocol.encode(ev, SYNTH_KEY), SYNTH_KEY)
+    decoded = protocol.decode_line(protocol.encode(ev, SYNTH_KEY), pin=SYNTH_KEY.public)
     assert isinstance(decoded, protocol.Event) and decoded.get("md") == raw
 
 

@@ -200,32 +200,45 @@ class _Forwarder:
             self.handler(self.pending.pop(0), None)
 
 
-def _pass_through(src: IO[bytes], dst: int) -> None:
+class _Defuser:
+    """What the child's stdout and stderr pass through: one lock and the last bytes written to
+    either, so a marker can be split across the two streams, across writes, or across a close
+    (``GCEW`` at the end of stdout, ``D3 ...`` on stderr: the runner gives both one pipe to the
+    console) and still never reach the console whole (``protocol.neutralize_after``)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._last = b""
+
+    def write(self, dst: int, chunk: bytes) -> None:
+        from gce_watchdog.wire.protocol import neutralize_after
+
+        with self._lock:  # the order of our writes is the order on the shared pipe
+            data = neutralize_after(self._last, chunk)
+            self._last = (self._last + data)[-8:]
+            view = memoryview(data)
+            while view:
+                try:
+                    view = view[os.write(dst, view) :]
+                except OSError:
+                    return  # our own output is gone: keep draining the child so it never blocks
+
+
+def _pass_through(src: IO[bytes], dst: int, defuser: _Defuser) -> None:
     """Copy the child's output to ours with every protocol marker defused (``GCEWD`` becomes
     ``GCEWd``): what the workload prints can never read as a line of ours, whatever reaches the
     console (the start-up script runner copies this output to serial port 1)."""
-    from gce_watchdog.wire.protocol import Neutralizer
-
-    n = Neutralizer()
-
-    def write(data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(dst, view) :]
-            except OSError:
-                return  # our own output is gone: keep draining the child so it never blocks
-
     while True:
         try:
             chunk = os.read(src.fileno(), 65536)
         except OSError:
             chunk = b""
         if not chunk:
-            write(n.flush())
             src.close()
             return
-        write(n.feed(chunk))
+        defuser.write(dst, chunk)
 
 
 def run_exec(
@@ -269,8 +282,9 @@ def run_exec(
             status, text = ExitStatus(EX_NOEXEC, None), f"cannot run {argv[0]}: {e.strerror}"
         else:
             assert child.stdout is not None and child.stderr is not None
+            defuser = _Defuser()
             pumps = [
-                threading.Thread(target=_pass_through, args=(p, fd), daemon=True)
+                threading.Thread(target=_pass_through, args=(p, fd, defuser), daemon=True)
                 for p, fd in ((child.stdout, 1), (child.stderr, 2))
             ]
             for t in pumps:

@@ -253,6 +253,27 @@ def gpu_line(sampler: GpuSampler | None = None) -> tuple[bool, str]:
 NPD_OK, NPD_NONOK, NPD_UNKNOWN = 0, 1, 2  # node-problem-detector's custom plugin statuses
 
 
+def _key_status(cfg: cfgmod.Config) -> tuple[str, list[str]]:
+    """The protocol v3 line key as ``check`` shows it: its fingerprint (never the key) and its
+    problems (a wrong mode or owner, kept; no place to keep it). Creates nothing."""
+    from gce_watchdog.vm.state import KeyUnavailable, inspect_line_key
+    from gce_watchdog.wire.protocol import pk_fingerprint
+
+    try:
+        ks = inspect_line_key(cfg.agent.state_dir, cfg.agent.run_dir)
+    except KeyUnavailable as e:
+        return f"not readable ({e}): run check as root", []
+    if ks is None:
+        return "none yet (the first line creates it)", []
+    if not ks.seed:
+        return "UNUSABLE (see below): lines use a key of their own process", ks.problems
+    from gce_watchdog.wire.protocol import LineKey
+
+    fp = pk_fingerprint(LineKey(ks.seed).public)
+    eph = " EPHEMERAL" if ks.ephemeral else ""
+    return f"{fp}{eph} ({ks.path})", ks.problems
+
+
 def check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
     """Exit 0: both paths up. 1: one path down or unknown (the ladder would reset). 2: both down
     (it would climb). 78: invalid config. With --npd: 0 OK, 1 NonOK, 2 Unknown."""
@@ -309,8 +330,10 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
             f"{eg['reason']}; rung {rung}/{cfg.agent.threshold}"
         )
         return npd
+    key_line, key_problems = _key_status(cfg)
     if as_json:
         out = {
+            "line_key": {"status": key_line, "problems": key_problems},
             "verdict": verdict,
             "exit": rc,
             "probes": probes,
@@ -337,6 +360,9 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
     for name, v, why, lat in rows:
         print(f"{name:<10}{v:<9}{why:<18}{lat}")
     print(f"ladder    {rung}/{cfg.agent.threshold} (this boot, from {st.path})")
+    print(f"line key  {key_line}")
+    for problem in key_problems:
+        print(f"line key: {problem}")
     gce, line = platform_line(cfg.agent)
     print(line)
     print(f"gpu: {gpu[1]}" if gpu[0] else f"gpu: no GPU ({gpu[1]}): GPU memory gauges absent")

@@ -85,6 +85,11 @@ def _state_home() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
 
 
+def default_ledger() -> Path:
+    """The ledger ``poll`` and ``pin`` use without --ledger."""
+    return _state_home() / "gce-watchdog" / "ledger.sqlite"
+
+
 def _log(msg: str) -> None:
     print(f"gce-watchdog poll: {msg}", file=sys.stderr, flush=True)
 
@@ -602,8 +607,10 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
     if out.read is not None:
         line += f" new={out.read.new}B lost={out.read.lost}B"
     forged, conflict = getattr(out, "forged", 0), getattr(out, "key_conflict", False)
-    if forged or conflict:  # lines that do not authenticate: someone forges
+    key_alarm = getattr(out, "key_alarm", "")
+    if forged or conflict or key_alarm:  # lines that do not authenticate, keys not placed
         line += f" ALARM forged={forged}" + (" key_conflict" if conflict else "")
+        line += f" key={key_alarm.split(' ', 1)[0]}" if key_alarm else ""
     line += f" | {v.reason}"
     _write_line(line)
 

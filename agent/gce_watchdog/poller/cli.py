@@ -187,22 +187,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.set_defaults(func=cmd_poll)
 
-    d = sub.add_parser(
-        "decisions",
-        help="the ledger's decisions for a dispatcher; what the fleet-wide brake holds",
-        description="list (default): the failover decisions after --after TOKEN, in token order "
-        "(gap-free, increasing), optionally following new ones; held: what the brake holds; "
-        "release --all|ID...: let held failovers through.",
-    )
-    d.add_argument("what", nargs="?", default="list", choices=("list", "held", "release"))
-    d.add_argument("ids", nargs="*", metavar="ID", help="release: instance ids or P/Z/NAME")
-    d.add_argument("--all", action="store_true", help="release: every held failover")
-    d.add_argument("--ledger", default=None, help="as for poll (the same default file)")
-    d.add_argument("--after", type=int, default=0, help="only decisions with a larger token")
-    d.add_argument("--follow", action="store_true", help="keep waiting for new decisions")
-    d.add_argument("--json", action="store_true", help="one JSON object per line (version 1)")
-    d.set_defaults(func=cmd_decisions)
-
     q = sub.add_parser(
         "parse",
         help="decode a saved serial dump into a timeline and a verdict",
@@ -335,13 +319,3 @@ def cmd_poll(args: argparse.Namespace) -> int:
     from gce_watchdog.poller.app import run_poll
 
     return run_poll(settings)
-
-
-def cmd_decisions(args: argparse.Namespace) -> int:
-    if args.what == "release" and not (args.all or args.ids):
-        print("gce-watchdog decisions: release needs --all or IDs", file=sys.stderr)
-        return EX_USAGE
-    from gce_watchdog.poller.app import run_decisions_cmd
-
-    return run_decisions_cmd(args.ledger, args.what, args.after, args.follow, args.json,
-                             list(args.ids), args.all)  # fmt: skip

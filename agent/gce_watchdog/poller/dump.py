@@ -7,6 +7,8 @@ dump, feeds the timeline, judges it and prints the result (text, or one JSON obj
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -16,6 +18,10 @@ from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict
 from gce_watchdog.wire.protocol import Event, format_ts
 from gce_watchdog.wire.vocab import human_fields
+
+EX_DATAERR = 65  # sysexits: the input is too large to be a dump
+# What parse reads at most: a month of a busy console's export, far more than any real dump.
+MAX_DUMP_BYTES = 1 << 30
 
 
 def show_dump(
@@ -34,16 +40,28 @@ def show_dump(
     events: list[Event] = []
     total = 0
     try:
-        if path == "-":
-            src = sys.stdin.buffer
-            while chunk := src.read(1 << 16):
+        fd = sys.stdin.fileno() if path == "-" else os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                # /dev/zero, a tty, a directory: a dump is a file or a pipe
+                kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file or a pipe"
+                print(f"gce-watchdog parse: {path} is {kind}", file=sys.stderr)
+                return EX_NOINPUT
+            os.set_blocking(fd, True)
+            while chunk := os.read(fd, 1 << 16):
                 total += len(chunk)
+                if total > MAX_DUMP_BYTES:
+                    print(
+                        f"gce-watchdog parse: {path} is over {MAX_DUMP_BYTES >> 20} MiB: stopped"
+                        " (split it; a serial port's output through the API is 1 MiB a read)",
+                        file=sys.stderr,
+                    )
+                    return EX_DATAERR
                 events += tl.feed(chunk, received)
-        else:
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 16):
-                    total += len(chunk)
-                    events += tl.feed(chunk, received)
+        finally:
+            if path != "-":
+                os.close(fd)
     except OSError as e:
         print(f"gce-watchdog parse: cannot read {path}: {e.strerror or e}", file=sys.stderr)
         return EX_NOINPUT

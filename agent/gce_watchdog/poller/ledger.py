@@ -67,7 +67,15 @@ CREATE TABLE IF NOT EXISTS fence (
     id         INTEGER PRIMARY KEY CHECK (id = 1),
     last_token INTEGER NOT NULL
 );
-INSERT OR IGNORE INTO fence (id, last_token) VALUES (1, 0)
+INSERT OR IGNORE INTO fence (id, last_token) VALUES (1, 0);
+CREATE TABLE IF NOT EXISTS pins (
+    instance_id TEXT PRIMARY KEY,
+    fingerprint TEXT NOT NULL,
+    public      TEXT,
+    source      TEXT NOT NULL,
+    pinned_at   REAL NOT NULL,
+    pinned_by   TEXT NOT NULL
+)
 """
 # Columns added after the first release: (name, SQL type). A ledger written by an older poller
 # gets them on open; its decisions were printed when they were made, so they count as announced.
@@ -148,6 +156,41 @@ class Hold:
     instance: str  # project/zone/name
     details: dict[str, Any]
     held_at: float
+
+
+@dataclass(frozen=True)
+class Pin:
+    """An instance id's v3 line key, shared by every reader (docs/serial-protocol.md, "Pins").
+
+    ``public``: the Ed25519 public key, or None for a hand pin whose key no reader has seen yet
+    (an announcement with ``fingerprint`` fills it in). ``source``: ``placed`` (from the first
+    line of the instance's first boot, read from byte 0) or ``hand`` (``gce-watchdog pin``)."""
+
+    instance_id: str
+    fingerprint: str
+    public: bytes | None
+    source: str
+    pinned_at: float
+    pinned_by: str
+
+
+PIN_PLACED = "placed"
+PIN_HAND = "hand"
+_PIN_COLUMNS = "instance_id, fingerprint, public, source, pinned_at, pinned_by"
+
+
+def _pin_row(row: tuple[object, ...]) -> Pin:
+    import base64
+
+    iid, fp, public, source, at, by = row
+    raw = base64.urlsafe_b64decode(str(public) + "=" * (-len(str(public)) % 4)) if public else None
+    return Pin(str(iid), str(fp), raw, str(source), float(at), str(by))  # type: ignore[arg-type]
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
 
 
 # Keys without a boot: the verdict came from no line of ours ("-"), or without an instance id
@@ -484,6 +527,69 @@ class BaseLedger:
     @_locked
     def all(self) -> list[Decision]:
         return [_row(r) for r in self._select("ORDER BY token")]
+
+    # -- pins (protocol v3) -------------------------------------------------------------------
+
+    @_locked
+    def get_pin(self, instance_id: str) -> Pin | None:
+        rows = self._exec(
+            f"SELECT {_PIN_COLUMNS} FROM pins WHERE instance_id = ?",  # noqa: S608 (constants)
+            (instance_id,),
+        )
+        return _pin_row(rows[0]) if rows else None
+
+    @_locked
+    def place_pin(
+        self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
+    ) -> Pin:
+        """Store the key a reader placed, unless the instance has a pin already; returns the
+        stored pin (the first one wins: every reader then uses it). A hand pin of the same
+        fingerprint that lacked the public key gets it."""
+        at = time.time() if now is None else now
+        try:
+            self._begin_write()
+            self._exec(
+                "INSERT INTO pins (instance_id, fingerprint, public, source, pinned_at, pinned_by)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (instance_id) DO NOTHING",
+                (instance_id, fingerprint, _b64(public), PIN_PLACED, at, self.owner),
+            )
+            self._exec(
+                "UPDATE pins SET public = ? WHERE instance_id = ? AND fingerprint = ?"
+                " AND public IS NULL",
+                (_b64(public), instance_id, fingerprint),
+            )
+            rows = self._exec(
+                f"SELECT {_PIN_COLUMNS} FROM pins WHERE instance_id = ?",  # noqa: S608
+                (instance_id,),
+            )
+            self._commit()
+        except BaseException:
+            self._rollback()
+            raise
+        return _pin_row(rows[0])
+
+    @_locked
+    def hand_pin(self, instance_id: str, fingerprint: str, now: float | None = None) -> Pin | None:
+        """An operator's pin (``gce-watchdog pin``): replaces any pin of the instance. Returns
+        the pin it replaced, or None."""
+        at = time.time() if now is None else now
+        try:
+            self._begin_write()
+            rows = self._exec(
+                f"SELECT {_PIN_COLUMNS} FROM pins WHERE instance_id = ?",  # noqa: S608
+                (instance_id,),
+            )
+            self._exec("DELETE FROM pins WHERE instance_id = ?", (instance_id,))
+            self._exec(
+                "INSERT INTO pins (instance_id, fingerprint, public, source, pinned_at, pinned_by)"
+                " VALUES (?, ?, NULL, ?, ?, ?)",
+                (instance_id, fingerprint, PIN_HAND, at, self.owner),
+            )
+            self._commit()
+        except BaseException:
+            self._rollback()
+            raise
+        return _pin_row(rows[0]) if rows else None
 
     def _select(self, tail: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         # Only constants are joined here (_COLUMNS and literal clauses); values are parameters.

@@ -58,7 +58,15 @@ _SCHEMA = (
     )""",
     "INSERT INTO fence (id, last_token) VALUES (1, 0) ON CONFLICT (id) DO NOTHING",
     "CREATE INDEX IF NOT EXISTS decisions_instance ON decisions (instance)",
-    # Last: DDL is transactional, so this index existing means the whole schema is committed.
+    """CREATE TABLE IF NOT EXISTS pins (
+        instance_id TEXT PRIMARY KEY,
+        fingerprint TEXT NOT NULL,
+        public      TEXT,
+        source      TEXT NOT NULL,
+        pinned_at   DOUBLE PRECISION NOT NULL,
+        pinned_by   TEXT NOT NULL
+    )""",
+    # DDL is transactional: this index and the pins table existing mean the schema is committed.
     "CREATE INDEX IF NOT EXISTS decisions_pending ON decisions (token) WHERE announced_at IS NULL",
 )
 # Serialises schema creation when pollers start together (CREATE TABLE IF NOT EXISTS alone can
@@ -109,7 +117,11 @@ class PostgresLedger(BaseLedger):
             raise
 
     def _schema_ready(self) -> bool:
-        row = self._db.execute("SELECT to_regclass('decisions_pending') IS NOT NULL").fetchone()
+        # pins came after the first release: a database without it gets the (idempotent) DDL
+        row = self._db.execute(
+            "SELECT to_regclass('decisions_pending') IS NOT NULL"
+            " AND to_regclass('pins') IS NOT NULL"
+        ).fetchone()
         return bool(row and row[0])
 
     def _ready(self, table: str) -> bool:

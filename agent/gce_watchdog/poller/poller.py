@@ -91,6 +91,7 @@ class PollOutcome:
     forged: int = 0  # lines that did not authenticate: an alarm (protocol v2), never evidence
     forged_reasons: dict[str, int] | None = None
     key_conflict: bool = False
+    key_alarm: str = ""  # protocol v3: no pin, an unplaced key, an ephemeral key ("" if none)
     # This poll announces the decision: its claim won, or it took over the announcement of a
     # decision whose claimer died before announcing it (the lease lapsed).
     announce: bool = False
@@ -155,6 +156,7 @@ class PollOutcome:
             "forged": self.forged,
             "forged_reasons": self.forged_reasons or {},
             "key_conflict": self.key_conflict,
+            "key_alarm": self.key_alarm,
         }
 
 
@@ -186,7 +188,7 @@ class Poller:
         logging: LoggingClient | None = None,
     ) -> None:
         self.client = client
-        self.reader = SerialReader(client, store, clock)
+        self.reader = SerialReader(client, store, clock, pins=ledger)
         self.project = project
         self.zone = zone
         self.ledger = ledger
@@ -304,6 +306,7 @@ class Poller:
             forged=tl.forged,
             forged_reasons=tl.forged_reasons,
             key_conflict=tl.key_conflict,
+            key_alarm=tl.key_alarm,
             announce=announce,
         )
 

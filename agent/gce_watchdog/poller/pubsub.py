@@ -42,7 +42,13 @@ from gce_watchdog.poller.assemble import Assembler
 from gce_watchdog.poller.ledger import BaseLedger, Decision
 from gce_watchdog.poller.poller import PollOutcome, announced_outcome, lapsed_announcements
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
-from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, decode_line
+from gce_watchdog.wire.protocol import (
+    Event,
+    Forged,
+    Forgery,
+    KeyAnnounce,
+    decode_line,
+)
 
 SERIAL_LOG_SUFFIX = "/logs/serialconsole.googleapis.com%2Fserial_port_1_output"
 NAME_LABEL = "compute.googleapis.com/resource_name"
@@ -107,6 +113,7 @@ class WorkerStats:
     foreign: int = 0  # acked at once: not our line or not a serial LogEntry
     forged: int = 0  # intact lines of ours that do not authenticate (acked, never evidence)
     unverified: int = 0  # deliveries left unacked: no key pinned yet for the instance
+    unpinned: int = 0  # instances whose lines arrived without a pin in the ledger (an alarm)
     decisions: int = 0
     announced: int = 0
     acked: int = 0
@@ -135,10 +142,14 @@ class PubSubWorker:
         self.asm = Assembler(settle_s)
         self.clock = clock
         self.stats = WorkerStats()
-        # Per instance id, the pinned line key (protocol v2), from its first announcement. In
-        # memory: a worker started after the announcement was acked by another worker cannot
-        # verify that instance's lines (they stay unacked); docs/poller.md says so.
+        # Per instance id, its pinned public key (protocol v3), from the ledger: shared with
+        # every poller and worker, on any host, after any restart. A worker never places a
+        # pin itself (a stream of log entries cannot show it has everything since the
+        # instance's creation): the poll path places pins from byte 0 of the port, operators
+        # pin by hand (`gce-watchdog pin`; the key with that fingerprint is then stored).
         self.keys: dict[str, bytes] = {}
+        self._hand: dict[str, str] = {}  # instance id -> hand-pinned fingerprint (no key yet)
+        self.unpinned: set[str] = set()  # instance ids seen without a pin: an alarm
         self.last_heard: dict[str, float] = {}  # instance id -> when its last line arrived
         self._held: dict[tuple[str, str, int], _Held] = {}  # (id, boot, seq) -> its messages
         self._info: dict[str, SerialLine] = {}  # instance id -> its latest line's identity
@@ -151,7 +162,7 @@ class PubSubWorker:
         # Instance ids with a boot whose stream lost a line: never decided here, polled by the
         # Compute API sweep instead (app's _sweep selects it). Bounded by the fleet.
         self.gapped: set[str] = set()
-        # Per instance id, messages received before its key was pinned (unacked meanwhile).
+        # Per instance id, messages received before its pin (unacked meanwhile).
         self._waiting: dict[str, list[tuple[Any, SerialLine]]] = {}
 
     def pull(self, timeout: float) -> list[Any]:
@@ -173,11 +184,13 @@ class PubSubWorker:
         to_ack: list[str] = []
         grown: set[tuple[str, str]] = set()
         parsed = [parse_log_entry(rm.message.data) for rm in msgs]
-        for line in parsed:  # first the batch's key announcements: lines may come before them
-            if line is not None and line.instance_id not in self.keys and " key k=" in line.text:
-                res = decode_line(line.text)
-                if isinstance(res, KeyAnnounce):
-                    self.keys[line.instance_id] = res.key
+        looked: set[str] = set()
+        for iid in list(self._waiting):  # lines waiting for a pin: has one been stored since?
+            self._lookup(iid, looked)
+        for line in parsed:  # the batch's instances, and hand pins filled in by announcements
+            if line is not None and line.instance_id not in self.keys:
+                self._lookup(line.instance_id, looked)
+                self._fill_hand_pin(line, now)
         self.stats.messages += len(msgs)
         # Lines that came before their instance's key (a shuffled stream) waited here, unacked;
         # those whose key is now pinned are taken first, in this step.
@@ -195,6 +208,38 @@ class PubSubWorker:
             self.announce_pending(now)
         return len(msgs)
 
+    def _lookup(self, iid: str, looked: set[str]) -> None:
+        """The instance's pin from the ledger (once per step per instance)."""
+        if iid in self.keys or iid in looked:
+            return
+        looked.add(iid)
+        pin = self.ledger.get_pin(iid)
+        if pin is None:
+            return
+        if pin.public is not None:
+            self.keys[iid] = pin.public
+            self._hand.pop(iid, None)
+        else:
+            self._hand[iid] = pin.fingerprint
+
+    def _fill_hand_pin(self, line: SerialLine, now: float) -> None:
+        """An announcement of the key an operator pinned by fingerprint: store its key."""
+        fp = self._hand.get(line.instance_id)
+        if fp is None or " key pk=" not in line.text:
+            return
+        res = decode_line(line.text)
+        if (
+            isinstance(res, KeyAnnounce)
+            and res.version == 3
+            and res.fingerprint == fp
+            and res.inst in ("-", line.instance_id)
+            and res.valid()
+        ):
+            stored = self.ledger.place_pin(line.instance_id, res.key, fp, now)
+            if stored.public is not None:
+                self.keys[line.instance_id] = stored.public
+                self._hand.pop(line.instance_id, None)
+
     def _take(
         self,
         rm: Any,
@@ -204,17 +249,29 @@ class PubSubWorker:
         grown: set[tuple[str, str]],
     ) -> None:
         """One received message: ack it, hold it, or wait for its instance's key."""
-        res = decode_line(line.text, self.keys.get(line.instance_id)) if line else None
+        pin = self.keys.get(line.instance_id) if line else None
+        res = decode_line(line.text, None, pin) if line else None
         if isinstance(res, KeyAnnounce) and line is not None:
-            # protocol v2: pin the instance's line key on its first announcement (a boot's
-            # seq 0); another key later is forged, and only the pinned one verifies lines
-            pinned = self.keys.setdefault(line.instance_id, res.key)
-            res = res.event if pinned == res.key else Forged(Forgery.KEY_CONFLICT, b"")
+            # protocol v3: only the pinned key's announcement, for this very instance id (a
+            # real line relabelled with another VM's id names its own), is accepted
+            if pin is None:
+                res = Forged(Forgery.NO_KEY, b"", res.event)
+            elif res.version != 3 or res.key != pin:
+                res = Forged(Forgery.UNPLACED if res.version == 3 else Forgery.V2, b"")
+            elif res.inst not in ("-", line.instance_id):
+                res = Forged(Forgery.RELABELLED, b"")
+            elif not res.valid():
+                res = Forged(Forgery.BAD_SIG, b"")
+            else:
+                res = res.event
         if isinstance(res, Forged) and res.reason == Forgery.NO_KEY and line is not None:
             # No key pinned yet: kept unacked until the instance's key announcement arrives
             # (then taken, in that step), at most WAITING_MAX per instance; past that, left to
             # Pub/Sub's redelivery. Never acked unread: a worker that dies loses nothing.
             self.stats.unverified += 1
+            if line.instance_id not in self.unpinned:
+                self.unpinned.add(line.instance_id)
+                self.stats.unpinned += 1
             waiting = self._waiting.setdefault(line.instance_id, [])
             if len(waiting) < WAITING_MAX:
                 waiting.append((rm, line))

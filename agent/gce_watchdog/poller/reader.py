@@ -33,11 +33,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.lib.compute import ComputeClient
 from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.poller.ledger import Pin
 from gce_watchdog.poller.timeline import Timeline
+from gce_watchdog.wire.protocol import pk_fingerprint
 
 if TYPE_CHECKING:  # pragma: no cover
     pass
@@ -189,15 +191,34 @@ class ReadResult:
     new_events: int
 
 
+class PinStore(Protocol):
+    """Where readers share protocol v3 pins: the ledger (``BaseLedger.get_pin``/``place_pin``)."""
+
+    def get_pin(self, instance_id: str) -> Pin | None: ...
+
+    def place_pin(
+        self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
+    ) -> Pin: ...
+
+
 class SerialReader:
-    """Incremental reads of serial port 1 for many instances, resuming from stored cursors."""
+    """Incremental reads of serial port 1 for many instances, resuming from stored cursors.
+
+    ``pins``: the ledger. Before each read the instance's pin is taken from it (so a fresh
+    cursor dir, a restart or another host uses the same key); a key this read placed (the
+    instance's first line, read from byte 0) is stored there, first one wins."""
 
     def __init__(
-        self, client: ComputeClient, store: CursorStore, clock: Callable[[], float] = time.time
+        self,
+        client: ComputeClient,
+        store: CursorStore,
+        clock: Callable[[], float] = time.time,
+        pins: PinStore | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.clock = clock  # the reader's own clock: when bytes were received
+        self.pins = pins
 
     def read(self, project: str, zone: str, name: str, instance_id: str = "") -> ReadResult:
         cur = self.store.load(project, zone, name)
@@ -205,6 +226,9 @@ class SerialReader:
             cur = Cursor(name)  # a new instance under the same name: its own port, its own log
         if instance_id:
             cur.instance_id = instance_id
+        shared = self.pins.get_pin(instance_id) if self.pins is not None and instance_id else None
+        if shared is not None:
+            cur.timeline.set_pin(shared.public, shared.fingerprint)
         fetched = lost = new_events = new = 0
         reset = False
         # At most two reads: the second only after a buffer reset (the port restarted at 0).
@@ -238,6 +262,11 @@ class SerialReader:
             cur.fetched_bytes += len(chunk.contents)
             cur.offset = chunk.next
             break
+        tl = cur.timeline
+        if self.pins is not None and instance_id and tl.pinned_here and tl.pin is not None:
+            stored = self.pins.place_pin(instance_id, tl.pin, pk_fingerprint(tl.pin), rx)
+            tl.set_pin(stored.public, stored.fingerprint)  # the ledger's pin is the pin
+            tl.pin_stored()
         self.store.save(project, zone, cur)
         return ReadResult(fetched, new, lost, reset, new_events)
 

@@ -20,9 +20,24 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, decide, terminal_kind
+from gce_watchdog.poller.verdict import (
+    InstanceState,
+    Policy,
+    Verdict,
+    VerdictKind,
+    decide,
+    terminal_kind,
+)
 from gce_watchdog.wire import vocab
-from gce_watchdog.wire.protocol import Event, StreamDecoder, fingerprint
+from gce_watchdog.wire.protocol import (
+    Event,
+    Forgery,
+    StreamDecoder,
+    fingerprint,
+    pk_fingerprint,
+    unb64,
+)
+from gce_watchdog.wire.protocol import b64 as _b64
 
 # Events a verdict can depend on; they survive compaction (see verdict.py's table).
 KEY_EVENTS = vocab.VERDICT_EVENTS
@@ -32,6 +47,9 @@ KEEP_RECENT = 64  # routine events (tick/heartbeat) kept: the latest show rung a
 MAX_GAPS = 1000  # gap records kept for the report; totals are always exact
 MAX_REJECT_SAMPLES = 20  # rejected raw lines kept for the report
 MAX_FORGED_SAMPLES = 20  # forged raw lines kept for the report
+# A guest clock set back further than this between two boots is taken for a replay of an older
+# boot (docs/serial-protocol.md, decoding rule 8); an hour behind (the issue's case) is a boot.
+REPLAY_BOUND_MS = 24 * 3600 * 1000
 
 
 @dataclass
@@ -80,14 +98,24 @@ class ByteGap:
 class Timeline:
     """Accumulates decoded events and loss accounting for one VM's serial port."""
 
-    def __init__(self, key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        key: bytes | None = None,
+        *,
+        pin: bytes | None = None,
+        pin_fp: str | None = None,
+        from_start: bool = True,
+        instance_id: str = "",
+    ) -> None:
         self.events: list[Event] = []
         self.boots: dict[str, BootInfo] = {}
         self.seq_gaps: list[SeqGap] = []
         self.byte_gaps: list[ByteGap] = []
         self.lost_bytes = 0
         self.resets = 0  # times the API's buffer restarted below our offset
-        self._decoder = StreamDecoder(key)
+        self._decoder = StreamDecoder(
+            key, pin=pin, pin_fp=pin_fp, from_start=from_start, instance_id=instance_id
+        )
         self._forged_base = 0
         self._conflicts_base = 0
         self._forged_reasons_base: dict[str, int] = {}
@@ -109,7 +137,9 @@ class Timeline:
         return self._add(self._decoder.flush(), rx)
 
     def note_byte_gap(self, requested: int, start: int) -> None:
-        """The API returned ``start`` beyond ``requested``: those bytes are gone."""
+        """The API returned ``start`` beyond ``requested``: those bytes are gone (and nothing
+        after them can be pinned)."""
+        self._decoder.lost_before()
         self.lost_bytes += start - requested
         if len(self.byte_gaps) < MAX_GAPS:
             self.byte_gaps.append(ByteGap(requested, start))
@@ -199,16 +229,73 @@ class Timeline:
         return self._decoder.key_conflict
 
     @property
+    def pin(self) -> bytes | None:
+        """The pinned v3 public key (the ledger's, a hand pin's key, or placed here)."""
+        return self._decoder.pin
+
+    def set_pin(self, pin: bytes | None, pin_fp: str | None = None) -> None:
+        """The ledger's pin (every reader shares it); from now on lines verify under it."""
+        d = self._decoder
+        if pin is not None and d.pin != pin:
+            d.pin, d.pinned_here, d.placeable = pin, False, False
+        elif pin is None and pin_fp is not None:  # pinned by hand, its key not seen yet
+            if d.pin is None or pk_fingerprint(d.pin) != pin_fp:
+                d.pin, d.pinned_here = None, False
+            d.pin_fp, d.placeable = pin_fp, False
+
+    def pin_stored(self) -> None:
+        """The caller stored the pin placed here (in the ledger)."""
+        self._decoder.pinned_here = False
+
+    @property
+    def pinned_here(self) -> bool:
+        """The pin was placed from this timeline's stream (the caller stores it in the ledger)."""
+        return self._decoder.pinned_here
+
+    @property
+    def unplaced(self) -> list[str]:
+        """Fingerprints of announced keys that are not the pin: their lines never decide."""
+        return list(self._decoder.unplaced)
+
+    @property
+    def ephemeral(self) -> bool:
+        """The pinned key was announced ``eph=1``: the VM could not keep it across boots."""
+        return self._decoder.ephemeral
+
+    @property
+    def key_alarm(self) -> str:
+        """Why an operator must look at this instance's keys ("" when nothing is wrong)."""
+        parts = []
+        reasons = self.forged_reasons
+        unverified = reasons.get(Forgery.NO_KEY) or reasons.get(Forgery.V2)
+        if self.pin is None and self.key is None and (self.unplaced or unverified):
+            fps = ",".join(self.unplaced) or "-"
+            parts.append(f"no_pin (announced {fps}; `gce-watchdog pin` after checking the VM)")
+        elif self.unplaced:
+            parts.append(f"unplaced_key {','.join(self.unplaced)}")
+        if self.ephemeral:
+            parts.append("ephemeral_key (the VM cannot keep its line key)")
+        return "; ".join(parts)
+
+    @property
     def key_id(self) -> str | None:
+        if self.pin is not None:
+            return pk_fingerprint(self.pin)
         return fingerprint(self.key) if self.key is not None else None
 
     @property
     def latest_boot(self) -> str | None:
-        """The current incarnation: the boot whose first line has the latest signed time (a
-        line replayed from an older boot cannot make it current again)."""
-        if not self.boots:
-            return None
-        return max(self.boots.values(), key=lambda b: (b.first_ts_ms, b.order)).boot
+        """The current incarnation: the boot whose first authenticated line appears latest in
+        the stream (the port's byte order), never by the guest's clock, so a new boot whose
+        clock is behind is still current. A boot seen before keeps its place (a replayed line
+        of it cannot make it current again). The one use of the signed time: a boot first seen
+        later whose first line is more than REPLAY_BOUND_MS *older* than the current boot's
+        first line is a replay of an older boot (a reader that never saw it), not a reboot."""
+        cur: BootInfo | None = None
+        for b in sorted(self.boots.values(), key=lambda b: b.order):
+            if cur is None or b.first_ts_ms >= cur.first_ts_ms - REPLAY_BOUND_MS:
+                cur = b
+        return cur.boot if cur is not None else None
 
     def judge(self, instance: InstanceState, now: float, policy: Policy) -> Verdict:
         """The verdict: the one function ``poll``, ``parse`` and ``report`` use.
@@ -227,6 +314,27 @@ class Timeline:
                 f"verdict by the pinned key {self.key_id}"
             )
             v = replace(v, reason=f"{note}; {v.reason}")
+        alarm = self.key_alarm
+        if alarm and v.kind is VerdictKind.SUSPECTED_WEDGE and self.ephemeral and self.unplaced:
+            # The pinned key was announced ephemeral (signed: no forger can say so) and another
+            # key appeared since: most likely the VM's next boot, whose lines this reader cannot
+            # verify. Their silence is not the VM's: an alarm, never a failover.
+            v = replace(
+                v,
+                kind=VerdictKind.UNKNOWN,
+                reason=f"ALARM: {alarm}; silence not judged: {v.reason}",
+            )
+        elif alarm and v.failover and self.pin is None:
+            # Lines of ours are there but no key can be placed (a late reader, an instance that
+            # ran before its poller): not acting is the one safe answer, whatever the status
+            # says (a finished job's VM is TERMINATED too). Pin by hand to decide again.
+            v = replace(
+                v,
+                kind=VerdictKind.UNKNOWN,
+                reason=f"ALARM: {alarm}; not acted on without a pin: {v.reason}",
+            )
+        elif alarm:
+            v = replace(v, reason=f"ALARM: {alarm}; {v.reason}")
         return v
 
     @property
@@ -260,6 +368,11 @@ class Timeline:
         return {
             "events": [e.to_json() for e in self.events],
             "key": self.key.hex() if self.key is not None else None,
+            "pin": _b64(self.pin) if self.pin is not None else None,
+            "pin_fp": self._decoder.pin_fp,
+            "placeable": self._decoder.placeable,
+            "unplaced": self.unplaced,
+            "ephemeral": self.ephemeral,
             "key_conflict": self.key_conflict,
             "forged": self.forged,
             "forged_reasons": self.forged_reasons,
@@ -279,9 +392,17 @@ class Timeline:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Timeline:
         """Rebuild from :meth:`to_json`; raises ValueError/KeyError/TypeError on a bad document."""
-        key = obj.get("key")
-        t = cls(bytes.fromhex(str(key)) if key else None)
-        t._decoder.key_conflict = bool(obj.get("key_conflict", False))
+        key, pin, pin_fp = obj.get("key"), obj.get("pin"), obj.get("pin_fp")
+        t = cls(
+            bytes.fromhex(str(key)) if key else None,
+            pin=unb64(str(pin)) if pin else None,
+            pin_fp=str(pin_fp) if pin_fp else None,
+        )
+        d = t._decoder
+        d.key_conflict = bool(obj.get("key_conflict", False))
+        d.placeable = bool(obj.get("placeable", False)) and d.pin is None
+        d.unplaced = [str(x) for x in obj.get("unplaced") or []][: d.MAX_UNPLACED]
+        d.ephemeral = bool(obj.get("ephemeral", False))
         t.events = [Event.from_json(e) for e in obj["events"]]
         t._forged_base = int(obj.get("forged", 0))
         t._conflicts_base = int(obj.get("conflicts", 0))
@@ -303,11 +424,19 @@ class Timeline:
 
 
 def parse_bytes(
-    data: bytes | Iterable[bytes], rx: float | None = None, key: bytes | None = None
+    data: bytes | Iterable[bytes],
+    rx: float | None = None,
+    key: bytes | None = None,
+    *,
+    pin: bytes | None = None,
+    pin_fp: str | None = None,
+    from_start: bool = True,
 ) -> Timeline:
     """Decode a whole saved dump (bytes, or an iterable of chunks), received at ``rx``, into a
-    finished timeline (``key``: a pinned key; default the first one the dump announces)."""
-    t = Timeline(key)
+    finished timeline. ``pin``/``pin_fp``: a pinned v3 key or fingerprint; default: the dump is
+    the port's output from byte 0 and its first line, an announcement, is pinned. ``key``: a
+    v2 key held from before the upgrade."""
+    t = Timeline(key, pin=pin, pin_fp=pin_fp, from_start=from_start)
     if isinstance(data, bytes | bytearray):
         t.feed(bytes(data), rx)
     else:

@@ -354,13 +354,14 @@ def build_report(
     source: str = "",
     now: float | None = None,
     received: float | None = None,
-    key: bytes | None = None,
+    pin: bytes | None = None,
     instance: InstanceState | None = None,
     policy: Policy | None = None,
     band_gib: float = 1.0,
 ) -> Report:
-    """Decode a dump (bytes, or chunks in order) received at ``received`` and build its report."""
-    tl = Timeline(key)
+    """Decode a dump (bytes, or chunks in order) received at ``received`` and build its report
+    (``pin``: the instance's v3 public key; default: the dump's first announcement)."""
+    tl = Timeline(pin=pin)
     kept: list[Event] = []
     dropped = size = 0
     chunks: Iterable[bytes] = [data] if isinstance(data, bytes | bytearray) else data

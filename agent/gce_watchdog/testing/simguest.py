@@ -28,6 +28,7 @@ import time
 
 from gce_watchdog.testing.simcompute import FakeComputeAPI, FakeInstance
 from gce_watchdog.testing.synth import Writer
+from gce_watchdog.wire.protocol import LineKey
 
 DEFAULT_INTERVAL_S = 30.0
 
@@ -87,7 +88,9 @@ class _Guest:
         self.interval = float(m.group(1)) if m else DEFAULT_INTERVAL_S
         self.scale = self.interval / DEFAULT_INTERVAL_S
         self.faults_on = bool(re.search(r"faults_from_metadata\s*=\s*true", dropin))
-        self.w = Writer(boot=secrets.token_hex(4), key=secrets.token_bytes(32))
+        # its own Ed25519 line key, announced for this instance id (protocol v3), as an agent does
+        key = LineKey(secrets.token_bytes(32))
+        self.w = Writer(boot=secrets.token_hex(4), key=key, inst=inst.id)
         self.n = sim.threshold
 
     def line(self, name: str, fields: dict[str, object], text: str = "") -> None:

@@ -21,17 +21,19 @@ from pathlib import Path
 from gce_watchdog.wire.protocol import (
     KEY_EVENT,
     Event,
+    LineKey,
+    announce_event,
     encode,
-    fingerprint,
-    key_line,
     make_event,
+    needs_announcement,
 )
 
 CORPUS_ENV = "GCE_WATCHDOG_SERIAL_CORPUS"
 KERNEL_MSG = b'[  123.456789] audit: type=1400 audit(1700000000.123:42): apparmor="DENIED"'
 T0_MS = 1_764_475_094_000  # 2025-11-30T03:58:14Z: a fixed, realistic start time
 # The line key of synthetic dumps (a real instance's key is random, see vm/state.py).
-SYNTH_KEY = bytes(range(32))
+SYNTH_SEED = bytes(range(32))
+SYNTH_KEY = LineKey(SYNTH_SEED)
 
 
 def corpus_dir(default: Path | None = None) -> Path | None:
@@ -57,12 +59,14 @@ def corpus_lines(directory: Path) -> list[bytes]:
 
 @dataclass
 class Writer:
-    """Numbers, timestamps and signs our lines like the agent does: a boot's seq 0 is the key
-    announcement, written before the first event (its shown form is in ``written`` too)."""
+    """Numbers, timestamps and signs our lines like the agent does: the key announcement takes
+    seq 0 and 1 and every multiple of ANNOUNCE_EVERY, written before the event (its shown form
+    is in ``written`` too)."""
 
     boot: str = "3f2a9c1e"
-    key: bytes = SYNTH_KEY
+    key: LineKey = SYNTH_KEY
     announce: bool = True  # False: no key line (a reader given the key; pure decoding tests)
+    inst: str = "-"  # the instance id the announcements name
     seq: int = 0
     ts_ms: int = T0_MS
     step_ms: int = 30_000  # one tick interval between lines by default
@@ -83,11 +87,11 @@ class Writer:
 
     def line(self, *args: object, **kwargs: object) -> bytes:
         head = b""
-        if self.seq == 0 and self.announce:
-            head = key_line(self.boot, 0, self.ts_ms, self.key).encode() + b"\n"
-            shown = (("kid", fingerprint(self.key)),)
-            self.written.append(Event(KEY_EVENT, self.boot, 0, self.ts_ms, shown))
-            self.seq = 1
+        while self.announce and needs_announcement(self.seq):
+            ann = announce_event(self.boot, self.seq, self.ts_ms, self.key, self.inst)
+            head += encode(ann, self.key).encode() + b"\n"
+            self.written.append(shown_announcement(ann))
+            self.seq += 1
         ev = self.event(*args, **kwargs)  # type: ignore[arg-type]
         return head + encode(ev, self.key).encode() + b"\n"
 
@@ -96,6 +100,15 @@ class Writer:
         self.boot = boot
         self.seq = 0
         self.ts_ms += gap_ms
+
+
+def shown_announcement(ann: Event) -> Event:
+    """How readers show an announcement: the fingerprint instead of the public key."""
+    from gce_watchdog.wire.protocol import pk_fingerprint, unb64
+
+    fields = [("kid", pk_fingerprint(unb64(ann.get("pk") or "")))]
+    fields += [(k, v) for k, v in ann.fields if k != "pk"]
+    return Event(KEY_EVENT, ann.boot, ann.seq, ann.ts_ms, tuple(fields))
 
 
 def splice(line: bytes, insert: bytes = KERNEL_MSG, at: int | None = None) -> bytes:

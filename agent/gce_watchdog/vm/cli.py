@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from gce_watchdog.lib.cli import EX_CONFIG, EX_OK, EX_USAGE
+from gce_watchdog.lib.cli import EX_CONFIG, EX_NOPERM, EX_OK, EX_USAGE
 from gce_watchdog.vm import config as cfgmod
 
 
@@ -25,6 +25,19 @@ def add_config_arg(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    k = sub.add_parser(
+        "key",
+        help="show this instance's line key (its public half, never the private key)",
+        description="Print the fingerprint of this instance's protocol v3 line key (run as "
+        "root on the VM), for `gce-watchdog pin INSTANCE_ID FINGERPRINT` on the poller side. "
+        "Reads the key; creates it if the instance has none yet (as the first line would). "
+        "Problems with the key file (a wrong mode or owner, no place to keep it) go to stderr.",
+    )
+    add_config_arg(k)
+    k.add_argument(
+        "--fingerprint", action="store_true", help="print the fingerprint only (the default)"
+    )
+    k.set_defaults(func=cmd_key)
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     c = csub.add_parser("check", help="validate a config file and report every error")
@@ -91,3 +104,22 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     _notes(loaded)
     sys.stdout.write(cfgmod.to_toml(loaded.config, None if args.no_sources else loaded))
     return EX_OK
+
+
+def cmd_key(args: argparse.Namespace) -> int:
+    from gce_watchdog.vm.runtime import load_config_or_exit
+    from gce_watchdog.vm.state import KeyUnavailable, load_line_key
+    from gce_watchdog.wire.protocol import LineKey
+
+    cfg = load_config_or_exit(args.config)
+    try:
+        ks = load_line_key(cfg.agent.state_dir, cfg.agent.run_dir)
+    except KeyUnavailable as e:
+        print(f"gce-watchdog key: {e} (run as root)", file=sys.stderr)
+        return EX_NOPERM
+    for problem in ks.problems:
+        print(f"gce-watchdog key: {problem}", file=sys.stderr)
+    if ks.ephemeral:
+        print("gce-watchdog key: ephemeral (not in the state dir): do not pin it", file=sys.stderr)
+    print(LineKey(ks.seed, ks.ephemeral).fingerprint)
+    return 1 if ks.ephemeral else EX_OK

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from gce_watchdog.vm.state import KeyUnavailable, SeqAllocator, load_or_create_key
+from gce_watchdog.vm.state import KeyUnavailable, SeqAllocator, load_line_key
 from gce_watchdog.wire import protocol
 
 Waiter = Callable[[], bool]
@@ -421,10 +421,14 @@ Clock = Callable[[], float]
 class Emitter:
     """Numbers, timestamps, encodes, signs and writes events; mirrors them to the structured log.
 
-    ``key`` is the instance's line key (``state.load_or_create_key``). The first line of a boot
-    (seq 0, whichever writer numbers it) is the key announcement, written before the event.
-    Without a key (not root) nothing can be signed: lines are counted in ``unsigned`` and not
-    written, since an unsigned line would only be counted as forged by every reader.
+    ``key`` is the instance's private line key (``state.load_line_key``). The key announcement
+    (public key, instance id ``inst``, ``eph=1`` for an ephemeral key) takes the boot's seq 0
+    and 1 and every seq that is a multiple of ``protocol.ANNOUNCE_EVERY``, whichever writer
+    numbers them: written before the event, never mirrored to the journal. ``key_problems``
+    (a key file with a wrong mode, a state dir that cannot hold it) are written once per
+    process as ``warn what=key`` after the first line. Without a key (not root) nothing can be
+    signed: lines are counted in ``unsigned`` and not written, since an unsigned line would only
+    be counted as forged by every reader.
     """
 
     def __init__(
@@ -435,7 +439,9 @@ class Emitter:
         wall: Clock = time.time,
         log: Callable[..., object] | None = None,
         *,
-        key: bytes | None,
+        key: protocol.LineKey | None,
+        inst: str = "-",
+        key_problems: Iterable[str] = (),
     ) -> None:
         self.sink = sink
         self.seq = seq
@@ -443,6 +449,8 @@ class Emitter:
         self.wall = wall
         self.log = log
         self.key = key
+        self.inst = inst  # the instance id the announcement binds the key to ("-": unknown)
+        self.key_problems = list(key_problems)
         self.unsigned = 0
         self._order = threading.Lock()
         self.written: list[protocol.Event] = []  # last few events, for `check` and tests
@@ -485,13 +493,17 @@ class Emitter:
                 waiter: Waiter = lambda: False  # noqa: E731
             else:
                 n = self.seq.next()
-                if n == 0:
-                    # The boot's first line announces the key; never mirrored to the journal.
-                    self.sink.submit(protocol.key_line(self.boot, 0, ts_ms, self.key), sync=sync)
+                while protocol.needs_announcement(n):
+                    # The announcement; never mirrored to the journal.
+                    line = protocol.key_line(self.boot, n, ts_ms, self.key, self.inst)
+                    self.sink.submit(line, sync=sync)
                     n = self.seq.next()
                 ev = protocol.make_event(event, self.boot, n, ts_ms, fields, text)
                 waiter = self.sink.submit(protocol.encode(ev, self.key), sync=sync)
         ok = waiter()
+        if self.key_problems and event != "warn":
+            problems, self.key_problems = self.key_problems, []
+            self._emit("warn", {"what": "key"}, "; ".join(problems), sync)
         self.written.append(ev)
         del self.written[: -self._keep]
         if self.log is not None:
@@ -511,16 +523,39 @@ def open_emitter(
 ) -> tuple[Emitter, SerialPort]:
     """Wire a real port and emitter (for `main()`-style callers); caller closes the port."""
     port = SerialPort(device, fallback, queue_size, sync_timeout).open()
-    key = key_or_none(state_dir, run_dir)
-    return Emitter(port, SeqAllocator(run_dir, boot), boot, log=log, key=key), port
+    key, problems = key_or_none(state_dir, run_dir)
+    inst = cached_instance_id(state_dir)
+    emitter = Emitter(
+        port, SeqAllocator(run_dir, boot), boot, log=log, key=key, inst=inst, key_problems=problems
+    )
+    return emitter, port
 
 
-def key_or_none(state_dir: str, run_dir: str) -> bytes | None:
-    """The line key, or None with a warning on stderr (lines then cannot be written)."""
+def cached_instance_id(state_dir: str) -> str:
+    """The instance id from the metadata watcher's identity cache (``instance.json``), or
+    ``-``. Read as text, bounded, never raises: the announcement only carries it."""
+    import json
+
+    try:
+        fd = os.open(Path(state_dir) / "instance.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            obj = json.loads(f.read(4096))
+        iid = str(obj.get("id", "")) if isinstance(obj, dict) else ""
+    except (OSError, ValueError):
+        return "-"
+    return iid if iid.isdigit() and len(iid) <= 20 else "-"
+
+
+def key_or_none(state_dir: str, run_dir: str) -> tuple[protocol.LineKey | None, list[str]]:
+    """The line key and its problems, or None with a warning on stderr (not root: lines then
+    cannot be written)."""
     import sys
 
     try:
-        return load_or_create_key(state_dir, run_dir)[0]
+        ks = load_line_key(state_dir, run_dir)
     except KeyUnavailable as e:
         print(f"gce-watchdog: no line key, serial lines are not written: {e}", file=sys.stderr)
-        return None
+        return None, []
+    for p in ks.problems:
+        print(f"gce-watchdog: line key: {p}", file=sys.stderr)
+    return protocol.LineKey(ks.seed, ks.ephemeral), ks.problems

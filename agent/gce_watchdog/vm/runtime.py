@@ -102,7 +102,9 @@ def open_console(
                 file=sys.stderr,
             )
         boot = boot_of(cfg)
-        key = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
+        key, problems = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
         seq = SeqAllocator(cfg.agent.run_dir, boot)
-        return CommandConsole(Emitter(DiscardSink(), seq, boot, log=log, key=key), None)
+        return CommandConsole(
+            Emitter(DiscardSink(), seq, boot, log=log, key=key, key_problems=problems), None
+        )
     return CommandConsole(emitter, port)

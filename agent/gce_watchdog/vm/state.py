@@ -14,6 +14,7 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gce_watchdog.lib.files import atomic_write
@@ -72,7 +73,8 @@ class SeqAllocator:
 
     The record is fixed-width and rewritten in place (``pwrite``, never truncated), so once the
     file exists an update needs no new block: a full tmpfs cannot fail it. If the file cannot be
-    used at all (it could not even be created), numbering never falls back to 0: it continues
+    used at all (it could not even be created) or its record is corrupt, numbering never falls
+    back to 0: it continues
     from CLOCK_BOOTTIME in microseconds, above every seq the counter can have handed out (the
     console carries far fewer than one line per microsecond), and strictly increasing within
     this process.
@@ -108,7 +110,16 @@ class SeqAllocator:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             raw = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            n = int(raw) if raw.isdigit() else 0
+            if raw.isdigit():
+                n = int(raw)
+            elif raw:
+                # A corrupt record (a torn write, someone's edit): numbering never goes back to
+                # 0 (that would reuse seqs): it continues from the boot-time floor, as when the
+                # file cannot be used, and the record is rewritten from there.
+                self.fallbacks += 1
+                n = max(self._last + 1, self.floor())
+            else:
+                n = 0  # a new file: the boot's first line
             data = f"{n + 1:0{self.WIDTH}d}\n".encode()
             if os.pwrite(fd, data, 0) != len(data):
                 raise OSError(errno.ENOSPC, "short write of the seq record")
@@ -118,69 +129,152 @@ class SeqAllocator:
 
 
 class KeyUnavailable(Exception):
-    """The line-signing key can be neither read nor created (not root, or no writable place)."""
+    """The line key cannot be read: not root (it is root's alone). Lines are then not written."""
 
 
-KEY_FILE = "key"
+# v3's private line key (an Ed25519 seed). v2's ``key`` file held an HMAC key that v2 announced
+# in clear on the console: it is never reused (docs/serial-protocol.md, "Upgrade").
+KEY_FILE = "signing.key"
+SEED_BYTES = 32
 
 
-def load_or_create_key(state_dir: str | Path, run_dir: str | Path) -> tuple[bytes, Path]:
-    """The instance's secret line key and where it lives, creating it (0600) on first use.
+@dataclass
+class KeyState:
+    """The line key a writer uses, where it lives, and what is wrong with it (``problems``:
+    raised on the console as ``warn what=key`` and by ``check``; never a reason to replace it)."""
 
-    ``<state_dir>/key`` is the key for the life of the instance (the poller pins it). A key file
-    that is not ours alone (another owner, group or world bits) may have leaked: it is replaced.
-    When the state dir cannot hold a new key (full, read-only), a key for this boot is kept in
-    the run dir (tmpfs); the poller will see another key at the next boot and raise a conflict.
-    """
-    from gce_watchdog.wire.protocol import KEY_BYTES
+    seed: bytes
+    path: Path | None  # None: in memory only (nothing could keep it)
+    ephemeral: bool  # not in the state dir: the next boot (or process) has another key
+    problems: list[str] = field(default_factory=list)
 
-    errors = []
-    for d in (Path(state_dir), Path(run_dir)):
-        p = d / KEY_FILE
-        bad = False
+
+def _read_key(p: Path, problems: list[str]) -> bytes | None:
+    """The seed in ``p``; None when absent or unusable (the problem noted). PermissionError
+    (not root) propagates. A key whose mode or owner is wrong is **kept** and noted."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        raise
+    except OSError as e:
+        problems.append(f"{p}: {e.strerror or e}: not used, not replaced")
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{p} is not a regular file: not used, not replaced")
+            return None
+        data = os.read(fd, SEED_BYTES + 1)
+        if len(data) != SEED_BYTES:
+            problems.append(f"{p} holds {len(data)} bytes, not {SEED_BYTES}: not used nor replaced")
+            return None
+        if st.st_mode & 0o077:
+            problems.append(
+                f"{p} has mode {stat.S_IMODE(st.st_mode):04o}: others may have read it (kept;"
+                " set 0600, and recreate the instance if it may have leaked)"
+            )
+        if st.st_uid != os.geteuid():
+            problems.append(f"{p} is owned by uid {st.st_uid}, not {os.geteuid()} (kept)")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _create_key(d: Path, seed: bytes) -> Path:
+    """Put ``seed`` in ``d/KEY_FILE`` (0600), unless a key is there already (then that one is
+    returned's path and the caller reads it again): O_EXCL then link, so two writers racing keep
+    one key. Raises OSError when the directory cannot hold it."""
+    d.mkdir(mode=0o755, parents=True, exist_ok=True)
+    p = d / KEY_FILE
+    tmp = d / f".{KEY_FILE}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            errors.append(f"{p}: {e.strerror or e}")
-            continue
-        else:
-            try:
-                st = os.fstat(fd)
-                data = os.read(fd, KEY_BYTES + 1)
-            finally:
-                os.close(fd)
-            if st.st_uid == os.geteuid() and not st.st_mode & 0o077 and len(data) == KEY_BYTES:
-                return data, p
-            bad = True
-        try:
-            d.mkdir(mode=0o755, parents=True, exist_ok=True)
-            key = secrets.token_bytes(KEY_BYTES)
-            tmp = d / f".{KEY_FILE}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                if os.write(fd, key) != KEY_BYTES:
-                    raise OSError(errno.ENOSPC, "short write of the key")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            # link, not rename: of two writers creating the key at once, the second keeps the first
-            if bad:
-                os.replace(tmp, p)  # a key that may have leaked is replaced
-                return key, p
-            try:
-                os.link(tmp, p)
-            except FileExistsError:
-                os.unlink(tmp)
-                return load_or_create_key(state_dir, run_dir)
+            if os.write(fd, seed) != SEED_BYTES:
+                raise OSError(errno.ENOSPC, "short write of the key")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileExistsError):  # another writer won: its key is the key
+            os.link(tmp, p)
+    finally:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-            return key, p
+    return p
+
+
+def inspect_line_key(state_dir: str | Path, run_dir: str | Path) -> KeyState | None:
+    """The line key as it stands, for ``check``: never creates, never changes anything. None:
+    no key yet (the first line creates it). Raises KeyUnavailable when not readable (not
+    root)."""
+    problems: list[str] = []
+    try:
+        seed = _read_key(Path(state_dir) / KEY_FILE, problems)
+        if seed is not None:
+            return KeyState(seed, Path(state_dir) / KEY_FILE, False, problems)
+        boot_seed = _read_key(Path(run_dir) / KEY_FILE, problems)
+    except PermissionError as e:
+        raise KeyUnavailable(f"{e.filename}: {e.strerror or e}") from e
+    if boot_seed is not None:
+        problems.append("the key is in the run dir only (ephemeral): the state dir cannot hold it")
+        return KeyState(boot_seed, Path(run_dir) / KEY_FILE, True, problems)
+    if problems:
+        return KeyState(b"", None, True, problems)
+    return None
+
+
+def _not_root(e: OSError) -> None:
+    """A permission error of a process that is not root: it must not sign at all."""
+    if isinstance(e, PermissionError) and os.geteuid() != 0:
+        raise KeyUnavailable(f"{e.filename}: {e.strerror or e} (the line key is root's)") from e
+
+
+def load_line_key(state_dir: str | Path, run_dir: str | Path) -> KeyState:
+    """The instance's private line key, creating it (0600) on first use. Never replaces one.
+
+    ``<state_dir>/signing.key`` is the key for the life of the instance (readers pin its public
+    half). A key there with a wrong mode or owner is kept (and reported). When the state dir
+    cannot hold a key (full, read-only, the path is a directory) the key of this boot is kept in
+    the run dir (tmpfs; copied to the state dir as soon as that works, so a boot that started
+    with a full disk keeps its key once space is back), and if even that fails, in memory for
+    this process. Such a key is **ephemeral**: its lines say ``eph=1`` and readers raise an
+    alarm instead of deciding from a key conflict. Raises KeyUnavailable only when an existing
+    key cannot be read for lack of permission (not root).
+    """
+    problems: list[str] = []
+    state = Path(state_dir)
+    run = Path(run_dir)
+    try:
+        seed = _read_key(state / KEY_FILE, problems)
+        if seed is not None:
+            return KeyState(seed, state / KEY_FILE, False, problems)
+        state_broken = bool(problems)  # a key path there that is not a usable file
+        boot_seed = _read_key(run / KEY_FILE, problems)
+    except PermissionError as e:
+        raise KeyUnavailable(f"{e.filename}: {e.strerror or e}") from e
+    if not state_broken:
+        try:
+            p = _create_key(state, boot_seed or secrets.token_bytes(SEED_BYTES))
+            again = _read_key(p, problems)
+            if again is not None:
+                return KeyState(again, p, False, problems)
         except OSError as e:
-            errors.append(f"{p}: {e.strerror or e}")
-            with contextlib.suppress(OSError):
-                os.unlink(d / f".{KEY_FILE}.{os.getpid()}.tmp")
-    raise KeyUnavailable("; ".join(errors))
+            _not_root(e)
+            problems.append(f"{state / KEY_FILE}: cannot be created ({e.strerror or e})")
+    if boot_seed is not None:
+        return KeyState(boot_seed, run / KEY_FILE, True, problems)
+    try:
+        p = _create_key(run, secrets.token_bytes(SEED_BYTES))
+        again = _read_key(p, problems)
+        if again is not None:
+            return KeyState(again, p, True, problems)
+    except OSError as e:
+        _not_root(e)
+        problems.append(f"{run / KEY_FILE}: cannot be created ({e.strerror or e})")
+    problems.append("no place keeps the line key: a key of this process only")
+    return KeyState(secrets.token_bytes(SEED_BYTES), None, True, problems)
 
 
 # The current job phase (bootstrap, workload, done, setup_failed), written by `gce-watchdog phase`

@@ -1,26 +1,29 @@
-"""Serial-line protocol v2: the public contract between the agent (encode) and the poller (decode).
+"""Serial-line protocol v3: the public contract between the agent (encode) and the poller (decode).
 
 A line looks like::
 
-    GCEWD2 3f2a9c1e 42 2026-11-30T04:18:14.123Z tick rung=3/10 md=fail eg=fail \
-        | BOTH reachability probes FAILED (3/10) #1a2b3c4d0f1e2d3c4b5a6978
+    GCEWD3 3f2a9c1e 42 2026-11-30T04:18:14.123Z tick rung=3/10 md=fail eg=fail \
+        | BOTH reachability probes FAILED (3/10) #<86 base64url: Ed25519 signature><8 hex: CRC>
 
 (one line on the wire; wrapped here).
 
-- ``GCEWD2``: marker and protocol version; a substring scan finds it anywhere in a console line.
+- ``GCEWD3``: marker and protocol version; a substring scan finds it anywhere in a console line.
 - boot: the first 8 hex digits of the kernel boot id (a new boot is a new incarnation of the VM).
 - seq: per-boot sequence number, +1 per line across every writer on the VM.
 - ts: UTC, millisecond precision (the guest's clock: shown, never used to measure silence).
 - event: ``[a-z][a-z0-9_]*``.
 - fields: ``key=value``; keys ``[a-z][a-z0-9_]*``, values from a safe token alphabet (no spaces).
 - text: optional human-readable trailer after `` | `` (printable ASCII, no ``#``).
-- ``#<crc><mac>``: CRC-32 (8 hex) of every byte from the marker up to the space before ``#``
-  (damage: anyone can compute it), then HMAC-SHA256 of the same bytes under the instance's
-  secret key, truncated to 8 bytes (16 hex): authenticity, which only root on the VM can produce.
+- ``#<sig><crc>``: the Ed25519 signature (PyNaCl/libsodium) of every byte from the marker up to
+  the space before ``#``, under the instance's private key (only root on the VM holds it), then
+  the CRC-32 of everything from the marker through the signature (damage, which anyone can
+  compute).
 
-The key is announced once per boot, as that boot's seq 0, by a ``key`` line whose own MAC is
-made with the key it announces. Readers pin the first key they see for an instance; a line whose
-MAC does not verify under the pinned key is **forged**: counted, shown, never decides.
+The announcement (``key pk=<public key> inst=<instance id> [eph=1]``, self-signed) takes seq 0 and
+1 of every boot and every multiple of ANNOUNCE_EVERY. Readers pin a key only from the first line of
+the instance's first boot read from byte 0, or by hand (the ledger keeps pins); a line that does
+not verify under the pin is **forged**: counted, shown, never decides. v2 (HMAC) and v1 (CRC)
+lines never decide once a v3 pin exists (docs/serial-protocol.md, "Upgrade from v2").
 
 The whole line is ASCII and at most :data:`MAX_LINE` bytes. A line whose CRC does not match
 (spliced with kernel output, truncated, bit-flipped) is rejected and counted, never misread.
@@ -30,30 +33,45 @@ and the version.
 
 from __future__ import annotations
 
+import base64
+import functools
 import hashlib
 import hmac
 import re
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-VERSION = 2
-MARKER = "GCEWD2"
+VERSION = 3
+MARKER = "GCEWD3"
 MARKER_BYTES = MARKER.encode()
+V2_MARKER = "GCEWD2"  # protocol v2: HMAC lines (see "Upgrade" in docs/serial-protocol.md)
 LEGACY_MARKER = "GCEWD1"  # protocol v1: CRC only, unauthenticated; read as forged, never decides
 # Every marker prefix of any version: what `neutralize` defuses in output we pass through.
 MARKER_PREFIX = b"GCEWD"
-# A 38400-baud console carries ~3.8 KB/s; 200 bytes keeps one line well under 0.1 s of port time.
-MAX_LINE = 200
+# A 38400-baud console carries ~3.8 KB/s; 280 bytes keeps one line under 0.1 s of port time, and
+# leaves the fields and text of a v3 line the 184 bytes a v2 line had (174) and more.
+MAX_LINE = 280
+V2_MAX_LINE = 200
 MAX_VALUE = 64  # bytes per field value; keeps one line from being eaten by a single field
 MAX_TEXT = 100  # bytes of human text; truncated (never rejected) when longer
 MIN_TEXT = 12  # a text shortened below this says nothing: dropped instead
 MAC_BYTES = 8  # truncated HMAC-SHA256: 64 bits, one forgery in 2**64 tries
 KEY_BYTES = 32  # the per-instance secret (256 bits, 64 hex: exactly one field value)
-TRAILER_LEN = len(" #") + 8 + 2 * MAC_BYTES  # " #" + crc + mac
+V2_TRAILER_LEN = len(" #") + 8 + 2 * MAC_BYTES  # v2: " #" + crc + mac
+SIG_BYTES = 64  # Ed25519 signature
+SIG_CHARS = 86  # its base64url form, no padding
+PK_BYTES = 32  # Ed25519 public key (and the private seed)
+PK_CHARS = 43  # its base64url form, no padding
+TRAILER_LEN = len(" #") + SIG_CHARS + 8  # v3: " #" + signature + crc = 96 bytes
 KEY_EVENT = "key"  # the announcement; the event readers see carries only the fingerprint
+# The announcement is the first two lines of every boot (seq 0 and 1: a kernel message spliced
+# into one copy leaves the other) and then the line before every seq that is a multiple of this.
+ANNOUNCE_EVERY = 32
+# A reader pins only an announcement among a boot's first lines (seq 0 or 1, see above).
+PIN_MAX_SEQ = 1
 # Markers tried per console line. Ours carry one (two when a journald copy is glued on); more is
 # someone else's output, and stopping here keeps a hostile line of markers linear to decode.
 MAX_MARKERS_PER_LINE = 8
@@ -65,12 +83,21 @@ _TEXT_BAD = re.compile(r"[^\x20-\x22\x24-\x7e]")  # printable ASCII except '#'
 _BOOT_RE = re.compile(r"[0-9a-f]{8}\Z")
 _HEXKEY_RE = re.compile(r"[0-9a-f]{64}\Z")
 _TS_RE = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)\.(\d{3})Z\Z")
-_MARKER_RE = re.compile(rb"GCEWD([12])")
+_MARKER_RE = re.compile(rb"GCEWD([123])")
+_PK_RE = re.compile(r"[A-Za-z0-9_-]{43}\Z")
+# One match per console line that carries a marker: from its first marker to the line's end.
+_MARKER_LINE_RE = re.compile(rb"GCEWD[123][^\n]*")
+# Of those (joined by LF), the ones with " #" after the marker: only these can be intact.
+_TRAILER_LINE_RE = re.compile(rb"^GCEWD[123][^\n]* #[^\n]*", re.MULTILINE)
 # Trailer candidates: v2 " #" + 24 hex (crc + mac), v1 " #" + 8 hex. We look for every occurrence
 # within MAX_LINE bytes of a marker, not only at the end of the console line, so a kernel message
 # glued after an intact line does not lose it.
 _TRAILER_V2 = re.compile(rb" #([0-9a-f]{8})([0-9a-f]{16})")
 _TRAILER_V1 = re.compile(rb" #([0-9a-f]{8})")
+# v3: " #" + 86 base64url (the Ed25519 signature of the body) + 8 hex (CRC-32 of everything from
+# the marker through the signature: damage anywhere in the line, the signature included, is a
+# checksum reject, never a forgery).
+_TRAILER_V3 = re.compile(rb" #([A-Za-z0-9_-]{86})([0-9a-f]{8})")
 
 
 class ProtocolError(ValueError):
@@ -155,6 +182,16 @@ def neutralize(data: bytes) -> bytes:
     return data.replace(MARKER_PREFIX, b"GCEWd")
 
 
+def neutralize_after(before: bytes, data: bytes) -> bytes:
+    """``data`` defused as it follows ``before`` in one output stream: every marker wholly in
+    ``data`` and every marker that ``before`` (what was written last, to any stream sharing the
+    destination) begins and ``data`` ends. Only bytes of ``data`` change (the marker's ``D``
+    always lies in it), so nothing is held back: a workload that ends stdout with ``GCEW``,
+    closes it and writes ``D3 ...`` on stderr gets ``GCEWd3``."""
+    tail = before[-(len(MARKER_PREFIX) - 1) :] if before else b""
+    return neutralize(tail + data)[len(tail) :]
+
+
 class Neutralizer:
     """:func:`neutralize` for a stream cut into arbitrary chunks: a marker split between two
     chunks is held back (at most len(MARKER_PREFIX) - 1 bytes) until the next one decides it."""
@@ -199,31 +236,103 @@ def _crc(body: bytes) -> str:
 
 
 def mac(key: bytes, body: bytes) -> str:
-    """The truncated HMAC-SHA256 of a line body, 16 lowercase hex."""
+    """v2: the truncated HMAC-SHA256 of a line body, 16 lowercase hex."""
     return hmac.new(key, body, hashlib.sha256).digest()[:MAC_BYTES].hex()
 
 
 def fingerprint(key: bytes) -> str:
-    """A key's public name (8 hex of its SHA-256): safe to show, useless to a forger."""
+    """A v2 key's public name (8 hex of its SHA-256)."""
     return hashlib.sha256(key).hexdigest()[:8]
 
 
-def encode(ev: Event, key: bytes) -> str:
-    """Encode and sign one event (without the newline). Raises ProtocolError on bad input."""
-    line = _encode_any_length(ev, key)
+def pk_fingerprint(public: bytes) -> str:
+    """A v3 public key's name: 32 hex (128 bits) of its SHA-256. Safe to show; long enough that
+    nobody can make a key of their own with the same fingerprint (an operator pins by it)."""
+    return hashlib.sha256(public).hexdigest()[:32]
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class LineKey:
+    """The instance's private line key (an Ed25519 seed) and its public half.
+
+    Its repr and str never show the seed; nothing in this package prints it. ``ephemeral``: the
+    key could not be kept in the state dir (lines announce ``eph=1``: readers raise an alarm)."""
+
+    __slots__ = ("_sk", "ephemeral", "public")
+
+    def __init__(self, seed: bytes, ephemeral: bool = False) -> None:
+        from nacl.signing import SigningKey
+
+        if len(seed) != PK_BYTES:
+            raise ProtocolError(f"a line key seed is {PK_BYTES} bytes")
+        self._sk = SigningKey(seed)
+        self.public = bytes(self._sk.verify_key)
+        self.ephemeral = ephemeral
+
+    def sign(self, body: bytes) -> bytes:
+        return bytes(self._sk.sign(body).signature)
+
+    @property
+    def fingerprint(self) -> str:
+        return pk_fingerprint(self.public)
+
+    def __repr__(self) -> str:
+        return f"LineKey(fingerprint={self.fingerprint}, ephemeral={self.ephemeral})"
+
+    __str__ = __repr__
+
+
+@functools.lru_cache(maxsize=256)
+def _verifier(public: bytes) -> Callable[[bytes, bytes], object]:
+    from nacl.signing import VerifyKey
+
+    return VerifyKey(public).verify
+
+
+def verify(public: bytes, body: bytes, sig: bytes) -> bool:
+    """Whether ``sig`` is an Ed25519 signature of ``body`` under ``public``. Never raises."""
+    from nacl.exceptions import BadSignatureError, CryptoError
+
+    try:
+        _verifier(public)(body, sig)
+    except (BadSignatureError, CryptoError, ValueError, TypeError):
+        return False
+    return True
+
+
+def encode(ev: Event, key: LineKey) -> str:
+    """Encode and sign one v3 event (without the newline). Raises ProtocolError on bad input."""
+    raw = _body(ev).encode()
+    signed = raw + b" #" + b64(key.sign(raw)).encode()
+    line = f"{signed.decode()}{_crc(signed)}"
     if len(line) > MAX_LINE:
         raise ProtocolError(f"line is {len(line)} bytes, limit {MAX_LINE}")
     return line
 
 
-def _body(ev: Event) -> str:
+def encode_v2(ev: Event, key: bytes) -> str:
+    """A protocol v2 line (HMAC): what a v2 agent writes. Readers' upgrade path and its tests."""
+    line = _encode_any_length(ev, key)
+    if len(line) > V2_MAX_LINE:
+        raise ProtocolError(f"line is {len(line)} bytes, limit {V2_MAX_LINE}")
+    return line
+
+
+def _body(ev: Event, marker: str = MARKER) -> str:
     if not _KEY_RE.match(ev.event):
         raise ProtocolError(f"bad event name {ev.event!r}")
     if not _BOOT_RE.match(ev.boot):
         raise ProtocolError(f"bad boot id {ev.boot!r}: want 8 lowercase hex digits")
     if ev.seq < 0 or ev.ts_ms < 0:
         raise ProtocolError("seq and ts_ms must be >= 0")
-    parts = [MARKER, ev.boot, str(ev.seq), format_ts(ev.ts_ms), ev.event]
+    parts = [marker, ev.boot, str(ev.seq), format_ts(ev.ts_ms), ev.event]
     seen: set[str] = set()
     for k, v in ev.fields:
         if not _KEY_RE.match(k) or k in seen:
@@ -243,13 +352,34 @@ def _body(ev: Event) -> str:
 def _encode_any_length(ev: Event, key: bytes) -> str:
     if len(key) != KEY_BYTES:
         raise ProtocolError(f"key must be {KEY_BYTES} bytes")
-    raw = _body(ev).encode()
+    raw = _body(ev, V2_MARKER).encode()
     return f"{raw.decode()} #{_crc(raw)}{mac(key, raw)}"
 
 
-def key_line(boot: str, seq: int, ts_ms: int, key: bytes) -> str:
-    """The key announcement (a boot's seq 0): signed with the key it announces."""
-    return encode(Event(KEY_EVENT, boot, seq, ts_ms, (("k", key.hex()),)), key)
+def key_line_v2(boot: str, seq: int, ts_ms: int, key: bytes) -> str:
+    """The v2 key announcement (a boot's seq 0): signed with the key it announces."""
+    return encode_v2(Event(KEY_EVENT, boot, seq, ts_ms, (("k", key.hex()),)), key)
+
+
+def announce_event(boot: str, seq: int, ts_ms: int, key: LineKey, inst: str = "-") -> Event:
+    """The v3 announcement: the public key, the instance id (``-``: not known yet) and, for a
+    key that could not be kept, ``eph=1``; signed with the key it announces, so the key is bound
+    to this boot and this instance (a line cannot be relabelled to another VM)."""
+    fields: tuple[tuple[str, str], ...] = (("pk", b64(key.public)), ("inst", sanitize_value(inst)))
+    if key.ephemeral:
+        fields += (("eph", "1"),)
+    return Event(KEY_EVENT, boot, seq, ts_ms, fields)
+
+
+def key_line(boot: str, seq: int, ts_ms: int, key: LineKey, inst: str = "-") -> str:
+    """The encoded v3 announcement (see :func:`announce_event`)."""
+    return encode(announce_event(boot, seq, ts_ms, key, inst), key)
+
+
+def needs_announcement(seq: int) -> bool:
+    """Whether a writer about to use ``seq`` writes the announcement there first: seq 0 and 1
+    (two copies at the start of every boot) and every multiple of ANNOUNCE_EVERY."""
+    return seq <= PIN_MAX_SEQ or seq % ANNOUNCE_EVERY == 0
 
 
 def make_event(
@@ -308,10 +438,14 @@ class Reject:
 class Forgery:
     """Why an intact line (its CRC matches) was not authenticated."""
 
-    BAD_MAC = "bad_mac"  # the MAC does not verify under the pinned key
+    BAD_SIG = "bad_sig"  # v3: the signature does not verify under the pinned key
     NO_KEY = "no_key"  # no key pinned yet for this instance: nothing can verify it
+    UNPLACED = "unplaced_key"  # v3: a key announced that is not the pinned one, or not placeable
+    RELABELLED = "relabelled"  # v3: the pinned key's announcement names another instance
+    BAD_MAC = "bad_mac"  # v2: the MAC does not verify under the pinned v2 key
+    V2 = "v2"  # a protocol v2 line with no v2 key held for the instance (or after a v3 pin)
     LEGACY = "v1"  # a protocol v1 line: a CRC only, which any process can compute
-    KEY_CONFLICT = "key_conflict"  # a key announcement of another key than the pinned one
+    KEY_CONFLICT = "key_conflict"  # v2: a key announcement of another key than the pinned one
 
 
 @dataclass(frozen=True)
@@ -331,10 +465,26 @@ class Forged:
 
 @dataclass(frozen=True)
 class KeyAnnounce:
-    """A self-consistent key announcement: the reader decides whether it matches its pin."""
+    """An intact key announcement; the reader decides whether to pin or accept it.
 
-    event: Event  # as readers show it: ``key kid=<fingerprint>``, never the key itself
+    v2: self-consistent (its MAC verifies under the key it carries), ``key`` the HMAC key. v3:
+    ``key`` the public key, **not yet verified** (:meth:`valid` checks the self-signature: a
+    reader does that only for an announcement it could accept, see StreamDecoder)."""
+
+    event: Event  # as readers show it: ``key kid=<fingerprint> ...``, never the key itself
     key: bytes
+    version: int = 2
+    inst: str = "-"
+    ephemeral: bool = False
+    body: bytes = b""
+    sig: bytes = b""
+
+    def valid(self) -> bool:
+        return self.version == 2 or verify(self.key, self.body, self.sig)
+
+    @property
+    def fingerprint(self) -> str:
+        return pk_fingerprint(self.key) if self.version == 3 else fingerprint(self.key)
 
 
 def _parse_body(body: str) -> Event | None:
@@ -346,7 +496,7 @@ def _parse_body(body: str) -> Event | None:
     elif body.endswith(" |"):
         return None
     parts = head.split(" ")
-    if len(parts) < 5 or parts[0] not in (MARKER, LEGACY_MARKER):
+    if len(parts) < 5 or parts[0] not in (MARKER, V2_MARKER, LEGACY_MARKER):
         return None
     _, boot, seq_s, ts_s, name, *kvs = parts
     if not _BOOT_RE.match(boot) or not seq_s.isdigit() or not _KEY_RE.match(name):
@@ -369,18 +519,44 @@ def _parse_body(body: str) -> Event | None:
     return Event(name, boot, int(seq_s), ts_ms, tuple(fields), text)
 
 
+@functools.lru_cache(maxsize=256)
+def _pk_text(public: bytes) -> str:
+    return b64(public)
+
+
+def _v3_announce(ev: Event, body: bytes, sig: bytes) -> KeyAnnounce | None:
+    """A v3 ``key`` line's announcement, or None when it is not one (wrong fields)."""
+    d = ev.fields_dict
+    pk, inst, eph = d.get("pk", ""), d.get("inst", ""), d.get("eph")
+    if not _PK_RE.match(pk) or not inst or set(d) - {"pk", "inst", "eph"} or eph not in (None, "1"):
+        return None
+    public = unb64(pk)
+    shown = [("kid", pk_fingerprint(public)), ("inst", inst)] + ([("eph", "1")] if eph else [])
+    return KeyAnnounce(
+        Event(KEY_EVENT, ev.boot, ev.seq, ev.ts_ms, tuple(shown)),
+        public,
+        3,
+        inst,
+        eph == "1",
+        body,
+        sig,
+    )
+
+
 def decode_line(
-    line: bytes | str, key: bytes | None = None
+    line: bytes | str, key: bytes | None = None, pin: bytes | None = None
 ) -> Event | KeyAnnounce | Forged | Rejected | None:
-    """Decode one console line against ``key`` (the instance's pinned key, None: not known).
+    """Decode one console line: ``pin`` is the instance's pinned v3 public key, ``key`` its
+    pinned v2 key (None: not known; a v2 line is then forged, reason ``v2``).
 
     Returns None when the line does not carry a marker (someone else's output); an Event for an
-    intact line whose MAC verifies under ``key``; a KeyAnnounce for an intact, self-consistent
-    key announcement (whatever ``key`` is: pinning is the caller's); Forged for an intact line
-    that does not authenticate; Rejected when a marker is there but no intact line. Never raises.
+    intact line that verifies under the pin (v3) or the v2 key (v2, only while no v3 pin is
+    held); a KeyAnnounce for an intact key announcement (v3: its signature not yet checked,
+    pinning is the caller's); Forged for an intact line that does not authenticate; Rejected
+    when a marker is there but no intact line. Never raises.
 
     Linear in the line's length: at most MAX_MARKERS_PER_LINE markers are tried, each against
-    the trailer candidates in the MAX_LINE bytes after it.
+    the trailer candidates in the MAX_LINE bytes after it; at most one signature is verified.
     """
     raw = line.encode("latin-1", "replace") if isinstance(line, str) else line
     forged: Forged | None = None
@@ -391,8 +567,39 @@ def decode_line(
         if tried > MAX_MARKERS_PER_LINE:
             return forged or Rejected(Reject.MARKERS, raw)
         start = m.start()
-        end = min(len(raw), start + MAX_LINE)
-        v2 = m.group(1) == b"2"
+        version = int(m.group(1))
+        if version == 3:
+            end = min(len(raw), start + MAX_LINE)
+            for t in _TRAILER_V3.finditer(raw, start, end):
+                signed_end = t.end(1)
+                if _crc(raw[start:signed_end]) != t.group(2).decode():
+                    continue
+                body = raw[start : t.start()]
+                try:
+                    ev = _parse_body(body.decode("ascii"))
+                except UnicodeDecodeError:
+                    ev = None
+                if ev is None or not body.startswith(MARKER_BYTES):
+                    syntax = True
+                    continue
+                if ev.event == KEY_EVENT and pin is not None and ev.get("pk") != _pk_text(pin):
+                    # another key than the pin: unplaced, whatever its signature (not checked)
+                    return Forged(Forgery.UNPLACED, raw, ev)
+                sig = unb64(t.group(1).decode())
+                if ev.event == KEY_EVENT:
+                    ann = _v3_announce(ev, body, sig)
+                    if ann is not None:
+                        return ann
+                if pin is None:
+                    forged = forged or Forged(Forgery.NO_KEY, raw, ev)
+                    break
+                if verify(pin, body, sig):
+                    return ev
+                forged = forged or Forged(Forgery.BAD_SIG, raw, ev)
+                break
+            continue
+        end = min(len(raw), start + V2_MAX_LINE)
+        v2 = version == 2
         for t in (_TRAILER_V2 if v2 else _TRAILER_V1).finditer(raw, start, end):
             body = raw[start : t.start()]
             if _crc(body) != t.group(1).decode():
@@ -407,6 +614,9 @@ def decode_line(
             if not v2:
                 forged = forged or Forged(Forgery.LEGACY, raw, ev)
                 break
+            if pin is not None:  # this instance speaks v3: its v2 lines never decide again
+                forged = forged or Forged(Forgery.V2, raw, ev)
+                break
             got = t.group(2).decode()
             if ev.event == KEY_EVENT:
                 announced = ev.get("k") or ""
@@ -418,7 +628,7 @@ def decode_line(
                         )
                         return KeyAnnounce(shown, k)
             if key is None:
-                forged = forged or Forged(Forgery.NO_KEY, raw, ev)
+                forged = forged or Forged(Forgery.V2, raw, ev)
                 break
             if hmac.compare_digest(mac(key, body), got):
                 return ev
@@ -429,12 +639,6 @@ def decode_line(
     if tried == 0:
         return None
     return Rejected(Reject.SYNTAX if syntax else Reject.CHECKSUM, raw)
-
-
-def _reject_fast(raw: bytes) -> Rejected | None:
-    """decode_line's answer for a line with no `` #`` in it: no marker of any version, or one
-    that cannot be intact."""
-    return Rejected(Reject.CHECKSUM, raw) if _MARKER_RE.search(raw) else None
 
 
 @dataclass
@@ -459,66 +663,165 @@ def split_lines(data: bytes) -> list[bytes]:
 class StreamDecoder:
     """Incremental decoder: feed arbitrary byte chunks, get authenticated events in order.
 
-    ``key``: the instance's pinned key, or None to pin the first key announcement seen. A line
-    split across two chunks is joined before decoding; a partial last line is held until its
-    line ending arrives (or :meth:`flush`). The same line seen twice (boot, seq and content: our
-    line and its journald copy) is reported once; another line with a (boot, seq) already seen
-    is a **conflict**, kept and counted.
+    ``pin``: the instance's pinned v3 public key (the ledger's), or None. ``pin_fp``: a
+    fingerprint pinned by hand (``gce-watchdog pin``): the announced key with that fingerprint
+    becomes the pin. ``from_start``: the stream is the port's output from byte 0 (or the export
+    from the instance's creation): only then may the stream's first intact line, an announcement
+    of seq 0 or 1, be pinned (:attr:`pinned_here`; the caller stores it in the ledger). Any other
+    announced key is **unplaced** (:attr:`unplaced`, an alarm): its lines never decide.
+    ``key``: a v2 HMAC key held from before the upgrade (v2 lines verify under it while no v3
+    pin is held). ``instance_id``: the instance the stream is read for (announcements naming
+    another instance are never pinned nor accepted).
+
+    A line split across two chunks is joined before decoding; a partial last line is held until
+    its line ending arrives (or :meth:`flush`). The same line seen twice (boot, seq and content:
+    our line and its journald copy) is reported once; another line with a (boot, seq) already
+    seen is a **conflict**, kept and counted.
     """
 
-    # A console line longer than this is not ours (ours are <= 200 bytes): keep only its tail so a
-    # reader fed a newline-free stream cannot grow without bound.
+    # A console line longer than this is not ours (ours are <= 280 bytes): keep only its tail so
+    # a reader fed a newline-free stream cannot grow without bound.
     MAX_PENDING = 64 * 1024
     # Copies of a line (journald forwarding) arrive within seconds of it: the last 4096 distinct
     # lines (hours of agent output) are remembered, by arrival, whatever their seq.
     DEDUP_WINDOW = 4096
     MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports
+    MAX_UNPLACED = 16  # fingerprints of unplaced keys kept for the alarm
 
-    def __init__(self, key: bytes | None = None) -> None:
+    def __init__(
+        self,
+        key: bytes | None = None,
+        *,
+        pin: bytes | None = None,
+        pin_fp: str | None = None,
+        from_start: bool = True,
+        instance_id: str = "",
+    ) -> None:
         self.stats = DecodeStats()
         self.key = key
-        self.key_conflict = False  # a second, different key was announced for this instance
+        self.pin = pin
+        self.pin_fp = pin_fp
+        self.instance_id = instance_id
+        self.pinned_here = False  # the pin was taken from this stream (store it)
+        self.ephemeral = False  # the pinned key was announced eph=1 (not kept across boots)
+        self.unplaced: list[str] = []  # fingerprints of announced keys that are not the pin
+        self.key_conflict = False  # v2: a second, different v2 key was announced
+        # Only the stream's first intact line may be pinned, and only from byte 0.
+        self.placeable = from_start and pin is None and pin_fp is None
         self._pending = b""
         # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
         self.rejects: list[Rejected] = []
         self.forgeries: list[Forged] = []
 
+    def lost_before(self) -> None:
+        """Bytes were lost (the API's window moved on): nothing later can be placed."""
+        self.placeable = False
+
     def feed(self, chunk: bytes) -> list[Event]:
         data = self._pending + chunk
-        lines = split_lines(data)
-        self._pending = lines.pop()
+        if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines)
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        cut = data.rfind(b"\n") + 1
+        body, self._pending = data[:cut], data[cut:]
         if len(self._pending) > self.MAX_PENDING:
             self._pending = self._pending[-self.MAX_PENDING :]
-        return list(self._decode_lines(lines))
+        return self._decode_block(body)
 
     def flush(self) -> list[Event]:
         """Decode the held partial line (end of a dump): a truncated last line is rejected."""
         rest, self._pending = self._pending, b""
-        return list(self._decode_lines([rest] if rest else []))
+        return self._decode_block(rest + b"\n") if rest else []
+
+    def _decode_block(self, body: bytes) -> list[Event]:
+        """Whole lines (each ended by LF). The scan is C-level: the lines with a marker, from
+        their first marker on (``_MARKER_LINE_RE``), and of those the ones with a trailer
+        candidate after it (``_TRAILER_LINE_RE``); only those are decoded one by one. A marker
+        line without one cannot be intact: rejected, counted in bulk (nothing about it depends
+        on its place in the stream). So a MiB of short hostile lines costs a few regex scans."""
+        st = self.stats
+        lines = body.split(b"\n")
+        st.lines += len(lines) - lines.count(b"")
+        if MARKER_PREFIX not in body:
+            return []
+        full = _MARKER_LINE_RE.findall(body)
+        cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
+        bare = len(full) - len(cands)
+        if bare:
+            st.rejected += bare
+            st.reject_reasons[Reject.CHECKSUM] = st.reject_reasons.get(Reject.CHECKSUM, 0) + bare
+            room = self.MAX_SAMPLES - len(self.rejects)
+            if room > 0:
+                samples = (x for x in full[: 2 * self.MAX_SAMPLES] if b" #" not in x)
+                self.rejects.extend(
+                    Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
+                )
+        return list(self._decode_lines(cands))
+
+    def _note_unplaced(self, ann: KeyAnnounce) -> None:
+        if len(self.unplaced) < self.MAX_UNPLACED:
+            fp = ann.fingerprint
+            if fp not in self.unplaced:
+                self.unplaced.append(fp)
+
+    def _announce(self, ln: bytes, ann: KeyAnnounce) -> Event | None:
+        """Pin or accept a v3 announcement; None when it was counted as forged."""
+        placeable, self.placeable = self.placeable, False
+        other_vm = bool(self.instance_id) and ann.inst not in ("-", self.instance_id)
+        checked = False
+        if self.pin is None and not other_vm:
+            if self.pin_fp is not None:  # pinned by hand: the key of that fingerprint, anywhere
+                candidate = hmac.compare_digest(ann.fingerprint, self.pin_fp)
+            else:  # the stream's first intact line, from byte 0, among a boot's first lines
+                candidate = placeable and ann.event.seq <= PIN_MAX_SEQ
+            if candidate and ann.valid():
+                checked = True
+                self.pin = ann.key
+                self.pinned_here = True
+        if self.pin is None or not hmac.compare_digest(self.pin, ann.key):
+            self._note_unplaced(ann)  # no signature check: it decides nothing
+            self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
+            return None
+        if other_vm:
+            self._forged(Forged(Forgery.RELABELLED, ln, ann.event))
+            return None
+        if not checked and not ann.valid():
+            self._forged(Forged(Forgery.BAD_SIG, ln, ann.event))
+            return None
+        self.ephemeral = self.ephemeral or ann.ephemeral
+        return ann.event
 
     def _decode_lines(self, lines: list[bytes]) -> Iterator[Event]:
+        """Lines that start with a marker and carry a trailer candidate after it, in order."""
         st = self.stats
         for ln in lines:
-            if not ln:
-                continue
-            st.lines += 1
-            if MARKER_PREFIX not in ln:
-                continue
-            # No trailer anywhere: nothing to verify, rejected without the full decode (a
-            # stream of short hostile lines costs a substring test each, not a regex scan).
-            res = decode_line(ln, self.key) if b" #" in ln else _reject_fast(ln)
-            if isinstance(res, KeyAnnounce):
-                if self.key is None:
-                    self.key = res.key
-                elif not hmac.compare_digest(self.key, res.key):
-                    self.key_conflict = True
-                    self._forged(Forged(Forgery.KEY_CONFLICT, ln, res.event))
+            res = decode_line(ln, self.key, self.pin)
+            if isinstance(res, KeyAnnounce) and res.version == 3:
+                got = self._announce(ln, res)
+                if got is None:
+                    continue
+                ev = got
+            elif isinstance(res, KeyAnnounce):
+                self.placeable = False
+                if self.key is None or not hmac.compare_digest(self.key, res.key):
+                    # v2 keys are never pinned from the console any more (anyone can read them
+                    # back): only a v2 key held from before the upgrade verifies v2 lines.
+                    self.key_conflict = self.key is not None
+                    reason = Forgery.KEY_CONFLICT if self.key is not None else Forgery.V2
+                    self._forged(Forged(reason, ln, res.event))
                     continue
                 ev = res.event
             elif isinstance(res, Event):
+                self.placeable = False
                 ev = res
             elif isinstance(res, Forged):
+                self.placeable = False
+                if res.reason == Forgery.UNPLACED and res.event is not None:
+                    pk = res.event.get("pk") or ""
+                    if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
+                        fp = pk_fingerprint(unb64(pk))
+                        if fp not in self.unplaced:
+                            self.unplaced.append(fp)
                 self._forged(res)
                 continue
             elif isinstance(res, Rejected):
@@ -559,9 +862,12 @@ class StreamDecoder:
         return False
 
 
-def decode_all(data: bytes, key: bytes | None = None) -> tuple[list[Event], DecodeStats]:
-    """Decode a whole dump at once (pinning the first key announced when ``key`` is None)."""
-    d = StreamDecoder(key)
+def decode_all(
+    data: bytes, key: bytes | None = None, pin: bytes | None = None
+) -> tuple[list[Event], DecodeStats]:
+    """Decode a whole dump at once, read from byte 0 (its first announcement is pinned when
+    ``pin`` is None)."""
+    d = StreamDecoder(key, pin=pin)
     events = d.feed(data)
     events += d.flush()
     return events, d.stats
