@@ -22,6 +22,7 @@ from gce_watchdog.poller.verdict import VerdictKind
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.simlogging import FakeLoggingAPI
 from gce_watchdog.testing.synth import Writer
+from gce_watchdog.wire.protocol import LineKey
 
 P, Z = "test-project", "us-central1-a"
 T0 = 1_800_000_000.0
@@ -158,7 +159,7 @@ def test_a_forged_line_in_the_log_decides_nothing(
     """Anyone who can write to the console writes to the export too: the line must be signed."""
     p, _ = make_poller(api, logs, now)
     w, iid = ended_after_last_read(api, now, p)
-    forger = Writer(boot=w.boot, key=b"k" * 32, announce=False, seq=w.seq, ts_ms=w.ts_ms)
+    forger = Writer(boot=w.boot, key=LineKey(b"k" * 32), announce=False, seq=w.seq, ts_ms=w.ts_ms)
     logs.add_serial(P, iid, log_line(forger.line("exit", {"rc": "0"}), "plain"), now[0] - 5)
     out = p.poll("vm-1")
     assert out.verdict is not None and out.verdict.kind is K.ENDED_UNREAD, out.verdict
