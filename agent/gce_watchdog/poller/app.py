@@ -54,6 +54,7 @@ from gce_watchdog.lib.compute import (
     InstanceStatus,
 )
 from gce_watchdog.lib.sdnotify import Notifier
+from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
 from gce_watchdog.poller.decisions import doc_for
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
@@ -168,6 +169,7 @@ class Parts:
     pulse: Pulse | None = None  # systemd's watchdog (Type=notify); None: not under systemd
     # --publish, then --on-failover: each must succeed before the announcement is marked done
     deliveries: tuple[Callable[[dict[str, Any]], bool], ...] = ()
+    logging: LoggingClient | None = None  # --logging-evidence
 
     def wait(self, seconds: float) -> bool:
         """``stop.wait`` that keeps the watchdog fed while the loop waits between rounds."""
@@ -267,7 +269,12 @@ def run_poll(s: PollSettings) -> int:
         deliveries.append(hook)
     if deliveries:
         _write_line = StdoutSink()
-    parts = Parts(client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries))
+    logs = None
+    if s.evidence.logging:  # its own session: the logging.read scope (docs/poller.md)
+        logs = create_logging_client(
+            None if token_file is None else _credentials(token_file), s.evidence.logging_api_base
+        )
+    parts = Parts(client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries), logs)
     if pulse is not None:
         pulse.ready(f"polling ({s.mode.value})")
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}
@@ -285,6 +292,8 @@ def run_poll(s: PollSettings) -> int:
                 pulse.stopping()
             ledger.close()
             client.close()
+            if logs is not None:
+                logs.close()
             _write_line = _print_line
 
 
@@ -371,7 +380,10 @@ def run_decisions_cmd(
 
 def _run_instances(s: PollSettings, p: Parts) -> int:
     assert s.zone is not None  # settings: this mode has one --project, --zone and names
-    poller = Poller(p.client, p.store, s.projects[0], s.zone, p.ledger, s.policy, s.reap)
+    poller = Poller(
+        p.client, p.store, s.projects[0], s.zone, p.ledger, s.policy, s.reap,
+        peers=[Path(d) for d in s.evidence.peer_cursor_dirs], logging=p.logging,
+    )  # fmt: skip
     p.ledger.fleet_size = lambda: len(s.instances)
     rc = EX_OK
     rounds = 0
@@ -408,7 +420,8 @@ def _fleet(s: PollSettings, p: Parts) -> FleetPoller:
     assert s.label_filter is not None  # settings: fleet and the sweep need --label
     return FleetPoller(
         p.client, p.store, p.ledger, list(s.projects), s.label_filter, s.policy, s.reap,
-        workers=s.workers,
+        workers=s.workers, peers=[Path(d) for d in s.evidence.peer_cursor_dirs],
+        logging=p.logging,
     )  # fmt: skip
 
 

@@ -139,6 +139,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             help=f"what a {what} verdict does: alarm only (default) or also fail over",
         )
     p.add_argument(
+        "--peer-cursor-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another poller's cursor directory, read (never written) as evidence for a VM "
+        "that ended unread; repeatable (docs/poller.md, 'Evidence for an end')",
+    )
+    p.add_argument(
+        "--logging-evidence",
+        action="store_true",
+        help="read an ended VM's serial-port log from Cloud Logging (serial-port logging "
+        "enabled; needs logging.logEntries.list, e.g. roles/logging.viewer)",
+    )
+    p.add_argument("--logging-api-base", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
         "--api-attempts",
         type=int,
         default=5,

@@ -27,8 +27,9 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib.compute import (
@@ -41,6 +42,7 @@ from gce_watchdog.lib.compute import (
     instance_labels,
 )
 from gce_watchdog.lib.httpdate import parse_retry_after
+from gce_watchdog.poller.cloudlogging import LoggingClient
 from gce_watchdog.poller.ledger import BaseLedger
 from gce_watchdog.poller.poller import (
     Poller,
@@ -303,7 +305,11 @@ class FleetPoller:
         reap: bool = False,
         workers: int = DEFAULT_WORKERS,
         clock: Callable[[], float] = time.time,
+        peers: Sequence[Path] = (),
+        logging: LoggingClient | None = None,
     ) -> None:
+        self.peers = tuple(peers)  # evidence for an ended VM (Poller)
+        self.logging = logging
         self.client = client
         self.store = store
         self.ledger = ledger
@@ -327,7 +333,7 @@ class FleetPoller:
         if key not in self._pollers:
             self._pollers[key] = Poller(
                 self.client, self.store, t.project, t.zone, self.ledger, self.policy, self.reap,
-                clock=self.clock,
+                clock=self.clock, peers=self.peers, logging=self.logging,
             )  # fmt: skip
         return self._pollers[key]
 

@@ -7,8 +7,10 @@ otherwise look like every VM wedged at once).
 
 The poller never guesses why a VM ended: when it is off and the last line read is not terminal,
 it looks for evidence first (the cursors of other pollers, then the instance's zone operations:
-one ``zoneOperations.list`` per instance and boot, remembered), and only then takes the verdict,
-``ended_unread`` when nothing explains the end. With ``reap`` it deletes a VM after a failover and
+one ``zoneOperations.list`` per instance and boot, remembered; then, with ``logging``, the
+instance's serial-port log in Cloud Logging: at most ``LOG_TRIES`` ``entries.list`` reads per
+instance and boot), and only then takes the verdict, ``ended_unread`` when nothing explains the
+end. With ``reap`` it deletes a VM after a failover and
 after every end (``workload_ok``, ``workload_failed``, ``setup_failed``) once the VM is off, and
 records ``reaped`` only when the delete operation is DONE without ``error``.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
+from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
 from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
@@ -50,6 +53,9 @@ _LINE_VERDICTS = frozenset(
 # (signed guest time): the guest clock is synced to Google's (metadata server NTP).
 OP_SLACK_S = 60.0
 SELF_LINK_BASE = "https://www.googleapis.com/compute/v1"  # how GCE writes targetLink
+# Cloud Logging reads per (instance id, boot) that ended unread: the export lags the port by
+# seconds to minutes (ingestion), so a read that finds nothing is tried on the next polls too.
+LOG_TRIES = 3
 _END_NS = uuid.UUID("6f1d5b52-43c5-4c1e-9a40-5d0f3f1f2a7e")
 
 
@@ -179,6 +185,7 @@ class Poller:
         reap: bool = False,
         clock: Callable[[], float] = time.time,
         peers: Sequence[Path] = (),
+        logging: LoggingClient | None = None,
     ) -> None:
         self.client = client
         self.reader = SerialReader(client, store, clock, pins=ledger)
@@ -191,6 +198,9 @@ class Poller:
         self.peers = tuple(peers)  # other pollers' cursor dirs (read only): evidence of an end
         # (instance id, boot) -> the zone operation types found for that boot's end
         self._end_ops: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.logging = logging  # None: no Cloud Logging evidence (--logging-evidence)
+        # (instance id, boot) -> Cloud Logging reads made for that boot's end
+        self._log_tries: dict[tuple[str, str], int] = {}
         # (instance id, boot) -> the name of our delete of an ended job's VM, not DONE yet
         self._reaping: dict[tuple[str, str], str] = {}
 
@@ -387,7 +397,43 @@ class Poller:
                 found.append(str(op.get("operationType", "")))
             self._end_ops[key] = tuple(found)
         state = dataclasses.replace(state, end_ops=self._end_ops[key])
-        return tl.judge(state, now, self.policy)
+        verdict = tl.judge(state, now, self.policy)
+        if verdict.kind is VerdictKind.ENDED_UNREAD and self.logging is not None:
+            return self._log_evidence(instance_id, tl, state, verdict)
+        return verdict
+
+    def _log_evidence(
+        self, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict
+    ) -> Verdict:
+        """The lines Cloud Logging kept after the last read: judged on a copy of the timeline
+        (the cursor stays the Compute API's). Any refusal (403 without the permission, 404, an
+        outage) is no evidence: the verdict stays ``ended_unread``, never a guess."""
+        assert self.logging is not None
+        boot = tl.latest_boot or "-"
+        key = (instance_id, boot)
+        tries = self._log_tries.get(key, 0)
+        if tries >= LOG_TRIES:
+            return verdict
+        self._log_tries[key] = tries + 1
+        since = None
+        if tl.latest_boot is not None:
+            # the newest line read, on the guest's signed clock (synced to Google's)
+            since = tl.boots[tl.latest_boot].last_ts_ms / 1000 - OP_SLACK_S
+        try:
+            data = self.logging.serial_lines(self.project, instance_id, since)
+        except LoggingError as e:
+            why = f"cloud_logging=error({e.status or '-'})"
+            return dataclasses.replace(verdict, evidence=(*verdict.evidence, why))
+        if not data:
+            return dataclasses.replace(verdict, evidence=(*verdict.evidence, "cloud_logging=none"))
+        copy = Timeline.from_json(tl.to_json())
+        copy.feed(data)
+        copy.finish()
+        lv = copy.judge(state, self.clock(), self.policy)
+        if lv.kind in _LINE_VERDICTS and verdict.boot in (None, lv.boot):
+            self._log_tries[key] = LOG_TRIES  # decided: no more reads for this boot
+            return dataclasses.replace(lv, evidence=(*lv.evidence, "cloud_logging=line"))
+        return dataclasses.replace(verdict, evidence=(*verdict.evidence, "cloud_logging=none"))
 
     def _ended(self, info: InstanceStatus | None, tl: Timeline) -> bool:
         """The VM of an ended job may be reaped: it is off, or still RUNNING past the drain

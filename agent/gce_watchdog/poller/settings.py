@@ -44,6 +44,15 @@ class PubSubSettings:
 
 
 @dataclass(frozen=True)
+class EvidenceSettings:
+    """Where the poller looks before it says ``ended_unread`` (docs/poller.md, "Evidence")."""
+
+    peer_cursor_dirs: tuple[str, ...] = ()  # --peer-cursor-dir, read only
+    logging: bool = False  # --logging-evidence: Cloud Logging's serial export
+    logging_api_base: str | None = None  # None: cloudlogging.DEFAULT_LOGGING_API_BASE
+
+
+@dataclass(frozen=True)
 class PollSettings:
     projects: tuple[str, ...]
     zone: str | None
@@ -67,6 +76,7 @@ class PollSettings:
     on_failover_timeout_s: float = 60.0
     brake: BrakeRule | None = None  # --brake; None: off (poll_settings: on by default)
     publish: str | None = None  # --publish projects/P/topics/T
+    evidence: EvidenceSettings = EvidenceSettings()
 
     @property
     def mode(self) -> Mode:
@@ -162,6 +172,7 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
             errs.append(f"--publish {publish!r}: want projects/PROJECT/topics/NAME")
         if v.get("pubsub") is not None:
             errs.append("--publish is not run by --pubsub workers: follow `gce-watchdog decisions`")
+    evidence = _evidence(v, errs)
     if errs or policy is None:
         raise InvalidSettings(errs)
     return PollSettings(
@@ -186,7 +197,22 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         on_failover_timeout_s=hook_timeout_s,
         brake=brake,
         publish=publish,
+        evidence=evidence,
     )
+
+
+def _evidence(v: Mapping[str, Any], errs: list[str]) -> EvidenceSettings:
+    peers = tuple(str(d) for d in v.get("peer_cursor_dir") or ())
+    own = v.get("cursor_dir")
+    for d in peers:
+        if not d.strip():
+            errs.append("--peer-cursor-dir needs a directory")
+        elif own is not None and d.rstrip("/") == str(own).rstrip("/"):
+            errs.append(f"--peer-cursor-dir {d!r} is this poller's own --cursor-dir")
+    base = v.get("logging_api_base")
+    if base is not None and not str(base).startswith(("https://", "http://")):
+        errs.append(f"--logging-api-base {base!r}: want an http(s):// URL")
+    return EvidenceSettings(peers, bool(v.get("logging_evidence")), base)
 
 
 def _on_failover(v: Mapping[str, Any], errs: list[str]) -> tuple[tuple[str, ...], float]:
