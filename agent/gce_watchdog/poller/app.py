@@ -344,9 +344,9 @@ def _sweep(
     def select(t: Target, st: InstanceStatus | None) -> bool:
         if st is None or st.status != "RUNNING":
             return True  # stopped or gone: the stream cannot say
-        if st.id in worker.gapped:
+        heard, gapped = worker.heard(st.id)  # what every worker stored, not only this one
+        if gapped:
             return True  # its stream lost a line: only the serial port's whole record decides
-        heard = worker.last_heard.get(st.id)
         return heard is None or time.time() - heard > drain
 
     def announce(out: PollOutcome) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, BaseLedger
+from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, ASSEMBLY_SCHEMA, BaseLedger
 
 # A statement that waits this long for a lock is cancelled, so a stuck peer cannot hold every
 # poller forever (the same bound as SQLite's busy timeout).
@@ -98,12 +98,22 @@ class PostgresLedger(BaseLedger):
                     if not self._schema_ready():
                         for stmt in _SCHEMA:
                             self._db.execute(stmt)
+            if not self._assembly_ready():  # a ledger made before the Pub/Sub workers shared state
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._assembly_ready():
+                        for stmt in ASSEMBLY_SCHEMA:
+                            self._db.execute(stmt)
         except BaseException:
             self._db.close()
             raise
 
     def _schema_ready(self) -> bool:
         row = self._db.execute("SELECT to_regclass('decisions_pending') IS NOT NULL").fetchone()
+        return bool(row and row[0])
+
+    def _assembly_ready(self) -> bool:
+        row = self._db.execute("SELECT to_regclass('assembly_boots_ended') IS NOT NULL").fetchone()
         return bool(row and row[0])
 
     def close(self) -> None:
@@ -115,6 +125,12 @@ class PostgresLedger(BaseLedger):
     def _begin_write(self) -> None:
         self._db.execute("BEGIN")
         self._db.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
+
+    # the assembly state locks one boot's row, never the claim lock (fence)
+    _for_update = " FOR UPDATE"
+
+    def _begin_plain(self) -> None:
+        self._db.execute("BEGIN")
 
     def _rollback(self) -> None:
         # Only inside a transaction (a failed BEGIN leaves none) and on a live connection: a
