@@ -50,8 +50,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "agent"))
 sys.path.insert(0, str(REPO / "tests"))
-# fleet_messages still lives beside the Pub/Sub tests (tests/integration since the re-layout).
-sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from gce_watchdog.poller.ledgers import open_ledger  # noqa: E402
 from gce_watchdog.testing.simcompute import FakeComputeAPI  # noqa: E402
