@@ -22,7 +22,7 @@ import pytest
 from gce_watchdog.poller.assemble import Received, assemble
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import PollOutcome
-from gce_watchdog.poller.pubsub import PubSubWorker, parse_log_entry
+from gce_watchdog.poller.pubsub import LedgerPins, PubSubWorker, parse_log_entry
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire.protocol import Event, decode_line
@@ -364,6 +364,37 @@ def test_two_workers_each_with_half_a_boot_decide_it_once_from_the_union(
         w2.step()
         assert len(l2.all()) == 1 and len(s2.acked) == 2 + len(entries)
     assert [o.action for o in outs] == ["failover"]
+
+
+class _Died(Exception):
+    pass
+
+
+class _DiesAfterPinning(LedgerPins):
+    """The pin is committed, then the worker dies (before verifying the raw lines)."""
+
+    def pin(self, instance_id: str, key: bytes, now: float) -> bytes:
+        super().pin(instance_id, key, now)
+        raise _Died
+
+
+def test_a_worker_that_dies_right_after_pinning_strands_no_line(tmp_path: Path) -> None:
+    """Worker 2 stored two lines raw (no pin yet). Worker 1 pins the key and dies before it
+    verifies them: its messages are not acked, and whoever gets the key line again verifies."""
+    url = str(tmp_path / "ledger.sqlite")
+    entries = _boot_entries("55", "abab0055")  # key, start, phase, shutdown
+    with open_ledger(url, owner="w") as led:
+        w2 = PubSubWorker(_Batches([[entries[1], entries[2]]]), "s", led, lambda o: None)
+        w2.step()
+        s1 = _Batches([[entries[0], entries[3]]])
+        w1 = PubSubWorker(s1, "s", led, lambda o: None, pins=_DiesAfterPinning(led))
+        with pytest.raises(_Died):
+            w1.step()
+        assert s1.acked == [] and led.all() == []
+        again = PubSubWorker(_Batches([[entries[0], entries[3]]]), "s", led, lambda o: None)
+        again.step()
+        assert [d.instance_id for d in led.all()] == ["55"]
+        assert led.assembly_unverified("55") == []
 
 
 def test_a_restarted_worker_loses_nothing_and_needs_nothing_again(tmp_path: Path) -> None:

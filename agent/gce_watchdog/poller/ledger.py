@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from gce_watchdog.poller.assemble import Received
+from gce_watchdog.poller.verdict import terminal_kind
 from gce_watchdog.wire.protocol import Event
 
 # A claim holds the write lock for a few milliseconds; 30 s covers a busy disk and many pollers.
@@ -90,6 +91,7 @@ ASSEMBLY_SCHEMA = (
         name        TEXT NOT NULL,
         last_line   DOUBLE PRECISION NOT NULL,
         gap_since   DOUBLE PRECISION,
+        terminal    BIGINT,
         floor       BIGINT NOT NULL DEFAULT 0,
         PRIMARY KEY (instance_id, boot)
     )""",
@@ -283,6 +285,11 @@ class BaseLedger:
     def _exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         """Run one statement (``?`` placeholders); rows for a SELECT/RETURNING, else []."""
         raise NotImplementedError
+
+    def _execmany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+        """One statement (``?`` placeholders) for each row, in one round trip where it can."""
+        for r in rows:
+            self._exec(sql, r)
 
     def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
         raise NotImplementedError
@@ -481,67 +488,92 @@ class BaseLedger:
     ) -> tuple[set[tuple[str, str]], int]:
         """Store received lines (duplicates ignored), durably when it returns.
 
-        Returns the (instance, boot) of the lines that went to an open boot (the caller looks at
-        those again) and the count of raw lines dropped past UNVERIFIED_MAX.
+        Returns the open boots among them that have a terminal line stored (by anyone: the
+        caller looks at those again) and the count of raw lines dropped past UNVERIFIED_MAX.
         """
-        boots: dict[tuple[str, str], StoredLine] = {}
-        for ln in sorted(lines, key=lambda x: (x.instance_id, x.event.boot, x.event.seq)):
+        order = sorted(lines, key=lambda x: (x.instance_id, x.event.boot, x.event.seq))
+        # per boot: (identity, latest receipt, earliest receipt, lowest terminal seq)
+        boots: dict[tuple[str, str], tuple[StoredLine, float, float, int | None]] = {}
+        for ln in order:
             key = (ln.instance_id, ln.event.boot)
+            term = ln.event.seq if terminal_kind(ln.event) is not None else None
             prev = boots.get(key)
-            if prev is None or ln.received_at > prev.received_at:
-                boots[key] = ln
+            if prev is None:
+                boots[key] = (ln, ln.received_at, ln.received_at, term)
+            else:
+                t = prev[3] if term is None or (prev[3] is not None and prev[3] < term) else term
+                boots[key] = (ln, max(prev[1], ln.received_at), min(prev[2], ln.received_at), t)
         dropped = 0
         try:
             self._begin_plain()
-            # rows in one order (sorted) in every worker: no two transactions wait on each other
-            for (iid, boot), ln in sorted(boots.items()):
-                self._exec(
-                    "INSERT INTO assembly_boots (instance_id, boot, state, project, zone, name,"
-                    " last_line) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (instance_id, boot)"
-                    " DO UPDATE SET last_line = CASE WHEN excluded.last_line >"
-                    " assembly_boots.last_line THEN excluded.last_line"
-                    " ELSE assembly_boots.last_line END",
-                    (iid, boot, OPEN, ln.project, ln.zone, ln.name, ln.received_at),
-                )
-            open_boots = {
-                k
-                for k in boots
-                if self._exec(
-                    "SELECT state FROM assembly_boots WHERE instance_id = ? AND boot = ?", k
-                )[0][0]
-                == OPEN
-            }
-            for ln in sorted(lines, key=lambda x: (x.instance_id, x.event.boot, x.event.seq)):
-                if (ln.instance_id, ln.event.boot) not in open_boots:
-                    continue  # decided, ended or gapped: the line changes nothing
-                ev = ln.event
-                self._exec(
-                    "INSERT INTO assembly_lines (instance_id, boot, seq, event, ts_ms, fields,"
-                    " text, received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT (instance_id, boot, seq) DO NOTHING",
-                    (ln.instance_id, ev.boot, ev.seq, ev.event, ev.ts_ms,
-                     json.dumps(ev.fields), ev.text, ln.received_at, ln.published),
-                )  # fmt: skip
+            # rows in one order (sorted) in every worker: no two transactions wait on each other.
+            # gap_since: "look again by then" (the look sets it right); terminal: the lowest
+            # seq of a terminal line stored, so whoever stores a boot's last missing line knows
+            # to look at it.
+            self._execmany(
+                "INSERT INTO assembly_boots (instance_id, boot, state, project, zone, name,"
+                " last_line, gap_since, terminal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (instance_id, boot) DO UPDATE SET"
+                " last_line = CASE WHEN excluded.last_line > assembly_boots.last_line"
+                " THEN excluded.last_line ELSE assembly_boots.last_line END,"
+                " gap_since = COALESCE(assembly_boots.gap_since, excluded.gap_since),"
+                " terminal = CASE WHEN assembly_boots.terminal IS NULL OR"
+                " (excluded.terminal IS NOT NULL AND excluded.terminal < assembly_boots.terminal)"
+                " THEN excluded.terminal ELSE assembly_boots.terminal END",
+                [
+                    (iid, boot, OPEN, ln.project, ln.zone, ln.name, last, first, term)
+                    for (iid, boot), (ln, last, first, term) in sorted(boots.items())
+                ],
+            )
+            states: dict[tuple[str, str], tuple[str, object]] = {}
+            ids = sorted({iid for iid, _ in boots})
+            for i in range(0, len(ids), 500):
+                chunk = ids[i : i + 500]
+                marks = ", ".join("?" * len(chunk))
+                for iid, boot, state, stored_term in self._exec(
+                    "SELECT instance_id, boot, state, terminal FROM assembly_boots"  # noqa: S608
+                    f" WHERE instance_id IN ({marks})",
+                    tuple(chunk),
+                ):
+                    states[(str(iid), str(boot))] = (str(state), stored_term)
+            open_boots = {k for k in boots if states[k][0] == OPEN}
+            self._execmany(
+                "INSERT INTO assembly_lines (instance_id, boot, seq, event, ts_ms, fields,"
+                " text, received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (instance_id, boot, seq) DO NOTHING",
+                [
+                    (ln.instance_id, ln.event.boot, ln.event.seq, ln.event.event,
+                     ln.event.ts_ms, json.dumps(ln.event.fields), ln.event.text,
+                     ln.received_at, ln.published)
+                    for ln in order
+                    if (ln.instance_id, ln.event.boot) in open_boots
+                ],  # decided, ended or gapped boots: their lines change nothing
+            )  # fmt: skip
+            by_iid: dict[str, list[RawLine]] = {}
             for r in sorted(raw, key=lambda x: (x.instance_id, x.text)):
+                by_iid.setdefault(r.instance_id, []).append(r)
+            keep: list[RawLine] = []
+            for iid, rs in by_iid.items():
                 ((n,),) = self._exec(
-                    "SELECT COUNT(*) FROM assembly_unverified WHERE instance_id = ?",
-                    (r.instance_id,),
+                    "SELECT COUNT(*) FROM assembly_unverified WHERE instance_id = ?", (iid,)
                 )
-                if int(n) >= UNVERIFIED_MAX:  # type: ignore[call-overload]
-                    dropped += 1
-                    continue
-                self._exec(
-                    "INSERT INTO assembly_unverified (instance_id, line, project, zone, name,"
-                    " received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?)"
-                    " ON CONFLICT (instance_id, line) DO NOTHING",
-                    (r.instance_id, r.text, r.project, r.zone, r.name, r.received_at,
-                     r.published),
-                )  # fmt: skip
+                room = max(0, UNVERIFIED_MAX - int(n))  # type: ignore[call-overload]
+                keep += rs[:room]
+                dropped += len(rs) - len(rs[:room])
+            self._execmany(
+                "INSERT INTO assembly_unverified (instance_id, line, project, zone, name,"
+                " received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (instance_id, line) DO NOTHING",
+                [(r.instance_id, r.text, r.project, r.zone, r.name, r.received_at, r.published)
+                 for r in keep],
+            )  # fmt: skip
             self._commit()
         except BaseException:
             self._rollback()
             raise
-        return open_boots, dropped
+        # only a boot with a terminal line stored can be decided or ended now; the others are
+        # looked at when their gap hint is due (assembly_gaps_due)
+        return {k for k in open_boots if states[k][1] is not None}, dropped
 
     @_locked
     def assembly_unverified(self, instance_id: str) -> list[RawLine]:
@@ -819,6 +851,10 @@ class Ledger(BaseLedger):
 
     def _exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         return [tuple(r) for r in self._db.execute(sql, params).fetchall()]
+
+    def _execmany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+        if rows:
+            self._db.executemany(sql, rows)
 
     def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
         return int(self._db.execute(sql, params).rowcount)

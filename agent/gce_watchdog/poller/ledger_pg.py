@@ -143,6 +143,11 @@ class PostgresLedger(BaseLedger):
         cur = self._db.execute(sql.replace("?", "%s"), params)
         return [tuple(r) for r in cur.fetchall()] if cur.description else []
 
+    def _execmany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+        if rows:  # psycopg 3 pipelines executemany: one round trip for the batch
+            with self._db.cursor() as cur:
+                cur.executemany(sql.replace("?", "%s"), rows)
+
     def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
         cur = self._db.execute(sql.replace("?", "%s"), params)
         return int(cur.rowcount)

@@ -237,11 +237,16 @@ class PubSubWorker:
         pins = self._pinned([ln.instance_id for _, ln in ours])
         new_pins: set[str] = set()
         for _rm, ln in ours:  # first the batch's key announcements: lines may come before them
-            if ln.instance_id in pins or " key k=" not in ln.text:
+            if " key k=" not in ln.text:
                 continue
             res = decode_line(ln.text)
-            if isinstance(res, KeyAnnounce):
+            if not isinstance(res, KeyAnnounce):
+                continue
+            if ln.instance_id not in pins:
                 pins[ln.instance_id] = self._pin(ln.instance_id, res.key, now)
+            if pins[ln.instance_id] == res.key:
+                # raw lines of the instance are verified below, also when the key line comes
+                # again: a worker that pinned it and died before verifying left them there
                 new_pins.add(ln.instance_id)
         for rm, ln in ours:
             to_ack.append(rm.ack_id)  # after the store below returned
