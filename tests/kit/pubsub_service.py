@@ -153,13 +153,24 @@ class Fleet:
     names: dict[str, str]  # instance id -> name
 
 
-def fleet_stream(rnd: random.Random, vms: int, project: str, base_id: int = 4_000_000_000) -> Fleet:
+def fleet_stream(
+    rnd: random.Random,
+    vms: int,
+    project: str,
+    base_id: int = 4_000_000_000,
+    spread: float | None = None,
+) -> Fleet:
     """Every VM's lines as exported, one in five healthy and one in five finished, the rest
     wedged; journald copies of a quarter of the lines, duplicates of a fifth of all messages,
-    console noise, and the whole stream shuffled (a Logging sink sets no ordering key)."""
+    console noise. ``spread`` None: the whole stream shuffled (a Logging sink sets no ordering
+    key; the hardest case). A number: the VMs run side by side, line i of every VM around
+    position i, each message displaced by up to ``spread`` lines (reordering in transit) and a
+    duplicate up to 5 lines after its original (a late redelivery): a fleet's stream over time,
+    for measuring latency."""
     from gce_watchdog.testing.synth import Writer
 
     fleet = Fleet([], set(), set(), set(), {})
+    keyed: list[tuple[float, bytes]] = []
     for i in range(vms):
         iid, name = f"{base_id + i}", f"vm-{i:05d}"
         fleet.names[iid] = name
@@ -181,15 +192,20 @@ def fleet_stream(rnd: random.Random, vms: int, project: str, base_id: int = 4_00
                 fleet.wedged.add(iid)
             evs.append(("shutdown", {"reason": "ladder", "rung": "10/10"}))
         texts = [ln for ev, f in evs for ln in w.line(ev, f).decode().splitlines()]
-        for t in texts:
-            fleet.messages.append(
-                exported_entry(project, iid, name, exported_text(t, name, False), rnd=rnd)
-            )
+        for n, t in enumerate(texts):
+            at = n + rnd.uniform(0, spread or 0)
+            keyed.append((at, exported_entry(project, iid, name, exported_text(t, name, False),
+                                             rnd=rnd)))  # fmt: skip
             if rnd.random() < 0.25:  # journald's copy of the same line
-                fleet.messages.append(
-                    exported_entry(project, iid, name, exported_text(t, name, True), rnd=rnd)
-                )
-        fleet.messages.append(exported_entry(project, iid, name, rnd.choice(NOISE), rnd=rnd))
-    fleet.messages += [rnd.choice(fleet.messages) for _ in range(len(fleet.messages) // 5)]
-    rnd.shuffle(fleet.messages)
+                keyed.append((at + rnd.uniform(0, 1), exported_entry(
+                    project, iid, name, exported_text(t, name, True), rnd=rnd)))  # fmt: skip
+        noise = exported_entry(project, iid, name, rnd.choice(NOISE), rnd=rnd)
+        keyed.append((rnd.uniform(0, len(texts)), noise))
+    keyed += [(at + rnd.uniform(0, 5), m) for at, m in
+              (rnd.choice(keyed) for _ in range(len(keyed) // 5))]  # fmt: skip
+    if spread is None:
+        rnd.shuffle(keyed)
+    else:
+        keyed.sort(key=lambda x: x[0])
+    fleet.messages = [m for _, m in keyed]
     return fleet
