@@ -40,6 +40,7 @@ import os
 import platform
 import random
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -109,9 +110,12 @@ def _poll_once(base: str, work: Path, args: argparse.Namespace) -> tuple[float, 
             "--budget", str(args.budget)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
     t0 = time.monotonic()
+    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=ROUND_TIMEOUT_S,
                        check=False)  # fmt: skip
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.monotonic() - t0
+    args.last_cpu_s = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
     if r.returncode != 0:
         raise RuntimeError(f"poll exited {r.returncode}: {r.stderr[-2000:]}")
     m = re.search(r"polled in ([0-9.]+)s", r.stderr)
@@ -142,6 +146,7 @@ def bench_polling(n: int, args: argparse.Namespace) -> dict[str, Any]:
             parent.send(("wedge", wedged))
             readable_at: dict[str, float] = parent.recv()
             steady_s, out = _poll_once(base, work, args)
+            steady_cpu_s = args.last_cpu_s
             parent.send(("calls", None))
             calls_after = parent.recv()
             with open_ledger(work / "ledger.sqlite") as led:
@@ -158,6 +163,8 @@ def bench_polling(n: int, args: argparse.Namespace) -> dict[str, Any]:
             "exactly_once": len(decisions) == len(wedged) == announced,
             "round_cold_s": round(cold_s, 2),
             "round_steady_s": round(steady_s, 2),
+            # the poller process's CPU (user + system) in round 2, its start included
+            "cpu_ms_per_vm_steady": round(steady_cpu_s / n * 1000, 2),
             "api_calls_per_round": round_calls,
             "api_calls_per_minute_at_30s": total * 2,
             "decision_latency_s": {
