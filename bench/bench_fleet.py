@@ -4,7 +4,8 @@
 Usage::
 
     python -m bench.bench_fleet RESULTS.json [--sizes 1000,5000] [--budget 20000]
-                                [--workers 32] [--pubsub-vms 200] [--tiny]
+                                [--workers 32] [--pubsub-sizes 1000,5000]
+                                [--pubsub-workers 3] [--no-polling] [--tiny]
 
 Polling mode, per fleet size N, against the fake Compute API (testing.simcompute) served by a
 **separate process** (so the server does not share the poller's interpreter lock):
@@ -18,10 +19,16 @@ Polling mode, per fleet size N, against the fake Compute API (testing.simcompute
    shutdown line was readable through the API to the ledger claim (``decided_at``). Every
    decision's count is checked (exactly the wedged VMs, once).
 
-Pub/Sub mode, on the real emulator: a publisher process emits LogEntry messages for
-``--pubsub-vms`` VMs (10 lines each, every VM ending in a shutdown line, a third duplicated,
-shuffled) at a steady rate while one worker pulls; reported: messages per second per worker and
-decision latency p50/p99 from publish time to claim.
+Pub/Sub mode, per ``--pubsub-sizes`` fleet size, on the real emulator: ``--pubsub-workers``
+(3) worker processes (tests/kit/pubsub_worker.py: the product's PubSubWorker behind the
+service-like subscriber, pulls of 1..``--pubsub-pull-max``) share one subscription and one
+PostgreSQL ledger (tests/kit/pgserver.py; SQLite where no server is installed). A publisher
+process emits the fleet's exported LogEntry messages (kit/pubsub_service.py ``fleet_stream``:
+3 in 5 VMs wedged, 1 in 5 finished, 1 in 5 healthy; journald copies, duplicates, noise; the VMs
+side by side, each message displaced by up to 2 lines, ``spread=2``) at ``--pubsub-rate``.
+Reported: every wedged VM decided once and no other, messages
+per second over all workers, decision latency p50/p99 (publish time of the shutdown line to the
+claim) and each worker's peak RSS.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import os
 import platform
 import random
 import re
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,12 +55,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from gce_watchdog.poller.ledgers import open_ledger  # noqa: E402
 from gce_watchdog.testing.simcompute import FakeComputeAPI  # noqa: E402
-from gce_watchdog.testing.synth import Writer  # noqa: E402
+from gce_watchdog.testing.synth import SYNTH_KEY, Writer  # noqa: E402
 
 ZONES = ("us-central1-a", "us-central1-b", "us-central1-c", "europe-west4-a")
 PROJECT = "bench-project"
 WEDGED_EVERY = 10  # one VM in ten shuts down between the rounds
 ROUND_TIMEOUT_S = 600
+PUBSUB_TIMEOUT_S = 900
 
 
 def _serve(n: int, conn: Any) -> None:
@@ -101,9 +111,12 @@ def _poll_once(base: str, work: Path, args: argparse.Namespace) -> tuple[float, 
             "--budget", str(args.budget), "--brake", "off"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
     t0 = time.monotonic()
+    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=ROUND_TIMEOUT_S,
                        check=False)  # fmt: skip
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.monotonic() - t0
+    args.last_cpu_s = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
     if r.returncode != 0:
         raise RuntimeError(f"poll exited {r.returncode}: {r.stderr[-2000:]}")
     m = re.search(r"polled in ([0-9.]+)s", r.stderr)
@@ -134,6 +147,7 @@ def bench_polling(n: int, args: argparse.Namespace) -> dict[str, Any]:
             parent.send(("wedge", wedged))
             readable_at: dict[str, float] = parent.recv()
             steady_s, out = _poll_once(base, work, args)
+            steady_cpu_s = args.last_cpu_s
             parent.send(("calls", None))
             calls_after = parent.recv()
             with open_ledger(work / "ledger.sqlite") as led:
@@ -150,6 +164,8 @@ def bench_polling(n: int, args: argparse.Namespace) -> dict[str, Any]:
             "exactly_once": len(decisions) == len(wedged) == announced,
             "round_cold_s": round(cold_s, 2),
             "round_steady_s": round(steady_s, 2),
+            # the poller process's CPU (user + system) in round 2, its start included
+            "cpu_ms_per_vm_steady": round(steady_cpu_s / n * 1000, 2),
             "api_calls_per_round": round_calls,
             "api_calls_per_minute_at_30s": total * 2,
             "decision_latency_s": {
@@ -184,17 +200,43 @@ def _publish(host: str, topic: str, msgs: list[bytes], rate: float) -> None:
         f.result(timeout=60)
 
 
-def bench_pubsub(vms: int, rate: float) -> dict[str, Any]:
+def _ledger_server() -> Any:
+    """A PostgreSQL server (tests/kit/pgserver.py) as a context manager, or None."""
+    from kit import pgserver
+
+    return None if pgserver.unavailable() else pgserver.postgres_server()
+
+
+def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str, Any]:
+    """``workers`` worker processes (tests/kit/pubsub_worker.py: the product's PubSubWorker
+    behind the service-like subscriber, pulls of at most ``pull_max``) on one subscription of
+    the real emulator, sharing a PostgreSQL ledger (SQLite where no server is installed)."""
+    import contextlib
+
     from kit import pubsub_emulator
-    from kit.logentries import fleet_messages
+    from kit.pubsub_service import fleet_stream
 
     why = pubsub_emulator.unavailable()
     if why:
         return {"skipped": why}
-    from gce_watchdog.poller.pubsub import PubSubWorker
+    fleet = fleet_stream(random.Random(6), vms, PROJECT, spread=2.0)  # noqa: S311 (test data)
+    with contextlib.ExitStack() as stack:
+        host = stack.enter_context(pubsub_emulator.pubsub_emulator())
+        d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gcewd-bench-ps-")))
+        server = _ledger_server()
+        if server is not None:
+            import psycopg
 
-    with pubsub_emulator.pubsub_emulator() as host:
+            admin = stack.enter_context(server)
+            with psycopg.connect(admin, autocommit=True) as c:
+                c.execute("CREATE DATABASE bench")
+            ledger, backend = admin.rsplit("/", 1)[0] + "/bench", "postgresql"
+        else:
+            ledger, backend = str(d / "ledger.sqlite"), "sqlite"
         os.environ["PUBSUB_EMULATOR_HOST"] = host
+        with open_ledger(ledger) as led:  # the poll path pins each VM (byte 0 of its port)
+            for iid in fleet.names:
+                led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         from google.cloud import pubsub_v1
 
         pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
@@ -202,48 +244,76 @@ def bench_pubsub(vms: int, rate: float) -> dict[str, Any]:
         subn = sub.subscription_path(PROJECT, "watchdog")
         pub.create_topic(request={"name": topic})
         sub.create_subscription(request={"name": subn, "topic": topic, "ack_deadline_seconds": 30})
-        msgs, wedged, _ = fleet_messages(random.Random(6), vms)  # noqa: S311 (test data)
-        ctx = mp.get_context("spawn")
-        publisher = ctx.Process(target=_publish, args=(host, topic, msgs, rate))
-        with (
-            tempfile.TemporaryDirectory(prefix="gcewd-bench-ps-") as d,
-            open_ledger(Path(d) / "ledger.sqlite") as led,
-        ):
-            outs: list[Any] = []
-            w = PubSubWorker(sub, subn, led, outs.append, settle_s=1.0)
-            publisher.start()
-            t0 = time.monotonic()
-            busy = 0.0
-            deadline = t0 + 300
-            while (len(led.all()) < len(wedged) or w.stats.messages < len(msgs)) and (
-                time.monotonic() < deadline
-            ):
-                s0 = time.monotonic()
-                got = w.step(timeout=0.5)
-                if got:
-                    busy += time.monotonic() - s0
-            elapsed = time.monotonic() - t0
-            publisher.join(timeout=60)
-            decisions = len(led.all())
-        lat = w.stats.latencies
         sub.close()
-        return {
-            "vms": vms,
-            "messages": w.stats.messages,
-            "published": len(msgs),
-            "publish_rate_per_s": rate,
-            "decisions": decisions,
-            "exactly_once": decisions == len(wedged),
-            "elapsed_s": round(elapsed, 2),
-            "messages_per_s_per_worker_busy": round(w.stats.messages / busy, 1) if busy else None,
-            "decision_latency_s": {
-                "p50": round(pct(lat, 50) or 0, 3),
-                "p99": round(pct(lat, 99) or 0, 3),
-                "max": round(max(lat, default=0), 3),
-                "n": len(lat),
-            },
-            "settle_s": 1.0,
-        }
+        env = {**os.environ, "PYTHONPATH": f"{REPO / 'agent'}:{REPO / 'tests'}"}
+        logs = [d / f"w{i}.out" for i in range(workers)]
+        procs = []
+        for i, log in enumerate(logs):
+            argv = [sys.executable, "-m", "kit.pubsub_worker", "--subscription", subn,
+                    "--ledger", ledger, "--max", str(pull_max), "--seed", str(i),
+                    "--settle", "60", "--owner", f"w{i}"]  # fmt: skip
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env))
+        ctx = mp.get_context("spawn")
+        publisher = ctx.Process(target=_publish, args=(host, topic, fleet.messages, rate))
+        try:
+            with open_ledger(ledger) as led:
+                while not all(x.read_text().startswith('{"ready"') for x in logs):
+                    if any(p.poll() is not None for p in procs):
+                        raise RuntimeError(f"a worker exited: {[x.read_text() for x in logs]}")
+                    time.sleep(0.2)
+                publisher.start()
+                t0 = time.monotonic()
+                closed = fleet.wedged | fleet.finished
+                deadline = t0 + PUBSUB_TIMEOUT_S
+                while time.monotonic() < deadline:
+                    done = {i for i, _, st in led.assembly_boots() if st != "open"}
+                    if done >= closed and not led.pending_announcements():
+                        break
+                    time.sleep(0.5)
+                elapsed = time.monotonic() - t0
+                publisher.join(timeout=120)
+                decisions = led.all()
+                states = {i: st for i, _, st in led.assembly_boots()}
+        finally:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait(timeout=120)
+        stats = [
+            json.loads(x)["stats"]
+            for log in logs
+            for x in log.read_text().splitlines()
+            if x.startswith('{"stats"')
+        ]
+    lat = [x for st in stats for x in st["latencies"]]
+    decided = sorted(x.instance_id for x in decisions)
+    handled = sum(st["messages"] for st in stats)
+    return {
+        "vms": vms,
+        "workers": workers,
+        "ledger": backend,
+        "pull_max": pull_max,
+        "published": len(fleet.messages),
+        "messages_handled": handled,
+        "publish_rate_per_s": rate,
+        "wedged": len(fleet.wedged),
+        "decisions": len(decisions),
+        "exactly_once": decided == sorted(fleet.wedged),
+        "finished_ended": all(states.get(i) == "ended" for i in fleet.finished),
+        "healthy_undecided": not (set(decided) & fleet.healthy),
+        "elapsed_s": round(elapsed, 2),
+        "messages_per_s": round(handled / elapsed, 1) if elapsed else None,
+        "stream": "interleaved, spread 2",
+        "decision_latency_s": {
+            "p50": round(pct(lat, 50) or 0, 3),
+            "p99": round(pct(lat, 99) or 0, 3),
+            "max": round(max(lat, default=0), 3),
+            "n": len(lat),
+        },
+        "worker_rss_mib": [round(st["maxrss_kib"] / 1024, 1) for st in stats],
+        "per_worker_messages": [st["messages"] for st in stats],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="1000,5000")
     ap.add_argument("--budget", type=float, default=20000)
     ap.add_argument("--workers", type=int, default=32)
-    ap.add_argument("--pubsub-vms", type=int, default=200)
-    ap.add_argument("--pubsub-rate", type=float, default=400.0)
+    ap.add_argument("--pubsub-sizes", default="1000,5000")
+    ap.add_argument("--pubsub-rate", type=float, default=600.0)
+    ap.add_argument("--pubsub-workers", type=int, default=3)
+    ap.add_argument("--pubsub-pull-max", type=int, default=100)
+    ap.add_argument("--no-polling", action="store_true", help="only the Pub/Sub part")
     ap.add_argument("--tiny", action="store_true", help="smoke mode: 50 VMs, 10 on Pub/Sub")
     args = ap.parse_args(argv)
     sizes = [50] if args.tiny else [int(x) for x in args.sizes.split(",")]
@@ -261,16 +334,21 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "polling": [],
     }
-    for n in sizes:
+    for n in [] if args.no_polling else sizes:
         r = bench_polling(n, args)
         print(json.dumps(r), flush=True)
         res["polling"].append(r)
-    ps = bench_pubsub(10 if args.tiny else args.pubsub_vms, args.pubsub_rate)
-    print(json.dumps(ps), flush=True)
-    res["pubsub"] = ps
+    res["pubsub"] = []
+    ps_sizes = [10] if args.tiny else [int(x) for x in args.pubsub_sizes.split(",") if x]
+    for n in ps_sizes:
+        ps = bench_pubsub(n, args.pubsub_rate, args.pubsub_workers, args.pubsub_pull_max)
+        print(json.dumps(ps), flush=True)
+        res["pubsub"].append(ps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
-    ok = all(r["exactly_once"] for r in res["polling"]) and ps.get("exactly_once", True)
+    ok = all(r["exactly_once"] for r in res["polling"]) and all(
+        ps.get("exactly_once", True) and ps.get("finished_ended", True) for ps in res["pubsub"]
+    )
     return 0 if ok else 1
 
 

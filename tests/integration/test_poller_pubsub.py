@@ -1,6 +1,8 @@
-"""The Pub/Sub path (issue 19 item 4): LogEntry decoding and the assembler (pure, with
-properties), then workers against the real Pub/Sub emulator: duplicates, reordering,
-redeliveries, and a worker killed between its claim and its ack."""
+"""The Pub/Sub path (issue 19 item 4, issue 26 item 1): LogEntry decoding of real exported
+payloads and the assembly (pure, with properties), the shared assembly state in the ledger, then
+workers against the real Pub/Sub emulator behind kit/pubsub_service.py (pulls of at most 20,
+spread over several workers, redelivery after the ack deadline): duplicates, reordering, a worker
+killed anywhere and restarted, and a worker killed between its claim and its ack."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gce_watchdog.poller.assemble import Assembler
+from gce_watchdog.poller.assemble import Received, assemble
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import PollOutcome
 from gce_watchdog.poller.pubsub import PubSubWorker, parse_log_entry
@@ -26,11 +28,28 @@ from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire.protocol import Event, decode_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit.logentries import PROJECT, fleet_messages, lines_of, log_entry
 from kit.paths import REPO
-from kit.pipes import blocked_pipe
+from kit.pubsub_service import (
+    NOISE,
+    ServiceLikeSubscriber,
+    exported_entry,
+    exported_text,
+    fleet_stream,
+)
 
+PROJECT = "test-project"
 DEADLINE_S = 90.0
+SERIAL_LOG = "serialconsole.googleapis.com%2Fserial_port_1_output"
+
+
+def log_entry(iid: str, name: str, text: str, zone: str = "us-central1-a") -> bytes:
+    """A LogEntry as a Cloud Logging sink publishes a serial port 1 line (its CR LF kept)."""
+    return exported_entry(PROJECT, iid, name, exported_text(text, name, False), zone)
+
+
+def lines_of(w: Writer, *events: tuple[str, dict[str, str]]) -> list[str]:
+    """One console line per entry (a boot's first also gives its key announcement before it)."""
+    return [ln for name, fields in events for ln in w.line(name, fields).decode().splitlines()]
 
 
 # -- pure parts ----------------------------------------------------------------------------------
@@ -48,6 +67,30 @@ def test_parse_log_entry_takes_serial_port_1_only() -> None:
     other["logName"] = f"projects/{PROJECT}/logs/syslog"
     assert parse_log_entry(json.dumps(other).encode()) is None
     assert parse_log_entry(b"not json") is None and parse_log_entry(b"[1]") is None
+    odd = json.loads(log_entry("123", "vm-1", "x"))
+    odd["labels"] = ["not", "a", "map"]
+    got = parse_log_entry(json.dumps(odd).encode())
+    assert got is not None and got.instance == ""
+
+
+@pytest.mark.parametrize("journald", [False, True])
+def test_real_exported_payloads_decode_to_the_agents_line(journald: bool) -> None:
+    """textPayload as Cloud Logging exports it: a literal \\r\\n at the end, and (forwarded
+    by journald) its prefix. The line decodes to the same verified event as the bare line."""
+    w = Writer(boot="eeee0005", announce=False)
+    (bare,) = lines_of(w, ("phase", {"ph": "workload"}))
+    entry = exported_entry(PROJECT, "9", "vm-9", exported_text(bare, "vm-9", journald))
+    assert "\\r\\n" in json.loads(entry)["textPayload"]
+    line = parse_log_entry(entry)
+    assert line is not None and not line.text.endswith("\\r\\n")
+    assert decode_line(line.text, pin=SYNTH_KEY.public) == decode_line(bare, pin=SYNTH_KEY.public)
+    assert isinstance(decode_line(line.text, pin=SYNTH_KEY.public), Event)
+
+
+@pytest.mark.parametrize("noise", NOISE)
+def test_exported_console_noise_is_not_ours(noise: str) -> None:
+    line = parse_log_entry(exported_entry(PROJECT, "9", "vm-9", noise))
+    assert line is not None and decode_line(line.text, pin=SYNTH_KEY.public) is None
 
 
 def _events(n: int) -> list[Event]:
@@ -64,11 +107,9 @@ def test_any_order_with_duplicates_gives_the_prefix_once_in_order(
     evs = _events(n)
     arrivals = evs + [rnd.choice(evs) for _ in range(dups)]
     rnd.shuffle(arrivals)
-    asm = Assembler(settle_s=5.0)
-    for e in arrivals:
-        asm.add("id", e, now=0.0)
-    assert [e.seq for e in asm.events("id", "aaaa0001")] == list(range(n))
-    assert asm.settle(now=1e9) == []  # nothing held: nothing to give up on
+    a = assemble([Received(e, 0.0) for e in arrivals])
+    assert [e.seq for e in a.prefix] == list(range(n)) and a.next_seq == n
+    assert a.held == 0 and not a.settled(1e9, 2.0)  # nothing held: nothing to give up on
 
 
 @settings(max_examples=200, deadline=None)
@@ -78,15 +119,36 @@ def test_a_lost_line_holds_the_rest_until_the_settle_timeout(n: int, data: st.Da
     k = data.draw(st.integers(0, n - 2))
     rest = [e for e in evs if e.seq != k]
     data.draw(st.randoms(use_true_random=False)).shuffle(rest)
-    asm = Assembler(settle_s=2.0)
-    for i, e in enumerate(rest):
-        asm.add("id", e, now=float(i) / 1000)
-    assert [e.seq for e in asm.events("id", "aaaa0001")] == list(range(k))  # up to the gap
-    assert asm.next_deadline() is not None
-    assert asm.settle(now=1.0) == []  # not yet
-    assert asm.settle(now=3.0) == [("id", "aaaa0001")]
-    s = asm.streams[("id", "aaaa0001")]
-    assert [e.seq for e in s.prefix] == [e.seq for e in evs if e.seq != k] and s.lost == 1
+    a = assemble([Received(e, 0.5 + i / 1000) for i, e in enumerate(rest)])
+    assert [e.seq for e in a.prefix] == list(range(k))  # up to the gap
+    assert a.held == n - k - 1 and a.held_since == min(
+        0.5 + i / 1000 for i, e in enumerate(rest) if e.seq > k
+    )
+    assert not a.settled(1.0, 2.0)  # not yet
+    assert a.settled(3.0, 2.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 40), st.data())
+def test_the_union_of_any_split_over_workers_is_the_whole_prefix(
+    n: int, data: st.DataObject
+) -> None:
+    """Lines spread over workers at random: no worker alone may see a gap-free boot, their
+    union does."""
+    evs = _events(n)
+    workers = data.draw(st.integers(2, 4))
+    owner = [data.draw(st.integers(0, workers - 1)) for _ in evs]
+    union = assemble([Received(e, 0.0) for e in evs])
+    assert [e.seq for e in union.prefix] == list(range(n))
+    for w in range(workers):
+        mine = assemble([Received(e, 0.0) for e, o in zip(evs, owner, strict=True) if o == w])
+        assert len(mine.prefix) <= n and (len(mine.prefix) < n or all(o == w for o in owner))
+
+
+def test_a_floor_lets_compacted_lines_be_missing() -> None:
+    evs = _events(10)
+    a = assemble([Received(e, 0.0) for e in evs if e.seq >= 6], floor=6)
+    assert a.next_seq == 10 and a.held == 0
 
 
 def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives() -> None:
@@ -96,15 +158,14 @@ def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives
     raw = lines_of(w, ("phase", {"ph": "workload"}), ("exit", {"rc": "0"}),
                    ("shutdown", {"reason": "ladder", "rung": "10/10"}))  # fmt: skip
     phase, exit_, shutdown = (decode_line(x, pin=SYNTH_KEY.public) for x in raw)
-    asm = Assembler(settle_s=2.0)
-    for e in (phase, shutdown):
-        assert isinstance(e, Event)
-        asm.add("id", e, now=0.0)
-    v = decide(asm.events("id", "bbbb0002"), InstanceState("RUNNING"), 0.0, Policy())
+    assert isinstance(phase, Event) and isinstance(exit_, Event) and isinstance(shutdown, Event)
+    a = assemble([Received(phase, 0.0), Received(shutdown, 0.0)])
+    assert a.terminal is None
+    v = decide(list(a.prefix), InstanceState("RUNNING"), 0.0, Policy())
     assert v.kind is not VerdictKind.SELF_SHUTDOWN
-    assert isinstance(exit_, Event)
-    asm.add("id", exit_, now=0.5)
-    v = decide(asm.events("id", "bbbb0002"), InstanceState("RUNNING"), 0.0, Policy())
+    a = assemble([Received(phase, 0.0), Received(shutdown, 0.0), Received(exit_, 0.5)])
+    assert a.terminal == exit_
+    v = decide(list(a.prefix), InstanceState("RUNNING"), 0.0, Policy())
     assert v.kind is VerdictKind.WORKLOAD_OK
 
 
@@ -140,43 +201,51 @@ def publish(topic: str, datas: list[bytes]) -> None:
         f.result(timeout=30)
 
 
-def test_workers_decide_once_per_vm_from_a_shuffled_duplicated_stream(
+def _drive(workers: list[PubSubWorker], done: Any, what: Any) -> None:
+    """Step the workers in turn until ``done()`` (bounded: DEADLINE_S)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not done():
+        assert time.monotonic() < deadline, what()
+        for w in workers:
+            w.step(timeout=0.5)
+
+
+def test_one_worker_decides_once_per_vm_from_a_service_like_stream(
     topic: tuple[str, str], tmp_path: Path
 ) -> None:
+    """Pulls of at most 20, 5 % of the deliveries lost on the way (the emulator redelivers them
+    after the 10 s ack deadline), journald copies, duplicates, noise, shuffled."""
     from google.cloud import pubsub_v1
 
     t, s = topic
-    rnd = random.Random(19)
-    msgs, wedged, _finished = fleet_messages(rnd, 30)
-    publish(t, msgs)
-    sub = pubsub_v1.SubscriberClient()
-    # redeliveries: the test takes some messages first and hands them back unacked (nack)
-    first = sub.pull(request={"subscription": s, "max_messages": 50}, timeout=30)
-    sub.modify_ack_deadline(
-        request={
-            "subscription": s,
-            "ack_ids": [m.ack_id for m in first.received_messages],
-            "ack_deadline_seconds": 0,
-        }
-    )
+    fleet = fleet_stream(random.Random(19), 30, PROJECT)
+    publish(t, fleet.messages)
+    sub = ServiceLikeSubscriber(pubsub_v1.SubscriberClient(), 20, withhold=0.05, seed=1)
     outs: list[PollOutcome] = []
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
-        for iid in wedged | _finished:  # pinned by the poll path (read from byte 0), or by hand
+        for iid in fleet.names:  # pinned by the poll path (read from byte 0), or by hand
             led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-        # settle: long enough that a line handed back (nack) or held up by a loaded machine comes
-        # back before its gap is declared lost (a boot with a lost line is left to the sweep)
-        w1 = PubSubWorker(sub, s, led, outs.append, settle_s=5.0)
-        deadline = time.monotonic() + DEADLINE_S
-        while led_count(led) < len(wedged) or w1.asm.next_deadline() is not None:
-            assert time.monotonic() < deadline, f"decided {led_count(led)} of {len(wedged)}"
-            w1.step(timeout=1.0)
+        # settle: longer than a redelivery takes (ack deadline 10 s, a loaded machine)
+        w1 = PubSubWorker(sub, s, led, outs.append, settle_s=60.0)
+        closed = fleet.wedged | fleet.finished
+        _drive(
+            [w1],
+            lambda: (
+                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
+                and not led.pending_announcements()
+            ),
+            lambda: f"decided {led_count(led)} of {len(fleet.wedged)}",
+        )
         decisions = led.all()
-        assert led.pending_announcements() == []
-    assert {d.instance_id for d in decisions} == wedged  # the finished job: never
+        states = {i: st for i, _, st in led.assembly_boots()}
+    assert {d.instance_id for d in decisions} == fleet.wedged  # the finished jobs: never
     assert all(d.verdict == "self_shutdown" for d in decisions)
+    assert {states[i] for i in fleet.finished} == {"ended"}
+    assert {states[i] for i in fleet.healthy} == {"open"}
     announced = [o.instance_id for o in outs if o.action == "failover"]
-    assert sorted(announced) == sorted(wedged)  # once each, despite duplicates
-    assert w1.stats.latencies and max(w1.stats.latencies) < 60
+    assert sorted(announced) == sorted(fleet.wedged)  # once each, despite duplicates
+    assert sub.counts.withheld > 0 and max(sub.counts.sizes) <= 20  # it was service-like
+    assert w1.stats.latencies and w1.stats.forged == 0
     sub.close()
 
 
@@ -204,24 +273,254 @@ def test_a_boot_that_lost_a_line_is_left_to_the_sweep_never_decided_from_the_str
             texts = [x for x in texts if " exit " not in x]
         msgs += [log_entry(iid, name, x) for x in texts]
     publish(t, msgs)
-    sub = pubsub_v1.SubscriberClient()
+    sub = ServiceLikeSubscriber(pubsub_v1.SubscriberClient(), 3, seed=2)
     outs: list[PollOutcome] = []
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
         for iid in ("5000000000", "5000000001"):
             led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         w = PubSubWorker(sub, s, led, outs.append, settle_s=1.0)
-        deadline = time.monotonic() + DEADLINE_S
-        while not (led_count(led) >= 1 and w.gapped) or w.asm.next_deadline() is not None:
-            assert time.monotonic() < deadline, f"decided {led_count(led)}, gapped {w.gapped}"
-            w.step(timeout=1.0)
+        _drive(
+            [w],
+            lambda: led_count(led) >= 1 and w.gapped and w.next_gap() is None,
+            lambda: f"decided {led_count(led)}, gapped {w.gapped}",
+        )
         assert [d.instance_id for d in led.all()] == ["5000000000"]
-    assert w.gapped == {"5000000001"} and w.stats.gapped == 1
+        assert w.heard("5000000001")[1] and not w.heard("5000000000")[1]
+        assert w.gapped == {"5000000001"} and w.stats.gapped == 1
     assert [o.instance_id for o in outs if o.action == "failover"] == ["5000000000"]
     sub.close()
 
 
+# -- the shared assembly state, without the emulator ----------------------------------------------
+
+
+class _Msg:
+    def __init__(self, data: bytes, n: int) -> None:
+        self.data, self.publish_time = data, None
+        self.n = n
+
+
+class _Rm:
+    def __init__(self, data: bytes, n: int) -> None:
+        self.message, self.ack_id = _Msg(data, n), f"ack-{n}"
+
+
+class _Batches:
+    """A subscriber whose pulls hand out given batches, recording acks (no emulator: the
+    ledger's part of the protocol on its own)."""
+
+    def __init__(self, batches: list[list[bytes]]) -> None:
+        self.batches = [[_Rm(d, i * 1000 + j) for j, d in enumerate(b)] for i, b in
+                        enumerate(batches)]  # fmt: skip
+        self.acked: list[str] = []
+
+    def pull(self, request: dict[str, Any], timeout: float | None = None) -> Any:
+        class R:
+            received_messages = self.batches.pop(0) if self.batches else []
+
+        return R()
+
+    def acknowledge(self, request: dict[str, Any]) -> None:
+        self.acked += request["ack_ids"]
+
+
+def _boot_entries(iid: str, boot: str, finished: bool = False) -> list[bytes]:
+    evs: list[tuple[str, dict[str, str]]] = [("start", {"v": "1"}), ("phase", {"ph": "workload"})]
+    if finished:
+        evs.append(("exit", {"rc": "0"}))
+    evs.append(("shutdown", {"reason": "ladder", "rung": "10/10"}))
+    return [log_entry(iid, f"vm-{iid}", x) for x in lines_of(Writer(boot=boot), *evs)]
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "ledger.sqlite")
+    return str(request.getfixturevalue("pg_database"))
+
+
+def test_two_workers_each_with_half_a_boot_decide_it_once_from_the_union(
+    ledger_url: str,
+) -> None:
+    """The key and the shutdown go to worker 1, the rest to worker 2: neither alone has a
+    gap-free boot (issue 26: with per-worker state 0 of 9 were decided). Worker 2's lines come
+    before any pin: stored raw, verified once the poll path has placed the pin."""
+    entries = _boot_entries("77", "abab0001")  # key lines (v3: two), start, phase, shutdown
+    outs: list[PollOutcome] = []
+    s2 = _Batches([entries[-3:-1]])
+    s1 = _Batches([entries[:-3] + entries[-1:]])
+    with open_ledger(ledger_url, owner="w1") as l1, open_ledger(ledger_url, owner="w2") as l2:
+        w2 = PubSubWorker(s2, "s", l2, outs.append, settle_s=60.0)
+        w1 = PubSubWorker(s1, "s", l1, outs.append, settle_s=60.0)
+        w2.step()
+        assert l2.all() == [] and w2.stats.unverified == 2 and len(s2.acked) == 2  # stored: acked
+        l1.place_pin(
+            "77", SYNTH_KEY.public, SYNTH_KEY.fingerprint
+        )  # the poll path pins it meanwhile
+        w1.step()
+        (d,) = l1.all()
+        assert (d.instance_id, d.boot, d.verdict, d.owner) == (
+            "77",
+            "abab0001",
+            "self_shutdown",
+            "w1",
+        )
+        assert l1.assembly_boots() == [("77", "abab0001", "decided")]
+        # a redelivery of any of its lines, to either worker: acked, nothing new
+        s2.batches = [[_Rm(e, 9000 + i) for i, e in enumerate(entries)]]
+        w2.step()
+        assert len(l2.all()) == 1 and len(s2.acked) == 2 + len(entries)
+    assert [o.action for o in outs] == ["failover"]
+
+
+def test_a_restarted_worker_loses_nothing_and_needs_nothing_again(tmp_path: Path) -> None:
+    """A worker stores lines and acks them, then dies; its successor gets only the rest of the
+    stream (what was acked is gone) and still decides: the state was in the store."""
+    url = str(tmp_path / "ledger.sqlite")
+    wedged = _boot_entries("88", "cdcd0001")
+    finished = _boot_entries("99", "efef0001", finished=True)
+    outs: list[PollOutcome] = []
+    with open_ledger(url, owner="w1") as led:
+        for iid in ("88", "99"):
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        first = PubSubWorker(_Batches([wedged[:-1] + finished[:-2]]), "s", led, outs.append)
+        assert "shutdown" in str(wedged[-1]) and "exit" in str(finished[-2])
+        first.step()
+        assert led.all() == [] and first.stats.acked == len(wedged) - 1 + len(finished) - 2
+    with open_ledger(url, owner="w1b") as led:
+        again = PubSubWorker(_Batches([[wedged[-1], finished[-2], finished[-1]]]), "s", led,
+                             outs.append)  # fmt: skip
+        again.step()
+        assert [d.instance_id for d in led.all()] == ["88"]
+        assert sorted(led.assembly_boots()) == [
+            ("88", "cdcd0001", "decided"),
+            ("99", "efef0001", "ended"),
+        ]
+        assert led._exec("SELECT COUNT(*) FROM assembly_lines") == [(0,)]  # pruned
+    assert [o.instance_id for o in outs if o.action == "failover"] == ["88"]
+
+
+def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> None:
+    real = _boot_entries("66", "aaaa6666", finished=True)
+    import secrets
+
+    from gce_watchdog.wire import protocol
+
+    w = Writer(boot="aaaa6666", key=protocol.LineKey(secrets.token_bytes(32)))
+    fake = [log_entry("66", "vm-66", x) for x in lines_of(
+        w, ("start", {"v": "1"}), ("shutdown", {"reason": "ladder", "rung": "10/10"}))]  # fmt: skip
+    with open_ledger(tmp_path / "l.sqlite") as led:
+        led.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        wk = PubSubWorker(_Batches([real[:1], fake, real[1:]]), "s", led, lambda o: None)
+        for _ in range(3):
+            wk.step()
+        assert led.all() == [] and wk.stats.forged >= 2
+        assert led.assembly_boots() == [("66", "aaaa6666", "ended")]
+
+
+# -- many workers (issue 26 "Done when") --------------------------------------------------------
+
+
+def _worker(
+    host: str, sub: str, ledger: str, owner: str, seed: int, out: Path
+) -> subprocess.Popen[bytes]:
+    """A worker process (kit/pubsub_worker.py); its stdout and stderr go to ``out`` (a file: a
+    pipe nobody reads while it runs could fill and block it)."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'agent'}:{REPO / 'tests'}",
+           "PUBSUB_EMULATOR_HOST": host}  # fmt: skip
+    argv = [sys.executable, "-m", "kit.pubsub_worker", "--subscription", sub, "--ledger", ledger,
+            "--max", "20", "--withhold", "0.03", "--seed", str(seed), "--settle", "60",
+            "--owner", owner]  # fmt: skip
+    with open(out, "wb") as f:
+        return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
+    topic: tuple[str, str], pubsub_host: str, ledger_url: str, tmp_path: Path
+) -> None:
+    """3 worker processes on one subscription, pulls of at most 20, deliveries lost on the way
+    (redelivered by the emulator after the ack deadline), one worker SIGKILLed mid-stream and
+    restarted: every wedged VM decided once, no healthy or finished VM, from the stream alone.
+    PostgreSQL (many hosts) and SQLite (one host)."""
+    t, s = topic
+    fleet = fleet_stream(random.Random(26), 100, PROJECT)
+    publish(t, fleet.messages)
+    with open_ledger(ledger_url) as led:  # the poll path pins each VM (byte 0 of its port)
+        for iid in fleet.names:
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+    logs = {n: tmp_path / f"{n}.out" for n in ("w0", "w1", "w2", "w0b")}
+    procs = {f"w{i}": _worker(pubsub_host, s, ledger_url, f"w{i}", i, logs[f"w{i}"])
+             for i in range(3)}  # fmt: skip
+    try:
+        with open_ledger(ledger_url) as led:
+            deadline = time.monotonic() + DEADLINE_S
+            while led_count(led) < len(fleet.wedged) // 4:  # a quarter decided: kill one
+                assert all(p.poll() is None for p in procs.values()), _errs(procs)
+                assert time.monotonic() < deadline, f"decided {led_count(led)}"
+                time.sleep(0.1)
+            procs["w0"].kill()
+            procs.pop("w0").wait(timeout=30)
+            procs["w0b"] = _worker(pubsub_host, s, ledger_url, "w0b", 7, logs["w0b"])
+            closed = fleet.wedged | fleet.finished
+            deadline = time.monotonic() + 2 * DEADLINE_S
+            while not (
+                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
+                and not led.pending_announcements()
+            ):
+                assert all(p.poll() is None for p in procs.values()), _errs(procs)
+                assert time.monotonic() < deadline, f"decided {led_count(led)}"
+                time.sleep(0.2)
+            decisions = led.all()
+            states = {i: st for i, _, st in led.assembly_boots()}
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs.values()), _errs(procs)
+    assert sorted(d.instance_id for d in decisions) == sorted(fleet.wedged)  # each once
+    assert {d.verdict for d in decisions} == {"self_shutdown"}
+    assert {states[i] for i in fleet.finished} == {"ended"}
+    assert {states.get(i) for i in fleet.healthy} == {"open"}
+    docs = [json.loads(x) for f in logs.values() for x in f.read_text().splitlines()
+            if x.startswith("{")]  # fmt: skip
+    stats = [d["stats"] for d in docs if "stats" in d]  # the killed worker printed none
+    assert len(stats) == 3 and all(st["max_pull"] <= 20 for st in stats)
+    assert sum(st["counts"]["withheld"] for st in stats) > 0
+    assert all(st["counts"]["handed"] > 0 for st in stats)  # spread over all
+    announced = [d["instance_id"] for d in docs if d.get("action") == "failover"]
+    assert set(announced) == fleet.wedged
+    # at-least-once: only a worker killed between printing and marking repeats one
+    assert len(announced) - len(fleet.wedged) <= 1
+    assert len({d.owner for d in decisions}) >= 2  # decided by several workers
+
+
+def _errs(procs: dict[str, subprocess.Popen[bytes]]) -> str:
+    return "; ".join(f"{n} exited {p.returncode}" for n, p in procs.items() if p.poll() is not None)
+
+
 def led_count(led: Any) -> int:
     return len(led.all())
+
+
+def _blocked_stdout() -> tuple[int, int]:
+    """A pipe whose buffer is already full: the first write to it blocks (nobody reads it)."""
+    import fcntl
+
+    r, w = os.pipe()
+    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: the smallest buffer, one page
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    return r, w
 
 
 def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
@@ -242,7 +541,7 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", pg_database,
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok")]  # fmt: skip
     (tmp_path / "tok").write_text("unused\n")
-    r, wfd = blocked_pipe()
+    r, wfd = _blocked_stdout()
     # its lease outlives the redelivery (ack deadline 10 s): worker 2 first sees the lines of a
     # decision it must not announce yet, acks them, then announces when the lease lapses
     first = subprocess.Popen([*argv, "--announce-lease", "20s"], stdout=wfd,
@@ -327,9 +626,7 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
     assert worker.returncode == 0, err.decode()
     lines = [json.loads(x) for x in out.decode().splitlines()]
     failovers = [x for x in lines if x["action"] == "failover"]
-    assert [(x["instance"], x["verdict"]) for x in failovers] == [
-        ("vm-stopped", "preempted")
-    ]
+    assert [(x["instance"], x["verdict"]) for x in failovers] == [("vm-stopped", "preempted")], err
     with open_ledger(tmp_path / "l.sqlite") as led:
         assert [d.instance for d in led.all()] == [f"{PROJECT}/us-central1-a/vm-stopped"]
     assert b"sweep:" in err

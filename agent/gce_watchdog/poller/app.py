@@ -510,7 +510,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
     sub = s.pubsub
     worker = PubSubWorker(subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s)
     # the fleet the brake is a share of: every instance heard from on the stream or listed
-    p.ledger.fleet_size = lambda: len(worker.last_heard)
+    p.ledger.fleet_size = worker.fleet_size
     sweeper = None
     if s.label_filter is not None:  # (settings: --label comes with its --project)
         sweeper = threading.Thread(
@@ -546,9 +546,9 @@ def _sweep(
     def select(t: Target, st: InstanceStatus | None) -> bool:
         if st is None or st.status != "RUNNING":
             return True  # stopped or gone: the stream cannot say
-        if st.id in worker.gapped:
+        heard, gapped = worker.heard(st.id)  # what every worker stored, not only this one
+        if gapped:
             return True  # its stream lost a line: only the serial port's whole record decides
-        heard = worker.last_heard.get(st.id)
         return heard is None or time.time() - heard > drain
 
     def announce(out: PollOutcome) -> None:

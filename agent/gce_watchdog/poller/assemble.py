@@ -1,25 +1,35 @@
 """Putting a boot's lines back in order when they arrive out of order, twice, or not at all.
 
-The pure core of the Pub/Sub path (no clock, no I/O: ``now`` is passed in). Log entries reach a
-worker in any order and possibly more than once. Per (instance, boot) the assembler keeps the
-**gap-free prefix**: the lines with seq 0, 1, 2, ... up to the first one not seen yet. A line past
-a gap is held; the verdict is only ever taken over the prefix, so a ``shutdown`` that arrives
-before the ``exit rc=0`` written just ahead of it cannot fail a finished job over.
+The pure core of the Pub/Sub path (no clock, no I/O: times are passed in). Log entries reach the
+workers of a subscription in any order, spread over the workers, and possibly more than once.
+Every line a worker receives goes to the shared store first (the ledger's ``assembly_*`` tables,
+see ``ledger.BaseLedger``); this module computes, from **the union of what all workers stored**
+for one (instance, boot), the **gap-free prefix**: the lines with seq 0, 1, 2, ... up to the first
+one nobody has received yet. A line past a gap is held; the verdict is only ever taken over the
+prefix, so a ``shutdown`` that arrives before the ``exit rc=0`` written just ahead of it cannot
+fail a finished job over.
 
-A gap is waited for ``settle_s`` from the moment the first held line arrived. If it has not filled
-by then, the missing seqs are declared lost (counted) and the prefix moves on to the held lines.
-Seqs start at 0 for every boot (``SeqAllocator``), so a first line with seq 5 waits for 0-4.
+A gap is waited for ``settle_s`` from the moment the earliest line held behind it was received.
+If it has not filled by then, the boot is **gapped**: never decided from the stream (the missing
+line may be the one that forbids a failover), left to the Compute API sweep, which reads the
+serial port's whole record. Seqs start at 0 for every boot (``SeqAllocator``), so a first line
+with seq 5 waits for 0-4.
+
+A healthy boot writes a heartbeat every 5 min for as long as it runs. Past ``MAX_PREFIX`` lines
+the store keeps what a verdict can depend on (lifecycle and terminal events, as the cursor's
+compaction does) plus the ``KEEP_RECENT`` latest lines; ``compact`` names the lines to drop, and
+the boot's ``floor`` (every seq below it was in the prefix) moves up, so a dropped line that is
+delivered again is not a gap.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+from gce_watchdog.poller.verdict import terminal_kind
 from gce_watchdog.wire.protocol import Event
 
-# A healthy boot writes a heartbeat every 5 min for as long as it runs. Past MAX_PREFIX lines the
-# prefix keeps what a verdict can depend on (lifecycle and terminal events, as the cursor's
-# compaction does) plus the KEEP_RECENT latest lines.
 MAX_PREFIX = 1024
 KEEP_RECENT = 64
 _KEEP = frozenset(
@@ -27,78 +37,54 @@ _KEEP = frozenset(
 )
 
 
-@dataclass
-class BootStream:
-    """One boot's lines: the prefix (in seq order) and what is held beyond a gap."""
+@dataclass(frozen=True)
+class Received:
+    """One stored line: the event and when a worker first received it (its clock)."""
 
-    boot: str
-    first_seen: int  # arrival order of the boot's first line (the latest boot is the current one)
-    next_seq: int = 0
-    prefix: list[Event] = field(default_factory=list)
-    held: dict[int, Event] = field(default_factory=dict)
-    gap_since: float | None = None  # when the oldest held line arrived
-    lost: int = 0
-    duplicates: int = 0
-
-    def _advance(self) -> int:
-        n = 0
-        while self.next_seq in self.held:
-            self.prefix.append(self.held.pop(self.next_seq))
-            self.next_seq += 1
-            n += 1
-        if len(self.prefix) > MAX_PREFIX:
-            old, recent = self.prefix[:-KEEP_RECENT], self.prefix[-KEEP_RECENT:]
-            self.prefix = [e for e in old if e.event in _KEEP][-MAX_PREFIX // 2 :] + recent
-        return n
+    event: Event
+    received_at: float
 
 
-@dataclass
-class Assembler:
-    """Per (instance key, boot) streams. ``add`` and ``settle`` return whether a prefix grew."""
+@dataclass(frozen=True)
+class Assembly:
+    """What the stored lines of one boot say."""
 
-    settle_s: float
-    streams: dict[tuple[str, str], BootStream] = field(default_factory=dict)
-    _arrivals: int = 0
+    prefix: tuple[Event, ...]  # gap-free, in seq order
+    next_seq: int  # the first seq not in the prefix
+    held: int  # lines stored past the gap
+    held_since: float | None  # when the earliest of them was received (None: nothing held)
 
-    def add(self, key: str, ev: Event, now: float) -> bool:
-        """Take one line; True if the prefix of its boot grew (a verdict may have changed)."""
-        s = self.streams.get((key, ev.boot))
-        if s is None:
-            self._arrivals += 1
-            s = self.streams[(key, ev.boot)] = BootStream(ev.boot, self._arrivals)
-        if ev.seq < s.next_seq or ev.seq in s.held:
-            s.duplicates += 1  # a redelivery, or a copy (journald): already counted
-            return False
-        s.held[ev.seq] = ev
-        grew = s._advance() > 0
-        s.gap_since = (s.gap_since if s.gap_since is not None else now) if s.held else None
-        return grew
+    @property
+    def terminal(self) -> Event | None:
+        """The prefix's first terminal event: the boot's verdict is final once there is one."""
+        return next((e for e in self.prefix if terminal_kind(e) is not None), None)
 
-    def settle(self, now: float) -> list[tuple[str, str]]:
-        """Give up on gaps older than ``settle_s``: their seqs are lost, the prefix moves on.
-        Returns the (key, boot) whose prefix grew."""
-        grown = []
-        for k, s in self.streams.items():
-            while s.held and s.gap_since is not None and now - s.gap_since >= self.settle_s:
-                first = min(s.held)
-                s.lost += first - s.next_seq
-                s.next_seq = first
-                s._advance()
-                s.gap_since = now if s.held else None  # what is still held waits afresh
-                grown.append(k)
-        return grown
+    def settled(self, now: float, settle_s: float) -> bool:
+        """True when a gap has been waited for ``settle_s``: its missing lines are lost."""
+        return self.held_since is not None and now - self.held_since >= settle_s
 
-    def next_deadline(self) -> float | None:
-        """When the next held gap times out (a worker wakes up then), or None."""
-        due = [
-            s.gap_since + self.settle_s for s in self.streams.values() if s.gap_since is not None
-        ]
-        return min(due, default=None)
 
-    def events(self, key: str, boot: str) -> list[Event]:
-        s = self.streams.get((key, boot))
-        return list(s.prefix) if s else []
+def assemble(lines: Sequence[Received], floor: int = 0) -> Assembly:
+    """The prefix of one boot's stored lines (any order, duplicates allowed).
 
-    def forget(self, key: str, boot: str) -> None:
-        """Drop a decided boot's lines (its decision is in the ledger)."""
-        self.streams.pop((key, boot), None)
+    ``floor``: every seq below it was in the prefix once (lines below it may have been compacted
+    away), so the prefix runs from there on without waiting for them.
+    """
+    by_seq: dict[int, Received] = {}
+    for r in lines:
+        by_seq.setdefault(r.event.seq, r)
+    nxt = max(floor, 0)
+    while nxt in by_seq:
+        nxt += 1
+    prefix = tuple(by_seq[s].event for s in sorted(by_seq) if s < nxt)
+    held = [r.received_at for s, r in by_seq.items() if s > nxt]
+    return Assembly(prefix, nxt, len(held), min(held, default=None))
+
+
+def compact(a: Assembly) -> tuple[list[int], int]:
+    """Past MAX_PREFIX lines: (the seqs to drop, the new floor). Nothing to do: ([], 0)."""
+    if len(a.prefix) <= MAX_PREFIX:
+        return [], 0
+    old = a.prefix[:-KEEP_RECENT]
+    keep = {e.seq for e in [e for e in old if e.event in _KEEP][-MAX_PREFIX // 2 :]}
+    return [e.seq for e in old if e.seq not in keep], a.next_seq

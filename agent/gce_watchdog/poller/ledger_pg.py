@@ -26,7 +26,12 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, DISPATCH_TABLES, BaseLedger
+from gce_watchdog.poller.ledger import (
+    ANNOUNCE_LEASE_S,
+    ASSEMBLY_SCHEMA,
+    DISPATCH_TABLES,
+    BaseLedger,
+)
 
 # A statement that waits this long for a lock is cancelled, so a stuck peer cannot hold every
 # poller forever (the same bound as SQLite's busy timeout).
@@ -112,6 +117,12 @@ class PostgresLedger(BaseLedger):
                     if not self._ready("brake_holds"):
                         for stmt in DISPATCH_TABLES:
                             self._db.execute(stmt)
+            if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._ready("assembly_boots_ended"):
+                        for stmt in ASSEMBLY_SCHEMA:
+                            self._db.execute(stmt)
         except BaseException:
             self._db.close()
             raise
@@ -138,6 +149,12 @@ class PostgresLedger(BaseLedger):
         self._db.execute("BEGIN")
         self._db.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
 
+    # the assembly state locks one boot's row, never the claim lock (fence)
+    _for_update = " FOR UPDATE"
+
+    def _begin_plain(self) -> None:
+        self._db.execute("BEGIN")
+
     def _rollback(self) -> None:
         # Only inside a transaction (a failed BEGIN leaves none) and on a live connection: a
         # ROLLBACK that raises would hide the error being handled.
@@ -148,6 +165,11 @@ class PostgresLedger(BaseLedger):
     def _exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         cur = self._db.execute(sql.replace("?", "%s"), params)
         return [tuple(r) for r in cur.fetchall()] if cur.description else []
+
+    def _execmany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+        if rows:  # psycopg 3 pipelines executemany: one round trip for the batch
+            with self._db.cursor() as cur:
+                cur.executemany(sql.replace("?", "%s"), rows)
 
     def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
         cur = self._db.execute(sql.replace("?", "%s"), params)

@@ -8,20 +8,30 @@ and the instance name in ``labels["compute.googleapis.com/resource_name"]``. A l
 that filter and a Pub/Sub topic as destination publishes each entry, as JSON, as the data of one
 message.
 
-A worker (``gce-watchdog poll --pubsub projects/P/subscriptions/S``):
+A subscription's messages are spread over its workers (``gce-watchdog poll --pubsub
+projects/P/subscriptions/S``, any number, on any hosts), a pull may return fewer messages than
+asked, in any order, and any message may come again (at-least-once; docs/poller.md "Many
+workers"). So a worker keeps no assembly state of its own: the ledger's store holds it
+(``assembly_*`` tables: PostgreSQL for many hosts, SQLite for one). Each worker:
 
 1. pulls a batch and decodes each LogEntry; lines that are not ours are acked at once;
-2. puts our lines back in order per (instance id, boot) (``Assembler``: duplicates dropped, a gap
-   waited for ``settle_s``, then declared lost) and decides over each boot's gap-free prefix. A
-   boot with a line declared lost is never decided from the stream: the lost line may be the
-   ``exit rc=0`` or ``setup_failed`` that forbids a failover. Its instance goes to ``gapped``,
-   and the Compute API sweep reads its serial port (the whole record) and decides it there;
-3. claims a failover in the ledger (durable when ``claim`` returns), announces it, marks it
-   announced;
-4. acks a message only once its line is in the prefix and any claim it led to is durable. A line
-   held behind a gap is not acked: if the worker dies, Pub/Sub redelivers it;
-5. every ``ANNOUNCE_SWEEP_S``, announces pending decisions whose claimer died before announcing
-   (the lease lapsed): a worker killed between claim and ack is covered by the next one.
+2. pins an instance's line key from its announcement in the **pin store** (first pin wins,
+   whoever received it: ``PinStore``), and verifies each line against the pinned key. A line
+   whose instance has no pin yet is stored raw and verified when the key arrives;
+3. stores the batch's lines (``assembly_store``: durable when it returns), then looks again, under
+   the boot's row lock, at every boot the batch touched: the gap-free prefix of the union of what
+   **all** workers stored (``assemble``). A terminal event in the prefix decides: a failover
+   verdict is claimed in the ledger (exactly once, whoever gets there first), any other verdict
+   ends the boot. A gap held past ``settle_s`` makes the boot **gapped**: never decided from the
+   stream (the lost line may be the ``exit rc=0`` or ``setup_failed`` that forbids a failover),
+   left to the Compute API sweep, which reads the serial port's whole record;
+4. acks the batch only then: a worker that dies anywhere before that has its messages
+   redelivered, and the next one stores nothing twice and looks again;
+5. announces (claimer first; ``ANNOUNCE_SWEEP_S``: decisions whose claimer died unannounced).
+
+A decided, ended or gapped boot's lines are deleted; its row stays as a tombstone (so a
+redelivery is acked without a second look) until ``TOMBSTONE_S`` after its last line. A worker's
+memory is a bounded cache of pins plus one batch: it does not grow with the fleet's history.
 
 Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``). Silence and
 stopped instances are not visible in a stream of lines: the slow Compute API sweep
@@ -30,25 +40,32 @@ stopped instances are not visible in a stream of lines: the slow Compute API swe
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from gce_watchdog.poller.assemble import Assembler
-from gce_watchdog.poller.ledger import BaseLedger, Decision
+from gce_watchdog.poller.assemble import assemble, compact
+from gce_watchdog.poller.ledger import (
+    DECIDED,
+    ENDED,
+    GAPPED,
+    OPEN,
+    BaseLedger,
+    BootLines,
+    BootUpdate,
+    Decision,
+    Pin,
+    RawLine,
+    StoredLine,
+)
 from gce_watchdog.poller.poller import PollOutcome, announced_outcome, lapsed_announcements
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
-from gce_watchdog.wire.protocol import (
-    Event,
-    Forged,
-    Forgery,
-    KeyAnnounce,
-    decode_line,
-)
+from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, decode_line
 
 SERIAL_LOG_SUFFIX = "/logs/serialconsole.googleapis.com%2Fserial_port_1_output"
 NAME_LABEL = "compute.googleapis.com/resource_name"
@@ -61,9 +78,15 @@ DEFAULT_SETTLE_S = 2.0
 ANNOUNCE_SWEEP_S = 5.0
 # Messages per pull (the API allows up to 1,000).
 PULL_MAX = 500
-# Messages kept per instance while its key announcement has not arrived yet (a shuffled stream):
-# about a day of one healthy boot's lines. Past that they are left to Pub/Sub's redelivery.
-WAITING_MAX = 4096
+# Pins kept in a worker's memory (a pin never changes once set, so a cache is always right).
+PIN_CACHE = 65_536
+# Decision latencies kept for the stats (the latest ones).
+LATENCY_KEEP = 100_000
+# A closed boot's tombstone outlives every redelivery of its lines: a subscription retains
+# unacked messages for at most 7 days (Pub/Sub docs, messageRetentionDuration).
+TOMBSTONE_S = 8 * 86_400.0
+# How often a worker looks for gaps held past settle_s and prunes old tombstones.
+HOUSEKEEPING_S = 1.0
 # Only these verdicts are proven by a line; the others need the instance's status or silence.
 LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED})
 
@@ -75,6 +98,19 @@ class SerialLine:
     instance_id: str
     instance: str  # the name ("" if the entry did not carry it)
     text: str
+
+
+def serial_text(payload: str) -> str:
+    """A serial-port textPayload as one console line. Cloud Logging keeps the line's end as a
+    literal ``\\r\\n`` (GoogleCloudPlatform/khi, googlecloudlogserialport fieldset_test.go), a
+    real CR/LF may be there too; both are cut. ``\\xNN`` escapes of other bytes and a journald
+    prefix stay: a line of ours is printable ASCII and the decoder finds its marker anywhere."""
+    text = payload
+    while True:
+        cut = text.removesuffix("\\r\\n").removesuffix("\\n").rstrip("\r\n")
+        if cut == text:
+            return text
+        text = cut
 
 
 def parse_log_entry(data: bytes) -> SerialLine | None:
@@ -90,20 +126,28 @@ def parse_log_entry(data: bytes) -> SerialLine | None:
     text = entry.get("textPayload")
     if not isinstance(text, str) or not isinstance(labels, dict) or not labels.get("instance_id"):
         return None
-    name = (entry.get("labels") or {}).get(NAME_LABEL, "")
+    top = entry.get("labels")
+    name = top.get(NAME_LABEL, "") if isinstance(top, dict) else ""
     return SerialLine(
         str(labels.get("project_id", "")),
         str(labels.get("zone", "")),
         str(labels["instance_id"]),
         str(name),
-        text,
+        serial_text(text),
     )
 
 
-@dataclass
-class _Held:
-    line: SerialLine
-    ack_ids: list[str] = field(default_factory=list)
+class PinStore(Protocol):
+    """Where an instance's v3 line key is pinned (the ledger's ``pins``, shared by every reader):
+    the poll path places a pin from byte 0 of the port, an operator by hand. A worker never
+    places one itself (a stream cannot show it has everything since the instance's creation);
+    it only fills in the key of a hand pin from an announcement with that fingerprint."""
+
+    def get_pin(self, instance_id: str) -> Pin | None: ...
+
+    def place_pin(
+        self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
+    ) -> Pin: ...
 
 
 @dataclass
@@ -112,17 +156,22 @@ class WorkerStats:
     lines: int = 0  # ours, decoded
     foreign: int = 0  # acked at once: not our line or not a serial LogEntry
     forged: int = 0  # intact lines of ours that do not authenticate (acked, never evidence)
-    unverified: int = 0  # deliveries left unacked: no key pinned yet for the instance
-    unpinned: int = 0  # instances whose lines arrived without a pin in the ledger (an alarm)
+    unverified: int = 0  # lines stored raw: no key pinned yet for the instance
+    dropped: int = 0  # raw lines past UNVERIFIED_MAX for their instance (acked, not stored)
+    unpinned: int = 0  # batches' instances seen without a pin in the ledger (an alarm)
     decisions: int = 0
     announced: int = 0
     acked: int = 0
-    gapped: int = 0  # instances left to the Compute API sweep: a boot of theirs lost a line
-    latencies: list[float] = field(default_factory=list)  # publish time -> claim, seconds
+    gapped: int = 0  # boots this worker left to the Compute API sweep: a line was lost
+    ended: int = 0  # boots whose verdict is final and no failover
+    latencies: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=LATENCY_KEEP)
+    )  # publish time of the deciding line -> claim, seconds
 
 
 class PubSubWorker:
-    """Pull, assemble, decide, claim, ack. ``subscriber`` is a ``pubsub_v1.SubscriberClient``."""
+    """Pull, store, assemble, decide, claim, ack. ``subscriber`` is a
+    ``pubsub_v1.SubscriberClient`` (or anything with its ``pull``/``acknowledge``)."""
 
     def __init__(
         self,
@@ -133,44 +182,31 @@ class PubSubWorker:
         policy: Policy | None = None,
         settle_s: float = DEFAULT_SETTLE_S,
         clock: Callable[[], float] = time.time,
+        pins: PinStore | None = None,
+        pull_max: int = PULL_MAX,
     ) -> None:
         self.subscriber = subscriber
         self.subscription = subscription
         self.ledger = ledger
         self.emit = emit
         self.policy = policy or Policy()
-        self.asm = Assembler(settle_s)
+        self.settle_s = settle_s
         self.clock = clock
+        self.pins: PinStore = pins or ledger
+        self.pull_max = pull_max
         self.stats = WorkerStats()
-        # Per instance id, its pinned public key (protocol v3), from the ledger: shared with
-        # every poller and worker, on any host, after any restart. A worker never places a
-        # pin itself (a stream of log entries cannot show it has everything since the
-        # instance's creation): the poll path places pins from byte 0 of the port, operators
-        # pin by hand (`gce-watchdog pin`; the key with that fingerprint is then stored).
-        self.keys: dict[str, bytes] = {}
-        self._hand: dict[str, str] = {}  # instance id -> hand-pinned fingerprint (no key yet)
-        self.unpinned: set[str] = set()  # instance ids seen without a pin: an alarm
-        self.last_heard: dict[str, float] = {}  # instance id -> when its last line arrived
-        self._held: dict[tuple[str, str, int], _Held] = {}  # (id, boot, seq) -> its messages
-        self._info: dict[str, SerialLine] = {}  # instance id -> its latest line's identity
-        self._published: dict[tuple[str, str, int], float] = {}
+        self._pin_cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self.unpinned: set[str] = set()  # instance ids seen without a pin (at most PIN_CACHE)
         self._last_sweep = 0.0
+        self._last_housekeeping = 0.0
         self._lock = threading.Lock()
-        # Boots decided here: their later lines and redeliveries are acked without a second look.
-        # Bounded: a boot is decided once, and a worker's lifetime sees a bounded fleet.
-        self._decided: set[tuple[str, str]] = set()
-        # Instance ids with a boot whose stream lost a line: never decided here, polled by the
-        # Compute API sweep instead (app's _sweep selects it). Bounded by the fleet.
-        self.gapped: set[str] = set()
-        # Per instance id, messages received before its pin (unacked meanwhile).
-        self._waiting: dict[str, list[tuple[Any, SerialLine]]] = {}
 
     def pull(self, timeout: float) -> list[Any]:
         from google.api_core import exceptions as gexc
 
         try:
             resp = self.subscriber.pull(
-                request={"subscription": self.subscription, "max_messages": PULL_MAX},
+                request={"subscription": self.subscription, "max_messages": self.pull_max},
                 timeout=timeout,
             )
         except (gexc.DeadlineExceeded, gexc.RetryError):
@@ -181,132 +217,203 @@ class PubSubWorker:
         """One pull and everything it leads to; returns the number of messages received."""
         msgs = self.pull(timeout)
         now = self.clock()
-        to_ack: list[str] = []
-        grown: set[tuple[str, str]] = set()
-        parsed = [parse_log_entry(rm.message.data) for rm in msgs]
-        looked: set[str] = set()
-        for iid in list(self._waiting):  # lines waiting for a pin: has one been stored since?
-            self._lookup(iid, looked)
-        for line in parsed:  # the batch's instances, and hand pins filled in by announcements
-            if line is not None and line.instance_id not in self.keys:
-                self._lookup(line.instance_id, looked)
-                self._fill_hand_pin(line, now)
         self.stats.messages += len(msgs)
-        # Lines that came before their instance's key (a shuffled stream) waited here, unacked;
-        # those whose key is now pinned are taken first, in this step.
-        ready = [iid for iid in self._waiting if iid in self.keys]
-        items = [item for iid in ready for item in self._waiting.pop(iid)]
-        for rm, line in [*items, *zip(msgs, parsed, strict=True)]:
-            self._take(rm, line, now, to_ack, grown)
-        grown.update(self.asm.settle(now))
-        for iid, boot in sorted(grown):
-            self._decide(iid, boot, now)
-        to_ack += self._ackable()
-        self.ack(to_ack)
+        to_ack: list[str] = []
+        lines: list[StoredLine] = []
+        raw: list[RawLine] = []
+        parsed = [(rm, parse_log_entry(rm.message.data)) for rm in msgs]
+        ours = [(rm, ln) for rm, ln in parsed if ln is not None]
+        to_ack += [rm.ack_id for rm, ln in parsed if ln is None]
+        self.stats.foreign += len(parsed) - len(ours)
+        hand: dict[str, str] = {}
+        pins = self._pinned([ln.instance_id for _, ln in ours], hand)
+        new_pins: set[str] = set()
+        for _rm, ln in ours:  # a hand pin's key, from an announcement with its fingerprint
+            fp = hand.get(ln.instance_id)
+            if fp is None or " key pk=" not in ln.text:
+                continue
+            res = decode_line(ln.text)
+            if (
+                isinstance(res, KeyAnnounce)
+                and res.version == 3
+                and res.fingerprint == fp
+                and res.inst in ("-", ln.instance_id)
+                and res.valid()
+            ):
+                stored = self.pins.place_pin(ln.instance_id, res.key, fp, now)
+                if stored.public is not None:
+                    pins[ln.instance_id] = self._cache(ln.instance_id, stored.public)
+                    new_pins.add(ln.instance_id)
+        for rm, ln in ours:
+            to_ack.append(rm.ack_id)  # after the store below returned
+            pub = rm.message.publish_time
+            published = pub.timestamp() if pub is not None else None
+            self._classify(ln, pins.get(ln.instance_id), now, published, lines, raw)
+        touched, dropped = self.ledger.assembly_store(lines, raw)
+        self.stats.unverified += len(raw) - dropped
+        self.stats.dropped += dropped
+        # A raw line stored just now, or a key pinned just now: either this worker sees the
+        # other's write or the other worker sees this one's (each writes, then reads).
+        later = self._pinned(sorted({r.instance_id for r in raw}), {})
+        for iid in sorted({r.instance_id for r in raw} - set(later)):
+            if iid not in self.unpinned and len(self.unpinned) < PIN_CACHE:
+                self.unpinned.add(iid)  # an alarm: lines of an instance nobody pinned
+                self.stats.unpinned += 1
+        for iid in sorted(new_pins | set(later)):
+            touched |= self._verify_raw(iid, pins.get(iid) or later[iid], now)
+        for iid, boot in sorted(touched):
+            self._look(iid, boot, now)
+        if now - self._last_housekeeping >= HOUSEKEEPING_S:
+            self._last_housekeeping = now
+            for iid, boot in self.ledger.assembly_gaps_due(now - self.settle_s):
+                self._look(iid, boot, now)
+            # raw lines whose pin the poll path (or an operator) has placed since
+            waiting = self.ledger.assembly_raw_instances()
+            for iid, key in self._pinned(waiting, {}).items():
+                for ib in sorted(self._verify_raw(iid, key, now)):
+                    self._look(*ib, now)
+            self.ledger.assembly_prune(now - TOMBSTONE_S)
+        self.ack(to_ack)  # every line is stored and every decision it led to is claimed
         if now - self._last_sweep >= ANNOUNCE_SWEEP_S:
             self._last_sweep = now
             self.announce_pending(now)
         return len(msgs)
 
-    def _lookup(self, iid: str, looked: set[str]) -> None:
-        """The instance's pin from the ledger (once per step per instance)."""
-        if iid in self.keys or iid in looked:
-            return
-        looked.add(iid)
-        pin = self.ledger.get_pin(iid)
-        if pin is None:
-            return
-        if pin.public is not None:
-            self.keys[iid] = pin.public
-            self._hand.pop(iid, None)
-        else:
-            self._hand[iid] = pin.fingerprint
+    def _pinned(self, instance_ids: list[str], hand: dict[str, str]) -> dict[str, bytes]:
+        """The pinned public keys of those instances that have one; hand pins without a key
+        yet go to ``hand`` (id -> fingerprint)."""
+        out = {i: self._pin_cache[i] for i in instance_ids if i in self._pin_cache}
+        for iid in sorted({i for i in instance_ids if i not in out}):
+            pin = self.pins.get_pin(iid)
+            if pin is None:
+                continue
+            if pin.public is not None:
+                out[iid] = self._cache(iid, pin.public)
+            else:
+                hand[iid] = pin.fingerprint
+        return out
 
-    def _fill_hand_pin(self, line: SerialLine, now: float) -> None:
-        """An announcement of the key an operator pinned by fingerprint: store its key."""
-        fp = self._hand.get(line.instance_id)
-        if fp is None or " key pk=" not in line.text:
-            return
-        res = decode_line(line.text)
-        if (
-            isinstance(res, KeyAnnounce)
-            and res.version == 3
-            and res.fingerprint == fp
-            and res.inst in ("-", line.instance_id)
-            and res.valid()
-        ):
-            stored = self.ledger.place_pin(line.instance_id, res.key, fp, now)
-            if stored.public is not None:
-                self.keys[line.instance_id] = stored.public
-                self._hand.pop(line.instance_id, None)
+    def _cache(self, instance_id: str, key: bytes) -> bytes:
+        self._pin_cache[instance_id] = key
+        self._pin_cache.move_to_end(instance_id)
+        while len(self._pin_cache) > PIN_CACHE:
+            self._pin_cache.popitem(last=False)
+        return key
 
-    def _take(
+    def _classify(
         self,
-        rm: Any,
-        line: SerialLine | None,
+        ln: SerialLine,
+        key: bytes | None,
         now: float,
-        to_ack: list[str],
-        grown: set[tuple[str, str]],
+        published: float | None,
+        lines: list[StoredLine],
+        raw: list[RawLine],
     ) -> None:
-        """One received message: ack it, hold it, or wait for its instance's key."""
-        pin = self.keys.get(line.instance_id) if line else None
-        res = decode_line(line.text, None, pin) if line else None
-        if isinstance(res, KeyAnnounce) and line is not None:
+        """One line of a serial LogEntry: a verified line to store, a raw one, or neither."""
+        res = decode_line(ln.text, None, key)
+        if isinstance(res, KeyAnnounce):
             # protocol v3: only the pinned key's announcement, for this very instance id (a
             # real line relabelled with another VM's id names its own), is accepted
-            if pin is None:
+            if key is None:
                 res = Forged(Forgery.NO_KEY, b"", res.event)
-            elif res.version != 3 or res.key != pin:
+            elif res.version != 3 or res.key != key:
                 res = Forged(Forgery.UNPLACED if res.version == 3 else Forgery.V2, b"")
-            elif res.inst not in ("-", line.instance_id):
+            elif res.inst not in ("-", ln.instance_id):
                 res = Forged(Forgery.RELABELLED, b"")
             elif not res.valid():
                 res = Forged(Forgery.BAD_SIG, b"")
             else:
                 res = res.event
-        if isinstance(res, Forged) and res.reason == Forgery.NO_KEY and line is not None:
-            # No key pinned yet: kept unacked until the instance's key announcement arrives
-            # (then taken, in that step), at most WAITING_MAX per instance; past that, left to
-            # Pub/Sub's redelivery. Never acked unread: a worker that dies loses nothing.
-            self.stats.unverified += 1
-            if line.instance_id not in self.unpinned:
-                self.unpinned.add(line.instance_id)
-                self.stats.unpinned += 1
-            waiting = self._waiting.setdefault(line.instance_id, [])
-            if len(waiting) < WAITING_MAX:
-                waiting.append((rm, line))
+        if isinstance(res, Forged) and res.reason == Forgery.NO_KEY and res.event is not None:
+            raw.append(
+                RawLine(ln.instance_id, ln.project, ln.zone, ln.instance, ln.text, now, published)
+            )
             return
         if isinstance(res, Forged):
             self.stats.forged += 1
-        ev = res
-        if line is None or not isinstance(ev, Event):
+            return
+        if not isinstance(res, Event):
             self.stats.foreign += 1
-            to_ack.append(rm.ack_id)
             return
         self.stats.lines += 1
-        self.last_heard[line.instance_id] = now
-        self._info[line.instance_id] = line
-        if (line.instance_id, ev.boot) in self._decided:
-            to_ack.append(rm.ack_id)
-            return
-        key = (line.instance_id, ev.boot, ev.seq)
-        self._held.setdefault(key, _Held(line)).ack_ids.append(rm.ack_id)
-        pub = rm.message.publish_time
-        if pub is not None and key not in self._published:
-            self._published[key] = pub.timestamp()
-        if self.asm.add(line.instance_id, ev, now):
-            grown.add((line.instance_id, ev.boot))
+        lines.append(
+            StoredLine(ln.instance_id, ln.project, ln.zone, ln.instance, res, now, published)
+        )
 
-    def _ackable(self) -> list[str]:
-        """Messages whose line is in its boot's prefix (or whose boot was decided and dropped)."""
-        out = []
-        for key in list(self._held):
-            iid, boot, seq = key
-            s = self.asm.streams.get((iid, boot))
-            if s is None or seq < s.next_seq:
-                out += self._held.pop(key).ack_ids
-                self._published.pop(key, None)
-        return out
+    def _verify_raw(self, instance_id: str, key: bytes, now: float) -> set[tuple[str, str]]:
+        """Verify the raw lines any worker stored for an instance now pinned."""
+        stored = self.ledger.assembly_unverified(instance_id)
+        if not stored:
+            return set()
+        lines: list[StoredLine] = []
+        for r in stored:
+            ln = SerialLine(r.project, r.zone, instance_id, r.name, r.text)
+            self._classify(ln, key, r.received_at, r.published, lines, [])
+        touched, _ = self.ledger.assembly_store(lines, [])
+        self.ledger.assembly_drop_unverified(instance_id, [r.text for r in stored])
+        return touched
+
+    def _look(self, iid: str, boot: str, now: float) -> None:
+        """Look at one boot's stored lines; claim, end, gap, or wait."""
+        verdicts: list[Verdict] = []
+
+        def judge(seen: BootLines) -> BootUpdate:
+            a = assemble([r for r, _ in seen.lines], seen.floor)
+            if a.terminal is not None:
+                v = decide(list(a.prefix), InstanceState("RUNNING"), now, self.policy)
+                if v.kind in LINE_VERDICTS:
+                    verdicts.append(v)
+                    return BootUpdate(OPEN, None)  # closed once the claim is durable
+                return BootUpdate(ENDED, None)
+            if a.settled(now, self.settle_s):
+                return BootUpdate(GAPPED, None)
+            drop, floor = compact(a)
+            return BootUpdate(OPEN, a.held_since, tuple(drop), floor)
+
+        res = self.ledger.assembly_update(iid, boot, judge)
+        if res is None:
+            return
+        seen, upd = res
+        if upd.state == GAPPED:
+            self.stats.gapped += 1
+        elif upd.state == ENDED:
+            self.stats.ended += 1
+        if not verdicts:
+            return
+        (verdict,) = verdicts
+        decision = self.ledger.claim(
+            iid,
+            boot,
+            verdict.kind.value,
+            verdict.reason,
+            f"{seen.project}/{seen.zone}/{seen.name or iid}",
+            now,
+        )  # durable when it returns: only now may the lines that led here be acked
+        self.ledger.assembly_set_state(iid, boot, DECIDED)
+        self.stats.decisions += decision.won
+        pub = next((p for r, p in seen.lines if r.event.event in ("shutdown", "preempted")), None)
+        if pub is not None and decision.won:
+            self.stats.latencies.append(self.clock() - pub)
+        announce = decision.won or (
+            decision.announced_at is None
+            and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
+        )
+        line = SerialLine(seen.project, seen.zone, iid, seen.name, "")
+        self._announce(line, verdict, decision, announce)
+
+    def heard(self, instance_id: str) -> tuple[float | None, bool]:
+        """(when any worker last received a line of the instance, whether a boot of it lost a
+        line): the Compute API sweep polls it if silent past the drain timeout, or gapped."""
+        return self.ledger.assembly_heard(instance_id)
+
+    def fleet_size(self) -> int:
+        """Instances heard from on the stream, by any worker (the brake's share is of these)."""
+        return self.ledger.assembly_instances()
+
+    @property
+    def gapped(self) -> set[str]:
+        """Instance ids with a boot left to the Compute API sweep (any worker's doing)."""
+        return {iid for iid, _, _ in self.ledger.assembly_boots(GAPPED)}
 
     def ack(self, ack_ids: list[str]) -> None:
         for i in range(0, len(ack_ids), 1000):
@@ -315,41 +422,6 @@ class PubSubWorker:
                 request={"subscription": self.subscription, "ack_ids": chunk}
             )
             self.stats.acked += len(chunk)
-
-    def _decide(self, iid: str, boot: str, now: float) -> None:
-        events = self.asm.events(iid, boot)
-        if not events:
-            return
-        stream = self.asm.streams.get((iid, boot))
-        if stream is not None and stream.lost:
-            if iid not in self.gapped:
-                self.gapped.add(iid)
-                self.stats.gapped += 1
-            return  # a lost line may be the one that forbids a failover: the API sweep decides
-        verdict = decide(events, InstanceState("RUNNING"), now, self.policy)
-        if verdict.kind not in LINE_VERDICTS:
-            return
-        line = self._info[iid]
-        decision = self.ledger.claim(
-            iid,
-            boot,
-            verdict.kind.value,
-            verdict.reason,
-            f"{line.project}/{line.zone}/{line.instance or iid}",
-            now,
-        )  # durable when it returns: only now may the lines that led here be acked
-        self.stats.decisions += decision.won
-        shutdown = [e for e in events if e.event in ("shutdown", "preempted")]
-        pub = self._published.get((iid, boot, shutdown[0].seq)) if shutdown else None
-        if pub is not None and decision.won:
-            self.stats.latencies.append(self.clock() - pub)
-        announce = decision.won or (
-            decision.announced_at is None
-            and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
-        )
-        self._announce(line, verdict, decision, announce)
-        self._decided.add((iid, boot))
-        self.asm.forget(iid, boot)
 
     def _announce(
         self, line: SerialLine, verdict: Verdict, decision: Decision, announce: bool
@@ -378,6 +450,7 @@ class PubSubWorker:
                 if announced_outcome(self.ledger, out, self.clock()):
                     self.stats.announced += 1
 
-    @property
-    def settle_deadline(self) -> float | None:
-        return self.asm.next_deadline()
+    def next_gap(self) -> float | None:
+        """When the oldest open gap (any worker's) is due to be declared lost, or None."""
+        since = self.ledger.assembly_next_gap()
+        return None if since is None else since + self.settle_s

@@ -1,0 +1,62 @@
+"""One Pub/Sub worker process behind ``ServiceLikeSubscriber`` (kit/pubsub_service.py).
+
+``python -m kit.pubsub_worker --subscription S --ledger URL|PATH [--max 20] [--withhold 0.05]
+[--seed N] [--settle 30] [--owner NAME]`` with ``PUBSUB_EMULATOR_HOST`` set and ``agent`` and
+``tests`` on ``PYTHONPATH``. It pulls until SIGTERM (or SIGKILL, which is the point: a worker
+killed anywhere), prints each announcement as one JSON line on stdout, and on SIGTERM a last
+line ``{"stats": ...}`` with its counts and its peak RSS (``ru_maxrss``, KiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import signal
+import sys
+import threading
+from dataclasses import asdict
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--subscription", required=True)
+    ap.add_argument("--ledger", required=True)
+    ap.add_argument("--max", type=int, default=20)
+    ap.add_argument("--withhold", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--settle", type=float, default=30.0)
+    ap.add_argument("--owner", default="")
+    args = ap.parse_args(argv)
+
+    from gce_watchdog.poller.ledgers import open_ledger
+    from gce_watchdog.poller.pubsub import PubSubWorker
+    from google.cloud import pubsub_v1
+
+    from kit.pubsub_service import ServiceLikeSubscriber
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    sub = ServiceLikeSubscriber(pubsub_v1.SubscriberClient(), args.max, args.withhold, args.seed)
+
+    def emit(out: Any) -> None:
+        print(json.dumps(out.to_json(), sort_keys=True), flush=True)
+
+    with open_ledger(args.ledger, owner=args.owner) as led:
+        w = PubSubWorker(sub, args.subscription, led, emit, settle_s=args.settle)
+        print(json.dumps({"ready": args.owner}), flush=True)
+        while not stop.is_set():
+            w.step(timeout=1.0)
+    stats = asdict(w.stats)
+    stats["latencies"] = list(w.stats.latencies)
+    stats["counts"] = {k: v for k, v in asdict(sub.counts).items() if k != "sizes"}
+    stats["max_pull"] = max(sub.counts.sizes, default=0)
+    stats["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"stats": stats}), flush=True)
+    sub.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
