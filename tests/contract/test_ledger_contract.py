@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from gce_watchdog.poller.ledgers import open_ledger
+from kit.procs import gather
 
 RACERS = 8
 WAIT_S = 60  # every process/barrier wait is bounded
@@ -36,19 +37,7 @@ def _run_racers(spec: str, keys: list[tuple[str, str]]) -> list[tuple[str, str, 
     barrier = ctx.Barrier(RACERS)
     results = ctx.Queue()
     procs = [ctx.Process(target=_race, args=(spec, barrier, results, keys)) for _ in range(RACERS)]
-    try:
-        for p in procs:
-            p.start()
-        out = [results.get(timeout=WAIT_S) for _ in range(RACERS * len(keys))]
-        for p in procs:
-            p.join(timeout=WAIT_S)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return out
+    return gather(procs, results, RACERS * len(keys), WAIT_S)
 
 
 def test_eight_processes_racing_one_key_one_winner(spec: str) -> None:
@@ -229,18 +218,7 @@ def test_racing_readers_placing_pins_all_get_the_first_one(spec: str) -> None:
     barrier = ctx.Barrier(RACERS)
     results = ctx.Queue()
     procs = [ctx.Process(target=_place, args=(spec, barrier, results, n)) for n in range(RACERS)]
-    try:
-        for p in procs:
-            p.start()
-        out = [results.get(timeout=WAIT_S) for _ in range(RACERS)]
-        for p in procs:
-            p.join(timeout=WAIT_S)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    out = gather(procs, results, RACERS, WAIT_S)
     assert len({(fp, pub) for _, fp, pub in out}) == 1  # every reader uses the same pin
     (_, fp, pub), *_ = out
     assert pub == bytes([int(fp[2:])]) * 32  # and it is one reader's whole key

@@ -15,6 +15,7 @@ from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer, splice
 from kit.paths import REPO
+from kit.poll import outputs, poll_args
 
 P, Z = "test-project", "us-central1-a"
 
@@ -90,33 +91,6 @@ def api() -> Iterator[FakeComputeAPI]:
         a.add_instance("vm-1", project=P, zone=Z)
         a.add_instance("vm-2", project=P, zone=Z)
         yield a
-
-
-def poll_args(api: FakeComputeAPI, tmp_path: Path, *extra: str) -> list[str]:
-    tok = tmp_path / "token"
-    if not tok.exists():
-        tok.write_text("tok\n")
-    return [
-        "poll",
-        "--project",
-        P,
-        "--zone",
-        Z,
-        "--api-base",
-        api.base_url,
-        "--access-token-file",
-        str(tok),
-        "--ledger",
-        str(tmp_path / "ledger.sqlite"),
-        "--cursor-dir",
-        str(tmp_path / "cursors"),
-        "--json",
-        *extra,
-    ]
-
-
-def outputs(capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str, object]]:
-    return {d["instance"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
 
 
 def test_poll_once_failover_exactly_once_and_reap(

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from gce_watchdog.poller.ledger import Ledger
+from kit.procs import gather
 
 WAIT_S = 60  # every process/barrier wait is bounded
 
@@ -105,17 +106,7 @@ def test_many_processes_opening_a_fresh_ledger_at_once(tmp_path: Path) -> None:
         barrier = ctx.Barrier(n)
         results = ctx.Queue()
         procs = [ctx.Process(target=_open_many, args=(str(db), barrier, results)) for _ in range(n)]
-        try:
-            for p in procs:
-                p.start()
-            out = [results.get(timeout=WAIT_S) for _ in range(n)]
-            for p in procs:
-                p.join(timeout=WAIT_S)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
+        out = gather(procs, results, n, WAIT_S)
         errors = [e for kind, e in out if kind == "error"]
         assert errors == []
         assert sorted(t for _, t in out) == list(range(1, n + 1))

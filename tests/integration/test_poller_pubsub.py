@@ -29,6 +29,7 @@ from gce_watchdog.wire.protocol import Event, decode_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kit.paths import REPO
+from kit.pipes import blocked_pipe
 from kit.pubsub_service import (
     NOISE,
     ServiceLikeSubscriber,
@@ -39,7 +40,6 @@ from kit.pubsub_service import (
 
 PROJECT = "test-project"
 DEADLINE_S = 90.0
-SERIAL_LOG = "serialconsole.googleapis.com%2Fserial_port_1_output"
 
 
 def log_entry(iid: str, name: str, text: str, zone: str = "us-central1-a") -> bytes:
@@ -507,22 +507,6 @@ def led_count(led: Any) -> int:
     return len(led.all())
 
 
-def _blocked_stdout() -> tuple[int, int]:
-    """A pipe whose buffer is already full: the first write to it blocks (nobody reads it)."""
-    import fcntl
-
-    r, w = os.pipe()
-    fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: the smallest buffer, one page
-    os.set_blocking(w, False)
-    try:
-        while True:
-            os.write(w, b"x" * 4096)
-    except BlockingIOError:
-        pass
-    os.set_blocking(w, True)
-    return r, w
-
-
 def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     topic: tuple[str, str], pubsub_host: str, pg_database: str, tmp_path: Path
 ) -> None:
@@ -541,7 +525,7 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", pg_database,
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok")]  # fmt: skip
     (tmp_path / "tok").write_text("unused\n")
-    r, wfd = _blocked_stdout()
+    r, wfd = blocked_pipe()
     # its lease outlives the redelivery (ack deadline 10 s): worker 2 first sees the lines of a
     # decision it must not announce yet, acks them, then announces when the lease lapses
     first = subprocess.Popen([*argv, "--announce-lease", "20s"], stdout=wfd,

@@ -3,32 +3,18 @@ fleet's worth of them, for the Pub/Sub worker's tests and bench/bench_fleet.py."
 
 from __future__ import annotations
 
-import json
 import random
 
 from gce_watchdog.testing.synth import Writer
 
+from kit.pubsub_service import exported_entry
+
 PROJECT = "test-project"
-SERIAL_LOG = "serialconsole.googleapis.com%2Fserial_port_1_output"
 
 
 def log_entry(iid: str, name: str, text: str, zone: str = "us-central1-a") -> bytes:
     """A LogEntry as a Cloud Logging sink publishes it for a serial port 1 line."""
-    return json.dumps(
-        {
-            "insertId": f"{random.getrandbits(48):x}",
-            "logName": f"projects/{PROJECT}/logs/{SERIAL_LOG}",
-            "resource": {
-                "type": "gce_instance",
-                "labels": {"instance_id": iid, "project_id": PROJECT, "zone": zone},
-            },
-            "labels": {"compute.googleapis.com/resource_name": name},
-            "textPayload": text,
-            "timestamp": "2026-12-01T05:00:00.123456Z",
-            "receiveTimestamp": "2026-12-01T05:00:00.456789Z",
-            "severity": "DEFAULT",
-        }
-    ).encode()
+    return exported_entry(PROJECT, iid, name, text, zone)
 
 
 def lines_of(w: Writer, *events: tuple[str, dict[str, str]]) -> list[str]:
