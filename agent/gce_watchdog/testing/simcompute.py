@@ -766,13 +766,9 @@ class FakeComputeAPI:
             inst = self._instances.get((project, zone, name))
             rid = query.get("requestId", "")
             if rid:
-                try:
-                    parsed = uuid.UUID(rid)
-                except ValueError:
-                    parsed = None
-                if parsed is None or parsed.int == 0:
-                    bad = f"Invalid value for field 'requestId': '{rid}'"
-                    return 400, _error(400, bad, "invalid"), {}
+                parsed = _request_uuid(rid)
+                if parsed is None:
+                    return 400, _bad_request_id(rid), {}
                 done = self.operations.get((project, zone, name, mid, str(parsed)))
                 if done is not None:
                     return 200, self._op_json(done), {}
@@ -845,16 +841,9 @@ class FakeComputeAPI:
     ) -> tuple[dict[str, Any], FakeInstance | None] | tuple[int, dict[str, Any], dict[str, str]]:
         """(the operation, the new instance or None for a repeated requestId), or an error."""
         if rid:
-            try:
-                parsed = uuid.UUID(rid)
-            except ValueError:
-                parsed = None
-            if parsed is None or parsed.int == 0:
-                return (
-                    400,
-                    _error(400, f"Invalid value for field 'requestId': '{rid}'", "invalid"),
-                    {},
-                )
+            parsed = _request_uuid(rid)
+            if parsed is None:
+                return 400, _bad_request_id(rid), {}
             rid = str(parsed)
             done = self.operations.get((project, zone, name, mid, rid))
             if done is not None:
@@ -1112,6 +1101,20 @@ def _page(
         bad = f"Invalid value for field 'maxResults': '{size}'"
         return 0, 0, (400, _error(400, bad, "invalid"), {})
     return size or MAX_RESULTS, offset, None
+
+
+def _request_uuid(rid: str) -> uuid.UUID | None:
+    """A requestId as GCE takes it: "a valid UUID with the exception that zero UUID is not
+    supported" (instances.delete.parameters.requestId); None when it is not one."""
+    try:
+        parsed = uuid.UUID(rid)
+    except ValueError:
+        return None
+    return None if parsed.int == 0 else parsed
+
+
+def _bad_request_id(rid: str) -> dict[str, Any]:
+    return _error(400, f"Invalid value for field 'requestId': '{rid}'", "invalid")
 
 
 def _error(code: int, message: str, reason: str, domain: str = "global") -> dict[str, Any]:
