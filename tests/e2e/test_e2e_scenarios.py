@@ -275,8 +275,8 @@ def test_wedge_shuts_down_and_fails_over_once(e2e: vm.Harness) -> None:
     # The forged `exit rc=0`: the copy through `exec` was defused, the one written to the port
     # is counted as forged; neither is an event, and the verdict above stayed self_shutdown.
     tl = observe.timeline(res.serial())
-    assert tl.forged >= 1 and tl.forged_reasons.get("bad_mac", 0) >= 1, tl.forged_reasons
-    assert b"GCEWd2 " in res.serial(), "exec passed the printed copy through defused"
+    assert tl.forged >= 1 and tl.forged_reasons.get("bad_sig", 0) >= 1, tl.forged_reasons
+    assert b"GCEWd3 " in res.serial(), "exec passed the printed copy through defused"
     assert not named(events, "exit", rc="0")
 
 
