@@ -132,14 +132,14 @@ def test_lines_written_after_a_vhangup_all_arrive(tmp_path: Path) -> None:
             vhangup_from_another_session(path)  # a getty start hangs up twice (systemd, agetty)
             vhangup_from_another_session(path)
             assert em.write("stop")
-            assert rd.wait_for(lambda b: b.count(b"\n") >= 12)
+            assert rd.wait_for(lambda b: b.count(b"\n") >= 13)
         finally:
             port.close()
     evs, stats = decode_all(bytes(rd.data))
-    # every line exactly once, in order (seq 0 is the key announcement)
-    assert [e.seq for e in evs] == list(range(12))
+    # every line exactly once, in order (seq 0 and 1 are the key announcement, protocol v3)
+    assert [e.seq for e in evs] == list(range(13))
     assert stats.rejected == 0 and stats.duplicates == 0 and stats.forged == 0
-    assert [e.get("i") for e in evs[1:11]] == [str(i) for i in range(10)]
+    assert [e.get("i") for e in evs[2:12]] == [str(i) for i in range(10)]
     assert port.reopens == 2  # one per hangup the writer ran into
     assert port.dropped == 0
 
@@ -164,11 +164,11 @@ def test_a_device_that_cannot_be_reopened_costs_a_bounded_number_of_tries(tmp_pa
             link.symlink_to(path)  # the device is back: the next line reopens it
             assert em.write("heartbeat", {"i": 2})
             assert port.reopens == REOPEN_ATTEMPTS + 1 and port.dropped == 1
-            assert rd.wait_for(lambda b: b.count(b"\n") >= 3)
+            assert rd.wait_for(lambda b: b.count(b"\n") >= 4)
         finally:
             port.close()
     evs, _ = decode_all(bytes(rd.data))
-    assert [e.seq for e in evs] == [0, 1, 3]  # the lost line is a gap the reader sees
+    assert [e.seq for e in evs] == [0, 1, 2, 4]  # two announcements; the lost line is a gap
 
 
 def _agent(tmp: Path, em: Emitter, clock: FakeClock, chain: Callable[[], None]) -> Agent:
@@ -223,7 +223,7 @@ def test_a_console_under_xoff_never_freezes_the_tick_loop(tmp_path: Path) -> Non
             assert rd.wait_for(lambda b: b.count(b"\n") >= n)
         finally:
             port.close()
-    assert before == 2  # key + phase: nothing went out under XOFF
+    assert before == 3  # the key twice (v3) + phase: nothing went out under XOFF
     evs, stats = decode_all(bytes(rd.data))
     assert [e.seq for e in evs] == list(range(n))
     assert stats.rejected == 0 and stats.duplicates == 0
