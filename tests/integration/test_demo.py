@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,8 @@ def test_demo_shows_the_shutdown_and_the_recovery(tmp_path: Path) -> None:
     assert "chain=linger+poweroff+force+kernel" in out and "step=delete" not in out
     assert "sim-vm-2" not in out.split("== VM 2")[0]
     # human units, not the wire's compact form
-    assert "md=fail timeout 500ms" in out and "md=fail/timeout" not in out
+    # (the elapsed time is the machine's: 501 ms idle, more when loaded; only its form is fixed)
+    assert re.search(r"md=fail timeout \d+ms", out) and "md=fail/timeout" not in out
     # the logs it names are there
     assert f"Logs kept in {logs}:" in out
     for vm in ("vm1", "vm2"):

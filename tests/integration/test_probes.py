@@ -52,6 +52,19 @@ def test_metadata_slow_server_times_out_within_deadline(mds: FakeMetadataServer)
     assert took < 10
 
 
+def test_a_counted_outage_fails_exactly_n_probes_then_ends_itself(mds: FakeMetadataServer) -> None:
+    ended = threading.Event()
+    mds.set_outage_for(3, on_end=ended.set)
+    other = probe_metadata(mds.base + "/computeMetadata/v1/instance/name", 0.2)
+    assert (other.verdict, other.reason) == (ProbeVerdict.FAIL, "timeout")  # hangs, not counted
+    got = [probe_metadata(mds.url, 0.2).verdict for _ in range(4)]
+    assert got == [ProbeVerdict.FAIL] * 3 + [ProbeVerdict.OK]
+    assert ended.is_set() and mds.mode == "ok"
+    assert probe_metadata(mds.url, 2.0).verdict is ProbeVerdict.OK  # and stays ended
+    with pytest.raises(ValueError, match="probes"):
+        mds.set_outage_for(-1)
+
+
 def test_metadata_refused_and_bad_url() -> None:
     r = probe_metadata(f"http://127.0.0.1:{free_port()}/computeMetadata/v1/instance/id", 1.0)
     assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "refused")

@@ -26,7 +26,7 @@ from pathlib import Path
 from gce_watchdog.poller.timeline import parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy
 from gce_watchdog.testing.simgce import SimGCE, SimInstance
-from gce_watchdog.wire.protocol import Event, StreamDecoder, decode_all
+from gce_watchdog.wire.protocol import MARKER, VERSION, Event, StreamDecoder, decode_all
 from gce_watchdog.wire.vocab import human_fields
 
 TICK = 1.0
@@ -188,12 +188,12 @@ def scenario_recovery(d: Path) -> Path:
         w = Watch(d / "ttyS0", time.time())
         try:
             w.until(lambda e: e.event == "heartbeat" and int(e.get("ticks") or 0) >= 2, 15)
-            print(f"  {BOLD}-- outage starts --{RESET}")
-            sim.outage(True)
+            print(f"  {BOLD}-- outage starts, for 9 ticks --{RESET}")
+            # the simulated GCE ends it itself at the 10th probe: exact, however loaded the host
+            sim.outage_for(9)
             w.until(lambda e: e.event == "tick" and e.get("rung") == "9/10", 20 + 10 * TICK)
-            print(f"  {BOLD}-- network comes back at 9/10 --{RESET}")
-            sim.outage(False)
-            w.until(lambda e: e.event == "recovered", 10)
+            print(f"  {BOLD}-- network comes back before the 10th tick --{RESET}")
+            w.until(lambda e: e.event == "recovered", 10 + 2 * TICK)
             w.until(lambda e: e.event == "heartbeat", 5)
         finally:
             stop_agent(p)
@@ -234,9 +234,9 @@ def summary(path: Path, title: str, status: str) -> None:
     print(f"  => poller, {what}: {BOLD}{poller_verdict(path, status)}{RESET}")
     if dry:  # what the same decision means armed: the agent writes `shutdown`, the VM goes off
         print(
-            f"  => a dry-run decision is never a failover (protocol v2: its own event); armed, "
-            f"the agent writes `shutdown` and the poller says: {BOLD}self_shutdown: FAIL OVER"
-            f"{RESET}"
+            f"  => a dry-run decision is never a failover (protocol v{VERSION}: its own event); "
+            f"armed, the agent writes `shutdown` and the poller says: {BOLD}self_shutdown: FAIL "
+            f"OVER{RESET}"
         )
 
 
@@ -263,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     summary(s2, f"VM 2 ({VM2.name})", "RUNNING")
     print(
         "\nWhat you saw: both probes must fail in the same tick to climb; one passing probe "
-        "resets the ladder.\nEvery line is protocol v2 (docs/serial-protocol.md): the poller "
-        "finds it among kernel output\nwith `grep -F GCEWD2`, checks its CRC and its MAC (the "
-        "instance's key: no other process\ncan write a line that counts), and tells a wedge "
-        "(fail over) from a recovery."
+        f"resets the ladder.\nEvery line is protocol v{VERSION} (docs/serial-protocol.md): the "
+        f"poller finds it among kernel output\nwith `grep -F {MARKER}`, checks its CRC and its "
+        "Ed25519 signature (a key only root on the VM\ncan read, pinned by the poller: no other "
+        "process can write a line that counts), and tells\na wedge (fail over) from a recovery."
     )
     if args.clean:
         shutil.rmtree(root)

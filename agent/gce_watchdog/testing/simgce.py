@@ -88,6 +88,9 @@ class FakeMetadataServer:
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # A counted outage (set_outage_for): probes still to hang, and what ends the outage
+        self._probes_left: int | None = None
+        self._on_outage_end: Callable[[], None] | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> FakeMetadataServer:
@@ -130,6 +133,35 @@ class FakeMetadataServer:
         with self._cond:
             self.mode, self.delay = mode, delay
             self._cond.notify_all()
+
+    def set_outage_for(self, probes: int, on_end: Callable[[], None] | None = None) -> None:
+        """Hang every request until ``probes`` probes (requests for :attr:`url`) have hung; the
+        next probe ends the outage itself (mode "ok", then ``on_end``) before it is answered.
+
+        Ends an outage after an exact number of agent ticks whatever the load, where a watcher
+        that restores the mode on seeing a line can be late by a tick.
+        """
+        if probes < 0:
+            raise ValueError("probes must be >= 0")
+        with self._cond:
+            self.mode, self.delay = "hang", 0.0
+            self._probes_left, self._on_outage_end = probes, on_end
+            self._cond.notify_all()
+
+    def _count_probe(self, path: str) -> None:
+        """Apply a counted outage to one request (see set_outage_for)."""
+        on_end = None
+        with self._cond:
+            if self._probes_left is None or path != urlsplit(self.url).path:
+                return
+            if self._probes_left > 0:
+                self._probes_left -= 1
+                return
+            self._probes_left, on_end, self._on_outage_end = None, self._on_outage_end, None
+            self.mode = "ok"
+            self._cond.notify_all()
+        if on_end is not None:
+            on_end()
 
     def set_attribute(self, key: str, value: str | None) -> None:
         with self._cond:
@@ -198,6 +230,7 @@ class FakeMetadataServer:
         split = urlsplit(h.path)
         query = parse_qs(split.query)
         self.requests.append(split.path)
+        self._count_probe(split.path)
         with self._cond:
             mode, delay = self.mode, self.delay
         if mode == "refuse":
@@ -533,6 +566,12 @@ class SimGCE:
         """Both paths down (metadata hangs, 443 refused) or both back up."""
         self.metadata.set_mode(metadata_mode if down else "ok")
         self.set_egress(not down)
+
+    def outage_for(self, ticks: int) -> None:
+        """Both paths down for exactly ``ticks`` of the agent's probes, then both back up, ended
+        by the metadata server when the next probe arrives (set_outage_for)."""
+        self.set_egress(False)
+        self.metadata.set_outage_for(ticks, on_end=lambda: self.set_egress(True))
 
     def command(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Apply one control command (what the control socket accepts)."""
