@@ -771,11 +771,16 @@ def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) 
     all_ev = evs()
     starts = [e for e in all_ev if e.event == "start"]
     assert len(starts) == 2
-    assert starts[1].get("rung") == killed_at  # the restarted agent continues where it was
-    climbs = [e.get("rung") for e in all_ev if e.event == "tick" and "FAILED (" in e.text]
+    # The restarted agent continues where it was. A tick saves its rung before it writes its
+    # line (a restart never forgets a climb): a SIGKILL between the two, which no test can time,
+    # resumes one rung above the last line, whose own line was never written. Both are exact.
     n = int(str(killed_at).split("/")[0])
-    assert n >= 5
-    assert climbs == [f"{i}/10" for i in range(1, n + 1)] + [f"{i}/10" for i in range(n + 1, 11)]
+    resumed = int(str(starts[1].get("rung")).split("/")[0])
+    assert n >= 5 and resumed in (n, n + 1), (killed_at, starts[1].get("rung"))
+    climbs = [e.get("rung") for e in all_ev if e.event == "tick" and "FAILED (" in e.text]
+    assert climbs == [f"{i}/10" for i in range(1, n + 1)] + [
+        f"{i}/10" for i in range(resumed + 1, 11)
+    ]
     # a dry run: its own decision event (never `shutdown`), once
     shutdowns = [e for e in all_ev if e.event == "dry_run_shutdown" and not e.get("rep")]
     assert len(shutdowns) == 1 and shutdowns[0].get("rung") == "10/10"
