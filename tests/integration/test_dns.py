@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from gce_watchdog.lib.dns import DnsError, DnsResolver
+from gce_watchdog.lib.dns import MAX_TTL, DnsError, DnsResolver, Resolved
 from gce_watchdog.testing.simgce import FakeDNS
 
 
@@ -16,6 +16,15 @@ def test_literal_ip_needs_no_server() -> None:
     r = DnsResolver(resolv_conf="/nonexistent")
     assert r.resolve("192.0.2.1", 0.1) == ["192.0.2.1"]
     assert r.resolve("::1", 0.1) == ["::1"]
+
+
+@pytest.mark.parametrize(("ttl", "want"), [(60, 60.0), (0, 0.0), (86400, MAX_TTL)])
+def test_lookup_gives_the_answers_ttl_capped(ttl: int, want: float) -> None:
+    with FakeDNS(records={"a.test": ["192.0.2.7"]}, ttl=ttl) as dns:
+        r = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
+        assert r.lookup("a.test", 1.0) == Resolved(["192.0.2.7"], want)
+    # a literal IP, like an /etc/hosts entry, is read again every time: no TTL
+    assert DnsResolver(resolv_conf="/nonexistent").lookup("192.0.2.1", 0.1).ttl == 0.0
 
 
 def test_hosts_file_first_without_servers(tmp_path: Path) -> None:

@@ -99,21 +99,58 @@ def test_egress_connects_to_any_target(tmp_path: Path) -> None:
     assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "refused")
 
 
+class OffsetClock:
+    """Real monotonic time plus a jump a test makes (connect deadlines keep running)."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+
 def test_egress_uses_cached_addresses_when_dns_fails(tmp_path: Path) -> None:
     cache_file = tmp_path / "dns-cache.json"
+    clock = OffsetClock()
     with TcpListener() as up, FakeDNS(records={"egress.test": ["127.0.0.1"]}) as dns:
         resolver = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
-        p = EgressProbe([("egress.test", up.port)], 1.5, 0.5, resolver, AddressCache(cache_file))
+        p = EgressProbe(
+            [("egress.test", up.port)], 1.5, 0.5, resolver, AddressCache(cache_file), clock
+        )
         r, d = p()
         assert (r.verdict, d) == (ProbeVerdict.OK, "ok")
         assert cache_file.exists()
         dns.mode = "silent"  # DNS wedged: the probe must still reach 443 on the cached address
+        clock.offset = 61.0  # past the answer's TTL (FakeDNS: 60 s), so the name is asked again
         r, d = p()
         assert (r.verdict, d) == (ProbeVerdict.OK, "fail")
         # a restarted agent (new cache object, same file) keeps the addresses
         p2 = EgressProbe([("egress.test", up.port)], 1.5, 0.5, resolver, AddressCache(cache_file))
         r, d = p2()
         assert (r.verdict, d) == (ProbeVerdict.OK, "fail")
+
+
+def test_egress_reuses_an_answer_within_its_ttl_while_the_probe_succeeds() -> None:
+    clock = OffsetClock()
+    with TcpListener() as up, FakeDNS(records={"egress.test": ["127.0.0.1"]}) as dns:
+        resolver = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
+        p = EgressProbe([("egress.test", up.port)], 1.5, 0.5, resolver, AddressCache(None), clock)
+        r, d = p()  # the first tick asks DNS
+        assert (r.verdict, d) == (ProbeVerdict.OK, "ok") and dns.queries > 0
+        asked = dns.queries
+        for _ in range(5):  # healthy ticks inside the 60 s TTL: no query at all
+            r, d = p()
+            assert (r.verdict, d) == (ProbeVerdict.OK, "ok")
+        assert dns.queries == asked
+        clock.offset = 61.0  # the TTL ran out: asked again (A and AAAA), then reused again
+        assert p()[1] == "ok" and dns.queries > asked
+        asked = dns.queries
+        up.stop()  # 443 refused: the tick after it asks DNS again (an outage says what DNS does)
+        r, _ = p()
+        assert r.verdict is ProbeVerdict.FAIL and dns.queries == asked
+        dns.mode = "silent"
+        r, d = p()
+        assert (r.verdict, d) == (ProbeVerdict.FAIL, "fail") and dns.queries > asked
 
 
 def test_egress_without_any_address_fails_with_reason(tmp_path: Path) -> None:

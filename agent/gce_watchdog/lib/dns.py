@@ -12,6 +12,10 @@
   on the daemon) for nothing we need. dnspython is imported on first use, not at start-up.
 
 Failures raise :class:`DnsError` (an ``OSError``) with one short message.
+
+:meth:`DnsResolver.lookup` also gives the answer's TTL (the RRset's, capped at :data:`MAX_TTL`; 0
+for a literal IP or an ``/etc/hosts`` entry, which are re-read every time), so a caller may reuse
+the addresses while they are valid, as any stub cache does (the egress probe: docs/agent.md).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from gce_watchdog.lib.netaddr import is_ip, parse_dns_server
 
@@ -30,6 +34,7 @@ HOSTS_PATH = "/etc/hosts"
 RESOLV_CONF = "/etc/resolv.conf"
 MAX_NAMESERVERS = 3  # resolv.conf(5): at most three are used
 _MAX_ANSWER = 4096  # bytes of a UDP answer we read (EDNS-less answers are at most 512)
+MAX_TTL = 300.0  # seconds an answer is reused at most, whatever TTL it came with
 
 
 class DnsError(OSError):
@@ -40,6 +45,27 @@ class Resolver(Protocol):
     def resolve(self, host: str, lifetime: float) -> list[str]:
         """IPv4/IPv6 addresses of host within ``lifetime`` seconds; raises DnsError."""
         ...
+
+
+class Resolved(NamedTuple):
+    """Addresses and how long they may be reused (seconds; 0: ask again next time)."""
+
+    addrs: list[str]
+    ttl: float
+
+
+@runtime_checkable
+class TtlResolver(Protocol):
+    def lookup(self, host: str, lifetime: float) -> Resolved:
+        """Like :meth:`Resolver.resolve`, with the answer's TTL; raises DnsError."""
+        ...
+
+
+def lookup(resolver: Resolver, host: str, lifetime: float) -> Resolved:
+    """The addresses of ``host`` and their TTL; a resolver that knows no TTL gives 0."""
+    if isinstance(resolver, TtlResolver):
+        return resolver.lookup(host, lifetime)
+    return Resolved(resolver.resolve(host, lifetime), 0.0)
 
 
 def hosts_file_lookup(path: str | Path, host: str) -> list[str]:
@@ -93,18 +119,21 @@ class DnsResolver:
         return list(self.servers) if self.servers else resolv_conf_servers(self.resolv_conf)
 
     def resolve(self, host: str, lifetime: float) -> list[str]:
+        return self.lookup(host, lifetime).addrs
+
+    def lookup(self, host: str, lifetime: float) -> Resolved:
         if is_ip(host):
-            return [host]
+            return Resolved([host], 0.0)
         if not self.servers:
             found = hosts_file_lookup(self.hosts_path, host)
             if found:
-                return found
+                return Resolved(found, 0.0)
         return _query_all(host, self._targets(), lifetime, self.clock)
 
 
 def _query_all(
     host: str, targets: list[tuple[str, int]], lifetime: float, clock: Callable[[], float]
-) -> list[str]:
+) -> Resolved:
     import dns.message
     import dns.rdatatype
 
@@ -118,7 +147,7 @@ def _query_all(
     sel = selectors.DefaultSelector()
     # Per server: the answers still awaited, and AAAA addresses held until its A answer says none.
     pending: dict[tuple[str, int], set[int]] = {}
-    held: list[str] = []
+    held = Resolved([], 0.0)
     reasons: list[str] = []
     try:
         for ip, port in targets:
@@ -153,20 +182,20 @@ def _query_all(
                 got = _answer(data, queries)
                 if got is None:
                     continue  # garbage, truncated or not ours: wait for a valid answer
-                rdtype, addrs, reason = got
+                rdtype, addrs, reason, ttl = got
                 waiting = pending[server]
                 waiting.discard(rdtype)
                 if addrs and rdtype == dns.rdatatype.A:
-                    return addrs
+                    return Resolved(addrs, ttl)
                 if addrs:
-                    held = held or addrs
+                    held = held if held.addrs else Resolved(addrs, ttl)
                 elif reason != "no_answer" or not waiting:
                     reasons.append(reason)
                 if reason not in ("ok", "no_answer") or not waiting:
                     sel.unregister(sock)
-                    if held and not waiting:
+                    if held.addrs and not waiting:
                         return held
-        if held:
+        if held.addrs:
             return held
     finally:
         sel.close()
@@ -175,8 +204,9 @@ def _query_all(
     raise DnsError(_failure(host, reasons, lifetime))
 
 
-def _answer(data: bytes, queries: dict[Any, Any]) -> tuple[Any, list[str], str] | None:
-    """(query type, addresses, reason) of an answer to one of ``queries``; None to ignore it."""
+def _answer(data: bytes, queries: dict[Any, Any]) -> tuple[Any, list[str], str, float] | None:
+    """(query type, addresses, reason, TTL capped at MAX_TTL) of an answer to one of ``queries``;
+    None to ignore it."""
     import dns.flags
     import dns.message
     import dns.rcode
@@ -191,13 +221,15 @@ def _answer(data: bytes, queries: dict[Any, Any]) -> tuple[Any, list[str], str] 
     if r.flags & dns.flags.TC:
         return None
     if r.rcode() != dns.rcode.NOERROR:
-        return rdtype, [], dns.rcode.to_text(r.rcode())
+        return rdtype, [], dns.rcode.to_text(r.rcode()), 0.0
     # CNAME chains are followed by dnspython; the final RRset holds the addresses
     chain = r.resolve_chaining() if isinstance(r, dns.message.QueryMessage) else None
     answer = chain.answer if chain is not None else None
     if answer is not None and answer.rdtype == rdtype:
-        return rdtype, [rd.to_text() for rd in answer], "ok"
-    return rdtype, [], "no_answer"
+        # the chain's smallest TTL (RFC 1034 4.3.2 / RFC 2181 5.2: the RRset's, every hop's)
+        ttl = min([float(answer.ttl)] + [float(rr.ttl) for rr in r.answer])
+        return rdtype, [rd.to_text() for rd in answer], "ok", max(0.0, min(ttl, MAX_TTL))
+    return rdtype, [], "no_answer", 0.0
 
 
 def _failure(host: str, reasons: list[str], lifetime: float) -> str:

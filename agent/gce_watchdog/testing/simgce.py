@@ -396,6 +396,7 @@ class FakeDNS(_SocketService):
         port: int = 0,
         records: dict[str, list[str]] | None = None,
         answer_after: float = 0.0,
+        ttl: int = 60,
         clock: Callable[[], float] = time.monotonic,
         silent_queries: int = 0,
         on_query: Callable[[str, bool], None] | None = None,
@@ -403,6 +404,7 @@ class FakeDNS(_SocketService):
         super().__init__(host, port)
         self.records = {k.rstrip(".").lower(): v for k, v in (records or {}).items()}
         self.answer_after = answer_after
+        self.ttl = ttl  # seconds, on every answer's RRset
         self.silent_queries = silent_queries
         self.mode = "ok"
         self.queries = 0
@@ -460,7 +462,8 @@ class FakeDNS(_SocketService):
                     mine = [ip for ip in ips if (":" in ip) == v6]
                     if mine:  # none: NOERROR with no data, as a real server says
                         rtype = "AAAA" if v6 else "A"
-                        r.answer.append(dns.rrset.from_text(question.name, 60, "IN", rtype, *mine))
+                        rrset = dns.rrset.from_text(question.name, self.ttl, "IN", rtype, *mine)
+                        r.answer.append(rrset)
         self.answered += 1
         with contextlib.suppress(OSError):
             sock.sendto(r.to_wire(), addr)
