@@ -15,7 +15,7 @@ Both sides read the same bytes in the same run:
 - hostile inputs (issue 15: one VM's output must not stall a poll round), each 1 MiB: one line of
   nothing but markers (``hostile_line``), one line of markers each followed by trailer-shaped
   candidates (``hostile_trailers``), and a stream of short marker lines ended by a bare CR
-  (``hostile_cr``). Decoding is linear: at most 8 markers per line, 200 bytes after each;
+  (``hostile_cr``). Decoding is linear: at most 8 markers per line, 280 bytes after each;
 - grep: ``grep -F -c GCEWD3 FILE`` as a subprocess (process start included: that is what a
   shell pipeline pays too), the file in the page cache after a warm-up run.
 

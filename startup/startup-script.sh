@@ -16,9 +16,9 @@
 # is RUNNING, agent.action, power-off with escalation); the script's own chain (end_here) only
 # when no agent could be installed.
 #
-# Every line written to the serial port is a protocol v2 line (docs/serial-protocol.md), also
+# Every line written to the serial port is a protocol v3 line (docs/serial-protocol.md), also
 # before the agent is installed: EMITTER_PY below is the one encoder besides agent/gce_watchdog/wire/protocol.py,
-# and tests/test_startup_script.py checks that gce_watchdog.wire.protocol decodes what it writes.
+# and tests/integration/test_startup_script.py checks that gce_watchdog.wire.protocol decodes what it writes.
 #
 # `startup-script.sh emit EVENT [key=value ...] [-- text]` writes one line and exits (for
 # bootstrap steps that run before the agent exists).

@@ -12,7 +12,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-# Lines keep a bounded excerpt of stderr (a serial line is 200 bytes in all).
+# Lines keep a bounded excerpt of stderr (a serial line is 280 bytes in all).
 DETAIL_MAX = 90
 
 

@@ -85,7 +85,8 @@ CREATE TABLE IF NOT EXISTS pins (
 # tables in both backends (ledger_pg has its copy). Kept apart from the decisions so that the
 # ledger's other users never read them.
 ASSEMBLY_SCHEMA = (
-    # per instance: the line key its first announcement pinned (protocol v2)
+    # per instance: the v2 HMAC key its first announcement pinned (protocol v2). Nothing reads
+    # it any more: v3 pins are in `pins`, shared with the poll path (docs/poller.md)
     """CREATE TABLE IF NOT EXISTS assembly_pins (
         instance_id TEXT PRIMARY KEY,
         key_hex     TEXT NOT NULL,

@@ -88,7 +88,7 @@ class PollOutcome:
     lost_lines: int = 0
     lost_bytes: int = 0
     rejected: int = 0
-    forged: int = 0  # lines that did not authenticate: an alarm (protocol v2), never evidence
+    forged: int = 0  # lines that did not authenticate: an alarm, never evidence
     forged_reasons: dict[str, int] | None = None
     key_conflict: bool = False
     key_alarm: str = ""  # protocol v3: no pin, an unplaced key, an ephemeral key ("" if none)

@@ -3,8 +3,9 @@
 No clock, no I/O. ``docs/poller.md`` has the decision table with the reason for every row; the
 rules below are in the same order. In short:
 
-1. Only authenticated events reach this module (``wire.protocol``: a line whose MAC does not
-   verify is forged and never decides), and only the current boot's count: the boot whose
+1. Only authenticated events reach this module (``wire.protocol``: a line whose signature does
+   not verify under the pinned key is forged and never decides), and only the current boot's
+   count: the caller's ``boot`` (``Timeline.latest_boot``, by stream order), else the boot whose
    earliest line carries the latest signed time (an earlier boot's shutdown says nothing about
    the VM that is running now, and a line replayed from it cannot make it current again).
 2. The first terminal event of that boot (by ``seq``) decides: ``setup_failed``, ``shutdown``,

@@ -108,7 +108,7 @@ def _x(ts_ms: int) -> float:
 
 def dry_run_shutdown(m: Marker, r: Report) -> bool:
     """A shutdown decided with ``agent.action = "dry-run"``: nothing was powered off."""
-    if m.kind == vocab.DRY_RUN_SHUTDOWN:  # protocol v2: the dry run's own event
+    if m.kind == vocab.DRY_RUN_SHUTDOWN:  # since protocol v2: the dry run's own event
         return True
     if m.kind != vocab.SHUTDOWN:
         return False

@@ -160,7 +160,7 @@ class Event:
         )
 
     def render(self) -> str:
-        """A human form for evidence and reports: no marker, no MAC (never a valid line)."""
+        """A human form for evidence and reports: no marker, no signature (never a valid line)."""
         kv = "".join(f" {k}={v}" for k, v in self.fields)
         text = f" | {self.text}" if self.text else ""
         return f"{self.boot} #{self.seq} {format_ts(self.ts_ms)} {self.event}{kv}{text}"

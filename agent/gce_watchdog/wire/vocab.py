@@ -53,7 +53,7 @@ FETCH = "fetch"
 BOOTSTRAP_STEP = "bootstrap_step"
 # the fault CLI
 FAULT = "fault"
-# every writer: a boot's seq 0, the line key's announcement (protocol v2)
+# every writer: the line key's announcement (seq 0 and 1 of a boot, every ANNOUNCE_EVERY-th seq)
 KEY = protocol.KEY_EVENT
 
 ALL_EVENTS = frozenset(
@@ -164,7 +164,7 @@ def human_fields(fields: Iterable[tuple[str, str]], skip: Iterable[str] = ()) ->
 
 # -- fitting a line into MAX_LINE ----------------------------------------------------------------
 # Worst case of the fixed part of a line: marker, boot, a 10-digit seq, timestamp, event name,
-# the signed " #crc+mac" trailer and separators. Used to split `mem` lines with many GPUs
+# the " #<signature><crc>" trailer and separators. Used to split `mem` lines with many GPUs
 # (a2-megagpu-16g).
 LINE_OVERHEAD = 6 + 1 + 8 + 1 + 10 + 1 + 24 + 1 + 3 + protocol.TRAILER_LEN
 
