@@ -263,7 +263,7 @@ def test_workload_must_be_an_argv_not_a_shell_string(vm: Vm) -> None:
     p = vm.run()
     assert p.returncode == 64
     (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
-    # the signed trailer (protocol v2) leaves ~30 bytes of text on this line: the start of why
+    # the signed trailer (protocol v3) leaves ~30 bytes of text on this line: the start of why
     assert sf.get("step") == "workload" and sf.text.startswith("gce-watchdog-workload: not val")
 
 
