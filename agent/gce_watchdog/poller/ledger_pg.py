@@ -126,12 +126,7 @@ class PostgresLedger(BaseLedger):
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
-                    if not self._ready("pin_rekeys"):  # key rotations (later)
-                with self._db.transaction():
-                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
-                    if not self._ready("pin_rekeys"):
-                        self._db.execute(PIN_REKEYS_TABLE)
-            if not self._ready("assembly_boots_ended"):
+                    if not self._ready("assembly_boots_ended"):
                         for stmt in ASSEMBLY_SCHEMA:
                             self._db.execute(stmt)
         except BaseException:
