@@ -283,9 +283,9 @@ class SerialReader:
             # a rotation line verified under the pin: the ledger's pin moves (compare-and-set,
             # so every reader that decoded it moves it once), and every reader follows
             moved = None
-            for old, new, boot, seq in tl.rekeys:
+            for old_pk, new_pk, boot, seq in tl.rekeys:
                 moved = self.pins.rekey_pin(
-                    instance_id, old, new, pk_fingerprint(new), boot, seq, rx
+                    instance_id, old_pk, new_pk, pk_fingerprint(new_pk), boot, seq, rx
                 )
             tl.rekeys_stored()
             if moved is not None and moved.public is not None:

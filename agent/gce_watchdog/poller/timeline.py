@@ -403,8 +403,8 @@ class Timeline:
             "pin": _b64(self.pin) if self.pin is not None else None,
             "pin_fp": self._decoder.pin_fp,
             "retired": (
-                {"pk": _b64(self.retired.public), "boot": self.retired.boot, "seq": self.retired.seq}
-                if self.retired is not None
+                {"pk": _b64(r.public), "boot": r.boot, "seq": r.seq}
+                if (r := self.retired) is not None
                 else None
             ),
             "retired_lines": self.retired_lines,

@@ -357,7 +357,8 @@ def rotate_line_key(
         raise RotateRefused("the new key must be 32 new bytes")
     tmp = path.parent / f".{KEY_FILE}.rotate.{os.getpid()}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(tmp, flags, 0o600)
     except PermissionError as e:
         _not_root(e)
         raise

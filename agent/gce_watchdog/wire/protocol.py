@@ -391,9 +391,7 @@ def rekey_event(boot: str, seq: int, ts_ms: int, new_public: bytes, inst: str) -
     return Event(REKEY_EVENT, boot, seq, ts_ms, (("pk", b64(new_public)), ("inst", inst)))
 
 
-def rekey_line(
-    boot: str, seq: int, ts_ms: int, old: LineKey, new_public: bytes, inst: str
-) -> str:
+def rekey_line(boot: str, seq: int, ts_ms: int, old: LineKey, new_public: bytes, inst: str) -> str:
     """The encoded rotation line, signed with the ``old`` key (see :func:`rekey_event`)."""
     return encode(rekey_event(boot, seq, ts_ms, new_public, inst), old)
 
