@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 from gce_watchdog.poller.assemble import Received
 from gce_watchdog.poller.verdict import terminal_kind
-from gce_watchdog.wire.protocol import Event, Retired
+from gce_watchdog.wire.protocol import MAX_RETIRED, Event, Retired, Retirees
 
 # A claim holds the write lock for a few milliseconds; 30 s covers a busy disk and many pollers.
 BUSY_TIMEOUT_MS = 30_000
@@ -81,23 +81,25 @@ CREATE TABLE IF NOT EXISTS pins (
     pinned_by   TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS pin_rekeys (
-    instance_id TEXT PRIMARY KEY,
+    instance_id TEXT NOT NULL,
     old_public  TEXT NOT NULL,
     boot        TEXT NOT NULL,
     seq         INTEGER NOT NULL,
     rekeyed_at  REAL NOT NULL,
-    rekeyed_by  TEXT NOT NULL
+    rekeyed_by  TEXT NOT NULL,
+    PRIMARY KEY (instance_id, old_public)
 )
 """
-# The last rotation of each instance's pin (a ``rekey`` line: docs/serial-protocol.md, "Key
-# rotation"): the key it replaced and the rekey line's boot and seq. Both backends.
+# The rotations of each instance's pin (``rekey`` lines: docs/serial-protocol.md, "Key
+# rotation"): the key each replaced and its rekey line's boot and seq. Both backends.
 PIN_REKEYS_TABLE = """CREATE TABLE IF NOT EXISTS pin_rekeys (
-    instance_id TEXT PRIMARY KEY,
+    instance_id TEXT NOT NULL,
     old_public  TEXT NOT NULL,
     boot        TEXT NOT NULL,
     seq         BIGINT NOT NULL,
     rekeyed_at  DOUBLE PRECISION NOT NULL,
-    rekeyed_by  TEXT NOT NULL
+    rekeyed_by  TEXT NOT NULL,
+    PRIMARY KEY (instance_id, old_public)
 )"""
 # The Pub/Sub workers' shared assembly state (poller/pubsub.py, poller/assemble.py): the same
 # tables in both backends (ledger_pg has its copy). Kept apart from the decisions so that the
@@ -298,8 +300,8 @@ class Pin:
     ``public``: the Ed25519 public key, or None for a hand pin whose key no reader has seen yet
     (an announcement with ``fingerprint`` fills it in). ``source``: ``placed`` (from the first
     line of the instance's first boot, read from byte 0), ``hand`` (``gce-watchdog pin``) or
-    ``rekey`` (moved by a rotation line signed with the previous pin; ``retired`` is that key and
-    where the rotation happened)."""
+    ``rekey`` (moved by a rotation line signed with the previous pin; ``retired``: the keys
+    rotations replaced and where, oldest first)."""
 
     instance_id: str
     fingerprint: str
@@ -307,7 +309,7 @@ class Pin:
     source: str
     pinned_at: float
     pinned_by: str
-    retired: Retired | None = None
+    retired: Retirees = ()
 
 
 PIN_PLACED = "placed"
@@ -698,12 +700,12 @@ class BaseLedger:
         if pin.source != PIN_REKEY:
             return pin
         rk = self._exec(
-            "SELECT old_public, boot, seq FROM pin_rekeys WHERE instance_id = ?", (instance_id,)
+            "SELECT old_public, boot, seq FROM pin_rekeys WHERE instance_id = ?"
+            " ORDER BY rekeyed_at, seq",
+            (instance_id,),
         )
-        if not rk:
-            return pin
-        old, boot, seq = rk[0]
-        return replace(pin, retired=Retired(_unb64(str(old)), str(boot), int(seq)))  # type: ignore[call-overload]
+        chain = tuple(Retired(_unb64(str(o)), str(b), int(str(q))) for o, b, q in rk)
+        return replace(pin, retired=chain[-MAX_RETIRED:])
 
     @_locked
     def rekey_pin(
@@ -729,7 +731,10 @@ class BaseLedger:
                 (fingerprint, _b64(new), PIN_REKEY, at, self.owner, instance_id, _b64(old)),
             )
             if n:
-                self._exec("DELETE FROM pin_rekeys WHERE instance_id = ?", (instance_id,))
+                self._exec(
+                    "DELETE FROM pin_rekeys WHERE instance_id = ? AND old_public = ?",
+                    (instance_id, _b64(old)),
+                )
                 self._exec(
                     "INSERT INTO pin_rekeys (instance_id, old_public, boot, seq, rekeyed_at,"
                     " rekeyed_by) VALUES (?, ?, ?, ?, ?, ?)",

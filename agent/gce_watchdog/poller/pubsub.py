@@ -71,7 +71,7 @@ from gce_watchdog.wire.protocol import (
     Forged,
     Forgery,
     KeyAnnounce,
-    Retired,
+    Retirees,
     decode_line,
     parse_rekey,
     pk_fingerprint,
@@ -233,7 +233,7 @@ class PubSubWorker:
         self._pin_cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         # Pins that moved (a rekey line, here or by another worker): the newest key and the one
         # it retired, ahead of the batch's own lookup; and when a pin was last looked up again.
-        self._moved: collections.OrderedDict[str, tuple[bytes, Retired | None]] = (
+        self._moved: collections.OrderedDict[str, tuple[bytes, Retirees]] = (
             collections.OrderedDict()
         )
         self._relooked: dict[str, float] = {}
@@ -352,7 +352,7 @@ class PubSubWorker:
     ) -> None:
         """One line of a serial LogEntry: a verified line to store, a raw one, or neither."""
         iid = ln.instance_id
-        retired: Retired | None = None
+        retired: Retirees = ()
         if key is not None and iid in self._moved:
             key, retired = self._moved[iid]
         res = decode_line(ln.text, None, key, retired)
@@ -400,7 +400,7 @@ class PubSubWorker:
             StoredLine(ln.instance_id, ln.project, ln.zone, ln.instance, res, now, published)
         )
 
-    def _move(self, iid: str, key: bytes, retired: Retired | None) -> None:
+    def _move(self, iid: str, key: bytes, retired: Retirees) -> None:
         self._cache(iid, key)
         self._moved[iid] = (key, retired)
         self._moved.move_to_end(iid)
@@ -408,7 +408,7 @@ class PubSubWorker:
             self._moved.popitem(last=False)
 
     def _rekey(
-        self, ln: SerialLine, key: bytes, retired: Retired | None, ev: Event, now: float
+        self, ln: SerialLine, key: bytes, retired: Retirees, ev: Event, now: float
     ) -> Event | Forged:
         """A rekey line that verified under the pin (or the retired key's rekey into the pin):
         the ledger's pin moves (compare-and-set: the workers that got copies move it once)."""
@@ -416,8 +416,9 @@ class PubSubWorker:
         if parsed is None:
             return Forged(Forgery.BAD_REKEY, b"", ev)
         new, inst = parsed
-        if new == key:  # the rotation into the pin: seen already (a copy, a redelivery)
-            return shown_rekey(ev, retired.public if retired is not None else None)
+        if new == key or any(new == r.public for r in retired):
+            # a rotation already followed (a copy, a redelivery): signed by the key of then
+            return shown_rekey(ev, retired[-1].public if retired else None)
         if inst != ln.instance_id:  # a real rekey of another VM (the same key) relabelled
             return Forged(Forgery.RELABELLED, b"", ev)
         stored = self.pins.rekey_pin(

@@ -30,9 +30,11 @@ from gce_watchdog.poller.verdict import (
 )
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import (
+    MAX_RETIRED,
     Event,
     Forgery,
     Retired,
+    Retirees,
     StreamDecoder,
     fingerprint,
     pk_fingerprint,
@@ -107,7 +109,7 @@ class Timeline:
         pin_fp: str | None = None,
         from_start: bool = True,
         instance_id: str = "",
-        retired: Retired | None = None,
+        retired: Retired | Retirees | None = None,
     ) -> None:
         self.events: list[Event] = []
         self.boots: dict[str, BootInfo] = {}
@@ -242,13 +244,13 @@ class Timeline:
         return self._decoder.pin
 
     def set_pin(
-        self, pin: bytes | None, pin_fp: str | None = None, retired: Retired | None = None
+        self, pin: bytes | None, pin_fp: str | None = None, retired: Retirees | None = None
     ) -> None:
         """The ledger's pin (every reader shares it); from now on lines verify under it.
-        ``retired``: the key a rotation replaced by it (the ledger's), if any."""
+        ``retired``: the keys rotations replaced (the ledger's, oldest first), if any."""
         d = self._decoder
-        if pin is not None and retired is not None:
-            d.retired = retired
+        if pin is not None and retired:
+            d.retired = tuple(retired)
         if pin is not None and d.pin != pin:
             d.pin, d.pinned_here, d.placeable = pin, False, False
         elif pin is None and pin_fp is not None:  # pinned by hand, its key not seen yet
@@ -258,7 +260,12 @@ class Timeline:
 
     @property
     def retired(self) -> Retired | None:
-        """The key the pin replaced by a rotation (``rekey``), and where."""
+        """The key the pin replaced by the latest rotation (``rekey``), and where."""
+        return self._decoder.retired[-1] if self._decoder.retired else None
+
+    @property
+    def retired_chain(self) -> Retirees:
+        """Every key rotations replaced (bounded), oldest first."""
         return self._decoder.retired
 
     @property
@@ -402,11 +409,9 @@ class Timeline:
             "key": self.key.hex() if self.key is not None else None,
             "pin": _b64(self.pin) if self.pin is not None else None,
             "pin_fp": self._decoder.pin_fp,
-            "retired": (
-                {"pk": _b64(r.public), "boot": r.boot, "seq": r.seq}
-                if (r := self.retired) is not None
-                else None
-            ),
+            "retired": [
+                {"pk": _b64(r.public), "boot": r.boot, "seq": r.seq} for r in self.retired_chain
+            ],
             "retired_lines": self.retired_lines,
             "inst_seen": self._decoder.inst_seen,
             "rekeys": [[_b64(o), _b64(n), b, q] for o, n, b, q in self._decoder.rekeys],
@@ -443,9 +448,10 @@ class Timeline:
         d.placeable = bool(obj.get("placeable", False)) and d.pin is None
         d.unplaced = [str(x) for x in obj.get("unplaced") or []][: d.MAX_UNPLACED]
         d.ephemeral = bool(obj.get("ephemeral", False))
-        r = obj.get("retired")
-        if isinstance(r, dict):
-            d.retired = Retired(unb64(str(r["pk"])), str(r["boot"]), int(r["seq"]))
+        d.retired = tuple(
+            Retired(unb64(str(r["pk"])), str(r["boot"]), int(r["seq"]))
+            for r in (obj.get("retired") or [])[-MAX_RETIRED:]
+        )
         d.inst_seen = str(obj.get("inst_seen") or "")
         d.rekeys = [
             (unb64(str(o)), unb64(str(n)), str(b), int(q))

@@ -435,15 +435,42 @@ class Retired:
     boot: str
     seq: int
 
-    def covers(self, ev: Event, pin: bytes | None) -> bool:
+    def covers(self, ev: Event, successor: bytes | None) -> bool:
+        """Whether this key signed ``ev`` before its rotation: a line of the rotation boot
+        below the rekey's seq, or the rekey line itself (naming ``successor``, the key that
+        replaced this one)."""
         if ev.boot != self.boot:
             return False
         if ev.seq < self.seq:
             return True
-        if ev.seq == self.seq and pin is not None:  # the rekey line into the pin itself
+        if ev.seq == self.seq and successor is not None:
             parsed = parse_rekey(ev)
-            return parsed is not None and parsed[0] == pin
+            return parsed is not None and parsed[0] == successor
         return False
+
+
+# The rotations readers remember per instance (the ledger keeps as many): oldest first.
+MAX_RETIRED = 8
+Retirees = tuple[Retired, ...]
+
+
+def _retirees(retired: Retired | Retirees | None) -> Retirees:
+    if retired is None:
+        return ()
+    return (retired,) if isinstance(retired, Retired) else tuple(retired)
+
+
+def _signer_of(
+    ev: Event, chain: Retirees, pin: bytes | None
+) -> tuple[Retired, bytes | None] | None:
+    """The retired key that signed ``ev`` if it is a line from before that key's rotation
+    (the nearest rotation above its seq in its boot), with that key's successor."""
+    best: tuple[Retired, bytes | None] | None = None
+    for i, r in enumerate(chain):
+        succ = chain[i + 1].public if i + 1 < len(chain) else pin
+        if r.covers(ev, succ) and (best is None or r.seq < best[0].seq):
+            best = (r, succ)
+    return best
 
 
 def needs_announcement(seq: int) -> bool:
@@ -621,7 +648,7 @@ def decode_line(
     line: bytes | str,
     key: bytes | None = None,
     pin: bytes | None = None,
-    retired: Retired | None = None,
+    retired: Retired | Retirees | None = None,
 ) -> Event | KeyAnnounce | Forged | Rejected | None:
     """Decode one console line: ``pin`` is the instance's pinned v3 public key, ``key`` its
     pinned v2 key (None: not known; a v2 line is then forged, reason ``v2``).
@@ -632,17 +659,19 @@ def decode_line(
     pinning is the caller's); Forged for an intact line that does not authenticate; Rejected
     when a marker is there but no intact line. Never raises.
 
-    ``retired``: the key the pin replaced (a rotation, :class:`Retired`): a line that does not
-    verify under the pin but under it is an Event when the retired key signed it before the
-    rotation (``Retired.covers``), else Forged ``retired_key``. A ``rekey`` line comes back as
-    an Event with its raw ``pk`` (moving the pin is the caller's, :func:`parse_rekey`); one
-    that does not verify is Forged ``bad_rekey``.
+    ``retired``: the keys the pin replaced (rotations, :class:`Retired`, oldest first): a line
+    that does not verify under the pin is an Event when the retired key in force at its boot
+    and seq (``Retired.covers``) signed it; a line of the latest retired key outside that, and
+    an announcement of any retired key outside it, is Forged ``retired_key``. A ``rekey`` line
+    comes back as an Event with its raw ``pk`` (moving the pin is the caller's,
+    :func:`parse_rekey`); one that does not verify is Forged ``bad_rekey``.
 
     Linear in the line's length: at most MAX_MARKERS_PER_LINE markers are tried, each against
     the trailer candidates in the MAX_LINE bytes after it; at most two signatures are verified
     (the pin's, then the retired key's).
     """
     raw = line.encode("latin-1", "replace") if isinstance(line, str) else line
+    chain = _retirees(retired)
     forged: Forged | None = None
     syntax = False
     tried = 0
@@ -668,9 +697,10 @@ def decode_line(
                     continue
                 sig = unb64(t.group(1).decode())
                 if ev.event == KEY_EVENT and pin is not None and ev.get("pk") != _pk_text(pin):
-                    if retired is not None and ev.get("pk") == _pk_text(retired.public):
-                        # the key rotated away from: its announcements before the rekey only
-                        if not retired.covers(ev, pin):
+                    old = next((r for r in chain if ev.get("pk") == _pk_text(r.public)), None)
+                    if old is not None:
+                        # a key rotated away from: its announcements before its rekey only
+                        if not old.covers(ev, None):
                             return Forged(Forgery.RETIRED, raw, ev)
                         ann = _v3_announce(ev, body, sig)
                         if ann is not None and ann.valid():
@@ -687,9 +717,11 @@ def decode_line(
                     break
                 if verify(pin, body, sig):
                     return ev
-                if retired is not None and verify(retired.public, body, sig):
-                    if retired.covers(ev, pin):
+                signer = _signer_of(ev, chain, pin) if chain else None
+                if signer is not None:  # a line from before a rotation: the key of then
+                    if verify(signer[0].public, body, sig):
                         return ev
+                elif chain and verify(chain[-1].public, body, sig):
                     forged = forged or Forged(Forgery.RETIRED, raw, ev)
                     break
                 bad = Forgery.BAD_REKEY if ev.event == REKEY_EVENT else Forgery.BAD_SIG
@@ -795,7 +827,7 @@ class StreamDecoder:
         pin_fp: str | None = None,
         from_start: bool = True,
         instance_id: str = "",
-        retired: Retired | None = None,
+        retired: Retired | Retirees | None = None,
     ) -> None:
         self.stats = DecodeStats()
         self.key = key
@@ -806,7 +838,7 @@ class StreamDecoder:
         self.ephemeral = False  # the pinned key was announced eph=1 (not kept across boots)
         self.unplaced: list[str] = []  # fingerprints of announced keys that are not the pin
         self.key_conflict = False  # v2: a second, different v2 key was announced
-        self.retired = retired  # the key the pin replaced (a rotation), or None
+        self.retired: Retirees = _retirees(retired)  # keys the pin replaced, oldest first
         # Rotations decoded here, in order, not yet stored: (old key, new key, boot, seq).
         self.rekeys: list[tuple[bytes, bytes, str, int]] = []
         self.inst_seen = ""  # the instance id the pinned key's announcements name (not "-")
@@ -907,9 +939,10 @@ class StreamDecoder:
             self._forged(Forged(Forgery.BAD_REKEY, ln, ev))
             return None
         new, inst = parsed
-        if hmac.compare_digest(new, self.pin):  # the rotation into the pin: seen, or a copy
-            old = self.retired.public if self.retired is not None else None
-            return shown_rekey(ev, old)
+        if new == self.pin or any(new == r.public for r in self.retired):
+            # a rotation already followed (a copy, a replay): signed by the key of then
+            prior = self.retired[-1].public if self.retired else None
+            return shown_rekey(ev, prior)
         expected = self.instance_id or self.inst_seen
         if not expected or inst != expected:
             # a real rekey line of another VM (the same key: a restored disk) replayed here
@@ -919,7 +952,7 @@ class StreamDecoder:
             self._forged(Forged(Forgery.BAD_REKEY, ln, ev))
             return None
         old = self.pin
-        self.retired = Retired(old, ev.boot, ev.seq)
+        self.retired = (*self.retired, Retired(old, ev.boot, ev.seq))[-MAX_RETIRED:]
         self.pin, self.pin_fp, self.ephemeral = new, None, False
         self.rekeys.append((old, new, ev.boot, ev.seq))
         return shown_rekey(ev, old)
