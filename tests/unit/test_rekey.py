@@ -130,7 +130,8 @@ def test_decode_of_rekey_lines(
         # the same line at another (boot, seq) than the retired key's rotation is not it
         elsewhere = decode_line(line, pin=new.public, retired=Retired(old.public, boot, seq + 1))
         assert isinstance(elsewhere, Event)  # seq below the rotation: the old key's own line
-        later = decode_line(line, pin=new.public, retired=Retired(old.public, boot, max(seq, 1) - 1))
+        below = Retired(old.public, boot, max(seq, 1) - 1)
+        later = decode_line(line, pin=new.public, retired=below)
         if seq > 0:
             assert isinstance(later, Forged) and later.reason == Forgery.RETIRED
     # one damaged byte anywhere: never an accepted rekey
