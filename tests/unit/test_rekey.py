@@ -278,3 +278,24 @@ def test_the_retired_key_cannot_sign_after_its_rotation() -> None:
     assert not any(e.event == "shutdown" for e in tl.events)
     assert tl.retired_lines == 3 and tl.forged == 0
     assert tl.judge(RUN, 71.0, POL).kind is VerdictKind.HEALTHY
+
+
+def test_a_reloaded_reader_of_a_first_boot_still_follows_its_rotation() -> None:
+    """A first boot's agent announces ``inst=-`` (its identity cache came later); the poll
+    path's timeline is saved and reloaded between reads (the cursor file), without the instance
+    id: the reader gives it again, and the rotation naming the instance is followed."""
+    w = Writer(OLD, inst="-")
+    _healthy_boot(w)
+    tl = Timeline(instance_id=INST)
+    tl.feed(w.data(), 1.0)
+    w.lines.clear()
+    w.inst = INST
+    w.rotate(NEW)
+    w.emit("heartbeat", rung="0/10", ph="workload", ticks=9)
+    lost = Timeline.from_json(tl.to_json())  # no instance id: a rotation it cannot check
+    lost.feed(w.data(), 2.0)
+    assert lost.pin == OLD.public and lost.forged_reasons.get(Forgery.RELABELLED) == 1
+    back = Timeline.from_json(tl.to_json())
+    back.set_instance(INST)
+    back.feed(w.data(), 2.0)
+    assert back.pin == NEW.public and back.forged == 0

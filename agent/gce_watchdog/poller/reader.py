@@ -237,6 +237,7 @@ class SerialReader:
             cur = Cursor(name)  # a new instance under the same name: its own port, its own log
         if instance_id:
             cur.instance_id = instance_id
+            cur.timeline.set_instance(instance_id)  # a reloaded timeline does not keep it
         shared = self.pins.get_pin(instance_id) if self.pins is not None and instance_id else None
         if shared is not None:
             cur.timeline.set_pin(shared.public, shared.fingerprint, shared.retired)

@@ -282,6 +282,12 @@ class Timeline:
         """Lines of the rotated-away key after its rotation (counted, not forged)."""
         return self._retired_base + self._decoder.stats.retired
 
+    def set_instance(self, instance_id: str) -> None:
+        """The instance id the stream is read for (not kept in :meth:`to_json`: the reader's
+        cursor knows it): announcements and rotation lines naming another are refused."""
+        if instance_id:
+            self._decoder.instance_id = instance_id
+
     def pin_stored(self) -> None:
         """The caller stored the pin placed here (in the ledger)."""
         self._decoder.pinned_here = False

@@ -156,6 +156,7 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
         KeyUnavailable,
         RotateRefused,
         SeqAllocator,
+        inspect_line_key,
         rotate_line_key,
     )
     from gce_watchdog.wire import protocol
@@ -170,6 +171,11 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
             file=sys.stderr,
         )
         return EX_UNAVAILABLE
+    try:  # not root: say so before the console (root's too) is tried
+        inspect_line_key(state_dir, run_dir)
+    except KeyUnavailable as e:
+        print(f"{prog}: {e} (run as root)", file=sys.stderr)
+        return EX_NOPERM
     boot = boot_of(cfg)
     s = cfg.serial
     try:
