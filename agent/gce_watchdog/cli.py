@@ -134,9 +134,11 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("74", "the ledger cannot be opened or read"),
     ),
     ("key",): (
-        ("0", "printed the fingerprint"),
+        ("0", "printed the fingerprint (--rotate: rotated, the new key's fingerprint printed)"),
         ("1", "printed, but the key is ephemeral (not kept in the state dir): do not pin it"),
         _USAGE,
+        ("69", "--rotate: refused, nothing changed (no durable key, instance id not known yet)"),
+        ("74", "--rotate: the rekey line was not confirmed on the console: the old key kept"),
         ("77", "not root: the key is root's alone"),
         _CONFIG,
     ),

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 from gce_watchdog.poller.assemble import Received
 from gce_watchdog.poller.verdict import terminal_kind
-from gce_watchdog.wire.protocol import Event
+from gce_watchdog.wire.protocol import MAX_RETIRED, Event, Retired, Retirees
 
 # A claim holds the write lock for a few milliseconds; 30 s covers a busy disk and many pollers.
 BUSY_TIMEOUT_MS = 30_000
@@ -79,8 +79,28 @@ CREATE TABLE IF NOT EXISTS pins (
     source      TEXT NOT NULL,
     pinned_at   REAL NOT NULL,
     pinned_by   TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS pin_rekeys (
+    instance_id TEXT NOT NULL,
+    old_public  TEXT NOT NULL,
+    boot        TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    rekeyed_at  REAL NOT NULL,
+    rekeyed_by  TEXT NOT NULL,
+    PRIMARY KEY (instance_id, old_public)
 )
 """
+# The rotations of each instance's pin (``rekey`` lines: docs/serial-protocol.md, "Key
+# rotation"): the key each replaced and its rekey line's boot and seq. Both backends.
+PIN_REKEYS_TABLE = """CREATE TABLE IF NOT EXISTS pin_rekeys (
+    instance_id TEXT NOT NULL,
+    old_public  TEXT NOT NULL,
+    boot        TEXT NOT NULL,
+    seq         BIGINT NOT NULL,
+    rekeyed_at  DOUBLE PRECISION NOT NULL,
+    rekeyed_by  TEXT NOT NULL,
+    PRIMARY KEY (instance_id, old_public)
+)"""
 # The Pub/Sub workers' shared assembly state (poller/pubsub.py, poller/assemble.py): the same
 # tables in both backends (ledger_pg has its copy). Kept apart from the decisions so that the
 # ledger's other users never read them.
@@ -280,7 +300,9 @@ class Pin:
 
     ``public``: the Ed25519 public key, or None for a hand pin whose key no reader has seen yet
     (an announcement with ``fingerprint`` fills it in). ``source``: ``placed`` (from the first
-    line of the instance's first boot, read from byte 0) or ``hand`` (``gce-watchdog pin``)."""
+    line of the instance's first boot, read from byte 0), ``hand`` (``gce-watchdog pin``) or
+    ``rekey`` (moved by a rotation line signed with the previous pin; ``retired``: the keys
+    rotations replaced and where, oldest first)."""
 
     instance_id: str
     fingerprint: str
@@ -288,10 +310,12 @@ class Pin:
     source: str
     pinned_at: float
     pinned_by: str
+    retired: Retirees = ()
 
 
 PIN_PLACED = "placed"
 PIN_HAND = "hand"
+PIN_REKEY = "rekey"
 _PIN_COLUMNS = "instance_id, fingerprint, public, source, pinned_at, pinned_by"
 
 
@@ -307,6 +331,12 @@ def _b64(data: bytes) -> str:
     import base64
 
     return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    import base64
+
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
 # Keys without a boot: the verdict came from no line of ours ("-"), or without an instance id
@@ -665,7 +695,57 @@ class BaseLedger:
             f"SELECT {_PIN_COLUMNS} FROM pins WHERE instance_id = ?",  # noqa: S608 (constants)
             (instance_id,),
         )
-        return _pin_row(rows[0]) if rows else None
+        if not rows:
+            return None
+        pin = _pin_row(rows[0])
+        if pin.source != PIN_REKEY:
+            return pin
+        rk = self._exec(
+            "SELECT old_public, boot, seq FROM pin_rekeys WHERE instance_id = ?"
+            " ORDER BY rekeyed_at, seq",
+            (instance_id,),
+        )
+        chain = tuple(Retired(_unb64(str(o)), str(b), int(str(q))) for o, b, q in rk)
+        return replace(pin, retired=chain[-MAX_RETIRED:])
+
+    @_locked
+    def rekey_pin(
+        self,
+        instance_id: str,
+        old: bytes,
+        new: bytes,
+        fingerprint: str,
+        boot: str,
+        seq: int,
+        now: float | None = None,
+    ) -> Pin | None:
+        """Move the instance's pin from ``old`` to ``new``: a ``rekey`` line signed with ``old``
+        (a reader verified it) at ``boot``/``seq``. Compare-and-set: only while ``old`` is the
+        pin, so readers that decoded the same rotation move it once, and a stale one moves
+        nothing. Returns the pin as stored afterwards (None: the instance has no pin)."""
+        at = time.time() if now is None else now
+        try:
+            self._begin_write()
+            n = self._rowcount(
+                "UPDATE pins SET fingerprint = ?, public = ?, source = ?, pinned_at = ?,"
+                " pinned_by = ? WHERE instance_id = ? AND public = ?",
+                (fingerprint, _b64(new), PIN_REKEY, at, self.owner, instance_id, _b64(old)),
+            )
+            if n:
+                self._exec(
+                    "DELETE FROM pin_rekeys WHERE instance_id = ? AND old_public = ?",
+                    (instance_id, _b64(old)),
+                )
+                self._exec(
+                    "INSERT INTO pin_rekeys (instance_id, old_public, boot, seq, rekeyed_at,"
+                    " rekeyed_by) VALUES (?, ?, ?, ?, ?, ?)",
+                    (instance_id, _b64(old), boot, seq, at, self.owner),
+                )
+            self._commit()
+        except BaseException:
+            self._rollback()
+            raise
+        return self.get_pin(instance_id)
 
     @_locked
     def place_pin(
@@ -709,6 +789,7 @@ class BaseLedger:
                 (instance_id,),
             )
             self._exec("DELETE FROM pins WHERE instance_id = ?", (instance_id,))
+            self._exec("DELETE FROM pin_rekeys WHERE instance_id = ?", (instance_id,))
             self._exec(
                 "INSERT INTO pins (instance_id, fingerprint, public, source, pinned_at, pinned_by)"
                 " VALUES (?, ?, NULL, ?, ?, ?)",

@@ -30,6 +30,7 @@ from gce_watchdog.poller.ledger import (
     ANNOUNCE_LEASE_S,
     ASSEMBLY_SCHEMA,
     DISPATCH_TABLES,
+    PIN_REKEYS_TABLE,
     BaseLedger,
 )
 
@@ -117,6 +118,11 @@ class PostgresLedger(BaseLedger):
                     if not self._ready("brake_holds"):
                         for stmt in DISPATCH_TABLES:
                             self._db.execute(stmt)
+            if not self._ready("pin_rekeys"):  # key rotations (later)
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._ready("pin_rekeys"):
+                        self._db.execute(PIN_REKEYS_TABLE)
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))

@@ -65,7 +65,18 @@ from gce_watchdog.poller.ledger import (
 )
 from gce_watchdog.poller.poller import PollOutcome, announced_outcome, lapsed_announcements
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
-from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, decode_line
+from gce_watchdog.wire.protocol import (
+    REKEY_EVENT,
+    Event,
+    Forged,
+    Forgery,
+    KeyAnnounce,
+    Retirees,
+    decode_line,
+    parse_rekey,
+    pk_fingerprint,
+    shown_rekey,
+)
 
 SERIAL_LOG_SUFFIX = "/logs/serialconsole.googleapis.com%2Fserial_port_1_output"
 NAME_LABEL = "compute.googleapis.com/resource_name"
@@ -113,6 +124,16 @@ def serial_text(payload: str) -> str:
         text = cut
 
 
+def _maybe_stale(res: object) -> bool:
+    """A result that a pin moved by another worker would explain."""
+    return isinstance(res, Forged) and res.reason in (
+        Forgery.BAD_SIG,
+        Forgery.UNPLACED,
+        Forgery.BAD_REKEY,
+        Forgery.RETIRED,
+    )
+
+
 def parse_log_entry(data: bytes) -> SerialLine | None:
     """The serial line a sink's message carries, or None (another log, or not a LogEntry)."""
     try:
@@ -141,13 +162,25 @@ class PinStore(Protocol):
     """Where an instance's v3 line key is pinned (the ledger's ``pins``, shared by every reader):
     the poll path places a pin from byte 0 of the port, an operator by hand. A worker never
     places one itself (a stream cannot show it has everything since the instance's creation);
-    it only fills in the key of a hand pin from an announcement with that fingerprint."""
+    it only fills in the key of a hand pin from an announcement with that fingerprint, and
+    moves a pin through a ``rekey`` line that verifies under it."""
 
     def get_pin(self, instance_id: str) -> Pin | None: ...
 
     def place_pin(
         self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
     ) -> Pin: ...
+
+    def rekey_pin(
+        self,
+        instance_id: str,
+        old: bytes,
+        new: bytes,
+        fingerprint: str,
+        boot: str,
+        seq: int,
+        now: float | None = None,
+    ) -> Pin | None: ...
 
 
 @dataclass
@@ -159,6 +192,8 @@ class WorkerStats:
     unverified: int = 0  # lines stored raw: no key pinned yet for the instance
     dropped: int = 0  # raw lines past UNVERIFIED_MAX for their instance (acked, not stored)
     unpinned: int = 0  # batches' instances seen without a pin in the ledger (an alarm)
+    rekeys: int = 0  # pins this worker moved through a verified rekey line
+    retired: int = 0  # lines of a key rotated away from, after the rotation (not forged)
     decisions: int = 0
     announced: int = 0
     acked: int = 0
@@ -196,6 +231,12 @@ class PubSubWorker:
         self.pull_max = pull_max
         self.stats = WorkerStats()
         self._pin_cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        # Pins that moved (a rekey line, here or by another worker): the newest key and the one
+        # it retired, ahead of the batch's own lookup; and when a pin was last looked up again.
+        self._moved: collections.OrderedDict[str, tuple[bytes, Retirees]] = (
+            collections.OrderedDict()
+        )
+        self._relooked: dict[str, float] = {}
         self.unpinned: set[str] = set()  # instance ids seen without a pin (at most PIN_CACHE)
         self._last_sweep = 0.0
         self._last_housekeeping = 0.0
@@ -310,7 +351,26 @@ class PubSubWorker:
         raw: list[RawLine],
     ) -> None:
         """One line of a serial LogEntry: a verified line to store, a raw one, or neither."""
-        res = decode_line(ln.text, None, key)
+        iid = ln.instance_id
+        retired: Retirees = ()
+        if key is not None and iid in self._moved:
+            key, retired = self._moved[iid]
+        res = decode_line(ln.text, None, key, retired)
+        if key is not None and _maybe_stale(res) and self._relooked.get(iid) != now:
+            # another worker may have moved the pin (a rekey line): look it up once per batch
+            self._relooked[iid] = now
+            if len(self._relooked) > PIN_CACHE:
+                self._relooked.clear()
+            pin = self.pins.get_pin(iid)
+            if pin is not None and pin.public is not None and pin.public != key:
+                key, retired = pin.public, pin.retired
+                self._move(iid, key, retired)
+                res = decode_line(ln.text, None, key, retired)
+        if isinstance(res, Event) and res.event == REKEY_EVENT and key is not None:
+            res = self._rekey(ln, key, retired, res, now)
+        if isinstance(res, Forged) and res.reason == Forgery.RETIRED:
+            self.stats.retired += 1
+            return
         if isinstance(res, KeyAnnounce):
             # protocol v3: only the pinned key's announcement, for this very instance id (a
             # real line relabelled with another VM's id names its own), is accepted
@@ -339,6 +399,35 @@ class PubSubWorker:
         lines.append(
             StoredLine(ln.instance_id, ln.project, ln.zone, ln.instance, res, now, published)
         )
+
+    def _move(self, iid: str, key: bytes, retired: Retirees) -> None:
+        self._cache(iid, key)
+        self._moved[iid] = (key, retired)
+        self._moved.move_to_end(iid)
+        while len(self._moved) > PIN_CACHE:
+            self._moved.popitem(last=False)
+
+    def _rekey(
+        self, ln: SerialLine, key: bytes, retired: Retirees, ev: Event, now: float
+    ) -> Event | Forged:
+        """A rekey line that verified under the pin (or the retired key's rekey into the pin):
+        the ledger's pin moves (compare-and-set: the workers that got copies move it once)."""
+        parsed = parse_rekey(ev)
+        if parsed is None:
+            return Forged(Forgery.BAD_REKEY, b"", ev)
+        new, inst = parsed
+        if new == key or any(new == r.public for r in retired):
+            # a rotation already followed (a copy, a redelivery): signed by the key of then
+            return shown_rekey(ev, retired[-1].public if retired else None)
+        if inst != ln.instance_id:  # a real rekey of another VM (the same key) relabelled
+            return Forged(Forgery.RELABELLED, b"", ev)
+        stored = self.pins.rekey_pin(
+            ln.instance_id, key, new, pk_fingerprint(new), ev.boot, ev.seq, now
+        )
+        if stored is not None and stored.public is not None:
+            self._move(ln.instance_id, stored.public, stored.retired)
+            self.stats.rekeys += stored.public == new
+        return shown_rekey(ev, key)
 
     def _verify_raw(self, instance_id: str, key: bytes, now: float) -> set[tuple[str, str]]:
         """Verify the raw lines any worker stored for an instance now pinned."""

@@ -200,6 +200,17 @@ class PinStore(Protocol):
         self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
     ) -> Pin: ...
 
+    def rekey_pin(
+        self,
+        instance_id: str,
+        old: bytes,
+        new: bytes,
+        fingerprint: str,
+        boot: str,
+        seq: int,
+        now: float | None = None,
+    ) -> Pin | None: ...
+
 
 class SerialReader:
     """Incremental reads of serial port 1 for many instances, resuming from stored cursors.
@@ -226,9 +237,10 @@ class SerialReader:
             cur = Cursor(name)  # a new instance under the same name: its own port, its own log
         if instance_id:
             cur.instance_id = instance_id
+            cur.timeline.set_instance(instance_id)  # a reloaded timeline does not keep it
         shared = self.pins.get_pin(instance_id) if self.pins is not None and instance_id else None
         if shared is not None:
-            cur.timeline.set_pin(shared.public, shared.fingerprint)
+            cur.timeline.set_pin(shared.public, shared.fingerprint, shared.retired)
         fetched = lost = new_events = new = 0
         reset = False
         # At most two reads: the second only after a buffer reset (the port restarted at 0).
@@ -264,9 +276,21 @@ class SerialReader:
             break
         tl = cur.timeline
         if self.pins is not None and instance_id and tl.pinned_here and tl.pin is not None:
-            stored = self.pins.place_pin(instance_id, tl.pin, pk_fingerprint(tl.pin), rx)
+            placed = tl.rekeys[0][0] if tl.rekeys else tl.pin  # the key before any rotation
+            stored = self.pins.place_pin(instance_id, placed, pk_fingerprint(placed), rx)
             tl.set_pin(stored.public, stored.fingerprint)  # the ledger's pin is the pin
             tl.pin_stored()
+        if self.pins is not None and instance_id and tl.rekeys:
+            # a rotation line verified under the pin: the ledger's pin moves (compare-and-set,
+            # so every reader that decoded it moves it once), and every reader follows
+            moved = None
+            for old_pk, new_pk, boot, seq in tl.rekeys:
+                moved = self.pins.rekey_pin(
+                    instance_id, old_pk, new_pk, pk_fingerprint(new_pk), boot, seq, rx
+                )
+            tl.rekeys_stored()
+            if moved is not None and moved.public is not None:
+                tl.set_pin(moved.public, moved.fingerprint, moved.retired)
         self.store.save(project, zone, cur)
         return ReadResult(fetched, new, lost, reset, new_events)
 

@@ -30,8 +30,11 @@ from gce_watchdog.poller.verdict import (
 )
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import (
+    MAX_RETIRED,
     Event,
     Forgery,
+    Retired,
+    Retirees,
     StreamDecoder,
     fingerprint,
     pk_fingerprint,
@@ -106,6 +109,7 @@ class Timeline:
         pin_fp: str | None = None,
         from_start: bool = True,
         instance_id: str = "",
+        retired: Retired | Retirees | None = None,
     ) -> None:
         self.events: list[Event] = []
         self.boots: dict[str, BootInfo] = {}
@@ -114,9 +118,15 @@ class Timeline:
         self.lost_bytes = 0
         self.resets = 0  # times the API's buffer restarted below our offset
         self._decoder = StreamDecoder(
-            key, pin=pin, pin_fp=pin_fp, from_start=from_start, instance_id=instance_id
+            key,
+            pin=pin,
+            pin_fp=pin_fp,
+            from_start=from_start,
+            instance_id=instance_id,
+            retired=retired,
         )
         self._forged_base = 0
+        self._retired_base = 0
         self._conflicts_base = 0
         self._forged_reasons_base: dict[str, int] = {}
         self.forged_samples: list[str] = []
@@ -233,15 +243,50 @@ class Timeline:
         """The pinned v3 public key (the ledger's, a hand pin's key, or placed here)."""
         return self._decoder.pin
 
-    def set_pin(self, pin: bytes | None, pin_fp: str | None = None) -> None:
-        """The ledger's pin (every reader shares it); from now on lines verify under it."""
+    def set_pin(
+        self, pin: bytes | None, pin_fp: str | None = None, retired: Retirees | None = None
+    ) -> None:
+        """The ledger's pin (every reader shares it); from now on lines verify under it.
+        ``retired``: the keys rotations replaced (the ledger's, oldest first), if any."""
         d = self._decoder
+        if pin is not None and retired:
+            d.retired = tuple(retired)
         if pin is not None and d.pin != pin:
             d.pin, d.pinned_here, d.placeable = pin, False, False
         elif pin is None and pin_fp is not None:  # pinned by hand, its key not seen yet
             if d.pin is None or pk_fingerprint(d.pin) != pin_fp:
                 d.pin, d.pinned_here = None, False
             d.pin_fp, d.placeable = pin_fp, False
+
+    @property
+    def retired(self) -> Retired | None:
+        """The key the pin replaced by the latest rotation (``rekey``), and where."""
+        return self._decoder.retired[-1] if self._decoder.retired else None
+
+    @property
+    def retired_chain(self) -> Retirees:
+        """Every key rotations replaced (bounded), oldest first."""
+        return self._decoder.retired
+
+    @property
+    def rekeys(self) -> list[tuple[bytes, bytes, str, int]]:
+        """Rotations decoded from this stream and not stored yet: (old, new, boot, seq)."""
+        return list(self._decoder.rekeys)
+
+    def rekeys_stored(self) -> None:
+        """The caller stored :attr:`rekeys` (in the ledger)."""
+        self._decoder.rekeys.clear()
+
+    @property
+    def retired_lines(self) -> int:
+        """Lines of the rotated-away key after its rotation (counted, not forged)."""
+        return self._retired_base + self._decoder.stats.retired
+
+    def set_instance(self, instance_id: str) -> None:
+        """The instance id the stream is read for (not kept in :meth:`to_json`: the reader's
+        cursor knows it): announcements and rotation lines naming another are refused."""
+        if instance_id:
+            self._decoder.instance_id = instance_id
 
     def pin_stored(self) -> None:
         """The caller stored the pin placed here (in the ledger)."""
@@ -370,6 +415,12 @@ class Timeline:
             "key": self.key.hex() if self.key is not None else None,
             "pin": _b64(self.pin) if self.pin is not None else None,
             "pin_fp": self._decoder.pin_fp,
+            "retired": [
+                {"pk": _b64(r.public), "boot": r.boot, "seq": r.seq} for r in self.retired_chain
+            ],
+            "retired_lines": self.retired_lines,
+            "inst_seen": self._decoder.inst_seen,
+            "rekeys": [[_b64(o), _b64(n), b, q] for o, n, b, q in self._decoder.rekeys],
             "placeable": self._decoder.placeable,
             "unplaced": self.unplaced,
             "ephemeral": self.ephemeral,
@@ -403,6 +454,16 @@ class Timeline:
         d.placeable = bool(obj.get("placeable", False)) and d.pin is None
         d.unplaced = [str(x) for x in obj.get("unplaced") or []][: d.MAX_UNPLACED]
         d.ephemeral = bool(obj.get("ephemeral", False))
+        d.retired = tuple(
+            Retired(unb64(str(r["pk"])), str(r["boot"]), int(r["seq"]))
+            for r in (obj.get("retired") or [])[-MAX_RETIRED:]
+        )
+        d.inst_seen = str(obj.get("inst_seen") or "")
+        d.rekeys = [
+            (unb64(str(o)), unb64(str(n)), str(b), int(q))
+            for o, n, b, q in (obj.get("rekeys") or [])[: d.MAX_REKEYS]
+        ]
+        t._retired_base = int(obj.get("retired_lines", 0))
         t.events = [Event.from_json(e) for e in obj["events"]]
         t._forged_base = int(obj.get("forged", 0))
         t._conflicts_base = int(obj.get("conflicts", 0))

@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
-from gce_watchdog.lib.cli import EX_CONFIG, EX_NOPERM, EX_OK, EX_USAGE
+from gce_watchdog.lib.cli import (
+    EX_CONFIG,
+    EX_IOERR,
+    EX_NOPERM,
+    EX_OK,
+    EX_UNAVAILABLE,
+    EX_USAGE,
+)
 from gce_watchdog.vm import config as cfgmod
 
 
@@ -31,11 +39,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Print the fingerprint of this instance's protocol v3 line key (run as "
         "root on the VM), for `gce-watchdog pin INSTANCE_ID FINGERPRINT` on the poller side. "
         "Reads the key; creates it if the instance has none yet (as the first line would). "
-        "Problems with the key file (a wrong mode or owner, no place to keep it) go to stderr.",
+        "Problems with the key file (a wrong mode or owner, no place to keep it) go to stderr. "
+        "--rotate replaces the key: the console first gets a `rekey` line signed with the old "
+        "key (readers move their pin only through it), then the key file is switched "
+        "atomically; the running agent signs with the new key from its next line on "
+        "(docs/serial-protocol.md, 'Key rotation').",
     )
     add_config_arg(k)
-    k.add_argument(
+    kk = k.add_mutually_exclusive_group()
+    kk.add_argument(
         "--fingerprint", action="store_true", help="print the fingerprint only (the default)"
+    )
+    kk.add_argument(
+        "--rotate",
+        action="store_true",
+        help="make a new key, announce it signed with the old one, switch to it; print the "
+        "new fingerprint",
     )
     k.set_defaults(func=cmd_key)
     p = sub.add_parser("config", help="configuration tools")
@@ -112,6 +131,8 @@ def cmd_key(args: argparse.Namespace) -> int:
     from gce_watchdog.wire.protocol import LineKey
 
     cfg = load_config_or_exit(args.config)
+    if getattr(args, "rotate", False):
+        return cmd_key_rotate(cfg)
     try:
         ks = load_line_key(cfg.agent.state_dir, cfg.agent.run_dir)
     except KeyUnavailable as e:
@@ -123,3 +144,82 @@ def cmd_key(args: argparse.Namespace) -> int:
         print("gce-watchdog key: ephemeral (not in the state dir): do not pin it", file=sys.stderr)
     print(LineKey(ks.seed, ks.ephemeral).fingerprint)
     return 1 if ks.ephemeral else EX_OK
+
+
+def cmd_key_rotate(cfg: cfgmod.Config) -> int:
+    """``key --rotate``: a new key, announced on the console signed with the old one, then the
+    switch (vm.state.rotate_line_key). Refused without a durable key or an instance id (the
+    rekey line binds the new key to the instance id: readers refuse one that names none)."""
+    from gce_watchdog.vm.console import SerialPort, cached_instance_id
+    from gce_watchdog.vm.runtime import boot_of
+    from gce_watchdog.vm.state import (
+        KeyUnavailable,
+        RotateRefused,
+        SeqAllocator,
+        inspect_line_key,
+        rotate_line_key,
+    )
+    from gce_watchdog.wire import protocol
+
+    prog = "gce-watchdog key --rotate"
+    state_dir, run_dir = cfg.agent.state_dir, cfg.agent.run_dir
+    inst = cached_instance_id(state_dir)
+    if inst == "-":
+        print(
+            f"{prog}: the instance id is not known yet ({state_dir}/instance.json: the agent's "
+            "metadata watcher writes it): not rotated",
+            file=sys.stderr,
+        )
+        return EX_UNAVAILABLE
+    try:  # not root: say so before the console (root's too) is tried
+        inspect_line_key(state_dir, run_dir)
+    except KeyUnavailable as e:
+        print(f"{prog}: {e} (run as root)", file=sys.stderr)
+        return EX_NOPERM
+    boot = boot_of(cfg)
+    s = cfg.serial
+    try:
+        port = SerialPort(s.device, s.fallback_file, s.queue_size, s.sync_timeout).open()
+    except OSError as e:
+        print(f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}", file=sys.stderr)
+        return EX_IOERR
+    seq = SeqAllocator(run_dir, boot)
+    written: list[int] = []
+
+    def announce(take: Callable[[], int], old_seed: bytes, new_seed: bytes) -> bool:
+        import time
+
+        old = protocol.LineKey(old_seed)
+        new = protocol.LineKey(new_seed)
+        ts_ms = int(time.time() * 1000)
+        n = take()
+        while protocol.needs_announcement(n):  # the old key's announcement takes its seqs
+            port.submit(protocol.key_line(boot, n, ts_ms, old, inst))
+            n = take()
+        ok = port.write_line(protocol.rekey_line(boot, n, ts_ms, old, new.public, inst), True)
+        written.append(n)
+        return ok and port.dropped == 0
+
+    try:
+        _old, new_seed = rotate_line_key(state_dir, seq, announce)
+    except KeyUnavailable as e:
+        port.close()
+        print(f"{prog}: {e} (run as root)", file=sys.stderr)
+        return EX_NOPERM
+    except RotateRefused as e:
+        port.close()
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EX_IOERR if written else EX_UNAVAILABLE
+    except OSError as e:
+        port.close()
+        print(f"{prog}: {e.strerror or e}: not rotated", file=sys.stderr)
+        return EX_IOERR
+    import time
+
+    new = protocol.LineKey(new_seed)
+    # the new key, announced as usual (readers that moved their pin see it at once)
+    port.write_line(protocol.key_line(boot, seq.next(), int(time.time() * 1000), new, inst), True)
+    port.close()
+    print(f"{prog}: rekey line at seq {written[-1]} of boot {boot}", file=sys.stderr)
+    print(new.fingerprint)
+    return EX_OK

@@ -38,7 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from gce_watchdog.vm.state import KeyUnavailable, SeqAllocator, load_line_key
+from gce_watchdog.vm.state import (
+    KEY_FILE,
+    KeyUnavailable,
+    SeqAllocator,
+    key_identity,
+    load_line_key,
+    read_key_file,
+)
 from gce_watchdog.wire import protocol
 
 Waiter = Callable[[], bool]
@@ -418,6 +425,32 @@ class _PartialWrite(OSError):
 Clock = Callable[[], float]
 
 
+class KeyFollower:
+    """Follows a rotation of the durable key file (``gce-watchdog key --rotate``): the running
+    agent (and any writer) picks the new key up on its next line, with no signal and no
+    restart. ``changed()`` costs one ``stat``: the file's (device, inode) changes only when a
+    rotation renames the new key over it. A key file that went away or became unusable is not
+    followed (the key in hand stays: it never changes silently)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._ident: tuple[int, int] | None = None  # the first look reads the file once
+
+    def changed(self) -> protocol.LineKey | None:
+        """The new key when the file is another one than last time, else None."""
+        ident = key_identity(self.path)
+        if ident is None or ident == self._ident:
+            return None
+        try:
+            seed, ident = read_key_file(self.path)
+        except PermissionError:
+            return None
+        if seed is None:
+            return None
+        self._ident = ident
+        return protocol.LineKey(seed)
+
+
 class Emitter:
     """Numbers, timestamps, encodes, signs and writes events; mirrors them to the structured log.
 
@@ -442,8 +475,10 @@ class Emitter:
         key: protocol.LineKey | None,
         inst: str = "-",
         key_problems: Iterable[str] = (),
+        follow: KeyFollower | None = None,
     ) -> None:
         self.sink = sink
+        self.follow = follow  # the durable key file, followed across a rotation
         self.seq = seq
         self.boot = boot
         self.wall = wall
@@ -493,6 +528,14 @@ class Emitter:
                 waiter: Waiter = lambda: False  # noqa: E731
             else:
                 n = self.seq.next()
+                # After taking the seq: a rotation renames the new key in while it holds the
+                # counter's lock, so every seq after the rekey line's sees the new file here.
+                fresh = self.follow.changed() if self.follow is not None else None
+                if fresh is not None and fresh.public != self.key.public:
+                    self.key = fresh
+                    line = protocol.key_line(self.boot, n, ts_ms, self.key, self.inst)
+                    self.sink.submit(line, sync=sync)  # the new key, announced at once
+                    n = self.seq.next()
                 while protocol.needs_announcement(n):
                     # The announcement; never mirrored to the journal.
                     line = protocol.key_line(self.boot, n, ts_ms, self.key, self.inst)
@@ -526,9 +569,24 @@ def open_emitter(
     key, problems = key_or_none(state_dir, run_dir)
     inst = cached_instance_id(state_dir)
     emitter = Emitter(
-        port, SeqAllocator(run_dir, boot), boot, log=log, key=key, inst=inst, key_problems=problems
+        port,
+        SeqAllocator(run_dir, boot),
+        boot,
+        log=log,
+        key=key,
+        inst=inst,
+        key_problems=problems,
+        follow=follower(state_dir, key),
     )
     return emitter, port
+
+
+def follower(state_dir: str, key: protocol.LineKey | None) -> KeyFollower | None:
+    """A :class:`KeyFollower` of the durable key file, for a durable key (an ephemeral one is
+    never rotated)."""
+    if key is None or key.ephemeral:
+        return None
+    return KeyFollower(Path(state_dir) / KEY_FILE)
 
 
 def cached_instance_id(state_dir: str) -> str:

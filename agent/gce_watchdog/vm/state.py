@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from gce_watchdog.lib.files import atomic_write
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+_T = TypeVar("_T")
 
 
 def read_boot_id(path: str = BOOT_ID_PATH) -> str:
@@ -104,28 +106,45 @@ class SeqAllocator:
         return n
 
     def _next_locked(self) -> int:
+        return self.locked(lambda take: take())
+
+    def locked(self, fn: Callable[[Callable[[], int]], _T]) -> _T:
+        """Call ``fn(take)`` while holding the counter's lock: ``take()`` hands out the next
+        seq (as :meth:`next`), and no other writer gets one until ``fn`` returns. Used by the
+        key rotation: the rekey line's seq and the switch of the key file are one step for
+        every other writer (docs/serial-protocol.md, "Key rotation"). Raises OSError when the
+        file cannot be used."""
         self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW  # a planted link: refused
         fd = os.open(self.path, flags, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            raw = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
-            if raw.isdigit():
-                n = int(raw)
-            elif raw:
-                # A corrupt record (a torn write, someone's edit): numbering never goes back to
-                # 0 (that would reuse seqs): it continues from the boot-time floor, as when the
-                # file cannot be used, and the record is rewritten from there.
-                self.fallbacks += 1
-                n = max(self._last + 1, self.floor())
-            else:
-                n = 0  # a new file: the boot's first line
-            data = f"{n + 1:0{self.WIDTH}d}\n".encode()
-            if os.pwrite(fd, data, 0) != len(data):
-                raise OSError(errno.ENOSPC, "short write of the seq record")
-            return n
+
+            def take() -> int:
+                n = self._take(fd)
+                self._last = n
+                return n
+
+            return fn(take)
         finally:
             os.close(fd)  # releases the lock
+
+    def _take(self, fd: int) -> int:
+        raw = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+        if raw.isdigit():
+            n = int(raw)
+        elif raw:
+            # A corrupt record (a torn write, someone's edit): numbering never goes back to
+            # 0 (that would reuse seqs): it continues from the boot-time floor, as when the
+            # file cannot be used, and the record is rewritten from there.
+            self.fallbacks += 1
+            n = max(self._last + 1, self.floor())
+        else:
+            n = 0  # a new file: the boot's first line
+        data = f"{n + 1:0{self.WIDTH}d}\n".encode()
+        if os.pwrite(fd, data, 0) != len(data):
+            raise OSError(errno.ENOSPC, "short write of the seq record")
+        return n
 
 
 class KeyUnavailable(Exception):
@@ -275,6 +294,99 @@ def load_line_key(state_dir: str | Path, run_dir: str | Path) -> KeyState:
         problems.append(f"{run / KEY_FILE}: cannot be created ({e.strerror or e})")
     problems.append("no place keeps the line key: a key of this process only")
     return KeyState(secrets.token_bytes(SEED_BYTES), None, True, problems)
+
+
+class RotateRefused(Exception):
+    """The key cannot be rotated (ephemeral, not in the state dir, unusable): nothing changed."""
+
+
+def read_key_file(path: str | Path) -> tuple[bytes | None, tuple[int, int] | None]:
+    """The seed in ``path`` and the file's identity (device, inode), for a writer that follows
+    a rotation (:class:`vm.console.KeyFollower`); (None, None) when it is not a usable key.
+    Never raises but PermissionError (not root)."""
+    p = Path(path)
+    try:
+        st = os.stat(p, follow_symlinks=False)
+    except FileNotFoundError:
+        return None, None
+    except PermissionError:
+        raise
+    except OSError:
+        return None, None
+    seed = _read_key(p, [])
+    return seed, ((st.st_dev, st.st_ino) if seed is not None else None)
+
+
+def key_identity(path: str | Path) -> tuple[int, int] | None:
+    """(device, inode) of the key file, or None: the cheap check a following writer makes."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def rotate_line_key(
+    state_dir: str | Path,
+    seq: SeqAllocator,
+    announce: Callable[[Callable[[], int], bytes, bytes], bool],
+    new_seed: bytes | None = None,
+) -> tuple[bytes, bytes]:
+    """Replace the instance's durable line key with a new one, announced first.
+
+    The new seed is written (0600, fsynced) next to the key; then, holding the seq counter's
+    lock, ``announce(take, old_seed, new_seed)`` writes the rekey line (signed with the old
+    key) and says whether the console confirmed it; only then is the new file renamed over
+    the key (atomic) and the directory fsynced. Every other writer takes its next seq after
+    the rename, and checks the key file after taking it (``KeyFollower``): no line after the
+    rekey line is signed with the old key. When ``announce`` says False (or raises) the old key
+    stays and the new one is deleted. Returns (old seed, new seed); raises RotateRefused when
+    there is no durable key to rotate, KeyUnavailable when not root, OSError when the state
+    dir or the counter cannot be written."""
+    problems: list[str] = []
+    path = Path(state_dir) / KEY_FILE
+    try:
+        old = _read_key(path, problems)
+    except PermissionError as e:
+        raise KeyUnavailable(f"{e.filename}: {e.strerror or e}") from e
+    if old is None:  # an ephemeral key (run dir, memory) is not rotated: not kept anyway
+        why = "; ".join(problems) or f"{path}: no durable key (ephemeral or none yet)"
+        raise RotateRefused(why)
+    seed = new_seed if new_seed is not None else secrets.token_bytes(SEED_BYTES)
+    if len(seed) != SEED_BYTES or seed == old:
+        raise RotateRefused("the new key must be 32 new bytes")
+    tmp = path.parent / f".{KEY_FILE}.rotate.{os.getpid()}.tmp"
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(tmp, flags, 0o600)
+    except PermissionError as e:
+        _not_root(e)
+        raise
+    try:
+        try:
+            if os.write(fd, seed) != SEED_BYTES:
+                raise OSError(errno.ENOSPC, "short write of the new key")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+        def switch(take: Callable[[], int]) -> bool:
+            if not announce(take, old, seed):
+                return False
+            os.replace(tmp, path)  # still under the counter's lock
+            dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            return True
+
+        if not seq.locked(switch):
+            raise RotateRefused("the rekey line was not confirmed on the console: key kept")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return old, seed
 
 
 # The current job phase (bootstrap, workload, done, setup_failed), written by `gce-watchdog phase`

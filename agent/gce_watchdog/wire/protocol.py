@@ -67,6 +67,9 @@ PK_BYTES = 32  # Ed25519 public key (and the private seed)
 PK_CHARS = 43  # its base64url form, no padding
 TRAILER_LEN = len(" #") + SIG_CHARS + 8  # v3: " #" + signature + crc = 96 bytes
 KEY_EVENT = "key"  # the announcement; the event readers see carries only the fingerprint
+# A key rotation (``gce-watchdog key --rotate``): ``rekey pk=<new public key> inst=<instance id>``
+# signed with the OLD key. Readers move their pin only through one that verifies under the pin.
+REKEY_EVENT = "rekey"
 # The announcement is the first two lines of every boot (seq 0 and 1: a kernel message spliced
 # into one copy leaves the other) and then the line before every seq that is a multiple of this.
 ANNOUNCE_EVERY = 32
@@ -376,6 +379,100 @@ def key_line(boot: str, seq: int, ts_ms: int, key: LineKey, inst: str = "-") -> 
     return encode(announce_event(boot, seq, ts_ms, key, inst), key)
 
 
+def rekey_event(boot: str, seq: int, ts_ms: int, new_public: bytes, inst: str) -> Event:
+    """The rotation line: the new public key and the instance id it is bound to (never ``-``).
+    Signed with the old key (:func:`rekey_line`), so only the holder of the pinned key can move
+    the pin; the boot, seq and instance id are signed too (a copy in another VM's stream names
+    that other VM)."""
+    if len(new_public) != PK_BYTES:
+        raise ProtocolError(f"a public key is {PK_BYTES} bytes")
+    if not inst or inst == "-" or sanitize_value(inst) != inst:
+        raise ProtocolError(f"a rekey line names the instance id, not {inst!r}")
+    return Event(REKEY_EVENT, boot, seq, ts_ms, (("pk", b64(new_public)), ("inst", inst)))
+
+
+def rekey_line(boot: str, seq: int, ts_ms: int, old: LineKey, new_public: bytes, inst: str) -> str:
+    """The encoded rotation line, signed with the ``old`` key (see :func:`rekey_event`)."""
+    return encode(rekey_event(boot, seq, ts_ms, new_public, inst), old)
+
+
+def parse_rekey(ev: Event) -> tuple[bytes, str] | None:
+    """(new public key, instance id) of a ``rekey`` event as decoded (its raw ``pk``), or None
+    when its fields are not exactly ``pk`` and ``inst`` (an instance id, never ``-``)."""
+    d = ev.fields_dict
+    pk, inst = d.get("pk", ""), d.get("inst", "")
+    if ev.event != REKEY_EVENT or set(d) != {"pk", "inst"} or not _PK_RE.match(pk):
+        return None
+    if not inst or inst == "-":
+        return None
+    return unb64(pk), inst
+
+
+def shown_rekey(ev: Event, old: bytes | None = None) -> Event:
+    """A ``rekey`` line as readers show it: ``rekey kid=<new fingerprint> inst=... [old=<fp>]``
+    (fingerprints, like the announcement's ``kid``)."""
+    parsed = parse_rekey(ev)
+    if parsed is None:
+        return ev
+    new, inst = parsed
+    shown = [("kid", pk_fingerprint(new)), ("inst", inst)]
+    if old is not None:
+        shown.append(("old", pk_fingerprint(old)))
+    return Event(REKEY_EVENT, ev.boot, ev.seq, ev.ts_ms, tuple(shown), ev.text)
+
+
+@dataclass(frozen=True)
+class Retired:
+    """The key an instance rotated away from, and where: its ``rekey`` line's boot and seq.
+
+    Its lines still verify for the lines it signed before the rotation in that boot (seq below
+    the rekey's: the VM's writers number them before the switch, and a line queued by another
+    writer may reach the console after the rekey line), and the rekey line itself. Its other
+    lines are ``retired_key``: neither evidence nor an alarm (a reader that took the pin after
+    the rotation sees the instance's older lines so)."""
+
+    public: bytes
+    boot: str
+    seq: int
+
+    def covers(self, ev: Event, successor: bytes | None) -> bool:
+        """Whether this key signed ``ev`` before its rotation: a line of the rotation boot
+        below the rekey's seq, or the rekey line itself (naming ``successor``, the key that
+        replaced this one)."""
+        if ev.boot != self.boot:
+            return False
+        if ev.seq < self.seq:
+            return True
+        if ev.seq == self.seq and successor is not None:
+            parsed = parse_rekey(ev)
+            return parsed is not None and parsed[0] == successor
+        return False
+
+
+# The rotations readers remember per instance (the ledger keeps as many): oldest first.
+MAX_RETIRED = 8
+Retirees = tuple[Retired, ...]
+
+
+def _retirees(retired: Retired | Retirees | None) -> Retirees:
+    if retired is None:
+        return ()
+    return (retired,) if isinstance(retired, Retired) else tuple(retired)
+
+
+def _signer_of(
+    ev: Event, chain: Retirees, pin: bytes | None
+) -> tuple[Retired, bytes | None] | None:
+    """The retired key that signed ``ev`` if it is a line from before that key's rotation
+    (the nearest rotation above its seq in its boot), with that key's successor."""
+    best: tuple[Retired, bytes | None] | None = None
+    for i, r in enumerate(chain):
+        succ = chain[i + 1].public if i + 1 < len(chain) else pin
+        if r.covers(ev, succ) and (best is None or r.seq < best[0].seq):
+            best = (r, succ)
+    return best
+
+
 def needs_announcement(seq: int) -> bool:
     """Whether a writer about to use ``seq`` writes the announcement there first: seq 0 and 1
     (two copies at the start of every boot) and every multiple of ANNOUNCE_EVERY."""
@@ -446,6 +543,10 @@ class Forgery:
     V2 = "v2"  # a protocol v2 line with no v2 key held for the instance (or after a v3 pin)
     LEGACY = "v1"  # a protocol v1 line: a CRC only, which any process can compute
     KEY_CONFLICT = "key_conflict"  # v2: a key announcement of another key than the pinned one
+    BAD_REKEY = "bad_rekey"  # v3: a rekey line that does not verify under the pin (or malformed)
+    # v3: a line (or announcement) of the key the instance rotated away from, outside what it
+    # signed before the rotation: counted apart, not an alarm, never decides
+    RETIRED = "retired_key"
 
 
 @dataclass(frozen=True)
@@ -544,7 +645,10 @@ def _v3_announce(ev: Event, body: bytes, sig: bytes) -> KeyAnnounce | None:
 
 
 def decode_line(
-    line: bytes | str, key: bytes | None = None, pin: bytes | None = None
+    line: bytes | str,
+    key: bytes | None = None,
+    pin: bytes | None = None,
+    retired: Retired | Retirees | None = None,
 ) -> Event | KeyAnnounce | Forged | Rejected | None:
     """Decode one console line: ``pin`` is the instance's pinned v3 public key, ``key`` its
     pinned v2 key (None: not known; a v2 line is then forged, reason ``v2``).
@@ -555,10 +659,19 @@ def decode_line(
     pinning is the caller's); Forged for an intact line that does not authenticate; Rejected
     when a marker is there but no intact line. Never raises.
 
+    ``retired``: the keys the pin replaced (rotations, :class:`Retired`, oldest first): a line
+    that does not verify under the pin is an Event when the retired key in force at its boot
+    and seq (``Retired.covers``) signed it; a line of the latest retired key outside that, and
+    an announcement of any retired key outside it, is Forged ``retired_key``. A ``rekey`` line
+    comes back as an Event with its raw ``pk`` (moving the pin is the caller's,
+    :func:`parse_rekey`); one that does not verify is Forged ``bad_rekey``.
+
     Linear in the line's length: at most MAX_MARKERS_PER_LINE markers are tried, each against
-    the trailer candidates in the MAX_LINE bytes after it; at most one signature is verified.
+    the trailer candidates in the MAX_LINE bytes after it; at most two signatures are verified
+    (the pin's, then the retired key's).
     """
     raw = line.encode("latin-1", "replace") if isinstance(line, str) else line
+    chain = _retirees(retired)
     forged: Forged | None = None
     syntax = False
     tried = 0
@@ -582,10 +695,19 @@ def decode_line(
                 if ev is None or not body.startswith(MARKER_BYTES):
                     syntax = True
                     continue
+                sig = unb64(t.group(1).decode())
                 if ev.event == KEY_EVENT and pin is not None and ev.get("pk") != _pk_text(pin):
+                    old = next((r for r in chain if ev.get("pk") == _pk_text(r.public)), None)
+                    if old is not None:
+                        # a key rotated away from: its announcements before its rekey only
+                        if not old.covers(ev, None):
+                            return Forged(Forgery.RETIRED, raw, ev)
+                        ann = _v3_announce(ev, body, sig)
+                        if ann is not None and ann.valid():
+                            return ann.event
+                        return Forged(Forgery.BAD_SIG, raw, ev)
                     # another key than the pin: unplaced, whatever its signature (not checked)
                     return Forged(Forgery.UNPLACED, raw, ev)
-                sig = unb64(t.group(1).decode())
                 if ev.event == KEY_EVENT:
                     ann = _v3_announce(ev, body, sig)
                     if ann is not None:
@@ -595,7 +717,15 @@ def decode_line(
                     break
                 if verify(pin, body, sig):
                     return ev
-                forged = forged or Forged(Forgery.BAD_SIG, raw, ev)
+                signer = _signer_of(ev, chain, pin) if chain else None
+                if signer is not None:  # a line from before a rotation: the key of then
+                    if verify(signer[0].public, body, sig):
+                        return ev
+                elif chain and verify(chain[-1].public, body, sig):
+                    forged = forged or Forged(Forgery.RETIRED, raw, ev)
+                    break
+                bad = Forgery.BAD_REKEY if ev.event == REKEY_EVENT else Forgery.BAD_SIG
+                forged = forged or Forged(bad, raw, ev)
                 break
             continue
         end = min(len(raw), start + V2_MAX_LINE)
@@ -648,6 +778,7 @@ class DecodeStats:
     rejected: int = 0
     duplicates: int = 0
     forged: int = 0  # intact lines that did not authenticate (never events)
+    retired: int = 0  # lines of a key rotated away from, after its rotation (not forged)
     conflicts: int = 0  # authenticated lines whose (boot, seq) was seen with other content
     reject_reasons: dict[str, int] = field(default_factory=dict)
     forged_reasons: dict[str, int] = field(default_factory=dict)
@@ -696,6 +827,7 @@ class StreamDecoder:
         pin_fp: str | None = None,
         from_start: bool = True,
         instance_id: str = "",
+        retired: Retired | Retirees | None = None,
     ) -> None:
         self.stats = DecodeStats()
         self.key = key
@@ -706,6 +838,10 @@ class StreamDecoder:
         self.ephemeral = False  # the pinned key was announced eph=1 (not kept across boots)
         self.unplaced: list[str] = []  # fingerprints of announced keys that are not the pin
         self.key_conflict = False  # v2: a second, different v2 key was announced
+        self.retired: Retirees = _retirees(retired)  # keys the pin replaced, oldest first
+        # Rotations decoded here, in order, not yet stored: (old key, new key, boot, seq).
+        self.rekeys: list[tuple[bytes, bytes, str, int]] = []
+        self.inst_seen = ""  # the instance id the pinned key's announcements name (not "-")
         # Only the stream's first intact line may be pinned, and only from byte 0.
         self.placeable = from_start and pin is None and pin_fp is None
         self._pending = b""
@@ -789,14 +925,50 @@ class StreamDecoder:
             self._forged(Forged(Forgery.BAD_SIG, ln, ann.event))
             return None
         self.ephemeral = self.ephemeral or ann.ephemeral
+        if ann.inst != "-":
+            self.inst_seen = ann.inst
         return ann.event
+
+    MAX_REKEYS = 16  # rotations queued for the caller between two stores (one is the rule)
+
+    def _rekey(self, ln: bytes, ev: Event) -> Event | None:
+        """A ``rekey`` line decode_line accepted (under the pin, or the retired key's own rekey
+        into the pin); None when it was counted as forged."""
+        parsed = parse_rekey(ev)
+        if parsed is None or self.pin is None:
+            self._forged(Forged(Forgery.BAD_REKEY, ln, ev))
+            return None
+        new, inst = parsed
+        if new == self.pin or any(new == r.public for r in self.retired):
+            # a rotation already followed (a copy, a replay): signed by the key of then
+            prior = self.retired[-1].public if self.retired else None
+            return shown_rekey(ev, prior)
+        expected = self.instance_id or self.inst_seen
+        if not expected or inst != expected:
+            # a real rekey line of another VM (the same key: a restored disk) replayed here
+            self._forged(Forged(Forgery.RELABELLED, ln, ev))
+            return None
+        if len(self.rekeys) >= self.MAX_REKEYS:  # the caller never stores: refuse, loudly
+            self._forged(Forged(Forgery.BAD_REKEY, ln, ev))
+            return None
+        old = self.pin
+        self.retired = (*self.retired, Retired(old, ev.boot, ev.seq))[-MAX_RETIRED:]
+        self.pin, self.pin_fp, self.ephemeral = new, None, False
+        self.rekeys.append((old, new, ev.boot, ev.seq))
+        return shown_rekey(ev, old)
 
     def _decode_lines(self, lines: list[bytes]) -> Iterator[Event]:
         """Lines that start with a marker and carry a trailer candidate after it, in order."""
         st = self.stats
         for ln in lines:
-            res = decode_line(ln, self.key, self.pin)
-            if isinstance(res, KeyAnnounce) and res.version == 3:
+            res = decode_line(ln, self.key, self.pin, self.retired)
+            if isinstance(res, Event) and res.event == REKEY_EVENT:
+                self.placeable = False
+                got = self._rekey(ln, res)
+                if got is None:
+                    continue
+                ev = got
+            elif isinstance(res, KeyAnnounce) and res.version == 3:
                 got = self._announce(ln, res)
                 if got is None:
                     continue
@@ -840,6 +1012,9 @@ class StreamDecoder:
 
     def _forged(self, f: Forged) -> None:
         st = self.stats
+        if f.reason == Forgery.RETIRED:  # the rotated-away key's older lines: not an alarm
+            st.retired += 1
+            return
         st.forged += 1
         st.forged_reasons[f.reason] = st.forged_reasons.get(f.reason, 0) + 1
         if len(self.forgeries) < self.MAX_SAMPLES:

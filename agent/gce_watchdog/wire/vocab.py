@@ -55,13 +55,15 @@ BOOTSTRAP_STEP = "bootstrap_step"
 FAULT = "fault"
 # every writer: the line key's announcement (seq 0 and 1 of a boot, every ANNOUNCE_EVERY-th seq)
 KEY = protocol.KEY_EVENT
+# `gce-watchdog key --rotate`: the new key, signed with the old one (never a verdict input)
+REKEY = protocol.REKEY_EVENT
 
 ALL_EVENTS = frozenset(
     {
         START, TICK, HEARTBEAT, RECOVERED, SHUTDOWN, WOULD_SHUTDOWN, ACTION, STOP, SIGNAL, ERROR,
         WARN, STALL, PREEMPTED, INSTANCE, MAINTENANCE, DISARM, ARM, MEM, MEMORY_GPU, MEMORY_CLIMB,
         MEMORY_OK, MEMORY_ACTION, PHASE, SETUP_FAILED, EXIT, FETCH, BOOTSTRAP_STEP, FAULT,
-        DRY_RUN_SHUTDOWN, KEY, RESULT, END,
+        DRY_RUN_SHUTDOWN, KEY, REKEY, RESULT, END,
     }
 )  # fmt: skip
 
