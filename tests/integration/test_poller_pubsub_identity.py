@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -72,7 +72,11 @@ def api() -> Iterator[FakeComputeAPI]:
         yield a
 
 
-def identities(api: FakeComputeAPI, projects: tuple[str, ...] = (P, P_B)) -> ComputeIdentities:
+def identities(
+    api: FakeComputeAPI,
+    projects: tuple[str, ...] = (P, P_B),
+    clock: Callable[[], float] = time.monotonic,
+) -> ComputeIdentities:
     waits: list[float] = []
     client = ComputeClient.create(
         Credentials("tok"),
@@ -80,7 +84,7 @@ def identities(api: FakeComputeAPI, projects: tuple[str, ...] = (P, P_B)) -> Com
         timeout=(2.0, 10.0),
         retry=ComputeRetry(2, sleep=waits.append),
     )
-    return ComputeIdentities(client, projects)
+    return ComputeIdentities(client, projects, clock)
 
 
 class Clock:
@@ -199,7 +203,7 @@ def test_an_api_error_delays_the_claim_never_lets_the_logentry_names_through(
         led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         subscriber = Batches([entries])
         w = PubSubWorker(subscriber, "s", led, outs.append, clock=clock,
-                         identity=identities(api), log=logs.append)  # fmt: skip
+                         identity=identities(api, clock=clock), log=logs.append)  # fmt: skip
         w.step()
         assert led.all() == [] and outs == [] and w.stats.unidentified == 1
         assert len(subscriber.acked) == len(entries)

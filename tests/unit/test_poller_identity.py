@@ -133,7 +133,7 @@ def test_the_filter_is_not_trusted_the_id_is_compared() -> None:
 def test_an_unreachable_zone_makes_absence_prove_nothing(how: str) -> None:
     api = Lister(TABLE)
     api.unreachable["europe-west4-b"] = how
-    ids = ComputeIdentities(api, ["proj-a"], Clock())
+    ids = ComputeIdentities(api, ["proj-a"], Clock(), hold_s=0.0)
     with pytest.raises(IdentityUnavailable, match="europe-west4-b"):
         ids.resolve("999")
     assert ids.resolve("111") is not None  # found elsewhere: found
@@ -150,7 +150,7 @@ def test_an_unreachable_zone_makes_absence_prove_nothing(how: str) -> None:
 def test_a_failed_list_is_unavailable_never_not_found(error: Exception) -> None:
     api = Lister(TABLE)
     api.errors["proj-a"] = error
-    ids = ComputeIdentities(api, ["proj-a", "proj-b"], Clock())
+    ids = ComputeIdentities(api, ["proj-a", "proj-b"], Clock(), hold_s=0.0)
     with pytest.raises(IdentityUnavailable, match="proj-a"):
         ids.resolve("999")
     if not isinstance(error, AuthError):  # another project's answer still counts
@@ -165,3 +165,21 @@ def test_filters_and_projects() -> None:
     assert subscription_project("projects/my-proj/subscriptions/serial") == "my-proj"
     with pytest.raises(ValueError):
         ComputeIdentities(Lister({}), [])
+
+
+def test_after_a_failure_lookups_fail_at_once_for_the_hold_then_ask_again() -> None:
+    """An outage costs a waiting decision one quick answer, not the client's whole retry policy
+    per decision (which would hold the worker's pull loop)."""
+    api, clock = Lister(TABLE), Clock()
+    api.errors["proj-a"] = GaveUpError("gave up after 5 attempts", 503)
+    ids = ComputeIdentities(api, ["proj-a"], clock, hold_s=10.0)
+    with pytest.raises(IdentityUnavailable, match="gave up"):
+        ids.resolve("111")
+    assert len(api.calls) == 1
+    clock.t += 9.0
+    with pytest.raises(IdentityUnavailable, match="not asked again yet"):
+        ids.resolve("111")
+    assert len(api.calls) == 1
+    del api.errors["proj-a"]
+    clock.t += 1.0
+    assert ids.resolve("111") is not None and len(api.calls) == 2

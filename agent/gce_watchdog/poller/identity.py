@@ -19,7 +19,8 @@ needs); ``instances.get`` would need the zone to ask in, which only the LogEntry
 - The API could not say (an error after the client's retries, a refused call, a zone the list
   reports unreachable, a project whose list failed): :class:`IdentityUnavailable`; the caller
   looks again later and announces nothing meanwhile. Absence from an incomplete list proves
-  nothing (the fleet sweep's rule).
+  nothing (the fleet sweep's rule). For ``HOLD_S`` after such an answer every lookup not in the
+  cache is answered so at once, without a request.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ CACHE_SIZE = 16_384
 # An entry's lifetime: long enough that an instance's repeated looks (a redelivery, the
 # announcement of another worker's claim) cost no request, short next to how rarely names change.
 CACHE_TTL_S = 600.0
+# After the API could not say, lookups fail at once for this long instead of asking again: an
+# outage costs each waiting decision one quick retry later, not the client's whole retry policy
+# per decision (which would hold the worker's pull loop for minutes).
+HOLD_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,7 @@ class ComputeIdentities:
         clock: Callable[[], float] = time.monotonic,
         ttl_s: float = CACHE_TTL_S,
         size: int = CACHE_SIZE,
+        hold_s: float = HOLD_S,
     ) -> None:
         if not projects:
             raise ValueError("the projects to look instances up in are not configured")
@@ -105,6 +111,8 @@ class ComputeIdentities:
         self.clock = clock
         self.ttl_s = ttl_s
         self.size = size
+        self.hold_s = hold_s
+        self._failed: tuple[float, str] | None = None  # (when, why) the API last could not say
         self.lookups = 0  # instances looked up through the API (cache misses)
         self.requests = 0  # aggregatedList pages asked for
         self._cache: collections.OrderedDict[str, tuple[float, Identity]] = (
@@ -120,11 +128,21 @@ class ComputeIdentities:
                 self._cache.move_to_end(instance_id)
                 return hit[1]
             self._cache.pop(instance_id, None)
+            failed = self._failed
+        if failed is not None and now - failed[0] < self.hold_s:
+            raise IdentityUnavailable(
+                f"{failed[1]} ({now - failed[0]:.0f}s ago; not asked again yet)"
+            )
         try:
             flt = id_filter(instance_id)
         except ValueError:
             return None  # no instance has such an id
-        who = self._look_up(instance_id, flt)
+        try:
+            who = self._look_up(instance_id, flt)
+        except IdentityUnavailable as e:
+            with self._lock:
+                self._failed = (now, str(e))
+            raise
         if who is not None:
             with self._lock:
                 self._cache[instance_id] = (now, who)

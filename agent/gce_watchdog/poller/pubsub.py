@@ -29,6 +29,9 @@ workers"). So a worker keeps no assembly state of its own: the ledger's store ho
    redelivered, and the next one stores nothing twice and looks again;
 5. announces (claimer first; ``ANNOUNCE_SWEEP_S``: decisions whose claimer died unannounced).
 
+A decision is claimed and announced under the names the Compute API gives for the instance id
+(``identity``, ``poller/identity.py``), never under the LogEntry's labels.
+
 A decided, ended or gapped boot's lines are deleted; its row stays as a tombstone (so a
 redelivery is acked without a second look) until ``TOMBSTONE_S`` after its last line. A worker's
 memory is a bounded cache of pins plus one batch: it does not grow with the fleet's history.
