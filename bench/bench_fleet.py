@@ -214,6 +214,7 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
     import contextlib
 
     from kit import pubsub_emulator
+    from kit.identities import TableIdentities
     from kit.pubsub_service import fleet_stream
 
     why = pubsub_emulator.unavailable()
@@ -247,11 +248,13 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
         sub.close()
         env = {**os.environ, "PYTHONPATH": f"{REPO / 'agent'}:{REPO / 'tests'}"}
         logs = [d / f"w{i}.out" for i in range(workers)]
+        names = d / "names.json"  # who each id is, as the Compute API would say
+        TableIdentities.of(fleet.names, PROJECT).save(names)
         procs = []
         for i, log in enumerate(logs):
             argv = [sys.executable, "-m", "kit.pubsub_worker", "--subscription", subn,
                     "--ledger", ledger, "--max", str(pull_max), "--seed", str(i),
-                    "--settle", "60", "--owner", f"w{i}"]  # fmt: skip
+                    "--settle", "60", "--owner", f"w{i}", "--names", str(names)]  # fmt: skip
             with open(log, "wb") as f:
                 procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env))
         ctx = mp.get_context("spawn")

@@ -146,6 +146,11 @@ def served_responses(api: FakeComputeAPI) -> list[tuple[str, dict[str, Any]]]:
     call("compute.instances.list", "GET", f"{base}/instances", params={"maxResults": "1"})
     call("compute.instances.aggregatedList", "GET", f"projects/{P}/aggregated/instances",
          params={"filter": 'labels.gce-watchdog = "on"'})  # fmt: skip
+    vm1 = api.instance("vm-1").id  # the Pub/Sub worker's lookup by id (AIP-160, a number)
+    one = call("compute.instances.aggregatedList", "GET", f"projects/{P}/aggregated/instances",
+               params={"filter": f"id = {vm1}"})  # fmt: skip
+    found = [i for e in one["items"].values() for i in e.get("instances", [])]
+    assert [(i["id"], i["name"]) for i in found] == [(vm1, "vm-1")]
     for zone, via in (("asia-east1-a", "warning"), ("asia-east1-b", "unreachables")):
         api.add_instance(f"vm-{via}", project=P, zone=zone)
         api.set_unreachable(P, zone, via)

@@ -262,6 +262,17 @@ def test_label_without_project_is_a_usage_error(
     assert api.calls == []
 
 
+def test_a_pubsub_workers_lookup_project_is_checked(
+    api: FakeComputeAPI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--project with --pubsub names where deciding instance ids are looked up: checked like
+    any project id (docs/poller.md, "Whose names")."""
+    bad = ["poll", "--pubsub", "projects/p-1234/subscriptions/s", "--project", "Not_A_Project"]
+    assert main(bad) == 64
+    assert "project 'Not_A_Project' is not a valid project id" in capsys.readouterr().err
+    assert api.calls == []
+
+
 @pytest.mark.parametrize(
     "url",
     [

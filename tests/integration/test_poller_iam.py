@@ -147,3 +147,41 @@ def test_the_least_privilege_fleet_role_lists_polls_and_reaps(
         assert out["vm-1"]["verdict"] == "self_shutdown" and out["vm-1"]["reaped"]
         assert out["vm-2"]["verdict"] == "healthy"
         assert all(c.status != 403 for c in api.calls)
+
+
+def test_the_least_privilege_pubsub_role_names_a_decision_by_its_id(tmp_path: Path) -> None:
+    """A Pub/Sub worker looks a deciding instance id up (instances.aggregatedList, ``id = ID``)
+    under exactly the `--pubsub` row's Compute permissions; without them it claims nothing."""
+    from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
+    from gce_watchdog.poller.identity import ComputeIdentities
+    from gce_watchdog.poller.ledgers import open_ledger
+    from gce_watchdog.poller.pubsub import PubSubWorker
+    from gce_watchdog.testing.synth import SYNTH_KEY
+    from google.oauth2.credentials import Credentials
+    from kit.identities import Batches
+    from kit.pubsub_service import exported_entry, exported_text
+
+    role = documented_role("`--pubsub`")
+    assert role == {"compute.instances.list"}
+    with FakeComputeAPI(token=["tok", "none"], roles={"tok": role, "none": set()}) as api:
+        api.add_instance("vm-1", project=P, zone=Z, instance_id="8100000001")
+        w = Writer(boot="aaaa0001", inst="8100000001")
+        texts = [ln for ev, f in (("phase", {"ph": "workload"}), ("shutdown", {"reason": "x"}))
+                 for ln in w.line(ev, f).decode().splitlines()]  # fmt: skip
+        entries = [exported_entry(P, "8100000001", "vm-1", exported_text(t, "vm-1", False))
+                   for t in texts]  # fmt: skip
+        for tok, decided in (("none", 0), ("tok", 1)):
+            client = ComputeClient.create(
+                Credentials(tok), api.base_url, retry=ComputeRetry(1, sleep=lambda s: None)
+            )
+            outs: list[object] = []
+            with open_ledger(tmp_path / f"{tok}.sqlite") as led:
+                led.place_pin("8100000001", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+                worker = PubSubWorker(Batches([entries]), f"projects/{P}/subscriptions/s", led,
+                                      outs.append, identity=ComputeIdentities(client, [P]),
+                                      log=lambda m: None)  # fmt: skip
+                worker.step()
+                assert len(led.all()) == decided and len(outs) == decided
+                assert [d.instance for d in led.all()] == [f"{P}/{Z}/vm-1"] * decided
+        statuses = [c.status for c in api.calls_to("list")]
+        assert statuses == [403, 200]

@@ -28,6 +28,7 @@ from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire.protocol import Event, decode_line
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.identities import TableIdentities
 from kit.paths import REPO
 from kit.pipes import blocked_pipe
 from kit.pubsub_service import (
@@ -46,6 +47,8 @@ DEADLINE_S = 240.0
 # deadline), no gap may be declared lost while a test runs, however slow the machine: a settle
 # longer than any test. The tests of the settle itself set their own.
 SETTLE_S = 3600.0
+# who the instances of the small streams below are, as the Compute API would say (vm-ID)
+IDS = TableIdentities.of(["66", "77", "88", "99"], PROJECT)
 
 
 def log_entry(iid: str, name: str, text: str, zone: str = "us-central1-a") -> bytes:
@@ -232,7 +235,8 @@ def test_one_worker_decides_once_per_vm_from_a_service_like_stream(
         for iid in fleet.names:  # pinned by the poll path (read from byte 0), or by hand
             led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         # settle: longer than a redelivery takes (ack deadline 10 s, a loaded machine)
-        w1 = PubSubWorker(sub, s, led, outs.append, settle_s=SETTLE_S)
+        ids = TableIdentities.of(fleet.names, PROJECT)
+        w1 = PubSubWorker(sub, s, led, outs.append, settle_s=SETTLE_S, identity=ids)
         closed = fleet.wedged | fleet.finished
         _drive(
             [w1],
@@ -284,7 +288,8 @@ def test_a_boot_that_lost_a_line_is_left_to_the_sweep_never_decided_from_the_str
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
         for iid in ("5000000000", "5000000001"):
             led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-        w = PubSubWorker(sub, s, led, outs.append, settle_s=1.0)
+        ids = TableIdentities.of({"5000000000": "vm-000", "5000000001": "vm-001"}, PROJECT)
+        w = PubSubWorker(sub, s, led, outs.append, settle_s=1.0, identity=ids)
         _drive(
             [w],
             lambda: led_count(led) >= 1 and w.gapped and w.next_gap() is None,
@@ -356,8 +361,8 @@ def test_two_workers_each_with_half_a_boot_decide_it_once_from_the_union(
     s2 = _Batches([entries[-3:-1]])
     s1 = _Batches([entries[:-3] + entries[-1:]])
     with open_ledger(ledger_url, owner="w1") as l1, open_ledger(ledger_url, owner="w2") as l2:
-        w2 = PubSubWorker(s2, "s", l2, outs.append, settle_s=SETTLE_S)
-        w1 = PubSubWorker(s1, "s", l1, outs.append, settle_s=SETTLE_S)
+        w2 = PubSubWorker(s2, "s", l2, outs.append, settle_s=SETTLE_S, identity=IDS)
+        w1 = PubSubWorker(s1, "s", l1, outs.append, settle_s=SETTLE_S, identity=IDS)
         w2.step()
         assert l2.all() == [] and w2.stats.unverified == 2 and len(s2.acked) == 2  # stored: acked
         l1.place_pin(
@@ -389,13 +394,15 @@ def test_a_restarted_worker_loses_nothing_and_needs_nothing_again(tmp_path: Path
     with open_ledger(url, owner="w1") as led:
         for iid in ("88", "99"):
             led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-        first = PubSubWorker(_Batches([wedged[:-1] + finished[:-2]]), "s", led, outs.append)
+        first = PubSubWorker(
+            _Batches([wedged[:-1] + finished[:-2]]), "s", led, outs.append, identity=IDS
+        )
         assert "shutdown" in str(wedged[-1]) and "exit" in str(finished[-2])
         first.step()
         assert led.all() == [] and first.stats.acked == len(wedged) - 1 + len(finished) - 2
     with open_ledger(url, owner="w1b") as led:
         again = PubSubWorker(_Batches([[wedged[-1], finished[-2], finished[-1]]]), "s", led,
-                             outs.append)  # fmt: skip
+                             outs.append, identity=IDS)  # fmt: skip
         again.step()
         assert [d.instance_id for d in led.all()] == ["88"]
         assert sorted(led.assembly_boots()) == [
@@ -417,7 +424,9 @@ def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> No
         w, ("start", {"v": "1"}), ("shutdown", {"reason": "ladder", "rung": "10/10"}))]  # fmt: skip
     with open_ledger(tmp_path / "l.sqlite") as led:
         led.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-        wk = PubSubWorker(_Batches([real[:1], fake, real[1:]]), "s", led, lambda o: None)
+        wk = PubSubWorker(
+            _Batches([real[:1], fake, real[1:]]), "s", led, lambda o: None, identity=IDS
+        )
         for _ in range(3):
             wk.step()
         assert led.all() == [] and wk.stats.forged >= 2
@@ -428,7 +437,7 @@ def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> No
 
 
 def _worker(
-    host: str, sub: str, ledger: str, owner: str, seed: int, out: Path
+    host: str, sub: str, ledger: str, owner: str, seed: int, out: Path, names: Path
 ) -> subprocess.Popen[bytes]:
     """A worker process (kit/pubsub_worker.py); its stdout and stderr go to ``out`` (a file: a
     pipe nobody reads while it runs could fill and block it)."""
@@ -436,7 +445,7 @@ def _worker(
            "PUBSUB_EMULATOR_HOST": host}  # fmt: skip
     argv = [sys.executable, "-m", "kit.pubsub_worker", "--subscription", sub, "--ledger", ledger,
             "--max", "20", "--withhold", "0.03", "--seed", str(seed), "--settle", str(SETTLE_S),
-            "--owner", owner]  # fmt: skip
+            "--owner", owner, "--names", str(names)]  # fmt: skip
     with open(out, "wb") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
 
@@ -455,7 +464,9 @@ def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
         for iid in fleet.names:
             led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     logs = {n: tmp_path / f"{n}.out" for n in ("w0", "w1", "w2", "w0b")}
-    procs = {f"w{i}": _worker(pubsub_host, s, ledger_url, f"w{i}", i, logs[f"w{i}"])
+    names = tmp_path / "names.json"  # who each id is, as the Compute API would say
+    TableIdentities.of(fleet.names, PROJECT).save(names)
+    procs = {f"w{i}": _worker(pubsub_host, s, ledger_url, f"w{i}", i, logs[f"w{i}"], names)
              for i in range(3)}  # fmt: skip
     try:
         with open_ledger(ledger_url) as led:
@@ -466,7 +477,7 @@ def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
                 time.sleep(0.1)
             procs["w0"].kill()
             procs.pop("w0").wait(timeout=30)
-            procs["w0b"] = _worker(pubsub_host, s, ledger_url, "w0b", 7, logs["w0b"])
+            procs["w0b"] = _worker(pubsub_host, s, ledger_url, "w0b", 7, logs["w0b"], names)
             closed = fleet.wedged | fleet.finished
             deadline = time.monotonic() + 2 * DEADLINE_S
             while not (
@@ -513,8 +524,17 @@ def led_count(led: Any) -> int:
     return len(led.all())
 
 
+@pytest.fixture
+def compute() -> Iterator[Any]:
+    """The fake Compute API the workers below look instance ids up in (token "unused")."""
+    from gce_watchdog.testing.simcompute import FakeComputeAPI
+
+    with FakeComputeAPI(token="unused") as api:
+        yield api
+
+
 def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
-    topic: tuple[str, str], pubsub_host: str, pg_database: str, tmp_path: Path
+    topic: tuple[str, str], pubsub_host: str, pg_database: str, tmp_path: Path, compute: Any
 ) -> None:
     """Worker 1 claims (PostgreSQL), then blocks writing its announcement (its stdout is full)
     and is killed: nothing announced, nothing acked. Worker 2 gets the redelivered lines, finds
@@ -525,11 +545,13 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
         w, ("phase", {"ph": "workload"}), ("shutdown", {"reason": "ladder", "rung": "10/10"})
     )
     publish(t, [log_entry("4242", "vm-k", x) for x in reversed(texts)])
+    compute.add_instance("vm-k", project=PROJECT, instance_id="4242")
     with open_ledger(pg_database) as led:
         led.place_pin("4242", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", pg_database,
-            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok")]  # fmt: skip
+            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
+            "--api-base", compute.base_url]  # fmt: skip
     (tmp_path / "tok").write_text("unused\n")
     r, wfd = blocked_pipe()
     # its lease outlives the redelivery (ack deadline 10 s): worker 2 first sees the lines of a
@@ -655,7 +677,7 @@ def test_no_pin_no_decision_and_a_relabelled_line_decides_nothing(
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
         other = protocol.LineKey(secrets.token_bytes(32))  # vm-other's own (real) key
         led.place_pin("7000000003", other.public, other.fingerprint)
-        w = PubSubWorker(sub, s, led, outs.append, settle_s=0.5)
+        w = PubSubWorker(sub, s, led, outs.append, settle_s=0.5, identity=TableIdentities({}))
         deadline = time.monotonic() + DEADLINE_S
         while w.stats.messages < len(msgs) or w.stats.forged < len(texts):
             assert time.monotonic() < deadline, f"saw {w.stats.messages} of {len(msgs)}"

@@ -1,10 +1,12 @@
 """One Pub/Sub worker process behind ``ServiceLikeSubscriber`` (kit/pubsub_service.py).
 
 ``python -m kit.pubsub_worker --subscription S --ledger URL|PATH [--max 20] [--withhold 0.05]
-[--seed N] [--settle 30] [--owner NAME]`` with ``PUBSUB_EMULATOR_HOST`` set and ``agent`` and
-``tests`` on ``PYTHONPATH``. It pulls until SIGTERM (or SIGKILL, which is the point: a worker
-killed anywhere), prints each announcement as one JSON line on stdout, and on SIGTERM a last
-line ``{"stats": ...}`` with its counts and its peak RSS (``ru_maxrss``, KiB).
+[--seed N] [--settle 30] [--owner NAME] [--names FILE]`` with ``PUBSUB_EMULATOR_HOST`` set and
+``agent`` and ``tests`` on ``PYTHONPATH``. ``--names``: who each instance id is, the Compute
+API's answer (``kit.identities.TableIdentities`` JSON). It pulls until SIGTERM (or SIGKILL,
+which is the point: a worker killed anywhere), prints each announcement as one JSON line on
+stdout, and on SIGTERM a last line ``{"stats": ...}`` with its counts and its peak RSS
+(``ru_maxrss``, KiB).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import signal
 import sys
 import threading
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 
@@ -28,12 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=30.0)
     ap.add_argument("--owner", default="")
+    ap.add_argument("--names", default=None)
     args = ap.parse_args(argv)
 
     from gce_watchdog.poller.ledgers import open_ledger
     from gce_watchdog.poller.pubsub import PubSubWorker
     from google.cloud import pubsub_v1
 
+    from kit.identities import TableIdentities
     from kit.pubsub_service import ServiceLikeSubscriber
 
     stop = threading.Event()
@@ -44,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out.to_json(), sort_keys=True), flush=True)
 
     with open_ledger(args.ledger, owner=args.owner) as led:
-        w = PubSubWorker(sub, args.subscription, led, emit, settle_s=args.settle)
+        ids = TableIdentities.load(Path(args.names)) if args.names else TableIdentities({})
+        w = PubSubWorker(sub, args.subscription, led, emit, settle_s=args.settle, identity=ids)
         print(json.dumps({"ready": args.owner}), flush=True)
         while not stop.is_set():
             w.step(timeout=1.0)

@@ -65,6 +65,7 @@ from gce_watchdog.poller.fleet import (
     plan_interval,
 )
 from gce_watchdog.poller.hooks import FailoverHook, TopicPublisher
+from gce_watchdog.poller.identity import ComputeIdentities, subscription_project
 from gce_watchdog.poller.ledger import BaseLedger
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import (
@@ -508,7 +509,14 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
             _print_outcome(out, s.json)
 
     sub = s.pubsub
-    worker = PubSubWorker(subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s)
+    # who a deciding instance id is: the Compute API's names, in the configured projects (the
+    # subscription's without --project), never the LogEntry's labels (docs/poller.md)
+    projects = s.projects or (subscription_project(sub.subscription),)
+    identity = ComputeIdentities(p.client, projects)
+    worker = PubSubWorker(
+        subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s,
+        identity=identity, log=_log,
+    )  # fmt: skip
     # the fleet the brake is a share of: every instance heard from on the stream or listed
     p.ledger.fleet_size = worker.fleet_size
     sweeper = None

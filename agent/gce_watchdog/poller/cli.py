@@ -45,7 +45,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--project",
         action="append",
         default=[],
-        help="the project (repeat it with --label to poll the labelled VMs of several)",
+        help="the project (repeat it with --label to poll the labelled VMs of several; with "
+        "--pubsub: the projects a deciding instance id is looked up in, default the "
+        "subscription's)",
     )
     p.add_argument("--zone", default=None, help="the zone of the INSTANCEs (not with --label)")
     p.add_argument("instances", nargs="*", metavar="INSTANCE")

@@ -29,6 +29,9 @@ workers"). So a worker keeps no assembly state of its own: the ledger's store ho
    redelivered, and the next one stores nothing twice and looks again;
 5. announces (claimer first; ``ANNOUNCE_SWEEP_S``: decisions whose claimer died unannounced).
 
+A decision is claimed and announced under the names the Compute API gives for the instance id
+(``identity``, ``poller/identity.py``), never under the LogEntry's labels.
+
 A decided, ended or gapped boot's lines are deleted; its row stays as a tombstone (so a
 redelivery is acked without a second look) until ``TOMBSTONE_S`` after its last line. A worker's
 memory is a bounded cache of pins plus one batch: it does not grow with the fleet's history.
@@ -43,6 +46,7 @@ from __future__ import annotations
 import collections
 import json
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gce_watchdog.poller.assemble import assemble, compact
+from gce_watchdog.poller.identity import Identities, Identity, IdentityUnavailable
 from gce_watchdog.poller.ledger import (
     DECIDED,
     ENDED,
@@ -98,6 +103,8 @@ LATENCY_KEEP = 100_000
 TOMBSTONE_S = 8 * 86_400.0
 # How often a worker looks for gaps held past settle_s and prunes old tombstones.
 HOUSEKEEPING_S = 1.0
+# A decision whose instance the Compute API could not identify is looked at again after this.
+IDENTITY_RETRY_S = 30.0
 # Only these verdicts are proven by a line; the others need the instance's status or silence.
 LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED})
 
@@ -199,14 +206,23 @@ class WorkerStats:
     acked: int = 0
     gapped: int = 0  # boots this worker left to the Compute API sweep: a line was lost
     ended: int = 0  # boots whose verdict is final and no failover
+    relabelled: int = 0  # decisions whose LogEntry named another instance than the API (alarm)
+    unknown: int = 0  # decisions whose instance id no configured project has (alarm, left)
+    unidentified: int = 0  # looks the API could not answer who the instance is (retried)
     latencies: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=LATENCY_KEEP)
     )  # publish time of the deciding line -> claim, seconds
 
 
+def _stderr(msg: str) -> None:
+    print(f"gce-watchdog poll: {msg}", file=sys.stderr, flush=True)
+
+
 class PubSubWorker:
     """Pull, store, assemble, decide, claim, ack. ``subscriber`` is a
-    ``pubsub_v1.SubscriberClient`` (or anything with its ``pull``/``acknowledge``)."""
+    ``pubsub_v1.SubscriberClient`` (or anything with its ``pull``/``acknowledge``).
+    ``identity``: who an instance id is (project, zone, name), from the Compute API
+    (``identity.ComputeIdentities``); a LogEntry's labels never name a decision. ``log``: alarms."""
 
     def __init__(
         self,
@@ -219,6 +235,9 @@ class PubSubWorker:
         clock: Callable[[], float] = time.time,
         pins: PinStore | None = None,
         pull_max: int = PULL_MAX,
+        *,
+        identity: Identities,
+        log: Callable[[str], None] = _stderr,
     ) -> None:
         self.subscriber = subscriber
         self.subscription = subscription
@@ -229,6 +248,8 @@ class PubSubWorker:
         self.clock = clock
         self.pins: PinStore = pins or ledger
         self.pull_max = pull_max
+        self.identity = identity
+        self.log = log
         self.stats = WorkerStats()
         self._pin_cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         # Pins that moved (a rekey line, here or by another worker): the newest key and the one
@@ -452,7 +473,9 @@ class PubSubWorker:
                 v = decide(list(a.prefix), InstanceState("RUNNING"), now, self.policy)
                 if v.kind in LINE_VERDICTS:
                     verdicts.append(v)
-                    return BootUpdate(OPEN, None)  # closed once the claim is durable
+                    # closed once the claim is durable; until then, a hint to look again (the
+                    # instance's identity unavailable, or this worker dead before its claim)
+                    return BootUpdate(OPEN, now + IDENTITY_RETRY_S - self.settle_s)
                 return BootUpdate(ENDED, None)
             if a.settled(now, self.settle_s):
                 return BootUpdate(GAPPED, None)
@@ -470,13 +493,11 @@ class PubSubWorker:
         if not verdicts:
             return
         (verdict,) = verdicts
+        who = self._identify(seen, verdict)
+        if who is None:
+            return
         decision = self.ledger.claim(
-            iid,
-            boot,
-            verdict.kind.value,
-            verdict.reason,
-            f"{seen.project}/{seen.zone}/{seen.name or iid}",
-            now,
+            iid, boot, verdict.kind.value, verdict.reason, who.target, now
         )  # durable when it returns: only now may the lines that led here be acked
         self.ledger.assembly_set_state(iid, boot, DECIDED)
         self.stats.decisions += decision.won
@@ -487,8 +508,42 @@ class PubSubWorker:
             decision.announced_at is None
             and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
         )
-        line = SerialLine(seen.project, seen.zone, iid, seen.name, "")
+        line = SerialLine(who.project, who.zone, iid, who.name, "")  # the API's names
         self._announce(line, verdict, decision, announce)
+
+    def _identify(self, seen: BootLines, verdict: Verdict) -> Identity | None:
+        """The instance as the Compute API names it, or None: nothing is claimed now. Not found
+        (deleted, or no configured project has it): an alarm, and the boot is left to the
+        Compute API sweep (gapped). The API could not say: the boot's hint brings it back in
+        ``IDENTITY_RETRY_S``. LogEntry labels that disagree with the API: an alarm; the API wins."""
+        iid, what = seen.instance_id, f"the {verdict.kind.value} of instance id {seen.instance_id}"
+        logged = f"{seen.project}/{seen.zone}/{seen.name or '-'}"
+        try:
+            who = self.identity.resolve(iid)
+        except IdentityUnavailable as e:
+            self.stats.unidentified += 1
+            self.log(
+                f"{what} (boot {seen.boot}) is not claimed yet: the Compute API could not say "
+                f"which instance it is ({e}); looking again in {IDENTITY_RETRY_S:g}s"
+            )
+            return None
+        if who is None:
+            self.stats.unknown += 1
+            self.log(
+                f"ALARM: {what} (boot {seen.boot}) is not announced: no instance with that id in "
+                f"the configured projects (deleted, or another project); its LogEntry said "
+                f"{logged}. Left to the Compute API sweep"
+            )
+            self.ledger.assembly_set_state(iid, seen.boot, GAPPED)
+            self.stats.gapped += 1
+            return None
+        if (seen.project, seen.zone) != (who.project, who.zone) or seen.name not in ("", who.name):
+            self.stats.relabelled += 1
+            self.log(
+                f"ALARM: a LogEntry of instance id {iid} named it {logged}, the Compute API "
+                f"says {who.target} (forged or relabelled labels): decided as {who.target}"
+            )
+        return who
 
     def heard(self, instance_id: str) -> tuple[float | None, bool]:
         """(when any worker last received a line of the instance, whether a boot of it lost a

@@ -122,8 +122,9 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
             errs.append("--label needs at least one --project: the projects it lists")
         for project in projects:  # (any valid zone: only the project is checked here)
             errs += validate_target(project, "us-central1-a", [])
-    elif v["pubsub"] is not None:
-        pass
+    elif v["pubsub"] is not None:  # --project: where a deciding instance's id is looked up
+        for project in projects:
+            errs += validate_target(project, "us-central1-a", [])
     elif len(projects) != 1 or not zone or not instances:
         errs.append("give one --project, --zone and INSTANCE names, or --label")
     else:

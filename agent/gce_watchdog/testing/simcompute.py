@@ -44,8 +44,10 @@ with its reference.
   method, so one id sent for two instances is two requests.
 - ``instances.aggregatedList``: ``items`` keyed ``zones/ZONE``, each with ``instances`` or, for a
   zone with none that match, a ``warning`` ``NO_RESULTS_ON_PAGE``; ``nextPageToken`` while more
-  remain (``maxResults`` 0..500, default 500). The filter understands the label forms the poller
-  sends: ``labels.KEY = "VALUE"`` and ``labels.KEY:*``; any other filter is a 400.
+  remain (``maxResults`` 0..500, default 500). The filter understands the forms the poller
+  sends: ``labels.KEY = "VALUE"`` and ``labels.KEY:*`` (fleet discovery), ``id = N`` (the
+  Pub/Sub worker's lookup by id; AIP-160 with a number, the ``filter`` parameter's description
+  in the discovery document); any other filter is a 400.
 
 Every request needs ``Authorization: Bearer <token>`` with an accepted token (401 otherwise).
 IAM per permission: ``roles`` maps a token to the permission set its principal's role grants (a
@@ -262,6 +264,9 @@ ENDPOINTS = tuple(sorted({m.endpoint for m in METHODS.values()}))
 
 _LABEL_EQ_RE = re.compile(r'^labels\.(?P<key>[a-z][-_a-z0-9]*)\s*=\s*"(?P<value>[-_a-z0-9]*)"$')
 _LABEL_HAS_RE = re.compile(r"^labels\.(?P<key>[a-z][-_a-z0-9]*):\*$")
+# AIP-160 on a number field ("The value must be a string, a number, or a boolean", the filter
+# parameter's description): the Pub/Sub worker's lookup of one instance by its id.
+_ID_EQ_RE = re.compile(r"^id\s*=\s*(?P<id>[1-9][0-9]{0,19})$")
 _OP_TERM_RE = re.compile(
     r"^\(?\s*(?P<field>operationType|targetId|targetLink|status)\s*=\s*"
     r'(?:"(?P<q>[^"]*)"|(?P<bare>[^\s()"]+))\s*\)?$'
@@ -990,7 +995,10 @@ class FakeComputeAPI:
         match: Any = None
         if flt:
             eq, has = _LABEL_EQ_RE.match(flt), _LABEL_HAS_RE.match(flt)
-            if eq:
+            by_id = _ID_EQ_RE.match(flt)
+            if by_id:
+                match = lambda i: i.id == by_id["id"]  # noqa: E731
+            elif eq:
                 match = lambda i: i.labels.get(eq["key"]) == eq["value"]  # noqa: E731
             elif has:
                 match = lambda i: has["key"] in i.labels  # noqa: E731
