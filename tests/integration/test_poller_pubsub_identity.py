@@ -40,7 +40,7 @@ P, Z = "test-project", "us-central1-a"
 # VM B: another team's VM, a real one, in a project the worker also watches
 P_B, Z_B = "victim-project", "europe-west4-b"
 A_ID, B_ID = "7100000001", "7100000002"
-DEADLINE_S = 90.0
+DEADLINE_S = 240.0  # a bound only: the tests wait for the ledger, not for time
 
 
 def a_boot(boot: str = "a1a10001") -> list[str]:
@@ -121,7 +121,7 @@ def test_a_real_line_of_vm_a_relabelled_as_vm_b_is_announced_as_vm_a_on_the_emul
         with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
             led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)  # A's key, by its id
             ss = ServiceLikeSubscriber(sub, 2, seed=3)
-            w = PubSubWorker(ss, subn, led, outs.append, settle_s=5.0,
+            w = PubSubWorker(ss, subn, led, outs.append, settle_s=600.0,
                              identity=identities(api), log=logs.append)  # fmt: skip
             deadline = time.monotonic() + DEADLINE_S
             while not (led.all() and not led.pending_announcements()):
@@ -268,7 +268,7 @@ def test_the_cli_worker_looks_ids_up_in_the_subscriptions_project(
     (tmp_path / "tok").write_text("tok\n")
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", subn, "--json",
-            "--settle", "1s", "--api-base", api.base_url, "--access-token-file",
+            "--settle", "600s", "--api-base", api.base_url, "--access-token-file",
             str(tmp_path / "tok"), "--ledger", str(ledger)]  # fmt: skip
     worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
