@@ -31,6 +31,7 @@ from gce_watchdog.vm.state import (
 )
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Forgery, LineKey, Retired, pk_fingerprint
+from kit.identities import TableIdentities
 from kit.paths import REPO
 
 INST = "5151515151515151515"
@@ -285,8 +286,9 @@ def test_pubsub_workers_move_the_pin_through_a_verified_rekey_only(ledger_spec: 
     vm.emit("start", v="1")
     with open_ledger(ledger_spec, owner="w") as led:
         led.place_pin(INST, old.public, old.fingerprint, now=1.0)
-        a = PubSubWorker(None, "sub", led, lambda o: None)
-        b = PubSubWorker(None, "sub", led, lambda o: None)
+        ids = TableIdentities.of([INST], "p", "z")
+        a = PubSubWorker(None, "sub", led, lambda o: None, identity=ids)
+        b = PubSubWorker(None, "sub", led, lambda o: None, identity=ids)
 
         def feed(w: PubSubWorker, text: str, inst: str = INST, now: float = 5.0) -> list[str]:
             lines: list[object] = []
