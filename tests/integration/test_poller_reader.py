@@ -137,6 +137,27 @@ def test_restart_resumes_from_next_with_the_same_accounting(
     assert tl.lost_lines == 1 and tl.boots["3f2a9c1e"].count == 6
 
 
+def test_a_read_that_brings_nothing_does_not_rewrite_the_cursor_file(
+    api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
+) -> None:
+    w = Writer()
+    api.append_serial("vm-1", w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}))
+    path = tmp_path / f"{P}.{Z}.vm-1.json"
+    SerialReader(make_client(api, sleeps), CursorStore(tmp_path)).read(P, Z, "vm-1")
+    written = path.stat().st_ino  # every write is a rename onto the name: a new inode
+    for _ in range(2):  # a restarted reader too: the file as read is what it compares with
+        r = SerialReader(make_client(api, sleeps), CursorStore(tmp_path))
+        assert r.read(P, Z, "vm-1").fetched == 0
+        assert path.stat().st_ino == written
+        assert json.loads(path.read_text())["reads"] == 1
+    api.append_serial("vm-1", w.line("tick", {"rung": "1/10"}))
+    r.read(P, Z, "vm-1")
+    assert path.stat().st_ino != written
+    saved = json.loads(path.read_text())
+    assert saved["reads"] == 3  # 1, the last reader's empty read (not the other's), this one
+    assert saved["offset"] == r.cursor(P, Z, "vm-1").offset
+
+
 def test_byte_gap_is_counted_and_a_cut_line_is_rejected_not_misread(
     sleeps: Sleeps, tmp_path: Path
 ) -> None:
