@@ -385,7 +385,16 @@ class SerialConsole:
         self._conn.close()
 
 
-def login_session(con: SerialConsole, command: str, output: bytes, *, since: int = 0) -> int:
+def login_session(
+    con: SerialConsole,
+    command: str,
+    output: bytes,
+    *,
+    since: int = 0,
+    prompt_wait: float = LOGIN_PROMPT_WAIT,
+    login_wait: float = LOGIN_WAIT,
+    step_wait: float = STEP_WAIT,
+) -> int:
     """A real serial-console login as CONSOLE_USER, one command, and a logout; returns the offset
     in the console output where the fresh getty's prompt after the logout ends.
 
@@ -398,24 +407,24 @@ def login_session(con: SerialConsole, command: str, output: bytes, *, since: int
         mark = con.mark()
         con.send(b"\r")
         try:
-            at = con.expect(LOGIN_PROMPT, max(mark, since), LOGIN_PROMPT_WAIT)
+            at = con.expect(LOGIN_PROMPT, max(mark, since), prompt_wait)
             break
         except E2EError:
             if attempt == LOGIN_TRIES - 1:
                 raise
     mark = con.mark()
     con.send(CONSOLE_USER.encode() + b"\r")
-    con.expect(b"Password: ", max(mark, at), STEP_WAIT)
+    con.expect(b"Password: ", max(mark, at), step_wait)
     mark = con.mark()
     con.send(CONSOLE_PASSWORD.encode() + b"\r", shown="<password>\\r")
-    con.expect(SHELL_PROMPT, mark, LOGIN_WAIT)
+    con.expect(SHELL_PROMPT, mark, login_wait)
     mark = con.mark()
     con.send(command.encode() + b"\r")
-    done = con.expect(output, mark, STEP_WAIT)
-    con.expect(SHELL_PROMPT, done, STEP_WAIT)
+    done = con.expect(output, mark, step_wait)
+    con.expect(SHELL_PROMPT, done, step_wait)
     mark = con.mark()
     con.send(b"exit\r")
-    return con.expect(LOGIN_PROMPT, mark, LOGIN_WAIT)
+    return con.expect(LOGIN_PROMPT, mark, login_wait)
 
 
 def _console_listener(outdir: Path) -> tuple[socket.socket, Path, Path | None]:
