@@ -10,8 +10,8 @@ runner; nothing of the agent is baked in. Each run:
    wheelhouse file server on 192.0.2.10 (:443, :80), names ``egress.test`` / ``wheels.test``;
 3. boots qemu (TCG unless asked for KVM) in that namespace with ``-snapshot`` and ``-no-reboot``,
    serial port 1 on a unix socket the harness listens on (:class:`SerialConsole`: it drains the
-   output and can type on ttyS0) and logged byte for byte to ``serial.log``, and waits (bounded)
-   until the guest powers off.
+   output into ``serial.log`` byte for byte and can type on ttyS0), and waits (bounded) until the
+   guest powers off.
 
 Use from tests (``tests/e2e``) or by hand: ``python -m e2e.vm --help`` (docs/e2e.md).
 """
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -212,10 +213,9 @@ class VmResult:
 def qemu_argv(
     spec: VmSpec,
     image: Image,
-    serial_log: Path,
+    console_sock: Path,
     fw_strings: Mapping[str, str],
     fw_files: Mapping[str, Path],
-    console_sock: Path,
 ) -> list[str]:
     accel = ["-accel", "kvm", "-cpu", "host"] if spec.kvm else ["-accel", "tcg"]
     argv = [
@@ -240,12 +240,15 @@ def qemu_argv(
         # The DMI product name of a GCE VM: the agent arms only where it says so (issue 16).
         "-smbios", "type=1,product=Google Compute Engine",
         # Serial port 1 (ttyS0) on a unix socket the harness listens on (server=off: qemu
-        # connects while it starts, before the guest runs, so no byte precedes the connection);
-        # logfile= keeps every byte the guest wrote, what getSerialPortOutput would return. qemu
-        # logs only what the socket took (chardev/char.c qemu_chr_write_buffer), and a socket
-        # chardev with no peer drops output since qemu 5.1 (char-socket.c tcp_chr_write: EIO), so
-        # the harness keeps the connection and drains it for the whole run (SerialConsole).
-        "-chardev", f"socket,id=s0,path={console_sock},server=off,logfile={serial_log}",
+        # connects while it starts, before the guest runs, so no byte precedes the connection).
+        # The harness writes serial.log from that stream (SerialConsole), what
+        # getSerialPortOutput would return. Not the chardev's logfile=: qemu logs the whole
+        # buffer when the back end's write fails, EAGAIN included (chardev/char.c
+        # qemu_chr_write_buffer, "log it all right away"), and the 16550 then sends the same byte
+        # again (hw/char/serial.c serial_xmit: a G_IO_OUT watch and a retry), so a socket that
+        # is full for a moment doubles a byte in the log: measured, one `x` doubled inside a
+        # GCEWD3 key line (CRC reject, a seq gap) while the socket stream itself was right.
+        "-chardev", f"socket,id=s0,path={console_sock},server=off",
         "-serial", "chardev:s0",
     ]  # fmt: skip
     # Per-run input, read in the guest from /sys/firmware/qemu_fw_cfg/by_name/opt/gce-e2e/NAME/raw.
@@ -314,16 +317,17 @@ def _fw_files(spec: VmSpec, outdir: Path) -> dict[str, Path]:
 
 
 class SerialConsole:
-    """The host end of ttyS0: what the guest writes (drained by a reader thread for the whole run,
-    so qemu's socket never fills and the guest never waits on us) and what we type.
+    """The host end of ttyS0: what the guest writes (drained by a reader thread for the whole run
+    into ``log``, serial.log, so the guest waits on us as little as possible) and what we type.
 
     Every wait is bounded in time and wakes on new bytes (a condition variable), never on a
     timer; EOF (qemu gone) ends it at once. ``transcript`` records what was sent and seen, with
     seconds since the connection, for ``console.log``.
     """
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, log: BinaryIO | None = None) -> None:
         self._conn = conn
+        self._log = log
         self._buf = bytearray()
         self._eof = False
         self._cond = threading.Condition()
@@ -338,6 +342,9 @@ class SerialConsole:
                 chunk = self._conn.recv(65536)
             except OSError:
                 chunk = b""
+            if chunk and self._log is not None:
+                self._log.write(chunk)
+                self._log.flush()
             with self._cond:
                 if not chunk:
                     self._eof = True
@@ -485,7 +492,7 @@ def run(
             records={WHEELS_NAME: EGRESS_IP, EGRESS_NAME: EGRESS_IP},
         )
         fw_strings = {"run-id": run_id}
-        argv = qemu_argv(spec, image, serial_log, fw_strings, _fw_files(spec, outdir), sock_path)
+        argv = qemu_argv(spec, image, sock_path, fw_strings, _fw_files(spec, outdir))
         (outdir / "qemu.argv").write_text(" ".join(argv) + "\n")
         qlog = cleanup.enter_context(open(outdir / "qemu.log", "wb"))
         t0 = time.monotonic()
@@ -497,7 +504,8 @@ def run(
                 f"qemu did not connect to {sock_path} in {CONSOLE_ACCEPT_WAIT:.0f}s "
                 f"(rc={proc.poll()}); see {outdir / 'qemu.log'}"
             ) from e
-        con = SerialConsole(conn)
+        slog = cleanup.enter_context(open(serial_log, "wb"))
+        con = SerialConsole(conn, slog)
         cleanup.callback(lambda: _write_transcript(outdir / "console.log", con))
         cleanup.callback(con.close)
         cleanup.callback(_reap, proc)  # first (LIFO): the reader then sees EOF at once
@@ -527,9 +535,9 @@ def run(
                     proc.wait(QEMU_KILL_WAIT)
                 break
         wall = time.monotonic() - t0
+        con.close()  # serial.log is complete once the reader has seen EOF (qemu gone)
         if session is not None:
-            # Its waits end at EOF (qemu gone) or their own bounds, whichever comes first.
-            con.close()
+            # Its waits end at EOF or at their own bounds, whichever comes first.
             session.join(CONSOLE_CLOSE_WAIT)
             if session.is_alive():
                 errors.append("the console session did not end after qemu exited")
