@@ -512,7 +512,10 @@ def run(
         session: threading.Thread | None = None
         if console is not None:
             session = threading.Thread(
-                target=_run_session, args=(console, con, errors), name="console-session"
+                target=_run_session,
+                args=(console, con, errors),
+                name="console-session",
+                daemon=True,  # its waits end at EOF anyway; never what keeps pytest alive
             )
             session.start()
         deadline = t0 + spec.timeout
