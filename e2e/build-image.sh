@@ -27,7 +27,7 @@ stage="$(mktemp -d "$out/image-stage.XXXXXX")"
 trap 'rm -rf "$stage"' EXIT
 tar --numeric-owner --xattrs --xattrs-include='*' -C "$stage" -xf "$tarball"
 # The guest files: a start-up script runner like GCE's, a static network config, DNS and hosts
-# pointing at the metadata server, fw_cfg module loading.
+# pointing at the metadata server, fw_cfg module loading, guest-configs' rsyslog console rule.
 cp -rT --no-preserve=ownership "$here/guest" "$stage"
 chroot "$stage" systemctl enable systemd-networkd.service gce-startup.service >/dev/null 2>&1
 # Not masked: serial-getty@ttyS0, as on a GCE image (systemd-getty-generator starts it for
@@ -36,6 +36,16 @@ chroot "$stage" systemctl enable systemd-networkd.service gce-startup.service >/
 # timers (they only burn CPU under TCG).
 chroot "$stage" systemctl mask getty@tty1.service \
   apt-daily.timer apt-daily-upgrade.timer >/dev/null 2>&1
+# The serial-console test user (docs/e2e.md): exists in this test image only, never on a GCE image.
+# The healthy scenario logs in as it on ttyS0 through the qemu socket chardev (e2e/vm.py
+# CONSOLE_USER / CONSOLE_PASSWORD, which must match these two).
+console_user=gcewd-e2e
+console_password=e2e-serial-console
+chroot "$stage" useradd --create-home --shell /bin/bash "$console_user"
+echo "$console_user:$console_password" | chroot "$stage" chpasswd
+# rsyslog (e2e/packages.txt) with guest-configs' console rule (e2e/guest/etc/rsyslog.d/): its
+# package enables it already; said again so a change of that default shows here.
+chroot "$stage" systemctl enable rsyslog.service >/dev/null 2>&1
 # A fixed machine-id: an empty one makes every -snapshot boot a "first boot" (preset-all).
 head -c16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$stage/etc/machine-id"
 echo >> "$stage/etc/machine-id"

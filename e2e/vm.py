@@ -9,7 +9,9 @@ runner; nothing of the agent is baked in. Each run:
    attributes, ``startup-script`` among them), DNS on 169.254.169.254:53, the 443 stand-in and the
    wheelhouse file server on 192.0.2.10 (:443, :80), names ``egress.test`` / ``wheels.test``;
 3. boots qemu (TCG unless asked for KVM) in that namespace with ``-snapshot`` and ``-no-reboot``,
-   serial port 1 written to ``serial.log``, and waits (bounded) until the guest powers off.
+   serial port 1 on a unix socket the harness listens on (:class:`SerialConsole`: it drains the
+   output into ``serial.log`` byte for byte and can type on ttyS0), and waits (bounded) until the
+   guest powers off.
 
 Use from tests (``tests/e2e``) or by hand: ``python -m e2e.vm --help`` (docs/e2e.md).
 """
@@ -21,12 +23,16 @@ import contextlib
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
@@ -53,6 +59,23 @@ FWCFG_PREFIX = "opt/gce-e2e"
 DEFAULT_TIMEOUT = 300.0
 SERIAL_POLL = 0.5  # seconds between looks at the serial log while waiting (timestamps only)
 QEMU_KILL_WAIT = 10.0
+CONSOLE_ACCEPT_WAIT = 30.0  # qemu connects to the console socket while it starts, before the guest
+CONSOLE_CLOSE_WAIT = 10.0  # for the reader to see EOF once qemu has exited
+
+# The serial-console test user of the image (e2e/build-image.sh creates it; these must match).
+# It exists in the e2e test image only, never on a GCE image (docs/e2e.md).
+CONSOLE_USER = "gcewd-e2e"
+CONSOLE_PASSWORD = "e2e-serial-console"  # noqa: S105 (a test image's, published)
+# The login session's bounds: Enter presses to get a login prompt, seconds per prompt, seconds for
+# the login itself (PAM, logind, the shell under TCG) and for any other step.
+LOGIN_TRIES = 5
+LOGIN_PROMPT_WAIT = 20.0
+LOGIN_WAIT = 90.0
+STEP_WAIT = 30.0
+# agetty's prompt (/etc/hostname is gce-e2e) and the user's bash prompt (Debian's /etc/skel/.bashrc
+# PS1 without colour, TERM=vt220 on the serial getty).
+LOGIN_PROMPT = b"gce-e2e login: "
+SHELL_PROMPT = f"{CONSOLE_USER}@gce-e2e:~$ ".encode()
 
 # Lines whose first appearance is timed (wall seconds since qemu started), for the reports.
 MILESTONES: Mapping[str, bytes] = {
@@ -164,6 +187,9 @@ class VmResult:
     timed_out: bool
     wall_s: float
     milestones: Mapping[str, float]
+    # What the console session (run()'s ``console``) raised, if anything; None when it ran to the
+    # end or there was none.
+    console_error: str | None = None
 
     def serial(self) -> bytes:
         return self.serial_log.read_bytes() if self.serial_log.exists() else b""
@@ -187,7 +213,7 @@ class VmResult:
 def qemu_argv(
     spec: VmSpec,
     image: Image,
-    serial_log: Path,
+    console_sock: Path,
     fw_strings: Mapping[str, str],
     fw_files: Mapping[str, Path],
 ) -> list[str]:
@@ -213,8 +239,16 @@ def qemu_argv(
         "-device", "virtio-rng-pci",
         # The DMI product name of a GCE VM: the agent arms only where it says so (issue 16).
         "-smbios", "type=1,product=Google Compute Engine",
-        # Serial port 1 (ttyS0) to a file: what getSerialPortOutput would return.
-        "-chardev", f"file,id=s0,path={serial_log}",
+        # Serial port 1 (ttyS0) on a unix socket the harness listens on (server=off: qemu
+        # connects while it starts, before the guest runs, so no byte precedes the connection).
+        # The harness writes serial.log from that stream (SerialConsole), what
+        # getSerialPortOutput would return. Not the chardev's logfile=: qemu logs the whole
+        # buffer when the back end's write fails, EAGAIN included (chardev/char.c
+        # qemu_chr_write_buffer, "log it all right away"), and the 16550 then sends the same byte
+        # again (hw/char/serial.c serial_xmit: a G_IO_OUT watch and a retry), so a socket that
+        # is full for a moment doubles a byte in the log: measured, one `x` doubled inside a
+        # GCEWD3 key line (CRC reject, a seq gap) while the socket stream itself was right.
+        "-chardev", f"socket,id=s0,path={console_sock},server=off",
         "-serial", "chardev:s0",
     ]  # fmt: skip
     # Per-run input, read in the guest from /sys/firmware/qemu_fw_cfg/by_name/opt/gce-e2e/NAME/raw.
@@ -282,22 +316,160 @@ def _fw_files(spec: VmSpec, outdir: Path) -> dict[str, Path]:
     return files
 
 
+class SerialConsole:
+    """The host end of ttyS0: what the guest writes (drained by a reader thread for the whole run
+    into ``log``, serial.log, so the guest waits on us as little as possible) and what we type.
+
+    Every wait is bounded in time and wakes on new bytes (a condition variable), never on a
+    timer; EOF (qemu gone) ends it at once. ``transcript`` records what was sent and seen, with
+    seconds since the connection, for ``console.log``.
+    """
+
+    def __init__(self, conn: socket.socket, log: BinaryIO | None = None) -> None:
+        self._conn = conn
+        self._log = log
+        self._buf = bytearray()
+        self._eof = False
+        self._cond = threading.Condition()
+        self._t0 = time.monotonic()
+        self.transcript: list[str] = []
+        self._reader = threading.Thread(target=self._read, name="serial-console", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = self._conn.recv(65536)
+            except OSError:
+                chunk = b""
+            if chunk and self._log is not None:
+                self._log.write(chunk)
+                self._log.flush()
+            with self._cond:
+                if not chunk:
+                    self._eof = True
+                    self._cond.notify_all()
+                    return
+                self._buf += chunk
+                self._cond.notify_all()
+
+    def note(self, what: str) -> None:
+        self.transcript.append(f"{time.monotonic() - self._t0:7.1f}s {what}")
+
+    def mark(self) -> int:
+        """The offset of the next byte the guest writes (for ``expect(..., since=)``)."""
+        with self._cond:
+            return len(self._buf)
+
+    def data(self) -> bytes:
+        with self._cond:
+            return bytes(self._buf)
+
+    def expect(self, needle: bytes, since: int, timeout: float) -> int:
+        """Wait until ``needle`` appears at or after offset ``since``; its end offset. Raises
+        E2EError after ``timeout`` seconds or at EOF."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                at = self._buf.find(needle, since)
+                if at >= 0:
+                    self.note(f"seen {needle!r} at {at}")
+                    return at + len(needle)
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    why = "EOF" if self._eof else f"{timeout:.0f}s"
+                    tail = bytes(self._buf[max(since, len(self._buf) - 600) :])
+                    raise E2EError(f"console: no {needle!r} after offset {since} ({why}): {tail!r}")
+                self._cond.wait(left)
+
+    def send(self, data: bytes, shown: str | None = None) -> None:
+        self.note(f"sent {shown if shown is not None else repr(data)}")
+        self._conn.sendall(data)
+
+    def close(self) -> None:
+        """Wait (bounded) for the reader to see EOF once qemu is gone, then close the socket."""
+        self._reader.join(CONSOLE_CLOSE_WAIT)
+        self._conn.close()
+
+
+def login_session(
+    con: SerialConsole,
+    command: str,
+    output: bytes,
+    *,
+    since: int = 0,
+    prompt_wait: float = LOGIN_PROMPT_WAIT,
+    login_wait: float = LOGIN_WAIT,
+    step_wait: float = STEP_WAIT,
+) -> int:
+    """A real serial-console login as CONSOLE_USER, one command, and a logout; returns the offset
+    in the console output where the fresh getty's prompt after the logout ends.
+
+    Waits for ``login:`` (a bare Enter makes agetty print it again: at most LOGIN_TRIES), the
+    password prompt, the shell prompt, ``output`` (what ``command`` prints: choose one that its
+    echo does not contain) and, after ``exit``, the prompt of the getty systemd restarted.
+    """
+    at = -1
+    for attempt in range(LOGIN_TRIES):
+        mark = con.mark()
+        con.send(b"\r")
+        try:
+            at = con.expect(LOGIN_PROMPT, max(mark, since), prompt_wait)
+            break
+        except E2EError:
+            if attempt == LOGIN_TRIES - 1:
+                raise
+    mark = con.mark()
+    con.send(CONSOLE_USER.encode() + b"\r")
+    con.expect(b"Password: ", max(mark, at), step_wait)
+    mark = con.mark()
+    con.send(CONSOLE_PASSWORD.encode() + b"\r", shown="<password>\\r")
+    con.expect(SHELL_PROMPT, mark, login_wait)
+    mark = con.mark()
+    con.send(command.encode() + b"\r")
+    done = con.expect(output, mark, step_wait)
+    con.expect(SHELL_PROMPT, done, step_wait)
+    mark = con.mark()
+    con.send(b"exit\r")
+    return con.expect(LOGIN_PROMPT, mark, login_wait)
+
+
+def _console_listener(outdir: Path) -> tuple[socket.socket, Path, Path | None]:
+    """A listening unix socket for qemu's console chardev: outdir/console.sock, or one in a
+    private temporary directory when that path is too long for sun_path (108 bytes)."""
+    path, tmp = outdir / "console.sock", None
+    if len(os.fsencode(path)) > 100 or "," in str(path):
+        tmp = Path(tempfile.mkdtemp(prefix="gce-e2e-"))
+        path = tmp / "console.sock"
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(1)
+    srv.settimeout(CONSOLE_ACCEPT_WAIT)
+    return srv, path, tmp
+
+
 def run(
     spec: VmSpec,
     image: Image,
     www: Path,
     outdir: Path | None = None,
     watch: Callable[[bytes], None] | None = None,
+    console: Callable[[SerialConsole], None] | None = None,
 ) -> VmResult:
     """Boot the guest once for spec; returns when qemu exits or the timeout kills it.
 
     ``watch`` is called with the serial output so far about every SERIAL_POLL seconds while the
     VM runs (e.g. a poller reading the port live); an exception from it ends the run.
+    ``console``, when given, runs in its own thread from the start with the serial console (e.g.
+    :func:`login_session`); what it raises is ``VmResult.console_error``, and what it typed and
+    saw is ``console.log``.
     """
     outdir = outdir or BUILD / spec.name
     outdir.mkdir(parents=True, exist_ok=True)
     serial_log = outdir / "serial.log"
-    for old in (serial_log, outdir / "qemu.log"):
+    for old in (serial_log, outdir / "qemu.log", outdir / "console.log"):
         with contextlib.suppress(FileNotFoundError):
             old.unlink()
     run_id = f"{spec.name}-{secrets.token_hex(4)}"
@@ -305,38 +477,73 @@ def run(
     seen: dict[str, float] = {}
     timed_out = False
     rc: int | None = None
-    with Topology() as topo:
+    errors: list[str] = []
+    srv, sock_path, sock_tmp = _console_listener(outdir)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(srv.close)
+        cleanup.callback(lambda: sock_path.unlink(missing_ok=True))
+        if sock_tmp is not None:
+            cleanup.callback(lambda: shutil.rmtree(sock_tmp, ignore_errors=True))
+        topo = cleanup.enter_context(Topology())
         _add_tap(topo)
         topo.start_simgce(
             outdir / "sim",
             extra=_simgce_args(spec, outdir, www),
             records={WHEELS_NAME: EGRESS_IP, EGRESS_NAME: EGRESS_IP},
         )
-        argv = qemu_argv(spec, image, serial_log, {"run-id": run_id}, _fw_files(spec, outdir))
+        fw_strings = {"run-id": run_id}
+        argv = qemu_argv(spec, image, sock_path, fw_strings, _fw_files(spec, outdir))
         (outdir / "qemu.argv").write_text(" ".join(argv) + "\n")
-        with open(outdir / "qemu.log", "wb") as qlog:
-            t0 = time.monotonic()
-            proc = topo.popen_in(topo.gce, argv, stdout=qlog, stderr=subprocess.STDOUT)
-            deadline = t0 + spec.timeout
-            while True:
-                try:
-                    rc = proc.wait(SERIAL_POLL)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                now = time.monotonic()
-                if serial_log.exists():
-                    data = serial_log.read_bytes()
-                    _milestones(data, seen, now - t0)
-                    if watch is not None:
-                        watch(data)
-                if now > deadline:
-                    timed_out = True
-                    proc.kill()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(QEMU_KILL_WAIT)
-                    break
-            wall = time.monotonic() - t0
+        qlog = cleanup.enter_context(open(outdir / "qemu.log", "wb"))
+        t0 = time.monotonic()
+        proc = topo.popen_in(topo.gce, argv, stdout=qlog, stderr=subprocess.STDOUT)
+        try:
+            conn, _ = srv.accept()  # bounded: CONSOLE_ACCEPT_WAIT
+        except TimeoutError as e:
+            raise E2EError(
+                f"qemu did not connect to {sock_path} in {CONSOLE_ACCEPT_WAIT:.0f}s "
+                f"(rc={proc.poll()}); see {outdir / 'qemu.log'}"
+            ) from e
+        slog = cleanup.enter_context(open(serial_log, "wb"))
+        con = SerialConsole(conn, slog)
+        cleanup.callback(lambda: _write_transcript(outdir / "console.log", con))
+        cleanup.callback(con.close)
+        cleanup.callback(_reap, proc)  # first (LIFO): the reader then sees EOF at once
+        session: threading.Thread | None = None
+        if console is not None:
+            session = threading.Thread(
+                target=_run_session,
+                args=(console, con, errors),
+                name="console-session",
+                daemon=True,  # its waits end at EOF anyway; never what keeps pytest alive
+            )
+            session.start()
+        deadline = t0 + spec.timeout
+        while True:
+            try:
+                rc = proc.wait(SERIAL_POLL)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if serial_log.exists():
+                data = serial_log.read_bytes()
+                _milestones(data, seen, now - t0)
+                if watch is not None:
+                    watch(data)
+            if now > deadline:
+                timed_out = True
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(QEMU_KILL_WAIT)
+                break
+        wall = time.monotonic() - t0
+        con.close()  # serial.log is complete once the reader has seen EOF (qemu gone)
+        if session is not None:
+            # Its waits end at EOF or at their own bounds, whichever comes first.
+            session.join(CONSOLE_CLOSE_WAIT)
+            if session.is_alive():
+                errors.append("the console session did not end after qemu exited")
         if serial_log.exists():
             _milestones(serial_log.read_bytes(), seen, wall)
     return VmResult(
@@ -347,7 +554,31 @@ def run(
         timed_out=timed_out,
         wall_s=wall,
         milestones=dict(sorted(seen.items(), key=lambda kv: kv[1])),
+        console_error="; ".join(errors) or None,
     )
+
+
+def _run_session(
+    console: Callable[[SerialConsole], None], con: SerialConsole, errors: list[str]
+) -> None:
+    try:
+        console(con)
+        con.note("session done")
+    except Exception as e:  # reported in VmResult.console_error; the VM runs on to its poweroff
+        con.note(f"session failed: {e}")
+        errors.append(f"{type(e).__name__}: {e}")
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """qemu must not outlive run(), whatever raised."""
+    if proc.poll() is None:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(QEMU_KILL_WAIT)
+
+
+def _write_transcript(path: Path, con: SerialConsole) -> None:
+    path.write_text("".join(line + "\n" for line in con.transcript))
 
 
 def sha256_of(www: Path, name: str) -> str:
@@ -366,8 +597,13 @@ class Harness:
             "wheelhouse_s": round(wheelhouse_s, 1),
         }
 
-    def boot(self, spec: VmSpec, watch: Callable[[bytes], None] | None = None) -> VmResult:
-        res = run(spec, self.image, self.www, watch=watch)
+    def boot(
+        self,
+        spec: VmSpec,
+        watch: Callable[[bytes], None] | None = None,
+        console: Callable[[SerialConsole], None] | None = None,
+    ) -> VmResult:
+        res = run(spec, self.image, self.www, watch=watch, console=console)
         self.timings[spec.name] = {
             "wall_s": round(res.wall_s, 1),
             "qemu_rc": res.qemu_rc,

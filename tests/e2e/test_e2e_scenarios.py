@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 
 import pytest
 from gce_watchdog.poller.verdict import VerdictKind
@@ -83,13 +84,16 @@ def spec(name: str, workload: list[str] | None, *, deb: bool = False, **kw: obje
 
 
 def boot(
-    e2e: vm.Harness, spec: vm.VmSpec, **live_kw: object
+    e2e: vm.Harness,
+    spec: vm.VmSpec,
+    console: Callable[[vm.SerialConsole], None] | None = None,
+    **live_kw: object,
 ) -> tuple[vm.VmResult, observe.PollRun]:
     """Boot once with the poller reading the serial port live (faithful fake: reads only while
     RUNNING, nothing fed after the VM is off; ``--reap``); the VM's final status is TERMINATED
-    when qemu exited by itself."""
+    when qemu exited by itself. ``console``: what the harness types on ttyS0 (vm.run)."""
     with observe.LivePoller(vm.BUILD / spec.name / "poller", **live_kw) as live:  # type: ignore[arg-type]
-        res = e2e.boot(spec, watch=live.watch)
+        res = e2e.boot(spec, watch=live.watch, console=console)
         run = live.finish(res.serial(), "RUNNING" if res.timed_out else "TERMINATED")
     return res, run
 
@@ -135,16 +139,30 @@ def bootstrap_ok(events: list[Event]) -> None:
 
 
 # The guest's serial getty is restarted and the port hung up (vhangup) in the middle of the job
-# (e2e/guest/usr/local/sbin/e2e-console-hangup), as a serial-console login and logout would do.
+# (e2e/guest/usr/local/sbin/e2e-console-hangup), as util-linux login(1) does at every login.
 HANGUP = "/usr/local/sbin/e2e-console-hangup"
+# Then a real serial-console login and logout by the harness (vm.login_session) while the guest's
+# half (e2e/guest/usr/local/sbin/e2e-console-login) waits for it, and a syslog marker after it.
+LOGIN = "/usr/local/sbin/e2e-console-login"
+# What the console user runs, and what it prints: "42" is not in the shell's echo of the command.
+LOGIN_COMMAND = "echo e2e-login-$((6*7)) $(id -un) | tee /tmp/e2e-login-proof"
+LOGIN_OUTPUT = f"e2e-login-42 {vm.CONSOLE_USER}".encode()
+
+
+def console_login(con: vm.SerialConsole) -> None:
+    ready = con.expect(b"e2e-console-login: ready", 0, TIMEOUT)
+    vm.login_session(con, LOGIN_COMMAND, LOGIN_OUTPUT, since=ready)
 
 
 def test_healthy_workload_completes(e2e: vm.Harness) -> None:
-    # 14 s after the hangup: at least two heartbeats (every 3 ticks of 2 s) on the reopened port.
-    workload = ["bash", "-c", f"echo working; {HANGUP}; sleep 14; echo finished"]
-    res, run = boot(e2e, spec("healthy", workload))
+    # 14 s after the logout: at least two heartbeats (every 3 ticks of 2 s) on the reopened port.
+    workload = [
+        "bash", "-c", f"echo working; {HANGUP}; {LOGIN} || exit 1; sleep 14; echo finished",
+    ]  # fmt: skip
+    res, run = boot(e2e, spec("healthy", workload), console=console_login)
     save_report(res)
     check_powered_off(res)
+    assert res.console_error is None, f"{res.console_error} (see {res.outdir / 'console.log'})"
     events = events_of(res)
     bootstrap_ok(events)
     exits = named(events, "exit")
@@ -161,6 +179,21 @@ def test_healthy_workload_completes(e2e: vm.Harness) -> None:
     hung = raw.find(b"e2e-console-hangup: done rc=0")
     assert hung > 0, "the getty restart and the vhangup ran"
     assert re.search(rb"GCEWD3 \S+ \d+ \S+ heartbeat ", raw[hung:]), "agent lines after the hangup"
+    # ... and after a real login, a command and a logout on ttyS0: the shell's output, then the
+    # prompt of the getty systemd restarted (TTYVHangup) after the logout, then heartbeats.
+    said = raw.find(LOGIN_OUTPUT, hung)
+    assert said > 0, "the console user's command ran in a login shell on ttyS0"
+    logout = raw.find(vm.LOGIN_PROMPT, said)
+    assert logout > 0, "a fresh getty prompted after the logout"
+    assert b"e2e-console-login: done rc=0" in raw[logout:], "the guest saw the logout"
+    assert re.search(rb"GCEWD3 \S+ \d+ \S+ heartbeat ", raw[logout:]), "agent lines after logout"
+    # Syslog on the console as on a GCE Debian 12 image (guest-configs' 90-google.conf:
+    # daemon,kern.* /dev/console): the guest's daemon.info marker of this boot, and the kernel's
+    # messages through imklog (rsyslog's "HOST kernel: " prefix, which the kernel's own console
+    # output has not), interleaved with the agent's lines with no seq gap (check_no_lost_lines).
+    boot_id = events[0].boot.encode()
+    assert re.search(rb" gce-e2e e2e-syslog: marker " + boot_id, raw), "daemon.* via rsyslog"
+    assert b" gce-e2e kernel: " in raw, "kern.* via rsyslog"
 
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict
