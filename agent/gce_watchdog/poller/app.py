@@ -55,7 +55,6 @@ from gce_watchdog.lib.compute import (
 )
 from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
-from gce_watchdog.poller.decisions import doc_for
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
     BudgetedSession,
@@ -64,7 +63,7 @@ from gce_watchdog.poller.fleet import (
     Target,
     plan_interval,
 )
-from gce_watchdog.poller.hooks import FailoverHook, TopicPublisher
+from gce_watchdog.poller.hooks import Delivery, FailoverHook, TopicPublisher
 from gce_watchdog.poller.ledger import BaseLedger
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import (
@@ -200,14 +199,8 @@ class Parts:
             return
         if not out.announce or d is None:
             return
-        if self.deliveries:
-            doc = doc_for(self.ledger, d.token)
-            if doc is None or not all(deliver(doc) for deliver in self.deliveries):
-                _log(
-                    f"the delivery of token {d.token} did not succeed: the announcement stays "
-                    "pending and is retried after its lease"
-                )
-                return
+        if self.deliveries and not Delivery(self.ledger, self.deliveries, _log)(d.token):
+            return
         mark(out)
 
 
@@ -508,7 +501,10 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
             _print_outcome(out, s.json)
 
     sub = s.pubsub
-    worker = PubSubWorker(subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s)
+    deliver = Delivery(p.ledger, p.deliveries, _log) if p.deliveries else None
+    worker = PubSubWorker(
+        subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s, deliver=deliver
+    )
     # the fleet the brake is a share of: every instance heard from on the stream or listed
     p.ledger.fleet_size = worker.fleet_size
     sweeper = None

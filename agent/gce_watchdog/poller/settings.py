@@ -235,10 +235,6 @@ def _on_failover(v: Mapping[str, Any], errs: list[str]) -> tuple[tuple[str, ...]
         return (), timeout_s
     if not argv:
         errs.append("--on-failover needs a command")
-    if v.get("pubsub") is not None:
-        errs.append(
-            "--on-failover is not run by --pubsub workers: follow `gce-watchdog decisions` there"
-        )
     return argv, timeout_s
 
 
