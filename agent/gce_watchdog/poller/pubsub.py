@@ -27,10 +27,11 @@ workers"). So a worker keeps no assembly state of its own: the ledger's store ho
    left to the Compute API sweep, which reads the serial port's whole record;
 4. acks the batch only then: a worker that dies anywhere before that has its messages
    redelivered, and the next one stores nothing twice and looks again;
-5. announces: each announcement is printed (``emit``) when its claim is made, before the ack;
-   after the ack it is delivered (``deliver``: ``--on-failover``, when given) and only then
-   marked done. The claimer first; every ``ANNOUNCE_SWEEP_S``, decisions whose claimer died
-   unannounced, or whose delivery failed, once their lease lapsed.
+5. announces: each announcement is printed (``emit``) when its claim is made, before the ack,
+   and marked done at once; with ``deliver`` (``--on-failover``) it is delivered after the ack
+   instead, and marked done only once that succeeded. The claimer first; every
+   ``ANNOUNCE_SWEEP_S``, decisions whose claimer died unannounced, or whose delivery failed,
+   once their lease lapsed.
 
 A decided, ended or gapped boot's lines are deleted; its row stays as a tombstone (so a
 redelivery is acked without a second look) until ``TOMBSTONE_S`` after its last line. A worker's
@@ -449,7 +450,10 @@ class PubSubWorker:
         if announce:
             with self._lock:
                 self.emit(out)
-            self._due.append(out)
+            if self.deliver is None:
+                self._done(out)  # the printed line is the announcement: marked at once
+            else:
+                self._due.append(out)  # delivered after the ack
 
     def _done(self, out: PollOutcome) -> None:
         """Deliver an announced decision (when ``deliver`` is given), then mark it announced.
