@@ -509,7 +509,8 @@ import fcntl, json, os, signal, sys
 state = sys.argv[1]
 doc = json.load(sys.stdin)
 token = os.environ["GCE_WATCHDOG_TOKEN"]
-assert doc["v"] == 1 and str(doc["token"]) == token and doc["verdict"] == "self_shutdown"
+assert doc["v"] == 1 and str(doc["token"]) == token
+assert doc["verdict"] in ("self_shutdown", "preempted")
 assert doc["request_id"] == os.environ["GCE_WATCHDOG_REQUEST_ID"]
 assert os.environ["GCE_WATCHDOG_INSTANCE"].endswith("/" + doc["name"])
 me = os.environ.get("WORKER", "cli")
@@ -737,8 +738,11 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
         api.append_serial("vm-heard", text)
         publish(t, [log_entry(heard.id, "vm-heard", text.decode().rstrip())])
         (tmp_path / "tok").write_text("tok\n")
+        state, hook = _hook(tmp_path)  # the sweep's failover is delivered too
         env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+        env.pop("KILL_FIRST", None)
         argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--json",
+                "--on-failover", hook,
                 "--label", "gce-watchdog=on", "--project", PROJECT, "--sweep-interval", "1s",
                 "--api-base", api.base_url, "--access-token-file", str(tmp_path / "tok"),
                 "--ledger", str(tmp_path / "l.sqlite"),
@@ -761,8 +765,10 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
     failovers = [x for x in lines if x["action"] == "failover"]
     assert [(x["instance"], x["verdict"]) for x in failovers] == [("vm-stopped", "preempted")], err
     with open_ledger(tmp_path / "l.sqlite") as led:
-        assert [d.instance for d in led.all()] == [f"{PROJECT}/us-central1-a/vm-stopped"]
+        (d,) = led.all()
+        assert d.instance == f"{PROJECT}/us-central1-a/vm-stopped"
     assert b"sweep:" in err
+    assert [t for t, _ in _pairs(state / "succeeded")] == [str(d.token)]  # failed once, then ran
 
 
 def _decided(path: Path) -> bool:

@@ -588,9 +588,12 @@ def _sweep(
 
     def announce(out: PollOutcome) -> None:
         emit(out)
-        if out.decision is not None and out.decision.held:
-            _log(f"ALARM: the fleet-wide brake holds the failover of {out.decision.instance}")
-        elif out.announce:
+        d = out.decision
+        if d is not None and d.held:
+            _log(f"ALARM: the fleet-wide brake holds the failover of {d.instance}")
+        elif out.announce and d is not None:
+            if p.deliveries and not Delivery(p.ledger, p.deliveries, _log)(d.token):
+                return  # pending: the workers' announcement sweep retries it after the lease
             fleet.announced(out)
 
     try:
