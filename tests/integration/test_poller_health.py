@@ -151,3 +151,15 @@ def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
             worker.communicate()
     assert worker.returncode == 0, err.decode()
     assert f"health: GET /healthz on 127.0.0.1:{port}".encode() in err
+
+
+def test_a_bad_health_port_or_stall_is_a_usage_error(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PORT": "70000"}
+    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub",
+            "projects/test-project/subscriptions/serial", "--ledger", str(tmp_path / "l.sqlite"),
+            "--health-stall", "0s"]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert r.returncode == 64, r.stderr
+    assert "--health-port 70000: want 1..65535" in r.stderr  # $PORT is its default
+    assert "--health-stall must be > 0" in r.stderr
+    assert not (tmp_path / "l.sqlite").exists()
