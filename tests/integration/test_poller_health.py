@@ -1,8 +1,9 @@
 """GET /healthz for Cloud Run services (issue 26; lib/health.py), on loopback.
 
-The answer on its own (a clock the test moves), then a real ``poll --pubsub`` worker on the
-Pub/Sub emulator serving /healthz on ``$PORT``: 200 while it pulls, 503 while its loop is stuck
-(an ``--on-failover`` command that does not return until the test lets it), 200 again after."""
+The server on a clock the test moves (the pure answer: tests/unit/test_health.py), then a real
+``poll --pubsub`` worker on the Pub/Sub emulator serving /healthz on ``$PORT``: 200 while it
+pulls, 503 while its loop is stuck (an ``--on-failover`` command that does not return until the
+test lets it), 200 again after."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gce_watchdog.lib.health import HealthServer, Liveness, health_answer
+from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from kit.paths import REPO
@@ -36,13 +37,6 @@ def get(port: int, path: str = "/healthz") -> tuple[int, dict[str, object]]:
     except urllib.error.HTTPError as e:
         body = e.read()
         return e.code, json.loads(body) if body.startswith(b"{") else {}
-
-
-def test_the_answer_is_200_until_the_last_progress_is_older_than_the_stall() -> None:
-    assert health_answer(0.0, 60.0)[0] == 200
-    assert health_answer(60.0, 60.0)[0] == 200
-    code, body = health_answer(60.5, 60.0)
-    assert code == 503 and body["status"] == "stalled" and body["last_progress_s"] == 60.5
 
 
 def test_the_server_answers_from_the_liveness_and_only_on_its_paths() -> None:
