@@ -2,7 +2,11 @@
 # The image runs `gce-watchdog poll`; give it its arguments, e.g.
 #   docker run IMAGE --label gce-watchdog=on --project P --ledger postgresql://poller@db/wd
 # Credentials: the runtime's service account (application default credentials on Cloud Run and
-# GKE with Workload Identity). The ledger must be PostgreSQL: a container's disk is not durable.
+# GKE with Workload Identity). The ledger must be PostgreSQL: a container's disk is not durable,
+# and GCE_WATCHDOG_SHARED_LEDGER=required makes `poll` refuse (exit 64) any other ledger
+# (--ledger or $GCE_WATCHDOG_LEDGER); set it empty for one replica with a durable volume.
+# Cloud Run: `poll --once` rounds as a job; the Pub/Sub worker as a service (it serves GET
+# /healthz on $PORT) or a worker pool (docs/poller.md, "Cloud Run"). `docker run IMAGE --version`.
 #
 # Nothing is installed unpinned (docs/packaging.md): the poller's dependencies (the agent's, plus
 # matplotlib for report --png, psycopg, google-cloud-pubsub) from packaging/requirements-poller.lock
@@ -33,6 +37,7 @@ USER 10001
 ENV PATH=/opt/gce-watchdog/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
-    XDG_STATE_HOME=/var/lib/gce-watchdog
+    XDG_STATE_HOME=/var/lib/gce-watchdog \
+    GCE_WATCHDOG_SHARED_LEDGER=required
 ENTRYPOINT ["gce-watchdog", "poll", "--json"]
 CMD ["--help"]

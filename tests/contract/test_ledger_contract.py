@@ -142,6 +142,31 @@ def test_claimer_holds_the_announcement_and_a_lapsed_one_is_taken_once(spec: str
         assert got is not None and (got.announced_at, got.announced_by) == (1061.0, "late-1")
 
 
+def test_a_delivery_renews_its_own_lease_and_never_anothers(spec: str) -> None:
+    """``hold_announcement`` (before a --pubsub worker runs --on-failover): the lease holder
+    renews it; a live lease of another owner is not taken; a lapsed one is; never once marked."""
+    with (
+        open_ledger(spec, owner="claimer", announce_lease_s=60) as a,
+        open_ledger(spec, owner="other", announce_lease_s=60) as b,
+    ):
+        a.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1000.0)
+        assert not b.hold_announcement("id-1", "b1", now=1030.0)  # the claimer's, live
+        assert a.hold_announcement("id-1", "b1", now=1050.0)  # renewed: until 1110
+        assert not b.take_announcement("id-1", "b1", now=1100.0)  # not lapsed: renewed
+        assert b.hold_announcement("id-1", "b1", now=1110.0)  # lapsed: b holds it now
+        assert not a.hold_announcement("id-1", "b1", now=1120.0)  # b's: a skips its delivery
+        assert b.mark_announced("id-1", "b1", now=1121.0)
+        assert not b.hold_announcement("id-1", "b1", now=1122.0)  # announced: nothing to hold
+        assert not a.hold_announcement("id-1", "b1", now=99_999.0)
+        assert not a.hold_announcement("id-2", "b1", now=1000.0)  # no such decision
+
+
+def test_default_owners_differ_between_ledgers_of_one_process(spec: str) -> None:
+    """Leases go by owner: two replicas with one hostname and pid 1 must not share one."""
+    with open_ledger(spec) as a, open_ledger(spec) as b:
+        assert a.owner != b.owner
+
+
 def _take(spec: str, barrier: Any, results: Any) -> None:
     with open_ledger(spec, owner=f"taker-{mp.current_process().pid}") as led:
         barrier.wait(timeout=WAIT_S)

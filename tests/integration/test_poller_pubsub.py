@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -437,15 +438,15 @@ def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> No
 
 
 def _worker(
-    host: str, sub: str, ledger: str, owner: str, seed: int, out: Path, names: Path
+    host: str, sub: str, ledger: str, owner: str, seed: int, out: Path, names: Path, *extra: str
 ) -> subprocess.Popen[bytes]:
     """A worker process (kit/pubsub_worker.py); its stdout and stderr go to ``out`` (a file: a
-    pipe nobody reads while it runs could fill and block it)."""
+    pipe nobody reads while it runs could fill and block it). ``$WORKER`` is its owner name."""
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'agent'}:{REPO / 'tests'}",
-           "PUBSUB_EMULATOR_HOST": host}  # fmt: skip
+           "PUBSUB_EMULATOR_HOST": host, "WORKER": owner}  # fmt: skip
     argv = [sys.executable, "-m", "kit.pubsub_worker", "--subscription", sub, "--ledger", ledger,
             "--max", "20", "--withhold", "0.03", "--seed", str(seed), "--settle", str(SETTLE_S),
-            "--owner", owner, "--names", str(names)]  # fmt: skip
+            "--owner", owner, "--names", str(names), *extra]  # fmt: skip
     with open(out, "wb") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env)
 
@@ -514,6 +515,157 @@ def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
     # at-least-once: only a worker killed between printing and marking repeats one
     assert len(announced) - len(fleet.wedged) <= 1
     assert len({d.owner for d in decisions}) >= 2  # decided by several workers
+
+
+# The --on-failover hook of the tests below: every call is recorded ("calls": token, worker),
+# the first call for each token fails (exit 1), the second succeeds ("succeeded"). With
+# KILL_FIRST set, the very first call of all kills its worker (SIGKILL) before exiting 1: a
+# worker that dies while its hook runs, before the hook succeeded.
+HOOK = """
+import fcntl, json, os, signal, sys
+state = sys.argv[1]
+doc = json.load(sys.stdin)
+token = os.environ["GCE_WATCHDOG_TOKEN"]
+assert doc["v"] == 1 and str(doc["token"]) == token
+assert doc["verdict"] in ("self_shutdown", "preempted")
+assert doc["request_id"] == os.environ["GCE_WATCHDOG_REQUEST_ID"]
+assert os.environ["GCE_WATCHDOG_INSTANCE"].endswith("/" + doc["name"])
+me = os.environ.get("WORKER", "cli")
+with open(os.path.join(state, "lock"), "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    calls = open(os.path.join(state, "calls")).read().split() if os.path.exists(
+        os.path.join(state, "calls")) else []
+    with open(os.path.join(state, "calls"), "a") as f:
+        f.write(f"{token} {me}\\n")
+    if not calls and os.environ.get("KILL_FIRST"):
+        os.kill(os.getppid(), signal.SIGKILL)
+        sys.exit(1)
+    if token not in calls[0::2]:
+        sys.exit(1)  # the first call for this token fails: retried with back-off
+    with open(os.path.join(state, "succeeded"), "a") as f:
+        f.write(f"{token} {me}\\n")
+"""
+
+
+def _hook(tmp_path: Path) -> tuple[Path, str]:
+    state = tmp_path / "hook"
+    state.mkdir()
+    (tmp_path / "hook.py").write_text(HOOK)
+    return state, f"{sys.executable} {tmp_path / 'hook.py'} {state}"
+
+
+def _pairs(path: Path) -> list[tuple[str, str]]:
+    words = path.read_text().split() if path.exists() else []
+    return list(zip(words[0::2], words[1::2], strict=True))
+
+
+def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_in_its_hook(
+    topic: tuple[str, str], pubsub_host: str, ledger_url: str, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """3 workers with --on-failover on one subscription (pulls of at most 20, deliveries lost on
+    the way), on a 30-VM fleet (18 wedged): each hook fails once, then succeeds on its retry; the
+    very first hook run kills its worker. Every wedged VM's hook succeeded exactly once per
+    token, run by the worker that marked the announcement done (the holder of its lease); the
+    killed worker's decision is taken over by another once its lease lapsed."""
+    t, s = topic
+    fleet = fleet_stream(random.Random(126), 30, PROJECT)
+    publish(t, fleet.messages)
+    with open_ledger(ledger_url) as led:
+        for iid in fleet.names:
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+    state, hook = _hook(tmp_path)
+    monkeypatch.setenv("KILL_FIRST", "1")
+    logs = {n: tmp_path / f"{n}.out" for n in ("w0", "w1", "w2")}
+    extra = ("--on-failover", hook, "--announce-lease", "8")
+    names = tmp_path / "names.json"  # who each id is, as the Compute API would say
+    TableIdentities.of(fleet.names, PROJECT).save(names)
+    procs = {n: _worker(pubsub_host, s, ledger_url, n, i, logs[n], names, *extra)
+             for i, n in enumerate(logs)}  # fmt: skip
+    try:
+        with open_ledger(ledger_url) as led:
+            closed = fleet.wedged | fleet.finished
+            deadline = time.monotonic() + 2 * DEADLINE_S
+            while not (
+                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
+                and not led.pending_announcements()
+            ):
+                assert time.monotonic() < deadline, f"decided {led_count(led)}: {_errs(procs)}"
+                assert sum(p.poll() is not None for p in procs.values()) <= 1, _errs(procs)
+                time.sleep(0.2)
+            decisions = led.all()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    killed = [n for n, p in procs.items() if p.returncode == -signal.SIGKILL]
+    assert len(killed) == 1 and all(
+        p.returncode == 0 for n, p in procs.items() if n not in killed
+    ), _errs(procs)
+    assert sorted(d.instance_id for d in decisions) == sorted(fleet.wedged)
+    tokens = {str(d.token): d for d in decisions}
+    calls, succeeded = _pairs(state / "calls"), _pairs(state / "succeeded")
+    assert Counter(t for t, _ in succeeded) == Counter(list(tokens))  # once per token
+    for token, who in succeeded:  # by the worker whose announcement it was
+        assert tokens[token].announced_by == who and tokens[token].announced_at is not None
+    per_token = Counter(t for t, _ in calls)
+    assert set(per_token) == set(tokens) and min(per_token.values()) >= 2  # failed, retried
+    first_token, first_worker = calls[0]
+    assert first_worker == killed[0]
+    assert tokens[first_token].announced_by != killed[0]  # taken over after the lease
+
+
+def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
+    topic: tuple[str, str], pubsub_host: str, tmp_path: Path
+) -> None:
+    """``gce-watchdog poll --pubsub S --on-failover CMD`` (no longer a usage error): two wedged
+    VMs on the stream; each hook fails once and succeeds on its retry; each announcement is
+    marked done once its hook succeeded, and the hook succeeded once per token."""
+    t, s = topic
+    msgs = _boot_entries("5101", "abab0001") + _boot_entries("5102", "abab0002")
+    msgs += _boot_entries("5103", "abab0003", finished=True)
+    publish(t, msgs)
+    ledger = tmp_path / "l.sqlite"
+    with open_ledger(ledger) as led:
+        for iid in ("5101", "5102", "5103"):
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+    state, hook = _hook(tmp_path)
+    (tmp_path / "tok").write_text("unused\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+    env.pop("KILL_FIRST", None)
+    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
+            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
+            "--on-failover", hook]  # fmt: skip
+    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        with open_ledger(ledger) as led:
+            while len(_pairs(state / "succeeded")) < 2 or led.pending_announcements():
+                assert worker.poll() is None, worker.communicate()
+                assert time.monotonic() < deadline, "the hooks never succeeded"
+                time.sleep(0.2)
+            decisions = led.all()
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+    assert worker.returncode == 0, err.decode()
+    assert sorted(d.instance_id for d in decisions) == ["5101", "5102"]
+    assert all(d.announced_at is not None for d in decisions)
+    assert sorted(t for t, _ in _pairs(state / "succeeded")) == sorted(
+        str(d.token) for d in decisions
+    )
+    assert Counter(t for t, _ in _pairs(state / "calls")) == {str(d.token): 2 for d in decisions}
+    assert b"--on-failover for token" in err and b"(attempt 1/3)" in err  # the failed first run
+    lines = [json.loads(x) for x in out.decode().splitlines()]
+    assert sorted(x["instance_id"] for x in lines if x["action"] == "failover") == ["5101", "5102"]
 
 
 def _errs(procs: dict[str, subprocess.Popen[bytes]]) -> str:
@@ -616,8 +768,11 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
         api.append_serial("vm-heard", text)
         publish(t, [log_entry(heard.id, "vm-heard", text.decode().rstrip())])
         (tmp_path / "tok").write_text("tok\n")
+        state, hook = _hook(tmp_path)  # the sweep's failover is delivered too
         env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+        env.pop("KILL_FIRST", None)
         argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--json",
+                "--on-failover", hook,
                 "--label", "gce-watchdog=on", "--project", PROJECT, "--sweep-interval", "1s",
                 "--api-base", api.base_url, "--access-token-file", str(tmp_path / "tok"),
                 "--ledger", str(tmp_path / "l.sqlite"),
@@ -640,8 +795,10 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
     failovers = [x for x in lines if x["action"] == "failover"]
     assert [(x["instance"], x["verdict"]) for x in failovers] == [("vm-stopped", "preempted")], err
     with open_ledger(tmp_path / "l.sqlite") as led:
-        assert [d.instance for d in led.all()] == [f"{PROJECT}/us-central1-a/vm-stopped"]
+        (d,) = led.all()
+        assert d.instance == f"{PROJECT}/us-central1-a/vm-stopped"
     assert b"sweep:" in err
+    assert [t for t, _ in _pairs(state / "succeeded")] == [str(d.token)]  # failed once, then ran
 
 
 def _decided(path: Path) -> bool:

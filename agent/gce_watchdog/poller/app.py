@@ -53,9 +53,9 @@ from gce_watchdog.lib.compute import (
     ComputeRetry,
     InstanceStatus,
 )
+from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
-from gce_watchdog.poller.decisions import doc_for
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
     BudgetedSession,
@@ -64,7 +64,7 @@ from gce_watchdog.poller.fleet import (
     Target,
     plan_interval,
 )
-from gce_watchdog.poller.hooks import FailoverHook, TopicPublisher
+from gce_watchdog.poller.hooks import Delivery, FailoverHook, TopicPublisher
 from gce_watchdog.poller.identity import ComputeIdentities, subscription_project
 from gce_watchdog.poller.ledger import BaseLedger
 from gce_watchdog.poller.ledgers import open_ledger
@@ -80,6 +80,7 @@ from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.settings import Mode, PollSettings
 
 PULL_TIMEOUT_S = 1.0  # a pull waits at most this long, so gaps settle and SIGTERM is seen
+HEALTH_WAIT_STEP_S = 1.0  # while waiting between rounds, the health endpoint is fed this often
 
 
 def _state_home() -> Path:
@@ -171,9 +172,21 @@ class Parts:
     # --publish, then --on-failover: each must succeed before the announcement is marked done
     deliveries: tuple[Callable[[dict[str, Any]], bool], ...] = ()
     logging: LoggingClient | None = None  # --logging-evidence
+    health: Liveness | None = None  # --health-port: GET /healthz (lib/health.py)
 
     def wait(self, seconds: float) -> bool:
-        """``stop.wait`` that keeps the watchdog fed while the loop waits between rounds."""
+        """``stop.wait`` that keeps the watchdog (and the health endpoint) fed while the loop
+        waits between rounds: waiting is progress."""
+        if self.health is not None:
+            end = time.monotonic() + seconds
+            while (left := end - time.monotonic()) > 0:
+                self.health.beat()
+                if self.pulse is not None:
+                    self.pulse.beat()
+                if self.stop.wait(min(left, HEALTH_WAIT_STEP_S)):
+                    return True
+            self.health.beat()
+            return self.stop.is_set()
         if self.pulse is None:
             return self.stop.wait(seconds)
         return self.pulse.wait(self.stop, seconds)
@@ -181,6 +194,8 @@ class Parts:
     def beat(self) -> None:
         if self.pulse is not None:
             self.pulse.beat()
+        if self.health is not None:
+            self.health.beat()
 
     def deliver(
         self, out: PollOutcome, as_json: bool, mark: Callable[[PollOutcome], object]
@@ -201,14 +216,8 @@ class Parts:
             return
         if not out.announce or d is None:
             return
-        if self.deliveries:
-            doc = doc_for(self.ledger, d.token)
-            if doc is None or not all(deliver(doc) for deliver in self.deliveries):
-                _log(
-                    f"the delivery of token {d.token} did not succeed: the announcement stays "
-                    "pending and is retried after its lease"
-                )
-                return
+        if self.deliveries and not Delivery(self.ledger, self.deliveries, _log)(d.token):
+            return
         mark(out)
 
 
@@ -275,7 +284,20 @@ def run_poll(s: PollSettings) -> int:
         logs = create_logging_client(
             None if token_file is None else _credentials(token_file), s.evidence.logging_api_base
         )
-    parts = Parts(client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries), logs)
+    live, server = None, None
+    if s.health is not None:  # listening once the ledger is open: Cloud Run's startup probe
+        live = Liveness(s.health.stall_s)
+        try:
+            server = HealthServer(live, s.health.address, s.health.port).start()
+        except OSError as e:
+            ledger.close()
+            client.close()
+            _log(f"--health-port: cannot listen on {s.health.address}:{s.health.port}: {e}")
+            return EX_IOERR
+        _log(f"health: GET /healthz on {s.health.address}:{server.port}")
+    parts = Parts(
+        client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries), logs, live
+    )
     if pulse is not None:
         pulse.ready(f"polling ({s.mode.value})")
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}
@@ -295,6 +317,8 @@ def run_poll(s: PollSettings) -> int:
             client.close()
             if logs is not None:
                 logs.close()
+            if server is not None:
+                server.close()
             _write_line = _print_line
 
 
@@ -513,9 +537,18 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
     # subscription's without --project), never the LogEntry's labels (docs/poller.md)
     projects = s.projects or (subscription_project(sub.subscription),)
     identity = ComputeIdentities(p.client, projects)
+    deliver = None
+    if p.deliveries:
+        delivery = Delivery(p.ledger, p.deliveries, _log)
+
+        def deliver(token: int) -> bool:
+            ok = delivery(token)
+            p.beat()  # a delivery is progress (bounded: attempts x --on-failover-timeout)
+            return ok
+
     worker = PubSubWorker(
         subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s,
-        identity=identity, log=_log,
+        identity=identity, log=_log, deliver=deliver,
     )  # fmt: skip
     # the fleet the brake is a share of: every instance heard from on the stream or listed
     p.ledger.fleet_size = worker.fleet_size
@@ -561,9 +594,12 @@ def _sweep(
 
     def announce(out: PollOutcome) -> None:
         emit(out)
-        if out.decision is not None and out.decision.held:
-            _log(f"ALARM: the fleet-wide brake holds the failover of {out.decision.instance}")
-        elif out.announce:
+        d = out.decision
+        if d is not None and d.held:
+            _log(f"ALARM: the fleet-wide brake holds the failover of {d.instance}")
+        elif out.announce and d is not None:
+            if p.deliveries and not Delivery(p.ledger, p.deliveries, _log)(d.token):
+                return  # pending: the workers' announcement sweep retries it after the lease
             fleet.announced(out)
 
     try:

@@ -28,10 +28,19 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from gce_watchdog import __version__
 from gce_watchdog.lib.cli import EX_USAGE
 
 if TYPE_CHECKING:
     from gce_watchdog.poller.verdict import Policy
+
+
+SHARED_LEDGER_ENV = "GCE_WATCHDOG_SHARED_LEDGER"
+
+
+def _env_port() -> int | None:
+    raw = os.environ.get("PORT", "").strip()
+    return int(raw) if raw.isdigit() else None
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -101,10 +110,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--ledger",
-        default=None,
+        default=os.environ.get("GCE_WATCHDOG_LEDGER") or None,
         help="the ledger shared by every poller: a SQLite file (default $XDG_STATE_HOME/"
         "gce-watchdog/ledger.sqlite) or a postgresql:// URL for pollers on several hosts "
-        "(needs the [postgres] extra; a password belongs in ~/.pgpass or PGPASSWORD, not here)",
+        "(needs the [postgres] extra; a password belongs in ~/.pgpass or PGPASSWORD, not here); "
+        "default $GCE_WATCHDOG_LEDGER when set",
     )
     p.add_argument(
         "--announce-lease",
@@ -187,7 +197,33 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the fleet-wide brake: hold failovers beyond SHARE of the fleet per WINDOW (never "
         "fewer than FLOOR); on = 10%%/10m/3 (default)",
     )
-    p.set_defaults(func=cmd_poll)
+    p.add_argument(
+        "--health-port",
+        type=int,
+        default=_env_port(),
+        metavar="PORT",
+        help="serve GET /healthz on this TCP port: 200 while the loop makes progress, 503 once it "
+        "stalled for --health-stall (default $PORT when set, as Cloud Run services set it; "
+        "otherwise off)",
+    )
+    p.add_argument(
+        "--health-address",
+        default="0.0.0.0",  # Cloud Run: listen on 0.0.0.0, not on loopback
+        help="the address --health-port listens on (default 0.0.0.0)",
+    )
+    p.add_argument(
+        "--health-stall",
+        default="10m",
+        help="no progress for this long makes /healthz answer 503 (default 10m, as the unit's "
+        "WatchdogSec=); keep it above 3 x --on-failover-timeout plus the back-off",
+    )
+    p.add_argument(
+        "--version", action="version", version=f"gce-watchdog {__version__}",
+        help="print the version and exit (also after the container's `poll --json` entry point)",
+    )  # fmt: skip
+    # The container image sets GCE_WATCHDOG_SHARED_LEDGER=required: its replicas share no disk
+    # and none lasts, so a poll there without a postgresql:// --ledger is a usage error.
+    p.set_defaults(func=cmd_poll, shared_ledger=os.environ.get(SHARED_LEDGER_ENV, ""))
 
     q = sub.add_parser(
         "parse",

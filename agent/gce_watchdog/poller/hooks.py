@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gce_watchdog.lib.retry import Backoff
+from gce_watchdog.poller.decisions import doc_for
+from gce_watchdog.poller.ledger import BaseLedger
 
 TAIL_BYTES = 2048
 
@@ -101,6 +103,28 @@ class FailoverHook:
         except (ProcessLookupError, PermissionError):
             proc.kill()
         proc.wait()
+
+
+@dataclass
+class Delivery:
+    """An announced decision's deliveries (``--publish``, then ``--on-failover``), by token: its
+    view read back from the ledger (:func:`gce_watchdog.poller.decisions.doc_for`), then each
+    step in turn; True only once every step succeeded (then, and only then, the caller marks the
+    announcement done)."""
+
+    ledger: BaseLedger
+    steps: Sequence[Callable[[dict[str, Any]], bool]]
+    log: Callable[[str], None] = lambda _msg: None
+
+    def __call__(self, token: int) -> bool:
+        doc = doc_for(self.ledger, token)
+        if doc is not None and all(step(doc) for step in self.steps):
+            return True
+        self.log(
+            f"the delivery of token {token} did not succeed: the announcement stays "
+            "pending and is retried after its lease"
+        )
+        return False
 
 
 # A topic's resource name (Pub/Sub resource names: a topic id starts with a letter, 3-255 of

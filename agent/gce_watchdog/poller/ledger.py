@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import socket
 import sqlite3
 import threading
@@ -655,6 +656,20 @@ class BaseLedger:
         return n == 1
 
     @_locked
+    def hold_announcement(self, instance_id: str, boot: str, now: float | None = None) -> bool:
+        """Renew this owner's announcement lease (from now, for ``announce_lease_s``) just before
+        a delivery runs: True if the announcement is still pending and this owner's (or lapsed,
+        and so taken now); False if another owner holds a live lease or it was announced."""
+        at = time.time() if now is None else now
+        n = self._rowcount(
+            "UPDATE decisions SET announce_owner = ?, announce_until = ?"
+            " WHERE instance_id = ? AND boot = ? AND announced_at IS NULL"
+            " AND (announce_owner = ? OR announce_until IS NULL OR announce_until <= ?)",
+            (self.owner, at + self.announce_lease_s, instance_id, boot, self.owner, at),
+        )
+        return n == 1
+
+    @_locked
     def mark_announced(self, instance_id: str, boot: str, now: float | None = None) -> bool:
         """Record that this owner printed the announcement; False if it was announced before."""
         at = time.time() if now is None else now
@@ -1102,6 +1117,12 @@ class BaseLedger:
         )
 
 
+def default_owner() -> str:
+    """A ledger owner's default name: host and pid, and a random part, since replicas of one
+    container image often share both (pid 1, a fixed hostname) and leases go by owner."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
 def _opt_float(v: object) -> float | None:
     return None if v is None else float(v)  # type: ignore[arg-type]
 
@@ -1122,7 +1143,7 @@ class Ledger(BaseLedger):
         self.path = Path(path)
         self.announce_lease_s = announce_lease_s
         self._lock = threading.RLock()
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.owner = owner or default_owner()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # isolation_level=None: no implicit transactions; we issue BEGIN IMMEDIATE ourselves.
         self._db = sqlite3.connect(

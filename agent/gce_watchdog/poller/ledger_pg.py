@@ -18,8 +18,6 @@ A claim returns only after ``COMMIT`` returned, i.e. after the server made it du
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 from typing import Any
 
@@ -32,6 +30,7 @@ from gce_watchdog.poller.ledger import (
     DISPATCH_TABLES,
     PIN_REKEYS_TABLE,
     BaseLedger,
+    default_owner,
 )
 
 # A statement that waits this long for a lock is cancelled, so a stuck peer cannot hold every
@@ -95,7 +94,7 @@ class PostgresLedger(BaseLedger):
         lock_timeout_ms: int = LOCK_TIMEOUT_MS,
     ) -> None:
         self.url = url
-        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}"
+        self.owner = owner or default_owner()
         self.announce_lease_s = announce_lease_s
         self._lock = threading.RLock()
         self._db: psycopg.Connection[Any] = psycopg.connect(

@@ -27,7 +27,11 @@ workers"). So a worker keeps no assembly state of its own: the ledger's store ho
    left to the Compute API sweep, which reads the serial port's whole record;
 4. acks the batch only then: a worker that dies anywhere before that has its messages
    redelivered, and the next one stores nothing twice and looks again;
-5. announces (claimer first; ``ANNOUNCE_SWEEP_S``: decisions whose claimer died unannounced).
+5. announces: each announcement is printed (``emit``) when its claim is made, before the ack,
+   and marked done at once; with ``deliver`` (``--on-failover``) it is delivered after the ack
+   instead, and marked done only once that succeeded. The claimer first; every
+   ``ANNOUNCE_SWEEP_S``, decisions whose claimer died unannounced, or whose delivery failed,
+   once their lease lapsed.
 
 A decision is claimed and announced under the names the Compute API gives for the instance id
 (``identity``, ``poller/identity.py``), never under the LogEntry's labels.
@@ -238,6 +242,7 @@ class PubSubWorker:
         *,
         identity: Identities,
         log: Callable[[str], None] = _stderr,
+        deliver: Callable[[int], bool] | None = None,
     ) -> None:
         self.subscriber = subscriber
         self.subscription = subscription
@@ -250,6 +255,9 @@ class PubSubWorker:
         self.pull_max = pull_max
         self.identity = identity
         self.log = log
+        # --on-failover (and --publish): by token; the announcement is marked done only if True
+        self.deliver = deliver
+        self._due: list[PollOutcome] = []  # announced in this step: delivered after the ack
         self.stats = WorkerStats()
         self._pin_cache: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         # Pins that moved (a rekey line, here or by another worker): the newest key and the one
@@ -336,6 +344,9 @@ class PubSubWorker:
                     self._look(*ib, now)
             self.ledger.assembly_prune(now - TOMBSTONE_S)
         self.ack(to_ack)  # every line is stored and every decision it led to is claimed
+        due, self._due = self._due, []
+        for out in due:  # after the ack: a slow hook never holds a batch past its deadline
+            self._done(out)
         if now - self._last_sweep >= ANNOUNCE_SWEEP_S:
             self._last_sweep = now
             self.announce_pending(now)
@@ -583,16 +594,37 @@ class PubSubWorker:
         if announce:
             with self._lock:
                 self.emit(out)
-                if self.ledger.mark_announced(decision.instance_id, decision.boot, self.clock()):
-                    self.stats.announced += 1
+            if self.deliver is None:
+                self._done(out)  # the printed line is the announcement: marked at once
+            else:
+                self._due.append(out)  # delivered after the ack
+
+    def _done(self, out: PollOutcome) -> None:
+        """Deliver an announced decision (when ``deliver`` is given), then mark it announced.
+
+        Only the holder of the decision's announcement lease delivers: the lease is renewed
+        first (``hold_announcement``), so a lease that lapsed while this worker was busy and was
+        taken over by another worker is left to that one. A delivery that fails leaves the
+        announcement pending: once the lease lapses any worker's ``announce_pending`` (this one
+        included) takes it over and delivers again, as does one after this worker died."""
+        d = out.decision
+        assert d is not None
+        if self.deliver is not None:
+            if not self.ledger.hold_announcement(d.instance_id, d.boot, self.clock()):
+                return  # another worker holds it now, or it was announced meanwhile
+            if not self.deliver(d.token):
+                return
+        with self._lock:
+            if announced_outcome(self.ledger, out, self.clock()):
+                self.stats.announced += 1
 
     def announce_pending(self, now: float) -> None:
-        """Announce decisions claimed by a worker that died before announcing them."""
+        """Announce (and deliver) decisions whose claimer died before that, or whose delivery
+        failed: their announcement lease has lapsed."""
         for out in lapsed_announcements(self.ledger, now):
             with self._lock:
                 self.emit(out)
-                if announced_outcome(self.ledger, out, self.clock()):
-                    self.stats.announced += 1
+            self._done(out)
 
     def next_gap(self) -> float | None:
         """When the oldest open gap (any worker's) is due to be declared lost, or None."""

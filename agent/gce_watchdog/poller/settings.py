@@ -53,6 +53,15 @@ class EvidenceSettings:
 
 
 @dataclass(frozen=True)
+class HealthSettings:
+    """``--health-port``: GET /healthz for Cloud Run's probes (docs/poller.md, "Cloud Run")."""
+
+    address: str
+    port: int
+    stall_s: float  # no progress for this long: 503
+
+
+@dataclass(frozen=True)
 class PollSettings:
     projects: tuple[str, ...]
     zone: str | None
@@ -77,6 +86,7 @@ class PollSettings:
     brake: BrakeRule | None = None  # --brake; None: off (poll_settings: on by default)
     publish: str | None = None  # --publish projects/P/topics/T
     evidence: EvidenceSettings = EvidenceSettings()
+    health: HealthSettings | None = None  # --health-port; None: no health endpoint
 
     @property
     def mode(self) -> Mode:
@@ -152,13 +162,25 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
             errs.append("--announce-lease must be > 0")
     except ValueError as exc:
         errs.append(f"--announce-lease: {exc}")
+    backend = "sqlite"
     if v["ledger"] is not None:
         from gce_watchdog.poller.ledgers import ledger_backend
 
         try:
-            ledger_backend(v["ledger"])
+            backend = ledger_backend(v["ledger"])
         except ValueError as exc:
             errs.append(f"--ledger: {exc}")
+    shared = str(v.get("shared_ledger") or "")
+    if shared not in ("", "required"):
+        errs.append(f"GCE_WATCHDOG_SHARED_LEDGER={shared!r}: want `required` or empty")
+    elif shared == "required" and backend != "postgresql":
+        errs.append(
+            "GCE_WATCHDOG_SHARED_LEDGER=required (the container image): its replicas share no "
+            "disk and none outlives a restart, so a SQLite ledger would decide and announce "
+            "every failover again; give --ledger postgresql://... (or $GCE_WATCHDOG_LEDGER), or "
+            "set GCE_WATCHDOG_SHARED_LEDGER= for one replica with a durable volume"
+        )
+    health = _health(v, errs)
     if v["api_attempts"] < 1:
         errs.append("--api-attempts must be >= 1")
     if v["max_polls"] < 0:
@@ -199,6 +221,7 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         brake=brake,
         publish=publish,
         evidence=evidence,
+        health=health,
     )
 
 
@@ -236,11 +259,24 @@ def _on_failover(v: Mapping[str, Any], errs: list[str]) -> tuple[tuple[str, ...]
         return (), timeout_s
     if not argv:
         errs.append("--on-failover needs a command")
-    if v.get("pubsub") is not None:
-        errs.append(
-            "--on-failover is not run by --pubsub workers: follow `gce-watchdog decisions` there"
-        )
     return argv, timeout_s
+
+
+def _health(v: Mapping[str, Any], errs: list[str]) -> HealthSettings | None:
+    port = v.get("health_port")
+    stall_s = 600.0
+    try:
+        stall_s = parse_duration(v.get("health_stall") or "10m")
+        if stall_s <= 0:
+            errs.append("--health-stall must be > 0")
+    except ValueError as exc:
+        errs.append(f"--health-stall: {exc}")
+    if port is None:
+        return None
+    if not 0 < int(port) < 65536:
+        errs.append(f"--health-port {port}: want 1..65535")
+        return None
+    return HealthSettings(str(v.get("health_address") or "0.0.0.0"), int(port), stall_s)
 
 
 def _brake(raw: str, errs: list[str]) -> BrakeRule | None:
