@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 if TYPE_CHECKING:
     from gce_watchdog.poller.brake import BrakeRule
@@ -312,6 +312,30 @@ class Pin:
     pinned_at: float
     pinned_by: str
     retired: Retirees = ()
+
+
+class PinStore(Protocol):
+    """Where readers share protocol v3 pins (``BaseLedger.get_pin``/``place_pin``/``rekey_pin``):
+    the poll path (poller/reader.py) places a pin from byte 0 of the port, an operator by hand;
+    a Pub/Sub worker (poller/pubsub.py) never places one itself, and both move a pin only through
+    a ``rekey`` line that verifies under it."""
+
+    def get_pin(self, instance_id: str) -> Pin | None: ...
+
+    def place_pin(
+        self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
+    ) -> Pin: ...
+
+    def rekey_pin(
+        self,
+        instance_id: str,
+        old: bytes,
+        new: bytes,
+        fingerprint: str,
+        boot: str,
+        seq: int,
+        now: float | None = None,
+    ) -> Pin | None: ...
 
 
 PIN_PLACED = "placed"

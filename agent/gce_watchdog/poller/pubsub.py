@@ -55,7 +55,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from gce_watchdog.poller.assemble import assemble, compact
 from gce_watchdog.poller.identity import Identities, Identity, IdentityUnavailable
@@ -68,7 +68,7 @@ from gce_watchdog.poller.ledger import (
     BootLines,
     BootUpdate,
     Decision,
-    Pin,
+    PinStore,
     RawLine,
     StoredLine,
 )
@@ -167,31 +167,6 @@ def parse_log_entry(data: bytes) -> SerialLine | None:
         str(name),
         serial_text(text),
     )
-
-
-class PinStore(Protocol):
-    """Where an instance's v3 line key is pinned (the ledger's ``pins``, shared by every reader):
-    the poll path places a pin from byte 0 of the port, an operator by hand. A worker never
-    places one itself (a stream cannot show it has everything since the instance's creation);
-    it only fills in the key of a hand pin from an announcement with that fingerprint, and
-    moves a pin through a ``rekey`` line that verifies under it."""
-
-    def get_pin(self, instance_id: str) -> Pin | None: ...
-
-    def place_pin(
-        self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
-    ) -> Pin: ...
-
-    def rekey_pin(
-        self,
-        instance_id: str,
-        old: bytes,
-        new: bytes,
-        fingerprint: str,
-        boot: str,
-        seq: int,
-        now: float | None = None,
-    ) -> Pin | None: ...
 
 
 @dataclass

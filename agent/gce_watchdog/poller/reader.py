@@ -33,11 +33,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from gce_watchdog.lib.compute import ComputeClient
 from gce_watchdog.lib.files import atomic_write
-from gce_watchdog.poller.ledger import Pin
+from gce_watchdog.poller.ledger import PinStore
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.wire.protocol import pk_fingerprint
 
@@ -209,27 +209,6 @@ class ReadResult:
     lost: int  # of those, bytes the API no longer held (byte gap)
     reset: bool  # the port's buffer restarted; read again from 0
     new_events: int
-
-
-class PinStore(Protocol):
-    """Where readers share protocol v3 pins: the ledger (``BaseLedger.get_pin``/``place_pin``)."""
-
-    def get_pin(self, instance_id: str) -> Pin | None: ...
-
-    def place_pin(
-        self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
-    ) -> Pin: ...
-
-    def rekey_pin(
-        self,
-        instance_id: str,
-        old: bytes,
-        new: bytes,
-        fingerprint: str,
-        boot: str,
-        seq: int,
-        now: float | None = None,
-    ) -> Pin | None: ...
 
 
 class SerialReader:
