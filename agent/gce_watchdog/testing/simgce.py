@@ -520,6 +520,7 @@ class SimGCE:
         info: SimInstance | None = None,
         dns_silent_queries: int = 0,
         on_dns_query: Callable[[str, bool], None] | None = None,
+        dns_ttl: int = 60,
     ) -> None:
         self.metadata = FakeMetadataServer(*metadata, info=info)
         self.tcp = TcpListener(*tcp) if tcp else None
@@ -531,6 +532,7 @@ class SimGCE:
                 answer_after=dns_after,
                 silent_queries=dns_silent_queries,
                 on_query=on_dns_query,
+                ttl=dns_ttl,
             )
             if dns
             else None
@@ -680,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dns-silent-queries", type=int, default=0, help="the first N DNS queries get no answer"
     )
+    p.add_argument("--dns-ttl", type=int, default=60, help="TTL (seconds) of every DNS answer")
     p.add_argument("--dns-log", action="store_true", help="print every DNS query on stdout")
     p.add_argument("--dns-never", action="store_true", help="DNS never answers")
     p.add_argument("--attr", action="append", default=[], help="KEY=VALUE instance attribute")
@@ -715,6 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         info=info,
         dns_silent_queries=a.dns_silent_queries,
         on_dns_query=_print_query if a.dns_log else None,
+        dns_ttl=a.dns_ttl,
     )
     if a.dns_never and sim.dns is not None:
         sim.dns.mode = "silent"
