@@ -16,7 +16,7 @@ import pytest
 from gce_watchdog.bootstrap.phases import ExitStatus
 from gce_watchdog.vm.state import read_phase
 from gce_watchdog.wire import protocol
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from kit.cli import main_rc
 from kit.paths import REPO
@@ -282,6 +282,39 @@ def test_two_streams_into_one_pipe_never_carry_a_marker(writes: list[tuple[int, 
         chunk = chunk.replace(b"\x00", b"GCEWD").replace(b"\x01", b"GCEW")
         out += protocol.neutralize_after(out, chunk)
     assert b"GCEWD" not in out
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from([0, 1]), st.binary(max_size=12)), max_size=20),
+)
+@example([(1, b"\x01"), (0, b"a line\n"), (1, b"D1 x\n")])  # the CI flake's order
+@example([(0, b"progress \x01"), (1, b"D3 x\n")])  # issue 25's bypass: one pipe, two streams
+def test_execs_defuser_leaves_no_marker_on_either_pipe_or_on_both_together(
+    writes: list[tuple[int, bytes]],
+) -> None:
+    """The defuser exec's two pumps share, on two real pipes: whatever the interleaving of the
+    two threads (stderr's `GCEW`, then a stdout line, then stderr's `D1 ...`: a flake seen in CI
+    when our stdout and stderr are two pipes), neither pipe carries a marker, and neither does
+    the order of our writes (the runner's one pipe to the console)."""
+    from gce_watchdog.bootstrap.phases import _Defuser
+
+    pipes = [os.pipe(), os.pipe()]
+    d = _Defuser()
+    each, shared = [b"", b""], b""
+    try:
+        for i, raw in writes:
+            chunk = raw.replace(b"\x00", b"GCEWD").replace(b"\x01", b"GCEW")
+            d.write(pipes[i][1], chunk)
+            got = os.read(pipes[i][0], 4096) if chunk else b""
+            assert len(got) == len(chunk)  # lengths kept: only a marker's D is lowered
+            each[i] += got
+            shared += got
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+    assert b"GCEWD" not in shared
+    assert b"GCEWD" not in each[0] and b"GCEWD" not in each[1], each
 
 
 BYPASS = r"""

@@ -201,23 +201,29 @@ class _Forwarder:
 
 
 class _Defuser:
-    """What the child's stdout and stderr pass through: one lock and the last bytes written to
-    either, so a marker can be split across the two streams, across writes, or across a close
-    (``GCEW`` at the end of stdout, ``D3 ...`` on stderr: the runner gives both one pipe to the
-    console) and still never reach the console whole (``protocol.neutralize_after``)."""
+    """What the child's stdout and stderr pass through: one lock, the last bytes written to
+    either and the last bytes written to each, so a marker can be split across the two streams,
+    across writes, or across a close (``GCEW`` at the end of stdout, ``D3 ...`` on stderr: the
+    runner gives both one pipe to the console) and still never reach the console whole
+    (``protocol.neutralize_after``), whether the two streams share a destination or not (our
+    stdout and stderr on two pipes, with the other stream's bytes between the two halves)."""
 
     def __init__(self) -> None:
         import threading
 
         self._lock = threading.Lock()
         self._last = b""
+        self._last_by_fd: dict[int, bytes] = {}
 
     def write(self, dst: int, chunk: bytes) -> None:
         from gce_watchdog.wire.protocol import neutralize_after
 
         with self._lock:  # the order of our writes is the order on the shared pipe
+            # each pass only lowers a marker's D in ``chunk``: neither can make a marker
             data = neutralize_after(self._last, chunk)
+            data = neutralize_after(self._last_by_fd.get(dst, b""), data)
             self._last = (self._last + data)[-8:]
+            self._last_by_fd[dst] = (self._last_by_fd.get(dst, b"") + data)[-8:]
             view = memoryview(data)
             while view:
                 try:
