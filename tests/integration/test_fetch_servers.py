@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 from gce_watchdog.testing.simgce import FakeDNS
 from gce_watchdog.wire import protocol
-from kit.ports import free_port
+from kit.ports import free_port, free_ports
 
 BODY = os.urandom(200_000)
 TEXT = b"".join(b"line %06d of a text file served through SSI\n" % i for i in range(5000))
@@ -243,7 +243,7 @@ def nginx(tmp_path: Path) -> Iterator[Nginx]:
     (www / "gzip" / "data.txt").write_bytes(TEXT)
     (www / "gzstatic" / "data.txt.gz").write_bytes(gzip.compress(TEXT, mtime=0))
     ca = make_ca(d, "secure.test")
-    port, tls_port = free_port(), free_port()
+    port, tls_port = free_ports(2)  # distinct: two free_port() calls may give one port
     (d / "nginx.conf").write_text(NGINX_CONF.format(d=d, port=port, tls_port=tls_port))
     proc = subprocess.Popen(
         [binary, "-p", f"{d}/", "-e", f"{d}/error.log", "-c", f"{d}/nginx.conf"],
