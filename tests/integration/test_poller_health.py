@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.poller.ledgers import open_ledger
+from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from kit.paths import REPO
 from kit.ports import free_port
@@ -100,6 +101,9 @@ def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
     ledger = tmp_path / "l.sqlite"
     with open_ledger(ledger) as led:
         led.place_pin("6100", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+    # who 6100 is: the worker asks the Compute API by id (never the LogEntry's names)
+    api = FakeComputeAPI(token="unused").start()
+    api.add_instance("vm-h", project="test-project", instance_id="6100")
     state = tmp_path / "hook"
     state.mkdir()
     (tmp_path / "hook.py").write_text(HOOK)
@@ -109,7 +113,7 @@ def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
            "PORT": str(port)}  # fmt: skip
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
-            "--health-address", "127.0.0.1", "--health-stall", "3s",
+            "--api-base", api.base_url, "--health-address", "127.0.0.1", "--health-stall", "3s",
             "--on-failover", f"{sys.executable} {tmp_path / 'hook.py'} {state}"]  # fmt: skip
     worker = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     seen: list[int] = []
@@ -143,6 +147,7 @@ def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
         if worker.poll() is None:
             worker.kill()
             worker.communicate()
+        api.close()
     assert worker.returncode == 0, err.decode()
     assert f"health: GET /healthz on 127.0.0.1:{port}".encode() in err
 

@@ -621,7 +621,7 @@ def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_i
 
 
 def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
-    topic: tuple[str, str], pubsub_host: str, tmp_path: Path
+    topic: tuple[str, str], pubsub_host: str, tmp_path: Path, compute: Any
 ) -> None:
     """``gce-watchdog poll --pubsub S --on-failover CMD`` (no longer a usage error): two wedged
     VMs on the stream; each hook fails once and succeeds on its retry; each announcement is
@@ -634,13 +634,14 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     with open_ledger(ledger) as led:
         for iid in ("5101", "5102", "5103"):
             led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)  # who it is
     state, hook = _hook(tmp_path)
     (tmp_path / "tok").write_text("unused\n")
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
     env.pop("KILL_FIRST", None)
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
-            "--on-failover", hook]  # fmt: skip
+            "--api-base", compute.base_url, "--on-failover", hook]  # fmt: skip
     worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         deadline = time.monotonic() + DEADLINE_S
