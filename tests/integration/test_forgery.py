@@ -403,7 +403,15 @@ def test_forged_lines_written_by_nobody_change_nothing(open_dir: Path) -> None:
     assert env_ok.returncode == 0
     key = state / "signing.key"
     assert key.stat().st_mode & 0o777 == 0o600
-    agent_src = str(REPO / "agent")
+    # the agent's source where nobody can read it: a checkout under a 0700 dir (`mktemp -d`,
+    # as CI clones) is not, and the attack must still run there
+    agent_src = str(tmp_path / "agent")
+    shutil.copytree(
+        REPO / "agent" / "gce_watchdog", Path(agent_src) / "gce_watchdog",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )  # fmt: skip
+    for d in (Path(agent_src), *Path(agent_src).rglob("*")):
+        d.chmod(0o755 if d.is_dir() else 0o644)
     # the workload, as nobody: forge what it can, then try our own CLI
     f = _as_nobody([PY, "-c", FORGER, str(console), str(boot_id), agent_src, str(key)], tmp_path)
     assert f.returncode == 0, f.stderr
