@@ -12,14 +12,25 @@
 # matplotlib for report --png, psycopg, google-cloud-pubsub) from packaging/requirements-poller.lock
 # and the build backend from packaging/requirements-build.lock, both --require-hashes, binary
 # wheels only; the agent's own wheel is built from this tree with no index.
-FROM python:3.11-slim-bookworm AS build
+#
+# Build arguments (both optional; tests/root/test_container.py uses them to build offline):
+#   BASE        the base image (default python:3.11-slim-bookworm; any image with python3 3.11+
+#               and its venv module, e.g. a Debian 12 tree imported with `podman import`)
+#   FIND_LINKS  a directory in the build (mounted, e.g. `podman build --volume W:/wheels:ro`)
+#               holding the locks' wheels: pip then reads only it (--no-index), the hashes still
+#               required. Empty: the package index.
+ARG BASE=python:3.11-slim-bookworm
+FROM ${BASE} AS build
+ARG FIND_LINKS=
 WORKDIR /src
 COPY packaging/requirements-poller.lock packaging/requirements-build.lock ./packaging/
-RUN python -m venv /opt/gce-watchdog \
+RUN python3 -m venv /opt/gce-watchdog \
  && /opt/gce-watchdog/bin/pip --isolated install --no-cache-dir --disable-pip-version-check \
+      ${FIND_LINKS:+--no-index --find-links=$FIND_LINKS} \
       --require-hashes --only-binary=:all: -r packaging/requirements-poller.lock \
- && python -m venv /opt/build \
+ && python3 -m venv /opt/build \
  && /opt/build/bin/pip --isolated install --no-cache-dir --disable-pip-version-check \
+      ${FIND_LINKS:+--no-index --find-links=$FIND_LINKS} \
       --require-hashes --only-binary=:all: -r packaging/requirements-build.lock
 COPY pyproject.toml README.md ./
 COPY agent ./agent
@@ -28,7 +39,7 @@ RUN /opt/build/bin/pip --isolated wheel --no-cache-dir --no-build-isolation --no
  && /opt/gce-watchdog/bin/pip --isolated install --no-cache-dir --no-deps --no-index \
       /tmp/whl/gce_watchdog-*.whl
 
-FROM python:3.11-slim-bookworm
+FROM ${BASE}
 COPY --from=build /opt/gce-watchdog /opt/gce-watchdog
 # An unprivileged user; its state dir holds the cursors (disposable: a new one rereads the
 # retained serial output; the ledger, not the cursor, decides).

@@ -14,7 +14,8 @@ STAMP := $(VENV)/.installed-dev
 # temp dir on a loopback port).
 # The tests start their own servers from temp configs; the packages' own services are never
 # started (policy-rc.d during the install) and disabled afterwards.
-APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian debootstrap
+APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian debootstrap \
+  podman runc
 
 .PHONY: demo test test-fast lint venv apt-test install bench e2e e2e-if-possible clean cli-docs deb
 
