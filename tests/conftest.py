@@ -51,6 +51,16 @@ def nobody() -> Iterator[Nobody]:
         yield nb
 
 
+@pytest.fixture
+def nobody_dir() -> Iterator[Path]:
+    """A fresh 0755 directory under /tmp that uid nobody can reach (tmp_path is under a 0700
+    one), removed after the test."""
+    from kit.nobody import open_dir
+
+    with open_dir() as d:
+        yield d
+
+
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """One real PostgreSQL server for the session (tests/kit/pgserver.py), stopped at the end."""
