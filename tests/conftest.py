@@ -3,6 +3,7 @@ tests/kit/, feature fixtures in their own modules."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 from kit.netns import Topology, iptables_unavailable, netns_unavailable
+from kit.nobody import Nobody
 
 # Hypothesis (docs/architecture.md, "Tests"): the properties check values, never how fast the
 # machine is, so no profile has a deadline or the too_slow health check (a loaded CI runner
@@ -32,6 +34,31 @@ def topo() -> Iterator[Topology]:
         pytest.skip(f"netns: {why}")
     with Topology() as t:
         yield t
+
+
+@pytest.fixture(scope="session")
+def nobody() -> Iterator[Nobody]:
+    """Code run as uid nobody from world-readable copies of the agent and its dependencies, with
+    an interpreter nobody can run (kit/nobody.py): a checkout under a 0700 dir (a `mktemp -d`
+    clone, as CI makes) is not readable by that uid. Skips with the reason where impossible."""
+    from kit.nobody import NobodyUnavailable, nobody_python
+
+    with contextlib.ExitStack() as stack:
+        try:
+            nb = stack.enter_context(nobody_python())
+        except NobodyUnavailable as e:
+            pytest.skip(f"nobody: {e}")
+        yield nb
+
+
+@pytest.fixture
+def nobody_dir() -> Iterator[Path]:
+    """A fresh 0755 directory under /tmp that uid nobody can reach (tmp_path is under a 0700
+    one), removed after the test."""
+    from kit.nobody import open_dir
+
+    with open_dir() as d:
+        yield d
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,8 @@ sections; where each value came from; hostile entries in config.d/ are refused b
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import pytest
 from gce_watchdog.vm import config as cfgmod
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit.nobody import Nobody
 
 
 def _tree(tmp: Path, main: str | None = "", **dropins: str) -> Path:
@@ -28,9 +27,6 @@ def _tree(tmp: Path, main: str | None = "", **dropins: str) -> Path:
     for name, text in dropins.items():
         (d / name.replace("__", ".").replace("_", "-")).write_text(text)
     return cfg
-
-
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
 
 def _gw(*args: str) -> subprocess.CompletedProcess[str]:
@@ -212,34 +208,22 @@ def test_a_directory_or_a_file_in_the_wrong_place_is_refused(tmp_path: Path) -> 
         cfgmod.load(cfg)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to read as another user")
-def test_an_unreadable_drop_in_is_an_error() -> None:
-    # As root every file is readable: read as nobody (setpriv) to get EACCES. pytest's own
-    # tmp dirs are 0700, so the tree is a 0755 directory of its own under /tmp.
-    tmp = Path(tempfile.mkdtemp(prefix="gcewd-unreadable-", dir="/tmp"))
-    try:
-        tmp.chmod(0o755)
-        cfg = _tree(tmp, "", a__toml="[agent]\nthreshold = 4\n")
-        cfg.chmod(0o644)
-        (tmp / "config.d").chmod(0o755)
-        (tmp / "config.d/a.toml").chmod(0o600)
-        code = (
-            "import sys\nfrom gce_watchdog.vm import config as c\n"
-            "try:\n  c.load(sys.argv[1])\nexcept c.InvalidConfig as e:\n  print(e); sys.exit(78)"
-        )
-        r = subprocess.run(
-            [*NOBODY, sys.executable, "-c", code, str(cfg)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "PYTHONPATH": str(Path(cfgmod.__file__).parents[2])},
-        )
-        if r.returncode not in (0, 78):
-            pytest.skip(f"nobody cannot run this interpreter here: {r.stderr[-200:]}")
-        assert r.returncode == 78, r.stdout + r.stderr
-        assert "a.toml: cannot read: Permission denied" in r.stdout
-    finally:
-        shutil.rmtree(tmp)
+def test_an_unreadable_drop_in_is_an_error(nobody: Nobody, nobody_dir: Path) -> None:
+    # As root every file is readable: read as nobody (setpriv) to get EACCES. The tree is a 0755
+    # directory of its own under /tmp (pytest's tmp dirs are 0700), and nobody imports the agent
+    # from a world-readable copy (kit/nobody.py): a checkout under `mktemp -d` is 0700 too.
+    tmp = nobody_dir
+    cfg = _tree(tmp, "", a__toml="[agent]\nthreshold = 4\n")
+    cfg.chmod(0o644)
+    (tmp / "config.d").chmod(0o755)
+    (tmp / "config.d/a.toml").chmod(0o600)
+    code = (
+        "import sys\nfrom gce_watchdog.vm import config as c\n"
+        "try:\n  c.load(sys.argv[1])\nexcept c.InvalidConfig as e:\n  print(e); sys.exit(78)"
+    )
+    r = nobody.run(["-c", code, str(cfg)])
+    assert r.returncode == 78, r.stdout + r.stderr
+    assert "a.toml: cannot read: Permission denied" in r.stdout
 
 
 def test_config_show_names_the_source_of_every_key_and_still_parses(tmp_path: Path) -> None:

@@ -8,19 +8,14 @@ leave the verdict of the real agent run unchanged, and every forgery must be cou
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
@@ -28,6 +23,7 @@ from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, Rejected
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kit.nobody import Nobody
 from kit.paths import REPO
 
 RUN = InstanceState("RUNNING")
@@ -330,30 +326,11 @@ def test_no_unauthenticated_lines_anywhere_change_the_verdict(
 
 # -- an unprivileged process on the VM -----------------------------------------------------
 
-# The unprivileged side runs the system interpreter: the dev venv may live under /root (0700).
-PY = "/usr/bin/python3"
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv") or not os.access(PY, os.X_OK),
-    reason="needs root, setpriv and /usr/bin/python3",
-)
-
-
-def _as_nobody(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        check=False,
-    )
-
-
 FORGER = r"""
 import base64, os, sys, secrets, zlib
 console, boot_id_path = sys.argv[1], sys.argv[2]
 try:
-    open(sys.argv[4], "rb").read()
+    open(sys.argv[3], "rb").read()
     print("READ THE KEY")
 except PermissionError:
     print("key: permission denied")
@@ -373,20 +350,11 @@ print("wrote", len(out))
 """
 
 
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory the unprivileged uid can reach (pytest's tmp_path is under a 0700 dir)."""
-    d = Path(tempfile.mkdtemp(prefix="gcewd-forge-", dir="/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@needs_root
-def test_forged_lines_written_by_nobody_change_nothing(open_dir: Path) -> None:
-    tmp_path = open_dir
+def test_forged_lines_written_by_nobody_change_nothing(nobody: Nobody, nobody_dir: Path) -> None:
+    # nobody_dir: a 0755 dir nobody can reach; nobody's interpreter imports the agent from the
+    # world-readable copy (kit/nobody.py), as a checkout under a 0700 dir (`mktemp -d`, as CI
+    # clones) is not readable by it, and the attack must still run there
+    tmp_path = nobody_dir
     state, run = tmp_path / "state", tmp_path / "run"
     boot_id = tmp_path / "boot_id"
     boot_id.write_text("5f1e2d3c-0000-4000-8000-000000000001\n")
@@ -403,23 +371,13 @@ def test_forged_lines_written_by_nobody_change_nothing(open_dir: Path) -> None:
     assert env_ok.returncode == 0
     key = state / "signing.key"
     assert key.stat().st_mode & 0o777 == 0o600
-    # the agent's source where nobody can read it: a checkout under a 0700 dir (`mktemp -d`,
-    # as CI clones) is not, and the attack must still run there
-    agent_src = str(tmp_path / "agent")
-    shutil.copytree(
-        REPO / "agent" / "gce_watchdog", Path(agent_src) / "gce_watchdog",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )  # fmt: skip
-    for d in (Path(agent_src), *Path(agent_src).rglob("*")):
-        d.chmod(0o755 if d.is_dir() else 0o644)
     # the workload, as nobody: forge what it can, then try our own CLI
-    f = _as_nobody([PY, "-c", FORGER, str(console), str(boot_id), agent_src, str(key)], tmp_path)
+    f = nobody.run(["-c", FORGER, str(console), str(boot_id), str(key)], cwd=tmp_path, timeout=120)
     assert f.returncode == 0, f.stderr
     assert "key: permission denied" in f.stdout and "wrote" in f.stdout
-    own = _as_nobody(
-        [PY, "-c", f"import sys; sys.path.insert(0, {agent_src!r}); "
-         "from gce_watchdog.vm.state import load_line_key as k; "
-         f"k({str(state)!r}, {str(run)!r})"], tmp_path)  # fmt: skip
+    own = nobody.run(
+        ["-c", "from gce_watchdog.vm.state import load_line_key as k; "
+         f"k({str(state)!r}, {str(run)!r})"], cwd=tmp_path, timeout=120)  # fmt: skip
     assert own.returncode != 0 and "KeyUnavailable" in own.stderr, own.stderr
     # root's real lines after the forgeries
     for argv in (["setup-failed", "--step", "train", "--reason", "broken"],):

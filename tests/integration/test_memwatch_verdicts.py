@@ -5,7 +5,6 @@ kernel's OOM killer would: SIGKILL from outside memwatch)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 from gce_watchdog.lib.cli import EX_USAGE
 from kit.cli import gcewd
-from kit.paths import REPO
+from kit.nobody import Nobody
 
 FAST = ["--interval", "50ms", "--warmup", "2", "--min-samples", "30", "--band", "64MiB", "--no-gpu"]
 # Steady memory for 2 s (enough samples for a PASS on the gauges), then death by a signal.
@@ -78,29 +77,16 @@ def test_a_bad_out_path_is_refused_before_the_run(tmp_path: Path, where: str, wh
     assert time.monotonic() - t0 < 30
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as nobody")
 def test_an_unwritable_out_dir_is_refused_before_the_run_as_an_unprivileged_user(
-    tmp_path: Path,
+    nobody: Nobody, nobody_dir: Path
 ) -> None:
-    """As uid nobody (setpriv), a root-owned 0755 directory cannot take the file."""
-    import shutil
-    import tempfile
-
-    base = Path(tempfile.mkdtemp(prefix="gcewd-memwatch-", dir="/tmp"))
-    try:
-        base.chmod(0o755)
-        target = base / "ro"
-        target.mkdir(mode=0o755)
-        r = subprocess.run(
-            ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
-             sys.executable, "-m", "gce_watchdog", "memwatch", *FAST,
-             "--out", str(target / "m.json"), "--", "true"],
-            cwd="/", capture_output=True, text=True, timeout=60,
-            env={**os.environ, "PYTHONPATH": str(REPO / "agent")},
-        )  # fmt: skip
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    if "gce-watchdog memwatch" not in r.stderr:
-        pytest.skip(f"nobody cannot run this interpreter here: {r.stderr[-200:]}")
+    """As uid nobody (setpriv, the agent from a world-readable copy: kit/nobody.py), a root-owned
+    0755 directory cannot take the file."""
+    target = nobody_dir / "ro"
+    target.mkdir(mode=0o755)
+    r = nobody.run(
+        ["-m", "gce_watchdog", "memwatch", *FAST, "--out", str(target / "m.json"), "--", "true"]
+    )
+    assert "gce-watchdog memwatch" in r.stderr, r.stdout + r.stderr
     assert r.returncode == EX_USAGE, r.stdout + r.stderr
     assert "cannot write in" in r.stderr and "Permission denied" in r.stderr

@@ -32,6 +32,7 @@ from gce_watchdog.wire.protocol import Event, decode_all
 from hypothesis import given
 from hypothesis import strategies as st
 from kit.netns import EGRESS_IP, METADATA_IP, PY, VM_ADDR, Topology
+from kit.nobody import Nobody
 
 ALL_CUTS = [Cut(*bits) for bits in itertools.product([False, True], repeat=4)]
 NOW = 1_800_000_000.0
@@ -644,21 +645,16 @@ def test_without_root_nothing_runs() -> None:
 
 
 @pytest.mark.netns
-def test_real_without_root_says_so(topo: Topology, tmp_path: Path) -> None:
-    cfg = write_config(tmp_path)
+def test_real_without_root_says_so(topo: Topology, nobody: Nobody, nobody_dir: Path) -> None:
+    # uid 65534 runs the agent from a world-readable copy (kit/nobody.py): the checkout or the
+    # interpreter may live under a 0700 directory (a private home, a `mktemp -d` clone)
+    cfg = write_config(nobody_dir)
     cfg.chmod(0o644)
-    tmp_path.chmod(0o755)
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    probe = [*nobody, PY, "-c", "import gce_watchdog.faults.firewall"]
-    if subprocess.run(probe, capture_output=True, cwd="/").returncode:
-        # e.g. the checkout or the interpreter lives under a 0700 directory (a private home or
-        # a mktemp -d clone): uid 65534 cannot import the agent from there
-        pytest.skip(f"uid 65534 cannot import the agent with {PY}")
     r = subprocess.run(
-        ["ip", "netns", "exec", topo.vm, "setpriv", "--reuid=65534", "--regid=65534",
-         "--clear-groups", PY, "-m", "gce_watchdog", "fault", "inject", "--metadata", "--ttl", "1m",
-         "--config", str(cfg)],
-        capture_output=True, text=True, timeout=30, cwd="/",
+        ["ip", "netns", "exec", topo.vm,
+         *nobody.argv("-m", "gce_watchdog", "fault", "inject", "--metadata", "--ttl", "1m",
+                      "--config", str(cfg))],
+        capture_output=True, text=True, timeout=30, cwd="/", env=nobody.env(),
     )  # fmt: skip
     assert r.returncode == EX_NOPERM
     assert "must run as root" in r.stderr

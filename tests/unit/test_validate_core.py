@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,6 +64,28 @@ def test_cost_is_list_price_times_minutes_and_says_its_source() -> None:
     j = plan.to_json()
     assert j["prices"] == {"date": P.PRICES_DATE, "source": P.PRICES_SOURCE}
     assert len(j["instances"]) == len(SCENARIOS)  # type: ignore[arg-type]
+
+
+def test_the_price_table_holds_the_cited_values() -> None:
+    # The values cited in plan.py (us-central1, Cloud Billing Catalog export of 2026-07-30):
+    # a changed price must change the citation too, and this test with it.
+    assert P.PRICES_DATE == "2026-07-30"
+    assert P.MACHINE_PRICES["e2-small"] == (0.016753, 0.010053)
+    assert P.MACHINE_PRICES["g2-standard-4"] == (0.706832, 0.397336)
+    assert P.DISK_PRICE_GB_MONTH == 0.10
+    # docs/validate.md quotes these two estimates for the four scenarios (43 VM-minutes)
+    assert f"{make().cost_usd:.4f}" == "0.0130"
+    assert f"{make(spot=True).cost_usd:.4f}" == "0.0082"
+    assert "your bill may differ" in "\n".join(make().render())
+    assert "Spot prices can change once a day" in "\n".join(make(spot=True).render())
+
+
+def test_docs_quote_the_price_table() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "validate.md").read_text()
+    for machine, (hourly, spot) in P.MACHINE_PRICES.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{machine}`"))
+        assert f"| {hourly:.6f} | {spot:.6f} |" in row, row
+    assert f"list prices of **{P.PRICES_DATE}**" in doc
 
 
 @pytest.mark.parametrize(

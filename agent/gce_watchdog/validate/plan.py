@@ -35,24 +35,42 @@ def dropin(agent_interval_s: float) -> str:
 
 LINGER = "75s"  # the end-of-life linger (two reads of a 30 s poller plus the read itself)
 
-# List prices, us-central1, USD per hour (on-demand; Spot in the second column), as published on
-# https://cloud.google.com/compute/vm-instance-pricing and
-# https://cloud.google.com/compute/disks-image-pricing. Not fetched at run time: the 2024 list
-# prices as this module's author knew them (not re-checked against the page when written, from a
-# machine without internet access); other regions cost up to ~40% more and Spot prices change
-# daily. An estimate, never a bill: `--plan` says so, with this date.
-PRICES_DATE = "2024 (not re-checked)"
-PRICES_SOURCE = "https://cloud.google.com/compute/vm-instance-pricing (us-central1 list prices)"
+# List prices, us-central1, USD per hour (on-demand; Spot in the second column). Not fetched at
+# run time. Checked on 2026-12-02 against what could be read of Google's pages (stored copies; this
+# machine has no internet access):
+# - https://cloud.google.com/compute/vm-instance-pricing (no date on the copy): the page's billing
+#   text (per-second billing after a 1-minute minimum) was readable, its per-machine-type price
+#   tables were not (the copies hold none of their numbers), so no row below is confirmed by it.
+# - https://cloud.google.com/spot-vms/pricing?hl=en (no date on the copy): "Spot prices are
+#   variable and can change up to once every day, but provide discounts of up to 91% off of the
+#   corresponding default price"; an older copy said "up to once every 30 days" (60-91% off).
+# - https://cloud.google.com/compute/disks-image-pricing (no date on the copy): "based off US
+#   pricing, a 200 GB standard Persistent Disk volume would cost $8.00 for the whole month"
+#   ($0.04/GB-month, pd-standard) and 200 GB SSD $34.00 ($0.17); the pd-balanced row was not in
+#   the copies.
+# The numbers themselves are therefore from a third-party export of Google's Cloud Billing Catalog
+# API: pricing.yml of github.com/Cyclenerd/google-cloud-pricing-cost-calculator, "generated: Thu
+# Jul 30 06:13:17 2026" (commit fd66b26), `compute.instance.<type>.cost.us-central1.hour` and
+# `.hour_spot`, and `compute.storage.balanced.cost.us-central1.month` ($0.10), rounded to 6
+# places. Its on-demand rows agree with the 2024 values this table had (within 0.02%); its Spot
+# rows do not (e2-small Spot was 0.005025 here, 0.010053 there): Spot prices move.
+# Other regions cost up to ~40% more. An estimate, never a bill: `--plan` says so, with this date.
+PRICES_DATE = "2026-07-30"
+PRICES_SOURCE = (
+    "us-central1, from a Cloud Billing Catalog export (github.com/Cyclenerd/"
+    "google-cloud-pricing-cost-calculator pricing.yml) of "
+    "https://cloud.google.com/compute/vm-instance-pricing"
+)
 MACHINE_PRICES: dict[str, tuple[float, float]] = {
-    "e2-micro": (0.008376, 0.002513),
-    "e2-small": (0.016751, 0.005025),
-    "e2-medium": (0.033503, 0.010051),
-    "e2-standard-2": (0.067006, 0.020102),
-    "n2-standard-2": (0.097118, 0.023505),
-    "g2-standard-4": (0.706832, 0.247391),  # one NVIDIA L4
+    "e2-micro": (0.008376, 0.005027),
+    "e2-small": (0.016753, 0.010053),
+    "e2-medium": (0.033506, 0.020106),
+    "e2-standard-2": (0.067011, 0.040212),
+    "n2-standard-2": (0.097118, 0.046060),
+    "g2-standard-4": (0.706832, 0.397336),  # one NVIDIA L4
 }
 GPU_MACHINES = frozenset({"g2-standard-4"})
-DISK_PRICE_GB_MONTH = 0.10  # pd-balanced
+DISK_PRICE_GB_MONTH = 0.10  # pd-balanced, us-central1 (the export above; Google's page unread)
 HOURS_PER_MONTH = 730.0
 
 # What a run calls, and the permission each needs (roles/compute.instanceAdmin.v1 holds all the
@@ -143,7 +161,8 @@ class Plan:
         lines += [f"    {v.name}  ({v.scenario})" for v in self.vms]
         lines += [
             f"  estimated cost: ${self.cost_usd:.4f} for about {self.minutes} VM-minutes, at "
-            f"list prices of {PRICES_DATE} ({PRICES_SOURCE}); an estimate, not a bill",
+            f"list prices of {PRICES_DATE} ({PRICES_SOURCE}); an estimate, not a bill: "
+            "your bill may differ" + ("; Spot prices can change once a day" if self.spot else ""),
             f"  every VM deletes itself after {MAX_RUN_S // 3600} h at the latest "
             "(scheduling.maxRunDuration), and `validate --cleanup` deletes by label",
             "  the VMs accept faults through metadata (watch.faults_from_metadata, on these VMs "
