@@ -56,7 +56,7 @@ test: $(STAMP) apt-test
 	$(VENV)/bin/mypy
 	MYPYPATH=tests $(VENV)/bin/mypy --strict tests/kit
 	$(VENV)/bin/lint-imports
-	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -p no:cacheprovider
+	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25
 	@$(MAKE) --no-print-directory e2e-if-possible
 
 # The fast loop (docs/architecture.md, "Tests"): the unit tier only, pure tests with no processes
