@@ -528,7 +528,8 @@ def test_poller_unit_runs_under_systemd_with_its_token_from_a_credential(e2e: vm
         raw.find(b"e2e-poller: ledger") :
     ][:200]
     # systemd-analyze security in the guest (systemd 252, the unit as installed).
-    m = re.search(rb"e2e-poller: sa: Overall exposure level for \S+: ([0-9.]+)", raw)
+    # (the line starts with an arrow glyph: "→ Overall exposure level for UNIT: 1.2 OK")
+    m = re.search(rb"e2e-poller: sa: \S* ?Overall exposure level for \S+: ([0-9.]+)", raw)
     assert m, "the exposure line of systemd-analyze security"
     exposure = float(m.group(1))
     print(f"poller unit exposure in the guest: {exposure}")
@@ -537,6 +538,11 @@ def test_poller_unit_runs_under_systemd_with_its_token_from_a_credential(e2e: vm
     again = poller_says(raw, "restarted")
     assert int(again["NRestarts"]) >= 1 and again["SubState"] == "running", again
     assert again["old-pid-gone"] == "yes" and int(again["watchdog-kills"]) >= 1, again
+    # systemd's own account of it, through rsyslog on the console (daemon.*)
+    pid1 = rb" systemd\[1\]: gce-watchdog-poller\.service: "
+    assert re.search(pid1 + rb"Watchdog timeout \(limit 8s\)!", raw), "the watchdog fired"
+    assert re.search(pid1 + rb"Killing process \d+ \(gce-watchdog\) with signal SIGABRT", raw)
+    assert re.search(pid1 + rb"Failed with result 'watchdog'", raw)
     assert poller_says(raw, "stop")["rc"] == "0"
 
     exits = named(events, "exit")
