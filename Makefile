@@ -150,7 +150,8 @@ e2e: $(STAMP) apt-test
 	fi
 	$(VENV)/bin/ruff check e2e
 	! command -v shellcheck >/dev/null || shellcheck e2e/*.sh e2e/guest/usr/local/sbin/gce-startup-runner \
-	  e2e/guest/usr/local/sbin/e2e-console-hangup e2e/guest/usr/local/sbin/e2e-console-login
+	  e2e/guest/usr/local/sbin/e2e-console-hangup e2e/guest/usr/local/sbin/e2e-console-login \
+	  e2e/guest/usr/local/sbin/e2e-poller-unit
 	MYPYPATH=tests $(VENV)/bin/mypy --strict e2e
 	@t0=$$(date +%s); e2e/build-image.sh build/e2e/image && echo "e2e: image ready in $$(( $$(date +%s) - t0 ))s"
 	GCEWD_E2E=1 $(VENV)/bin/pytest -q -p no:cacheprovider -rA tests/e2e $(E2E_ARGS)

@@ -31,12 +31,19 @@ from gce_watchdog.poller.poller import Poller, PollOutcome
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import Policy
-from gce_watchdog.testing.simcompute import FakeComputeAPI
+from gce_watchdog.testing.simcompute import Call, FakeComputeAPI
 from gce_watchdog.wire.protocol import Event
+from kit.netns import EGRESS_IP, Topology
+
+from e2e import vm
 
 PROJECT, ZONE, NAME = "e2e-project", "us-central1-a", "e2e-vm"
 TOKEN = "e2e-token"  # noqa: S105 - the fake Compute API's test token
 POLL_EVERY = 2.0  # seconds between live polls: several reads inside the agent's 6 s linger
+# Where the guest reaches the same fake Compute API (LivePoller.expose): the 443 stand-in's
+# address on the gce side, through the guest's gateway, on a port nothing else uses.
+GUEST_API_PORT = 8080
+GUEST_API_BASE = f"http://{EGRESS_IP}:{GUEST_API_PORT}/compute/v1"
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class LivePoller:
         spot: bool = False,
         preempt_on: bytes | None = None,
         reap: bool = True,
+        guest_token: str | None = None,
     ) -> None:
         self.workdir = workdir
         self.every = every
@@ -71,6 +79,8 @@ class LivePoller:
         self.spot = spot
         self.preempt_on = preempt_on
         self.reap = reap
+        # A second accepted token, for a poller in the guest (expose): the fake accepts both.
+        self.guest_token = guest_token
         self.preempted = False
         self.during: list[PollOutcome] = []
         self._sent = 0
@@ -85,7 +95,10 @@ class LivePoller:
         # into this one, and the poller would rightly decide for both boots.
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir.mkdir(parents=True)
-        self.api = self._stack.enter_context(FakeComputeAPI(token=TOKEN, serial_needs_running=True))
+        tokens = [TOKEN, *([self.guest_token] if self.guest_token else [])]
+        self.api = self._stack.enter_context(
+            FakeComputeAPI(token=tokens, serial_needs_running=True)
+        )
         self.api.add_instance(NAME, project=PROJECT, zone=ZONE, spot=self.spot)
         self.ledger = self._stack.enter_context(Ledger(self.workdir / "ledger.sqlite", "e2e"))
         creds = Credentials(TOKEN)  # type: ignore[no-untyped-call]
@@ -96,6 +109,16 @@ class LivePoller:
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
+
+    def expose(self, topo: Topology) -> None:
+        """vm.run's on_network: serve the same fake on GUEST_API_BASE in the guest's network too,
+        when there is a guest token (a poller in the guest reads the VM's own serial port)."""
+        if self.guest_token:
+            self.api.serve_socket(vm.listen_in_netns(topo.gce, EGRESS_IP, GUEST_API_PORT))
+
+    def guest_calls(self) -> list[Call]:
+        """The requests that came from the guest (its address), in order."""
+        return [c for c in self.api.calls if c.client == vm.GUEST_ADDR]
 
     def _poller(self, cursors: str) -> Poller:
         store = CursorStore(self.workdir / cursors)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import os
 import secrets
 import shutil
@@ -172,6 +173,9 @@ class VmSpec:
     dns_never: bool = False
     config: str | None = None  # the agent's config.toml, installed by the image's runner
     startup_env: Mapping[str, str] = field(default_factory=dict)  # GCEWD_* for the script
+    # More fw_cfg files, NAME -> content, written 0600 (e.g. a secret: never in metadata, never on
+    # the console); the guest reads /sys/firmware/qemu_fw_cfg/by_name/opt/gce-e2e/NAME/raw.
+    fw_secrets: Mapping[str, str] = field(default_factory=dict)
     timeout: float = DEFAULT_TIMEOUT
     memory_mb: int = 1024
     smp: int = 2  # faster to boot than 1 under TCG (33 s vs 40 s measured)
@@ -313,7 +317,47 @@ def _fw_files(spec: VmSpec, outdir: Path) -> dict[str, Path]:
     if spec.startup_env:
         files["startup-env"] = fdir / "startup-env"
         files["startup-env"].write_text("".join(f"{k}={v}\n" for k, v in spec.startup_env.items()))
+    for name, value in spec.fw_secrets.items():
+        path = fdir / name
+        path.unlink(missing_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(value)
+        files[name] = path
     return files
+
+
+CLONE_NEWNET = 0x40000000  # sched.h
+
+
+def listen_in_netns(ns: str, host: str, port: int) -> socket.socket:
+    """A listening TCP socket in network namespace ``ns`` (``ip netns``' /run/netns/NS), made by
+    a throwaway thread that setns(2)s into it: a socket stays in the namespace it was made in,
+    so a server in this process can serve the guest's side (e.g. the fake Compute API)."""
+    made: list[socket.socket | OSError] = []
+
+    def make() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            with open(f"/run/netns/{ns}", "rb") as f:
+                if libc.setns(f.fileno(), CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns({ns}): {os.strerror(err)}")
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(16)
+            made.append(sock)
+        except OSError as e:
+            made.append(e)
+
+    t = threading.Thread(target=make, name=f"netns-{ns}")
+    t.start()
+    t.join(10)
+    if not made:
+        raise E2EError(f"no socket in {ns} after 10s")
+    if isinstance(made[0], OSError):
+        raise E2EError(f"listen on {host}:{port} in {ns}: {made[0]}")
+    return made[0]
 
 
 class SerialConsole:
@@ -457,6 +501,7 @@ def run(
     outdir: Path | None = None,
     watch: Callable[[bytes], None] | None = None,
     console: Callable[[SerialConsole], None] | None = None,
+    on_network: Callable[[Topology], None] | None = None,
 ) -> VmResult:
     """Boot the guest once for spec; returns when qemu exits or the timeout kills it.
 
@@ -464,7 +509,8 @@ def run(
     VM runs (e.g. a poller reading the port live); an exception from it ends the run.
     ``console``, when given, runs in its own thread from the start with the serial console (e.g.
     :func:`login_session`); what it raises is ``VmResult.console_error``, and what it typed and
-    saw is ``console.log``.
+    saw is ``console.log``. ``on_network`` is called with the namespaces once simgce runs and
+    before qemu starts (e.g. to serve more on the guest's side: :func:`listen_in_netns`).
     """
     outdir = outdir or BUILD / spec.name
     outdir.mkdir(parents=True, exist_ok=True)
@@ -491,6 +537,8 @@ def run(
             extra=_simgce_args(spec, outdir, www),
             records={WHEELS_NAME: EGRESS_IP, EGRESS_NAME: EGRESS_IP},
         )
+        if on_network is not None:
+            on_network(topo)
         fw_strings = {"run-id": run_id}
         argv = qemu_argv(spec, image, sock_path, fw_strings, _fw_files(spec, outdir))
         (outdir / "qemu.argv").write_text(" ".join(argv) + "\n")
@@ -602,8 +650,9 @@ class Harness:
         spec: VmSpec,
         watch: Callable[[bytes], None] | None = None,
         console: Callable[[SerialConsole], None] | None = None,
+        on_network: Callable[[Topology], None] | None = None,
     ) -> VmResult:
-        res = run(spec, self.image, self.www, watch=watch, console=console)
+        res = run(spec, self.image, self.www, watch=watch, console=console, on_network=on_network)
         self.timings[spec.name] = {
             "wall_s": round(res.wall_s, 1),
             "qemu_rc": res.qemu_rc,

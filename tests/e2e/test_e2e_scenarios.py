@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
 from collections.abc import Callable
 
 import pytest
@@ -87,14 +88,18 @@ def boot(
     e2e: vm.Harness,
     spec: vm.VmSpec,
     console: Callable[[vm.SerialConsole], None] | None = None,
+    seen: list[observe.LivePoller] | None = None,
     **live_kw: object,
 ) -> tuple[vm.VmResult, observe.PollRun]:
     """Boot once with the poller reading the serial port live (faithful fake: reads only while
     RUNNING, nothing fed after the VM is off; ``--reap``); the VM's final status is TERMINATED
-    when qemu exited by itself. ``console``: what the harness types on ttyS0 (vm.run)."""
+    when qemu exited by itself. ``console``: what the harness types on ttyS0 (vm.run). The
+    LivePoller is appended to ``seen`` (its fake's calls stay readable after the boot)."""
     with observe.LivePoller(vm.BUILD / spec.name / "poller", **live_kw) as live:  # type: ignore[arg-type]
-        res = e2e.boot(spec, watch=live.watch, console=console)
+        res = e2e.boot(spec, watch=live.watch, console=console, on_network=live.expose)
         run = live.finish(res.serial(), "RUNNING" if res.timed_out else "TERMINATED")
+    if seen is not None:
+        seen.append(live)
     return res, run
 
 
@@ -453,3 +458,95 @@ def test_a_bad_config_attribute_is_setup_failed_job_with_the_error(e2e: vm.Harne
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.SETUP_FAILED, run.final.verdict
     assert not run.final.verdict.failover
+
+
+# The packaged poller unit under the guest's own systemd 252 (issue 26): the workload configures
+# /lib/systemd/system/gce-watchdog-poller.service from the .deb (poller.env, a root-only token
+# file for LoadCredential=), starts it and reports what systemd says (e2e-poller-unit). The
+# poller polls this very VM through the same fake Compute API the harness's poller uses, reached
+# at observe.GUEST_API_BASE; the token is the guest's own (a fw_cfg file), accepted by the fake.
+POLLER_UNIT = "/usr/local/sbin/e2e-poller-unit"
+EXPOSURE_BOUND = 2.0  # issue 26: `systemd-analyze security` of the poller unit at most 2.0
+POLLER_WATCHDOG_S = 8  # e2e-poller-unit's drop-in (the unit's own WatchdogSec is 10m)
+
+
+def poller_says(raw: bytes, what: str) -> dict[str, str]:
+    """The KEY=VALUE words of the last ``e2e-poller: WHAT ...`` line on the console."""
+    lines = re.findall(rb"e2e-poller: " + what.encode() + rb" ([^\r\n]*)", raw)
+    assert lines, f"no e2e-poller: {what} line"
+    words = lines[-1].decode(errors="replace").split()
+    return dict(w.split("=", 1) for w in words if "=" in w)
+
+
+def test_poller_unit_runs_under_systemd_with_its_token_from_a_credential(e2e: vm.Harness) -> None:
+    token = f"e2e-credential-{secrets.token_hex(12)}"
+    workload = [POLLER_UNIT, observe.GUEST_API_BASE, observe.PROJECT, observe.ZONE, observe.NAME]
+    s = dataclasses.replace(
+        spec("poller-unit", workload, deb=True), fw_secrets={"poller-token": token}
+    )
+    seen: list[observe.LivePoller] = []
+    res, run = boot(e2e, s, seen=seen, guest_token=token)
+    save_report(res)
+    check_powered_off(res)
+    events = events_of(res)
+    bootstrap_ok(events)
+    raw = res.serial()
+    assert b"e2e-poller: done" in raw, raw[-3000:]
+
+    # Started by systemd, Type=notify: `systemctl start` returned once READY=1 came.
+    start = poller_says(raw, "start")
+    assert start.get("rc") == "0", start
+    up = poller_says(raw, "show")
+    assert (up["Type"], up["ActiveState"], up["SubState"]) == ("notify", "active", "running"), up
+    assert up["NRestarts"] == "0" and up["WatchdogUSec"] == f"{POLLER_WATCHDOG_S}s", up
+    # Alive past twice its watchdog, pinging it (the last ping's time moved at least twice).
+    alive = poller_says(raw, "alive")
+    assert int(alive["elapsed"].rstrip("s")) > 2 * POLLER_WATCHDOG_S, alive
+    assert int(alive["watchdog-stamps"]) >= 3, alive
+    assert (alive["SubState"], alive["NRestarts"]) == ("running", "0"), alive
+    # The credential: systemd's copy belongs to the dynamic user; the poller said where its
+    # token came from, and the token itself is nowhere in the journal or on the console.
+    cred = re.search(rb"e2e-poller: credential ([^\r\n]*)", raw)
+    assert cred and b"No such file" not in cred.group(1), "systemd's copy of the token"
+    print(f"the credential's copy (owner, mode): {cred.group(1).decode(errors='replace')}")
+    journal = poller_says(raw, "journal")
+    assert journal["token-hits"] == "0", journal
+    assert int(journal["credential-lines"]) >= 1, journal
+    assert int(journal["outcomes"]) >= 1, f"the poller printed outcomes: {journal}"
+    assert token.encode() not in raw, "the token reached the console"
+    assert token not in (res.outdir / "console.log").read_text(errors="replace")
+    # Its requests reached the fake with the credential's token: every one authorized, and it
+    # read this VM's serial port.
+    calls = seen[0].guest_calls()
+    assert calls, "the guest's poller reached the fake Compute API"
+    assert all(c.bearer == token for c in calls), "every request carried the credential's token"
+    assert all(c.authorized for c in calls)
+    serial_reads = [c for c in calls if c.endpoint == "serial" and c.status == 200]
+    assert serial_reads, sorted({(c.endpoint, c.status) for c in calls})
+    # Its SQLite ledger in its StateDirectory.
+    assert re.search(rb"e2e-poller: ledger \d+ bytes mode=\d+ at /var/lib/private/", raw), raw[
+        raw.find(b"e2e-poller: ledger") :
+    ][:200]
+    # systemd-analyze security in the guest (systemd 252, the unit as installed).
+    # (the line starts with an arrow glyph: "→ Overall exposure level for UNIT: 1.2 OK")
+    m = re.search(rb"e2e-poller: sa: \S* ?Overall exposure level for \S+: ([0-9.]+)", raw)
+    assert m, "the exposure line of systemd-analyze security"
+    exposure = float(m.group(1))
+    print(f"poller unit exposure in the guest: {exposure}")
+    assert exposure <= EXPOSURE_BOUND, exposure
+    # A stuck poller (SIGSTOP): the watchdog killed it and Restart= brought up a READY one.
+    again = poller_says(raw, "restarted")
+    assert int(again["NRestarts"]) >= 1 and again["SubState"] == "running", again
+    assert again["old-pid-gone"] == "yes" and int(again["watchdog-kills"]) >= 1, again
+    # systemd's own account of it, through rsyslog on the console (daemon.*)
+    pid1 = rb" systemd\[1\]: gce-watchdog-poller\.service: "
+    assert re.search(pid1 + rb"Watchdog timeout \(limit 8s\)!", raw), "the watchdog fired"
+    assert re.search(pid1 + rb"Killing process \d+ \(gce-watchdog\) with signal SIGABRT", raw)
+    assert re.search(pid1 + rb"Failed with result 'watchdog'", raw)
+    assert poller_says(raw, "stop")["rc"] == "0"
+
+    exits = named(events, "exit")
+    assert len(exits) == 1 and exits[0].get("rc") == "0", exits
+    check_no_lost_lines(res, events)
+    assert run.final.verdict is not None
+    assert run.final.verdict.kind is VerdictKind.WORKLOAD_OK, run.final.verdict

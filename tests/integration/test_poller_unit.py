@@ -140,6 +140,7 @@ def test_under_systemd_the_poller_notifies_and_reads_its_credentials(tmp_path: P
     (out,) = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     assert out["action"] == "failover"  # authenticated with the credential's token
     assert "secret-token" not in r.stdout + r.stderr
+    assert "Compute API token: the 'token' credential ($CREDENTIALS_DIRECTORY)" in r.stderr
     assert (tmp_path / "seen").read_text() == str(creds / "pgpass")
     got = []
     sock.setblocking(False)

@@ -45,6 +45,40 @@ def test_bearer_token_required(api: FakeComputeAPI) -> None:
     assert [c.authorized for c in api.calls] == [False, False, True]
 
 
+def test_a_second_socket_serves_the_same_fake_and_calls_name_peer_and_token(
+    api: FakeComputeAPI,
+) -> None:
+    """serve_socket (the e2e guest's way in: a socket made in its network namespace); each call
+    records who asked and with which bearer token, the token kept out of repr."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.2", 0))
+    sock.listen(4)
+    port = sock.getsockname()[1]
+    api.serve_socket(sock)
+    base = f"http://127.0.0.2:{port}/compute/v1/projects/{P}/zones/{Z}/instances/vm-1"
+    assert requests.get(base, headers=AUTH, timeout=5).status_code == 200
+    assert (
+        requests.get(url(api), headers={"Authorization": "Bearer nope"}, timeout=5).status_code
+        == 401
+    )
+    via_second, via_first = api.calls[-2:]
+    # the peer's address (the kernel's source for 127.0.0.2 is 127.0.0.1; the e2e guest's is its
+    # own, 169.254.10.2)
+    assert (via_second.client, via_second.bearer, via_second.authorized) == (
+        "127.0.0.1",
+        "tok",
+        True,
+    )
+    assert (via_first.client, via_first.bearer, via_first.authorized) == (
+        "127.0.0.1",
+        "nope",
+        False,
+    )
+    assert "tok" not in repr(via_second) and "nope" not in repr(via_first)
+
+
 def test_serial_start_next_and_kind(api: FakeComputeAPI) -> None:
     api.append_serial("vm-1", b"hello\n")
     body = serial(api, 0).json()

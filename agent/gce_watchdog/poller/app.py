@@ -227,6 +227,9 @@ def run_poll(s: PollSettings) -> int:
     state = _state_home() / "gce-watchdog"
     creds = service_credentials(os.environ)
     token_file = s.api.token_file or creds.get(CREDENTIAL_TOKEN)
+    if not s.api.token_file and CREDENTIAL_TOKEN in creds:
+        # Where the token came from, never the token itself (the journal is widely readable).
+        _log(f"Compute API token: the {CREDENTIAL_TOKEN!r} credential ($CREDENTIALS_DIRECTORY)")
     if CREDENTIAL_PGPASS in creds and "PGPASSFILE" not in os.environ:
         os.environ["PGPASSFILE"] = creds[CREDENTIAL_PGPASS]  # libpq reads it from there
     try:

@@ -294,6 +294,9 @@ class Call:
     query: dict[str, str]
     authorized: bool
     status: int
+    client: str = ""  # the peer's address (the e2e guest's poller: 169.254.10.2)
+    # the bearer token it sent, kept out of repr (an assertion message must not print it)
+    bearer: str | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -408,6 +411,7 @@ class FakeComputeAPI:
         self._op_ids = itertools.count(7_000_000_000_000_000_001)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._more: list[tuple[ThreadingHTTPServer, threading.Thread]] = []  # serve_socket
         # Called (outside the lock, on the request's thread) with each instance that
         # instances.insert created: tests start a simulated guest there, e2e a qemu VM.
         self.on_insert: list[Callable[[FakeInstance], None]] = []
@@ -424,8 +428,25 @@ class FakeComputeAPI:
         self._thread.start()
         return self
 
+    def serve_socket(self, sock: socket.socket) -> None:
+        """Serve on a second, already listening socket as well (e.g. one made in another network
+        namespace, so the e2e guest reaches this fake); closed with the fake."""
+        srv = ThreadingHTTPServer(sock.getsockname()[:2], _make_handler(self), False)
+        srv.socket.close()
+        srv.socket = sock
+        srv.server_address = sock.getsockname()
+        srv.daemon_threads = True
+        t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        t.start()
+        self._more.append((srv, t))
+
     def close(self) -> None:
         self._closing.set()  # wakes any hanging handler
+        for srv, t in self._more:
+            srv.shutdown()
+            srv.server_close()
+            t.join(timeout=5)
+        self._more.clear()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -680,7 +701,7 @@ class FakeComputeAPI:
         return None
 
     def _handle(
-        self, method: str, raw_path: str, auth: str | None, body: bytes = b""
+        self, method: str, raw_path: str, auth: str | None, body: bytes = b"", client: str = ""
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
         parts = urlsplit(raw_path)
         query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
@@ -692,7 +713,9 @@ class FakeComputeAPI:
         authorized = token in self.tokens
         status, out, headers = self._dispatch(method, route, query, authorized, body, token)
         with self._lock:
-            self.calls.append(Call(method, endpoint, parts.path, query, authorized, status))
+            self.calls.append(
+                Call(method, endpoint, parts.path, query, authorized, status, client, token)
+            )
         return status, out, headers
 
     def _dispatch(
@@ -1179,7 +1202,7 @@ def _make_handler(api: FakeComputeAPI) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
             status, out, headers = api._handle(
-                method, self.path, self.headers.get("Authorization"), body
+                method, self.path, self.headers.get("Authorization"), body, self.client_address[0]
             )
             blob = json.dumps(out).encode()
             try:
