@@ -7,14 +7,12 @@ this module chooses a real implementation (google-guest-agent's ``setup.go`` has
 
 from __future__ import annotations
 
-import getpass
 import json
 import math
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -83,6 +81,8 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     if why:
         # Not trusted (a planted disarm.json, links): not read, not written. The ladder, the
         # line counter and the disarm switch live in a private directory for this run only.
+        import tempfile  # only here: the daemon's path does not load it (docs/performance.md)
+
         private_state = tempfile.mkdtemp(prefix="gce-watchdog-state-")
         note(
             "state_dir",
@@ -377,6 +377,8 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
 
 
 def _who() -> str:
+    import getpass  # disarm and arm only: not on the daemon's path
+
     try:
         return getpass.getuser()
     except (KeyError, OSError):
