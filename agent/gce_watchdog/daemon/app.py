@@ -52,6 +52,7 @@ from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory.monitor import MemoryMonitor
+from gce_watchdog.memory.samplers import preload as preload_psutil
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm import logs
 from gce_watchdog.vm.console import Emitter
@@ -166,6 +167,7 @@ def build_agent(
     services: list[Service] = [watcher, end_watch]
     monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
     if monitor is not None:
+        preload_psutil()  # on this thread, not at the first sample on the monitor's
         services.append(monitor)
     exporter = MetricsExporter.from_config(
         cfg,
