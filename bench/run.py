@@ -270,8 +270,12 @@ IMPORT_PROBES = [
     ("gce_watchdog.vm.logs", "import gce_watchdog.vm.logs"),
     ("gce_watchdog.daemon.actions", "import gce_watchdog.daemon.actions"),
     ("cli parser (all commands)", "import gce_watchdog.cli; gce_watchdog.cli.build_parser()"),
+    # what `run` builds: its own module's commands only (cli.COMMAND_MODULES)
+    ("cli parser (run's module)",
+     "import gce_watchdog.cli as c; c.build_parser(c.modules_for(['run']))"),
     ("run's imports (cli + daemon + probes + logs + dns)",
-     "import gce_watchdog.cli as c; c.build_parser(); import gce_watchdog.daemon.service,"
+     "import gce_watchdog.cli as c; c.build_parser(c.modules_for(['run']));"
+     " import gce_watchdog.daemon.app, gce_watchdog.daemon.service,"
      " gce_watchdog.daemon.probes, gce_watchdog.vm.logs,"
      " gce_watchdog.vm.runtime, gce_watchdog.daemon.sdnotify, dns.message"),
 ]  # fmt: skip

@@ -2,7 +2,10 @@
 
 Each feature module contributes its subcommands through a ``register(subparsers)`` function listed
 in :data:`MODULES`. Modules must stay cheap to import (no google-auth, no dnspython at import
-time): the agent's start-up time is a measured target.
+time): the agent's start-up time is a measured target. A command line that starts with a known
+command registers only that command's module (:data:`COMMAND_MODULES`): ``run`` does not load the
+parsers, and the imports, of the poller, the bootstrap helpers or the validator, which the
+daemon's memory target (docs/performance.md, "The RSS target") has no room for.
 """
 
 from __future__ import annotations
@@ -29,6 +32,23 @@ MODULES: tuple[str, ...] = (
     "gce_watchdog.report.cli",
     "gce_watchdog.validate.cli",
 )
+# The module that registers each command. `main` imports only this one when the command line
+# starts with the command; anything else (no command, --help or --version first, an unknown
+# name) gets every module. tests/unit/test_cli_modules.py checks it against the full parser.
+COMMAND_MODULES: dict[str, str] = {
+    **dict.fromkeys(("config", "key"), "gce_watchdog.vm.cli"),
+    **dict.fromkeys(("run", "check", "disarm", "arm", "end"), "gce_watchdog.daemon.cli"),
+    "fault": "gce_watchdog.faults.cli",
+    **dict.fromkeys(
+        ("fetch", "phase", "setup-failed", "exec", "result", "install", "uninstall"),
+        "gce_watchdog.bootstrap.cli",
+    ),
+    **dict.fromkeys(("poll", "parse"), "gce_watchdog.poller.cli"),
+    **dict.fromkeys(("decisions", "pin"), "gce_watchdog.poller.ledger_cli"),
+    "memwatch": "gce_watchdog.memory.cli",
+    "report": "gce_watchdog.report.cli",
+    "validate": "gce_watchdog.validate.cli",
+}
 
 
 _USAGE = ("64", "usage error: unknown option, bad value or missing argument")
@@ -185,14 +205,15 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(modules: Sequence[str] = MODULES) -> argparse.ArgumentParser:
+    """The parser with the commands of ``modules`` (default: every command)."""
     p = Parser(
         prog="gce-watchdog",
         description="VM-side watchdog agent and bootstrap toolkit for Google Compute Engine.",
     )
     p.add_argument("--version", action="version", version=f"gce-watchdog {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name in MODULES:
+    for name in modules:
         importlib.import_module(name).register(sub)
     for path, parser in all_parsers(p):
         if isinstance(parser, Parser):
@@ -200,11 +221,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def modules_for(argv: Sequence[str]) -> tuple[str, ...]:
+    """The modules a command line needs: its command's own when it starts with a known command
+    (the root parser has no option that takes a value, so the first word is the command), else
+    every module (the root's --help lists every command)."""
+    if argv and argv[0] in COMMAND_MODULES:
+        return (COMMAND_MODULES[argv[0]],)
+    return MODULES
+
+
 def _run(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(modules_for(words))
+    args = parser.parse_args(words)
+    if not getattr(args, "func", None):  # a group without its action: the root's whole help
+        build_parser().print_help(sys.stderr)
         return EX_USAGE
     rc: int = args.func(args)
     sys.stdout.flush()  # a closed pipe shows here, inside the handler below

@@ -33,16 +33,18 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
-from gce_watchdog.lib.compute import ComputeClient, classify
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
+
+if TYPE_CHECKING:
+    from gce_watchdog.lib.compute import ComputeClient
 
 # Waits between API attempts: 1 s doubling, capped at 4 s, with jitter (the step has 30 s in all).
 API_WAIT_FIRST_S = 1.0
@@ -122,6 +124,10 @@ class GoogleComputeApi:
 
     def _get_client(self) -> ComputeClient:
         if self._client is None:
+            # Imported with google-auth, at the first call: a daemon that never acts through the
+            # API does not load the client (docs/performance.md, "The RSS target").
+            from gce_watchdog.lib.compute import ComputeClient
+
             self._client = ComputeClient.on_vm(self.base_url, self.timeout)
         return self._client
 
@@ -141,6 +147,8 @@ class GoogleComputeApi:
             except ValueError:
                 name = "-"
             return ApiResult(True, r.status_code, name)
+        from gce_watchdog.lib.compute import classify  # loaded by the client already
+
         message, reason = _api_error(r)
         now = self.wall()
         after = parse_retry_after(r.headers.get("Retry-After"), now)

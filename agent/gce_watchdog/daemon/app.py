@@ -7,14 +7,12 @@ this module chooses a real implementation (google-guest-agent's ``setup.go`` has
 
 from __future__ import annotations
 
-import getpass
 import json
 import math
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +52,7 @@ from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory.monitor import MemoryMonitor
+from gce_watchdog.memory.samplers import preload as preload_psutil
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm import logs
 from gce_watchdog.vm.console import Emitter
@@ -83,6 +82,8 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     if why:
         # Not trusted (a planted disarm.json, links): not read, not written. The ladder, the
         # line counter and the disarm switch live in a private directory for this run only.
+        import tempfile  # only here: the daemon's path does not load it (docs/performance.md)
+
         private_state = tempfile.mkdtemp(prefix="gce-watchdog-state-")
         note(
             "state_dir",
@@ -166,6 +167,7 @@ def build_agent(
     services: list[Service] = [watcher, end_watch]
     monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
     if monitor is not None:
+        preload_psutil()  # on this thread, not at the first sample on the monitor's
         services.append(monitor)
     exporter = MetricsExporter.from_config(
         cfg,
@@ -377,6 +379,8 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
 
 
 def _who() -> str:
+    import getpass  # disarm and arm only: not on the daemon's path
+
     try:
         return getpass.getuser()
     except (KeyError, OSError):

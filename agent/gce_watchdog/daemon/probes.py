@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 from gce_watchdog.daemon.ladder import ProbeVerdict
 from gce_watchdog.daemon.tick import ProbeResult, TickResult
 from gce_watchdog.lib.dns import DnsResolver, Resolver, lookup
+from gce_watchdog.lib.dns import preload as preload_dns
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.lib.netaddr import is_ip, parse_host_port
 from gce_watchdog.vm.config import EgressSection
@@ -365,6 +366,8 @@ def build_prober(
             resolver = DnsResolver.from_strings(egress.dns_servers)
         except Exception:  # no usable resolver config at all: cached addresses only
             resolver = None
+        if resolver is not None and any(resolver.queries(h) for h, _ in targets):
+            preload_dns()  # on this thread, not at the first lookup on a worker's
     else:
         resolver = None
     cache = AddressCache(Path(state_dir) / "dns-cache.json")

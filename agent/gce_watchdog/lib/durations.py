@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal
 
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _ORDER = ("d", "h", "m", "s", "ms")
@@ -60,6 +59,10 @@ def format_duration(seconds: float) -> str:
         return "0s"
     ms = round(seconds * 1000)
     if ms == 0 or ms / 1000 != seconds:
+        # decimal here, not at the top: every process that reads a config imports this module,
+        # the agent included, and only this rare case needs it (docs/performance.md)
+        from decimal import Decimal
+
         return f"{Decimal(repr(seconds)):f}s"  # not whole milliseconds: exact, no exponent
     if 1 < seconds < 60 and ms % 1000:
         return f"{ms / 1000:g}s"  # 1.5s reads better than 1s500ms

@@ -11,7 +11,6 @@ To add a section: write a frozen dataclass whose fields carry defaults (and opti
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import re
@@ -397,8 +396,16 @@ class InvalidConfig(Exception):
         )
 
 
+def _close(word: str, choices: list[str]) -> list[str]:
+    """The one closest choice, if any: for "did you mean" in an error message (difflib is
+    imported here, not at the top: the agent reads its config, and only a typo needs it)."""
+    import difflib
+
+    return difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+
+
 def _suggest(key: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    close = _close(key, choices)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -586,12 +593,12 @@ def _unknown_top_level(name: str, value: object, sections: dict[str, Any]) -> st
         return "unknown section" + _suggest(name, list(sections))
     if name in keys:
         return f"a key outside its section: it belongs under [{keys[name]}]"
-    close = difflib.get_close_matches(name, list(keys), n=1, cutoff=0.6)
+    close = _close(name, list(keys))
     if close:
         return (
             f"unknown key outside any section (did you mean {close[0]!r} under [{keys[close[0]]}]?)"
         )
-    near = difflib.get_close_matches(name, list(sections), n=1, cutoff=0.6)
+    near = _close(name, list(sections))
     return "unknown key outside any section" + (
         f" (did you mean the [{near[0]}] section?)" if near else ""
     )
