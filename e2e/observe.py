@@ -46,6 +46,21 @@ GUEST_API_PORT = 8080
 GUEST_API_BASE = f"http://{EGRESS_IP}:{GUEST_API_PORT}/compute/v1"
 
 
+class SerialFeed:
+    """The serial output of a qemu guest so far, appended to one instance's port 1 in the fake,
+    each byte once (what GCE's serial buffer holds; the fake serves it only while RUNNING)."""
+
+    def __init__(self, api: FakeComputeAPI, name: str) -> None:
+        self.api = api
+        self.name = name
+        self.sent = 0
+
+    def feed(self, data: bytes) -> None:
+        if len(data) > self.sent:
+            self.api.append_serial(self.name, data[self.sent :])
+            self.sent = len(data)
+
+
 @dataclass(frozen=True)
 class PollRun:
     """What the poller said: the live polls, the final poll, and the two later looks."""
@@ -83,7 +98,6 @@ class LivePoller:
         self.guest_token = guest_token
         self.preempted = False
         self.during: list[PollOutcome] = []
-        self._sent = 0
         self._last = float("-inf")
         self._stack = contextlib.ExitStack()
 
@@ -100,6 +114,7 @@ class LivePoller:
             FakeComputeAPI(token=tokens, serial_needs_running=True)
         )
         self.api.add_instance(NAME, project=PROJECT, zone=ZONE, spot=self.spot)
+        self._feed = SerialFeed(self.api, NAME)
         self.ledger = self._stack.enter_context(Ledger(self.workdir / "ledger.sqlite", "e2e"))
         creds = Credentials(TOKEN)  # type: ignore[no-untyped-call]
         self.client = ComputeClient.create(creds, api_base=self.api.base_url)
@@ -125,9 +140,7 @@ class LivePoller:
         return Poller(self.client, store, PROJECT, ZONE, self.ledger, Policy(), reap=self.reap)
 
     def _append(self, data: bytes) -> None:
-        if len(data) > self._sent:
-            self.api.append_serial(NAME, data[self._sent :])
-            self._sent = len(data)
+        self._feed.feed(data)
 
     def watch(self, data: bytes) -> None:
         """The serial output so far (vm.run's watch): poll if ``every`` seconds have passed."""

@@ -39,7 +39,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
 
-from kit.netns import EGRESS_IP, EGRESS_NAME, METADATA_IP, Topology, netns_unavailable  # noqa: E402
+from kit.netns import (  # noqa: E402
+    EGRESS_IP,
+    EGRESS_NAME,
+    METADATA_IP,
+    SimHandle,
+    Topology,
+    netns_unavailable,
+)
 
 BUILD = REPO / "build" / "e2e"
 IMAGE_DIR = BUILD / "image"
@@ -180,6 +187,11 @@ class VmSpec:
     memory_mb: int = 1024
     smp: int = 2  # faster to boot than 1 under TCG (33 s vs 40 s measured)
     kvm: bool = field(default_factory=lambda: os.environ.get("E2E_KVM") == "1")
+    # What the metadata server says the VM is (default: e2e-NAME, simgce's id and project); a
+    # VM behind the fake Compute API gets that instance's name, id and project.
+    instance_name: str | None = None
+    instance_id: str | None = None
+    project_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +206,8 @@ class VmResult:
     # What the console session (run()'s ``console``) raised, if anything; None when it ran to the
     # end or there was none.
     console_error: str | None = None
+    # run()'s ``stop`` was set while the VM ran and qemu was killed (e.g. instances.delete).
+    stopped: bool = False
 
     def serial(self) -> bytes:
         return self.serial_log.read_bytes() if self.serial_log.exists() else b""
@@ -211,6 +225,7 @@ class VmResult:
     def summary(self) -> str:
         ms = " ".join(f"{k}={v:.1f}s" for k, v in self.milestones.items())
         state = "TIMED OUT" if self.timed_out else f"qemu rc={self.qemu_rc}"
+        state += " (stopped)" if self.stopped else ""
         return f"{self.name}: {state} after {self.wall_s:.1f}s ({ms}); serial: {self.serial_log}"
 
 
@@ -284,7 +299,11 @@ def _add_tap(topo: Topology) -> None:
 def _simgce_args(spec: VmSpec, outdir: Path, www: Path) -> list[str]:
     attrs = {"startup-script": spec.startup_script, **spec.attributes}
     args = ["--files", str(www), "--files-addr", f"{EGRESS_IP}:{FILES_PORT}"]
-    args += ["--instance-name", f"e2e-{spec.name}"]
+    args += ["--instance-name", spec.instance_name or f"e2e-{spec.name}"]
+    if spec.instance_id:
+        args += ["--instance-id", spec.instance_id]
+    if spec.project_id:
+        args += ["--project-id", spec.project_id]
     adir = outdir / "attributes"
     adir.mkdir(parents=True, exist_ok=True)
     for key, value in attrs.items():
@@ -502,6 +521,8 @@ def run(
     watch: Callable[[bytes], None] | None = None,
     console: Callable[[SerialConsole], None] | None = None,
     on_network: Callable[[Topology], None] | None = None,
+    stop: threading.Event | None = None,
+    on_sim: Callable[[SimHandle], None] | None = None,
 ) -> VmResult:
     """Boot the guest once for spec; returns when qemu exits or the timeout kills it.
 
@@ -511,6 +532,10 @@ def run(
     :func:`login_session`); what it raises is ``VmResult.console_error``, and what it typed and
     saw is ``console.log``. ``on_network`` is called with the namespaces once simgce runs and
     before qemu starts (e.g. to serve more on the guest's side: :func:`listen_in_netns`).
+    ``stop``: once set (checked every SERIAL_POLL seconds), qemu is killed, as a VM is when it
+    is deleted; ``VmResult.stopped`` says so. ``on_sim`` gets the fake GCE's handle once it
+    runs, before qemu starts (its control socket changes what the metadata server serves while
+    the guest runs).
     """
     outdir = outdir or BUILD / spec.name
     outdir.mkdir(parents=True, exist_ok=True)
@@ -522,6 +547,7 @@ def run(
     (outdir / "run-id").write_text(run_id + "\n")
     seen: dict[str, float] = {}
     timed_out = False
+    stopped = False
     rc: int | None = None
     errors: list[str] = []
     srv, sock_path, sock_tmp = _console_listener(outdir)
@@ -532,13 +558,15 @@ def run(
             cleanup.callback(lambda: shutil.rmtree(sock_tmp, ignore_errors=True))
         topo = cleanup.enter_context(Topology())
         _add_tap(topo)
-        topo.start_simgce(
+        sim = topo.start_simgce(
             outdir / "sim",
             extra=_simgce_args(spec, outdir, www),
             records={WHEELS_NAME: EGRESS_IP, EGRESS_NAME: EGRESS_IP},
         )
         if on_network is not None:
             on_network(topo)
+        if on_sim is not None:
+            on_sim(sim)
         fw_strings = {"run-id": run_id}
         argv = qemu_argv(spec, image, sock_path, fw_strings, _fw_files(spec, outdir))
         (outdir / "qemu.argv").write_text(" ".join(argv) + "\n")
@@ -579,6 +607,13 @@ def run(
                 _milestones(data, seen, now - t0)
                 if watch is not None:
                     watch(data)
+            if stop is not None and stop.is_set():
+                stopped = True
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(QEMU_KILL_WAIT)
+                rc = proc.poll()
+                break
             if now > deadline:
                 timed_out = True
                 proc.kill()
@@ -603,6 +638,7 @@ def run(
         wall_s=wall,
         milestones=dict(sorted(seen.items(), key=lambda kv: kv[1])),
         console_error="; ".join(errors) or None,
+        stopped=stopped,
     )
 
 
@@ -651,12 +687,18 @@ class Harness:
         watch: Callable[[bytes], None] | None = None,
         console: Callable[[SerialConsole], None] | None = None,
         on_network: Callable[[Topology], None] | None = None,
+        stop: threading.Event | None = None,
+        on_sim: Callable[[SimHandle], None] | None = None,
     ) -> VmResult:
-        res = run(spec, self.image, self.www, watch=watch, console=console, on_network=on_network)
+        res = run(
+            spec, self.image, self.www, watch=watch, console=console, on_network=on_network,
+            stop=stop, on_sim=on_sim,
+        )  # fmt: skip
         self.timings[spec.name] = {
             "wall_s": round(res.wall_s, 1),
             "qemu_rc": res.qemu_rc,
             "timed_out": res.timed_out,
+            **({"stopped": True} if res.stopped else {}),
             **{k: round(v, 1) for k, v in res.milestones.items()},
         }
         print(res.summary())

@@ -690,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", default=None, help="folder to serve")
     p.add_argument("--files-addr", default="127.0.0.1:0", help="HOST:PORT of the file server")
     p.add_argument("--instance-name", default=None)
+    p.add_argument("--instance-id", default=None, help="instance/id (e.g. the fake API's id)")
+    p.add_argument("--project-id", default=None, help="project/project-id")
     p.add_argument("--control", default=None, help="Unix socket path for control commands")
     p.add_argument("--ready-file", default=None, help="write the bound ports here as JSON")
     a = p.parse_args(argv)
@@ -697,6 +699,10 @@ def main(argv: list[str] | None = None) -> int:
     info = SimInstance()
     if a.instance_name:
         info.name = a.instance_name
+    if a.instance_id:
+        info.id = a.instance_id
+    if a.project_id:
+        info.project = a.project_id
     for kv in a.attr:
         k, _, v = kv.partition("=")
         info.attributes[k] = v
