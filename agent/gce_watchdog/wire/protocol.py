@@ -41,7 +41,7 @@ import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 VERSION = 3
@@ -75,6 +75,11 @@ REKEY_EVENT = "rekey"
 ANNOUNCE_EVERY = 32
 # A reader pins only an announcement among a boot's first lines (seq 0 or 1, see above).
 PIN_MAX_SEQ = 1
+# Routine events: no decision reads them (poller/verdict.py reads a tick's or heartbeat's phase
+# and rung for its text only, and a boot's liveness, which covered lines never move). A reader
+# may accept one unchecked when a later line of its boot verified (docs/serial-protocol.md,
+# "Verifying what decides"); every other event is decisive and verified before it is an event.
+ROUTINE_EVENTS = frozenset({"tick", "heartbeat", "mem"})
 # Markers tried per console line. Ours carry one (two when a journald copy is glued on); more is
 # someone else's output, and stopping here keeps a hostile line of markers linear to decode.
 MAX_MARKERS_PER_LINE = 8
@@ -117,6 +122,13 @@ class Event:
     ts_ms: int  # milliseconds since the Unix epoch, UTC (the guest's clock)
     fields: tuple[tuple[str, str], ...] = ()
     text: str = ""
+    # A routine line accepted without its own signature check: a later line of its boot with a
+    # higher seq verified in the same block (docs/serial-protocol.md, decoding rule "covered").
+    # Not part of equality nor of the JSON form; it never decides (poller/timeline.py).
+    covered: bool = field(default=False, compare=False, repr=False)
+    # A line carried over (the budget reached it in a later block): when its first block was
+    # received (the reader's clock), not part of equality nor of the JSON form.
+    rx: float | None = field(default=None, compare=False, repr=False)
 
     def get(self, key: str, default: str | None = None) -> str | None:
         for k, v in self.fields:
@@ -580,8 +592,8 @@ class KeyAnnounce:
     body: bytes = b""
     sig: bytes = b""
 
-    def valid(self) -> bool:
-        return self.version == 2 or verify(self.key, self.body, self.sig)
+    def valid(self, verifier: Callable[[bytes, bytes, bytes], bool] | None = None) -> bool:
+        return self.version == 2 or (verifier or verify)(self.key, self.body, self.sig)
 
     @property
     def fingerprint(self) -> str:
@@ -649,6 +661,7 @@ def decode_line(
     key: bytes | None = None,
     pin: bytes | None = None,
     retired: Retired | Retirees | None = None,
+    verifier: Callable[[bytes, bytes, bytes], bool] = verify,
 ) -> Event | KeyAnnounce | Forged | Rejected | None:
     """Decode one console line: ``pin`` is the instance's pinned v3 public key, ``key`` its
     pinned v2 key (None: not known; a v2 line is then forged, reason ``v2``).
@@ -668,7 +681,8 @@ def decode_line(
 
     Linear in the line's length: at most MAX_MARKERS_PER_LINE markers are tried, each against
     the trailer candidates in the MAX_LINE bytes after it; at most two signatures are verified
-    (the pin's, then the retired key's).
+    (the pin's, then the retired key's), each through ``verifier`` (a reader's budget: it may
+    raise to stop the line, see StreamDecoder).
     """
     raw = line.encode("latin-1", "replace") if isinstance(line, str) else line
     chain = _retirees(retired)
@@ -703,7 +717,7 @@ def decode_line(
                         if not old.covers(ev, None):
                             return Forged(Forgery.RETIRED, raw, ev)
                         ann = _v3_announce(ev, body, sig)
-                        if ann is not None and ann.valid():
+                        if ann is not None and ann.valid(verifier):
                             return ann.event
                         return Forged(Forgery.BAD_SIG, raw, ev)
                     # another key than the pin: unplaced, whatever its signature (not checked)
@@ -715,13 +729,13 @@ def decode_line(
                 if pin is None:
                     forged = forged or Forged(Forgery.NO_KEY, raw, ev)
                     break
-                if verify(pin, body, sig):
+                if verifier(pin, body, sig):
                     return ev
                 signer = _signer_of(ev, chain, pin) if chain else None
                 if signer is not None:  # a line from before a rotation: the key of then
-                    if verify(signer[0].public, body, sig):
+                    if verifier(signer[0].public, body, sig):
                         return ev
-                elif chain and verify(chain[-1].public, body, sig):
+                elif chain and verifier(chain[-1].public, body, sig):
                     forged = forged or Forged(Forgery.RETIRED, raw, ev)
                     break
                 bad = Forgery.BAD_REKEY if ev.event == REKEY_EVENT else Forgery.BAD_SIG
@@ -771,6 +785,38 @@ def decode_line(
     return Rejected(Reject.SYNTAX if syntax else Reject.CHECKSUM, raw)
 
 
+class _Unchecked(Exception):
+    """The block's verification budget is spent (StreamDecoder._check)."""
+
+
+class _Cand:
+    """A plain v3 line under the pin whose signature is not checked yet (StreamDecoder)."""
+
+    NEW, OK, FORGED, FULL, COVERED, UNCHECKED = range(6)
+    __slots__ = ("body", "carried", "ev", "forged", "ln", "pin", "rx", "sig", "simple", "state")
+
+    def __init__(
+        self,
+        ln: bytes,
+        ev: Event,
+        body: bytes,
+        sig: bytes,
+        pin: bytes,
+        simple: bool,
+        carried: bool,
+        rx: float | None,
+    ) -> None:
+        self.ln, self.ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
+        self.simple, self.carried, self.rx = simple, carried, rx
+        self.state = _Cand.NEW
+        self.forged: Forged | None = None
+
+
+def _digest(ev: Event) -> int:
+    """A line's content apart from its (boot, seq): what tells a copy from a conflict."""
+    return hash((ev.event, ev.ts_ms, ev.fields, ev.text))
+
+
 @dataclass
 class DecodeStats:
     lines: int = 0
@@ -780,6 +826,9 @@ class DecodeStats:
     forged: int = 0  # intact lines that did not authenticate (never events)
     retired: int = 0  # lines of a key rotated away from, after its rotation (not forged)
     conflicts: int = 0  # authenticated lines whose (boot, seq) was seen with other content
+    verified: int = 0  # signatures checked (Ed25519), within the blocks' budgets
+    covered: int = 0  # routine lines accepted unchecked below a verified line of their boot
+    unchecked: int = 0  # lines the budget never reached (and the carry-over could not hold)
     reject_reasons: dict[str, int] = field(default_factory=dict)
     forged_reasons: dict[str, int] = field(default_factory=dict)
 
@@ -818,6 +867,14 @@ class StreamDecoder:
     DEDUP_WINDOW = 4096
     MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports
     MAX_UNPLACED = 16  # fingerprints of unplaced keys kept for the alarm
+    # Signatures checked per block: a fixed share plus one per BUDGET_BYTES of the block (a
+    # MiB: 128 + 256 = 384 checks, ~23 ms at ~59 us each); ours need about one per 32 lines
+    # (the announcements) plus the decisive lines plus one per boot.
+    BUDGET_LINES = 128
+    BUDGET_BYTES = 4096
+    # Decisive lines the budget did not reach, carried to the next block (checked first there).
+    MAX_CARRY = 256
+    MAX_BOOTS = 64  # boots with a verified line, remembered to order the checks (known first)
 
     def __init__(
         self,
@@ -849,12 +906,26 @@ class StreamDecoder:
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
         self.rejects: list[Rejected] = []
         self.forgeries: list[Forged] = []
+        self._budget = 0
+        self._block_bytes = 0
+        self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
+        # Decisive lines waiting for a budget (raw, stream order), with their block's receive time.
+        self.carry: list[tuple[bytes, float | None]] = []
+        self._rx: float | None = None
+        self.lazy = True  # False: every line verified, no budget (a reference; tests, tools)
+        # Lines never checked, not yet taken by the caller: (boot, seq, decisive); boot "" when
+        # the line was not parsed (an announcement, a rotation, a line off the plain path).
+        self.unchecked_new: list[tuple[str, int, bool]] = []
+        self._boots: OrderedDict[str, None] = OrderedDict()
 
     def lost_before(self) -> None:
         """Bytes were lost (the API's window moved on): nothing later can be placed."""
         self.placeable = False
 
-    def feed(self, chunk: bytes) -> list[Event]:
+    def feed(self, chunk: bytes, rx: float | None = None) -> list[Event]:
+        """``rx``: when the chunk was received (the reader's clock), kept with the lines that
+        wait in the carry-over (their events carry it, :attr:`Event.rx`)."""
+        self._rx = rx
         data = self._pending + chunk
         if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines)
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
@@ -864,10 +935,13 @@ class StreamDecoder:
             self._pending = self._pending[-self.MAX_PENDING :]
         return self._decode_block(body)
 
-    def flush(self) -> list[Event]:
+    def flush(self, rx: float | None = None) -> list[Event]:
         """Decode the held partial line (end of a dump): a truncated last line is rejected."""
+        self._rx = rx
         rest, self._pending = self._pending, b""
-        return self._decode_block(rest + b"\n") if rest else []
+        if not rest and not self.carry:
+            return []
+        return self._decode_block(rest + b"\n" if rest else b"")
 
     def _decode_block(self, body: bytes) -> list[Event]:
         """Whole lines (each ended by LF). The scan is C-level: the lines with a marker, from
@@ -878,7 +952,8 @@ class StreamDecoder:
         st = self.stats
         lines = body.split(b"\n")
         st.lines += len(lines) - lines.count(b"")
-        if MARKER_PREFIX not in body:
+        self._block_bytes = len(body)
+        if MARKER_PREFIX not in body and not self.carry:
             return []
         full = _MARKER_LINE_RE.findall(body)
         cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
@@ -910,7 +985,12 @@ class StreamDecoder:
                 candidate = hmac.compare_digest(ann.fingerprint, self.pin_fp)
             else:  # the stream's first intact line, from byte 0, among a boot's first lines
                 candidate = placeable and ann.event.seq <= PIN_MAX_SEQ
-            if candidate and ann.valid():
+            try:
+                candidate = candidate and ann.valid(self._check)
+            except _Unchecked:
+                self.placeable = placeable
+                raise
+            if candidate:
                 checked = True
                 self.pin = ann.key
                 self.pinned_here = True
@@ -921,7 +1001,7 @@ class StreamDecoder:
         if other_vm:
             self._forged(Forged(Forgery.RELABELLED, ln, ann.event))
             return None
-        if not checked and not ann.valid():
+        if not checked and not ann.valid(self._check):
             self._forged(Forged(Forgery.BAD_SIG, ln, ann.event))
             return None
         self.ephemeral = self.ephemeral or ann.ephemeral
@@ -958,57 +1038,249 @@ class StreamDecoder:
         return shown_rekey(ev, old)
 
     def _decode_lines(self, lines: list[bytes]) -> Iterator[Event]:
-        """Lines that start with a marker and carry a trailer candidate after it, in order."""
+        """Lines that start with a marker and carry a trailer candidate after it, in order.
+
+        Verification is lazy and bounded (docs/serial-protocol.md, "Verifying what decides"):
+        phase A decodes every line in stream order, running announcements, rotations and any
+        line off the plain path through :meth:`_full` at once (they spend the budget first)
+        and keeping the plain v3 lines under the pin as candidates; phase B verifies the
+        decisive candidates by (known boot first, boot, seq), then walks each boot's routine
+        candidates down from the highest seq until one verifies: the routine candidates below
+        the highest verified seq of their boot are **covered** (accepted unchecked, flagged);
+        phase C yields in stream order. A candidate the budget does not reach is no event:
+        decisive ones wait in :attr:`carry` for the next block, routine ones are counted
+        (:attr:`DecodeStats.unchecked`, :attr:`unchecked_boots`)."""
+        self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
+        if not self.lazy:
+            self._budget = 1 << 62
+        self._ok = set()
+        carried, self.carry = self.carry, []
+        out: list[Event | _Cand | None] = []
+        top: dict[str, int] = {}  # boot -> the highest seq verified in this block
+        for i, (ln, rx) in enumerate([*carried, *((x, self._rx) for x in lines)]):
+            cand = self._lazy(ln, i < len(carried), rx)
+            if cand is not None:
+                self.placeable = False
+                out.append(cand)
+                continue
+            try:
+                ev = self._full(ln)
+            except _Unchecked:
+                self._defer(ln, None, rx)
+                continue
+            if ev is not None and i < len(carried):
+                ev = replace(ev, rx=rx)
+            if ev is not None and ev.event != REKEY_EVENT:
+                top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
+            out.append(ev)
+        cands = [c for c in out if isinstance(c, _Cand)]
+        decisive = [c for c in cands if c.ev.event not in ROUTINE_EVENTS]
+        decisive.sort(
+            key=lambda c: (not c.carried, c.ev.boot not in self._boots, c.ev.boot, c.ev.seq)
+        )
+        for c in decisive:
+            self._resolve(c)
+            if c.state == _Cand.OK:
+                top[c.ev.boot] = max(top.get(c.ev.boot, -1), c.ev.seq)
+        # (boot, seq) claimed with two contents in this block: each claimant is verified (or
+        # unchecked), never covered (seqs claimed in advance must not pass for ours).
+        claims: dict[tuple[str, int], set[int]] = {}
+        for item in out:
+            if item is not None:
+                e = item.ev if isinstance(item, _Cand) else item
+                claims.setdefault((e.boot, e.seq), set()).add(_digest(e))
+        routine: dict[str, list[_Cand]] = {}
+        for c in cands:
+            if c.ev.event in ROUTINE_EVENTS:
+                routine.setdefault(c.ev.boot, []).append(c)
+        for boot, group in routine.items():
+            group.sort(key=lambda c: -c.ev.seq)
+            for c in group:
+                if c.ev.seq < top.get(boot, -1):
+                    break
+                self._resolve(c)
+                if c.state == _Cand.OK:
+                    top[boot] = max(top.get(boot, -1), c.ev.seq)
+                    break
+                if c.state == _Cand.UNCHECKED:
+                    break
+            for c in group:
+                contested = len(claims[(boot, c.ev.seq)]) > 1
+                if c.state == _Cand.NEW and (contested or c.ev.seq == top.get(boot, -1)):
+                    self._resolve(c)  # a copy of a verified line (free) or a conflict
+                if c.state == _Cand.NEW:
+                    c.state = _Cand.COVERED if c.ev.seq < top.get(boot, -1) else _Cand.UNCHECKED
         st = self.stats
-        for ln in lines:
-            res = decode_line(ln, self.key, self.pin, self.retired)
-            if isinstance(res, Event) and res.event == REKEY_EVENT:
-                self.placeable = False
-                got = self._rekey(ln, res)
+        for item in out:
+            if item is None:
+                continue
+            if isinstance(item, _Cand):
+                got = self._settle(item)
                 if got is None:
                     continue
                 ev = got
-            elif isinstance(res, KeyAnnounce) and res.version == 3:
-                got = self._announce(ln, res)
-                if got is None:
-                    continue
-                ev = got
-            elif isinstance(res, KeyAnnounce):
-                self.placeable = False
-                if self.key is None or not hmac.compare_digest(self.key, res.key):
-                    # v2 keys are never pinned from the console any more (anyone can read them
-                    # back): only a v2 key held from before the upgrade verifies v2 lines.
-                    self.key_conflict = self.key is not None
-                    reason = Forgery.KEY_CONFLICT if self.key is not None else Forgery.V2
-                    self._forged(Forged(reason, ln, res.event))
-                    continue
-                ev = res.event
-            elif isinstance(res, Event):
-                self.placeable = False
-                ev = res
-            elif isinstance(res, Forged):
-                self.placeable = False
-                if res.reason == Forgery.UNPLACED and res.event is not None:
-                    pk = res.event.get("pk") or ""
-                    if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
-                        fp = pk_fingerprint(unb64(pk))
-                        if fp not in self.unplaced:
-                            self.unplaced.append(fp)
-                self._forged(res)
-                continue
-            elif isinstance(res, Rejected):
-                st.rejected += 1
-                st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
-                if len(self.rejects) < self.MAX_SAMPLES:
-                    self.rejects.append(res)
-                continue
             else:
-                continue
+                ev = item
             if self._is_duplicate(ev):
                 st.duplicates += 1
                 continue
             st.events += 1
+            if not ev.covered:
+                self._boots[ev.boot] = None
+                self._boots.move_to_end(ev.boot)
+                while len(self._boots) > self.MAX_BOOTS:
+                    self._boots.popitem(last=False)
             yield ev
+
+    def _settle(self, c: _Cand) -> Event | None:
+        """A candidate's outcome after phase B: its event, or None (forged, unchecked, a
+        covered line that conflicts with an earlier one and could not be verified)."""
+        if c.state == _Cand.COVERED:
+            seen = self._seen.get((c.ev.boot, c.ev.seq))
+            if seen is not None and _digest(c.ev) not in seen:  # a conflict: verify or drop
+                c.state = _Cand.NEW
+                self._resolve(c)
+            else:
+                self.stats.covered += 1
+                return replace(c.ev, covered=True, rx=c.rx if c.carried else None)
+        if c.state == _Cand.OK:
+            return replace(c.ev, rx=c.rx) if c.carried else c.ev
+        if c.state == _Cand.FORGED:
+            if c.forged is not None:
+                self._forged(c.forged)
+            return None
+        if c.state == _Cand.FULL:  # off the plain path after all: the whole rule set
+            try:
+                ev = self._full(c.ln)
+            except _Unchecked:
+                c.state = _Cand.UNCHECKED
+            else:
+                return replace(ev, rx=c.rx) if ev is not None and c.carried else ev
+        self._defer(c.ln, c.ev, c.rx)
+        return None
+
+    def _resolve(self, c: _Cand) -> None:
+        """Verify one candidate within the budget: OK, FORGED (its Forged kept), FULL (the
+        line needs the whole rule set: several markers, a retired key) or UNCHECKED."""
+        try:
+            ok = self._check(c.pin, c.body, c.sig)
+        except _Unchecked:
+            c.state = _Cand.UNCHECKED
+            return
+        if ok:
+            c.state = _Cand.OK
+        elif c.simple:
+            c.state = _Cand.FORGED
+            c.forged = Forged(Forgery.BAD_SIG, c.ln, c.ev)
+        else:
+            c.state = _Cand.FULL
+
+    def _check(self, public: bytes, body: bytes, sig: bytes) -> bool:
+        """:func:`verify` within the block's budget: raises :class:`_Unchecked` when it is
+        spent. A line identical to one verified in this block (a journald copy) is free."""
+        signed = body + sig
+        if signed in self._ok:
+            return True
+        if self._budget <= 0:
+            raise _Unchecked
+        self._budget -= 1
+        self.stats.verified += 1
+        if verify(public, body, sig):
+            self._ok.add(signed)
+            return True
+        return False
+
+    def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | None:
+        """The plain path: the line's first marker is v3 and its first intact trailer holds a
+        line of an event other than ``key``/``rekey``, under a pin, signed by the pin (not a
+        line from before a rotation). Anything else is None (:meth:`_full` decides it)."""
+        pin = self.pin
+        if pin is None or not self.lazy:
+            return None
+        m = _MARKER_RE.search(ln)
+        if m is None or m.group(1) != b"3":
+            return None
+        start = m.start()
+        for t in _TRAILER_V3.finditer(ln, start, min(len(ln), start + MAX_LINE)):
+            if _crc(ln[start : t.end(1)]) != t.group(2).decode():
+                continue
+            body = ln[start : t.start()]
+            try:
+                ev = _parse_body(body.decode("ascii"))
+            except UnicodeDecodeError:
+                return None
+            if ev is None or ev.event in (KEY_EVENT, REKEY_EVENT):
+                return None
+            chain = self.retired
+            if chain and _signer_of(ev, chain, pin) is not None:
+                return None
+            simple = not chain and ln.count(MARKER_PREFIX) == 1
+            return _Cand(ln, ev, body, unb64(t.group(1).decode()), pin, simple, carried, rx)
+        return None
+
+    def _defer(self, ln: bytes, ev: Event | None, rx: float | None) -> None:
+        """A line the budget did not reach: a decisive one (or one not parsed yet) waits in
+        the carry-over for the next block (bounded); a routine one, or one past the bound, is
+        counted as unchecked, by boot (an alarm: Timeline.flood_alarm)."""
+        routine = ev is not None and ev.event in ROUTINE_EVENTS
+        if not routine and len(self.carry) < self.MAX_CARRY:
+            self.carry.append((ln, rx))
+            return
+        self.stats.unchecked += 1
+        if ev is not None:
+            self.unchecked_new.append((ev.boot, ev.seq, not routine))
+        else:
+            self.unchecked_new.append(("", 0, True))
+
+    def _full(self, ln: bytes) -> Event | None:
+        """One line by the whole of :func:`decode_line` (announcements, rotations, v2, lines of
+        a retired key, anything the lazy path does not take), in stream order; its signature
+        checks go through the block's budget (:meth:`_check` may raise :class:`_Unchecked`)."""
+        st = self.stats
+        res = decode_line(ln, self.key, self.pin, self.retired, self._check)
+        if isinstance(res, Event) and res.event == REKEY_EVENT:
+            self.placeable = False
+            got = self._rekey(ln, res)
+            if got is None:
+                return None
+            ev = got
+        elif isinstance(res, KeyAnnounce) and res.version == 3:
+            got = self._announce(ln, res)
+            if got is None:
+                return None
+            ev = got
+        elif isinstance(res, KeyAnnounce):
+            self.placeable = False
+            if self.key is None or not hmac.compare_digest(self.key, res.key):
+                # v2 keys are never pinned from the console any more (anyone can read them
+                # back): only a v2 key held from before the upgrade verifies v2 lines.
+                self.key_conflict = self.key is not None
+                reason = Forgery.KEY_CONFLICT if self.key is not None else Forgery.V2
+                self._forged(Forged(reason, ln, res.event))
+                return None
+            ev = res.event
+        elif isinstance(res, Event):
+            self.placeable = False
+            ev = res
+        elif isinstance(res, Forged):
+            self.placeable = False
+            if res.reason == Forgery.UNPLACED and res.event is not None:
+                pk = res.event.get("pk") or ""
+                if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
+                    fp = pk_fingerprint(unb64(pk))
+                    if fp not in self.unplaced:
+                        self.unplaced.append(fp)
+            self._forged(res)
+            return None
+        elif isinstance(res, Rejected):
+            st.rejected += 1
+            st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
+            if len(self.rejects) < self.MAX_SAMPLES:
+                self.rejects.append(res)
+            return None
+        else:
+            return None
+        return ev
 
     def _forged(self, f: Forged) -> None:
         st = self.stats
@@ -1021,7 +1293,7 @@ class StreamDecoder:
             self.forgeries.append(f)
 
     def _is_duplicate(self, ev: Event) -> bool:
-        digest = hash((ev.event, ev.ts_ms, ev.fields, ev.text))  # the content (boot, seq: k)
+        digest = _digest(ev)  # the content (boot, seq: k)
         k = (ev.boot, ev.seq)
         seen = self._seen.get(k)
         if seen is not None and digest in seen:
