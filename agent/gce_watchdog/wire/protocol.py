@@ -986,7 +986,9 @@ class StreamDecoder:
             else:  # the stream's first intact line, from byte 0, among a boot's first lines
                 candidate = placeable and ann.event.seq <= PIN_MAX_SEQ
             try:
-                candidate = candidate and ann.valid(self._check)
+                # the stream's first line is checked whatever the budget (once per stream);
+                # a hand pin's announcements spend it (a flood may repeat its public key)
+                candidate = candidate and ann.valid(None if placeable else self._check)
             except _Unchecked:
                 self.placeable = placeable
                 raise
