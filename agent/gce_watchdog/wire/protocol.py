@@ -34,6 +34,7 @@ and the version.
 from __future__ import annotations
 
 import base64
+import binascii
 import functools
 import hashlib
 import hmac
@@ -93,6 +94,21 @@ _HEXKEY_RE = re.compile(r"[0-9a-f]{64}\Z")
 _TS_RE = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)\.(\d{3})Z\Z")
 _MARKER_RE = re.compile(rb"GCEWD([123])")
 _PK_RE = re.compile(r"[A-Za-z0-9_-]{43}\Z")
+# A line's head (before any `` | `` text) in one match: marker, boot, seq (no leading zero), the
+# timestamp token (parse_ts checks it), event name and the ``key=value`` fields, each exactly as
+# _KEY_RE/_VALUE_RE/_BOOT_RE say (one C-level match instead of a regex per token).
+_VALUE_CHARS = r"[A-Za-z0-9._:/@,+%~()<>\[\]-]"
+_HEAD_RE = re.compile(
+    r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) ([^ ]*) ([a-z][a-z0-9_]{0,23})"
+    r"((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)\Z"
+)
+# A whole plain line (from its marker, one marker, nothing after the trailer, no ``#`` before it):
+# its boot, seq, event name, signature and CRC without parsing the rest (_Cand.ev does that).
+_PLAIN_V3 = re.compile(
+    rb"GCEWD3 ([0-9a-f]{8}) (0|[1-9][0-9]{0,18}) [^ #]+ ([a-z][a-z0-9_]{0,23})(?: [^#]*)?"
+    rb" #([A-Za-z0-9_-]{86})([0-9a-f]{8})\Z"
+)
+_FIELD_RE = re.compile(r" ([a-z][a-z0-9_]{0,23})=(" + _VALUE_CHARS + r"{1,64})")
 # One match per console line that carries a marker: from its first marker to the line's end.
 _MARKER_LINE_RE = re.compile(rb"GCEWD[123][^\n]*")
 # Of those (joined by LF), the ones with " #" after the marker: only these can be intact.
@@ -238,12 +254,21 @@ def parse_ts(s: str) -> int | None:
     m = _TS_RE.match(s)
     if not m:
         return None
+    day = _day_s(s[:10])
+    h, mi, sec = int(m.group(4)), int(m.group(5)), int(m.group(6))
+    if day is None or h > 23 or mi > 59 or sec > 59:  # what datetime() accepts
+        return None
+    return (day + (h * 60 + mi) * 60 + sec) * 1000 + int(m.group(7))
+
+
+@functools.lru_cache(maxsize=1024)
+def _day_s(date: str) -> int | None:
+    """Seconds since the epoch of a ``YYYY-MM-DD`` day at 00:00 UTC; None for no such day."""
     try:
-        y, mo, d, h, mi, sec, ms = (int(g) for g in m.groups())
-        dt = datetime(y, mo, d, h, mi, sec, tzinfo=UTC)
+        dt = datetime(int(date[:4]), int(date[5:7]), int(date[8:10]), tzinfo=UTC)
     except ValueError:
         return None
-    return int(dt.timestamp()) * 1000 + ms
+    return int(dt.timestamp())
 
 
 def _crc(body: bytes) -> str:
@@ -608,28 +633,19 @@ def _parse_body(body: str) -> Event | None:
         head, text = body[:idx], body[idx + 3 :]
     elif body.endswith(" |"):
         return None
-    parts = head.split(" ")
-    if len(parts) < 5 or parts[0] not in (MARKER, V2_MARKER, LEGACY_MARKER):
+    m = _HEAD_RE.match(head)
+    if m is None:
         return None
-    _, boot, seq_s, ts_s, name, *kvs = parts
-    if not _BOOT_RE.match(boot) or not seq_s.isdigit() or not _KEY_RE.match(name):
-        return None
-    if len(seq_s) > 1 and seq_s[0] == "0":
-        return None
+    boot, seq_s, ts_s, name, kvs = m.groups()
     ts_ms = parse_ts(ts_s)
     if ts_ms is None:
         return None
-    fields: list[tuple[str, str]] = []
-    keys: set[str] = set()
-    for kv in kvs:
-        k, sep, v = kv.partition("=")
-        if not sep or not _KEY_RE.match(k) or not _VALUE_RE.match(v) or k in keys:
-            return None
-        keys.add(k)
-        fields.append((k, v))
+    fields = tuple(_FIELD_RE.findall(kvs)) if kvs else ()
+    if len(fields) > 1 and len({k for k, _ in fields}) != len(fields):
+        return None  # a duplicate key
     if text and (_TEXT_BAD.search(text) or text != text.strip()):
         return None
-    return Event(name, boot, int(seq_s), ts_ms, tuple(fields), text)
+    return Event(name, boot, int(seq_s), ts_ms, fields, text)
 
 
 @functools.lru_cache(maxsize=256)
@@ -790,15 +806,23 @@ class _Unchecked(Exception):
 
 
 class _Cand:
-    """A plain v3 line under the pin whose signature is not checked yet (StreamDecoder)."""
+    """A plain v3 line under the pin whose signature is not checked yet (StreamDecoder).
 
-    NEW, OK, FORGED, FULL, COVERED, UNCHECKED = range(6)
-    __slots__ = ("body", "carried", "ev", "forged", "ln", "pin", "rx", "sig", "simple", "state")
+    ``boot``, ``seq`` and ``kind`` come from the line's head; the whole line is parsed
+    (:attr:`ev`) only when it is accepted or shown as forged: a line the budget never reaches
+    costs one regex match and a CRC. ``sig`` is the signature's base64url text."""
+
+    NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
+    __slots__ = (
+        "_ev", "body", "boot", "carried", "forged", "kind", "ln", "pin", "rx", "seq", "sig",
+        "simple", "state",
+    )  # fmt: skip
 
     def __init__(
         self,
         ln: bytes,
-        ev: Event,
+        head: tuple[str, int, str],
+        ev: Event | None,
         body: bytes,
         sig: bytes,
         pin: bytes,
@@ -806,10 +830,29 @@ class _Cand:
         carried: bool,
         rx: float | None,
     ) -> None:
-        self.ln, self.ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
+        self.ln, self._ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
+        self.boot, self.seq, self.kind = head
         self.simple, self.carried, self.rx = simple, carried, rx
         self.state = _Cand.NEW
         self.forged: Forged | None = None
+
+    @property
+    def ev(self) -> Event | None:
+        """The parsed line (None: it does not parse, a syntax reject like decode_line's)."""
+        if self._ev is None:
+            try:
+                self._ev = _parse_body(self.body.decode("ascii"))
+            except UnicodeDecodeError:
+                return None
+        return self._ev
+
+
+_B64_STD = bytes.maketrans(b"-_", b"+/")
+
+
+def _unb64_sig(text: bytes) -> bytes:
+    """A signature's base64url text (86 characters, checked by the trailer regex) as bytes."""
+    return binascii.a2b_base64(text.translate(_B64_STD) + b"==")
 
 
 def _digest(ev: Event) -> int:
@@ -1061,7 +1104,9 @@ class StreamDecoder:
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
         for i, (ln, rx) in enumerate([*carried, *((x, self._rx) for x in lines)]):
             cand = self._lazy(ln, i < len(carried), rx)
-            if cand is not None:
+            if cand is True:
+                continue
+            if isinstance(cand, _Cand):
                 self.placeable = False
                 out.append(cand)
                 continue
@@ -1076,42 +1121,41 @@ class StreamDecoder:
                 top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
             out.append(ev)
         cands = [c for c in out if isinstance(c, _Cand)]
-        decisive = [c for c in cands if c.ev.event not in ROUTINE_EVENTS]
-        decisive.sort(
-            key=lambda c: (not c.carried, c.ev.boot not in self._boots, c.ev.boot, c.ev.seq)
-        )
+        decisive = [c for c in cands if c.kind not in ROUTINE_EVENTS]
+        decisive.sort(key=lambda c: (not c.carried, c.boot not in self._boots, c.boot, c.seq))
         for c in decisive:
             self._resolve(c)
             if c.state == _Cand.OK:
-                top[c.ev.boot] = max(top.get(c.ev.boot, -1), c.ev.seq)
+                top[c.boot] = max(top.get(c.boot, -1), c.seq)
         # (boot, seq) claimed with two contents in this block: each claimant is verified (or
         # unchecked), never covered (seqs claimed in advance must not pass for ours).
         claims: dict[tuple[str, int], set[int]] = {}
         for item in out:
-            if item is not None:
-                e = item.ev if isinstance(item, _Cand) else item
-                claims.setdefault((e.boot, e.seq), set()).add(_digest(e))
+            if isinstance(item, _Cand):
+                claims.setdefault((item.boot, item.seq), set()).add(hash(item.body))
+            elif item is not None:
+                claims.setdefault((item.boot, item.seq), set()).add(_digest(item))
         routine: dict[str, list[_Cand]] = {}
         for c in cands:
-            if c.ev.event in ROUTINE_EVENTS:
-                routine.setdefault(c.ev.boot, []).append(c)
+            if c.kind in ROUTINE_EVENTS:
+                routine.setdefault(c.boot, []).append(c)
         for boot, group in routine.items():
-            group.sort(key=lambda c: -c.ev.seq)
+            group.sort(key=lambda c: -c.seq)
             for c in group:
-                if c.ev.seq < top.get(boot, -1):
+                if c.seq < top.get(boot, -1):
                     break
                 self._resolve(c)
                 if c.state == _Cand.OK:
-                    top[boot] = max(top.get(boot, -1), c.ev.seq)
+                    top[boot] = max(top.get(boot, -1), c.seq)
                     break
                 if c.state == _Cand.UNCHECKED:
                     break
             for c in group:
-                contested = len(claims[(boot, c.ev.seq)]) > 1
-                if c.state == _Cand.NEW and (contested or c.ev.seq == top.get(boot, -1)):
+                contested = len(claims[(boot, c.seq)]) > 1
+                if c.state == _Cand.NEW and (contested or c.seq == top.get(boot, -1)):
                     self._resolve(c)  # a copy of a verified line (free) or a conflict
                 if c.state == _Cand.NEW:
-                    c.state = _Cand.COVERED if c.ev.seq < top.get(boot, -1) else _Cand.UNCHECKED
+                    c.state = _Cand.COVERED if c.seq < top.get(boot, -1) else _Cand.UNCHECKED
         st = self.stats
         for item in out:
             if item is None:
@@ -1137,19 +1181,24 @@ class StreamDecoder:
     def _settle(self, c: _Cand) -> Event | None:
         """A candidate's outcome after phase B: its event, or None (forged, unchecked, a
         covered line that conflicts with an earlier one and could not be verified)."""
-        if c.state == _Cand.COVERED:
-            seen = self._seen.get((c.ev.boot, c.ev.seq))
-            if seen is not None and _digest(c.ev) not in seen:  # a conflict: verify or drop
+        if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) and c.ev is None:
+            c.state = _Cand.SYNTAX  # intact but not a line: decode_line's syntax reject
+        if c.state == _Cand.SYNTAX:
+            self._reject(Rejected(Reject.SYNTAX, c.ln))
+            return None
+        ev = c.ev if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) else None
+        if c.state == _Cand.COVERED and ev is not None:
+            seen = self._seen.get((c.boot, c.seq))
+            if seen is not None and _digest(ev) not in seen:  # a conflict: verify or drop
                 c.state = _Cand.NEW
                 self._resolve(c)
             else:
                 self.stats.covered += 1
-                return replace(c.ev, covered=True, rx=c.rx if c.carried else None)
-        if c.state == _Cand.OK:
-            return replace(c.ev, rx=c.rx) if c.carried else c.ev
+                return replace(ev, covered=True, rx=c.rx if c.carried else None)
+        if c.state == _Cand.OK and ev is not None:
+            return replace(ev, rx=c.rx) if c.carried else ev
         if c.state == _Cand.FORGED:
-            if c.forged is not None:
-                self._forged(c.forged)
+            self._forged(Forged(Forgery.BAD_SIG, c.ln, ev))
             return None
         if c.state == _Cand.FULL:  # off the plain path after all: the whole rule set
             try:
@@ -1158,14 +1207,17 @@ class StreamDecoder:
                 c.state = _Cand.UNCHECKED
             else:
                 return replace(ev, rx=c.rx) if ev is not None and c.carried else ev
-        self._defer(c.ln, c.ev, c.rx)
+        self._defer(c.ln, (c.boot, c.seq, c.kind), c.rx)
         return None
 
     def _resolve(self, c: _Cand) -> None:
         """Verify one candidate within the budget: OK, FORGED (its Forged kept), FULL (the
         line needs the whole rule set: several markers, a retired key) or UNCHECKED."""
+        if self._budget <= 0 and not self._ok:  # spent, and no verified line to copy
+            c.state = _Cand.UNCHECKED
+            return
         try:
-            ok = self._check(c.pin, c.body, c.sig)
+            ok = self._check(c.pin, c.body, _unb64_sig(c.sig))
         except _Unchecked:
             c.state = _Cand.UNCHECKED
             return
@@ -1173,7 +1225,6 @@ class StreamDecoder:
             c.state = _Cand.OK
         elif c.simple:
             c.state = _Cand.FORGED
-            c.forged = Forged(Forgery.BAD_SIG, c.ln, c.ev)
         else:
             c.state = _Cand.FULL
 
@@ -1192,13 +1243,36 @@ class StreamDecoder:
             return True
         return False
 
-    def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | None:
+    def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | bool | None:
         """The plain path: the line's first marker is v3 and its first intact trailer holds a
         line of an event other than ``key``/``rekey``, under a pin, signed by the pin (not a
-        line from before a rotation). Anything else is None (:meth:`_full` decides it)."""
+        line from before a rotation). True: the line was an announcement of a key that is not
+        the pin (counted as :meth:`_full` counts it). Anything else is None (:meth:`_full`
+        decides it)."""
         pin = self.pin
         if pin is None or not self.lazy:
             return None
+        chain = self.retired
+        if not chain and len(ln) <= MAX_LINE:
+            m = _PLAIN_V3.match(ln)
+            if m is not None:  # one line, nothing around it: parsed only if it is accepted
+                kind = m.group(3).decode()
+                if kind == REKEY_EVENT or ln.count(MARKER_PREFIX) != 1:
+                    return None
+                if (zlib.crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(m.group(5), 16):
+                    return None  # decode_line: a checksum reject
+                if kind == KEY_EVENT:  # another key's announcement: unplaced, never checked
+                    try:
+                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
+                    except UnicodeDecodeError:
+                        return None
+                    if ev is None or ev.get("pk") == _pk_text(pin):
+                        return None
+                    self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))
+                    return True
+                head = (m.group(1).decode(), int(m.group(2)), kind)
+                body = ln[: m.start(4) - 2]
+                return _Cand(ln, head, None, body, m.group(4), pin, True, carried, rx)
         m = _MARKER_RE.search(ln)
         if m is None or m.group(1) != b"3":
             return None
@@ -1213,24 +1287,24 @@ class StreamDecoder:
                 return None
             if ev is None or ev.event in (KEY_EVENT, REKEY_EVENT):
                 return None
-            chain = self.retired
             if chain and _signer_of(ev, chain, pin) is not None:
                 return None
             simple = not chain and ln.count(MARKER_PREFIX) == 1
-            return _Cand(ln, ev, body, unb64(t.group(1).decode()), pin, simple, carried, rx)
+            head = (ev.boot, ev.seq, ev.event)
+            return _Cand(ln, head, ev, body, t.group(1), pin, simple, carried, rx)
         return None
 
-    def _defer(self, ln: bytes, ev: Event | None, rx: float | None) -> None:
+    def _defer(self, ln: bytes, ev: tuple[str, int, str] | None, rx: float | None) -> None:
         """A line the budget did not reach: a decisive one (or one not parsed yet) waits in
         the carry-over for the next block (bounded); a routine one, or one past the bound, is
         counted as unchecked, by boot (an alarm: Timeline.flood_alarm)."""
-        routine = ev is not None and ev.event in ROUTINE_EVENTS
+        routine = ev is not None and ev[2] in ROUTINE_EVENTS
         if not routine and len(self.carry) < self.MAX_CARRY:
             self.carry.append((ln, rx))
             return
         self.stats.unchecked += 1
         if ev is not None:
-            self.unchecked_new.append((ev.boot, ev.seq, not routine))
+            self.unchecked_new.append((ev[0], ev[1], not routine))
         else:
             self.unchecked_new.append(("", 0, True))
 
@@ -1238,7 +1312,6 @@ class StreamDecoder:
         """One line by the whole of :func:`decode_line` (announcements, rotations, v2, lines of
         a retired key, anything the lazy path does not take), in stream order; its signature
         checks go through the block's budget (:meth:`_check` may raise :class:`_Unchecked`)."""
-        st = self.stats
         res = decode_line(ln, self.key, self.pin, self.retired, self._check)
         if isinstance(res, Event) and res.event == REKEY_EVENT:
             self.placeable = False
@@ -1265,24 +1338,32 @@ class StreamDecoder:
             self.placeable = False
             ev = res
         elif isinstance(res, Forged):
-            self.placeable = False
-            if res.reason == Forgery.UNPLACED and res.event is not None:
-                pk = res.event.get("pk") or ""
-                if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
-                    fp = pk_fingerprint(unb64(pk))
-                    if fp not in self.unplaced:
-                        self.unplaced.append(fp)
-            self._forged(res)
+            self._unplaced_line(res)
             return None
         elif isinstance(res, Rejected):
-            st.rejected += 1
-            st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
-            if len(self.rejects) < self.MAX_SAMPLES:
-                self.rejects.append(res)
+            self._reject(res)
             return None
         else:
             return None
         return ev
+
+    def _unplaced_line(self, res: Forged) -> None:
+        """A forged line (decode_line's answer); an unplaced key's fingerprint is noted."""
+        self.placeable = False
+        if res.reason == Forgery.UNPLACED and res.event is not None:
+            pk = res.event.get("pk") or ""
+            if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
+                fp = pk_fingerprint(unb64(pk))
+                if fp not in self.unplaced:
+                    self.unplaced.append(fp)
+        self._forged(res)
+
+    def _reject(self, res: Rejected) -> None:
+        st = self.stats
+        st.rejected += 1
+        st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
+        if len(self.rejects) < self.MAX_SAMPLES:
+            self.rejects.append(res)
 
     def _forged(self, f: Forged) -> None:
         st = self.stats
