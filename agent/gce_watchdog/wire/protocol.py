@@ -814,8 +814,8 @@ class _Cand:
 
     NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
     __slots__ = (
-        "_ev", "body", "boot", "carried", "forged", "kind", "ln", "pin", "rx", "seq", "sig",
-        "simple", "state",
+        "_ev", "_owned", "body", "boot", "carried", "forged", "kind", "ln", "pin", "rx", "seq",
+        "sig", "simple", "state",
     )  # fmt: skip
 
     def __init__(
@@ -835,11 +835,18 @@ class _Cand:
         self.simple, self.carried, self.rx = simple, carried, rx
         self.state = _Cand.NEW
         self.forged: Forged | None = None
+        self._owned = False
+
+    @property
+    def owned(self) -> bool:
+        """Whether :attr:`ev` was parsed here (no other reference to it exists yet)."""
+        return self._owned
 
     @property
     def ev(self) -> Event | None:
         """The parsed line (None: it does not parse, a syntax reject like decode_line's)."""
         if self._ev is None:
+            self._owned = True
             try:
                 self._ev = _parse_body(self.body.decode("ascii"))
             except UnicodeDecodeError:
@@ -1194,6 +1201,10 @@ class StreamDecoder:
                 self._resolve(c)
             else:
                 self.stats.covered += 1
+                if c.owned:  # parsed for this candidate alone: flag it in place (fast)
+                    object.__setattr__(ev, "covered", True)
+                    object.__setattr__(ev, "rx", c.rx if c.carried else None)
+                    return ev
                 return replace(ev, covered=True, rx=c.rx if c.carried else None)
         if c.state == _Cand.OK and ev is not None:
             return replace(ev, rx=c.rx) if c.carried else ev
