@@ -959,6 +959,7 @@ class StreamDecoder:
         self._budget = 0
         self._block_bytes = 0
         self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
+        self._ok_bodies: set[bytes] = set()  # and their bodies
         # Decisive lines waiting for a budget (raw, stream order), with their block's receive time.
         self.carry: list[tuple[bytes, float | None]] = []
         self._rx: float | None = None
@@ -1106,6 +1107,7 @@ class StreamDecoder:
         if not self.lazy:
             self._budget = 1 << 62
         self._ok = set()
+        self._ok_bodies = set()
         carried, self.carry = self.carry, []
         out: list[Event | _Cand | None] = []
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
@@ -1224,8 +1226,8 @@ class StreamDecoder:
     def _resolve(self, c: _Cand) -> None:
         """Verify one candidate within the budget: OK, FORGED (its Forged kept), FULL (the
         line needs the whole rule set: several markers, a retired key) or UNCHECKED."""
-        if self._budget <= 0 and not self._ok:  # spent, and no verified line to copy
-            c.state = _Cand.UNCHECKED
+        if self._budget <= 0 and c.body not in self._ok_bodies:  # spent, and no copy of a
+            c.state = _Cand.UNCHECKED  # verified line (a copy is free)
             return
         try:
             ok = self._check(c.pin, c.body, _unb64_sig(c.sig))
@@ -1251,6 +1253,7 @@ class StreamDecoder:
         self.stats.verified += 1
         if verify(public, body, sig):
             self._ok.add(signed)
+            self._ok_bodies.add(body)
             return True
         return False
 
