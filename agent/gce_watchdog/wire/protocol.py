@@ -1132,18 +1132,14 @@ class StreamDecoder:
         cands = [c for c in out if isinstance(c, _Cand)]
         decisive = [c for c in cands if c.kind not in ROUTINE_EVENTS]
         decisive.sort(key=lambda c: (not c.carried, c.boot not in self._boots, c.boot, c.seq))
+        unchecked = _Cand.UNCHECKED
         for c in decisive:
+            if self._budget <= 0 and c.body not in self._ok_bodies:  # spent (a flood): fast
+                c.state = unchecked
+                continue
             self._resolve(c)
             if c.state == _Cand.OK:
                 top[c.boot] = max(top.get(c.boot, -1), c.seq)
-        # (boot, seq) claimed with two contents in this block: each claimant is verified (or
-        # unchecked), never covered (seqs claimed in advance must not pass for ours).
-        claims: dict[tuple[str, int], set[int]] = {}
-        for item in out:
-            if isinstance(item, _Cand):
-                claims.setdefault((item.boot, item.seq), set()).add(hash(item.body))
-            elif item is not None:
-                claims.setdefault((item.boot, item.seq), set()).add(_digest(item))
         routine: dict[str, list[_Cand]] = {}
         for c in cands:
             if c.kind in ROUTINE_EVENTS:
@@ -1159,17 +1155,46 @@ class StreamDecoder:
                     break
                 if c.state == _Cand.UNCHECKED:
                     break
+        # The routine lines left at or below their boot's highest verified seq would be covered:
+        # a (boot, seq) among them claimed with two contents in this block has each claimant
+        # verified (or unchecked), never covered (seqs claimed in advance must not pass).
+        keys = {
+            (c.boot, c.seq)
+            for group in routine.values()
+            for c in group
+            if c.state == _Cand.NEW and c.seq <= top.get(c.boot, -1)
+        }
+        claims: dict[tuple[str, int], set[int]] = {}
+        if keys:
+            for item in out:
+                if isinstance(item, _Cand):
+                    k, h = (item.boot, item.seq), hash(item.body)
+                elif item is not None:
+                    k, h = (item.boot, item.seq), _digest(item)
+                else:
+                    continue
+                if k in keys:
+                    claims.setdefault(k, set()).add(h)
+        for boot, group in routine.items():
+            high = top.get(boot, -1)
             for c in group:
-                contested = len(claims[(boot, c.seq)]) > 1
-                if c.state == _Cand.NEW and (contested or c.seq == top.get(boot, -1)):
+                if c.state != _Cand.NEW:
+                    continue
+                if c.seq > high:
+                    c.state = unchecked
+                    continue
+                if c.seq == high or len(claims[(boot, c.seq)]) > 1:
                     self._resolve(c)  # a copy of a verified line (free) or a conflict
                 if c.state == _Cand.NEW:
-                    c.state = _Cand.COVERED if c.seq < top.get(boot, -1) else _Cand.UNCHECKED
+                    c.state = _Cand.COVERED if c.seq < high else unchecked
         st = self.stats
         for item in out:
             if item is None:
                 continue
             if isinstance(item, _Cand):
+                if item.state == unchecked:
+                    self._defer(item.ln, (item.boot, item.seq, item.kind), item.rx)
+                    continue
                 got = self._settle(item)
                 if got is None:
                     continue
@@ -1270,10 +1295,11 @@ class StreamDecoder:
         if not chain and len(ln) <= MAX_LINE:
             m = _PLAIN_V3.match(ln)
             if m is not None:  # one line, nothing around it: parsed only if it is accepted
-                kind = m.group(3).decode()
+                boot, seq, kind_b, sig, crc = m.groups()
+                kind = kind_b.decode()
                 if kind == REKEY_EVENT or ln.count(MARKER_PREFIX) != 1:
                     return None
-                if (zlib.crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(m.group(5), 16):
+                if (zlib.crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
                     return None  # decode_line: a checksum reject
                 if kind == KEY_EVENT:  # another key's announcement: unplaced, never checked
                     try:
@@ -1284,9 +1310,10 @@ class StreamDecoder:
                         return None
                     self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))
                     return True
-                head = (m.group(1).decode(), int(m.group(2)), kind)
                 body = ln[: m.start(4) - 2]
-                return _Cand(ln, head, None, body, m.group(4), pin, True, carried, rx)
+                return _Cand(
+                    ln, (boot.decode(), int(seq), kind), None, body, sig, pin, True, carried, rx
+                )
         m = _MARKER_RE.search(ln)
         if m is None or m.group(1) != b"3":
             return None
