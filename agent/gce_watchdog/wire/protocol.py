@@ -979,7 +979,9 @@ class StreamDecoder:
         self._rx = rx
         data = self._pending + chunk
         if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines)
-            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            data = data.replace(b"\r\n", b"\n")
+            if b"\r" in data:  # a bare CR (rare): a second pass only then
+                data = data.replace(b"\r", b"\n")
         cut = data.rfind(b"\n") + 1
         body, self._pending = data[:cut], data[cut:]
         if len(self._pending) > self.MAX_PENDING:
@@ -1111,8 +1113,11 @@ class StreamDecoder:
         carried, self.carry = self.carry, []
         out: list[Event | _Cand | None] = []
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
-        for i, (ln, rx) in enumerate([*carried, *((x, self._rx) for x in lines)]):
-            cand = self._lazy(ln, i < len(carried), rx)
+        ncarried, block_rx = len(carried), self._rx
+        for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
+            was_carried = i < ncarried
+            rx = carried[i][1] if was_carried else block_rx
+            cand = self._lazy(ln, was_carried, rx)
             if cand is True:
                 continue
             if isinstance(cand, _Cand):
@@ -1124,7 +1129,7 @@ class StreamDecoder:
             except _Unchecked:
                 self._defer(ln, None, rx)
                 continue
-            if ev is not None and i < len(carried):
+            if ev is not None and was_carried:
                 ev = replace(ev, rx=rx)
             if ev is not None and ev.event != REKEY_EVENT:
                 top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
@@ -1188,6 +1193,7 @@ class StreamDecoder:
                 if c.state == _Cand.NEW:
                     c.state = _Cand.COVERED if c.seq < high else unchecked
         st = self.stats
+        last_boot = ""
         for item in out:
             if item is None:
                 continue
@@ -1205,7 +1211,8 @@ class StreamDecoder:
                 st.duplicates += 1
                 continue
             st.events += 1
-            if not ev.covered:
+            if not ev.covered and ev.boot != last_boot:
+                last_boot = ev.boot
                 self._boots[ev.boot] = None
                 self._boots.move_to_end(ev.boot)
                 while len(self._boots) > self.MAX_BOOTS:
