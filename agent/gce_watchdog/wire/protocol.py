@@ -1114,14 +1114,28 @@ class StreamDecoder:
         out: list[Event | _Cand | None] = []
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
         ncarried, block_rx = len(carried), self._rx
+        plain, crc32, prefix = _PLAIN_V3.match, zlib.crc32, MARKER_PREFIX
+        pin = self.pin
+        fast = pin is not None and self.lazy and not self.retired
         for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
             was_carried = i < ncarried
             rx = carried[i][1] if was_carried else block_rx
+            # _lazy's plain path, inline (the flood's per-line cost): one line, one marker
+            m = plain(ln) if fast and len(ln) <= MAX_LINE else None
+            if m is not None:
+                boot, seq, kind_b, sig, crc = m.groups()
+                if kind_b != b"key" and kind_b != b"rekey" and ln.count(prefix) == 1:
+                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                        self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
+                        continue
+                    head = (boot.decode(), int(seq), kind_b.decode())
+                    body = ln[: m.start(4) - 2]
+                    out.append(_Cand(ln, head, None, body, sig, pin, True, was_carried, rx))  # type: ignore[arg-type]
+                    continue
             cand = self._lazy(ln, was_carried, rx)
             if cand is True:
                 continue
             if isinstance(cand, _Cand):
-                self.placeable = False
                 out.append(cand)
                 continue
             try:
@@ -1129,12 +1143,17 @@ class StreamDecoder:
             except _Unchecked:
                 self._defer(ln, None, rx)
                 continue
+            finally:  # a pin placed or moved by this line
+                pin = self.pin
+                fast = pin is not None and self.lazy and not self.retired
             if ev is not None and was_carried:
                 ev = replace(ev, rx=rx)
             if ev is not None and ev.event != REKEY_EVENT:
                 top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
             out.append(ev)
         cands = [c for c in out if isinstance(c, _Cand)]
+        if cands:  # intact lines: the stream's first line is behind us
+            self.placeable = False
         decisive = [c for c in cands if c.kind not in ROUTINE_EVENTS]
         decisive.sort(key=lambda c: (not c.carried, c.boot not in self._boots, c.boot, c.seq))
         unchecked = _Cand.UNCHECKED
