@@ -14,7 +14,7 @@ from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event, LineKey, StreamDecoder
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 EVIL = LineKey(bytes(range(1, 33)))
@@ -100,7 +100,7 @@ def feed(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Timeli
     return tl
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     plan=steps,
     cuts=st.lists(st.integers(0, 20_000), max_size=4),
@@ -114,6 +114,9 @@ def test_lazy_verdict_is_the_full_verdict_unless_the_flood_alarm_says_so(
     lazy = feed(data, cuts, lazy=True, budget=budget)
     assert full.flood_alarm == "" and full.unchecked == 0
     alarm = lazy.flood_alarm
+    event(f"flood alarm: {bool(alarm)}")
+    event(f"covered lines: {any(e.covered for e in lazy.events)}")
+    event(f"forged: {full.forged > 0}")
     for state in STATES:
         for now in (1000.0, 1000.0 + 5000, 1e9):
             want = full.judge(state, now, POL)
