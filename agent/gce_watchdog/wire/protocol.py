@@ -36,6 +36,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import gc
 import hashlib
 import hmac
 import re
@@ -1020,7 +1021,17 @@ class StreamDecoder:
                 self.rejects.extend(
                     Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
                 )
-        return list(self._decode_lines(cands))
+        # The block allocates a few small objects per line and no reference cycles: the cyclic
+        # collector is paused meanwhile (in a process holding many objects, its passes over
+        # them cost a flood's MiB some 20-30 ms), and resumed as it was.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            return list(self._decode_lines(cands))
+        finally:
+            if paused:
+                gc.enable()
 
     def _note_unplaced(self, ann: KeyAnnounce) -> None:
         if len(self.unplaced) < self.MAX_UNPLACED:
