@@ -1143,6 +1143,17 @@ class StreamDecoder:
                     body = ln[: m.start(4) - 2]
                     out.append(_Cand(ln, head, None, body, sig, pin, True, was_carried, rx))  # type: ignore[arg-type]
                     continue
+                if kind_b == b"key" and ln.count(prefix) == 1:  # another key's announcement?
+                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                        self._reject(Rejected(Reject.CHECKSUM, ln))
+                        continue
+                    try:
+                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
+                    except UnicodeDecodeError:
+                        ev = None
+                    if ev is not None and ev.get("pk") != _pk_text(pin):
+                        self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))  # never checked
+                        continue
             cand = self._lazy(ln, was_carried, rx)
             if cand is True:
                 continue
