@@ -856,6 +856,7 @@ class _Cand:
 
 
 _B64_STD = bytes.maketrans(b"-_", b"+/")
+_CR_TO_LF = bytes.maketrans(b"\r", b"\n")
 
 
 def _unb64_sig(text: bytes) -> bytes:
@@ -978,13 +979,15 @@ class StreamDecoder:
         """``rx``: when the chunk was received (the reader's clock), kept with the lines that
         wait in the carry-over (their events carry it, :attr:`Event.rx`)."""
         self._rx = rx
-        data = self._pending + chunk
-        if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines)
-            data = data.replace(b"\r\n", b"\n")
-            if b"\r" in data:  # a bare CR (rare): a second pass only then
-                data = data.replace(b"\r", b"\n")
+        data = self._pending + chunk if self._pending else chunk
+        if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines): each CR becomes
+            # LF in one pass; a CRLF leaves an empty line, and empty lines count for nothing
+            data = data.translate(_CR_TO_LF)
         cut = data.rfind(b"\n") + 1
-        body, self._pending = data[:cut], data[cut:]
+        if cut == len(data):
+            body, self._pending = data, b""
+        else:
+            body, self._pending = data[:cut], data[cut:]
         if len(self._pending) > self.MAX_PENDING:
             self._pending = self._pending[-self.MAX_PENDING :]
         return self._decode_block(body)
