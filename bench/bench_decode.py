@@ -10,12 +10,23 @@ or ``GCE_WATCHDOG_SERIAL_CORPUS``) with one of our lines after every ``N`` conso
 20: a degrading agent writing a tick per 30 s tick between the console output of a busy VM).
 Both sides read the same bytes in the same run:
 
-- decode: ``wire.protocol.decode_all`` (split, marker scan, CRC check, parse, Ed25519 verify of
-  every intact line, dedup), in process, from bytes already in memory;
-- hostile inputs (issue 15: one VM's output must not stall a poll round), each 1 MiB: one line of
-  nothing but markers (``hostile_line``), one line of markers each followed by trailer-shaped
-  candidates (``hostile_trailers``), and a stream of short marker lines ended by a bare CR
-  (``hostile_cr``). Decoding is linear: at most 8 markers per line, 280 bytes after each;
+- decode: ``wire.protocol.decode_all`` (split, marker scan, CRC check, parse, dedup, and the
+  Ed25519 checks the poller's decoder makes: every line that decides, announcements first, and
+  the newest routine line of each boot, which covers the older ones; docs/serial-protocol.md,
+  "Verifying what decides"), in process, from bytes already in memory; ``decode_full`` is the
+  same with every intact line verified (``StreamDecoder.lazy = False``), for reference;
+- hostile inputs (issues 15 and 25: one VM's output must not stall a poll round), each 1 MiB,
+  after the instance's real first lines (pinned): ``hostile_line`` (one line of nothing but
+  markers), ``hostile_trailers`` (markers each followed by trailer-shaped candidates, the CRC
+  wrong), ``hostile_cr`` (short marker lines ended by a bare CR), ``hostile_bad_sig`` (intact
+  ``shutdown`` lines of the pinned boot signed by another key: decisive, each to be verified
+  until the budget is spent), ``hostile_bad_sig_routine`` (the same with ``tick`` lines: the walk
+  down from the highest seq), ``hostile_walkdown`` (a real agent's ticks, one per 20 lines,
+  between forged ticks of the same boot with seqs far above them, meant to make the walk down
+  long) and ``hostile_self_signed`` (self-signed announcements of other keys: never checked,
+  their key is not the pin). Decoding is linear: at most 8 markers per line, 280 bytes after
+  each, and at most ``BUDGET_LINES`` + 1 per ``BUDGET_BYTES`` signature checks per block; the
+  JSON gives the checks made per shape (``*_verified``);
 - grep: ``grep -F -c GCEWD3 FILE`` as a subprocess (process start included: that is what a
   shell pipeline pays too), the file in the page cache after a warm-up run.
 
@@ -47,6 +58,7 @@ from gce_watchdog.wire.protocol import (
     MARKER,
     SIG_CHARS,
     LineKey,
+    StreamDecoder,
     b64,
     decode_all,
     encode,
@@ -62,6 +74,14 @@ def _crc(signed: bytes) -> bytes:
     return b"%08x" % (zlib.crc32(signed) & 0xFFFFFFFF)
 
 
+def _forged_line(kind: str, seq: int, evil: LineKey) -> bytes:
+    """An intact line of the pinned boot signed by another key (what a local process can do)."""
+    ev = make_event(kind, "3f2a9c1e", seq, 1_800_000_000_000, {"rung": "0/10", "ph": "workload"})
+    body = encode(ev, SYNTH_KEY).encode()[: -(SIG_CHARS + 10)]
+    signed = body + b" #" + b64(evil.sign(body)).encode()
+    return signed + _crc(signed) + b"\n"
+
+
 def hostile_inputs(mib: int) -> dict[str, bytes]:
     """The hostile 1 MiB shapes (issues 15 and 25): what anyone reaching the console can write.
 
@@ -71,6 +91,8 @@ def hostile_inputs(mib: int) -> dict[str, bytes]:
     - ``hostile_cr``: short marker lines ended by a bare CR;
     - ``hostile_bad_sig``: intact lines (the CRC right) of the pinned instance's boot, each
       with a signature of nobody's making (each must be verified: the costly one);
+    - ``hostile_bad_sig_routine``: the same with ``tick`` lines (routine: the walk down);
+    - ``hostile_walkdown``: a real agent's ticks between forged ticks of far higher seqs;
     - ``hostile_self_signed``: self-signed announcements of other keys (no signature is
       checked: their key is not the pin).
 
@@ -92,6 +114,20 @@ def hostile_inputs(mib: int) -> dict[str, bytes]:
         bad += signed + _crc(signed) + b"\n"
         seq += 1
     shapes["hostile_bad_sig"] = bytes(bad)
+    routine, seq = bytearray(head), 3
+    while len(routine) < mib:
+        routine += _forged_line("tick", seq, evil)
+        seq += 1
+    shapes["hostile_bad_sig_routine"] = bytes(routine)
+    w = Writer(boot="3f2a9c1e")
+    walk, i = bytearray(w.line("start", {"v": "3"})), 0
+    while len(walk) < mib:
+        if i % 20 == 19:
+            walk += w.line("tick", {"rung": "0/10", "ph": "workload"})
+        else:
+            walk += _forged_line("tick", 10**9 - i, evil)
+        i += 1
+    shapes["hostile_walkdown"] = bytes(walk)
     keys = [LineKey(bytes([i]) * 32) for i in range(64)]
     own, i = bytearray(head), 0
     while len(own) < mib:
@@ -129,12 +165,20 @@ def run(size: int, every: int, repeats: int) -> dict[str, object]:
             lambda: subprocess.run(argv, capture_output=True, check=False), repeats
         )
     t_decode, decode_times = _median_time(lambda: decode_all(data), repeats)
+
+    def full() -> object:
+        d = StreamDecoder()
+        d.lazy = False
+        return d.feed(data) + d.flush()
+
+    t_full, _ = _median_time(full, repeats)
     mib = 1 << 20
     hostile = hostile_inputs(mib)
     pin = SYNTH_KEY.public
     hostile_res: dict[str, object] = {}
     for name, blob in hostile.items():
         t, _ = _median_time(lambda b=blob: decode_all(b, pin=pin), max(3, repeats // 3))  # type: ignore[misc]
+        hostile_res[f"{name}_verified"] = decode_all(blob, pin=pin)[1].verified
         hostile_res[f"{name}_bytes"] = len(blob)
         hostile_res[f"{name}_median_s"] = t
         hostile_res[f"{name}_ms_per_mib"] = t * 1000 * mib / len(blob)
@@ -164,6 +208,11 @@ def run(size: int, every: int, repeats: int) -> dict[str, object]:
         "decode_median_s": t_decode,
         "decode_mb_s": mb / t_decode,
         "decode_times_s": decode_times,
+        "decode_verified": stats.verified,
+        "decode_covered": stats.covered,
+        "decode_unchecked": stats.unchecked,
+        "decode_full_median_s": t_full,
+        "ratio_full_to_grep": t_full / t_grep,
         "timeline_median_s": t_timeline,
         "timeline_mb_s": mb / t_timeline,
         "grep_median_s": t_grep,
@@ -198,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"decode {res['decode_mb_s']:.1f} MB/s ({res['events']} events, {res['bytes']} bytes), "
         f"timeline {res['timeline_mb_s']:.1f} MB/s, grep -F -c {res['grep_mb_s']:.1f} MB/s, "
-        f"ratio {res['ratio_decode_to_grep']:.2f}x (goal <= 5x); sign "
+        f"ratio {res['ratio_decode_to_grep']:.2f}x (goal <= 5x; every line verified "
+        f"{res['ratio_full_to_grep']:.2f}x, {res['decode_verified']} checks); sign "
         f"{res['sign_us_per_line']:.0f} us, verify {res['verify_us_per_line']:.0f} us per line; "
         "hostile ms per MiB (goal < 50): "
         + ", ".join(
@@ -208,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 "hostile_trailers",
                 "hostile_cr",
                 "hostile_bad_sig",
+                "hostile_bad_sig_routine",
+                "hostile_walkdown",
                 "hostile_self_signed",
             )
         )

@@ -53,6 +53,24 @@ MAX_FORGED_SAMPLES = 20  # forged raw lines kept for the report
 # A guest clock set back further than this between two boots is taken for a replay of an older
 # boot (docs/serial-protocol.md, decoding rule 8); an hour behind (the issue's case) is a boot.
 REPLAY_BOUND_MS = 24 * 3600 * 1000
+# Boots with lines the decoder's signature budget never reached, remembered for the flood alarm
+# (docs/serial-protocol.md, "Verifying what decides"); more go to one record for any boot.
+MAX_FLOOD_BOOTS = 64
+ANY_BOOT = ""  # the flood record of lines whose boot is not known (not parsed, or past the bound)
+
+
+@dataclass
+class Flood:
+    """Lines of one boot that were never verified (the budget ran out): no evidence, an alarm.
+
+    ``min_decisive``: the lowest seq of a decisive one (-1: none); ``max_routine``: the highest
+    seq of a routine one (-1: none); ``mark``: how many boots the timeline knew when the last
+    of them was counted (a boot first seen later is not affected)."""
+
+    count: int = 0
+    min_decisive: int = -1
+    max_routine: int = -1
+    mark: int = 0
 
 
 @dataclass
@@ -134,17 +152,19 @@ class Timeline:
         self._duplicates_base = 0
         self._reject_reasons_base: dict[str, int] = {}
         self.reject_samples: list[str] = []
+        self.flood: dict[str, Flood] = {}
+        self._unchecked_base = 0
 
     # -- feeding ----------------------------------------------------------------------------
 
     def feed(self, data: bytes, rx: float | None = None) -> list[Event]:
         """Feed a chunk of the stream (any boundary) received at ``rx`` (the reader's clock);
         returns the new authenticated events in stream order."""
-        return self._add(self._decoder.feed(data), rx)
+        return self._add(self._decoder.feed(data, rx), rx)
 
     def finish(self, rx: float | None = None) -> list[Event]:
         """End of a dump: decode the unterminated last line (a truncated line is rejected)."""
-        return self._add(self._decoder.flush(), rx)
+        return self._add(self._decoder.flush(rx), rx)
 
     def note_byte_gap(self, requested: int, start: int) -> None:
         """The API returned ``start`` beyond ``requested``: those bytes are gone (and nothing
@@ -155,9 +175,24 @@ class Timeline:
             self.byte_gaps.append(ByteGap(requested, start))
 
     def _add(self, new: list[Event], rx: float | None) -> list[Event]:
+        # Only verified lines create a boot (and its place in the stream order), move its
+        # liveness or its signed times. A covered line (below a verified line of its boot in the
+        # same block, so it never raises the boot's max_seq past what that line does) counts in
+        # its boot's seq range and gaps, in stream order; one whose boot is not there yet waits
+        # for the end of the block, and is dropped from the accounting when it is still not.
+        later = []
         for ev in new:
-            self._account(ev, rx)
+            if not ev.covered:  # a carried-over line: the receive time of its own block
+                self._account(ev, ev.rx if ev.rx is not None else rx)
+            elif ev.boot in self.boots:
+                self._account(ev, None, covered=True)
+            else:
+                later.append(ev)
+        for ev in later:
+            if ev.boot in self.boots:
+                self._account(ev, None, covered=True)
         self.events.extend(new)
+        self._note_unchecked()
         for r in self._decoder.rejects:
             if len(self.reject_samples) < MAX_REJECT_SAMPLES:
                 self.reject_samples.append(r.raw[:240].decode("latin-1"))
@@ -170,9 +205,69 @@ class Timeline:
             self.compact()
         return new
 
-    def _account(self, ev: Event, rx: float | None) -> None:
+    def _note_unchecked(self) -> None:
+        """Take the decoder's never-verified lines into the flood records."""
+        d = self._decoder
+        for boot, seq, decisive in d.unchecked_new:
+            if boot not in self.flood and len(self.flood) >= MAX_FLOOD_BOOTS:
+                boot = ANY_BOOT
+            f = self.flood.setdefault(boot, Flood())
+            f.count += 1
+            f.mark = len(self.boots)
+            if decisive:
+                f.min_decisive = seq if f.min_decisive < 0 else min(f.min_decisive, seq)
+            else:
+                f.max_routine = max(f.max_routine, seq)
+        d.unchecked_new.clear()
+
+    @property
+    def unchecked(self) -> int:
+        """Lines the signature budget never reached (a forgery flood): never evidence."""
+        return self._unchecked_base + self._decoder.stats.unchecked
+
+    @property
+    def flood_alarm(self) -> str:
+        """Why the verdict cannot be trusted to act on ("" when nothing stops it): lines of ours
+        may be among those the signature budget did not reach (a flood of forged lines) and
+        could change it: decisive lines waiting to be verified, or never verified, of the
+        current boot (below its first terminal line) or of a boot not known (from before the
+        current boot was first seen), or routine lines above the current boot's newest
+        verified line (its liveness)."""
+        cur = self.latest_boot
+        info = self.boots.get(cur) if cur is not None else None
+        parts = []
+        if self._decoder.carry:
+            parts.append(f"{len(self._decoder.carry)} lines waiting for a signature check")
+        first_terminal = -1
+        if info is not None:
+            terms = [
+                e.seq
+                for e in self.events
+                if e.boot == cur and not e.covered and terminal_kind(e) is not None
+            ]
+            first_terminal = min(terms) if terms else -1
+        stops = 0
+        for boot, f in self.flood.items():
+            if info is not None and boot == cur:
+                before_end = f.min_decisive >= 0 and (
+                    first_terminal < 0 or f.min_decisive < first_terminal
+                )
+                newer = f.max_routine >= 0 and info.max_seq <= f.max_routine and first_terminal < 0
+                if before_end or newer:
+                    stops += f.count
+            elif boot not in self.boots and (info is None or info.order < f.mark):
+                stops += f.count
+        if stops:
+            parts.append(f"{stops} lines never verified (signature budget)")
+        if not parts:
+            return ""
+        return f"unverified_flood ({'; '.join(parts)}: a flood of forged lines?)"
+
+    def _account(self, ev: Event, rx: float | None, covered: bool = False) -> None:
         b = self.boots.get(ev.boot)
         if b is None:
+            if covered:  # never: a covered line does not create a boot
+                return
             self.boots[ev.boot] = BootInfo(
                 ev.boot, ev.seq, ev.seq, 1, ev.ts_ms, ev.ts_ms, len(self.boots), rx, rx
             )
@@ -186,6 +281,8 @@ class Timeline:
         b.first_seq = min(b.first_seq, ev.seq)
         b.max_seq = max(b.max_seq, ev.seq)
         b.count += 1
+        if covered:  # its time is not signed-checked: the poller reads last_ts_ms (zone ops)
+            return
         b.first_ts_ms = min(b.first_ts_ms, ev.ts_ms)
         b.last_ts_ms = max(b.last_ts_ms, ev.ts_ms)
 
@@ -349,7 +446,8 @@ class Timeline:
         """
         boot = self.latest_boot
         rx = self.boots[boot].last_rx if boot is not None else None
-        v = decide(self.events, instance, now, policy, received_s=rx, boot=boot)
+        verified = [e for e in self.events if not e.covered]  # covered lines never decide
+        v = decide(verified, instance, now, policy, received_s=rx, boot=boot)
         if self.key_conflict:
             # The pinned key still decides: one printed key line must not silence the poller
             # (a wedged VM would bill on). Operators must look: either a local process forges,
@@ -380,6 +478,18 @@ class Timeline:
             )
         elif alarm:
             v = replace(v, reason=f"ALARM: {alarm}; {v.reason}")
+        flood = self.flood_alarm
+        if flood and (v.failover or v.kind is VerdictKind.HEALTHY):
+            # Lines the budget did not reach could change this verdict: not acted on (and not
+            # called healthy) until they are verified or a later line settles it.
+            v = replace(
+                v,
+                kind=VerdictKind.UNKNOWN,
+                policy_failover=False,
+                reason=f"ALARM: {flood}; not acted on: {v.reason}",
+            )
+        elif flood:
+            v = replace(v, reason=f"ALARM: {flood}; {v.reason}")
         return v
 
     @property
@@ -412,6 +522,10 @@ class Timeline:
         self.compact()
         return {
             "events": [e.to_json() for e in self.events],
+            "covered": [i for i, e in enumerate(self.events) if e.covered],
+            "carry": [[ln.decode("latin-1"), crx] for ln, crx in self._decoder.carry],
+            "flood": {b: asdict(f) for b, f in self.flood.items()},
+            "unchecked": self.unchecked,
             "key": self.key.hex() if self.key is not None else None,
             "pin": _b64(self.pin) if self.pin is not None else None,
             "pin_fp": self._decoder.pin_fp,
@@ -465,6 +579,18 @@ class Timeline:
         ]
         t._retired_base = int(obj.get("retired_lines", 0))
         t.events = [Event.from_json(e) for e in obj["events"]]
+        for i in obj.get("covered") or []:
+            if 0 <= int(i) < len(t.events):
+                t.events[int(i)] = replace(t.events[int(i)], covered=True)
+        d.carry = [
+            (str(ln).encode("latin-1"), None if crx is None else float(crx))
+            for ln, crx in (obj.get("carry") or [])[: d.MAX_CARRY]
+        ]
+        t.flood = {
+            str(b): Flood(**f)
+            for b, f in list(dict(obj.get("flood") or {}).items())[:MAX_FLOOD_BOOTS]
+        }
+        t._unchecked_base = int(obj.get("unchecked", 0))
         t._forged_base = int(obj.get("forged", 0))
         t._conflicts_base = int(obj.get("conflicts", 0))
         t._forged_reasons_base = {

@@ -34,14 +34,16 @@ and the version.
 from __future__ import annotations
 
 import base64
+import binascii
 import functools
+import gc
 import hashlib
 import hmac
 import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 VERSION = 3
@@ -75,6 +77,11 @@ REKEY_EVENT = "rekey"
 ANNOUNCE_EVERY = 32
 # A reader pins only an announcement among a boot's first lines (seq 0 or 1, see above).
 PIN_MAX_SEQ = 1
+# Routine events: no decision reads them (poller/verdict.py reads a tick's or heartbeat's phase
+# and rung for its text only, and a boot's liveness, which covered lines never move). A reader
+# may accept one unchecked when a later line of its boot verified (docs/serial-protocol.md,
+# "Verifying what decides"); every other event is decisive and verified before it is an event.
+ROUTINE_EVENTS = frozenset({"tick", "heartbeat", "mem"})
 # Markers tried per console line. Ours carry one (two when a journald copy is glued on); more is
 # someone else's output, and stopping here keeps a hostile line of markers linear to decode.
 MAX_MARKERS_PER_LINE = 8
@@ -88,6 +95,21 @@ _HEXKEY_RE = re.compile(r"[0-9a-f]{64}\Z")
 _TS_RE = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)\.(\d{3})Z\Z")
 _MARKER_RE = re.compile(rb"GCEWD([123])")
 _PK_RE = re.compile(r"[A-Za-z0-9_-]{43}\Z")
+# A line's head (before any `` | `` text) in one match: marker, boot, seq (no leading zero), the
+# timestamp token (parse_ts checks it), event name and the ``key=value`` fields, each exactly as
+# _KEY_RE/_VALUE_RE/_BOOT_RE say (one C-level match instead of a regex per token).
+_VALUE_CHARS = r"[A-Za-z0-9._:/@,+%~()<>\[\]-]"
+_HEAD_RE = re.compile(
+    r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) ([^ ]*) ([a-z][a-z0-9_]{0,23})"
+    r"((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)\Z"
+)
+# A whole plain line (from its marker, one marker, nothing after the trailer, no ``#`` before it):
+# its boot, seq, event name, signature and CRC without parsing the rest (_Cand.ev does that).
+_PLAIN_V3 = re.compile(
+    rb"GCEWD3 ([0-9a-f]{8}) (0|[1-9][0-9]{0,18}) [^ #]+ ([a-z][a-z0-9_]{0,23})(?: [^#]*)?"
+    rb" #([A-Za-z0-9_-]{86})([0-9a-f]{8})\Z"
+)
+_FIELD_RE = re.compile(r" ([a-z][a-z0-9_]{0,23})=(" + _VALUE_CHARS + r"{1,64})")
 # One match per console line that carries a marker: from its first marker to the line's end.
 _MARKER_LINE_RE = re.compile(rb"GCEWD[123][^\n]*")
 # Of those (joined by LF), the ones with " #" after the marker: only these can be intact.
@@ -117,6 +139,13 @@ class Event:
     ts_ms: int  # milliseconds since the Unix epoch, UTC (the guest's clock)
     fields: tuple[tuple[str, str], ...] = ()
     text: str = ""
+    # A routine line accepted without its own signature check: a later line of its boot with a
+    # higher seq verified in the same block (docs/serial-protocol.md, decoding rule "covered").
+    # Not part of equality nor of the JSON form; it never decides (poller/timeline.py).
+    covered: bool = field(default=False, compare=False, repr=False)
+    # A line carried over (the budget reached it in a later block): when its first block was
+    # received (the reader's clock), not part of equality nor of the JSON form.
+    rx: float | None = field(default=None, compare=False, repr=False)
 
     def get(self, key: str, default: str | None = None) -> str | None:
         for k, v in self.fields:
@@ -226,12 +255,21 @@ def parse_ts(s: str) -> int | None:
     m = _TS_RE.match(s)
     if not m:
         return None
+    day = _day_s(s[:10])
+    h, mi, sec = int(m.group(4)), int(m.group(5)), int(m.group(6))
+    if day is None or h > 23 or mi > 59 or sec > 59:  # what datetime() accepts
+        return None
+    return (day + (h * 60 + mi) * 60 + sec) * 1000 + int(m.group(7))
+
+
+@functools.lru_cache(maxsize=1024)
+def _day_s(date: str) -> int | None:
+    """Seconds since the epoch of a ``YYYY-MM-DD`` day at 00:00 UTC; None for no such day."""
     try:
-        y, mo, d, h, mi, sec, ms = (int(g) for g in m.groups())
-        dt = datetime(y, mo, d, h, mi, sec, tzinfo=UTC)
+        dt = datetime(int(date[:4]), int(date[5:7]), int(date[8:10]), tzinfo=UTC)
     except ValueError:
         return None
-    return int(dt.timestamp()) * 1000 + ms
+    return int(dt.timestamp())
 
 
 def _crc(body: bytes) -> str:
@@ -580,8 +618,8 @@ class KeyAnnounce:
     body: bytes = b""
     sig: bytes = b""
 
-    def valid(self) -> bool:
-        return self.version == 2 or verify(self.key, self.body, self.sig)
+    def valid(self, verifier: Callable[[bytes, bytes, bytes], bool] | None = None) -> bool:
+        return self.version == 2 or (verifier or verify)(self.key, self.body, self.sig)
 
     @property
     def fingerprint(self) -> str:
@@ -596,28 +634,19 @@ def _parse_body(body: str) -> Event | None:
         head, text = body[:idx], body[idx + 3 :]
     elif body.endswith(" |"):
         return None
-    parts = head.split(" ")
-    if len(parts) < 5 or parts[0] not in (MARKER, V2_MARKER, LEGACY_MARKER):
+    m = _HEAD_RE.match(head)
+    if m is None:
         return None
-    _, boot, seq_s, ts_s, name, *kvs = parts
-    if not _BOOT_RE.match(boot) or not seq_s.isdigit() or not _KEY_RE.match(name):
-        return None
-    if len(seq_s) > 1 and seq_s[0] == "0":
-        return None
+    boot, seq_s, ts_s, name, kvs = m.groups()
     ts_ms = parse_ts(ts_s)
     if ts_ms is None:
         return None
-    fields: list[tuple[str, str]] = []
-    keys: set[str] = set()
-    for kv in kvs:
-        k, sep, v = kv.partition("=")
-        if not sep or not _KEY_RE.match(k) or not _VALUE_RE.match(v) or k in keys:
-            return None
-        keys.add(k)
-        fields.append((k, v))
+    fields = tuple(_FIELD_RE.findall(kvs)) if kvs else ()
+    if len(fields) > 1 and len({k for k, _ in fields}) != len(fields):
+        return None  # a duplicate key
     if text and (_TEXT_BAD.search(text) or text != text.strip()):
         return None
-    return Event(name, boot, int(seq_s), ts_ms, tuple(fields), text)
+    return Event(name, boot, int(seq_s), ts_ms, fields, text)
 
 
 @functools.lru_cache(maxsize=256)
@@ -649,6 +678,7 @@ def decode_line(
     key: bytes | None = None,
     pin: bytes | None = None,
     retired: Retired | Retirees | None = None,
+    verifier: Callable[[bytes, bytes, bytes], bool] = verify,
 ) -> Event | KeyAnnounce | Forged | Rejected | None:
     """Decode one console line: ``pin`` is the instance's pinned v3 public key, ``key`` its
     pinned v2 key (None: not known; a v2 line is then forged, reason ``v2``).
@@ -668,7 +698,8 @@ def decode_line(
 
     Linear in the line's length: at most MAX_MARKERS_PER_LINE markers are tried, each against
     the trailer candidates in the MAX_LINE bytes after it; at most two signatures are verified
-    (the pin's, then the retired key's).
+    (the pin's, then the retired key's), each through ``verifier`` (a reader's budget: it may
+    raise to stop the line, see StreamDecoder).
     """
     raw = line.encode("latin-1", "replace") if isinstance(line, str) else line
     chain = _retirees(retired)
@@ -703,7 +734,7 @@ def decode_line(
                         if not old.covers(ev, None):
                             return Forged(Forgery.RETIRED, raw, ev)
                         ann = _v3_announce(ev, body, sig)
-                        if ann is not None and ann.valid():
+                        if ann is not None and ann.valid(verifier):
                             return ann.event
                         return Forged(Forgery.BAD_SIG, raw, ev)
                     # another key than the pin: unplaced, whatever its signature (not checked)
@@ -715,13 +746,13 @@ def decode_line(
                 if pin is None:
                     forged = forged or Forged(Forgery.NO_KEY, raw, ev)
                     break
-                if verify(pin, body, sig):
+                if verifier(pin, body, sig):
                     return ev
                 signer = _signer_of(ev, chain, pin) if chain else None
                 if signer is not None:  # a line from before a rotation: the key of then
-                    if verify(signer[0].public, body, sig):
+                    if verifier(signer[0].public, body, sig):
                         return ev
-                elif chain and verify(chain[-1].public, body, sig):
+                elif chain and verifier(chain[-1].public, body, sig):
                     forged = forged or Forged(Forgery.RETIRED, raw, ev)
                     break
                 bad = Forgery.BAD_REKEY if ev.event == REKEY_EVENT else Forgery.BAD_SIG
@@ -771,6 +802,73 @@ def decode_line(
     return Rejected(Reject.SYNTAX if syntax else Reject.CHECKSUM, raw)
 
 
+class _Unchecked(Exception):
+    """The block's verification budget is spent (StreamDecoder._check)."""
+
+
+class _Cand:
+    """A plain v3 line under the pin whose signature is not checked yet (StreamDecoder).
+
+    ``boot``, ``seq`` and ``kind`` come from the line's head; the whole line is parsed
+    (:attr:`ev`) only when it is accepted or shown as forged: a line the budget never reaches
+    costs one regex match and a CRC. ``sig`` is the signature's base64url text."""
+
+    NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
+    __slots__ = (
+        "_ev", "_owned", "body", "boot", "carried", "forged", "kind", "ln", "pin", "rx", "seq",
+        "sig", "simple", "state",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        ln: bytes,
+        head: tuple[str, int, str],
+        ev: Event | None,
+        body: bytes,
+        sig: bytes,
+        pin: bytes,
+        simple: bool,
+        carried: bool,
+        rx: float | None,
+    ) -> None:
+        self.ln, self._ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
+        self.boot, self.seq, self.kind = head
+        self.simple, self.carried, self.rx = simple, carried, rx
+        self.state = _Cand.NEW
+        self.forged: Forged | None = None
+        self._owned = False
+
+    @property
+    def owned(self) -> bool:
+        """Whether :attr:`ev` was parsed here (no other reference to it exists yet)."""
+        return self._owned
+
+    @property
+    def ev(self) -> Event | None:
+        """The parsed line (None: it does not parse, a syntax reject like decode_line's)."""
+        if self._ev is None:
+            self._owned = True
+            try:
+                self._ev = _parse_body(self.body.decode("ascii"))
+            except UnicodeDecodeError:
+                return None
+        return self._ev
+
+
+_B64_STD = bytes.maketrans(b"-_", b"+/")
+_CR_TO_LF = bytes.maketrans(b"\r", b"\n")
+
+
+def _unb64_sig(text: bytes) -> bytes:
+    """A signature's base64url text (86 characters, checked by the trailer regex) as bytes."""
+    return binascii.a2b_base64(text.translate(_B64_STD) + b"==")
+
+
+def _digest(ev: Event) -> int:
+    """A line's content apart from its (boot, seq): what tells a copy from a conflict."""
+    return hash((ev.event, ev.ts_ms, ev.fields, ev.text))
+
+
 @dataclass
 class DecodeStats:
     lines: int = 0
@@ -780,6 +878,9 @@ class DecodeStats:
     forged: int = 0  # intact lines that did not authenticate (never events)
     retired: int = 0  # lines of a key rotated away from, after its rotation (not forged)
     conflicts: int = 0  # authenticated lines whose (boot, seq) was seen with other content
+    verified: int = 0  # signatures checked (Ed25519), within the blocks' budgets
+    covered: int = 0  # routine lines accepted unchecked below a verified line of their boot
+    unchecked: int = 0  # lines the budget never reached (and the carry-over could not hold)
     reject_reasons: dict[str, int] = field(default_factory=dict)
     forged_reasons: dict[str, int] = field(default_factory=dict)
 
@@ -818,6 +919,14 @@ class StreamDecoder:
     DEDUP_WINDOW = 4096
     MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports
     MAX_UNPLACED = 16  # fingerprints of unplaced keys kept for the alarm
+    # Signatures checked per block: a fixed share plus one per BUDGET_BYTES of the block (a
+    # MiB: 96 + 128 = 224 checks, ~13 ms at ~59 us each); ours need about one per 32 lines
+    # (the announcements) plus the decisive lines plus one per boot.
+    BUDGET_LINES = 96
+    BUDGET_BYTES = 8192
+    # Decisive lines the budget did not reach, carried to the next block (checked first there).
+    MAX_CARRY = 256
+    MAX_BOOTS = 64  # boots with a verified line, remembered to order the checks (known first)
 
     def __init__(
         self,
@@ -849,25 +958,47 @@ class StreamDecoder:
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
         self.rejects: list[Rejected] = []
         self.forgeries: list[Forged] = []
+        self._budget = 0
+        self._block_bytes = 0
+        self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
+        self._ok_bodies: set[bytes] = set()  # and their bodies
+        # Decisive lines waiting for a budget (raw, stream order), with their block's receive time.
+        self.carry: list[tuple[bytes, float | None]] = []
+        self._rx: float | None = None
+        self.lazy = True  # False: every line verified, no budget (a reference; tests, tools)
+        # Lines never checked, not yet taken by the caller: (boot, seq, decisive); boot "" when
+        # the line was not parsed (an announcement, a rotation, a line off the plain path).
+        self.unchecked_new: list[tuple[str, int, bool]] = []
+        self._boots: OrderedDict[str, None] = OrderedDict()
 
     def lost_before(self) -> None:
         """Bytes were lost (the API's window moved on): nothing later can be placed."""
         self.placeable = False
 
-    def feed(self, chunk: bytes) -> list[Event]:
-        data = self._pending + chunk
-        if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines)
-            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    def feed(self, chunk: bytes, rx: float | None = None) -> list[Event]:
+        """``rx``: when the chunk was received (the reader's clock), kept with the lines that
+        wait in the carry-over (their events carry it, :attr:`Event.rx`)."""
+        self._rx = rx
+        data = self._pending + chunk if self._pending else chunk
+        if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines): each CR becomes
+            # LF in one pass; a CRLF leaves an empty line, and empty lines count for nothing
+            data = data.translate(_CR_TO_LF)
         cut = data.rfind(b"\n") + 1
-        body, self._pending = data[:cut], data[cut:]
+        if cut == len(data):
+            body, self._pending = data, b""
+        else:
+            body, self._pending = data[:cut], data[cut:]
         if len(self._pending) > self.MAX_PENDING:
             self._pending = self._pending[-self.MAX_PENDING :]
         return self._decode_block(body)
 
-    def flush(self) -> list[Event]:
+    def flush(self, rx: float | None = None) -> list[Event]:
         """Decode the held partial line (end of a dump): a truncated last line is rejected."""
+        self._rx = rx
         rest, self._pending = self._pending, b""
-        return self._decode_block(rest + b"\n") if rest else []
+        if not rest and not self.carry:
+            return []
+        return self._decode_block(rest + b"\n" if rest else b"")
 
     def _decode_block(self, body: bytes) -> list[Event]:
         """Whole lines (each ended by LF). The scan is C-level: the lines with a marker, from
@@ -878,7 +1009,8 @@ class StreamDecoder:
         st = self.stats
         lines = body.split(b"\n")
         st.lines += len(lines) - lines.count(b"")
-        if MARKER_PREFIX not in body:
+        self._block_bytes = len(body)
+        if MARKER_PREFIX not in body and not self.carry:
             return []
         full = _MARKER_LINE_RE.findall(body)
         cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
@@ -892,7 +1024,17 @@ class StreamDecoder:
                 self.rejects.extend(
                     Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
                 )
-        return list(self._decode_lines(cands))
+        # The block allocates a few small objects per line and no reference cycles: the cyclic
+        # collector is paused meanwhile (in a process holding many objects, its passes over
+        # them cost a flood's MiB some 20-30 ms), and resumed as it was.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            return list(self._decode_lines(cands))
+        finally:
+            if paused:
+                gc.enable()
 
     def _note_unplaced(self, ann: KeyAnnounce) -> None:
         if len(self.unplaced) < self.MAX_UNPLACED:
@@ -910,7 +1052,14 @@ class StreamDecoder:
                 candidate = hmac.compare_digest(ann.fingerprint, self.pin_fp)
             else:  # the stream's first intact line, from byte 0, among a boot's first lines
                 candidate = placeable and ann.event.seq <= PIN_MAX_SEQ
-            if candidate and ann.valid():
+            try:
+                # the stream's first line is checked whatever the budget (once per stream);
+                # a hand pin's announcements spend it (a flood may repeat its public key)
+                candidate = candidate and ann.valid(None if placeable else self._check)
+            except _Unchecked:
+                self.placeable = placeable
+                raise
+            if candidate:
                 checked = True
                 self.pin = ann.key
                 self.pinned_here = True
@@ -921,7 +1070,7 @@ class StreamDecoder:
         if other_vm:
             self._forged(Forged(Forgery.RELABELLED, ln, ann.event))
             return None
-        if not checked and not ann.valid():
+        if not checked and not ann.valid(self._check):
             self._forged(Forged(Forgery.BAD_SIG, ln, ann.event))
             return None
         self.ephemeral = self.ephemeral or ann.ephemeral
@@ -958,57 +1107,360 @@ class StreamDecoder:
         return shown_rekey(ev, old)
 
     def _decode_lines(self, lines: list[bytes]) -> Iterator[Event]:
-        """Lines that start with a marker and carry a trailer candidate after it, in order."""
+        """Lines that start with a marker and carry a trailer candidate after it, in order.
+
+        Verification is lazy and bounded (docs/serial-protocol.md, "Verifying what decides"):
+        phase A decodes every line in stream order, running announcements, rotations and any
+        line off the plain path through :meth:`_full` at once (they spend the budget first)
+        and keeping the plain v3 lines under the pin as candidates; phase B verifies the
+        decisive candidates by (known boot first, boot, seq), then walks each boot's routine
+        candidates down from the highest seq until one verifies: the routine candidates below
+        the highest verified seq of their boot are **covered** (accepted unchecked, flagged);
+        phase C yields in stream order. A candidate the budget does not reach is no event:
+        decisive ones wait in :attr:`carry` for the next block, routine ones are counted
+        (:attr:`DecodeStats.unchecked`, :attr:`unchecked_boots`)."""
+        self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
+        if not self.lazy:
+            self._budget = 1 << 62
+        self._ok = set()
+        self._ok_bodies = set()
+        carried, self.carry = self.carry, []
+        out: list[Event | _Cand | None] = []
+        top: dict[str, int] = {}  # boot -> the highest seq verified in this block
+        ncarried, block_rx = len(carried), self._rx
+        plain, crc32, prefix = _PLAIN_V3.match, zlib.crc32, MARKER_PREFIX
+        pin = self.pin
+        fast = pin is not None and self.lazy and not self.retired
+        for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
+            was_carried = i < ncarried
+            rx = carried[i][1] if was_carried else block_rx
+            # _lazy's plain path, inline (the flood's per-line cost): one line, one marker
+            m = plain(ln) if fast and len(ln) <= MAX_LINE else None
+            if m is not None:
+                boot, seq, kind_b, sig, crc = m.groups()
+                if kind_b != b"key" and kind_b != b"rekey" and ln.count(prefix) == 1:
+                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                        self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
+                        continue
+                    head = (boot.decode(), int(seq), kind_b.decode())
+                    body = ln[: m.start(4) - 2]
+                    out.append(_Cand(ln, head, None, body, sig, pin, True, was_carried, rx))  # type: ignore[arg-type]
+                    continue
+                if kind_b == b"key" and ln.count(prefix) == 1:  # another key's announcement?
+                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                        self._reject(Rejected(Reject.CHECKSUM, ln))
+                        continue
+                    try:
+                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
+                    except UnicodeDecodeError:
+                        ev = None
+                    if ev is not None and ev.get("pk") != _pk_text(pin):
+                        self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))  # never checked
+                        continue
+            cand = self._lazy(ln, was_carried, rx)
+            if cand is True:
+                continue
+            if isinstance(cand, _Cand):
+                out.append(cand)
+                continue
+            try:
+                ev = self._full(ln)
+            except _Unchecked:
+                self._defer(ln, None, rx)
+                continue
+            finally:  # a pin placed or moved by this line
+                pin = self.pin
+                fast = pin is not None and self.lazy and not self.retired
+            if ev is not None and was_carried:
+                ev = replace(ev, rx=rx)
+            if ev is not None and ev.event != REKEY_EVENT:
+                top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
+            out.append(ev)
+        cands = [c for c in out if isinstance(c, _Cand)]
+        if cands:  # intact lines: the stream's first line is behind us
+            self.placeable = False
+        decisive = [c for c in cands if c.kind not in ROUTINE_EVENTS]
+        decisive.sort(key=lambda c: (not c.carried, c.boot not in self._boots, c.boot, c.seq))
+        unchecked = _Cand.UNCHECKED
+        for c in decisive:
+            if self._budget <= 0 and c.body not in self._ok_bodies:  # spent (a flood): fast
+                c.state = unchecked
+                continue
+            self._resolve(c)
+            if c.state == _Cand.OK:
+                top[c.boot] = max(top.get(c.boot, -1), c.seq)
+        routine: dict[str, list[_Cand]] = {}
+        for c in cands:
+            if c.kind in ROUTINE_EVENTS:
+                routine.setdefault(c.boot, []).append(c)
+        for boot, group in routine.items():
+            group.sort(key=lambda c: -c.seq)
+            for c in group:
+                if c.seq < top.get(boot, -1):
+                    break
+                self._resolve(c)
+                if c.state == _Cand.OK:
+                    top[boot] = max(top.get(boot, -1), c.seq)
+                    break
+                if c.state == _Cand.UNCHECKED:
+                    break
+        # The routine lines left at or below their boot's highest verified seq would be covered:
+        # a (boot, seq) among them claimed with two contents in this block has each claimant
+        # verified (or unchecked), never covered (seqs claimed in advance must not pass).
+        keys = {
+            (c.boot, c.seq)
+            for group in routine.values()
+            for c in group
+            if c.state == _Cand.NEW and c.seq <= top.get(c.boot, -1)
+        }
+        claims: dict[tuple[str, int], set[int]] = {}
+        if keys:
+            for item in out:
+                if isinstance(item, _Cand):
+                    k, h = (item.boot, item.seq), hash(item.body)
+                elif item is not None:
+                    k, h = (item.boot, item.seq), _digest(item)
+                else:
+                    continue
+                if k in keys:
+                    claims.setdefault(k, set()).add(h)
+        for boot, group in routine.items():
+            high = top.get(boot, -1)
+            for c in group:
+                if c.state != _Cand.NEW:
+                    continue
+                if c.seq > high:
+                    c.state = unchecked
+                    continue
+                if c.seq == high or len(claims[(boot, c.seq)]) > 1:
+                    self._resolve(c)  # a copy of a verified line (free) or a conflict
+                if c.state == _Cand.NEW:
+                    c.state = _Cand.COVERED if c.seq < high else unchecked
         st = self.stats
-        for ln in lines:
-            res = decode_line(ln, self.key, self.pin, self.retired)
-            if isinstance(res, Event) and res.event == REKEY_EVENT:
-                self.placeable = False
-                got = self._rekey(ln, res)
+        last_boot = ""
+        for item in out:
+            if item is None:
+                continue
+            if isinstance(item, _Cand):
+                if item.state == unchecked:
+                    self._defer(item.ln, (item.boot, item.seq, item.kind), item.rx)
+                    continue
+                got = self._settle(item)
                 if got is None:
                     continue
                 ev = got
-            elif isinstance(res, KeyAnnounce) and res.version == 3:
-                got = self._announce(ln, res)
-                if got is None:
-                    continue
-                ev = got
-            elif isinstance(res, KeyAnnounce):
-                self.placeable = False
-                if self.key is None or not hmac.compare_digest(self.key, res.key):
-                    # v2 keys are never pinned from the console any more (anyone can read them
-                    # back): only a v2 key held from before the upgrade verifies v2 lines.
-                    self.key_conflict = self.key is not None
-                    reason = Forgery.KEY_CONFLICT if self.key is not None else Forgery.V2
-                    self._forged(Forged(reason, ln, res.event))
-                    continue
-                ev = res.event
-            elif isinstance(res, Event):
-                self.placeable = False
-                ev = res
-            elif isinstance(res, Forged):
-                self.placeable = False
-                if res.reason == Forgery.UNPLACED and res.event is not None:
-                    pk = res.event.get("pk") or ""
-                    if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
-                        fp = pk_fingerprint(unb64(pk))
-                        if fp not in self.unplaced:
-                            self.unplaced.append(fp)
-                self._forged(res)
-                continue
-            elif isinstance(res, Rejected):
-                st.rejected += 1
-                st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
-                if len(self.rejects) < self.MAX_SAMPLES:
-                    self.rejects.append(res)
-                continue
             else:
-                continue
+                ev = item
             if self._is_duplicate(ev):
                 st.duplicates += 1
                 continue
             st.events += 1
+            if not ev.covered and ev.boot != last_boot:
+                last_boot = ev.boot
+                self._boots[ev.boot] = None
+                self._boots.move_to_end(ev.boot)
+                while len(self._boots) > self.MAX_BOOTS:
+                    self._boots.popitem(last=False)
             yield ev
+
+    def _settle(self, c: _Cand) -> Event | None:
+        """A candidate's outcome after phase B: its event, or None (forged, unchecked, a
+        covered line that conflicts with an earlier one and could not be verified)."""
+        if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) and c.ev is None:
+            c.state = _Cand.SYNTAX  # intact but not a line: decode_line's syntax reject
+        if c.state == _Cand.SYNTAX:
+            self._reject(Rejected(Reject.SYNTAX, c.ln))
+            return None
+        ev = c.ev if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) else None
+        if c.state == _Cand.COVERED and ev is not None:
+            seen = self._seen.get((c.boot, c.seq))
+            if seen is not None and _digest(ev) not in seen:  # a conflict: verify or drop
+                c.state = _Cand.NEW
+                self._resolve(c)
+            else:
+                self.stats.covered += 1
+                if c.owned:  # parsed for this candidate alone: flag it in place (fast)
+                    object.__setattr__(ev, "covered", True)
+                    object.__setattr__(ev, "rx", c.rx if c.carried else None)
+                    return ev
+                return replace(ev, covered=True, rx=c.rx if c.carried else None)
+        if c.state == _Cand.OK and ev is not None:
+            return replace(ev, rx=c.rx) if c.carried else ev
+        if c.state == _Cand.FORGED:
+            self._forged(Forged(Forgery.BAD_SIG, c.ln, ev))
+            return None
+        if c.state == _Cand.FULL:  # off the plain path after all: the whole rule set
+            try:
+                ev = self._full(c.ln)
+            except _Unchecked:
+                c.state = _Cand.UNCHECKED
+            else:
+                return replace(ev, rx=c.rx) if ev is not None and c.carried else ev
+        self._defer(c.ln, (c.boot, c.seq, c.kind), c.rx)
+        return None
+
+    def _resolve(self, c: _Cand) -> None:
+        """Verify one candidate within the budget: OK, FORGED (its Forged kept), FULL (the
+        line needs the whole rule set: several markers, a retired key) or UNCHECKED."""
+        if self._budget <= 0 and c.body not in self._ok_bodies:  # spent, and no copy of a
+            c.state = _Cand.UNCHECKED  # verified line (a copy is free)
+            return
+        try:
+            ok = self._check(c.pin, c.body, _unb64_sig(c.sig))
+        except _Unchecked:
+            c.state = _Cand.UNCHECKED
+            return
+        if ok:
+            c.state = _Cand.OK
+        elif c.simple:
+            c.state = _Cand.FORGED
+        else:
+            c.state = _Cand.FULL
+
+    def _check(self, public: bytes, body: bytes, sig: bytes) -> bool:
+        """:func:`verify` within the block's budget: raises :class:`_Unchecked` when it is
+        spent. A line identical to one verified in this block (a journald copy) is free."""
+        signed = body + sig
+        if signed in self._ok:
+            return True
+        if self._budget <= 0:
+            raise _Unchecked
+        self._budget -= 1
+        self.stats.verified += 1
+        if verify(public, body, sig):
+            self._ok.add(signed)
+            self._ok_bodies.add(body)
+            return True
+        return False
+
+    def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | bool | None:
+        """The plain path: the line's first marker is v3 and its first intact trailer holds a
+        line of an event other than ``key``/``rekey``, under a pin, signed by the pin (not a
+        line from before a rotation). True: the line was an announcement of a key that is not
+        the pin (counted as :meth:`_full` counts it). Anything else is None (:meth:`_full`
+        decides it)."""
+        pin = self.pin
+        if pin is None or not self.lazy:
+            return None
+        chain = self.retired
+        if not chain and len(ln) <= MAX_LINE:
+            m = _PLAIN_V3.match(ln)
+            if m is not None:  # one line, nothing around it: parsed only if it is accepted
+                boot, seq, kind_b, sig, crc = m.groups()
+                kind = kind_b.decode()
+                if kind == REKEY_EVENT or ln.count(MARKER_PREFIX) != 1:
+                    return None
+                if (zlib.crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                    return None  # decode_line: a checksum reject
+                if kind == KEY_EVENT:  # another key's announcement: unplaced, never checked
+                    try:
+                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
+                    except UnicodeDecodeError:
+                        return None
+                    if ev is None or ev.get("pk") == _pk_text(pin):
+                        return None
+                    self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))
+                    return True
+                body = ln[: m.start(4) - 2]
+                return _Cand(
+                    ln, (boot.decode(), int(seq), kind), None, body, sig, pin, True, carried, rx
+                )
+        m = _MARKER_RE.search(ln)
+        if m is None or m.group(1) != b"3":
+            return None
+        start = m.start()
+        intact = False
+        for t in _TRAILER_V3.finditer(ln, start, min(len(ln), start + MAX_LINE)):
+            if (zlib.crc32(ln[start : t.end(1)]) & 0xFFFFFFFF) != int(t.group(2), 16):
+                continue
+            intact = True
+            body = ln[start : t.start()]
+            try:
+                ev = _parse_body(body.decode("ascii"))
+            except UnicodeDecodeError:
+                return None
+            if ev is None or ev.event in (KEY_EVENT, REKEY_EVENT):
+                return None
+            if chain and _signer_of(ev, chain, pin) is not None:
+                return None
+            simple = not chain and ln.count(MARKER_PREFIX) == 1
+            head = (ev.boot, ev.seq, ev.event)
+            return _Cand(ln, head, ev, body, t.group(1), pin, simple, carried, rx)
+        if not intact and ln.count(MARKER_PREFIX) == 1:  # decode_line's answer, without it
+            self._reject(Rejected(Reject.CHECKSUM, ln))
+            return True
+        return None
+
+    def _defer(self, ln: bytes, ev: tuple[str, int, str] | None, rx: float | None) -> None:
+        """A line the budget did not reach: a decisive one (or one not parsed yet) waits in
+        the carry-over for the next block (bounded); a routine one, or one past the bound, is
+        counted as unchecked, by boot (an alarm: Timeline.flood_alarm)."""
+        routine = ev is not None and ev[2] in ROUTINE_EVENTS
+        if not routine and len(self.carry) < self.MAX_CARRY:
+            self.carry.append((ln, rx))
+            return
+        self.stats.unchecked += 1
+        if ev is not None:
+            self.unchecked_new.append((ev[0], ev[1], not routine))
+        else:
+            self.unchecked_new.append(("", 0, True))
+
+    def _full(self, ln: bytes) -> Event | None:
+        """One line by the whole of :func:`decode_line` (announcements, rotations, v2, lines of
+        a retired key, anything the lazy path does not take), in stream order; its signature
+        checks go through the block's budget (:meth:`_check` may raise :class:`_Unchecked`)."""
+        res = decode_line(ln, self.key, self.pin, self.retired, self._check)
+        if isinstance(res, Event) and res.event == REKEY_EVENT:
+            self.placeable = False
+            got = self._rekey(ln, res)
+            if got is None:
+                return None
+            ev = got
+        elif isinstance(res, KeyAnnounce) and res.version == 3:
+            got = self._announce(ln, res)
+            if got is None:
+                return None
+            ev = got
+        elif isinstance(res, KeyAnnounce):
+            self.placeable = False
+            if self.key is None or not hmac.compare_digest(self.key, res.key):
+                # v2 keys are never pinned from the console any more (anyone can read them
+                # back): only a v2 key held from before the upgrade verifies v2 lines.
+                self.key_conflict = self.key is not None
+                reason = Forgery.KEY_CONFLICT if self.key is not None else Forgery.V2
+                self._forged(Forged(reason, ln, res.event))
+                return None
+            ev = res.event
+        elif isinstance(res, Event):
+            self.placeable = False
+            ev = res
+        elif isinstance(res, Forged):
+            self._unplaced_line(res)
+            return None
+        elif isinstance(res, Rejected):
+            self._reject(res)
+            return None
+        else:
+            return None
+        return ev
+
+    def _unplaced_line(self, res: Forged) -> None:
+        """A forged line (decode_line's answer); an unplaced key's fingerprint is noted."""
+        self.placeable = False
+        if res.reason == Forgery.UNPLACED and res.event is not None:
+            pk = res.event.get("pk") or ""
+            if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
+                fp = pk_fingerprint(unb64(pk))
+                if fp not in self.unplaced:
+                    self.unplaced.append(fp)
+        self._forged(res)
+
+    def _reject(self, res: Rejected) -> None:
+        st = self.stats
+        st.rejected += 1
+        st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
+        if len(self.rejects) < self.MAX_SAMPLES:
+            self.rejects.append(res)
 
     def _forged(self, f: Forged) -> None:
         st = self.stats
@@ -1021,7 +1473,7 @@ class StreamDecoder:
             self.forgeries.append(f)
 
     def _is_duplicate(self, ev: Event) -> bool:
-        digest = hash((ev.event, ev.ts_ms, ev.fields, ev.text))  # the content (boot, seq: k)
+        digest = _digest(ev)  # the content (boot, seq: k)
         k = (ev.boot, ev.seq)
         seen = self._seen.get(k)
         if seen is not None and digest in seen:

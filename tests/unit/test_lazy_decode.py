@@ -1,0 +1,293 @@
+"""Issue 25: the decoder verifies what decides (docs/serial-protocol.md, "Verifying what decides").
+
+Lazy decoding (a budget of signature checks per block, routine lines covered by a later verified
+line of their boot) must give the verdict full verification gives, except where the flood alarm
+is raised, and then never a failover or a healthy verdict that full verification would not give.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from gce_watchdog.poller.timeline import Timeline
+from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
+from gce_watchdog.testing.synth import SYNTH_KEY, Writer
+from gce_watchdog.wire import protocol
+from gce_watchdog.wire.protocol import Event, LineKey, StreamDecoder
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+EVIL = LineKey(bytes(range(1, 33)))
+OTHER = LineKey(bytes(range(2, 34)))
+POL = Policy(drain_timeout_s=900.0)
+STATES = (
+    InstanceState("RUNNING"),
+    InstanceState("TERMINATED"),
+    InstanceState("TERMINATED", end_ops=("compute.instances.preempted",)),
+    InstanceState(None),
+)
+KINDS = ("tick", "heartbeat", "mem", "phase", "start", "stop", "exit", "shutdown", "result")
+
+
+def _fields(kind: str, n: int) -> dict[str, object]:
+    if kind in ("tick", "heartbeat"):
+        return {"rung": f"{n % 10}/10", "ph": "workload"}
+    if kind == "phase":
+        return {"ph": "done" if n % 5 == 0 else "workload"}
+    if kind == "exit":
+        return {"rc": n % 2}
+    if kind == "shutdown":
+        return {"reason": "ladder"}
+    if kind == "result":
+        return {"status": "ok" if n % 2 else "fail"}
+    return {"v": "1"}
+
+
+def forged(kind: str, boot: str, seq: int, how: int) -> bytes:
+    """A line without the instance's key: signed by another key, a garbage signature, or an
+    announcement of the pin signed by someone else."""
+    ev = protocol.make_event(kind, boot, seq, 1_800_000_000_000 + seq, _fields(kind, seq))
+    if how == 2:
+        ev = protocol.announce_event(boot, seq, ev.ts_ms, SYNTH_KEY)
+    body = protocol.encode(ev, SYNTH_KEY).encode()[: -(protocol.SIG_CHARS + 10)]
+    sig = protocol.b64((EVIL if how != 1 else OTHER).sign(body)).encode()
+    if how == 3:
+        sig = b"A" * protocol.SIG_CHARS
+    signed = body + b" #" + sig
+    return signed + b"%08x\n" % (zlib.crc32(signed) & 0xFFFFFFFF)
+
+
+real_step = st.tuples(st.just("real"), st.sampled_from(KINDS), st.integers(0, 9))
+forged_step = st.tuples(
+    st.just("forged"),
+    st.sampled_from(KINDS),
+    st.tuples(st.sampled_from(("aaaa0001", "bbbb0002", "cccc0003")), st.integers(0, 80)),
+    st.integers(0, 3),
+)
+reboot_step = st.tuples(st.just("reboot"))
+steps = st.lists(st.one_of(real_step, real_step, forged_step, reboot_step), max_size=60)
+
+
+def build(plan: list[tuple[object, ...]]) -> bytes:
+    w = Writer(boot="aaaa0001")
+    out = w.line("start", {"v": "1"})
+    boots = iter(("bbbb0002", "cccc0003", "dddd0004"))
+    for step in plan:
+        if step[0] == "real":
+            kind, n = str(step[1]), int(step[2])  # type: ignore[call-overload]
+            out += w.line(kind, _fields(kind, n))
+        elif step[0] == "forged":
+            boot, seq = step[2]  # type: ignore[misc]
+            out += forged(str(step[1]), boot, seq, int(step[3]))  # type: ignore[call-overload]
+        else:
+            nxt = next(boots, None)
+            if nxt is not None:
+                w.reboot(nxt)
+    return out
+
+
+def feed(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Timeline:
+    tl = Timeline()
+    tl._decoder.lazy = lazy
+    if budget is not None:
+        tl._decoder.BUDGET_LINES = budget
+    at, rx = 0, 1000.0
+    for c in sorted(set(cuts)):
+        tl.feed(data[at:c], rx)
+        at, rx = c, rx + 400.0
+    tl.feed(data[at:], rx)
+    tl.finish(rx)
+    return tl
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    plan=steps,
+    cuts=st.lists(st.integers(0, 20_000), max_size=4),
+    budget=st.one_of(st.none(), st.integers(0, 12)),
+)
+def test_lazy_verdict_is_the_full_verdict_unless_the_flood_alarm_says_so(
+    plan: list[tuple[object, ...]], cuts: list[int], budget: int | None
+) -> None:
+    data = build(plan)
+    full = feed(data, cuts, lazy=False, budget=None)
+    lazy = feed(data, cuts, lazy=True, budget=budget)
+    assert full.flood_alarm == "" and full.unchecked == 0
+    alarm = lazy.flood_alarm
+    event(f"flood alarm: {bool(alarm)}")
+    event(f"covered lines: {any(e.covered for e in lazy.events)}")
+    event(f"forged: {full.forged > 0}")
+    for state in STATES:
+        for now in (1000.0, 1000.0 + 5000, 1e9):
+            want = full.judge(state, now, POL)
+            got = lazy.judge(state, now, POL)
+            if not alarm:
+                assert (got.kind, got.boot, got.failover) == (want.kind, want.boot, want.failover)
+            else:
+                assert "unverified_flood" in got.reason
+                if got.failover:
+                    assert want.failover and got.kind is want.kind
+                if got.kind is VerdictKind.HEALTHY:
+                    assert want.kind is VerdictKind.HEALTHY
+    # covered lines never create a boot nor move liveness: the boots and their receive times
+    # are those of full verification, or (a flood) of lines it verified too
+    for boot, b in lazy.boots.items():
+        assert boot in full.boots
+        if not alarm:
+            assert (b.order, b.last_rx, b.first_rx) == (
+                full.boots[boot].order,
+                full.boots[boot].last_rx,
+                full.boots[boot].first_rx,
+            )
+    verified = {(e.boot, e.seq, e) for e in full.events}
+    for e in lazy.events:
+        if not e.covered:
+            assert (e.boot, e.seq, e) in verified  # a line lazily accepted as verified is real
+        else:
+            assert e.event in protocol.ROUTINE_EVENTS
+
+
+def _w() -> Writer:
+    return Writer(boot="aaaa0001")
+
+
+def decoder(budget: int | None = None) -> StreamDecoder:
+    d = StreamDecoder(pin=SYNTH_KEY.public)
+    if budget is not None:
+        d.BUDGET_LINES = budget
+    return d
+
+
+def test_routine_lines_below_a_verified_line_are_covered_not_checked() -> None:
+    w = _w()
+    data = b"".join(w.line("tick", _fields("tick", i)) for i in range(20))
+    d = decoder()
+    got = d.feed(data)
+    ticks = [e for e in got if e.event == "tick"]
+    assert len(ticks) == 20 and not ticks[-1].covered and all(e.covered for e in ticks[:-1])
+    assert d.stats.covered == 19
+    assert d.stats.verified == 3  # the announcements (seq 0 and 1) and the newest tick
+    assert got == w.written  # equality ignores the flag
+
+
+def test_a_covered_line_never_creates_a_boot_nor_moves_liveness() -> None:
+    w = _w()
+    tl = Timeline(pin=SYNTH_KEY.public)
+    tl.feed(w.line("start", {"v": "1"}), 100.0)
+    # a forged tick of an unknown boot and one of the real boot below the real newest line
+    top = w.line("heartbeat", _fields("heartbeat", 1))
+    tl.feed(forged("tick", "eeee0005", 1, 0) + forged("tick", w.boot, 1, 0) + top, 200.0)
+    assert set(tl.boots) == {"aaaa0001"}
+    b = tl.boots["aaaa0001"]
+    assert b.last_rx == 200.0 and b.max_seq == w.seq - 1
+    # later: a forged tick below the newest line, alone in its block: forged, not covered
+    tl.feed(forged("tick", w.boot, 2, 0), 300.0)
+    assert tl.boots["aaaa0001"].last_rx == 200.0
+
+
+def test_a_forged_routine_line_above_the_newest_real_one_is_checked_and_forged() -> None:
+    w = _w()
+    data = w.line("tick", _fields("tick", 1)) + forged("tick", w.boot, 50, 0)
+    d = decoder()
+    got = d.feed(data)
+    assert [e.seq for e in got if e.event == "tick"] == [2]
+    assert d.stats.forged == 1
+
+
+def test_decisive_lines_are_always_verified() -> None:
+    w = _w()
+    data = forged("shutdown", w.boot, 3, 0) + w.line("start", {"v": "1"})
+    data += b"".join(w.line("tick", _fields("tick", i)) for i in range(5))
+    d = decoder()
+    got = d.feed(data)
+    assert "shutdown" not in [e.event for e in got] and d.stats.forged == 1
+
+
+def test_the_budget_carries_decisive_lines_over_and_raises_the_flood_alarm() -> None:
+    w = _w()
+    tl = Timeline(pin=SYNTH_KEY.public)
+    tl._decoder.BUDGET_LINES = 2
+    tl.feed(w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}), 100.0)
+    flood = b"".join(forged("shutdown", w.boot, 100 + i, 0) for i in range(10))
+    real = w.line("shutdown", {"reason": "ladder"})
+    tl.feed(flood + real, 200.0)  # 2 checks: the flood's first two; the rest wait
+    assert tl._decoder.carry
+    assert "unverified_flood" in tl.flood_alarm
+    v = tl.judge(InstanceState("TERMINATED"), 300.0, POL)
+    assert not v.failover and "unverified_flood" in v.reason  # never a failover from it
+    for rx in (300.0, 400.0, 500.0, 600.0, 700.0, 800.0):  # later blocks verify the carry first
+        tl.feed(b"", rx)
+        tl.finish(rx)
+    assert not tl._decoder.carry and tl.flood_alarm == ""
+    shutdown = [e for e in tl.events if e.event == "shutdown"]
+    assert len(shutdown) == 1 and shutdown[0].seq == w.seq - 1  # delayed, not lost
+    assert tl.boots[w.boot].last_rx == 200.0  # received with its own block
+    v = tl.judge(InstanceState("TERMINATED"), 900.0, POL)
+    assert v.kind is VerdictKind.SELF_SHUTDOWN
+
+
+def test_lines_past_the_carry_bound_are_counted_and_alarm() -> None:
+    w = _w()
+    d = decoder(budget=1)
+    d.MAX_CARRY = 2
+    d.feed(w.line("start", {"v": "1"}))
+    d.feed(b"".join(forged("exit", w.boot, 10 + i, 0) for i in range(8)))
+    assert len(d.carry) == 2 and d.stats.unchecked >= 5
+    assert all(decisive for _, _, decisive in d.unchecked_new)
+
+
+def test_a_flood_of_high_routine_seqs_cannot_cause_a_wedge_failover() -> None:
+    w = _w()
+    tl = Timeline(pin=SYNTH_KEY.public)
+    tl._decoder.BUDGET_LINES = 3
+    tl.feed(w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}), 100.0)
+    flood = b"".join(forged("heartbeat", w.boot, 1000 - i, 0) for i in range(40))
+    tl.feed(flood + w.line("heartbeat", _fields("heartbeat", 1)), 5000.0)
+    v = tl.judge(InstanceState("RUNNING"), 5500.0, POL)
+    assert "unverified_flood" in v.reason and not v.failover
+    assert tl.unchecked > 0
+
+
+def test_a_covered_line_that_conflicts_with_a_seen_line_is_verified_or_dropped() -> None:
+    w = _w()
+    d = decoder()
+    first = w.line("tick", _fields("tick", 1))
+    got = d.feed(first)
+    seq = got[-1].seq
+    # the same (boot, seq) with other content, below a real newer line: checked, forged
+    again = forged("tick", w.boot, seq, 0) + w.line("tick", _fields("tick", 2))
+    got = d.feed(again)
+    assert [e.seq for e in got] == [seq + 1]
+    assert d.stats.forged == 1 and d.stats.conflicts == 0
+
+
+def test_seqs_claimed_in_one_block_are_each_checked() -> None:
+    w = _w()
+    claim = forged("tick", w.boot, 3, 0)
+    data = w.line("start", {"v": "1"}) + claim + w.line("tick", _fields("tick", 1))
+    data += w.line("tick", _fields("tick", 2))
+    d = decoder()
+    got = d.feed(data)
+    assert [(e.seq, e.covered) for e in got if e.event == "tick"] == [(3, False), (4, False)]
+    assert d.stats.forged == 1
+
+
+def test_json_keeps_covered_flags_carry_and_flood() -> None:
+    w = _w()
+    tl = Timeline(pin=SYNTH_KEY.public)
+    tl._decoder.BUDGET_LINES = 1
+    tl.feed(b"".join(w.line("tick", _fields("tick", i)) for i in range(5)), 10.0)
+    tl.feed(b"".join(forged("exit", w.boot, 90 + i, 0) for i in range(3)), 20.0)
+    back = Timeline.from_json(tl.to_json())
+    assert [e.covered for e in back.events] == [e.covered for e in tl.events]
+    assert back._decoder.carry == tl._decoder.carry and back.flood == tl.flood
+    assert back.flood_alarm == tl.flood_alarm != ""
+
+
+def test_full_verification_mode_checks_every_line() -> None:
+    w = _w()
+    data = b"".join(w.line("tick", _fields("tick", i)) for i in range(10))
+    d = decoder()
+    d.lazy = False
+    events: list[Event] = d.feed(data)
+    assert not any(e.covered for e in events) and d.stats.verified == len(events)
