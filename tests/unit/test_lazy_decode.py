@@ -226,6 +226,25 @@ def test_the_budget_carries_decisive_lines_over_and_raises_the_flood_alarm() -> 
     assert v.kind is VerdictKind.SELF_SHUTDOWN
 
 
+def test_a_delayed_shutdown_decides_after_power_off_with_no_byte_after_it() -> None:
+    """GCE serves no output once the VM is off: what a flood delayed is checked by settle()
+    (the poller's, before each verdict), not by bytes that will never come."""
+    w = _w()
+    tl = Timeline(pin=SYNTH_KEY.public)
+    tl._decoder.BUDGET_LINES = 4
+    tl.feed(w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}), 100.0)
+    flood = b"".join(forged("shutdown", w.boot, 100 + i, 0) for i in range(12))
+    tl.feed(flood + w.line("shutdown", {"reason": "ladder"}), 200.0)
+    assert tl._decoder.carry and "unverified_flood" in tl.key_alarm  # the operator sees it
+    v = tl.judge(InstanceState("TERMINATED"), 300.0, POL)
+    assert v.kind is VerdictKind.UNKNOWN and not v.failover
+    tl.settle(300.0)
+    assert not tl._decoder.carry and tl.flood_alarm == "" and "unverified_flood" not in tl.key_alarm
+    v = tl.judge(InstanceState("TERMINATED"), 300.0, POL)
+    assert v.kind is VerdictKind.SELF_SHUTDOWN and v.failover
+    assert tl.boots[w.boot].last_rx == 200.0  # received with its own block
+
+
 def test_lines_past_the_carry_bound_are_counted_and_alarm() -> None:
     w = _w()
     d = decoder(budget=1)

@@ -247,6 +247,7 @@ class Poller:
                 # Decide on what was read while it ran (the linger exists for exactly this).
         cur = self.reader.cursor(p, z, name)
         tl = cur.timeline
+        tl.settle(self.clock())  # lines a flood delayed are checked even if no byte follows
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
         verdict = tl.judge(state, self.clock(), self.policy)
         instance_id = info.id if info else cur.instance_id
@@ -429,6 +430,7 @@ class Poller:
         copy = Timeline.from_json(tl.to_json())
         copy.feed(data)
         copy.finish()
+        copy.settle()
         lv = copy.judge(state, self.clock(), self.policy)
         if lv.kind in _LINE_VERDICTS and verdict.boot in (None, lv.boot):
             self._log_tries[key] = LOG_TRIES  # decided: no more reads for this boot

@@ -166,6 +166,19 @@ class Timeline:
         """End of a dump: decode the unterminated last line (a truncated line is rejected)."""
         return self._add(self._decoder.flush(rx), rx)
 
+    def settle(self, rx: float | None = None) -> list[Event]:
+        """Verify the decisive lines waiting in the carry-over (a flood's block could not reach
+        them), with empty blocks' budgets: at most ``StreamDecoder.MAX_CARRY`` checks. Called
+        before a verdict, so that a real line a flood delayed decides even when no byte follows
+        it (a VM that powered off after its shutdown line serves no more output)."""
+        d = self._decoder
+        new: list[Event] = []
+        for _ in range(-(-d.MAX_CARRY // max(1, d.BUDGET_LINES)) + 1):
+            if not d.carry:
+                break
+            new += self._add(d.feed(b"", rx), rx)  # a held partial line stays held
+        return new
+
     def note_byte_gap(self, requested: int, start: int) -> None:
         """The API returned ``start`` beyond ``requested``: those bytes are gone (and nothing
         after them can be pinned)."""
@@ -417,6 +430,9 @@ class Timeline:
             parts.append(f"unplaced_key {','.join(self.unplaced)}")
         if self.ephemeral:
             parts.append("ephemeral_key (the VM cannot keep its line key)")
+        flood = self.flood_alarm  # lines the signature budget has not reached may decide
+        if flood:
+            parts.append(flood)
         return "; ".join(parts)
 
     @property
@@ -630,4 +646,5 @@ def parse_bytes(
         for chunk in data:
             t.feed(chunk, rx)
     t.finish(rx)
+    t.settle(rx)
     return t
