@@ -28,8 +28,8 @@ workers"). So a worker keeps no assembly state of its own: the ledger's store ho
 4. acks the batch only then: a worker that dies anywhere before that has its messages
    redelivered, and the next one stores nothing twice and looks again;
 5. announces: each announcement is printed (``emit``) when its claim is made, before the ack,
-   and marked done at once; with ``deliver`` (``--on-failover``) it is delivered after the ack
-   instead, and marked done only once that succeeded. The claimer first; every
+   and marked done at once; with ``deliver`` (``--publish``, ``--on-failover``) it is delivered
+   after the ack instead, and marked done only once that succeeded. The claimer first; every
    ``ANNOUNCE_SWEEP_S``, decisions whose claimer died unannounced, or whose delivery failed,
    once their lease lapsed.
 
