@@ -295,6 +295,7 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
             if x.startswith('{"stats"')
         ]
     lat = [x for st in stats for x in st["latencies"]]
+    ready = [x for st in stats for x in st["ready_latencies"]]
     decided = sorted(x.instance_id for x in decisions)
     handled = sum(st["messages"] for st in stats)
     return {
@@ -318,6 +319,14 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
             "p99": round(pct(lat, 99) or 0, 3),
             "max": round(max(lat, default=0), 3),
             "n": len(lat),
+        },
+        # from the publish of the last line the decision needed (a line before the shutdown,
+        # displaced after it in the stream, included): the pipeline's own share
+        "ready_latency_s": {
+            "p50": round(pct(ready, 50) or 0, 3),
+            "p99": round(pct(ready, 99) or 0, 3),
+            "max": round(max(ready, default=0), 3),
+            "n": len(ready),
         },
         "worker_rss_mib": [round(st["maxrss_kib"] / 1024, 1) for st in stats],
         "per_worker_messages": [st["messages"] for st in stats],

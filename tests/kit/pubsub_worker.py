@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             w.step(timeout=1.0)
     stats = asdict(w.stats)
     stats["latencies"] = list(w.stats.latencies)
+    stats["ready_latencies"] = list(w.stats.ready_latencies)
     stats["counts"] = {k: v for k, v in asdict(sub.counts).items() if k != "sizes"}
     stats["max_pull"] = max(sub.counts.sizes, default=0)
     stats["maxrss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
