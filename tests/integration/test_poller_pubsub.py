@@ -180,6 +180,24 @@ def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives
     assert v.kind is VerdictKind.WORKLOAD_OK
 
 
+def test_a_decision_is_ready_when_the_last_line_it_needed_was_published() -> None:
+    """The pipeline's share of a decision's latency starts at the latest first copy of a line up
+    to the deciding one: a tick published after its shutdown line (displaced in transit) is
+    waited for; a later copy of it, or a line after the shutdown, is not."""
+    from gce_watchdog.poller.ledger import BootLines
+    from gce_watchdog.poller.pubsub import _needed_by
+
+    def rx(seq: int, name: str) -> Received:
+        return Received(Event(name, "b", seq, 0), 0.0)
+
+    lines = [(rx(1, "start"), 1.0), (rx(2, "tick"), 20.0), (rx(2, "tick"), 30.0),
+             (rx(3, "shutdown"), 10.0), (rx(4, "heartbeat"), 50.0)]  # fmt: skip
+    seen = BootLines("1", "b", PROJECT, "z", "vm", 0, lines)
+    assert _needed_by(seen, 10.0) == 20.0
+    in_order = BootLines("1", "b", PROJECT, "z", "vm", 0, [lines[0], lines[3]])
+    assert _needed_by(in_order, 10.0) == 10.0
+
+
 # -- against the real emulator ------------------------------------------------------------------
 
 
