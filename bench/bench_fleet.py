@@ -28,7 +28,7 @@ process emits the fleet's exported LogEntry messages (kit/pubsub_service.py ``fl
 side by side, each message displaced by up to 2 lines, ``spread=2``) at ``--pubsub-rate``.
 Reported: every wedged VM decided once and no other, messages
 per second over all workers, decision latency p50/p99 (publish time of the shutdown line to the
-claim) and each worker's peak RSS.
+claim), each worker's peak RSS and the machine's 1-minute load average over the run.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ PROJECT = "bench-project"
 WEDGED_EVERY = 10  # one VM in ten shuts down between the rounds
 ROUND_TIMEOUT_S = 600
 PUBSUB_TIMEOUT_S = 900
+LOAD_EVERY_S = 10.0  # the Pub/Sub run samples the machine's load average this often
 
 
 def _serve(n: int, conn: Any) -> None:
@@ -269,11 +270,15 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
                 t0 = time.monotonic()
                 closed = fleet.wedged | fleet.finished
                 deadline = t0 + PUBSUB_TIMEOUT_S
+                load = [os.getloadavg()[0]]  # the machine's 1-min load, every LOAD_EVERY_S
                 while time.monotonic() < deadline:
                     done = {i for i, _, st in led.assembly_boots() if st != "open"}
                     if done >= closed and not led.pending_announcements():
                         break
+                    if time.monotonic() - t0 >= len(load) * LOAD_EVERY_S:
+                        load.append(os.getloadavg()[0])
                     time.sleep(0.5)
+                load.append(os.getloadavg()[0])
                 elapsed = time.monotonic() - t0
                 publisher.join(timeout=120)
                 decisions = led.all()
@@ -290,6 +295,7 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
             if x.startswith('{"stats"')
         ]
     lat = [x for st in stats for x in st["latencies"]]
+    ready = [x for st in stats for x in st["ready_latencies"]]
     decided = sorted(x.instance_id for x in decisions)
     handled = sum(st["messages"] for st in stats)
     return {
@@ -314,8 +320,17 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
             "max": round(max(lat, default=0), 3),
             "n": len(lat),
         },
+        # from the publish of the last line the decision needed (a line before the shutdown,
+        # displaced after it in the stream, included): the pipeline's own share
+        "ready_latency_s": {
+            "p50": round(pct(ready, 50) or 0, 3),
+            "p99": round(pct(ready, 99) or 0, 3),
+            "max": round(max(ready, default=0), 3),
+            "n": len(ready),
+        },
         "worker_rss_mib": [round(st["maxrss_kib"] / 1024, 1) for st in stats],
         "per_worker_messages": [st["messages"] for st in stats],
+        "loadavg_1m": {"min": min(load), "max": max(load), "samples": load},
     }
 
 

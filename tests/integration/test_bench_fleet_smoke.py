@@ -27,3 +27,4 @@ def test_bench_fleet_tiny_runs_and_decides_exactly_once(tmp_path: Path) -> None:
         assert ps["workers"] == 3 and ps["exactly_once"] and ps["finished_ended"]
         assert ps["messages_handled"] >= ps["published"] and len(ps["worker_rss_mib"]) == 3
         assert ps["decision_latency_s"]["n"] == ps["decisions"] > 0
+        assert len(ps["loadavg_1m"]["samples"]) >= 2 and ps["loadavg_1m"]["max"] >= 0

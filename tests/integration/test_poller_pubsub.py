@@ -2,7 +2,8 @@
 payloads and the assembly (pure, with properties), the shared assembly state in the ledger, then
 workers against the real Pub/Sub emulator behind kit/pubsub_service.py (pulls of at most 20,
 spread over several workers, redelivery after the ack deadline): duplicates, reordering, a worker
-killed anywhere and restarted, and a worker killed between its claim and its ack."""
+killed anywhere and restarted, and a worker killed between its claim and its ack; the decisions'
+deliveries (``--on-failover``, ``--publish``) across workers."""
 
 from __future__ import annotations
 
@@ -177,6 +178,24 @@ def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives
     assert a.terminal == exit_
     v = decide(list(a.prefix), InstanceState("RUNNING"), 0.0, Policy())
     assert v.kind is VerdictKind.WORKLOAD_OK
+
+
+def test_a_decision_is_ready_when_the_last_line_it_needed_was_published() -> None:
+    """The pipeline's share of a decision's latency starts at the latest first copy of a line up
+    to the deciding one: a tick published after its shutdown line (displaced in transit) is
+    waited for; a later copy of it, or a line after the shutdown, is not."""
+    from gce_watchdog.poller.ledger import BootLines
+    from gce_watchdog.poller.pubsub import _needed_by
+
+    def rx(seq: int, name: str) -> Received:
+        return Received(Event(name, "b", seq, 0), 0.0)
+
+    lines = [(rx(1, "start"), 1.0), (rx(2, "tick"), 20.0), (rx(2, "tick"), 30.0),
+             (rx(3, "shutdown"), 10.0), (rx(4, "heartbeat"), 50.0)]  # fmt: skip
+    seen = BootLines("1", "b", PROJECT, "z", "vm", 0, lines)
+    assert _needed_by(seen, 10.0) == 20.0
+    in_order = BootLines("1", "b", PROJECT, "z", "vm", 0, [lines[0], lines[3]])
+    assert _needed_by(in_order, 10.0) == 10.0
 
 
 # -- against the real emulator ------------------------------------------------------------------
@@ -667,6 +686,183 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     assert b"--on-failover for token" in err and b"(attempt 1/3)" in err  # the failed first run
     lines = [json.loads(x) for x in out.decode().splitlines()]
     assert sorted(x["instance_id"] for x in lines if x["action"] == "failover") == ["5101", "5102"]
+
+
+@pytest.fixture
+def decisions_topic(pubsub_host: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
+    """Where ``--publish`` sends decisions: a fresh topic and the dispatcher's subscription."""
+    monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
+    from google.cloud import pubsub_v1
+
+    n = f"{os.getpid()}-{random.getrandbits(32):x}"
+    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    t = pub.topic_path(PROJECT, f"decisions-{n}")
+    s = sub.subscription_path(PROJECT, f"dispatcher-{n}")
+    pub.create_topic(request={"name": t})
+    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": 60})
+    try:
+        yield t, s
+    finally:
+        sub.delete_subscription(request={"subscription": s})
+        pub.delete_topic(request={"topic": t})
+        sub.close()
+
+
+def _published(topic: str, subscription: str) -> list[Any]:
+    """Every decision message on ``subscription`` (each acked as it comes), up to a sentinel
+    published now: the ledger said they were all accepted before it (the emulator keeps the
+    order of what it accepted). A redelivery (the same message id) is counted once."""
+    from google.cloud import pubsub_v1
+
+    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    pub.publish(topic, b"end", sentinel="1").result(timeout=DEADLINE_S)
+    got: dict[str, Any] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not any(m.attributes.get("sentinel") for m in got.values()):
+            assert time.monotonic() < deadline, f"the sentinel never came ({len(got)} messages)"
+            r = sub.pull(request={"subscription": subscription, "max_messages": 100}, timeout=10)
+            if r.received_messages:
+                ids = [m.ack_id for m in r.received_messages]
+                sub.acknowledge(request={"subscription": subscription, "ack_ids": ids})
+            got.update((m.message.message_id, m.message) for m in r.received_messages)
+    finally:
+        sub.close()
+    return [m for m in got.values() if not m.attributes.get("sentinel")]
+
+
+def _check_messages(msgs: list[Any], decisions: list[Any]) -> None:
+    """Each decision's message exactly once (by the dedup key, ``request_id``): the view's JSON,
+    its attributes the view's own."""
+    by_request = Counter(m.attributes["request_id"] for m in msgs)
+    assert by_request == Counter(d.request_id for d in decisions)  # once per announcement
+    tokens = {d.request_id: d.token for d in decisions}
+    for m in msgs:
+        doc = json.loads(m.data)
+        assert doc["v"] == 1 and doc["request_id"] == m.attributes["request_id"]
+        assert str(doc["token"]) == m.attributes["token"] == str(tokens[doc["request_id"]])
+        assert doc["verdict"] == m.attributes["verdict"] == "self_shutdown"
+
+
+def test_publish_sends_each_decision_once_across_workers_and_a_worker_killed_before_it(
+    topic: tuple[str, str],
+    decisions_topic: tuple[str, str],
+    pubsub_host: str,
+    ledger_url: str,
+    tmp_path: Path,
+    monkeypatch: Any,
+) -> None:
+    """3 workers with ``--publish`` on one subscription (pulls of at most 20, deliveries lost on
+    the way), on a 30-VM fleet: each token's first publish fails (a 503) and is retried with
+    back-off; the very first publish of all kills its worker between its claim and its publish.
+    Every wedged VM's decision reaches the decisions topic exactly once (by ``request_id``),
+    published by the worker that marked its announcement done; the killed worker's decision is
+    published by another once its lease lapsed. Nothing for a finished or healthy VM."""
+    t, s = topic
+    dt, ds = decisions_topic
+    fleet = fleet_stream(random.Random(226), 30, PROJECT)
+    publish(t, fleet.messages)
+    with open_ledger(ledger_url) as led:
+        for iid in fleet.names:
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    monkeypatch.setenv("KILL_FIRST", "1")
+    logs = {n: tmp_path / f"{n}.out" for n in ("w0", "w1", "w2")}
+    extra = ("--publish", dt, "--publish-faults", str(faults), "--announce-lease", "8")
+    names = tmp_path / "names.json"
+    TableIdentities.of(fleet.names, PROJECT).save(names)
+    procs = {n: _worker(pubsub_host, s, ledger_url, n, i, logs[n], names, *extra)
+             for i, n in enumerate(logs)}  # fmt: skip
+    try:
+        with open_ledger(ledger_url) as led:
+            closed = fleet.wedged | fleet.finished
+            deadline = time.monotonic() + 2 * DEADLINE_S
+            while not (
+                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
+                and not led.pending_announcements()
+            ):
+                assert time.monotonic() < deadline, f"decided {led_count(led)}: {_errs(procs)}"
+                assert sum(p.poll() is not None for p in procs.values()) <= 1, _errs(procs)
+                time.sleep(0.2)
+            decisions = led.all()
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    killed = [n for n, p in procs.items() if p.returncode == -signal.SIGKILL]
+    assert len(killed) == 1 and all(
+        p.returncode == 0 for n, p in procs.items() if n not in killed
+    ), _errs(procs)
+    assert sorted(d.instance_id for d in decisions) == sorted(fleet.wedged)
+    assert all(d.announced_at is not None for d in decisions)
+    _check_messages(_published(dt, ds), decisions)
+    tokens = {str(d.token): d for d in decisions}
+    calls = _pairs(faults / "calls")
+    per_token = Counter(tk for tk, _ in calls)
+    assert set(per_token) == set(tokens) and min(per_token.values()) >= 2  # failed, retried
+    last = dict(calls)  # each token's last call is the one that went through
+    for token, who in last.items():  # by the worker whose announcement it was
+        assert tokens[token].announced_by == who
+    first_token, first_worker = calls[0]
+    assert first_worker == killed[0]
+    assert tokens[first_token].announced_by != killed[0]  # taken over after the lease
+    err = "".join(f.read_text() for f in logs.values())
+    assert f"--publish {dt} for token" in err and "ServiceUnavailable" in err
+    assert "(attempt 1/3)" in err  # retried in the same delivery, after the back-off
+
+
+def test_poll_pubsub_publishes_each_decision_to_the_topic(
+    topic: tuple[str, str],
+    decisions_topic: tuple[str, str],
+    pubsub_host: str,
+    tmp_path: Path,
+    compute: Any,
+) -> None:
+    """``gce-watchdog poll --pubsub S --publish T`` (no longer a usage error): two wedged VMs
+    and a finished one on the stream; one message per decision on T, each announcement marked
+    done, nothing for the finished VM."""
+    t, s = topic
+    dt, ds = decisions_topic
+    msgs = _boot_entries("5201", "abab0011") + _boot_entries("5202", "abab0012")
+    msgs += _boot_entries("5203", "abab0013", finished=True)
+    publish(t, msgs)
+    ledger = tmp_path / "l.sqlite"
+    with open_ledger(ledger) as led:
+        for iid in ("5201", "5202", "5203"):
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)
+    (tmp_path / "tok").write_text("unused\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
+            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
+            "--api-base", compute.base_url, "--publish", dt]  # fmt: skip
+    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        with open_ledger(ledger) as led:
+            while not (len(led.all()) == 2 and all(d.announced_at is not None for d in led.all())):
+                assert worker.poll() is None, worker.communicate()
+                assert time.monotonic() < deadline, "the decisions were never announced"
+                time.sleep(0.2)
+            decisions = led.all()
+        worker.send_signal(signal.SIGTERM)
+        out, err = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.communicate()
+    assert worker.returncode == 0, err.decode()
+    assert sorted(d.instance_id for d in decisions) == ["5201", "5202"]
+    _check_messages(_published(dt, ds), decisions)
+    lines = [json.loads(x) for x in out.decode().splitlines()]
+    assert sorted(x["instance_id"] for x in lines if x["action"] == "failover") == ["5201", "5202"]
 
 
 def _errs(procs: dict[str, subprocess.Popen[bytes]]) -> str:

@@ -277,7 +277,9 @@ def run_poll(s: PollSettings) -> int:
             client.close()
             _log(f"--publish needs the [pubsub] extra: {e}")
             return EX_UNAVAILABLE
-        deliveries.append(TopicPublisher(pubsub_v1.PublisherClient(), s.publish, log=_log))
+        # every mode, --pubsub workers too: one step of the same Delivery (poller/hooks.py)
+        publisher = TopicPublisher(pubsub_v1.PublisherClient(), s.publish, stop=stop, log=_log)
+        deliveries.append(publisher)
     if hook is not None:
         deliveries.append(hook)
     if deliveries:

@@ -188,7 +188,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         metavar="projects/P/topics/T",
         help="publish each announced decision to this Pub/Sub topic (the [pubsub] extra; "
-        "attribute request_id for dedup); marked done only once accepted",
+        "attribute request_id for dedup); marked done only once accepted, else retried; in "
+        "every mode, --pubsub workers too",
     )
     p.add_argument(
         "--brake",

@@ -1,4 +1,6 @@
-"""``poll --on-failover CMD``: run the dispatcher's command for each announced decision.
+"""``poll --on-failover CMD`` and ``--publish TOPIC``: deliver each announced decision.
+
+``--on-failover``: run the dispatcher's command for each announced decision.
 
 The command is an argv (``shlex.split`` of the option, never a shell), started with the decision's
 versioned JSON (:func:`gce_watchdog.poller.decisions.decision_doc`) and a newline on stdin, and in
@@ -14,6 +16,10 @@ its environment ``GCE_WATCHDOG_TOKEN``, ``GCE_WATCHDOG_REQUEST_ID``, ``GCE_WATCH
 - The command's stdout and stderr go to an unlinked temporary file, never a pipe: a command that
   writes without end can neither block on a full pipe nor block the poller; the last 2 KiB of
   a failed run are logged.
+
+``--publish``: one Pub/Sub message per announced decision (:class:`TopicPublisher`), with the
+same contract: marked done only once the service accepted it, retried with the same back-off
+(:func:`retried`), at-least-once (the ``request_id`` attribute is the dedup key).
 """
 
 from __future__ import annotations
@@ -37,6 +43,30 @@ from gce_watchdog.poller.ledger import BaseLedger
 TAIL_BYTES = 2048
 
 
+def retried(
+    once: Callable[[], str | None],
+    what: str,
+    attempts: int,
+    backoff: Backoff,
+    stop: threading.Event,
+    log: Callable[[str], None],
+    rng: Callable[[], float],
+) -> bool:
+    """Run ``once`` (None: it succeeded, else what went wrong) until it succeeds (True) or
+    ``attempts`` are spent (False), waiting the package's back-off between attempts; ``stop``
+    cuts the wait short (and ends the attempts). The retry of every delivery step
+    (``--on-failover``, ``--publish``), each failed attempt logged as ``WHAT: WHY (attempt n/N)``.
+    """
+    for n in range(1, attempts + 1):
+        why = once()
+        if why is None:
+            return True
+        log(f"{what}: {why} (attempt {n}/{attempts})")
+        if n < attempts and stop.wait(backoff.wait(n, rng())):
+            break
+    return False
+
+
 @dataclass
 class FailoverHook:
     argv: Sequence[str]
@@ -57,14 +87,10 @@ class FailoverHook:
             GCE_WATCHDOG_INSTANCE=f"{doc['project']}/{doc['zone']}/{doc['name']}",
             GCE_WATCHDOG_JOB=str(doc.get("job") or ""),
         )
-        for n in range(1, self.attempts + 1):
-            why = self._once(data, env)
-            if why is None:
-                return True
-            self.log(f"--on-failover for token {doc['token']}: {why} (attempt {n}/{self.attempts})")
-            if n < self.attempts and self.stop.wait(self.backoff.wait(n, self.rng())):
-                break
-        return False
+        return retried(
+            lambda: self._once(data, env), f"--on-failover for token {doc['token']}",
+            self.attempts, self.backoff, self.stop, self.log, self.rng,
+        )  # fmt: skip
 
     def _once(self, data: bytes, env: dict[str, str]) -> str | None:
         """None on exit 0, else what went wrong."""
@@ -137,22 +163,35 @@ class TopicPublisher:
     """``poll --publish projects/P/topics/T``: each announced decision as one Pub/Sub message,
     the view's JSON as data and attributes ``request_id``, ``token``, ``verdict`` (subscribers
     dedup on ``request_id``: delivery is at-least-once, like ``--on-failover``). True once the
-    service accepted it (the publish future resolved), within ``timeout_s``."""
+    service accepted it (the publish future resolved within ``timeout_s``); a failed or timed-out
+    publish is retried with the package's back-off up to ``attempts`` times, as the command of
+    :class:`FailoverHook` is. The same step for every mode: a poller's round (instances, fleet,
+    the worker's Compute API sweep) and a ``--pubsub`` worker's delivery after the ack."""
 
     publisher: Any  # a google.cloud.pubsub_v1.PublisherClient
     topic: str
     timeout_s: float = 60.0
+    attempts: int = 3
+    backoff: Backoff = field(default_factory=lambda: Backoff(initial=1.0, max_wait=30.0))
+    stop: threading.Event = field(default_factory=threading.Event)  # cuts the back-off short
     log: Callable[[str], None] = lambda _msg: None
+    rng: Callable[[], float] = random.random
 
     def __call__(self, doc: Mapping[str, Any]) -> bool:
         data = json.dumps(doc, sort_keys=True).encode()
+        attrs = {"request_id": str(doc["request_id"]), "token": str(doc["token"]),
+                 "verdict": str(doc["verdict"])}  # fmt: skip
+        return retried(
+            lambda: self._once(data, attrs), f"--publish {self.topic} for token {doc['token']}",
+            self.attempts, self.backoff, self.stop, self.log, self.rng,
+        )  # fmt: skip
+
+    def _once(self, data: bytes, attrs: dict[str, str]) -> str | None:
+        """None once the service accepted the message, else what went wrong. A publish that
+        timed out here may still be accepted later (the client keeps it): a second copy of
+        the message, which the subscriber's dedup on ``request_id`` absorbs."""
         try:
-            future = self.publisher.publish(
-                self.topic, data, request_id=str(doc["request_id"]), token=str(doc["token"]),
-                verdict=str(doc["verdict"]),
-            )  # fmt: skip
-            future.result(timeout=self.timeout_s)
+            self.publisher.publish(self.topic, data, **attrs).result(timeout=self.timeout_s)
         except Exception as e:  # the client's errors (google.api_core), a timeout
-            self.log(f"--publish {self.topic} for token {doc['token']}: {type(e).__name__}: {e}")
-            return False
-        return True
+            return f"{type(e).__name__}: {e}"
+        return None

@@ -28,8 +28,8 @@ workers"). So a worker keeps no assembly state of its own: the ledger's store ho
 4. acks the batch only then: a worker that dies anywhere before that has its messages
    redelivered, and the next one stores nothing twice and looks again;
 5. announces: each announcement is printed (``emit``) when its claim is made, before the ack,
-   and marked done at once; with ``deliver`` (``--on-failover``) it is delivered after the ack
-   instead, and marked done only once that succeeded. The claimer first; every
+   and marked done at once; with ``deliver`` (``--publish``, ``--on-failover``) it is delivered
+   after the ack instead, and marked done only once that succeeded. The claimer first; every
    ``ANNOUNCE_SWEEP_S``, decisions whose claimer died unannounced, or whose delivery failed,
    once their lease lapsed.
 
@@ -191,6 +191,23 @@ class WorkerStats:
     latencies: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=LATENCY_KEEP)
     )  # publish time of the deciding line -> claim, seconds
+    # publish time of the last line the decision needed (the deciding line or one before it,
+    # published after it) -> claim: the pipeline's own share of the latency, seconds
+    ready_latencies: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=LATENCY_KEEP)
+    )
+
+
+def _needed_by(seen: BootLines, pub: float) -> float:
+    """When the last line a decision needed was published: the latest of the first copies of
+    each seq up to the deciding line's (a line displaced in transit, or its first copy lost,
+    can be published after the deciding line: the boot waited for it, not the pipeline)."""
+    last = next(r.event.seq for r, _ in seen.lines if r.event.event in ("shutdown", "preempted"))
+    first: dict[int, float] = {}
+    for r, p in seen.lines:
+        if p is not None and r.event.seq <= last:
+            first[r.event.seq] = min(p, first.get(r.event.seq, p))
+    return max([pub, *first.values()])
 
 
 def _stderr(msg: str) -> None:
@@ -490,6 +507,7 @@ class PubSubWorker:
         pub = next((p for r, p in seen.lines if r.event.event in ("shutdown", "preempted")), None)
         if pub is not None and decision.won:
             self.stats.latencies.append(self.clock() - pub)
+            self.stats.ready_latencies.append(self.clock() - _needed_by(seen, pub))
         announce = decision.won or (
             decision.announced_at is None
             and self.ledger.take_announcement(decision.instance_id, decision.boot, now)

@@ -193,8 +193,6 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
 
         if not TOPIC_RE.match(publish):
             errs.append(f"--publish {publish!r}: want projects/PROJECT/topics/NAME")
-        if v.get("pubsub") is not None:
-            errs.append("--publish is not run by --pubsub workers: follow `gce-watchdog decisions`")
     evidence = _evidence(v, errs)
     if errs or policy is None:
         raise InvalidSettings(errs)
