@@ -59,7 +59,8 @@ class FaultyPublisher:
                 os.kill(os.getpid(), signal.SIGKILL)
         if token not in calls[0::2]:
             failed: Future[str] = Future()
-            failed.set_exception(ServiceUnavailable("the test's first publish of this token"))
+            first = "the test's first publish of this token"
+            failed.set_exception(ServiceUnavailable(first))  # type: ignore[no-untyped-call]
             return failed
         return self.real.publish(topic, data, **attrs)
 
