@@ -25,7 +25,10 @@ service-like subscriber, pulls of 1..``--pubsub-pull-max``) share one subscripti
 PostgreSQL ledger (tests/kit/pgserver.py; SQLite where no server is installed). A publisher
 process emits the fleet's exported LogEntry messages (kit/pubsub_service.py ``fleet_stream``:
 3 in 5 VMs wedged, 1 in 5 finished, 1 in 5 healthy; journald copies, duplicates, noise; the VMs
-side by side, each message displaced by up to 2 lines, ``spread=2``) at ``--pubsub-rate``.
+side by side, each message delayed in transit by up to ``--pubsub-jitter`` seconds (2: the
+reordering of an export and a subscription without an ordering key; ``--pubsub-spread N``
+gives the earlier model, each message displaced by up to N of its VM's lines, a delay that
+grows with the fleet: 12.5 s at 5,000 VMs) at ``--pubsub-rate``.
 Reported: every wedged VM decided once and no other, messages
 per second over all workers, decision latency p50/p99 (publish time of the shutdown line to the
 claim), each worker's peak RSS and the machine's 1-minute load average over the run.
@@ -208,7 +211,9 @@ def _ledger_server() -> Any:
     return None if pgserver.unavailable() else pgserver.postgres_server()
 
 
-def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str, Any]:
+def bench_pubsub(
+    vms: int, rate: float, workers: int, pull_max: int, jitter_s: float = 2.0, spread: float = 0.0
+) -> dict[str, Any]:
     """``workers`` worker processes (tests/kit/pubsub_worker.py: the product's PubSubWorker
     behind the service-like subscriber, pulls of at most ``pull_max``) on one subscription of
     the real emulator, sharing a PostgreSQL ledger (SQLite where no server is installed)."""
@@ -221,7 +226,8 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
     why = pubsub_emulator.unavailable()
     if why:
         return {"skipped": why}
-    fleet = fleet_stream(random.Random(6), vms, PROJECT, spread=2.0)  # noqa: S311 (test data)
+    transit = int(jitter_s * rate)  # a delay in transit of up to jitter_s, in messages
+    fleet = fleet_stream(random.Random(6), vms, PROJECT, spread=spread, transit=transit)  # noqa: S311
     with contextlib.ExitStack() as stack:
         host = stack.enter_context(pubsub_emulator.pubsub_emulator())
         d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gcewd-bench-ps-")))
@@ -313,7 +319,7 @@ def bench_pubsub(vms: int, rate: float, workers: int, pull_max: int) -> dict[str
         "healthy_undecided": not (set(decided) & fleet.healthy),
         "elapsed_s": round(elapsed, 2),
         "messages_per_s": round(handled / elapsed, 1) if elapsed else None,
-        "stream": "interleaved, spread 2",
+        "stream": f"interleaved, spread {spread:g} lines, transit up to {jitter_s:g} s",
         "decision_latency_s": {
             "p50": round(pct(lat, 50) or 0, 3),
             "p99": round(pct(lat, 99) or 0, 3),
@@ -344,6 +350,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pubsub-rate", type=float, default=600.0)
     ap.add_argument("--pubsub-workers", type=int, default=3)
     ap.add_argument("--pubsub-pull-max", type=int, default=100)
+    ap.add_argument(
+        "--pubsub-jitter",
+        type=float,
+        default=2.0,
+        help="each message delayed in transit by up to this many seconds",
+    )
+    ap.add_argument(
+        "--pubsub-spread",
+        type=float,
+        default=0.0,
+        help="each message displaced by up to this many of its VM's lines (the "
+        "earlier model: its delay grows with the fleet)",
+    )
     ap.add_argument("--no-polling", action="store_true", help="only the Pub/Sub part")
     ap.add_argument("--tiny", action="store_true", help="smoke mode: 50 VMs, 10 on Pub/Sub")
     args = ap.parse_args(argv)
@@ -359,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     res["pubsub"] = []
     ps_sizes = [10] if args.tiny else [int(x) for x in args.pubsub_sizes.split(",") if x]
     for n in ps_sizes:
-        ps = bench_pubsub(n, args.pubsub_rate, args.pubsub_workers, args.pubsub_pull_max)
+        ps = bench_pubsub(n, args.pubsub_rate, args.pubsub_workers, args.pubsub_pull_max,
+                          args.pubsub_jitter, args.pubsub_spread)  # fmt: skip
         print(json.dumps(ps), flush=True)
         res["pubsub"].append(ps)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -159,6 +159,7 @@ def fleet_stream(
     project: str,
     base_id: int = 4_000_000_000,
     spread: float | None = None,
+    transit: int = 0,
 ) -> Fleet:
     """Every VM's lines as exported, one in five healthy and one in five finished, the rest
     wedged; journald copies of a quarter of the lines, duplicates of a fifth of all messages,
@@ -166,7 +167,9 @@ def fleet_stream(
     key; the hardest case). A number: the VMs run side by side, line i of every VM around
     position i, each message displaced by up to ``spread`` lines (reordering in transit) and a
     duplicate up to 5 lines after its original (a late redelivery): a fleet's stream over time,
-    for measuring latency."""
+    for measuring latency. ``transit``: then each message is also moved up to that many
+    messages later in the stream (a delay in transit that does not grow with the fleet: the
+    bench gives its seconds times the publish rate)."""
     from gce_watchdog.testing.synth import Writer
 
     fleet = Fleet([], set(), set(), set(), {})
@@ -207,5 +210,8 @@ def fleet_stream(
         rnd.shuffle(keyed)
     else:
         keyed.sort(key=lambda x: x[0])
+        if transit:
+            moved = [(i + rnd.uniform(0, transit), m) for i, (_, m) in enumerate(keyed)]
+            keyed = sorted(moved, key=lambda x: x[0])
     fleet.messages = [m for _, m in keyed]
     return fleet
