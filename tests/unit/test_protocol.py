@@ -204,3 +204,46 @@ def test_make_event_shortens_the_longest_values_when_the_fields_alone_do_not_fit
         protocol.make_event("tick", "3f2a9c1e", 1, 0, {"Bad": "v" * 64, "md": "m" * 200})
     with pytest.raises(ProtocolError):  # far too many fields even at one byte each
         protocol.make_event("tick", "3f2a9c1e", 1, 0, {f"key{i}": "v" for i in range(40)})
+
+
+def _parse_ts_reference(s: str) -> int | None:
+    """The timestamp rule as first written (a regex, then datetime): parse_ts's oracle."""
+    import re
+    from datetime import UTC, datetime
+
+    m = re.match(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)\.(\d{3})Z\Z", s)
+    if not m:
+        return None
+    try:
+        y, mo, d, h, mi, sec, ms = (int(g) for g in m.groups())
+        dt = datetime(y, mo, d, h, mi, sec, tzinfo=UTC)
+    except ValueError:
+        return None
+    return int(dt.timestamp()) * 1000 + ms
+
+
+_TS_CHARS = st.sampled_from("0123456789-T:.Z 9\u0663x")  # \u0663: a non-ASCII decimal digit
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.one_of(
+        st.datetimes(min_value=__import__("datetime").datetime(1970, 1, 2)).map(
+            lambda d: d.strftime("%Y-%m-%dT%H:%M:%S.") + f"{d.microsecond // 1000:03d}Z"
+        ),
+        st.text(_TS_CHARS, min_size=22, max_size=26),
+        st.builds(
+            lambda *v: "{:04d}-{:02d}-{:02d}T{:02d}:{:02d}:{:02d}.{:03d}Z".format(*v),
+            st.integers(1970, 9999),
+            st.integers(0, 13),
+            st.integers(0, 32),
+            st.integers(0, 25),
+            st.integers(0, 61),
+            st.integers(0, 61),
+            st.integers(0, 999),
+        ),
+        st.text(max_size=30),
+    )
+)
+def test_parse_ts_is_the_reference_rule(s: str) -> None:
+    assert protocol.parse_ts(s) == _parse_ts_reference(s)

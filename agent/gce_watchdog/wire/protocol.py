@@ -92,7 +92,6 @@ _VALUE_BAD = re.compile(r"[^A-Za-z0-9._:/@,+%~()<>\[\]-]")
 _TEXT_BAD = re.compile(r"[^\x20-\x22\x24-\x7e]")  # printable ASCII except '#'
 _BOOT_RE = re.compile(r"[0-9a-f]{8}\Z")
 _HEXKEY_RE = re.compile(r"[0-9a-f]{64}\Z")
-_TS_RE = re.compile(r"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)\.(\d{3})Z\Z")
 _MARKER_RE = re.compile(rb"GCEWD([123])")
 _PK_RE = re.compile(r"[A-Za-z0-9_-]{43}\Z")
 # A line's head (before any `` | `` text) in one match: marker, boot, seq (no leading zero), the
@@ -252,14 +251,35 @@ def format_ts(ts_ms: int) -> str:
 
 
 def parse_ts(s: str) -> int | None:
-    m = _TS_RE.match(s)
-    if not m:
+    """``YYYY-MM-DDTHH:MM:SS.mmmZ`` as milliseconds since the epoch (UTC); None when it is not
+    one: exactly what a regex of that shape and ``datetime()`` accept (the reference is in
+    tests/unit/test_protocol.py). The minute is cached: a stream's lines share their minutes."""
+    if len(s) != 24 or s[16] != ":" or s[19] != "." or s[23] != "Z":
         return None
-    day = _day_s(s[:10])
-    h, mi, sec = int(m.group(4)), int(m.group(5)), int(m.group(6))
-    if day is None or h > 23 or mi > 59 or sec > 59:  # what datetime() accepts
+    sec, ms = s[17:19], s[20:23]
+    if not (sec.isdecimal() and ms.isdecimal()):  # what the pattern's \d takes
         return None
-    return (day + (h * 60 + mi) * 60 + sec) * 1000 + int(m.group(7))
+    base = _minute_s(s[:16])
+    sec_i = int(sec)
+    if base is None or sec_i > 59:
+        return None
+    return (base + sec_i) * 1000 + int(ms)
+
+
+_MINUTE_RE = re.compile(r"\d{4}-\d\d-\d\dT(\d\d):(\d\d)\Z")
+
+
+@functools.lru_cache(maxsize=4096)
+def _minute_s(prefix: str) -> int | None:
+    """Seconds since the epoch of a ``YYYY-MM-DDTHH:MM`` minute (UTC); None for no such one."""
+    m = _MINUTE_RE.match(prefix)
+    if m is None:
+        return None
+    day = _day_s(prefix[:10])
+    h, mi = int(m.group(1)), int(m.group(2))
+    if day is None or h > 23 or mi > 59:  # what datetime() accepts
+        return None
+    return day + (h * 60 + mi) * 60
 
 
 @functools.lru_cache(maxsize=1024)
