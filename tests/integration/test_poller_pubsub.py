@@ -566,36 +566,13 @@ with open(os.path.join(state, "lock"), "a") as lock:
 """
 
 
-def _hook(tmp_path: Path) -> tuple[Path, str]:
-    state = tmp_path / "hook"
-    state.mkdir()
-    (tmp_path / "hook.py").write_text(HOOK)
-    return state, f"{sys.executable} {tmp_path / 'hook.py'} {state}"
-
-
-def _pairs(path: Path) -> list[tuple[str, str]]:
-    words = path.read_text().split() if path.exists() else []
-    return list(zip(words[0::2], words[1::2], strict=True))
-
-
-def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_in_its_hook(
-    topic: tuple[str, str], pubsub_host: str, ledger_url: str, tmp_path: Path, monkeypatch: Any
-) -> None:
-    """3 workers with --on-failover on one subscription (pulls of at most 20, deliveries lost on
-    the way), on a 30-VM fleet (18 wedged): each hook fails once, then succeeds on its retry; the
-    very first hook run kills its worker. Every wedged VM's hook succeeded exactly once per
-    token, run by the worker that marked the announcement done (the holder of its lease); the
-    killed worker's decision is taken over by another once its lease lapsed."""
-    t, s = topic
-    fleet = fleet_stream(random.Random(126), 30, PROJECT)
-    publish(t, fleet.messages)
-    with open_ledger(ledger_url) as led:
-        for iid in fleet.names:
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-    state, hook = _hook(tmp_path)
-    monkeypatch.setenv("KILL_FIRST", "1")
+def _three_workers_until_decided(
+    pubsub_host: str, s: str, ledger_url: str, fleet: Any, tmp_path: Path, extra: tuple[str, ...]
+) -> tuple[list[Any], dict[str, Path], list[str]]:
+    """Three workers (``extra`` their delivery flags) on ``s`` until every wedged and finished
+    boot of ``fleet`` is closed and no announcement is pending (at most one worker may die: the
+    one ``KILL_FIRST`` kills), then SIGTERM to the rest: (decisions, logs, the killed one)."""
     logs = {n: tmp_path / f"{n}.out" for n in ("w0", "w1", "w2")}
-    extra = ("--on-failover", hook, "--announce-lease", "8")
     names = tmp_path / "names.json"  # who each id is, as the Compute API would say
     TableIdentities.of(fleet.names, PROJECT).save(names)
     procs = {n: _worker(pubsub_host, s, ledger_url, n, i, logs[n], names, *extra)
@@ -626,6 +603,42 @@ def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_i
     assert len(killed) == 1 and all(
         p.returncode == 0 for n, p in procs.items() if n not in killed
     ), _errs(procs)
+    assert len(killed) == 1
+    return decisions, logs, killed
+
+
+def _hook(tmp_path: Path) -> tuple[Path, str]:
+    state = tmp_path / "hook"
+    state.mkdir()
+    (tmp_path / "hook.py").write_text(HOOK)
+    return state, f"{sys.executable} {tmp_path / 'hook.py'} {state}"
+
+
+def _pairs(path: Path) -> list[tuple[str, str]]:
+    words = path.read_text().split() if path.exists() else []
+    return list(zip(words[0::2], words[1::2], strict=True))
+
+
+def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_in_its_hook(
+    topic: tuple[str, str], pubsub_host: str, ledger_url: str, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """3 workers with --on-failover on one subscription (pulls of at most 20, deliveries lost on
+    the way), on a 30-VM fleet (18 wedged): each hook fails once, then succeeds on its retry; the
+    very first hook run kills its worker. Every wedged VM's hook succeeded exactly once per
+    token, run by the worker that marked the announcement done (the holder of its lease); the
+    killed worker's decision is taken over by another once its lease lapsed."""
+    t, s = topic
+    fleet = fleet_stream(random.Random(126), 30, PROJECT)
+    publish(t, fleet.messages)
+    with open_ledger(ledger_url) as led:
+        for iid in fleet.names:
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+    state, hook = _hook(tmp_path)
+    monkeypatch.setenv("KILL_FIRST", "1")
+    extra = ("--on-failover", hook, "--announce-lease", "8")
+    decisions, _logs, killed = _three_workers_until_decided(
+        pubsub_host, s, ledger_url, fleet, tmp_path, extra
+    )
     assert sorted(d.instance_id for d in decisions) == sorted(fleet.wedged)
     tokens = {str(d.token): d for d in decisions}
     calls, succeeded = _pairs(state / "calls"), _pairs(state / "succeeded")
@@ -768,38 +781,10 @@ def test_publish_sends_each_decision_once_across_workers_and_a_worker_killed_bef
     faults = tmp_path / "faults"
     faults.mkdir()
     monkeypatch.setenv("KILL_FIRST", "1")
-    logs = {n: tmp_path / f"{n}.out" for n in ("w0", "w1", "w2")}
     extra = ("--publish", dt, "--publish-faults", str(faults), "--announce-lease", "8")
-    names = tmp_path / "names.json"
-    TableIdentities.of(fleet.names, PROJECT).save(names)
-    procs = {n: _worker(pubsub_host, s, ledger_url, n, i, logs[n], names, *extra)
-             for i, n in enumerate(logs)}  # fmt: skip
-    try:
-        with open_ledger(ledger_url) as led:
-            closed = fleet.wedged | fleet.finished
-            deadline = time.monotonic() + 2 * DEADLINE_S
-            while not (
-                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
-                and not led.pending_announcements()
-            ):
-                assert time.monotonic() < deadline, f"decided {led_count(led)}: {_errs(procs)}"
-                assert sum(p.poll() is not None for p in procs.values()) <= 1, _errs(procs)
-                time.sleep(0.2)
-            decisions = led.all()
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    killed = [n for n, p in procs.items() if p.returncode == -signal.SIGKILL]
-    assert len(killed) == 1 and all(
-        p.returncode == 0 for n, p in procs.items() if n not in killed
-    ), _errs(procs)
+    decisions, logs, killed = _three_workers_until_decided(
+        pubsub_host, s, ledger_url, fleet, tmp_path, extra
+    )
     assert sorted(d.instance_id for d in decisions) == sorted(fleet.wedged)
     assert all(d.announced_at is not None for d in decisions)
     _check_messages(_published(dt, ds), decisions)
