@@ -56,8 +56,19 @@ test: $(STAMP) apt-test
 	$(VENV)/bin/mypy
 	MYPYPATH=tests $(VENV)/bin/mypy --strict tests/kit
 	$(VENV)/bin/lint-imports
-	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25
-	@$(MAKE) --no-print-directory e2e-if-possible
+	@# The VM scenarios (make e2e) run beside pytest: both spend most of their time waiting (a
+	@# guest's ticks, a worker's deadline), so side by side they take about as long as the longer
+	@# one (docs/e2e.md, "Time"). Their output goes to build/e2e-stage.log and is shown once
+	@# pytest ends, then live until the scenarios end.
+	@mkdir -p build && rm -f build/e2e-stage.log build/e2e-stage.rc && : >build/e2e-stage.log; \
+	( $(MAKE) --no-print-directory e2e-if-possible >build/e2e-stage.log 2>&1; \
+	  echo $$? >build/e2e-stage.rc ) & e2e=$$!; \
+	echo "make test: the VM scenarios run beside pytest (pid $$e2e, build/e2e-stage.log)"; \
+	HYPOTHESIS_PROFILE=ci $(VENV)/bin/pytest -q -p no:cacheprovider --durations=25; rc=$$?; \
+	echo "make test: pytest rc=$$rc; the VM scenarios' output:"; \
+	tail -n +1 -f --pid=$$e2e build/e2e-stage.log; wait $$e2e; \
+	erc=$$(cat build/e2e-stage.rc 2>/dev/null || echo 1); \
+	echo "make test: pytest rc=$$rc, VM scenarios rc=$$erc"; [ "$$rc" = 0 ] && [ "$$erc" = 0 ]
 
 # The fast loop (docs/architecture.md, "Tests"): the unit tier only, pure tests with no processes
 # or servers, under a minute. `make test` runs every tier (pytest over tests/).

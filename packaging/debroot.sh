@@ -25,6 +25,10 @@ cache="${GCEWD_DEBROOT_CACHE:-$repo/build/cache/debroot}"
 [ "$(id -u)" = 0 ] || { echo "debroot.sh: needs root (debootstrap, chroot)" >&2; exit 1; }
 command -v debootstrap >/dev/null || { echo "debroot.sh: debootstrap missing (apt-get install debootstrap)" >&2; exit 1; }
 mkdir -p "$cache"
+# One run per release at a time: make test runs the package tests and the VM scenarios side by
+# side, and both may make the same cached tree in a clean clone (held until this script exits).
+exec 8>"$cache/.$release.lock"
+flock 8
 
 # in_tree DIR CMD...: CMD under chroot with /proc mounted and the host's resolver, no services.
 in_tree() {

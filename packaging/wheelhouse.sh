@@ -23,6 +23,10 @@ cache="${GCEWD_WHEEL_CACHE:-$repo/build/cache/wheels-$key}"
 # compiled dependency per Python; pip picks the one that fits where it installs.
 read -ra pyvers <<<"$(sed -n 's/^# python: //p' "$lock")"
 [ "${#pyvers[@]}" -gt 0 ] || { echo "wheelhouse.sh: $lock has no '# python:' line (packaging/lock.sh)" >&2; exit 1; }
+# One filler per cache at a time (make test's package tests and VM scenarios run side by side).
+mkdir -p "$(dirname "$cache")"
+exec 8>"$cache.lock"
+flock 8
 if [ ! -s "$cache/.complete" ]; then
   rm -rf "$cache" && mkdir -p "$cache"
   for v in "${pyvers[@]}"; do
@@ -43,7 +47,12 @@ cp "$lock" "$wh/requirements.lock"
 # *.egg-info next to the sources otherwise).
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
+# pip builds in the tree (setuptools' build/lib): one build of this tree at a time.
+mkdir -p "$repo/build"
+exec 7>"$repo/build/.agent-wheel.lock"
+flock 7
 "$py" -m pip wheel -q --no-deps -w "$tmp" "$repo" >"$tmp/log" 2>&1 || { cat "$tmp/log" >&2; exit 1; }
+flock -u 7
 cp "$tmp"/gce_watchdog-*.whl "$wh/"
 # Reproducible tar: sorted names, fixed owner and mtime.
 tar -C "$wh" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 \
