@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # Build (or reuse) the e2e guest disk image from the cached rootfs tarball plus e2e/guest/.
 #
-#   e2e/build-image.sh OUTDIR
+#   e2e/build-image.sh OUTDIR [--bake WHEELHOUSE_DIR]
+#
+# --bake: the same image with the agent from WHEELHOUSE_DIR (the run's wheelhouse, this tree's
+# code) pre-installed by startup/bake-image.sh --no-unit, as an operator's baked image has it: the
+# start-up script then skips the download and the install (`baked into the image`) and installs
+# and starts the unit as on any image. The scenarios about the agent, not its install, boot it
+# (docs/e2e.md, "Time"). Its key adds the wheelhouse's files and bake-image.sh.
 #
 # Writes OUTDIR/disk.img (raw ext4, the root filesystem), OUTDIR/vmlinuz, OUTDIR/initrd.img (booted
 # with qemu -kernel/-initrd), OUTDIR/guest-python (e.g. "3.11") and OUTDIR/image.key. Reuses them
 # when the key (rootfs tarball + guest files + this script) is unchanged.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-out="${1:?usage: build-image.sh OUTDIR}"
+out="${1:?usage: build-image.sh OUTDIR [--bake WHEELHOUSE_DIR]}"
+bake=""
+if [ "${2:-}" = --bake ]; then
+  bake="$(cd "${3:?--bake needs the wheelhouse directory}" && pwd)"
+elif [ -n "${2:-}" ]; then
+  echo "build-image: unknown argument '$2' (usage: build-image.sh OUTDIR [--bake WHEELHOUSE_DIR])" >&2
+  exit 64
+fi
 cache="$(dirname "$out")/cache"  # shared with the wheelhouse cache
 mkdir -p "$out" "$cache"
 
@@ -16,7 +29,11 @@ t0=$(date +%s)
 tarball="$("$here/build-rootfs.sh" "$cache")"
 t1=$(date +%s)
 key="$( { basename "$tarball"; cat "$here/build-image.sh";
-          (cd "$here/guest" && find . -type f | LC_ALL=C sort | xargs sha256sum); } \
+          (cd "$here/guest" && find . -type f | LC_ALL=C sort | xargs sha256sum);
+          if [ -n "$bake" ]; then
+            sha256sum "$here/../startup/bake-image.sh" | cut -d' ' -f1
+            (cd "$bake" && find . -type f | LC_ALL=C sort | xargs sha256sum)
+          fi; } \
         | sha256sum | cut -c1-16)"
 if [ -s "$out/disk.img" ] && [ "$(cat "$out/image.key" 2>/dev/null)" = "$key" ]; then
   echo "build-image: reusing $out/disk.img (key $key)" >&2
@@ -49,6 +66,11 @@ chroot "$stage" systemctl enable rsyslog.service >/dev/null 2>&1
 # A fixed machine-id: an empty one makes every -snapshot boot a "first boot" (preset-all).
 head -c16 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$stage/etc/machine-id"
 echo >> "$stage/etc/machine-id"
+if [ -n "$bake" ]; then
+  # The unit is left to the start-up script (it installs it after the runner put the run's
+  # config.toml in place), so a baked agent never starts at boot with another config.
+  "$here/../startup/bake-image.sh" --wheelhouse "$bake" --root "$stage" --no-unit >&2
+fi
 vmlinuz="$(find "$stage/boot" -maxdepth 1 -name 'vmlinuz-*' | sort -V | tail -1)"
 initrd="$(find "$stage/boot" -maxdepth 1 -name 'initrd.img-*' | sort -V | tail -1)"
 cp "$vmlinuz" "$out/vmlinuz.tmp" && mv "$out/vmlinuz.tmp" "$out/vmlinuz"

@@ -74,12 +74,16 @@ class QemuGuests:
         api: FakeComputeAPI,
         base: vm.VmSpec,
         prefix: str = "guest",
+        baked: frozenset[str] = frozenset(),
     ) -> None:
         """``base``: the boot's settings (config.toml, timeout, ...); its startup script and
-        attributes are replaced by the instance's metadata."""
+        attributes are replaced by the instance's metadata. ``baked``: the scenarios (the
+        instance's SCENARIO_LABEL) booted from the image with the run's agent baked in
+        (:meth:`vm.Harness.baked_image`): their start-up script skips the download and install."""
         self.harness = harness
         self.api = api
         self.base = base
+        self.baked = baked
         self.prefix = prefix
         self.booted: list[Booted] = []
         self._queue: queue.Queue[FakeInstance | None] = queue.Queue()
@@ -141,6 +145,7 @@ class QemuGuests:
             instance_name=inst.name,
             instance_id=inst.id,
             project_id=inst.project,
+            baked=(inst.labels.get(SCENARIO_LABEL) or "") in self.baked,
         )
         feed = observe.SerialFeed(self.api, inst.name)
         stop = threading.Event()

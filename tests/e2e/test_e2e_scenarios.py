@@ -58,7 +58,9 @@ TIMEOUT = 480.0
 
 
 def spec(name: str, workload: list[str] | None, *, deb: bool = False, **kw: object) -> vm.VmSpec:
-    """The agent comes from the wheelhouse, or from the .deb (`make deb`'s output) when deb."""
+    """The agent comes from the wheelhouse, or from the .deb (`make deb`'s output) when deb;
+    with ``baked=True`` (a VmSpec field) it is this run's wheelhouse baked into the image, and
+    the start-up script skips the download and install (docs/e2e.md, "Time")."""
     if deb:
         src = {
             "gce-watchdog-deb-url": vm.DEB_URL,
@@ -238,7 +240,9 @@ def test_spot_preemption_through_the_fake_fails_over_once(e2e: vm.Harness) -> No
     compute.instances.preempted and the VM is TERMINATED); the guest is not told and writes on,
     unread. The poller finds the operation: one failover, the VM deleted."""
     workload = ["bash", "-c", "echo working; sleep 20; echo finished"]
-    res, run = boot(e2e, spec("spot-preempt", workload), spot=True, preempt_on=b" ph=workload")
+    res, run = boot(
+        e2e, spec("spot-preempt", workload, baked=True), spot=True, preempt_on=b" ph=workload"
+    )
     check_powered_off(res)
     assert run.final.verdict is not None
     assert run.final.verdict.kind is VerdictKind.PREEMPTED, run.final.verdict
@@ -387,7 +391,9 @@ def test_flapping_outage_never_shuts_down(e2e: vm.Harness) -> None:
         f"{AGENT} fault inject --metadata --egress443 --ttl 2m; sleep 6; "
         f"{AGENT} fault clear; sleep 6; "
     )
-    res, run = boot(e2e, spec("flap", ["bash", "-c", "set -e; sleep 6; " + cycle * 3 + "echo ok"]))
+    res, run = boot(
+        e2e, spec("flap", ["bash", "-c", "set -e; sleep 6; " + cycle * 3 + "echo ok"], baked=True)
+    )
     save_report(res)
     check_powered_off(res)
     events = events_of(res)
@@ -421,7 +427,8 @@ def test_config_by_metadata_is_a_drop_in_the_agent_runs_with(e2e: vm.Harness) ->
     show = f"{AGENT} config show --config /etc/gce-watchdog/config.toml"
     pick = "grep -E '^(action|heartbeat_every|interval) =' | sed 's/^/shown: /'"
     res, _ = boot(
-        e2e, _with_config(spec("config-md", ["bash", "-c", f"{show} | {pick}"]), MD_CONFIG)
+        e2e,
+        _with_config(spec("config-md", ["bash", "-c", f"{show} | {pick}"], baked=True), MD_CONFIG),
     )
     check_powered_off(res)
     events = events_of(res)
@@ -438,7 +445,9 @@ def test_config_by_metadata_is_a_drop_in_the_agent_runs_with(e2e: vm.Harness) ->
 
 
 def test_a_bad_config_attribute_is_setup_failed_job_with_the_error(e2e: vm.Harness) -> None:
-    res, run = boot(e2e, _with_config(spec("config-bad", ["true"]), "[agent]\nthreshold = 0\n"))
+    res, run = boot(
+        e2e, _with_config(spec("config-bad", ["true"], baked=True), "[agent]\nthreshold = 0\n")
+    )
     check_powered_off(res)  # the failure action (poweroff)
     events = events_of(res)
     failed = named(events, "setup_failed")

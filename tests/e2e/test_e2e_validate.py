@@ -2,9 +2,10 @@
 
 The fake Compute API's ``instances.insert`` boots the qemu guest with the insert body's metadata
 (:class:`e2e.guests.QemuGuests`): the real start-up script installs the agent from the pinned
-wheelhouse, the agent follows ``gce-watchdog-fault`` from metadata (validate's drop-in enables
-it), ``setMetadata`` reaches the guest's metadata server, its serial output is the fake's while
-the VM runs, its power-off is a ``guestTerminate``, and ``instances.delete`` kills qemu.
+wheelhouse (on the done VM, the same wheelhouse is baked into the image), the agent follows
+``gce-watchdog-fault`` from metadata (validate's drop-in enables it), ``setMetadata`` reaches the
+guest's metadata server, its serial output is the fake's while the VM runs, its power-off is a
+``guestTerminate``, and ``instances.delete`` kills qemu.
 ``validate`` runs in-process, as a user runs it, with only its pacing shortened.
 
 Output: ``build/e2e/validate/`` (validate.json, the report, the consoles) and
@@ -86,7 +87,9 @@ def test_validate_wedge_and_done_against_booted_vms(e2e: vm.Harness, api: FakeCo
     sha = vm.sha256_of(e2e.www, "wheelhouse.tar")
     base = vm.VmSpec(name="validate", startup_script="", config=CONFIG, timeout=BOOT_TIMEOUT)
     t0 = time.monotonic()
-    with guests.QemuGuests(e2e, api, base, prefix="validate") as qemu:
+    # The wedge VM installs the agent from validate's wheelhouse URL, as a user's VM does; the
+    # done VM boots the image with the same wheelhouse baked in (docs/e2e.md, "Time").
+    with guests.QemuGuests(e2e, api, base, prefix="validate", baked=frozenset({"done"})) as qemu:
         rc = main(
             argv(
                 api,
