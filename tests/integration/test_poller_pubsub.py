@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from kit.identities import TableIdentities
 from kit.paths import REPO
 from kit.pipes import blocked_pipe
+from kit.pubsub_emulator import publish_all, topic_and_subscription
 from kit.pubsub_service import (
     NOISE,
     ServiceLikeSubscriber,
@@ -205,29 +206,14 @@ def test_a_decision_is_ready_when_the_last_line_it_needed_was_published() -> Non
 def topic(pubsub_host: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
     """A fresh topic and subscription (ack deadline 10 s, the minimum) on the emulator."""
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{random.getrandbits(32):x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    t = pub.topic_path(PROJECT, f"serial-{n}")
-    s = sub.subscription_path(PROJECT, f"watchdog-{n}")
-    pub.create_topic(request={"name": t})
-    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": 10})
-    try:
-        yield t, s
-    finally:
-        sub.delete_subscription(request={"subscription": s})
-        pub.delete_topic(request={"topic": t})
-        sub.close()
+    with topic_and_subscription(PROJECT, "serial", "watchdog", ack_deadline_s=10) as ts:
+        yield ts.topic, ts.subscription
 
 
 def publish(topic: str, datas: list[bytes]) -> None:
     from google.cloud import pubsub_v1
 
-    pub = pubsub_v1.PublisherClient()
-    futures = [pub.publish(topic, d) for d in datas]
-    for f in futures:
-        f.result(timeout=30)
+    publish_all(pubsub_v1.PublisherClient(), topic, datas)
 
 
 def _drive(workers: list[PubSubWorker], done: Any, what: Any) -> None:
@@ -708,20 +694,8 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
 def decisions_topic(pubsub_host: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
     """Where ``--publish`` sends decisions: a fresh topic and the dispatcher's subscription."""
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{random.getrandbits(32):x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    t = pub.topic_path(PROJECT, f"decisions-{n}")
-    s = sub.subscription_path(PROJECT, f"dispatcher-{n}")
-    pub.create_topic(request={"name": t})
-    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": 60})
-    try:
-        yield t, s
-    finally:
-        sub.delete_subscription(request={"subscription": s})
-        pub.delete_topic(request={"topic": t})
-        sub.close()
+    with topic_and_subscription(PROJECT, "decisions", "dispatcher", ack_deadline_s=60) as ts:
+        yield ts.topic, ts.subscription
 
 
 def _published(topic: str, subscription: str) -> list[Any]:
