@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from kit.identities import TableIdentities
 from kit.paths import REPO
 from kit.pipes import blocked_pipe
+from kit.procs import running, terminate, wait_alive
 from kit.pubsub_emulator import publish_all, topic_and_subscription
 from kit.pubsub_service import (
     NOISE,
@@ -663,21 +664,16 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
             "--api-base", compute.base_url, "--on-failover", hook]  # fmt: skip
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
+    with running(argv, env) as worker:
         with open_ledger(ledger) as led:
-            while len(_pairs(state / "succeeded")) < 2 or led.pending_announcements():
-                assert worker.poll() is None, worker.communicate()
-                assert time.monotonic() < deadline, "the hooks never succeeded"
-                time.sleep(0.2)
+            wait_alive(
+                worker,
+                lambda: len(_pairs(state / "succeeded")) >= 2 and not led.pending_announcements(),
+                DEADLINE_S,
+                "the hooks never succeeded",
+            )
             decisions = led.all()
-        worker.send_signal(signal.SIGTERM)
-        out, err = worker.communicate(timeout=60)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.communicate()
+        out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     assert sorted(d.instance_id for d in decisions) == ["5101", "5102"]
     assert all(d.announced_at is not None for d in decisions)
@@ -805,21 +801,16 @@ def test_poll_pubsub_publishes_each_decision_to_the_topic(
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
             "--api-base", compute.base_url, "--publish", dt]  # fmt: skip
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
+    with running(argv, env) as worker:
         with open_ledger(ledger) as led:
-            while not (len(led.all()) == 2 and all(d.announced_at is not None for d in led.all())):
-                assert worker.poll() is None, worker.communicate()
-                assert time.monotonic() < deadline, "the decisions were never announced"
-                time.sleep(0.2)
+            wait_alive(
+                worker,
+                lambda: len(led.all()) == 2 and all(d.announced_at is not None for d in led.all()),
+                DEADLINE_S,
+                "the decisions were never announced",
+            )
             decisions = led.all()
-        worker.send_signal(signal.SIGTERM)
-        out, err = worker.communicate(timeout=60)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.communicate()
+        out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     assert sorted(d.instance_id for d in decisions) == ["5201", "5202"]
     _check_messages(_published(dt, ds), decisions)
@@ -936,19 +927,14 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
                 "--api-base", api.base_url, "--access-token-file", str(tmp_path / "tok"),
                 "--ledger", str(tmp_path / "l.sqlite"),
                 "--cursor-dir", str(tmp_path / "c")]  # fmt: skip
-        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        try:
-            deadline = time.monotonic() + DEADLINE_S
-            while not (tmp_path / "l.sqlite").exists() or not _decided(tmp_path / "l.sqlite"):
-                assert worker.poll() is None, worker.communicate()
-                assert time.monotonic() < deadline, "the sweep never decided"
-                time.sleep(0.2)
-            worker.send_signal(signal.SIGTERM)
-            out, err = worker.communicate(timeout=60)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-                worker.communicate()
+        with running(argv, env) as worker:
+            wait_alive(
+                worker,
+                lambda: (tmp_path / "l.sqlite").exists() and _decided(tmp_path / "l.sqlite"),
+                DEADLINE_S,
+                "the sweep never decided",
+            )
+            out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     lines = [json.loads(x) for x in out.decode().splitlines()]
     failovers = [x for x in lines if x["action"] == "failover"]

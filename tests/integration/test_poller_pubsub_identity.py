@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +31,7 @@ from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from google.oauth2.credentials import Credentials
 from kit.identities import Batches
 from kit.paths import REPO
+from kit.procs import running, terminate, wait_alive
 from kit.pubsub_emulator import publish_all, topic_and_subscription
 from kit.pubsub_service import ServiceLikeSubscriber, exported_entry, exported_text
 
@@ -249,19 +248,9 @@ def test_the_cli_worker_looks_ids_up_in_the_subscriptions_project(
         argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", ts.subscription,
                 "--json", "--settle", "600s", "--api-base", api.base_url, "--access-token-file",
                 str(tmp_path / "tok"), "--ledger", str(ledger)]  # fmt: skip
-        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        try:
-            deadline = time.monotonic() + DEADLINE_S
-            while not _announced(ledger):
-                assert worker.poll() is None, worker.communicate()
-                assert time.monotonic() < deadline, "never announced"
-                time.sleep(0.2)
-            worker.send_signal(signal.SIGTERM)
-            out, err = worker.communicate(timeout=60)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-                worker.communicate()
+        with running(argv, env) as worker:
+            wait_alive(worker, lambda: _announced(ledger), DEADLINE_S, "never announced")
+            out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     (line,) = [json.loads(x) for x in out.decode().splitlines()]
     assert (line["instance"], line["project"], line["zone"]) == ("vm-a", P, Z), line
