@@ -642,6 +642,34 @@ def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_i
     assert tokens[first_token].announced_by != killed[0]  # taken over after the lease
 
 
+def _two_wedged_one_finished(
+    topic: str, ledger: Path, compute: Any, ids: tuple[str, str, str], boots: tuple[str, str, str]
+) -> None:
+    """Three VMs' boots on ``topic``: the first two wedged, the third finished; each VM pinned
+    in ``ledger`` and known to the fake Compute API by its id."""
+    msgs = _boot_entries(ids[0], boots[0]) + _boot_entries(ids[1], boots[1])
+    msgs += _boot_entries(ids[2], boots[2], finished=True)
+    publish(topic, msgs)
+    with open_ledger(ledger) as led:
+        for iid in ids:
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)  # who it is
+
+
+def _cli_worker(
+    subscription: str, ledger: Path, tmp_path: Path, compute: Any, pubsub_host: str, *extra: str
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of one ``gce-watchdog poll --pubsub`` worker (settle 1 s, JSON
+    lines, ids looked up in ``compute``), with ``extra`` options."""
+    (tmp_path / "tok").write_text("unused\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", subscription,
+            "--ledger", str(ledger), "--json", "--settle", "1s",
+            "--access-token-file", str(tmp_path / "tok"), "--api-base", compute.base_url,
+            *extra]  # fmt: skip
+    return argv, env
+
+
 def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     topic: tuple[str, str], pubsub_host: str, tmp_path: Path, compute: Any
 ) -> None:
@@ -649,21 +677,12 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     VMs on the stream; each hook fails once and succeeds on its retry; each announcement is
     marked done once its hook succeeded, and the hook succeeded once per token."""
     t, s = topic
-    msgs = _boot_entries("5101", "abab0001") + _boot_entries("5102", "abab0002")
-    msgs += _boot_entries("5103", "abab0003", finished=True)
-    publish(t, msgs)
     ledger = tmp_path / "l.sqlite"
-    with open_ledger(ledger) as led:
-        for iid in ("5101", "5102", "5103"):
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)  # who it is
+    ids, boots = ("5101", "5102", "5103"), ("abab0001", "abab0002", "abab0003")
+    _two_wedged_one_finished(t, ledger, compute, ids, boots)
     state, hook = _hook(tmp_path)
-    (tmp_path / "tok").write_text("unused\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+    argv, env = _cli_worker(s, ledger, tmp_path, compute, pubsub_host, "--on-failover", hook)
     env.pop("KILL_FIRST", None)
-    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
-            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
-            "--api-base", compute.base_url, "--on-failover", hook]  # fmt: skip
     with running(argv, env) as worker:
         with open_ledger(ledger) as led:
             wait_alive(
@@ -788,19 +807,10 @@ def test_poll_pubsub_publishes_each_decision_to_the_topic(
     done, nothing for the finished VM."""
     t, s = topic
     dt, ds = decisions_topic
-    msgs = _boot_entries("5201", "abab0011") + _boot_entries("5202", "abab0012")
-    msgs += _boot_entries("5203", "abab0013", finished=True)
-    publish(t, msgs)
     ledger = tmp_path / "l.sqlite"
-    with open_ledger(ledger) as led:
-        for iid in ("5201", "5202", "5203"):
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)
-    (tmp_path / "tok").write_text("unused\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
-    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
-            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
-            "--api-base", compute.base_url, "--publish", dt]  # fmt: skip
+    ids, boots = ("5201", "5202", "5203"), ("abab0011", "abab0012", "abab0013")
+    _two_wedged_one_finished(t, ledger, compute, ids, boots)
+    argv, env = _cli_worker(s, ledger, tmp_path, compute, pubsub_host, "--publish", dt)
     with running(argv, env) as worker:
         with open_ledger(ledger) as led:
             wait_alive(
