@@ -134,6 +134,16 @@ def pct(xs: list[float], p: float) -> float | None:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
+def _latency_summary(xs: list[float]) -> dict[str, float | int]:
+    """p50, p99 and max of latencies in seconds (to the millisecond), and how many there were."""
+    return {
+        "p50": round(pct(xs, 50) or 0, 3),
+        "p99": round(pct(xs, 99) or 0, 3),
+        "max": round(max(xs, default=0), 3),
+        "n": len(xs),
+    }
+
+
 def bench_polling(n: int, args: argparse.Namespace) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -320,20 +330,10 @@ def bench_pubsub(
         "elapsed_s": round(elapsed, 2),
         "messages_per_s": round(handled / elapsed, 1) if elapsed else None,
         "stream": f"interleaved, spread {spread:g} lines, transit up to {jitter_s:g} s",
-        "decision_latency_s": {
-            "p50": round(pct(lat, 50) or 0, 3),
-            "p99": round(pct(lat, 99) or 0, 3),
-            "max": round(max(lat, default=0), 3),
-            "n": len(lat),
-        },
+        "decision_latency_s": _latency_summary(lat),
         # from the publish of the last line the decision needed (a line before the shutdown,
         # displaced after it in the stream, included): the pipeline's own share
-        "ready_latency_s": {
-            "p50": round(pct(ready, 50) or 0, 3),
-            "p99": round(pct(ready, 99) or 0, 3),
-            "max": round(max(ready, default=0), 3),
-            "n": len(ready),
-        },
+        "ready_latency_s": _latency_summary(ready),
         "worker_rss_mib": [round(st["maxrss_kib"] / 1024, 1) for st in stats],
         "per_worker_messages": [st["messages"] for st in stats],
         "loadavg_1m": {"min": min(load), "max": max(load), "samples": load},

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from gce_watchdog.testing.simgce import SimGCE
@@ -109,42 +110,39 @@ def _sim() -> SimGCE:
     return SimGCE(dns=("127.0.0.1", 0), records={"egress.test": ["127.0.0.1"]})
 
 
-def test_the_daemon_leaves_out_what_it_does_not_use(tmp_path: Path) -> None:
+def _modules(
+    tmp_path: Path, script: str, args: Callable[[Path], list[str]], timeout: float
+) -> set[str]:
+    """The module set that ``script`` (RUN or BUILT) writes at its end, run with ``args(config)``
+    and the output path against the simulated GCE of ``_sim`` and ``_config``."""
     out = tmp_path / "modules.json"
     with _sim() as sim:
         cfg = _config(tmp_path, sim)
         r = subprocess.run(
-            [sys.executable, "-c", RUN, "run", "--config", str(cfg), "--max-ticks", "3", str(out)],
+            [sys.executable, "-c", script, *args(cfg), str(out)],
             cwd=REPO,
             env=agent_env(),
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=timeout,
             check=False,
         )
     assert r.returncode == 0, r.stderr
+    return set(json.loads(out.read_text()))
+
+
+def test_the_daemon_leaves_out_what_it_does_not_use(tmp_path: Path) -> None:
+    mods = _modules(
+        tmp_path, RUN, lambda cfg: ["run", "--config", str(cfg), "--max-ticks", "3"], 120
+    )
     serial = (tmp_path / "ttyS0").read_text()
     assert " heartbeat " in serial and " dns=ok " in serial, serial[-2000:]
-    mods = set(json.loads(out.read_text()))
     assert [m for m in LOADED if m not in mods] == []
     assert _unexpected(mods) == []
 
 
 def test_dnspython_and_psutil_load_before_the_threads_start(tmp_path: Path) -> None:
-    out = tmp_path / "modules.json"
-    with _sim() as sim:
-        cfg = _config(tmp_path, sim)
-        r = subprocess.run(
-            [sys.executable, "-c", BUILT, str(cfg), str(out)],
-            cwd=REPO,
-            env=agent_env(),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-    assert r.returncode == 0, r.stderr
-    mods = set(json.loads(out.read_text()))
+    mods = _modules(tmp_path, BUILT, lambda cfg: [str(cfg)], 60)
     assert {"dns.message", "dns.rdatatype", "psutil"} <= mods
     assert _unexpected(mods) == []
 

@@ -32,6 +32,7 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer
 from kit.paths import REPO
 from kit.pipes import blocked_pipe
+from kit.pubsub_emulator import topic_and_subscription
 from kit.wait import wait_for
 
 P, Z = "test-project", "us-central1-a"
@@ -431,18 +432,10 @@ def test_decisions_are_published_to_a_topic_with_the_request_id(
 ) -> None:
     """``--publish``: one message per announced decision on the real emulator, the view's JSON
     as data, ``request_id`` and ``token`` as attributes; a second poll publishes nothing more."""
-    import random
-
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{random.getrandbits(32):x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    topic = pub.topic_path(P, f"decisions-{n}")
-    subscription = sub.subscription_path(P, f"dispatcher-{n}")
-    pub.create_topic(request={"name": topic})
-    sub.create_subscription(request={"name": subscription, "topic": topic})
-    try:
+    # the helper's ack deadline, 10 s, is the service's default this test had (none asked for)
+    with topic_and_subscription(P, "decisions", "dispatcher") as ts:
+        pub, sub, topic, subscription = ts.publisher, ts.subscriber, ts.topic, ts.subscription
         wedge(api, "vm-1", "0000000b", {"gce-watchdog-job": "job-1"})
         (tmp_path / "tok").write_text("tok\n")
         argv = ["poll", "--project", P, "--zone", Z, "--api-base", api.base_url,
@@ -460,10 +453,6 @@ def test_decisions_are_published_to_a_topic_with_the_request_id(
             got += list(r.received_messages)
         sub.acknowledge(request={"subscription": subscription, "ack_ids": [m.ack_id for m in got]})
         got = [m for m in got if not m.message.attributes.get("sentinel")]
-    finally:
-        sub.delete_subscription(request={"subscription": subscription})
-        pub.delete_topic(request={"topic": topic})
-        sub.close()
     assert len(got) == 1
     msg = got[0].message
     doc = json.loads(msg.data)

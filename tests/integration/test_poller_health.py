@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from kit.paths import REPO
 from kit.ports import free_port
+from kit.pubsub_emulator import topic_and_subscription
 from kit.pubsub_service import exported_entry, exported_text
 from kit.wait import wait_for
 
@@ -70,20 +70,8 @@ while not os.path.exists(os.path.join(state, "release")) and time.monotonic() < 
 @pytest.fixture
 def topic(pubsub_host: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{time.monotonic_ns():x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    t = pub.topic_path("test-project", f"serial-h-{n}")
-    s = sub.subscription_path("test-project", f"watchdog-h-{n}")
-    pub.create_topic(request={"name": t})
-    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": 60})
-    try:
-        yield t, s
-    finally:
-        sub.delete_subscription(request={"subscription": s})
-        pub.delete_topic(request={"topic": t})
-        sub.close()
+    with topic_and_subscription("test-project", "serial-h", "watchdog-h", ack_deadline_s=60) as ts:
+        yield ts.topic, ts.subscription
 
 
 def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(

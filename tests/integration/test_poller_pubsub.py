@@ -33,6 +33,8 @@ from hypothesis import strategies as st
 from kit.identities import TableIdentities
 from kit.paths import REPO
 from kit.pipes import blocked_pipe
+from kit.procs import running, terminate, wait_alive
+from kit.pubsub_emulator import publish_all, topic_and_subscription
 from kit.pubsub_service import (
     NOISE,
     ServiceLikeSubscriber,
@@ -205,29 +207,14 @@ def test_a_decision_is_ready_when_the_last_line_it_needed_was_published() -> Non
 def topic(pubsub_host: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
     """A fresh topic and subscription (ack deadline 10 s, the minimum) on the emulator."""
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{random.getrandbits(32):x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    t = pub.topic_path(PROJECT, f"serial-{n}")
-    s = sub.subscription_path(PROJECT, f"watchdog-{n}")
-    pub.create_topic(request={"name": t})
-    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": 10})
-    try:
-        yield t, s
-    finally:
-        sub.delete_subscription(request={"subscription": s})
-        pub.delete_topic(request={"topic": t})
-        sub.close()
+    with topic_and_subscription(PROJECT, "serial", "watchdog", ack_deadline_s=10) as ts:
+        yield ts.topic, ts.subscription
 
 
 def publish(topic: str, datas: list[bytes]) -> None:
     from google.cloud import pubsub_v1
 
-    pub = pubsub_v1.PublisherClient()
-    futures = [pub.publish(topic, d) for d in datas]
-    for f in futures:
-        f.result(timeout=30)
+    publish_all(pubsub_v1.PublisherClient(), topic, datas)
 
 
 def _drive(workers: list[PubSubWorker], done: Any, what: Any) -> None:
@@ -606,7 +593,6 @@ def _three_workers_until_decided(
     assert len(killed) == 1 and all(
         p.returncode == 0 for n, p in procs.items() if n not in killed
     ), _errs(procs)
-    assert len(killed) == 1
     return decisions, logs, killed
 
 
@@ -655,6 +641,34 @@ def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_i
     assert tokens[first_token].announced_by != killed[0]  # taken over after the lease
 
 
+def _two_wedged_one_finished(
+    topic: str, ledger: Path, compute: Any, ids: tuple[str, str, str], boots: tuple[str, str, str]
+) -> None:
+    """Three VMs' boots on ``topic``: the first two wedged, the third finished; each VM pinned
+    in ``ledger`` and known to the fake Compute API by its id."""
+    msgs = _boot_entries(ids[0], boots[0]) + _boot_entries(ids[1], boots[1])
+    msgs += _boot_entries(ids[2], boots[2], finished=True)
+    publish(topic, msgs)
+    with open_ledger(ledger) as led:
+        for iid in ids:
+            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)  # who it is
+
+
+def _cli_worker(
+    subscription: str, ledger: Path, tmp_path: Path, compute: Any, pubsub_host: str, *extra: str
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of one ``gce-watchdog poll --pubsub`` worker (settle 1 s, JSON
+    lines, ids looked up in ``compute``), with ``extra`` options."""
+    (tmp_path / "tok").write_text("unused\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", subscription,
+            "--ledger", str(ledger), "--json", "--settle", "1s",
+            "--access-token-file", str(tmp_path / "tok"), "--api-base", compute.base_url,
+            *extra]  # fmt: skip
+    return argv, env
+
+
 def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     topic: tuple[str, str], pubsub_host: str, tmp_path: Path, compute: Any
 ) -> None:
@@ -662,36 +676,22 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     VMs on the stream; each hook fails once and succeeds on its retry; each announcement is
     marked done once its hook succeeded, and the hook succeeded once per token."""
     t, s = topic
-    msgs = _boot_entries("5101", "abab0001") + _boot_entries("5102", "abab0002")
-    msgs += _boot_entries("5103", "abab0003", finished=True)
-    publish(t, msgs)
     ledger = tmp_path / "l.sqlite"
-    with open_ledger(ledger) as led:
-        for iid in ("5101", "5102", "5103"):
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)  # who it is
+    ids, boots = ("5101", "5102", "5103"), ("abab0001", "abab0002", "abab0003")
+    _two_wedged_one_finished(t, ledger, compute, ids, boots)
     state, hook = _hook(tmp_path)
-    (tmp_path / "tok").write_text("unused\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+    argv, env = _cli_worker(s, ledger, tmp_path, compute, pubsub_host, "--on-failover", hook)
     env.pop("KILL_FIRST", None)
-    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
-            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
-            "--api-base", compute.base_url, "--on-failover", hook]  # fmt: skip
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
+    with running(argv, env) as worker:
         with open_ledger(ledger) as led:
-            while len(_pairs(state / "succeeded")) < 2 or led.pending_announcements():
-                assert worker.poll() is None, worker.communicate()
-                assert time.monotonic() < deadline, "the hooks never succeeded"
-                time.sleep(0.2)
+            wait_alive(
+                worker,
+                lambda: len(_pairs(state / "succeeded")) >= 2 and not led.pending_announcements(),
+                DEADLINE_S,
+                "the hooks never succeeded",
+            )
             decisions = led.all()
-        worker.send_signal(signal.SIGTERM)
-        out, err = worker.communicate(timeout=60)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.communicate()
+        out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     assert sorted(d.instance_id for d in decisions) == ["5101", "5102"]
     assert all(d.announced_at is not None for d in decisions)
@@ -708,20 +708,8 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
 def decisions_topic(pubsub_host: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
     """Where ``--publish`` sends decisions: a fresh topic and the dispatcher's subscription."""
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{random.getrandbits(32):x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    t = pub.topic_path(PROJECT, f"decisions-{n}")
-    s = sub.subscription_path(PROJECT, f"dispatcher-{n}")
-    pub.create_topic(request={"name": t})
-    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": 60})
-    try:
-        yield t, s
-    finally:
-        sub.delete_subscription(request={"subscription": s})
-        pub.delete_topic(request={"topic": t})
-        sub.close()
+    with topic_and_subscription(PROJECT, "decisions", "dispatcher", ack_deadline_s=60) as ts:
+        yield ts.topic, ts.subscription
 
 
 def _published(topic: str, subscription: str) -> list[Any]:
@@ -818,34 +806,20 @@ def test_poll_pubsub_publishes_each_decision_to_the_topic(
     done, nothing for the finished VM."""
     t, s = topic
     dt, ds = decisions_topic
-    msgs = _boot_entries("5201", "abab0011") + _boot_entries("5202", "abab0012")
-    msgs += _boot_entries("5203", "abab0013", finished=True)
-    publish(t, msgs)
     ledger = tmp_path / "l.sqlite"
-    with open_ledger(ledger) as led:
-        for iid in ("5201", "5202", "5203"):
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-            compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)
-    (tmp_path / "tok").write_text("unused\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
-    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", str(ledger),
-            "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
-            "--api-base", compute.base_url, "--publish", dt]  # fmt: skip
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
+    ids, boots = ("5201", "5202", "5203"), ("abab0011", "abab0012", "abab0013")
+    _two_wedged_one_finished(t, ledger, compute, ids, boots)
+    argv, env = _cli_worker(s, ledger, tmp_path, compute, pubsub_host, "--publish", dt)
+    with running(argv, env) as worker:
         with open_ledger(ledger) as led:
-            while not (len(led.all()) == 2 and all(d.announced_at is not None for d in led.all())):
-                assert worker.poll() is None, worker.communicate()
-                assert time.monotonic() < deadline, "the decisions were never announced"
-                time.sleep(0.2)
+            wait_alive(
+                worker,
+                lambda: len(led.all()) == 2 and all(d.announced_at is not None for d in led.all()),
+                DEADLINE_S,
+                "the decisions were never announced",
+            )
             decisions = led.all()
-        worker.send_signal(signal.SIGTERM)
-        out, err = worker.communicate(timeout=60)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.communicate()
+        out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     assert sorted(d.instance_id for d in decisions) == ["5201", "5202"]
     _check_messages(_published(dt, ds), decisions)
@@ -962,19 +936,14 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
                 "--api-base", api.base_url, "--access-token-file", str(tmp_path / "tok"),
                 "--ledger", str(tmp_path / "l.sqlite"),
                 "--cursor-dir", str(tmp_path / "c")]  # fmt: skip
-        worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-        try:
-            deadline = time.monotonic() + DEADLINE_S
-            while not (tmp_path / "l.sqlite").exists() or not _decided(tmp_path / "l.sqlite"):
-                assert worker.poll() is None, worker.communicate()
-                assert time.monotonic() < deadline, "the sweep never decided"
-                time.sleep(0.2)
-            worker.send_signal(signal.SIGTERM)
-            out, err = worker.communicate(timeout=60)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-                worker.communicate()
+        with running(argv, env) as worker:
+            wait_alive(
+                worker,
+                lambda: (tmp_path / "l.sqlite").exists() and _decided(tmp_path / "l.sqlite"),
+                DEADLINE_S,
+                "the sweep never decided",
+            )
+            out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     lines = [json.loads(x) for x in out.decode().splitlines()]
     failovers = [x for x in lines if x["action"] == "failover"]

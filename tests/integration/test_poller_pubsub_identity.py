@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +31,8 @@ from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from google.oauth2.credentials import Credentials
 from kit.identities import Batches
 from kit.paths import REPO
+from kit.procs import running, terminate, wait_alive
+from kit.pubsub_emulator import publish_all, topic_and_subscription
 from kit.pubsub_service import ServiceLikeSubscriber, exported_entry, exported_text
 
 P, Z = "test-project", "us-central1-a"
@@ -105,23 +104,14 @@ def test_a_real_line_of_vm_a_relabelled_as_vm_b_is_announced_as_vm_a_on_the_emul
     pubsub_host: str, api: FakeComputeAPI, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{random.getrandbits(32):x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    topic = pub.topic_path(P, f"serial-{n}")
-    subn = sub.subscription_path(P, f"watchdog-{n}")
-    pub.create_topic(request={"name": topic})
-    sub.create_subscription(request={"name": subn, "topic": topic, "ack_deadline_seconds": 10})
-    for f in [pub.publish(topic, d) for d in relabelled(a_boot())]:
-        f.result(timeout=30)
-    outs: list[PollOutcome] = []
-    logs: list[str] = []
-    try:
+    with topic_and_subscription(P, "serial", "watchdog", ack_deadline_s=10) as ts:
+        publish_all(ts.publisher, ts.topic, relabelled(a_boot()))
+        outs: list[PollOutcome] = []
+        logs: list[str] = []
         with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
             led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)  # A's key, by its id
-            ss = ServiceLikeSubscriber(sub, 2, seed=3)
-            w = PubSubWorker(ss, subn, led, outs.append, settle_s=600.0,
+            ss = ServiceLikeSubscriber(ts.subscriber, 2, seed=3)
+            w = PubSubWorker(ss, ts.subscription, led, outs.append, settle_s=600.0,
                              identity=identities(api), log=logs.append)  # fmt: skip
             deadline = time.monotonic() + DEADLINE_S
             while not (led.all() and not led.pending_announcements()):
@@ -129,10 +119,6 @@ def test_a_real_line_of_vm_a_relabelled_as_vm_b_is_announced_as_vm_a_on_the_emul
                 w.step(timeout=0.5)
             (d,) = led.all()
             view = doc_for(led, d.token)  # the decisions view (`gce-watchdog decisions`)
-    finally:
-        sub.delete_subscription(request={"subscription": subn})
-        pub.delete_topic(request={"topic": topic})
-        sub.close()
     assert (d.instance_id, d.verdict, d.instance) == (A_ID, "self_shutdown", f"{P}/{Z}/vm-a")
     assert view is not None and (view["project"], view["zone"], view["name"]) == (P, Z, "vm-a")
     (o,) = [o for o in outs if o.action == "failover"]
@@ -252,40 +238,19 @@ def test_the_cli_worker_looks_ids_up_in_the_subscriptions_project(
     """``gce-watchdog poll --pubsub`` without --project: ids are looked up in the subscription's
     project (here A's); B's relabelling is an alarm on stderr, the printed line names A."""
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
-    n = f"{os.getpid()}-{random.getrandbits(32):x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    topic = pub.topic_path(P, f"serial-{n}")
-    subn = sub.subscription_path(P, f"watchdog-{n}")
-    pub.create_topic(request={"name": topic})
-    sub.create_subscription(request={"name": subn, "topic": topic, "ack_deadline_seconds": 10})
-    for f in [pub.publish(topic, d) for d in relabelled(a_boot())]:
-        f.result(timeout=30)
-    ledger = tmp_path / "l.sqlite"
-    with open_ledger(ledger) as led:
-        led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-    (tmp_path / "tok").write_text("tok\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
-    argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", subn, "--json",
-            "--settle", "600s", "--api-base", api.base_url, "--access-token-file",
-            str(tmp_path / "tok"), "--ledger", str(ledger)]  # fmt: skip
-    worker = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        deadline = time.monotonic() + DEADLINE_S
-        while not _announced(ledger):
-            assert worker.poll() is None, worker.communicate()
-            assert time.monotonic() < deadline, "never announced"
-            time.sleep(0.2)
-        worker.send_signal(signal.SIGTERM)
-        out, err = worker.communicate(timeout=60)
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.communicate()
-        sub.delete_subscription(request={"subscription": subn})
-        pub.delete_topic(request={"topic": topic})
-        sub.close()
+    with topic_and_subscription(P, "serial", "watchdog", ack_deadline_s=10) as ts:
+        publish_all(ts.publisher, ts.topic, relabelled(a_boot()))
+        ledger = tmp_path / "l.sqlite"
+        with open_ledger(ledger) as led:
+            led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        (tmp_path / "tok").write_text("tok\n")
+        env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
+        argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", ts.subscription,
+                "--json", "--settle", "600s", "--api-base", api.base_url, "--access-token-file",
+                str(tmp_path / "tok"), "--ledger", str(ledger)]  # fmt: skip
+        with running(argv, env) as worker:
+            wait_alive(worker, lambda: _announced(ledger), DEADLINE_S, "never announced")
+            out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     (line,) = [json.loads(x) for x in out.decode().splitlines()]
     assert (line["instance"], line["project"], line["zone"]) == ("vm-a", P, Z), line

@@ -1,7 +1,13 @@
-"""Racing processes: start them, gather their results, reap them all (bounded)."""
+"""Racing processes: start them, gather their results, reap them all (bounded). A command run
+until an event: ``running``, ``wait_alive``, ``terminate``."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -22,3 +28,34 @@ def gather(procs: list[Any], results: Any, n: int, wait_s: float) -> list[Any]:
                 p.kill()
                 p.join(timeout=5)
     return out
+
+
+@contextmanager
+def running(argv: list[str], env: Mapping[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    """``argv`` started with its stdout and stderr piped; killed and reaped on exit from the
+    context if it is still running (a failed assertion, a deadline), never left behind."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def wait_alive(
+    proc: subprocess.Popen[bytes], done: Callable[[], object], within_s: float, what: str
+) -> None:
+    """Until ``done()`` is true, looking every 0.2 s: an AssertionError with the process's
+    output if it exits first, or with ``what`` once ``within_s`` seconds have passed."""
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> tuple[bytes, bytes]:
+    """SIGTERM, then its stdout and stderr once it exited (within ``timeout_s``)."""
+    proc.send_signal(signal.SIGTERM)
+    return proc.communicate(timeout=timeout_s)

@@ -2,12 +2,14 @@
 
 Started on a free loopback port with its data in a temp dir; ready when it logs "Server started";
 killed (its whole process group) and removed when the context exits, also on failure.
+``topic_and_subscription`` makes a fresh topic and a subscription on it there for one test.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -15,7 +17,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kit.ports import free_port
 
@@ -74,3 +78,43 @@ def pubsub_emulator() -> Iterator[str]:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class TopicSub:
+    """A topic and its subscription (full resource names), with the clients that made them."""
+
+    publisher: Any  # google.cloud.pubsub_v1.PublisherClient
+    subscriber: Any  # google.cloud.pubsub_v1.SubscriberClient
+    topic: str
+    subscription: str
+
+
+@contextmanager
+def topic_and_subscription(
+    project: str, topic: str, subscription: str, ack_deadline_s: int = 10
+) -> Iterator[TopicSub]:
+    """A fresh topic ``<topic>-<pid>-<random>`` and subscription ``<subscription>-<same>`` on it,
+    on the emulator that PUBSUB_EMULATOR_HOST names (set it before: the clients read it when
+    made). ``ack_deadline_s``: 10, the minimum and the default (pubsub.v1.json
+    ``Subscription.ackDeadlineSeconds``). Both are deleted, and the subscriber closed, on exit."""
+    from google.cloud import pubsub_v1
+
+    n = f"{os.getpid()}-{random.getrandbits(32):x}"
+    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
+    t = pub.topic_path(project, f"{topic}-{n}")
+    s = sub.subscription_path(project, f"{subscription}-{n}")
+    pub.create_topic(request={"name": t})
+    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": ack_deadline_s})
+    try:
+        yield TopicSub(pub, sub, t, s)
+    finally:
+        sub.delete_subscription(request={"subscription": s})
+        pub.delete_topic(request={"topic": t})
+        sub.close()
+
+
+def publish_all(publisher: Any, topic: str, datas: list[bytes]) -> None:
+    """Publish every message of ``datas`` to ``topic`` and wait until the emulator took each."""
+    for f in [publisher.publish(topic, d) for d in datas]:
+        f.result(timeout=30)

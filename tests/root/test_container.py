@@ -28,6 +28,7 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from kit.podman import Podman, build, debian_tree, unavailable
 from kit.ports import free_port
+from kit.pubsub_emulator import topic_and_subscription
 from kit.pubsub_service import exported_entry, exported_text
 from kit.wait import wait_for
 
@@ -122,49 +123,40 @@ def test_as_a_cloud_run_service_healthz_on_port_and_sigterm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     monkeypatch.setenv("PUBSUB_EMULATOR_HOST", pubsub_host)
-    from google.cloud import pubsub_v1
-
     n = f"{os.getpid()}-{time.monotonic_ns():x}"
-    pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
-    t = pub.topic_path("test-project", f"serial-c-{n}")
-    s = sub.subscription_path("test-project", f"watchdog-c-{n}")
-    pub.create_topic(request={"name": t})
-    sub.create_subscription(request={"name": s, "topic": t, "ack_deadline_seconds": 60})
-    with open_ledger(pg_database) as led:
-        led.place_pin("6200", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-    tok, port, name = secret(tmp_path), free_port(), f"gcewd-svc-{n}"
-    api = FakeComputeAPI(token="tok").start()
-    api.add_instance("vm-c", project="test-project", instance_id="6200")
-    svc = pm.popen("run", "--rm", "--name", name, "--network=host",
-                   "-e", f"PORT={port}", "-e", f"PUBSUB_EMULATOR_HOST={pubsub_host}",
-                   "-v", f"{tok}:/run/secrets/token:ro", TAG, "--pubsub", s,
-                   "--ledger", pg_database, "--settle", "1s", "--api-base", api.base_url,
-                   "--access-token-file", "/run/secrets/token")  # fmt: skip
-    try:
-        assert wait_for(lambda: svc.poll() is None and _health(port) == 200, DEADLINE_S), (
-            svc.poll(),
-            svc.stderr.read() if svc.poll() is not None and svc.stderr else b"",
-        )
-        w = Writer(boot="cafe0001")
-        for ev, f in (("phase", {"ph": "workload"}), ("shutdown", {"reason": "ladder"})):
-            for x in w.line(ev, f).decode().splitlines():
-                text = exported_text(x, "vm-c", False)
-                entry = exported_entry("test-project", "6200", "vm-c", text)
-                pub.publish(t, entry).result(timeout=30)
+    with topic_and_subscription("test-project", "serial-c", "watchdog-c", ack_deadline_s=60) as ts:
         with open_ledger(pg_database) as led:
-            assert wait_for(lambda: led.all() and not led.pending_announcements(), DEADLINE_S)
-            assert [d.instance for d in led.all()] == ["test-project/us-central1-a/vm-c"]
-        stop = pm.run("stop", "--time", "10", name, timeout=60)  # SIGTERM, SIGKILL after 10 s
-        assert stop.returncode == 0, stop.stderr
-        out, err = svc.communicate(timeout=60)
-    finally:
-        if svc.poll() is None:
-            pm.run("rm", "--force", name, timeout=60)
-            svc.communicate(timeout=60)
-        api.close()
-        sub.delete_subscription(request={"subscription": s})
-        pub.delete_topic(request={"topic": t})
-        sub.close()
+            led.place_pin("6200", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        tok, port, name = secret(tmp_path), free_port(), f"gcewd-svc-{n}"
+        api = FakeComputeAPI(token="tok").start()
+        api.add_instance("vm-c", project="test-project", instance_id="6200")
+        svc = pm.popen("run", "--rm", "--name", name, "--network=host",
+                       "-e", f"PORT={port}", "-e", f"PUBSUB_EMULATOR_HOST={pubsub_host}",
+                       "-v", f"{tok}:/run/secrets/token:ro", TAG, "--pubsub", ts.subscription,
+                       "--ledger", pg_database, "--settle", "1s", "--api-base", api.base_url,
+                       "--access-token-file", "/run/secrets/token")  # fmt: skip
+        try:
+            assert wait_for(lambda: svc.poll() is None and _health(port) == 200, DEADLINE_S), (
+                svc.poll(),
+                svc.stderr.read() if svc.poll() is not None and svc.stderr else b"",
+            )
+            w = Writer(boot="cafe0001")
+            for ev, f in (("phase", {"ph": "workload"}), ("shutdown", {"reason": "ladder"})):
+                for x in w.line(ev, f).decode().splitlines():
+                    text = exported_text(x, "vm-c", False)
+                    entry = exported_entry("test-project", "6200", "vm-c", text)
+                    ts.publisher.publish(ts.topic, entry).result(timeout=30)
+            with open_ledger(pg_database) as led:
+                assert wait_for(lambda: led.all() and not led.pending_announcements(), DEADLINE_S)
+                assert [d.instance for d in led.all()] == ["test-project/us-central1-a/vm-c"]
+            stop = pm.run("stop", "--time", "10", name, timeout=60)  # SIGTERM, SIGKILL after 10 s
+            assert stop.returncode == 0, stop.stderr
+            out, err = svc.communicate(timeout=60)
+        finally:
+            if svc.poll() is None:
+                pm.run("rm", "--force", name, timeout=60)
+                svc.communicate(timeout=60)
+            api.close()
     assert svc.returncode == 0, err.decode()[-2000:]
     assert f"health: GET /healthz on 0.0.0.0:{port}".encode() in err
     assert b"tok\n" not in out + err
