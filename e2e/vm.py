@@ -71,6 +71,23 @@ QEMU_KILL_WAIT = 10.0
 CONSOLE_ACCEPT_WAIT = 30.0  # qemu connects to the console socket while it starts, before the guest
 CONSOLE_CLOSE_WAIT = 10.0  # for the reader to see EOF once qemu has exited
 
+# The agent config.toml sections every scenario shares (the image's runner installs the file from
+# fw_cfg; a GCE image has none): the fake internet's 443 stand-in (192.0.2.10, resolved by the
+# fake GCE's DNS like a real name), a 6 s linger after a shutdown decision, no memory watch (a
+# 1 GiB guest). Scenarios put their own [agent] section before it.
+FAKE_INTERNET_CONFIG = """\
+[egress]
+targets = ["egress.test:443"]
+dns_timeout = "500ms"
+
+[actions]
+linger = "6s"
+repeat_every = "2s"
+
+[memory]
+enabled = false
+"""
+
 # The serial-console test user of the image (e2e/build-image.sh creates it; these must match).
 # It exists in the e2e test image only, never on a GCE image (docs/e2e.md).
 CONSOLE_USER = "gcewd-e2e"

@@ -32,25 +32,17 @@ STARTUP_SCRIPT = (REPO / "startup" / "startup-script.sh").read_text()
 AGENT = "/opt/gce-watchdog/bin/gce-watchdog"
 
 # Short ticks so a scenario takes 1-2 minutes: a 2 s tick, 10 ticks to the decision, 6 s linger.
-CONFIG = """\
+CONFIG = (
+    """\
 [agent]
 interval = "2s"
 probe_timeout = "1s"
 threshold = 10
 heartbeat_every = 3
 
-[egress]
-# The 443 stand-in (192.0.2.10), resolved by the fake GCE's DNS like a real name.
-targets = ["egress.test:443"]
-dns_timeout = "500ms"
-
-[actions]
-linger = "6s"
-repeat_every = "2s"
-
-[memory]
-enabled = false
 """
+    + vm.FAKE_INTERNET_CONFIG
+)
 
 # Budget for one boot, start to poweroff. Measured: ~105 s for the healthy run on a 2-core
 # machine (boot 25 s, agent install 50 s); the rest is room for a machine busy with other work.

@@ -41,21 +41,14 @@ PACING = ["--agent-interval", "2", "--poll-every", "2", "--op-poll", "0.2", "--d
 # timeouts that fit validate's 2 s tick, the fake internet's 443 target (the default targets do
 # not resolve here), a 6 s linger after the ladder's shutdown, no memory watch (a 1 GiB guest).
 # validate's own drop-in (50-metadata.toml: the interval, faults from metadata) overrides it.
-CONFIG = """\
+CONFIG = (
+    """\
 [agent]
 probe_timeout = "1s"
 
-[egress]
-targets = ["egress.test:443"]
-dns_timeout = "500ms"
-
-[actions]
-linger = "6s"
-repeat_every = "2s"
-
-[memory]
-enabled = false
 """
+    + vm.FAKE_INTERNET_CONFIG
+)
 BOOT_TIMEOUT = 600.0  # one VM, boot to power-off (measured: see docs/e2e.md)
 TIMINGS = (
     "fault_to_first_rung_s",
