@@ -39,6 +39,7 @@ import functools
 import gc
 import hashlib
 import hmac
+import operator
 import re
 import zlib
 from collections import OrderedDict
@@ -880,8 +881,8 @@ class _Cand:
 
     NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
     __slots__ = (
-        "_ev", "_owned", "body", "boot", "carried", "forged", "kind", "ln", "pin", "rx", "seq",
-        "sig", "simple", "state",
+        "_ev", "_owned", "body", "boot", "carried", "forged", "kind", "late", "ln", "pin", "rx",
+        "seq", "sig", "simple", "state",
     )  # fmt: skip
 
     def __init__(
@@ -899,6 +900,7 @@ class _Cand:
         self.ln, self._ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
         self.boot, self.seq, self.kind = head
         self.simple, self.carried, self.rx = simple, carried, rx
+        self.late = not carried  # carried-over lines are checked first (the sort key)
         self.state = _Cand.NEW
         self.forged: Forged | None = None
         self._owned = False
@@ -918,6 +920,16 @@ class _Cand:
             except UnicodeDecodeError:
                 return None
         return self._ev
+
+
+# Phase B's sort keys, C-level (StreamDecoder._decode_lines): carried first, then by boot and seq.
+_SORT_KEY = operator.attrgetter("late", "boot", "seq")
+_SEQ = operator.attrgetter("seq")
+
+
+def _boot_text(cache: dict[bytes, str], boot: bytes) -> str:
+    text = cache[boot] = boot.decode()
+    return text
 
 
 _B64_STD = bytes.maketrans(b"-_", b"+/")
@@ -1194,29 +1206,34 @@ class StreamDecoder:
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
         ncarried, block_rx = len(carried), self._rx
         plain, crc32, prefix = _PLAIN_V3.match, zlib.crc32, MARKER_PREFIX
+        boots_s: dict[bytes, str] = {}  # a block's boot ids, decoded once each
         pin = self.pin
         fast = pin is not None and self.lazy and not self.retired
         for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
             was_carried = i < ncarried
             rx = carried[i][1] if was_carried else block_rx
             # _lazy's plain path, inline (the flood's per-line cost): one line, one marker
-            m = plain(ln) if fast and len(ln) <= MAX_LINE else None
-            if m is not None:
+            n = len(ln)
+            m = plain(ln) if fast and n <= MAX_LINE else None
+            if m is not None:  # anchored at the end: crc = ln[n-8:], sig = ln[n-94:n-8]
                 boot, seq, kind_b, sig, crc = m.groups()
                 if kind_b != b"key" and kind_b != b"rekey" and ln.count(prefix) == 1:
-                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
                         self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
                         continue
-                    head = (boot.decode(), int(seq), kind_b.decode())
-                    body = ln[: m.start(4) - 2]
-                    out.append(_Cand(ln, head, None, body, sig, pin, True, was_carried, rx))  # type: ignore[arg-type]
+                    head = (
+                        boots_s.get(boot) or _boot_text(boots_s, boot),
+                        int(seq),
+                        kind_b.decode(),
+                    )
+                    out.append(_Cand(ln, head, None, ln[: n - 96], sig, pin, True, was_carried, rx))  # type: ignore[arg-type]
                     continue
                 if kind_b == b"key" and ln.count(prefix) == 1:  # another key's announcement?
-                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
                         self._reject(Rejected(Reject.CHECKSUM, ln))
                         continue
                     try:
-                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
+                        ev = _parse_body(ln[: n - 96].decode("ascii"))
                     except UnicodeDecodeError:
                         ev = None
                     if ev is not None and ev.get("pk") != _pk_text(pin):
@@ -1245,10 +1262,15 @@ class StreamDecoder:
         if cands:  # intact lines: the stream's first line is behind us
             self.placeable = False
         decisive = [c for c in cands if c.kind not in ROUTINE_EVENTS]
-        decisive.sort(key=lambda c: (not c.carried, c.boot not in self._boots, c.boot, c.seq))
+        known = self._boots
+        if len({c.boot in known for c in decisive}) <= 1:  # (known, boot, seq): boot's order
+            decisive.sort(key=_SORT_KEY)
+        else:
+            decisive.sort(key=lambda c: (c.late, c.boot not in known, c.boot, c.seq))
         unchecked = _Cand.UNCHECKED
+        ok_bodies = self._ok_bodies
         for c in decisive:
-            if self._budget <= 0 and c.body not in self._ok_bodies:  # spent (a flood): fast
+            if self._budget <= 0 and c.body not in ok_bodies:  # spent (a flood): fast
                 c.state = unchecked
                 continue
             self._resolve(c)
@@ -1259,7 +1281,7 @@ class StreamDecoder:
             if c.kind in ROUTINE_EVENTS:
                 routine.setdefault(c.boot, []).append(c)
         for boot, group in routine.items():
-            group.sort(key=lambda c: -c.seq)
+            group.sort(key=_SEQ, reverse=True)  # highest seq first (stable, like -seq)
             for c in group:
                 if c.seq < top.get(boot, -1):
                     break
@@ -1303,12 +1325,18 @@ class StreamDecoder:
                     c.state = _Cand.COVERED if c.seq < high else unchecked
         st = self.stats
         last_boot = ""
+        carry, max_carry, unchecked_new = self.carry, self.MAX_CARRY, self.unchecked_new
         for item in out:
             if item is None:
                 continue
             if isinstance(item, _Cand):
-                if item.state == unchecked:
-                    self._defer(item.ln, (item.boot, item.seq, item.kind), item.rx)
+                if item.state == unchecked:  # _defer, inline (a flood's per-line cost)
+                    decisive_line = item.kind not in ROUTINE_EVENTS
+                    if decisive_line and len(carry) < max_carry:
+                        carry.append((item.ln, item.rx))
+                    else:
+                        st.unchecked += 1
+                        unchecked_new.append((item.boot, item.seq, decisive_line))
                     continue
                 got = self._settle(item)
                 if got is None:
