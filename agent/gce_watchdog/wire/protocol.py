@@ -103,6 +103,16 @@ _HEAD_RE = re.compile(
     r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) ([^ ]*) ([a-z][a-z0-9_]{0,23})"
     r"((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)\Z"
 )
+# A whole body in one match (_parse_parts): the head as _HEAD_RE says with the timestamp split
+# as parse_ts takes it (its minute, second and millisecond; ``\d`` is what its isdecimal takes)
+# and the text after the first `` | `` (the head holds no ``|``). What _HEAD_RE and parse_ts
+# refuse, it refuses: no match.
+_BODY_RE = re.compile(
+    r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) (\d{4}-\d\d-\d\dT\d\d:\d\d):(\d\d)\.(\d\d\d)Z"
+    r" ([a-z][a-z0-9_]{0,23})((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)"
+    r"(?: \| (.*))?\Z",
+    re.DOTALL,
+)
 # A whole plain line (from its marker, one marker, nothing after the trailer, no ``#`` before it):
 # its boot, seq, event name, signature and CRC without parsing the rest (_Cand.ev does that).
 _PLAIN_V3 = re.compile(
@@ -687,27 +697,25 @@ def _text_ok(text: str) -> bool:
 
 
 def _parse_parts(body: str) -> tuple[str, str, int, int, tuple[tuple[str, str], ...], str] | None:
-    """A body's (event, boot, seq, ts_ms, fields, text), or None when it is not a line."""
-    text = ""
-    head = body
-    idx = body.find(" | ")
-    if idx >= 0:
-        head, text = body[:idx], body[idx + 3 :]
-    elif body.endswith(" |"):
-        return None
-    m = _HEAD_RE.match(head)
+    """A body's (event, boot, seq, ts_ms, fields, text), or None when it is not a line: the
+    head (before the first `` | ``) as _HEAD_RE says, its timestamp as parse_ts says (one
+    _BODY_RE match does both), no duplicate key, a text as sanitize_text leaves it."""
+    m = _BODY_RE.match(body)
     if m is None:
         return None
-    boot, seq_s, ts_s, name, kvs = m.groups()
-    ts_ms = parse_ts(ts_s)
-    if ts_ms is None:
+    boot, seq_s, minute, sec, ms, name, kvs, text = m.groups()
+    base = _minute_s(minute)
+    sec_i = int(sec)
+    if base is None or sec_i > 59:
         return None
     fields = _fields_of(kvs) if kvs else ()
     if fields is None:
         return None
-    if text and not _text_ok(text):
+    if text is None:
+        text = ""
+    elif text and not _text_ok(text):
         return None
-    return name, boot, int(seq_s), ts_ms, fields, text
+    return name, boot, int(seq_s), (base + sec_i) * 1000 + int(ms), fields, text
 
 
 def _parse_body(body: str) -> Event | None:
