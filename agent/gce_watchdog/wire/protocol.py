@@ -889,14 +889,16 @@ class _Cand:
 
     NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
     __slots__ = (
-        "_ev", "_owned", "body", "boot", "carried", "forged", "kind", "late", "ln", "pin", "rx",
-        "seq", "sig", "simple", "state",
+        "_ev", "_owned", "body", "boot", "carried", "kind", "late", "ln", "pin", "rx", "seq", "sig",
+        "simple", "state",
     )  # fmt: skip
 
     def __init__(
         self,
         ln: bytes,
-        head: tuple[str, int, str],
+        boot: str,
+        seq: int,
+        kind: str,
         ev: Event | None,
         body: bytes,
         sig: bytes,
@@ -906,11 +908,10 @@ class _Cand:
         rx: float | None,
     ) -> None:
         self.ln, self._ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
-        self.boot, self.seq, self.kind = head
+        self.boot, self.seq, self.kind = boot, seq, kind
         self.simple, self.carried, self.rx = simple, carried, rx
         self.late = not carried  # carried-over lines are checked first (the sort key)
         self.state = _Cand.NEW
-        self.forged: Forged | None = None
         self._owned = False
 
     @property
@@ -935,8 +936,8 @@ _SORT_KEY = operator.attrgetter("late", "boot", "seq")
 _SEQ = operator.attrgetter("seq")
 
 
-def _boot_text(cache: dict[bytes, str], boot: bytes) -> str:
-    text = cache[boot] = boot.decode()
+def _text_of(cache: dict[bytes, str], raw: bytes) -> str:
+    text = cache[raw] = raw.decode()
     return text
 
 
@@ -1098,7 +1099,10 @@ class StreamDecoder:
         if MARKER_PREFIX not in body and not self.carry:
             return []
         full = _MARKER_LINE_RE.findall(body)
-        cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
+        if len(full) < len(body) >> 6:  # few (ours: ~200 bytes apart): a test per line is
+            cands = [x for x in full if b" #" in x]  # cheaper (" #" cannot overlap "GCEWDn")
+        else:  # many short ones (a flood of bare markers): one scan, C-level
+            cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
         bare = len(full) - len(cands)
         if bare:
             st.rejected += bare
@@ -1215,6 +1219,11 @@ class StreamDecoder:
         ncarried, block_rx = len(carried), self._rx
         plain, crc32, prefix = _PLAIN_V3.match, zlib.crc32, MARKER_PREFIX
         boots_s: dict[bytes, str] = {}  # a block's boot ids, decoded once each
+        kinds_s: dict[bytes, str] = {}  # and its event names
+        # The candidates, in stream order: decisive ones, and routine ones by boot.
+        decisive: list[_Cand] = []
+        routine: dict[str, list[_Cand]] = {}
+        other_path = False  # a candidate from _lazy (its boot is not in ``boots_s``)
         pin = self.pin
         fast = pin is not None and self.lazy and not self.retired
         for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
@@ -1229,12 +1238,21 @@ class StreamDecoder:
                     if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
                         self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
                         continue
-                    head = (
-                        boots_s.get(boot) or _boot_text(boots_s, boot),
-                        int(seq),
-                        kind_b.decode(),
-                    )
-                    out.append(_Cand(ln, head, None, ln[: n - 96], sig, pin, True, was_carried, rx))  # type: ignore[arg-type]
+                    boot_s = boots_s.get(boot) or _text_of(boots_s, boot)
+                    kind = kinds_s.get(kind_b) or _text_of(kinds_s, kind_b)
+                    c = _Cand(
+                        ln, boot_s, int(seq), kind, None, ln[: n - 96], sig, pin, True,  # type: ignore[arg-type]
+                        was_carried, rx,
+                    )  # fmt: skip
+                    out.append(c)
+                    if kind in ROUTINE_EVENTS:
+                        group = routine.get(boot_s)
+                        if group is None:
+                            routine[boot_s] = [c]
+                        else:
+                            group.append(c)
+                    else:
+                        decisive.append(c)
                     continue
                 if kind_b == b"key" and ln.count(prefix) == 1:  # another key's announcement?
                     if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
@@ -1252,6 +1270,11 @@ class StreamDecoder:
                 continue
             if isinstance(cand, _Cand):
                 out.append(cand)
+                other_path = True
+                if cand.kind in ROUTINE_EVENTS:
+                    routine.setdefault(cand.boot, []).append(cand)
+                else:
+                    decisive.append(cand)
                 continue
             try:
                 ev = self._full(ln)
@@ -1266,12 +1289,13 @@ class StreamDecoder:
             if ev is not None and ev.event != REKEY_EVENT:
                 top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
             out.append(ev)
-        cands = [c for c in out if isinstance(c, _Cand)]
-        if cands:  # intact lines: the stream's first line is behind us
+        if decisive or routine:  # intact lines: the stream's first line is behind us
             self.placeable = False
-        decisive = [c for c in cands if c.kind not in ROUTINE_EVENTS]
         known = self._boots
-        if len({c.boot in known for c in decisive}) <= 1:  # (known, boot, seq): boot's order
+        # (known first, boot, seq) is (boot, seq) when the boots are all known or all not (of
+        # the block's plain lines: a superset of the decisive lines' boots)
+        boots = {c.boot for c in decisive} if other_path else boots_s.values()
+        if len({b in known for b in boots}) <= 1:
             decisive.sort(key=_SORT_KEY)
         else:
             decisive.sort(key=lambda c: (c.late, c.boot not in known, c.boot, c.seq))
@@ -1284,10 +1308,6 @@ class StreamDecoder:
             self._resolve(c)
             if c.state == _Cand.OK:
                 top[c.boot] = max(top.get(c.boot, -1), c.seq)
-        routine: dict[str, list[_Cand]] = {}
-        for c in cands:
-            if c.kind in ROUTINE_EVENTS:
-                routine.setdefault(c.boot, []).append(c)
         for boot, group in routine.items():
             group.sort(key=_SEQ, reverse=True)  # highest seq first (stable, like -seq)
             for c in group:
@@ -1475,7 +1495,7 @@ class StreamDecoder:
                     return True
                 body = ln[: m.start(4) - 2]
                 return _Cand(
-                    ln, (boot.decode(), int(seq), kind), None, body, sig, pin, True, carried, rx
+                    ln, boot.decode(), int(seq), kind, None, body, sig, pin, True, carried, rx
                 )
         m = _MARKER_RE.search(ln)
         if m is None or m.group(1) != b"3":
@@ -1496,8 +1516,9 @@ class StreamDecoder:
             if chain and _signer_of(ev, chain, pin) is not None:
                 return None
             simple = not chain and ln.count(MARKER_PREFIX) == 1
-            head = (ev.boot, ev.seq, ev.event)
-            return _Cand(ln, head, ev, body, t.group(1), pin, simple, carried, rx)
+            return _Cand(
+                ln, ev.boot, ev.seq, ev.event, ev, body, t.group(1), pin, simple, carried, rx
+            )
         if not intact and ln.count(MARKER_PREFIX) == 1:  # decode_line's answer, without it
             self._reject(Rejected(Reject.CHECKSUM, ln))
             return True
