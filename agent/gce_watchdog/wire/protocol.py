@@ -1354,11 +1354,13 @@ class StreamDecoder:
         st = self.stats
         last_boot = ""
         carry, max_carry, unchecked_new = self.carry, self.MAX_CARRY, self.unchecked_new
+        seen_map, window, covered = self._seen, self.DEDUP_WINDOW, _Cand.COVERED
         for item in out:
             if item is None:
                 continue
             if isinstance(item, _Cand):
-                if item.state == unchecked:  # _defer, inline (a flood's per-line cost)
+                state = item.state
+                if state == unchecked:  # _defer, inline (a flood's per-line cost)
                     decisive_line = item.kind not in ROUTINE_EVENTS
                     if decisive_line and len(carry) < max_carry:
                         carry.append((item.ln, item.rx))
@@ -1366,6 +1368,28 @@ class StreamDecoder:
                         st.unchecked += 1
                         unchecked_new.append((item.boot, item.seq, decisive_line))
                     continue
+                if state == covered and item._ev is None:  # _settle + _is_duplicate, inline
+                    try:  # (the common case: a routine line parsed once, flagged as it is made)
+                        p = _parse_parts(item.body.decode("ascii"))
+                    except UnicodeDecodeError:
+                        p = None
+                    if p is not None:
+                        k = (item.boot, item.seq)
+                        digest = hash((p[0], p[3], p[4], p[5]))  # _digest's
+                        seen = seen_map.get(k)
+                        if seen is None:
+                            st.covered += 1
+                            seen_map[k] = {digest}
+                            while len(seen_map) > window:
+                                seen_map.popitem(last=False)
+                            st.events += 1
+                            yield _new_event(*p, True, item.rx if item.carried else None)
+                            continue
+                        if digest in seen:  # a copy of a line seen (journald's)
+                            st.covered += 1
+                            st.duplicates += 1
+                            continue
+                        item._ev, item._owned = _new_event(*p), True  # a conflict: _settle
                 got = self._settle(item)
                 if got is None:
                     continue
@@ -1387,17 +1411,6 @@ class StreamDecoder:
     def _settle(self, c: _Cand) -> Event | None:
         """A candidate's outcome after phase B: its event, or None (forged, unchecked, a
         covered line that conflicts with an earlier one and could not be verified)."""
-        if c.state == _Cand.COVERED and c._ev is None:  # the common case: parsed here, once
-            try:
-                p = _parse_parts(c.body.decode("ascii"))
-            except UnicodeDecodeError:
-                p = None
-            if p is not None:
-                seen = self._seen.get((c.boot, c.seq))
-                if seen is None or hash((p[0], p[3], p[4], p[5])) in seen:  # _digest's
-                    self.stats.covered += 1  # flagged as it is made (no copy, no setattr)
-                    return _new_event(*p, True, c.rx if c.carried else None)
-                c._ev, c._owned = _new_event(*p), True  # a conflict: verified or dropped below
         if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) and c.ev is None:
             c.state = _Cand.SYNTAX  # intact but not a line: decode_line's syntax reject
         if c.state == _Cand.SYNTAX:
