@@ -1070,13 +1070,10 @@ class StreamDecoder:
             # translate); a CRLF leaves an empty line, and empty lines count for nothing
             data = data.replace(b"\r", b"\n")
         cut = data.rfind(b"\n") + 1
-        if cut == len(data):
-            body, self._pending = data, b""
-        else:
-            body, self._pending = data[:cut], data[cut:]
+        self._pending = data[cut:] if cut < len(data) else b""
         if len(self._pending) > self.MAX_PENDING:
             self._pending = self._pending[-self.MAX_PENDING :]
-        return self._decode_block(body)
+        return self._decode_block(data, cut)  # its whole lines, data[:cut], without a copy
 
     def flush(self, rx: float | None = None) -> list[Event]:
         """Decode the held partial line (end of a dump): a truncated last line is rejected."""
@@ -1086,20 +1083,26 @@ class StreamDecoder:
             return []
         return self._decode_block(rest + b"\n" if rest else b"")
 
-    def _decode_block(self, body: bytes) -> list[Event]:
-        """Whole lines (each ended by LF). The scan is C-level: the lines with a marker, from
-        their first marker on (``_MARKER_LINE_RE``), and of those the ones with a trailer
-        candidate after it (``_TRAILER_LINE_RE``); only those are decoded one by one. A marker
-        line without one cannot be intact: rejected, counted in bulk (nothing about it depends
-        on its place in the stream). So a MiB of short hostile lines costs a few regex scans."""
+    def _decode_block(self, body: bytes, end: int = -1) -> list[Event]:
+        """Whole lines (each ended by LF): ``body[:end]`` (``end`` -1: all of it, which then
+        ends with LF or is empty; else ``body[end:]`` is the held partial line, not empty and
+        without LF, left out of every count and scan). The scan is C-level: the lines with a
+        marker, from their first marker on (``_MARKER_LINE_RE``), and of those the ones with a
+        trailer candidate after it (a substring test, or ``_TRAILER_LINE_RE`` for many short
+        ones); only those are decoded one by one. A marker line without one cannot be intact:
+        rejected, counted in bulk (nothing about it depends on its place in the stream). So a
+        MiB of short hostile lines costs a few regex scans."""
         st = self.stats
         lines = body.split(b"\n")
-        st.lines += len(lines) - lines.count(b"")
-        self._block_bytes = len(body)
-        if MARKER_PREFIX not in body and not self.carry:
+        tail = 0 if end < 0 or end == len(body) else 1  # the partial line: one non-empty piece
+        if end < 0:
+            end = len(body)
+        st.lines += len(lines) - lines.count(b"") - tail
+        self._block_bytes = end
+        if body.find(MARKER_PREFIX, 0, end) < 0 and not self.carry:
             return []
-        full = _MARKER_LINE_RE.findall(body)
-        if len(full) < len(body) >> 6:  # few (ours: ~200 bytes apart): a test per line is
+        full = _MARKER_LINE_RE.findall(body, 0, end)
+        if len(full) < end >> 6:  # few (ours: ~200 bytes apart): a test per line is
             cands = [x for x in full if b" #" in x]  # cheaper (" #" cannot overlap "GCEWDn")
         else:  # many short ones (a flood of bare markers): one scan, C-level
             cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
