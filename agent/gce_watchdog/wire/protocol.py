@@ -95,18 +95,12 @@ _BOOT_RE = re.compile(r"[0-9a-f]{8}\Z")
 _HEXKEY_RE = re.compile(r"[0-9a-f]{64}\Z")
 _MARKER_RE = re.compile(rb"GCEWD([123])")
 _PK_RE = re.compile(r"[A-Za-z0-9_-]{43}\Z")
-# A line's head (before any `` | `` text) in one match: marker, boot, seq (no leading zero), the
-# timestamp token (parse_ts checks it), event name and the ``key=value`` fields, each exactly as
-# _KEY_RE/_VALUE_RE/_BOOT_RE say (one C-level match instead of a regex per token).
 _VALUE_CHARS = r"[A-Za-z0-9._:/@,+%~()<>\[\]-]"
-_HEAD_RE = re.compile(
-    r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) ([^ ]*) ([a-z][a-z0-9_]{0,23})"
-    r"((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)\Z"
-)
-# A whole body in one match (_parse_parts): the head as _HEAD_RE says with the timestamp split
-# as parse_ts takes it (its minute, second and millisecond; ``\d`` is what its isdecimal takes)
-# and the text after the first `` | `` (the head holds no ``|``). What _HEAD_RE and parse_ts
-# refuse, it refuses: no match.
+# A whole body in one C-level match (_parse_parts), instead of a regex per token: marker, boot,
+# seq (no leading zero), the timestamp split as parse_ts takes it (minute, second, millisecond;
+# ``\d`` is what its isdecimal takes), event name and ``key=value`` fields, each exactly as
+# _KEY_RE/_VALUE_RE/_BOOT_RE say, then the text after the first `` | `` (the head holds no
+# ``|``). What those rules or parse_ts refuse, it refuses: no match.
 _BODY_RE = re.compile(
     r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) (\d{4}-\d\d-\d\dT\d\d:\d\d):(\d\d)\.(\d\d\d)Z"
     r" ([a-z][a-z0-9_]{0,23})((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)"
@@ -682,7 +676,7 @@ _object_new = object.__new__
 
 @functools.lru_cache(maxsize=4096)
 def _fields_of(kvs: str) -> tuple[tuple[str, str], ...] | None:
-    """The ``key=value`` fields of a head's tail (_HEAD_RE checked its shape); None when a key
+    """The ``key=value`` fields of a head's tail (_BODY_RE checked its shape); None when a key
     repeats. Cached: a stream's routine lines repeat their fields."""
     fields: tuple[tuple[str, str], ...] = tuple(_FIELD_RE.findall(kvs))
     if len(fields) > 1 and len({k for k, _ in fields}) != len(fields):
@@ -698,8 +692,8 @@ def _text_ok(text: str) -> bool:
 
 def _parse_parts(body: str) -> tuple[str, str, int, int, tuple[tuple[str, str], ...], str] | None:
     """A body's (event, boot, seq, ts_ms, fields, text), or None when it is not a line: the
-    head (before the first `` | ``) as _HEAD_RE says, its timestamp as parse_ts says (one
-    _BODY_RE match does both), no duplicate key, a text as sanitize_text leaves it."""
+    head (before the first `` | ``) and its timestamp as _BODY_RE and parse_ts say, no
+    duplicate key, a text as sanitize_text leaves it."""
     m = _BODY_RE.match(body)
     if m is None:
         return None
