@@ -247,3 +247,82 @@ _TS_CHARS = st.sampled_from("0123456789-T:.Z 9\u0663x")  # \u0663: a non-ASCII d
 )
 def test_parse_ts_is_the_reference_rule(s: str) -> None:
     assert protocol.parse_ts(s) == _parse_ts_reference(s)
+
+
+def test_the_decoders_event_constructor_is_the_dataclass_constructor() -> None:
+    """protocol._new_event skips the frozen dataclass's setattr calls: the same object, field
+    for field (a field added to Event and not to _new_event fails here)."""
+    import dataclasses
+
+    args = ("tick", "3f2a9c1e", 5, 1_000, (("rung", "3/10"),), "a text")
+    for extra in ((), (True, 2.5)):
+        fast = protocol._new_event(*args, *extra)  # type: ignore[arg-type]
+        slow = Event(*args, *extra)  # type: ignore[arg-type]
+        assert vars(fast) == vars(slow)
+        assert set(vars(fast)) == {f.name for f in dataclasses.fields(Event)}
+        assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.seq = 6  # type: ignore[misc]
+
+
+def _parse_body_reference(body: str) -> Event | None:
+    """The body rule token by token (the decoder's _parse_body before its caches)."""
+    import re
+
+    head, text = body, ""
+    if " | " in body:
+        head, text = body.split(" | ", 1)
+    elif body.endswith(" |"):
+        return None
+    tokens = head.split(" ")
+    if len(tokens) < 5 or not re.fullmatch(r"GCEWD[123]", tokens[0]):
+        return None
+    _marker, boot, seq_s, ts_s, name, *kvs = tokens
+    if not re.fullmatch(r"[0-9a-f]{8}", boot) or not re.fullmatch(r"0|[1-9][0-9]*", seq_s):
+        return None
+    if not re.fullmatch(r"[a-z][a-z0-9_]{0,23}", name):
+        return None
+    ts_ms = protocol.parse_ts(ts_s)
+    fields = []
+    for kv in kvs:
+        m = re.fullmatch(r"([a-z][a-z0-9_]{0,23})=([A-Za-z0-9._:/@,+%~()<>\[\]-]{1,64})", kv)
+        if m is None:
+            return None
+        fields.append((m.group(1), m.group(2)))
+    if ts_ms is None or len({k for k, _ in fields}) != len(fields):
+        return None
+    if text and (re.search(r"[^\x20-\x22\x24-\x7e]", text) or text != text.strip()):
+        return None
+    return Event(name, boot, int(seq_s), ts_ms, tuple(fields), text)
+
+
+_MUTANT_CHARS = st.sampled_from(" =|#-_aZ09:.\t\u0663")
+
+
+@settings(max_examples=1500, deadline=None)
+@given(
+    events,
+    st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2), _MUTANT_CHARS), max_size=3),
+    st.sampled_from(["GCEWD3", "GCEWD2", "GCEWD1"]),
+)
+def test_parse_body_is_the_token_rule(
+    e: Event, edits: list[tuple[int, int, str]], marker: str
+) -> None:
+    """The cached parse (fields and text checks memoized, the event built without the
+    dataclass's setattr) gives what the rule token by token gives, on real bodies and on
+    bodies with a few characters inserted, replaced or deleted; asked twice (cache hits)."""
+    body = protocol._body(e, marker)
+    for at, op, ch in edits:
+        at = at % (len(body) + 1)
+        if op == 0:
+            body = body[:at] + ch + body[at:]
+        elif op == 1:
+            body = body[:at] + ch + body[at + 1 :]
+        else:
+            body = body[:at] + body[at + 1 :]
+    want = _parse_body_reference(body)
+    for _ in range(2):
+        got = protocol._parse_body(body)
+        assert got == want
+        if got is not None:
+            assert vars(got) == vars(want)  # type: ignore[arg-type]

@@ -39,6 +39,7 @@ import functools
 import gc
 import hashlib
 import hmac
+import operator
 import re
 import zlib
 from collections import OrderedDict
@@ -94,13 +95,17 @@ _BOOT_RE = re.compile(r"[0-9a-f]{8}\Z")
 _HEXKEY_RE = re.compile(r"[0-9a-f]{64}\Z")
 _MARKER_RE = re.compile(rb"GCEWD([123])")
 _PK_RE = re.compile(r"[A-Za-z0-9_-]{43}\Z")
-# A line's head (before any `` | `` text) in one match: marker, boot, seq (no leading zero), the
-# timestamp token (parse_ts checks it), event name and the ``key=value`` fields, each exactly as
-# _KEY_RE/_VALUE_RE/_BOOT_RE say (one C-level match instead of a regex per token).
 _VALUE_CHARS = r"[A-Za-z0-9._:/@,+%~()<>\[\]-]"
-_HEAD_RE = re.compile(
-    r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) ([^ ]*) ([a-z][a-z0-9_]{0,23})"
-    r"((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)\Z"
+# A whole body in one C-level match (_parse_parts), instead of a regex per token: marker, boot,
+# seq (no leading zero), the timestamp split as parse_ts takes it (minute, second, millisecond;
+# ``\d`` is what its isdecimal takes), event name and ``key=value`` fields, each exactly as
+# _KEY_RE/_VALUE_RE/_BOOT_RE say, then the text after the first `` | `` (the head holds no
+# ``|``). What those rules or parse_ts refuse, it refuses: no match.
+_BODY_RE = re.compile(
+    r"GCEWD[123] ([0-9a-f]{8}) (0|[1-9][0-9]*) (\d{4}-\d\d-\d\dT\d\d:\d\d):(\d\d)\.(\d\d\d)Z"
+    r" ([a-z][a-z0-9_]{0,23})((?: [a-z][a-z0-9_]{0,23}=" + _VALUE_CHARS + r"{1,64})*)"
+    r"(?: \| (.*))?\Z",
+    re.DOTALL,
 )
 # A whole plain line (from its marker, one marker, nothing after the trailer, no ``#`` before it):
 # its boot, seq, event name, signature and CRC without parsing the rest (_Cand.ev does that).
@@ -646,27 +651,70 @@ class KeyAnnounce:
         return pk_fingerprint(self.key) if self.version == 3 else fingerprint(self.key)
 
 
-def _parse_body(body: str) -> Event | None:
-    text = ""
-    head = body
-    idx = body.find(" | ")
-    if idx >= 0:
-        head, text = body[:idx], body[idx + 3 :]
-    elif body.endswith(" |"):
-        return None
-    m = _HEAD_RE.match(head)
-    if m is None:
-        return None
-    boot, seq_s, ts_s, name, kvs = m.groups()
-    ts_ms = parse_ts(ts_s)
-    if ts_ms is None:
-        return None
-    fields = tuple(_FIELD_RE.findall(kvs)) if kvs else ()
+def _new_event(
+    event: str,
+    boot: str,
+    seq: int,
+    ts_ms: int,
+    fields: tuple[tuple[str, str], ...],
+    text: str,
+    covered: bool = False,
+    rx: float | None = None,
+) -> Event:
+    """``Event(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a third
+    of its cost): the decoder builds one per accepted line. Equal to the constructor's result
+    field for field (tests/unit/test_protocol.py checks it against :func:`dataclasses.fields`)."""
+    ev = _object_new(Event)
+    d = ev.__dict__
+    d["event"], d["boot"], d["seq"], d["ts_ms"] = event, boot, seq, ts_ms
+    d["fields"], d["text"], d["covered"], d["rx"] = fields, text, covered, rx
+    return ev
+
+
+_object_new = object.__new__
+
+
+@functools.lru_cache(maxsize=4096)
+def _fields_of(kvs: str) -> tuple[tuple[str, str], ...] | None:
+    """The ``key=value`` fields of a head's tail (_BODY_RE checked its shape); None when a key
+    repeats. Cached: a stream's routine lines repeat their fields."""
+    fields: tuple[tuple[str, str], ...] = tuple(_FIELD_RE.findall(kvs))
     if len(fields) > 1 and len({k for k, _ in fields}) != len(fields):
         return None  # a duplicate key
-    if text and (_TEXT_BAD.search(text) or text != text.strip()):
+    return fields
+
+
+@functools.lru_cache(maxsize=4096)
+def _text_ok(text: str) -> bool:
+    """Whether a trailer text is one a writer produces (sanitize_text's alphabet, stripped)."""
+    return not _TEXT_BAD.search(text) and text == text.strip()
+
+
+def _parse_parts(body: str) -> tuple[str, str, int, int, tuple[tuple[str, str], ...], str] | None:
+    """A body's (event, boot, seq, ts_ms, fields, text), or None when it is not a line: the
+    head (before the first `` | ``) and its timestamp as _BODY_RE and parse_ts say, no
+    duplicate key, a text as sanitize_text leaves it."""
+    m = _BODY_RE.match(body)
+    if m is None:
         return None
-    return Event(name, boot, int(seq_s), ts_ms, fields, text)
+    boot, seq_s, minute, sec, ms, name, kvs, text = m.groups()
+    base = _minute_s(minute)
+    sec_i = int(sec)
+    if base is None or sec_i > 59:
+        return None
+    fields = _fields_of(kvs) if kvs else ()
+    if fields is None:
+        return None
+    if text is None:
+        text = ""
+    elif text and not _text_ok(text):
+        return None
+    return name, boot, int(seq_s), (base + sec_i) * 1000 + int(ms), fields, text
+
+
+def _parse_body(body: str) -> Event | None:
+    p = _parse_parts(body)
+    return None if p is None else _new_event(*p)
 
 
 @functools.lru_cache(maxsize=256)
@@ -835,14 +883,16 @@ class _Cand:
 
     NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
     __slots__ = (
-        "_ev", "_owned", "body", "boot", "carried", "forged", "kind", "ln", "pin", "rx", "seq",
-        "sig", "simple", "state",
+        "_ev", "_owned", "body", "boot", "carried", "kind", "late", "ln", "pin", "rx", "seq", "sig",
+        "simple", "state",
     )  # fmt: skip
 
     def __init__(
         self,
         ln: bytes,
-        head: tuple[str, int, str],
+        boot: str,
+        seq: int,
+        kind: str,
         ev: Event | None,
         body: bytes,
         sig: bytes,
@@ -852,10 +902,10 @@ class _Cand:
         rx: float | None,
     ) -> None:
         self.ln, self._ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
-        self.boot, self.seq, self.kind = head
+        self.boot, self.seq, self.kind = boot, seq, kind
         self.simple, self.carried, self.rx = simple, carried, rx
+        self.late = not carried  # carried-over lines are checked first (the sort key)
         self.state = _Cand.NEW
-        self.forged: Forged | None = None
         self._owned = False
 
     @property
@@ -875,8 +925,17 @@ class _Cand:
         return self._ev
 
 
+# Phase B's sort keys, C-level (StreamDecoder._decode_lines): carried first, then by boot and seq.
+_SORT_KEY = operator.attrgetter("late", "boot", "seq")
+_SEQ = operator.attrgetter("seq")
+
+
+def _text_of(cache: dict[bytes, str], raw: bytes) -> str:
+    text = cache[raw] = raw.decode()
+    return text
+
+
 _B64_STD = bytes.maketrans(b"-_", b"+/")
-_CR_TO_LF = bytes.maketrans(b"\r", b"\n")
 
 
 def _unb64_sig(text: bytes) -> bytes:
@@ -1001,16 +1060,14 @@ class StreamDecoder:
         self._rx = rx
         data = self._pending + chunk if self._pending else chunk
         if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines): each CR becomes
-            # LF in one pass; a CRLF leaves an empty line, and empty lines count for nothing
-            data = data.translate(_CR_TO_LF)
+            # LF in one pass (a one-byte replace: memchr-fast where CRs are sparse, unlike a
+            # translate); a CRLF leaves an empty line, and empty lines count for nothing
+            data = data.replace(b"\r", b"\n")
         cut = data.rfind(b"\n") + 1
-        if cut == len(data):
-            body, self._pending = data, b""
-        else:
-            body, self._pending = data[:cut], data[cut:]
+        self._pending = data[cut:] if cut < len(data) else b""
         if len(self._pending) > self.MAX_PENDING:
             self._pending = self._pending[-self.MAX_PENDING :]
-        return self._decode_block(body)
+        return self._decode_block(data, cut)  # its whole lines, data[:cut], without a copy
 
     def flush(self, rx: float | None = None) -> list[Event]:
         """Decode the held partial line (end of a dump): a truncated last line is rejected."""
@@ -1020,20 +1077,29 @@ class StreamDecoder:
             return []
         return self._decode_block(rest + b"\n" if rest else b"")
 
-    def _decode_block(self, body: bytes) -> list[Event]:
-        """Whole lines (each ended by LF). The scan is C-level: the lines with a marker, from
-        their first marker on (``_MARKER_LINE_RE``), and of those the ones with a trailer
-        candidate after it (``_TRAILER_LINE_RE``); only those are decoded one by one. A marker
-        line without one cannot be intact: rejected, counted in bulk (nothing about it depends
-        on its place in the stream). So a MiB of short hostile lines costs a few regex scans."""
+    def _decode_block(self, body: bytes, end: int = -1) -> list[Event]:
+        """Whole lines (each ended by LF): ``body[:end]`` (``end`` -1: all of it, which then
+        ends with LF or is empty; else ``body[end:]`` is the held partial line, not empty and
+        without LF, left out of every count and scan). The scan is C-level: the lines with a
+        marker, from their first marker on (``_MARKER_LINE_RE``), and of those the ones with a
+        trailer candidate after it (a substring test, or ``_TRAILER_LINE_RE`` for many short
+        ones); only those are decoded one by one. A marker line without one cannot be intact:
+        rejected, counted in bulk (nothing about it depends on its place in the stream). So a
+        MiB of short hostile lines costs a few regex scans."""
         st = self.stats
         lines = body.split(b"\n")
-        st.lines += len(lines) - lines.count(b"")
-        self._block_bytes = len(body)
-        if MARKER_PREFIX not in body and not self.carry:
+        tail = 0 if end < 0 or end == len(body) else 1  # the partial line: one non-empty piece
+        if end < 0:
+            end = len(body)
+        st.lines += len(lines) - lines.count(b"") - tail
+        self._block_bytes = end
+        if body.find(MARKER_PREFIX, 0, end) < 0 and not self.carry:
             return []
-        full = _MARKER_LINE_RE.findall(body)
-        cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
+        full = _MARKER_LINE_RE.findall(body, 0, end)
+        if len(full) < end >> 6:  # few (ours: ~200 bytes apart): a test per line is
+            cands = [x for x in full if b" #" in x]  # cheaper (" #" cannot overlap "GCEWDn")
+        else:  # many short ones (a flood of bare markers): one scan, C-level
+            cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
         bare = len(full) - len(cands)
         if bare:
             st.rejected += bare
@@ -1149,29 +1215,48 @@ class StreamDecoder:
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
         ncarried, block_rx = len(carried), self._rx
         plain, crc32, prefix = _PLAIN_V3.match, zlib.crc32, MARKER_PREFIX
+        boots_s: dict[bytes, str] = {}  # a block's boot ids, decoded once each
+        kinds_s: dict[bytes, str] = {}  # and its event names
+        # The candidates, in stream order: decisive ones, and routine ones by boot.
+        decisive: list[_Cand] = []
+        routine: dict[str, list[_Cand]] = {}
+        other_path = False  # a candidate from _lazy (its boot is not in ``boots_s``)
         pin = self.pin
         fast = pin is not None and self.lazy and not self.retired
         for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
             was_carried = i < ncarried
             rx = carried[i][1] if was_carried else block_rx
             # _lazy's plain path, inline (the flood's per-line cost): one line, one marker
-            m = plain(ln) if fast and len(ln) <= MAX_LINE else None
-            if m is not None:
+            n = len(ln)
+            m = plain(ln) if fast and n <= MAX_LINE else None
+            if m is not None:  # anchored at the end: crc = ln[n-8:], sig = ln[n-94:n-8]
                 boot, seq, kind_b, sig, crc = m.groups()
                 if kind_b != b"key" and kind_b != b"rekey" and ln.count(prefix) == 1:
-                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
                         self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
                         continue
-                    head = (boot.decode(), int(seq), kind_b.decode())
-                    body = ln[: m.start(4) - 2]
-                    out.append(_Cand(ln, head, None, body, sig, pin, True, was_carried, rx))  # type: ignore[arg-type]
+                    boot_s = boots_s.get(boot) or _text_of(boots_s, boot)
+                    kind = kinds_s.get(kind_b) or _text_of(kinds_s, kind_b)
+                    c = _Cand(
+                        ln, boot_s, int(seq), kind, None, ln[: n - 96], sig, pin, True,  # type: ignore[arg-type]
+                        was_carried, rx,
+                    )  # fmt: skip
+                    out.append(c)
+                    if kind in ROUTINE_EVENTS:
+                        group = routine.get(boot_s)
+                        if group is None:
+                            routine[boot_s] = [c]
+                        else:
+                            group.append(c)
+                    else:
+                        decisive.append(c)
                     continue
                 if kind_b == b"key" and ln.count(prefix) == 1:  # another key's announcement?
-                    if (crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
                         self._reject(Rejected(Reject.CHECKSUM, ln))
                         continue
                     try:
-                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
+                        ev = _parse_body(ln[: n - 96].decode("ascii"))
                     except UnicodeDecodeError:
                         ev = None
                     if ev is not None and ev.get("pk") != _pk_text(pin):
@@ -1182,6 +1267,11 @@ class StreamDecoder:
                 continue
             if isinstance(cand, _Cand):
                 out.append(cand)
+                other_path = True
+                if cand.kind in ROUTINE_EVENTS:
+                    routine.setdefault(cand.boot, []).append(cand)
+                else:
+                    decisive.append(cand)
                 continue
             try:
                 ev = self._full(ln)
@@ -1196,25 +1286,27 @@ class StreamDecoder:
             if ev is not None and ev.event != REKEY_EVENT:
                 top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
             out.append(ev)
-        cands = [c for c in out if isinstance(c, _Cand)]
-        if cands:  # intact lines: the stream's first line is behind us
+        if decisive or routine:  # intact lines: the stream's first line is behind us
             self.placeable = False
-        decisive = [c for c in cands if c.kind not in ROUTINE_EVENTS]
-        decisive.sort(key=lambda c: (not c.carried, c.boot not in self._boots, c.boot, c.seq))
+        known = self._boots
+        # (known first, boot, seq) is (boot, seq) when the boots are all known or all not (of
+        # the block's plain lines: a superset of the decisive lines' boots)
+        boots = {c.boot for c in decisive} if other_path else boots_s.values()
+        if len({b in known for b in boots}) <= 1:
+            decisive.sort(key=_SORT_KEY)
+        else:
+            decisive.sort(key=lambda c: (c.late, c.boot not in known, c.boot, c.seq))
         unchecked = _Cand.UNCHECKED
+        ok_bodies = self._ok_bodies
         for c in decisive:
-            if self._budget <= 0 and c.body not in self._ok_bodies:  # spent (a flood): fast
+            if self._budget <= 0 and c.body not in ok_bodies:  # spent (a flood): fast
                 c.state = unchecked
                 continue
             self._resolve(c)
             if c.state == _Cand.OK:
                 top[c.boot] = max(top.get(c.boot, -1), c.seq)
-        routine: dict[str, list[_Cand]] = {}
-        for c in cands:
-            if c.kind in ROUTINE_EVENTS:
-                routine.setdefault(c.boot, []).append(c)
         for boot, group in routine.items():
-            group.sort(key=lambda c: -c.seq)
+            group.sort(key=_SEQ, reverse=True)  # highest seq first (stable, like -seq)
             for c in group:
                 if c.seq < top.get(boot, -1):
                     break
@@ -1258,13 +1350,43 @@ class StreamDecoder:
                     c.state = _Cand.COVERED if c.seq < high else unchecked
         st = self.stats
         last_boot = ""
+        carry, max_carry, unchecked_new = self.carry, self.MAX_CARRY, self.unchecked_new
+        seen_map, window, covered = self._seen, self.DEDUP_WINDOW, _Cand.COVERED
         for item in out:
             if item is None:
                 continue
             if isinstance(item, _Cand):
-                if item.state == unchecked:
-                    self._defer(item.ln, (item.boot, item.seq, item.kind), item.rx)
+                state = item.state
+                if state == unchecked:  # _defer, inline (a flood's per-line cost)
+                    decisive_line = item.kind not in ROUTINE_EVENTS
+                    if decisive_line and len(carry) < max_carry:
+                        carry.append((item.ln, item.rx))
+                    else:
+                        st.unchecked += 1
+                        unchecked_new.append((item.boot, item.seq, decisive_line))
                     continue
+                if state == covered and item._ev is None:  # _settle + _is_duplicate, inline
+                    try:  # (the common case: a routine line parsed once, flagged as it is made)
+                        p = _parse_parts(item.body.decode("ascii"))
+                    except UnicodeDecodeError:
+                        p = None
+                    if p is not None:
+                        k = (item.boot, item.seq)
+                        digest = hash((p[0], p[3], p[4], p[5]))  # _digest's
+                        seen = seen_map.get(k)
+                        if seen is None:
+                            st.covered += 1
+                            seen_map[k] = {digest}
+                            while len(seen_map) > window:
+                                seen_map.popitem(last=False)
+                            st.events += 1
+                            yield _new_event(*p, True, item.rx if item.carried else None)
+                            continue
+                        if digest in seen:  # a copy of a line seen (journald's)
+                            st.covered += 1
+                            st.duplicates += 1
+                            continue
+                        item._ev, item._owned = _new_event(*p), True  # a conflict: _settle
                 got = self._settle(item)
                 if got is None:
                     continue
@@ -1383,7 +1505,7 @@ class StreamDecoder:
                     return True
                 body = ln[: m.start(4) - 2]
                 return _Cand(
-                    ln, (boot.decode(), int(seq), kind), None, body, sig, pin, True, carried, rx
+                    ln, boot.decode(), int(seq), kind, None, body, sig, pin, True, carried, rx
                 )
         m = _MARKER_RE.search(ln)
         if m is None or m.group(1) != b"3":
@@ -1404,8 +1526,9 @@ class StreamDecoder:
             if chain and _signer_of(ev, chain, pin) is not None:
                 return None
             simple = not chain and ln.count(MARKER_PREFIX) == 1
-            head = (ev.boot, ev.seq, ev.event)
-            return _Cand(ln, head, ev, body, t.group(1), pin, simple, carried, rx)
+            return _Cand(
+                ln, ev.boot, ev.seq, ev.event, ev, body, t.group(1), pin, simple, carried, rx
+            )
         if not intact and ln.count(MARKER_PREFIX) == 1:  # decode_line's answer, without it
             self._reject(Rejected(Reject.CHECKSUM, ln))
             return True
