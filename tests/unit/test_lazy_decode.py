@@ -15,7 +15,7 @@ from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event, LineKey, StreamDecoder
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 EVIL = LineKey(bytes(range(1, 33)))
@@ -107,6 +107,9 @@ def feed(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Timeli
     cuts=st.lists(st.integers(0, 20_000), max_size=4),
     budget=st.one_of(st.none(), st.integers(0, 12)),
 )
+# Found by hypothesis: the new boot's announcements spend a budget of 2, and the old boot's
+# newest tick (its liveness) was dropped unchecked instead of waiting in the carry-over.
+@example(plan=[("real", "tick", 0), ("reboot",), ("real", "phase", 0)], cuts=[543], budget=2)
 def test_lazy_verdict_is_the_full_verdict_unless_the_flood_alarm_says_so(
     plan: list[tuple[object, ...]], cuts: list[int], budget: int | None
 ) -> None:
@@ -395,3 +398,28 @@ def test_the_lazy_decoders_events_are_the_full_decoders_events(
         return
     assert kept == full_events
     assert [vars(e) | {"covered": False} for e in kept] == [vars(e) for e in full_events]
+
+
+def test_an_old_boots_newest_tick_the_budget_missed_waits_and_settle_verifies_it() -> None:
+    # the old boot's last tick and the new boot's announcements in one block, a budget of 2:
+    # the announcements take it; the tick (the old boot's liveness) waits in the carry-over
+    # (an alarm meanwhile) and settle() verifies it with its own block's receive time
+    data = build([("real", "tick", 0), ("reboot",), ("real", "phase", 0)])
+    tl = Timeline()
+    tl._decoder.BUDGET_LINES = 2
+    tl.feed(data[:543], 1000.0)
+    tl.feed(data[543:], 1400.0)  # the cut: block 1 ends where the old boot's tick starts
+    full = feed(data, [543], lazy=False, budget=None)
+    old = "aaaa0001"
+    assert [ln.split(b" ")[1:4:2] for ln, _ in tl._decoder.carry] == [
+        [old.encode(), b"2025-11-30T03:58:44.000Z"],  # the tick
+        [b"bbbb0002", b"2025-11-30T04:00:14.000Z"],  # the new boot's phase line
+    ]
+    assert tl.flood_alarm, "lines of ours wait for their check"
+    assert tl.boots[old].last_rx == 1000.0 != full.boots[old].last_rx
+    tl.settle(1800.0)
+    assert not tl._decoder.carry and tl.flood_alarm == ""
+    assert tl.boots[old].last_rx == full.boots[old].last_rx == 1400.0
+    assert [e.seq for e in tl.events if e.boot == old and not e.covered] == [
+        e.seq for e in full.events if e.boot == old
+    ][-len([e for e in tl.events if e.boot == old and not e.covered]) :]

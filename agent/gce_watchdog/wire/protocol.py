@@ -1203,8 +1203,10 @@ class StreamDecoder:
         candidates down from the highest seq until one verifies: the routine candidates below
         the highest verified seq of their boot are **covered** (accepted unchecked, flagged);
         phase C yields in stream order. A candidate the budget does not reach is no event:
-        decisive ones wait in :attr:`carry` for the next block, routine ones are counted
-        (:attr:`DecodeStats.unchecked`, :attr:`unchecked_boots`)."""
+        decisive ones wait in :attr:`carry` for the next block, and so does the routine line
+        each boot's walk stopped at (its newest: the boot's liveness; at most half the carry's
+        bound); other routine ones are counted (:attr:`DecodeStats.unchecked`,
+        :attr:`unchecked_boots`)."""
         self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
         if not self.lazy:
             self._budget = 1 << 62
@@ -1305,6 +1307,7 @@ class StreamDecoder:
             self._resolve(c)
             if c.state == _Cand.OK:
                 top[c.boot] = max(top.get(c.boot, -1), c.seq)
+        held: set[int] = set()  # id() of each boot's newest routine line the budget stopped at
         for boot, group in routine.items():
             group.sort(key=_SEQ, reverse=True)  # highest seq first (stable, like -seq)
             for c in group:
@@ -1315,6 +1318,7 @@ class StreamDecoder:
                     top[boot] = max(top.get(boot, -1), c.seq)
                     break
                 if c.state == _Cand.UNCHECKED:
+                    held.add(id(c))  # the boot's liveness: it waits in the carry-over
                     break
         # The routine lines left at or below their boot's highest verified seq would be covered:
         # a (boot, seq) among them claimed with two contents in this block has each claimant
@@ -1359,7 +1363,11 @@ class StreamDecoder:
                 state = item.state
                 if state == unchecked:  # _defer, inline (a flood's per-line cost)
                     decisive_line = item.kind not in ROUTINE_EVENTS
-                    if decisive_line and len(carry) < max_carry:
+                    # a held routine line takes at most half the carry-over: decisive lines
+                    # keep the rest
+                    if (decisive_line and len(carry) < max_carry) or (
+                        held and id(item) in held and len(carry) < max_carry // 2
+                    ):
                         carry.append((item.ln, item.rx))
                     else:
                         st.unchecked += 1
