@@ -164,3 +164,41 @@ def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["bytes"] == 65536 and res["grep_count"] == res["marker_lines"] > 0
     assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0
+
+
+def test_every_hostile_shape_is_a_row_and_the_slowest_a_target() -> None:
+    dec = {"hostile_cr_ms_per_mib": 23.0, "hostile_walkdown_ms_per_mib": 51.0,
+           "hostile_walkdown_verified": 224, "ratio_decode_to_grep": 3.0}  # fmt: skip
+    assert report.hostile_shapes(dec) == [("cr", 23.0), ("walkdown", 51.0)]
+    (row,) = [x for x in report.targets({"decode": dec}) if x["target"].startswith("slowest")]
+    assert row["target"] == "slowest hostile 1 MiB shape (walkdown)" and row["met"] is False
+    dec["hostile_walkdown_ms_per_mib"] = 49.0
+    (row,) = [x for x in report.targets({"decode": dec}) if x["target"].startswith("slowest")]
+    assert row["met"] is True and row["measured"] == 49.0
+
+
+def test_only_decode_reruns_that_section_and_keeps_the_others(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    doc = tmp_path / "perf.md"
+    doc.write_text("<!-- bench:decode -->\n<!-- /bench:decode -->\n")
+    old = {
+        "mode": "full",
+        "date": "2026-01-01T00:00:00Z",
+        "soak": {"ticks": 20000, "growth_mib": 0.5},
+        "sections": {"soak": "ok in 1.0s", "decode": "ok in 9.0s"},
+        "decode": {"stale": 1},
+    }
+    out.write_text(json.dumps(old))
+    r = subprocess.run(
+        [PY, "-m", "bench.run", "--tiny", "--only-decode", "--out", str(out), "--doc", str(doc)],
+        cwd=str(REPO), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["soak"] == old["soak"] and res["date"] == old["date"] and res["mode"] == "full"
+    assert "stale" not in res["decode"] and res["decode"]["ratio_decode_to_grep"] > 0
+    assert (
+        res["sections"]["decode"].startswith("ok") and "re-run alone" in res["sections"]["decode"]
+    )
+    assert res["decode"]["date"] != old["date"] and "--only-decode" in res["decode"]["mode"]
+    assert "measured alone" in doc.read_text()
