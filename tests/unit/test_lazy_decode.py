@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import zlib
 from collections import Counter
-from typing import NamedTuple
 
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
@@ -68,8 +67,6 @@ forged_step = st.tuples(
 )
 reboot_step = st.tuples(st.just("reboot"))
 steps = st.lists(st.one_of(real_step, real_step, forged_step, reboot_step), max_size=60)
-CUTS = st.lists(st.integers(0, 20_000), max_size=4)  # where the stream is cut into blocks
-BUDGETS = st.one_of(st.none(), st.integers(0, 12))  # BUDGET_LINES (None: the default)
 
 
 def build(plan: list[tuple[object, ...]]) -> bytes:
@@ -107,8 +104,8 @@ def feed(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Timeli
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     plan=steps,
-    cuts=CUTS,
-    budget=BUDGETS,
+    cuts=st.lists(st.integers(0, 20_000), max_size=4),
+    budget=st.one_of(st.none(), st.integers(0, 12)),
 )
 # Found by hypothesis: the new boot's announcements spend a budget of 2, and the old boot's
 # newest tick (its liveness) was dropped unchecked instead of waiting in the carry-over.
@@ -319,13 +316,7 @@ def test_full_verification_mode_checks_every_line() -> None:
     assert not any(e.covered for e in events) and d.stats.verified == len(events)
 
 
-class Decoded(NamedTuple):
-    d: StreamDecoder
-    events: list[Event]
-    delayed: bool  # the carry-over held lines after some block
-
-
-def _decode(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Decoded:
+def _decode(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> StreamDecoder:
     d = StreamDecoder()
     d.lazy = lazy
     if budget is not None:
@@ -340,14 +331,16 @@ def _decode(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Dec
     events += d.feed(data[at:], 1e6)
     delayed = delayed or bool(d.carry)
     events += d.flush(1e6)
-    return Decoded(d, events, delayed)
+    d.events = events  # type: ignore[attr-defined]
+    d.delayed = delayed  # type: ignore[attr-defined]
+    return d
 
 
 @settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     plan=steps,
-    cuts=CUTS,
-    budget=BUDGETS,
+    cuts=st.lists(st.integers(0, 20_000), max_size=4),
+    budget=st.one_of(st.none(), st.integers(0, 12)),
     crlf=st.booleans(),
     damage=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 255)), max_size=3),
     copies=st.lists(st.integers(0, 10**6), max_size=3),
@@ -379,11 +372,13 @@ def test_the_lazy_decoders_events_are_the_full_decoders_events(
     for at, x in damage:
         buf[at % len(buf)] ^= x
     data = bytes(buf)
-    full, full_events, _ = _decode(data, cuts, lazy=False, budget=None)
-    lazy, lazy_events, delayed = _decode(data, cuts, lazy=True, budget=budget)
+    full = _decode(data, cuts, lazy=False, budget=None)
+    lazy = _decode(data, cuts, lazy=True, budget=budget)
     assert (lazy.stats.lines, lazy.stats.rejected) == (full.stats.lines, full.stats.rejected)
     assert lazy.stats.reject_reasons == full.stats.reject_reasons
     assert lazy.stats.verified <= full.stats.verified
+    full_events: list[Event] = full.events  # type: ignore[attr-defined]
+    lazy_events: list[Event] = lazy.events  # type: ignore[attr-defined]
     if lazy.stats.unchecked or lazy.carry:
         event("budget spent")
         real = set(full_events)
@@ -395,7 +390,7 @@ def test_the_lazy_decoders_events_are_the_full_decoders_events(
     refused = [e for e in lazy_events if e.covered and e not in set(full_events)]
     assert all(e.event in protocol.ROUTINE_EVENTS for e in refused)
     kept = [e for e in lazy_events if not (e.covered and e in refused)]
-    if delayed:
+    if lazy.delayed:  # type: ignore[attr-defined]
         # lines the budget carried over come a block later (by design), received with their
         # own block: the same events, in another order
         event("carried over")
