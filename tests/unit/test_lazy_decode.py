@@ -110,6 +110,14 @@ def feed(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Timeli
 # Found by hypothesis: the new boot's announcements spend a budget of 2, and the old boot's
 # newest tick (its liveness) was dropped unchecked instead of waiting in the carry-over.
 @example(plan=[("real", "tick", 0), ("reboot",), ("real", "phase", 0)], cuts=[543], budget=2)
+# And: a forged tick above the boot's real newest one took the last check, and the real one
+# below it was dropped unchecked (every routine line the budget missed waits now).
+@example(
+    plan=[("real", "tick", 0), ("real", "tick", 0), ("reboot",), ("reboot",), ("real", "tick", 0),
+          ("reboot",), ("real", "tick", 0), ("forged", "tick", ("cccc0003", 3), 0)],
+    cuts=[1269],
+    budget=3,
+)  # fmt: skip
 def test_lazy_verdict_is_the_full_verdict_unless_the_flood_alarm_says_so(
     plan: list[tuple[object, ...]], cuts: list[int], budget: int | None
 ) -> None:
@@ -264,7 +272,8 @@ def test_a_flood_of_high_routine_seqs_cannot_cause_a_wedge_failover() -> None:
     tl = Timeline(pin=SYNTH_KEY.public)
     tl._decoder.BUDGET_LINES = 3
     tl.feed(w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}), 100.0)
-    flood = b"".join(forged("heartbeat", w.boot, 1000 - i, 0) for i in range(40))
+    # more than the carry-over holds (routine lines wait in at most half of it)
+    flood = b"".join(forged("heartbeat", w.boot, 1000 - i, 0) for i in range(200))
     tl.feed(flood + w.line("heartbeat", _fields("heartbeat", 1)), 5000.0)
     v = tl.judge(InstanceState("RUNNING"), 5500.0, POL)
     assert "unverified_flood" in v.reason and not v.failover

@@ -1203,10 +1203,9 @@ class StreamDecoder:
         candidates down from the highest seq until one verifies: the routine candidates below
         the highest verified seq of their boot are **covered** (accepted unchecked, flagged);
         phase C yields in stream order. A candidate the budget does not reach is no event:
-        decisive ones wait in :attr:`carry` for the next block, and so does the routine line
-        each boot's walk stopped at (its newest: the boot's liveness; at most half the carry's
-        bound); other routine ones are counted (:attr:`DecodeStats.unchecked`,
-        :attr:`unchecked_boots`)."""
+        decisive ones wait in :attr:`carry` for the next block, and so do routine ones (they
+        are above their boot's newest verified line: its liveness), in at most half of it; the
+        rest are counted (:attr:`DecodeStats.unchecked`, :attr:`unchecked_boots`)."""
         self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
         if not self.lazy:
             self._budget = 1 << 62
@@ -1307,7 +1306,6 @@ class StreamDecoder:
             self._resolve(c)
             if c.state == _Cand.OK:
                 top[c.boot] = max(top.get(c.boot, -1), c.seq)
-        held: set[int] = set()  # id() of each boot's newest routine line the budget stopped at
         for boot, group in routine.items():
             group.sort(key=_SEQ, reverse=True)  # highest seq first (stable, like -seq)
             for c in group:
@@ -1318,7 +1316,6 @@ class StreamDecoder:
                     top[boot] = max(top.get(boot, -1), c.seq)
                     break
                 if c.state == _Cand.UNCHECKED:
-                    held.add(id(c))  # the boot's liveness: it waits in the carry-over
                     break
         # The routine lines left at or below their boot's highest verified seq would be covered:
         # a (boot, seq) among them claimed with two contents in this block has each claimant
@@ -1363,11 +1360,9 @@ class StreamDecoder:
                 state = item.state
                 if state == unchecked:  # _defer, inline (a flood's per-line cost)
                     decisive_line = item.kind not in ROUTINE_EVENTS
-                    # a held routine line takes at most half the carry-over: decisive lines
-                    # keep the rest
-                    if (decisive_line and len(carry) < max_carry) or (
-                        held and id(item) in held and len(carry) < max_carry // 2
-                    ):
+                    # routine lines (above their boot's newest verified one: its liveness)
+                    # take at most half the carry-over: decisive lines keep the rest
+                    if len(carry) < (max_carry if decisive_line else max_carry // 2):
                         carry.append((item.ln, item.rx))
                     else:
                         st.unchecked += 1
@@ -1544,10 +1539,10 @@ class StreamDecoder:
 
     def _defer(self, ln: bytes, ev: tuple[str, int, str] | None, rx: float | None) -> None:
         """A line the budget did not reach: a decisive one (or one not parsed yet) waits in
-        the carry-over for the next block (bounded); a routine one, or one past the bound, is
-        counted as unchecked, by boot (an alarm: Timeline.flood_alarm)."""
+        the carry-over for the next block (bounded), a routine one too in at most half of it;
+        one past the bound is counted as unchecked, by boot (an alarm: Timeline.flood_alarm)."""
         routine = ev is not None and ev[2] in ROUTINE_EVENTS
-        if not routine and len(self.carry) < self.MAX_CARRY:
+        if len(self.carry) < (self.MAX_CARRY // 2 if routine else self.MAX_CARRY):
             self.carry.append((ln, rx))
             return
         self.stats.unchecked += 1
