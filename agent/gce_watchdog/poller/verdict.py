@@ -12,23 +12,31 @@ rules below are in the same order. In short:
    ``preempted``, ``exit`` (rc 0 or not) and ``phase ph=done``. First, because what follows a
    terminal event is its consequence (a ladder shutdown kills the workload, which then logs a
    signal exit), never new information about the job.
+   A GPU fault (a signed ``gpu_fault`` line, or ``memory_gpu st=lost``: every GPU lost) before
+   the first terminal event, or without one, decides ``gpu_fault`` unless the job's own success
+   follows it (the job finished: never run it twice); the policy fails it over or only reports
+   it. ``gpu_event`` and ``gpu_stall`` never decide: they are shown in the evidence.
 3. Without a terminal event, the instance status decides. Off (TERMINATED, STOPPED, SUSPENDED,
    or gone): the poller never guesses; the zone operations of the instance decide (a
-   ``compute.instances.preempted`` one: preempted; ``compute.instances.hostError``: terminated by
-   the host), and without such evidence the verdict is ``ended_unread``, an alarm that fails over
-   only if the policy says so (the job may have finished after the last read). In transition or
-   not started (STOPPING, PENDING_STOP, DEPROVISIONING, PENDING, PROVISIONING, ...): wait. A
-   status outside the documented enum: no verdict.
+   ``compute.instances.preempted`` one: preempted; ``compute.instances.hostError``: host_error;
+   ``compute.instances.terminateOnHostMaintenance``: host_maintenance, the agent's signed
+   ``maintenance`` line corroborating it where present), and without such evidence the verdict
+   is ``ended_unread``, an alarm that fails over only if the policy says so (the job may have
+   finished after the last read). A planned stop fails over, or by policy waits for GCE's
+   automatic restart. In transition or not started (STOPPING, PENDING_STOP, DEPROVISIONING,
+   PENDING, PROVISIONING, ...): wait. A status outside the documented enum: no verdict.
 4. Running (or unknown, e.g. a saved dump) and silent for longer than the drain timeout while
-   in a non-terminal phase: a suspected wedge the agent could not even report. Otherwise healthy.
-   Silence is measured on the reader's clock from when it received the boot's newest line.
+   in a non-terminal phase: a suspected wedge the agent could not even report, unless the VM is
+   back from a planned stop the policy waits for (silence counted from its return). Otherwise
+   healthy. Silence is measured on the reader's clock from when it received the boot's newest
+   line.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event
@@ -56,11 +64,18 @@ TRANSITIONAL_STATES = frozenset(
 # Zone operation types that explain an end (docs/fakes.md has the references).
 OP_PREEMPTED = "compute.instances.preempted"
 OP_HOST_ERROR = "compute.instances.hostError"
+OP_HOST_MAINTENANCE = "compute.instances.terminateOnHostMaintenance"
 OP_GUEST_TERMINATE = "compute.instances.guestTerminate"
 # Ends that are evidence of neither a wedge nor a lost job: the guest powered itself off (what
 # the end-of-life chain does after the final line), or a user stopped or deleted it.
 BENIGN_END_OPS = frozenset({OP_GUEST_TERMINATE, "stop", "delete", "suspend"})
 TERMINAL_PHASES = frozenset({"done"})
+# The agent's `maintenance` line that announces a planned stop (instance/maintenance-event,
+# Compute Engine docs "Get notice of host maintenance"): corroboration, never a verdict alone (the
+# job may finish within the hour of notice, and its final line may be the one never read).
+MAINTENANCE_TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
+# GPU lines shown in the evidence (never deciding), the most recent ones of the boot.
+GPU_EVIDENCE_LINES = 3
 
 
 class VerdictKind(enum.Enum):
@@ -79,10 +94,17 @@ class VerdictKind(enum.Enum):
     WORKLOAD_UNVERIFIED = "workload_unverified"
     # off without a terminal line read and without evidence of why: an alarm
     ENDED_UNREAD = "ended_unread"
+    # GCE stopped it for host maintenance (compute.instances.terminateOnHostMaintenance)
+    HOST_MAINTENANCE = "host_maintenance"
+    HOST_ERROR = "host_error"  # its host failed (compute.instances.hostError)
+    # a signed gpu_fault line (or memory_gpu st=lost): a GPU is gone, the job cannot go on
+    GPU_FAULT = "gpu_fault"
     UNKNOWN = "unknown"
 
     @property
     def failover(self) -> bool:
+        """Fails over whatever the policy says (the policy kinds fail over through
+        ``Verdict.policy_failover``: default on for them, see ``Policy``)."""
         return self in _FAILOVER
 
     @property
@@ -100,6 +122,13 @@ _FAILOVER = frozenset(
         VerdictKind.TERMINATED_UNEXPLAINED,
     }
 )
+# Planned stops by operation type, host error first. These kinds, and GPU_FAULT, fail over
+# through ``Verdict.policy_failover``: by default, unless the policy waits for GCE's restart
+# (planned stops) or only reports (GPU faults).
+PLANNED_STOPS = {
+    OP_HOST_ERROR: VerdictKind.HOST_ERROR,
+    OP_HOST_MAINTENANCE: VerdictKind.HOST_MAINTENANCE,
+}
 
 
 @dataclass(frozen=True)
@@ -111,6 +140,9 @@ class InstanceState:
     # The zone operation types recorded for this instance since the boot began (zoneOperations
     # .list); None = not looked up (a saved dump, or the poller has not asked yet).
     end_ops: tuple[str, ...] | None = None
+    # When the poller first saw the instance running again after a planned stop it waits for
+    # (its own clock); None: not seen back, or not known.
+    back_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +152,11 @@ class Policy:
     # a job that may have finished must not run twice (a duplicate costs GPU hours).
     ended_unread_failover: bool = False
     unverified_failover: bool = False
+    # A planned stop (host_maintenance, host_error): wait for GCE's automatic restart instead of
+    # failing over (docs/poller.md, "Planned stops"); default: fail over.
+    planned_stop_wait: bool = False
+    # gpu_fault: an alarm only ("report"), no failover; default: fail over.
+    gpu_fault_report: bool = False
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
@@ -140,7 +177,9 @@ class Verdict:
 
     @property
     def alarm(self) -> bool:
-        return self.kind.alarm
+        # a GPU fault the policy only reports is an alarm: a human decides
+        gpu_report = self.kind is VerdictKind.GPU_FAULT and not self.failover
+        return self.kind.alarm or gpu_report
 
 
 def current_boot(events: Sequence[Event]) -> str | None:
@@ -251,7 +290,69 @@ def decide(
     boot = mine[0].boot if mine else None
     status = instance.status
     status_ev = f"status={status or 'unknown'}" + (" spot" if instance.spot else "")
+    term, v = _decide(mine, instance, now, policy, received_s, boot, status_ev)
+    gpu = tuple(e.render() for e in mine if e.event in _GPU_SHOWN)[-GPU_EVIDENCE_LINES:]
+    fault = gpu_fault_event(mine)
+    if fault is not None and (term is None or fault.seq < term.seq):
+        shown = (fault.render(), *gpu)
+        if v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED):
+            # the job finished despite the fault: never run a finished job twice
+            return replace(v, evidence=(*v.evidence, *shown))
+        if policy.gpu_fault_report and v.failover:
+            # report mode holds back only the GPU's own failover, not another cause's
+            return replace(v, evidence=(*v.evidence, *shown))
+        reason = _gpu_reason(fault, policy)
+        evidence = (*shown, status_ev)
+        return Verdict(VerdictKind.GPU_FAULT, reason, boot, evidence, not policy.gpu_fault_report)
+    return replace(v, evidence=(*v.evidence, *gpu)) if gpu else v
 
+
+_GPU_SHOWN = frozenset({vocab.GPU_EVENT, vocab.GPU_STALL})
+
+
+def gpu_fault_event(events: Sequence[Event]) -> Event | None:
+    """The first GPU fault of one boot's events (by ``seq``): a ``gpu_fault`` line, or a
+    ``memory_gpu st=lost`` (every GPU stopped answering NVML) that no later ``memory_gpu st=ok``
+    took back before it. None: no fault."""
+    lost: Event | None = None
+    for ev in events:
+        if ev.event == vocab.GPU_FAULT:
+            return lost or ev
+        if ev.event == vocab.MEMORY_GPU:
+            st = ev.get("st")
+            if st == vocab.MEMORY_GPU_LOST:
+                lost = lost or ev
+            elif st == vocab.MEMORY_GPU_OK:
+                lost = None
+    return lost
+
+
+def _gpu_reason(fault: Event, policy: Policy) -> str:
+    action = (
+        "ALARM, reported only (--on-gpu-fault report)"
+        if policy.gpu_fault_report
+        else "the job cannot go on here"
+    )
+    if fault.event == vocab.MEMORY_GPU:
+        return f"every GPU stopped answering NVML (memory_gpu st=lost): {action}"
+    f = fault.fields_dict
+    return (
+        f"GPU {f.get('gpu', '?')} ({f.get('pci', '?')}) failed: Xid {f.get('xid', '-')}, "
+        f"confirmed by {f.get('sig', '?')}: {action}"
+    )
+
+
+def _decide(
+    mine: Sequence[Event],
+    instance: InstanceState,
+    now: float,
+    policy: Policy,
+    received_s: float | None,
+    boot: str | None,
+    status_ev: str,
+) -> tuple[Event | None, Verdict]:
+    """Rows 1-12 on one boot's events: (the first terminal event or None, the verdict)."""
+    status = instance.status
     # Row 1-5: the first terminal event of the latest boot.
     reported_fail = False
     for ev in mine:
@@ -260,23 +361,23 @@ def decide(
         kind = terminal_kind(ev, reported_fail)
         if kind is not None:
             pf = kind is VerdictKind.WORKLOAD_UNVERIFIED and policy.unverified_failover
-            return Verdict(kind, _describe(kind, ev), boot, (ev.render(), status_ev), pf)
+            return ev, Verdict(kind, _describe(kind, ev), boot, (ev.render(), status_ev), pf)
 
     # Row 6-7: no terminal line and the instance is off (or gone): evidence, never a guess.
     if status in OFF_STATES:
-        return _ended(mine, instance, status, status_ev, boot, policy)
+        return None, _ended(mine, instance, status, status_ev, boot, policy)
 
     # Row 8: in transition, or not started: the next poll sees where it lands.
     if status in TRANSITIONAL_STATES:
         reason = f"instance is {status}: deciding on a later poll"
-        return Verdict(VerdictKind.UNKNOWN, reason, boot, (status_ev,))
+        return None, Verdict(VerdictKind.UNKNOWN, reason, boot, (status_ev,))
     if status is not None and status not in INSTANCE_STATUSES:
         reason = f"instance status {status!r} is not in the documented enum: no verdict"
-        return Verdict(VerdictKind.UNKNOWN, reason, boot, (status_ev,))
+        return None, Verdict(VerdictKind.UNKNOWN, reason, boot, (status_ev,))
 
     # Row 9: nothing of ours yet.
     if not mine:
-        return Verdict(
+        return None, Verdict(
             VerdictKind.UNKNOWN,
             "no protocol line yet (booting, or agent not installed)",
             None,
@@ -293,14 +394,19 @@ def decide(
     if silent_s > policy.drain_timeout_s:
         # Row 10: the agent stopped cleanly (service stopped by an operator): no evidence.
         if agent_stopped:
-            return Verdict(
+            return None, Verdict(
                 VerdictKind.UNKNOWN,
                 f"agent stopped cleanly and silent for {silent_s:.0f}s: no evidence either way",
                 boot,
                 evidence,
             )
+        # Row 10b: running again after a planned stop of this boot (the poller looks the
+        # operations up for a silent boot): the silence is the stop's, not a wedge.
+        back = _back_from_planned_stop(mine, instance, now, policy, boot, evidence)
+        if back is not None:
+            return None, back
         # Row 11: silent in a non-terminal phase past the drain timeout.
-        return Verdict(
+        return None, Verdict(
             VerdictKind.SUSPECTED_WEDGE,
             f"no line for {silent_s:.0f}s (drain timeout {policy.drain_timeout_s:.0f}s) in phase "
             f"{phase or 'unknown'}: suspected wedge the agent could not report",
@@ -314,9 +420,66 @@ def decide(
     dry = [e for e in mine if e.event == vocab.DRY_RUN_SHUTDOWN and not e.get("rep")]
     if dry:  # shown, never a failover: the VM was not shut down
         extra += f", {len(dry)} dry-run shutdown decision(s), no action taken"
-    return Verdict(
+    notice = _maintenance_notice(mine)
+    if notice is not None:  # shown: the stop it announces decides once GCE records it
+        extra += f", host maintenance announced ({notice.get('event')})"
+    return None, Verdict(
         VerdictKind.HEALTHY,
         f"last line {silent_s:.0f}s ago in phase {phase or 'unknown'}{extra}",
+        boot,
+        evidence,
+    )
+
+
+def _maintenance_notice(mine: Sequence[Event]) -> Event | None:
+    """The boot's latest ``maintenance`` line, if it announces a stop (not a migration)."""
+    notes = [e for e in mine if e.event == vocab.MAINTENANCE]
+    if notes and notes[-1].get("event") == MAINTENANCE_TERMINATE:
+        return notes[-1]
+    return None
+
+
+def _planned_stop(ops: tuple[str, ...] | None) -> tuple[str, VerdictKind] | None:
+    """The planned stop among the operations: (operation type, verdict), host error first."""
+    for op, kind in PLANNED_STOPS.items():
+        if ops is not None and op in ops:
+            return op, kind
+    return None
+
+
+def _back_from_planned_stop(
+    mine: Sequence[Event],
+    instance: InstanceState,
+    now: float,
+    policy: Policy,
+    boot: str | None,
+    evidence: tuple[str, ...],
+) -> Verdict | None:
+    """Running, silent, and a planned stop ended this boot: the stop's verdict (failing over),
+    or while the policy waits, wait for the new boot's first line for one drain timeout from
+    the VM's return (a restarted VM that never speaks is then a suspected wedge)."""
+    planned = _planned_stop(instance.end_ops)
+    if planned is None:
+        return None
+    op, kind = planned
+    what = "host maintenance" if kind is VerdictKind.HOST_MAINTENANCE else "a host error"
+    evidence = (*evidence, f"operations={','.join(instance.end_ops or ())}")
+    if not policy.planned_stop_wait:
+        reason = f"this boot was ended by {what} ({op}): the job was killed"
+        return Verdict(kind, reason, boot, evidence, policy_failover=True)
+    back_for = max(0.0, now - instance.back_s) if instance.back_s is not None else 0.0
+    if back_for > policy.drain_timeout_s:
+        return Verdict(
+            VerdictKind.SUSPECTED_WEDGE,
+            f"running again for {back_for:.0f}s after {what} ({op}) and no line of a new boot "
+            f"(drain timeout {policy.drain_timeout_s:.0f}s): suspected wedge",
+            boot,
+            evidence,
+        )
+    return Verdict(
+        VerdictKind.UNKNOWN,
+        f"running again after {what} ({op}) for {back_for:.0f}s: waiting for the new boot's "
+        "first line (--on-planned-stop wait)",
         boot,
         evidence,
     )
@@ -338,9 +501,25 @@ def _ended(
     if ops is not None and OP_PREEMPTED in ops:
         reason = f"instance is {status}: GCE preempted it ({OP_PREEMPTED})"
         return Verdict(VerdictKind.PREEMPTED, reason, boot, evidence)
-    if ops is not None and OP_HOST_ERROR in ops:
-        reason = f"instance is {status}: its host failed ({OP_HOST_ERROR}), the job was killed"
-        return Verdict(VerdictKind.TERMINATED_UNEXPLAINED, reason, boot, evidence)
+    planned = _planned_stop(ops)
+    if planned is not None:
+        op, kind = planned
+        what = (
+            "stopped it for host maintenance"
+            if kind is VerdictKind.HOST_MAINTENANCE
+            else ("its host failed")
+        )
+        notice = _maintenance_notice(mine)
+        if notice is not None:  # the agent's signed notice corroborates the operation
+            evidence = (*evidence, notice.render())
+            what += " (the agent had the notice)"
+        action = (
+            "waiting for GCE's automatic restart (--on-planned-stop wait)"
+            if policy.planned_stop_wait
+            else "the job was killed"
+        )
+        reason = f"instance is {status}: GCE {what} ({op}); {action}"
+        return Verdict(kind, reason, boot, evidence, not policy.planned_stop_wait)
     benign = sorted(set(ops or ()) & BENIGN_END_OPS)
     why = (
         f"ended by {', '.join(benign)} (not evidence of a wedge)"

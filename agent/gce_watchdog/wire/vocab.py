@@ -41,6 +41,10 @@ MEMORY_GPU = "memory_gpu"
 MEMORY_CLIMB = "memory_climb"
 MEMORY_OK = "memory_ok"
 MEMORY_ACTION = "memory_action"
+# the GPU watch (in the agent; docs/serial-protocol.md, "GPU events")
+GPU_FAULT = "gpu_fault"  # a hardware Xid (or NVML loss) confirmed by a second signal: decides
+GPU_EVENT = "gpu_event"  # an application Xid, or a hardware one not confirmed: shown only
+GPU_STALL = "gpu_stall"  # a GPU probe ran past its deadline: shown only
 # the job's commands and the start-up script
 PHASE = "phase"
 SETUP_FAILED = "setup_failed"
@@ -63,14 +67,19 @@ ALL_EVENTS = frozenset(
         START, TICK, HEARTBEAT, RECOVERED, SHUTDOWN, WOULD_SHUTDOWN, ACTION, STOP, SIGNAL, ERROR,
         WARN, STALL, PREEMPTED, INSTANCE, MAINTENANCE, DISARM, ARM, MEM, MEMORY_GPU, MEMORY_CLIMB,
         MEMORY_OK, MEMORY_ACTION, PHASE, SETUP_FAILED, EXIT, FETCH, BOOTSTRAP_STEP, FAULT,
-        DRY_RUN_SHUTDOWN, KEY, REKEY, RESULT, END,
+        DRY_RUN_SHUTDOWN, KEY, REKEY, RESULT, END, GPU_FAULT, GPU_EVENT, GPU_STALL,
     }
 )  # fmt: skip
 
 # -- the event sets, one per meaning -------------------------------------------------------------
 # What a poller verdict can depend on (poller/verdict.py's table): these survive the timeline's
 # compaction.
-VERDICT_EVENTS = frozenset({START, STOP, PHASE, SETUP_FAILED, EXIT, SHUTDOWN, PREEMPTED, RECOVERED})
+VERDICT_EVENTS = frozenset(
+    {
+        START, STOP, PHASE, SETUP_FAILED, EXIT, SHUTDOWN, PREEMPTED, RECOVERED, MAINTENANCE,
+        GPU_FAULT, MEMORY_GPU,
+    }
+)  # fmt: skip
 # What a person wants to see as a point in time on the report's plot and in its table: the verdict
 # inputs, plus what the agent decided while disarmed and the memory watch's turns.
 MARKER_EVENTS = VERDICT_EVENTS | {WOULD_SHUTDOWN, DRY_RUN_SHUTDOWN, MEMORY_CLIMB, MEMORY_OK}
@@ -89,6 +98,11 @@ EXIT_RESULT_REPORTED = "reported"
 EXIT_RESULT_MISSING = "missing"
 # Why the VM ends (`end reason=...`): the job's own ending, never a wedge.
 END_REASONS = ("done", "failed", "setup_failed")
+
+# -- the GPU state on `memory_gpu` lines (`st`): `lost` is a GPU fault for the poller (every GPU
+# stopped answering NVML) until a later `ok` of the same boot takes it back.
+MEMORY_GPU_OK = "ok"
+MEMORY_GPU_LOST = "lost"
 
 # -- field codecs --------------------------------------------------------------------------------
 # A probe result on ``tick``/``recovered`` lines: ``md``/``eg`` = ``verdict/reason/latency_ms``.
