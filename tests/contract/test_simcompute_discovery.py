@@ -63,6 +63,11 @@ def method_errors(doc: dict[str, Any]) -> list[str]:
         errs.append("Instance.status enum differs")
     if tuple(s["Operation"]["properties"]["status"]["enum"]) != simcompute.OPERATION_STATUSES:
         errs.append("Operation.status enum differs")
+    sched = s["Scheduling"]["properties"]
+    if tuple(sched["onHostMaintenance"]["enum"]) != simcompute.ON_HOST_MAINTENANCE:
+        errs.append("Scheduling.onHostMaintenance enum differs")
+    if sched["automaticRestart"]["type"] != "boolean":
+        errs.append("Scheduling.automaticRestart is not a boolean")
     return errs
 
 
@@ -172,6 +177,11 @@ def served_responses(api: FakeComputeAPI) -> list[tuple[str, dict[str, Any]]]:
     call("compute.zoneOperations.list", "GET", f"{base}/operations",
          params={"filter": 'operationType = "compute.instances.preempted"'})  # fmt: skip
     call("compute.instances.get", "GET", f"{base}/instances/vm-1")  # TERMINATED now
+    api.add_instance("vm-gpu", project=P, zone=Z, on_host_maintenance="TERMINATE")
+    api.host_maintenance("vm-gpu")
+    flt = f'operationType = "{simcompute.OP_TERMINATE_ON_MAINTENANCE}"'
+    call("compute.zoneOperations.list", "GET", f"{base}/operations", params={"filter": flt})
+    call("compute.instances.get", "GET", f"{base}/instances/vm-gpu")  # TERMINATED, TERMINATE
     body = {"name": "vm-3", "machineType": f"zones/{Z}/machineTypes/e2-small",
             "labels": {"run": "r1"}, "scheduling": {"provisioningModel": "SPOT"},
             "metadata": {"items": [{"key": "startup-script", "value": "#!/bin/sh"}]}}  # fmt: skip
@@ -206,8 +216,15 @@ def test_every_response_the_fake_serves_is_declared_by_the_document(api: FakeCom
         "compute.projects.get",
         "compute.zones.get",  # no Project/Zone schema vendored: the poller reads only 404/200
     }
-    ops = next(b for mid, b in responses if mid == "compute.zoneOperations.list")["items"]
-    assert [o["operationType"] for o in ops] == ["compute.instances.preempted"]
+    lists = [b["items"] for mid, b in responses if mid == "compute.zoneOperations.list"]
+    assert [[o["operationType"] for o in ops] for ops in lists] == [
+        ["compute.instances.preempted"],
+        ["compute.instances.terminateOnHostMaintenance"],
+    ]
+    gpu = [b for mid, b in responses if mid == "compute.instances.get" and b["name"] == "vm-gpu"]
+    assert gpu[-1]["status"] == "TERMINATED"
+    assert gpu[-1]["scheduling"]["onHostMaintenance"] == "TERMINATE"
+    assert gpu[-1]["scheduling"]["automaticRestart"] is True
     stopped = next(b for mid, b in responses if mid == "compute.instances.stop")
     assert stopped["status"] == "DONE" and stopped["httpErrorStatusCode"] == 403
     assert response_errors(load_doc(), responses) == []
@@ -232,6 +249,12 @@ def test_a_mutated_document_or_a_wrong_fake_field_fails(api: FakeComputeAPI) -> 
         "returnPartialSuccess"
     ] = {"type": "boolean", "location": "query"}
     assert any("aggregatedList" in e for e in method_errors(params))
+    # the maintenance policy loses the value GPU VMs have (or gains one the fake lacks)
+    maint = copy.deepcopy(doc)
+    maint["schemas"]["Scheduling"]["properties"]["onHostMaintenance"]["enum"].remove("TERMINATE")
+    assert any("onHostMaintenance: 'TERMINATE' not in the enum" in e
+               for e in response_errors(maint, responses))  # fmt: skip
+    assert "Scheduling.onHostMaintenance enum differs" in method_errors(maint)
     # a deliberately wrong fake field: an int64 sent as a JSON number
     wrong = [(mid, copy.deepcopy(b)) for mid, b in responses]
     serial = next(b for mid, b in wrong if mid == "compute.instances.getSerialPortOutput")
@@ -312,3 +335,44 @@ def test_system_events_are_zone_operations_of_that_instance(api: FakeComputeAPI)
     )  # fmt: skip
     assert [o["operationType"] for o in r.json()["items"]] == ["compute.instances.preempted"]
     assert r.json()["items"][0]["name"].startswith("systemevent-")
+
+
+def test_host_maintenance_follows_the_maintenance_policy_and_restart_rule(
+    api: FakeComputeAPI,
+) -> None:
+    """``Scheduling.onHostMaintenance``: TERMINATE stops the VM (GPU VMs), MIGRATE keeps it
+    running; ``Scheduling.automaticRestart``: restarted only after a stop by Compute Engine,
+    never a preemptible VM."""
+    gpu = api.add_instance("gpu-1", project=P, zone=Z, on_host_maintenance="TERMINATE")
+    api.add_instance("std-1", project=P, zone=Z)
+    api.add_instance("spot-1", project=P, zone=Z, spot=True, on_host_maintenance="TERMINATE")
+    api.host_maintenance("gpu-1")
+    api.host_maintenance("std-1")
+    api.host_maintenance("spot-1")
+    assert api.instance("gpu-1").status == "TERMINATED"
+    assert api.instance("std-1").status == "RUNNING"  # live migration
+    r = requests.get(
+        _url(api, f"projects/{P}/zones/{Z}/operations"),
+        params={"filter": f'targetId = "{gpu.id}"'}, headers=AUTH, timeout=5,
+    )  # fmt: skip
+    assert [o["operationType"] for o in r.json()["items"]] == [
+        "compute.instances.terminateOnHostMaintenance"
+    ]
+    assert [o.type for o in api.zone_operations("std-1")] == [
+        "compute.instances.migrateOnHostMaintenance"
+    ]
+    with pytest.raises(ValueError, match="not a VM GCE restarts"):
+        api.restart("spot-1")  # "Preemptible instances cannot be automatically restarted"
+    with pytest.raises(ValueError):
+        api.restart("std-1")  # never stopped
+    api.restart("gpu-1")
+    assert api.instance("gpu-1").status == "RUNNING"
+    api.guest_shutdown("gpu-1")
+    with pytest.raises(ValueError, match="not stopped by Compute Engine"):
+        api.restart("gpu-1")  # the guest's own power-off: not restarted
+    api.add_instance("err-1", project=P, zone=Z)
+    api.host_error("err-1")
+    api.restart("err-1")
+    assert api.instance("err-1").status == "RUNNING"
+    with pytest.raises(ValueError, match="cannot be automatically restarted"):
+        api.add_instance("spot-2", project=P, zone=Z, spot=True, automatic_restart=True)

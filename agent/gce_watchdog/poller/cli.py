@@ -151,6 +151,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             help=f"what a {what} verdict does: alarm only (default) or also fail over",
         )
     p.add_argument(
+        "--on-planned-stop",
+        choices=("failover", "wait"),
+        default="failover",
+        help="a host_maintenance or host_error verdict fails over (default) or waits for "
+        "GCE's automatic restart (docs/poller.md, 'Planned stops')",
+    )
+    p.add_argument(
+        "--on-gpu-fault",
+        choices=("failover", "report"),
+        default="failover",
+        help="a gpu_fault verdict fails over (default) or is only reported as an alarm",
+    )
+    p.add_argument(
         "--peer-cursor-dir",
         action="append",
         default=[],
@@ -321,6 +334,8 @@ def _policy(args: argparse.Namespace) -> Policy:
         drain_timeout_s=parse_duration(args.drain_timeout),
         ended_unread_failover=getattr(args, "on_ended_unread", "alarm") == "failover",
         unverified_failover=getattr(args, "on_unverified", "alarm") == "failover",
+        planned_stop_wait=getattr(args, "on_planned_stop", "failover") == "wait",
+        gpu_fault_report=getattr(args, "on_gpu_fault", "failover") == "report",
     )
 
 

@@ -32,7 +32,13 @@ from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
 from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
-from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind
+from gce_watchdog.poller.verdict import (
+    PLANNED_STOPS,
+    InstanceState,
+    Policy,
+    Verdict,
+    VerdictKind,
+)
 
 # The label that names an instance's job for the dispatcher (docs/poller.md, "Decisions as an
 # interface"): recorded with each decision as ``job``.
@@ -46,7 +52,7 @@ _LINE_VERDICTS = frozenset(
     {
         VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_FAILED, VerdictKind.WORKLOAD_UNVERIFIED,
         VerdictKind.SETUP_FAILED, VerdictKind.SETUP_FAILED_INFRA, VerdictKind.SELF_SHUTDOWN,
-        VerdictKind.PREEMPTED,
+        VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT,
     }
 )  # fmt: skip
 # A zone operation counts for the current boot from this long before the boot's first line
@@ -203,6 +209,9 @@ class Poller:
         self._log_tries: dict[tuple[str, str], int] = {}
         # (instance id, boot) -> the name of our delete of an ended job's VM, not DONE yet
         self._reaping: dict[tuple[str, str], str] = {}
+        # (instance id, boot) -> when this poller first saw the VM running again after a planned
+        # stop of that boot it waits for (--on-planned-stop wait)
+        self._back: dict[tuple[str, str], float] = {}
 
     def poll(
         self, name: str, known: InstanceStatus | None = None, gone: bool = False
@@ -251,13 +260,15 @@ class Poller:
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
         verdict = tl.judge(state, self.clock(), self.policy)
         instance_id = info.id if info else cur.instance_id
-        if verdict.kind is VerdictKind.ENDED_UNREAD:
-            try:
+        try:
+            if verdict.kind is VerdictKind.ENDED_UNREAD:
                 verdict = self._evidence(name, instance_id, tl, state, verdict)
-            except AuthError:
-                raise
-            except ComputeAPIError as e:  # blind to the evidence: no verdict, retried next poll
-                return PollOutcome(name, instance_id, state.status or "", None, error=str(e))
+            elif verdict.kind is VerdictKind.SUSPECTED_WEDGE and self.policy.planned_stop_wait:
+                verdict = self._back_evidence(name, instance_id, tl, state, verdict)
+        except AuthError:
+            raise
+        except ComputeAPIError as e:  # blind to the evidence: no verdict, retried next poll
+            return PollOutcome(name, instance_id, state.status or "", None, error=str(e))
         decision = None
         reaped = reap_error = reap_pending = None
         announce = False
@@ -378,6 +389,32 @@ class Poller:
                 return Verdict(kind, why, prior.boot, verdict.evidence, policy_failover=True)
         if not instance_id:
             return verdict
+        state = dataclasses.replace(state, end_ops=self._boot_ops(name, instance_id, tl))
+        verdict = tl.judge(state, now, self.policy)
+        if verdict.kind is VerdictKind.ENDED_UNREAD and self.logging is not None:
+            return self._log_evidence(instance_id, tl, state, verdict)
+        return verdict
+
+    def _back_evidence(
+        self, name: str, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict
+    ) -> Verdict:
+        """Running and silent while the policy waits for restarts: a planned stop that ended
+        this boot (the same one lookup per boot) explains the silence; the VM's return is timed
+        from this poll, so a restarted VM that never speaks is a wedge one drain timeout on."""
+        if not instance_id or tl.latest_boot is None:
+            return verdict
+        ops = self._boot_ops(name, instance_id, tl)
+        if not any(op in PLANNED_STOPS for op in ops):
+            # not remembered: read while running, it says nothing of how this boot ends
+            self._end_ops.pop((instance_id, tl.latest_boot), None)
+            return verdict
+        back_s = self._back.setdefault((instance_id, tl.latest_boot), self.clock())
+        state = dataclasses.replace(state, end_ops=ops, back_s=back_s)
+        return tl.judge(state, self.clock(), self.policy)
+
+    def _boot_ops(self, name: str, instance_id: str, tl: Timeline) -> tuple[str, ...]:
+        """The zone operation types of this instance since its current boot began: one
+        ``zoneOperations.list`` per instance and boot, remembered."""
         boot = tl.latest_boot or "-"
         key = (instance_id, boot)
         if key not in self._end_ops:
@@ -397,11 +434,7 @@ class Poller:
                     continue  # before this boot
                 found.append(str(op.get("operationType", "")))
             self._end_ops[key] = tuple(found)
-        state = dataclasses.replace(state, end_ops=self._end_ops[key])
-        verdict = tl.judge(state, now, self.policy)
-        if verdict.kind is VerdictKind.ENDED_UNREAD and self.logging is not None:
-            return self._log_evidence(instance_id, tl, state, verdict)
-        return verdict
+        return self._end_ops[key]
 
     def _log_evidence(
         self, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict

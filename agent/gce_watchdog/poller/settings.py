@@ -152,6 +152,8 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
             drain_timeout_s=parse_duration(v["drain_timeout"]),
             ended_unread_failover=v.get("on_ended_unread", "alarm") == "failover",
             unverified_failover=v.get("on_unverified", "alarm") == "failover",
+            planned_stop_wait=v.get("on_planned_stop", "failover") == "wait",
+            gpu_fault_report=v.get("on_gpu_fault", "failover") == "report",
         )
     except ValueError as exc:
         errs.append(str(exc))

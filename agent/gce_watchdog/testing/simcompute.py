@@ -37,7 +37,19 @@ with its reference.
   of an instance" filters zone operations on ``operationType="compute.instances.preempted"``),
   ``guest_shutdown`` records ``compute.instances.guestTerminate`` and ``host_error``
   ``compute.instances.hostError`` (GoogleCloudPlatform/gcpdiag ``runbook/gce/vm_termination.py``
-  and its test, which tells a guest-OS-issued shutdown by that type).
+  and its test, which tells a guest-OS-issued shutdown by that type). ``host_maintenance``
+  follows ``Scheduling.onHostMaintenance`` (discovery document: ``MIGRATE`` "automatically
+  migrate instances out of the way of maintenance events", the default; ``TERMINATE``
+  "terminate and (optionally) restart the instance", what GPU VMs get): ``TERMINATE`` records
+  ``compute.instances.terminateOnHostMaintenance`` and stops the VM, ``MIGRATE`` records
+  ``compute.instances.migrateOnHostMaintenance`` and the VM stays RUNNING (the operation types
+  of gcpdiag ``gcpdiag/runbook/gce/constants.py`` and of GoogleCloudPlatform/ml-auto-solutions'
+  interruption DAG). ``restart`` is the automatic restart after a stop by Compute Engine
+  (``Scheduling.automaticRestart``: "automatically restarted if it is terminated by Compute
+  Engine (not terminated by a user)", true by default, never for preemptible VMs); when it
+  comes is not documented ("may be restarted outside the window of maintenance events"), so
+  the test says; whether GCE records an operation for it and whether the serial port keeps its
+  bytes are not documented either: the fake records none and keeps them.
 - **requestId** ("a valid UUID with the exception that zero UUID is not supported",
   ``instances.delete.parameters.requestId``): the zero UUID and a non-UUID are 400; a repeated id
   returns the first request's operation and does not act twice; ids are kept per instance and
@@ -186,6 +198,14 @@ STANDARD_PARAMETERS = frozenset(
 OP_PREEMPTED = "compute.instances.preempted"
 OP_GUEST_TERMINATE = "compute.instances.guestTerminate"
 OP_HOST_ERROR = "compute.instances.hostError"
+OP_TERMINATE_ON_MAINTENANCE = "compute.instances.terminateOnHostMaintenance"
+OP_MIGRATE_ON_MAINTENANCE = "compute.instances.migrateOnHostMaintenance"
+# Scheduling.onHostMaintenance.enum (the discovery document; the contract test compares them)
+ON_HOST_MAINTENANCE = ("MIGRATE", "TERMINATE")
+# The system events after which Scheduling.automaticRestart brings the VM back ("terminated by
+# Compute Engine (not terminated by a user)"): not a preemption (preemptible VMs "cannot be
+# automatically restarted"), not a guest's own power-off.
+_RESTARTABLE = frozenset({OP_HOST_ERROR, OP_TERMINATE_ON_MAINTENANCE})
 
 
 @dataclass(frozen=True)
@@ -315,6 +335,8 @@ class FakeInstance:
     metadata: dict[str, str] = field(default_factory=dict)
     fingerprint: str = "AAAAAAAAAAA="
     machine_type: str = ""  # set by instances.insert (its machineType, as sent)
+    on_host_maintenance: str = "MIGRATE"  # Scheduling.onHostMaintenance (default MIGRATE)
+    automatic_restart: bool = True  # Scheduling.automaticRestart (never for a Spot VM)
     inserted: dict[str, Any] = field(default_factory=dict)  # the insert body, as sent
 
 
@@ -482,9 +504,16 @@ class FakeComputeAPI:
         termination_action: str = "STOP",
         instance_id: str | None = None,
         labels: dict[str, str] | None = None,
+        on_host_maintenance: str = "MIGRATE",
+        automatic_restart: bool | None = None,
     ) -> FakeInstance:
+        """``automatic_restart`` None: the document's default, true except for a Spot VM."""
         if status not in INSTANCE_STATUSES:
             raise ValueError(f"status {status!r} is not in Instance.status.enum")
+        if on_host_maintenance not in ON_HOST_MAINTENANCE:
+            raise ValueError(f"{on_host_maintenance!r} is not in Scheduling.onHostMaintenance")
+        if spot and automatic_restart:
+            raise ValueError("a preemptible VM cannot be automatically restarted")
         inst = FakeInstance(
             name=name,
             project=project,
@@ -494,6 +523,8 @@ class FakeComputeAPI:
             spot=spot,
             termination_action=termination_action,
             labels=dict(labels or {}),
+            on_host_maintenance=on_host_maintenance,
+            automatic_restart=not spot if automatic_restart is None else automatic_restart,
         )
         with self._lock:
             self._instances[(project, zone, name)] = inst
@@ -548,6 +579,29 @@ class FakeComputeAPI:
     def host_error(self, name: str) -> FakeOperation:
         """The host failed: ``compute.instances.hostError``; the VM is TERMINATED."""
         return self._system_event(self.instance(name), OP_HOST_ERROR, "terminate")
+
+    def host_maintenance(self, name: str) -> FakeOperation:
+        """A host maintenance event (what ``instances.simulateMaintenanceEvent`` triggers): with
+        ``onHostMaintenance`` TERMINATE, ``compute.instances.terminateOnHostMaintenance`` and
+        the VM goes STOPPING, then TERMINATED; with MIGRATE, a live migration
+        (``compute.instances.migrateOnHostMaintenance``), the VM stays RUNNING."""
+        inst = self.instance(name)
+        if inst.on_host_maintenance == "TERMINATE":
+            return self._system_event(inst, OP_TERMINATE_ON_MAINTENANCE, "terminate")
+        return self._system_event(inst, OP_MIGRATE_ON_MAINTENANCE, "")
+
+    def restart(self, name: str) -> None:
+        """GCE's automatic restart of a VM that Compute Engine stopped (host error, host
+        maintenance): RUNNING again. ValueError where GCE would not restart it: automatic
+        restart off (a Spot VM), not TERMINATED, or its last stop not one of Compute Engine's."""
+        inst = self.instance(name)
+        with self._lock:
+            last = [o for o in self._ops if o.inst is inst and o.effect in ("terminate", "delete")]
+            if not inst.automatic_restart or inst.deleted or inst.status != "TERMINATED":
+                raise ValueError(f"{name}: not a VM GCE restarts (status {inst.status})")
+            if not last or last[-1].type not in _RESTARTABLE:
+                raise ValueError(f"{name}: not stopped by Compute Engine")
+            inst.status = "RUNNING"
 
     def fail_next_operation(
         self, http_status: int = 403, code: str = "PERMISSION_DENIED", message: str = "denied"
@@ -904,6 +958,9 @@ class FakeComputeAPI:
             machine_type=str(doc.get("machineType", "")),
             inserted=doc,
         )
+        if isinstance(sched, dict):  # Scheduling: defaults MIGRATE, restart unless Spot
+            inst.on_host_maintenance = str(sched.get("onHostMaintenance") or "MIGRATE")
+            inst.automatic_restart = bool(sched.get("automaticRestart", not inst.spot))
         self._instances[(project, zone, name)] = inst
         self.zones.add((project, zone))
         op = self._new_op(inst, "insert", "start", "user", 0.0)
@@ -1174,6 +1231,8 @@ def _instance_json(inst: FakeInstance) -> dict[str, Any]:
             "provisioningModel": "SPOT" if inst.spot else "STANDARD",
             "preemptible": inst.spot,
             "instanceTerminationAction": inst.termination_action,
+            "onHostMaintenance": inst.on_host_maintenance,
+            "automaticRestart": inst.automatic_restart,
         },
         "metadata": {
             "kind": "compute#metadata",
