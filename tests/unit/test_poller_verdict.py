@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
 from gce_watchdog.poller.verdict import (
+    POLICY_KINDS,
     InstanceState,
     Policy,
     VerdictKind,
@@ -121,11 +123,55 @@ TABLE: list[tuple[str, list[tuple[str, dict[str, object]]], InstanceState, float
         K.PREEMPTED,
     ),
     (
-        "6 host error",
+        "6b host error (issue 36: its own verdict)",
         WORKLOAD,
         InstanceState("TERMINATED", end_ops=("compute.instances.hostError",)),
         NOW,
-        K.TERMINATED_UNEXPLAINED,
+        K.HOST_ERROR,
+    ),
+    (
+        "6c host maintenance stopped a GPU VM",
+        WORKLOAD,
+        InstanceState("TERMINATED", end_ops=("compute.instances.terminateOnHostMaintenance",)),
+        NOW,
+        K.HOST_MAINTENANCE,
+    ),
+    (
+        "6c host maintenance, then deleted by a user",
+        [*WORKLOAD, ("maintenance", {"event": "TERMINATE_ON_HOST_MAINTENANCE", "was": "NONE"})],
+        InstanceState(
+            "MISSING", end_ops=("compute.instances.terminateOnHostMaintenance", "delete")
+        ),
+        NOW,
+        K.HOST_MAINTENANCE,
+    ),
+    (
+        "7 the maintenance notice alone is no evidence of the stop",
+        [*WORKLOAD, ("maintenance", {"event": "TERMINATE_ON_HOST_MAINTENANCE", "was": "NONE"})],
+        InstanceState("TERMINATED", end_ops=()),
+        NOW,
+        K.ENDED_UNREAD,
+    ),
+    (
+        "G a verified gpu_fault while running",
+        [*WORKLOAD, ("gpu_fault", {"xid": 79, "pci": "0000:00:04.0", "gpu": 0, "sig": "lost"})],
+        RUN,
+        NOW,
+        K.GPU_FAULT,
+    ),
+    (
+        "G every GPU lost (memory_gpu st=lost)",
+        [*WORKLOAD, ("memory_gpu", {"st": "lost", "n": 0})],
+        RUN,
+        NOW,
+        K.GPU_FAULT,
+    ),
+    (
+        "G an application Xid never decides",
+        [*WORKLOAD, ("gpu_event", {"xid": 13, "pci": "0000:00:04.0", "gpu": 0, "cls": "app"})],
+        RUN,
+        NOW,
+        K.HEALTHY,
     ),
     (
         "7 spot VM off, no operation",
@@ -206,7 +252,7 @@ def test_decision_table(
     rx = max((e.ts_ms for e in events), default=0) / 1000 if events else None
     v = decide(events, state, now, Policy(), received_s=rx)
     assert v.kind is want, v.reason
-    assert v.failover is want.failover
+    assert v.failover is (want.failover or want in POLICY_KINDS)
     assert v.reason
     if lines:
         assert v.boot == B1
@@ -277,6 +323,10 @@ NAMES = [
     "tick",
     "heartbeat",
     "recovered",
+    "gpu_fault",
+    "gpu_event",
+    "gpu_stall",
+    "maintenance",
     "x_other",
 ]
 PHASES = ["bootstrap", "workload", "done", "-"]
@@ -314,7 +364,7 @@ def test_decide_is_total_and_consistent(
 ) -> None:
     v = decide(events, InstanceState(status, spot), T0 / 1000 + dt, Policy())
     assert isinstance(v.kind, K) and v.reason
-    assert v.failover == v.kind.failover
+    assert v.failover == (v.kind.failover or v.kind in POLICY_KINDS)
     if events:
         assert v.boot in (None, current_boot(events))
 
@@ -341,3 +391,219 @@ def test_earlier_boots_never_change_the_verdict(
     assert decide(other + latest, state, now, Policy(), received_s=rx) == want
     # lines of the earlier boot replayed after the latest boot's: still the latest boot decides
     assert decide(latest + other, state, now, Policy(), received_s=rx) == want
+
+
+# -- planned stops (issue 36.1) --------------------------------------------------------------
+
+Line = tuple[str, dict[str, object]]
+OP_PRE, OP_ERR, OP_MAINT = (
+    "compute.instances.preempted",
+    "compute.instances.hostError",
+    "compute.instances.terminateOnHostMaintenance",
+)
+NOTICE: Line = ("maintenance", {"event": "TERMINATE_ON_HOST_MAINTENANCE", "was": "NONE"})
+WAIT = Policy(planned_stop_wait=True)
+OPS = [OP_PRE, OP_ERR, OP_MAINT, "compute.instances.guestTerminate", "stop", "delete"]
+
+
+def test_policy_kinds_fail_over_by_default_and_only_by_policy() -> None:
+    assert {K.HOST_MAINTENANCE, K.HOST_ERROR, K.GPU_FAULT} == POLICY_KINDS
+    assert not any(k.failover for k in POLICY_KINDS)  # the policy decides, default: fail over
+
+
+def test_every_set_of_end_operations() -> None:
+    """Exhaustive over the end operations: a preemption first, then a host error, then host
+    maintenance; a planned stop is never ended_unread; the policy only moves the failover."""
+    import itertools
+
+    statuses = ["TERMINATED", "STOPPED", "SUSPENDED", "MISSING"]
+    for mask, status, notice, wait in itertools.product(
+        range(2 ** len(OPS)), statuses, (False, True), (False, True)
+    ):
+        _check_end_operations(mask, status, notice, wait)
+
+
+def _check_end_operations(mask: int, status: str, notice: bool, wait: bool) -> None:
+    ops = tuple(op for i, op in enumerate(OPS) if mask >> i & 1)
+    lines = [*WORKLOAD, NOTICE] if notice else WORKLOAD
+    policy = Policy(planned_stop_wait=wait)
+    v = decide(seq_of(*lines), InstanceState(status, end_ops=ops), NOW, policy)
+    want = (
+        K.PREEMPTED
+        if OP_PRE in ops
+        else K.HOST_ERROR
+        if OP_ERR in ops
+        else K.HOST_MAINTENANCE
+        if OP_MAINT in ops
+        else K.ENDED_UNREAD
+    )
+    assert v.kind is want, v.reason
+    if want in (K.HOST_ERROR, K.HOST_MAINTENANCE):
+        assert v.failover is not wait and not v.alarm
+        assert ("automatic restart" in v.reason) is wait
+        # the agent's signed notice is shown beside the operation (corroboration)
+        assert any("TERMINATE_ON_HOST_MAINTENANCE" in e for e in v.evidence) is notice
+        assert ("the agent had the notice" in v.reason) is notice
+    if want is K.PREEMPTED:
+        assert v.failover  # the wait policy is about planned stops only
+
+
+def test_a_terminal_line_still_decides_before_a_planned_stop() -> None:
+    lines = [*WORKLOAD, ("exit", {"rc": "0", "sig": "-"})]
+    state = InstanceState("TERMINATED", end_ops=(OP_MAINT,))
+    assert decide(seq_of(*lines), state, NOW, Policy()).kind is K.WORKLOAD_OK
+
+
+def test_a_running_vm_with_the_notice_is_healthy_and_says_so() -> None:
+    v = decide(seq_of(*WORKLOAD, NOTICE), RUN, NOW, Policy())
+    assert v.kind is K.HEALTHY and "host maintenance announced" in v.reason
+    migrate = ("maintenance", {"event": "MIGRATE_ON_HOST_MAINTENANCE", "was": "NONE"})
+    assert "announced" not in decide(seq_of(*WORKLOAD, migrate), RUN, NOW, Policy()).reason
+
+
+def test_back_from_a_planned_stop_while_waiting() -> None:
+    """The VM came back (RUNNING) before the new boot's first line: the old boot's silence is
+    the stop's. Waiting: unknown for one drain timeout from its return, then a wedge; without
+    the wait policy the stop's own verdict (a failover)."""
+    events = seq_of(*WORKLOAD)
+    rx = events[-1].ts_ms / 1000
+    late = rx + 7200  # two hours of maintenance: the old boot is long silent
+    silent = decide(events, RUN, late, WAIT, received_s=rx)
+    assert silent.kind is K.SUSPECTED_WEDGE  # without the operations: nothing explains it
+    back = InstanceState("RUNNING", end_ops=(OP_MAINT,), back_s=late - 60)
+    v = decide(events, back, late, WAIT, received_s=rx)
+    assert v.kind is K.UNKNOWN and not v.failover and "waiting for the new boot" in v.reason
+    limit = WAIT.drain_timeout_s
+    assert decide(events, back, late - 60 + limit, WAIT, received_s=rx).kind is K.UNKNOWN
+    v = decide(events, back, late - 60 + limit + 1, WAIT, received_s=rx)
+    assert v.kind is K.SUSPECTED_WEDGE and "running again" in v.reason
+    v = decide(events, back, late, Policy(), received_s=rx)
+    assert v.kind is K.HOST_MAINTENANCE and v.failover
+    err = InstanceState("RUNNING", end_ops=(OP_ERR,), back_s=late)
+    assert decide(events, err, late, Policy(), received_s=rx).kind is K.HOST_ERROR
+    # a new boot's first line: judged afresh, the old boot's stop says nothing about it
+    new = [*events, ev("start", 0, B2), ev("phase", 1, B2, ph="workload")]
+    v = decide(new, back, late, WAIT, received_s=late)
+    assert v.kind is K.HEALTHY and v.boot == B2
+
+
+# -- GPU faults (issue 36.2) -----------------------------------------------------------------
+
+FAULT: Line = ("gpu_fault", {"xid": 79, "pci": "0000:00:04.0", "gpu": 3, "sig": "lost"})
+LOST: Line = ("memory_gpu", {"st": "lost", "n": 0})
+BACK: Line = ("memory_gpu", {"st": "ok", "n": 8})
+APP: Line = ("gpu_event", {"xid": 13, "pci": "0000:00:04.0", "gpu": 3, "cls": "app"})
+STALL: Line = ("gpu_stall", {"ms": 12000, "to": 10000})
+OK_EXIT: Line = ("exit", {"rc": "0", "sig": "-"})
+BAD_EXIT: Line = ("exit", {"rc": "1", "sig": "-"})
+SHUT: Line = ("shutdown", {"reason": "ladder", "rung": "10/10"})
+BEAT: Line = ("heartbeat", {"rung": "0/10", "ph": "workload"})
+REPORT = Policy(gpu_fault_report=True)
+GPU_ALPHABET: list[Line] = [FAULT, LOST, BACK, APP, STALL, OK_EXIT, BAD_EXIT, SHUT, BEAT]
+
+
+def test_gpu_fault_fails_over_or_reports_and_names_the_gpu() -> None:
+    events = seq_of(*WORKLOAD, APP, FAULT)
+    v = decide(events, RUN, NOW, Policy())
+    assert v.kind is K.GPU_FAULT and v.failover and not v.alarm
+    assert "GPU 3 (0000:00:04.0)" in v.reason and "Xid 79" in v.reason and "lost" in v.reason
+    assert v.evidence[0] == events[-1].render()
+    assert events[2].render() in v.evidence  # the gpu_event is shown
+    r = decide(events, RUN, NOW, REPORT)
+    assert r.kind is K.GPU_FAULT and not r.failover and r.alarm and "ALARM" in r.reason
+    lost = decide(seq_of(*WORKLOAD, LOST), InstanceState("TERMINATED", end_ops=()), NOW, Policy())
+    assert lost.kind is K.GPU_FAULT and "every GPU" in lost.reason
+
+
+def test_gpu_fault_and_the_jobs_own_ending() -> None:
+    # the job finished after the fault: never run a finished job twice
+    assert decide(seq_of(*WORKLOAD, FAULT, OK_EXIT), RUN, NOW, Policy()).kind is K.WORKLOAD_OK
+    # the job died after the fault: the fault is the cause
+    assert decide(seq_of(*WORKLOAD, FAULT, BAD_EXIT), RUN, NOW, Policy()).kind is K.GPU_FAULT
+    # a fault after the job's end is the end's consequence (or later news): the end decides
+    assert decide(seq_of(*WORKLOAD, BAD_EXIT, FAULT), RUN, NOW, Policy()).kind is (
+        K.WORKLOAD_FAILED
+    )
+    # report mode holds back only the GPU's own failover
+    v = decide(seq_of(*WORKLOAD, FAULT, SHUT), RUN, NOW, REPORT)
+    assert v.kind is K.SELF_SHUTDOWN and v.failover
+    assert any("gpu_fault" in e for e in v.evidence)
+    # every GPU lost, then back: not a fault
+    assert decide(seq_of(*WORKLOAD, LOST, BACK), RUN, NOW, Policy()).kind is K.HEALTHY
+
+
+def _gpu_rule(lines: list[tuple[str, dict[str, object]]], report: bool) -> tuple[K, bool]:
+    """docs/poller.md's GPU rows restated over a sequence of GPU_ALPHABET lines (status
+    RUNNING, no silence): (verdict, failover)."""
+    term = next((i for i, (n, f) in enumerate(lines) if n in ("exit", "shutdown")), None)
+    base = K.HEALTHY
+    if term is not None:
+        n, f = lines[term]
+        base = {"shutdown": K.SELF_SHUTDOWN}.get(n) or (
+            K.WORKLOAD_OK if f["rc"] == "0" else K.WORKLOAD_FAILED
+        )
+    fault, lost = None, None
+    for i, (n, f) in enumerate(lines):
+        if n == "gpu_fault":
+            fault = lost if lost is not None else i
+            break
+        if n == "memory_gpu":
+            lost = (lost if lost is not None else i) if f["st"] == "lost" else None
+    fault = fault if fault is not None else lost
+    if fault is None or (term is not None and term < fault) or base is K.WORKLOAD_OK:
+        return base, base.failover
+    if report and base.failover:
+        return base, True
+    return K.GPU_FAULT, not report
+
+
+def test_every_gpu_sequence_up_to_four_lines() -> None:
+    """Exhaustive: every sequence of up to 4 lines over the GPU alphabet, both policies."""
+    import itertools
+
+    n = 0
+    for size in range(5):
+        for combo in itertools.product(GPU_ALPHABET, repeat=size):
+            lines = list(combo)
+            events = seq_of(*WORKLOAD, *lines)
+            for report in (False, True):
+                v = decide(events, RUN, NOW, Policy(gpu_fault_report=report))
+                assert (v.kind, v.failover) == _gpu_rule(lines, report), (lines, v.reason)
+                n += 1
+    assert n == 2 * sum(len(GPU_ALPHABET) ** k for k in range(5))
+
+
+gpu_line = st.sampled_from([*GPU_ALPHABET, APP, STALL, BEAT, NOTICE])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(gpu_line, max_size=12),
+    st.lists(st.sampled_from([APP, STALL]), max_size=6),
+    st.randoms(use_true_random=False),
+    st.sampled_from(STATUSES),
+    st.booleans(),
+)
+def test_gpu_events_and_stalls_never_decide(
+    lines: list[tuple[str, dict[str, object]]],
+    extra: list[tuple[str, dict[str, object]]],
+    rnd: random.Random,
+    status: str | None,
+    report: bool,
+) -> None:
+    """Inserting gpu_event/gpu_stall lines anywhere changes neither the verdict nor the action;
+    report mode never adds a failover, and where it removes one the verdict is gpu_fault."""
+    mixed = list(lines)
+    for x in extra:
+        mixed.insert(rnd.randint(0, len(mixed)), x)
+    state = InstanceState(status, end_ops=())
+    rx = NOW - 5
+    policy = Policy(gpu_fault_report=report)
+    plain = decide(seq_of(*WORKLOAD, *lines), state, NOW, policy, received_s=rx)
+    more = decide(seq_of(*WORKLOAD, *mixed), state, NOW, policy, received_s=rx)
+    assert (more.kind, more.failover) == (plain.kind, plain.failover)
+    fo = decide(seq_of(*WORKLOAD, *lines), state, NOW, Policy(), received_s=rx)
+    rep = decide(seq_of(*WORKLOAD, *lines), state, NOW, REPORT, received_s=rx)
+    assert rep.failover <= fo.failover
+    if rep.failover != fo.failover:
+        assert fo.kind is rep.kind is K.GPU_FAULT and rep.alarm

@@ -103,8 +103,8 @@ class VerdictKind(enum.Enum):
 
     @property
     def failover(self) -> bool:
-        """Fails over whatever the policy says (the policy kinds fail over through
-        ``Verdict.policy_failover``: default on for them, see ``Policy``)."""
+        """Fails over whatever the policy says (``POLICY_KINDS`` fail over through
+        ``Verdict.policy_failover``: by default, see ``Policy``)."""
         return self in _FAILOVER
 
     @property
@@ -121,6 +121,11 @@ _FAILOVER = frozenset(
         VerdictKind.PREEMPTED,
         VerdictKind.TERMINATED_UNEXPLAINED,
     }
+)
+# Kinds that fail over under the default policy through ``Verdict.policy_failover`` (their
+# ``kind.failover`` is False: a policy may wait or only report instead).
+POLICY_KINDS = frozenset(
+    {VerdictKind.HOST_MAINTENANCE, VerdictKind.HOST_ERROR, VerdictKind.GPU_FAULT}
 )
 # Planned stops by operation type, host error first. These kinds, and GPU_FAULT, fail over
 # through ``Verdict.policy_failover``: by default, unless the policy waits for GCE's restart
@@ -505,9 +510,9 @@ def _ended(
     if planned is not None:
         op, kind = planned
         what = (
-            "stopped it for host maintenance"
+            "GCE stopped it for host maintenance"
             if kind is VerdictKind.HOST_MAINTENANCE
-            else ("its host failed")
+            else "its host failed"
         )
         notice = _maintenance_notice(mine)
         if notice is not None:  # the agent's signed notice corroborates the operation
@@ -518,7 +523,7 @@ def _ended(
             if policy.planned_stop_wait
             else "the job was killed"
         )
-        reason = f"instance is {status}: GCE {what} ({op}); {action}"
+        reason = f"instance is {status}: {what} ({op}); {action}"
         return Verdict(kind, reason, boot, evidence, not policy.planned_stop_wait)
     benign = sorted(set(ops or ()) & BENIGN_END_OPS)
     why = (
