@@ -859,6 +859,11 @@ run_steps() { # DIR LABEL: every argv file in DIR, in order, as a bootstrap step
 			# EX_TEMPFAIL: what `gce-watchdog fetch` exits when it gave up at its deadline (the
 			# network or the source never came up): not the job's fault.
 			fail "bootstrap:$name" "$(basename -- "${argv[0]}") gave up (rc 75, EX_TEMPFAIL)" 75 infra
+		elif ((rc == 6 || rc == 7 || rc == 28)); then
+			# curl's "could not resolve host", "failed to connect", "operation timed out" (curl(1),
+			# EXIT CODES): a raw download failed on the network after the metadata and DNS checks
+			# passed; the same failure through `gce-watchdog fetch` is 75 and infra (issue 36.4).
+			fail "bootstrap:$name" "$(basename -- "${argv[0]}") exited with $rc (curl: network)" "$rc" infra
 		elif ((rc != 0)); then
 			fail "bootstrap:$name" "$(basename -- "${argv[0]}") exited with $rc" "$rc"
 		fi

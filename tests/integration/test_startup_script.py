@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -324,6 +325,37 @@ def test_bootstrap_step_that_gives_up_with_75_is_infra(vm: Vm) -> None:
     assert p.returncode == 75
     (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
     assert (sf.get("step"), sf.get("rc"), sf.get("cause")) == ("bootstrap:md000", "75", "infra")
+
+
+@pytest.mark.parametrize(("rc", "cause"), [(6, "infra"), (7, "infra"), (28, "infra"), (22, "job")])
+def test_bootstrap_step_with_curls_network_codes_is_infra(vm: Vm, rc: int, cause: str) -> None:
+    """Issue 36.4: a raw curl that cannot resolve (6), connect (7) or finish (28) after the
+    network checks is infra, like the same download through `gce-watchdog fetch` (75); an HTTP
+    error (22, `curl -f`) is the job's."""
+    vm.bake()
+    vm.mds.set_attribute(
+        "gce-watchdog-bootstrap", json.dumps([[PY, "-c", f"raise SystemExit({rc})"]])
+    )
+    p = vm.run()
+    assert p.returncode == rc
+    (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
+    assert (sf.get("step"), sf.get("rc"), sf.get("cause")) == ("bootstrap:md000", str(rc), cause)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
+def test_a_real_curl_refused_on_loopback_is_infra(vm: Vm) -> None:
+    # a port bound and held but not listening: a connect is refused (curl exits 7, "failed to
+    # connect"), and no other process can take the port meanwhile
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        argv = [shutil.which("curl"), "-sS", "-o", "/dev/null", f"http://127.0.0.1:{port}/x"]
+        vm.bake()
+        vm.mds.set_attribute("gce-watchdog-bootstrap", json.dumps([argv]))
+        p = vm.run()
+    assert p.returncode == 7, p.stderr
+    (sf,) = [e for e in vm.events() if e.event == "setup_failed"]
+    assert (sf.get("rc"), sf.get("cause")) == ("7", "infra")
 
 
 # ---------------------------------------------------------------------------------------------
