@@ -154,6 +154,20 @@ def test_report_mode_raises_the_alarm_only(
     assert dflt["verdict"] == "gpu_fault" and dflt["action"] == "failover"
 
 
+def test_report_mode_still_fails_over_a_preemption_after_the_fault(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    api.add_instance("spot-1", project=P, zone=Z, spot=True)
+    w = Writer(boot="aaaa0001")
+    api.append_serial("spot-1", w.line("phase", {"ph": "workload"}) + w.line("gpu_fault", FAULT))
+    report = ("--on-gpu-fault", "report", "spot-1")
+    assert poll(api, tmp_path, capsys, *report)["spot-1"]["action"] == "none"
+    api.preempt("spot-1")
+    out = poll(api, tmp_path, capsys, *report)["spot-1"]
+    assert out["verdict"] == "preempted" and out["action"] == "failover", out["reason"]
+    assert any(" gpu_fault " in e for e in out["evidence"])
+
+
 def test_parse_gives_the_same_gpu_verdict(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

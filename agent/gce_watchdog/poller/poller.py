@@ -33,6 +33,7 @@ from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import (
+    OFF_STATES,
     PLANNED_STOPS,
     InstanceState,
     Policy,
@@ -63,6 +64,11 @@ SELF_LINK_BASE = "https://www.googleapis.com/compute/v1"  # how GCE writes targe
 # seconds to minutes (ingestion), so a read that finds nothing is tried on the next polls too.
 LOG_TRIES = 3
 _END_NS = uuid.UUID("6f1d5b52-43c5-4c1e-9a40-5d0f3f1f2a7e")
+
+
+def reported_gpu_fault(verdict: Verdict) -> bool:
+    """A GPU fault the policy only reports (``--on-gpu-fault report``)."""
+    return verdict.kind is VerdictKind.GPU_FAULT and not verdict.failover
 
 
 def end_request_id(instance_id: str, boot: str) -> str:
@@ -265,6 +271,11 @@ class Poller:
                 verdict = self._evidence(name, instance_id, tl, state, verdict)
             elif verdict.kind is VerdictKind.SUSPECTED_WEDGE and self.policy.planned_stop_wait:
                 verdict = self._back_evidence(name, instance_id, tl, state, verdict)
+            elif reported_gpu_fault(verdict) and state.status in OFF_STATES and instance_id:
+                # --on-gpu-fault report holds back only the GPU's own failover: a preemption
+                # or a planned stop of the VM still decides, so its operations are read too
+                state = dataclasses.replace(state, end_ops=self._boot_ops(name, instance_id, tl))
+                verdict = tl.judge(state, self.clock(), self.policy)
         except AuthError:
             raise
         except ComputeAPIError as e:  # blind to the evidence: no verdict, retried next poll
