@@ -74,8 +74,11 @@ TERMINAL_PHASES = frozenset({"done"})
 # Compute Engine docs "Get notice of host maintenance"): corroboration, never a verdict alone (the
 # job may finish within the hour of notice, and its final line may be the one never read).
 MAINTENANCE_TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
-# GPU lines shown in the evidence (never deciding), the most recent ones of the boot.
+# GPU lines shown in the evidence of every verdict (they never decide): the boot's most recent
+# 3, enough to see what preceded a verdict, bounded so that a stream of application Xids cannot
+# grow the evidence the ledger records with a decision.
 GPU_EVIDENCE_LINES = 3
+_GPU_SHOWN = frozenset({vocab.GPU_EVENT, vocab.GPU_STALL})
 
 
 class VerdictKind(enum.Enum):
@@ -310,9 +313,6 @@ def decide(
         evidence = (*shown, status_ev)
         return Verdict(VerdictKind.GPU_FAULT, reason, boot, evidence, not policy.gpu_fault_report)
     return replace(v, evidence=(*v.evidence, *gpu)) if gpu else v
-
-
-_GPU_SHOWN = frozenset({vocab.GPU_EVENT, vocab.GPU_STALL})
 
 
 def gpu_fault_event(events: Sequence[Event]) -> Event | None:
