@@ -17,6 +17,7 @@ A hardware Xid is only a *candidate*: ``gpu.episode.decide`` needs a second sign
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -72,6 +73,7 @@ _XID_RE = re.compile(
 TEXT_MAX = 120
 
 
+@functools.lru_cache(maxsize=1024)  # floods repeat the same text: 800,000 records, 29 distinct
 def parse_xid(message: str) -> XidRecord | None:
     """The Xid record in one kernel message, or None when the message is not an Xid record."""
     if "NVRM: Xid" not in message:
@@ -84,5 +86,7 @@ def parse_xid(message: str) -> XidRecord | None:
         return None
     pid_s = m["pid"]
     pid = int(pid_s) if pid_s is not None and pid_s.isdigit() else None
-    text = "".join(ch if ch.isprintable() else "?" for ch in m["text"])[:TEXT_MAX]
+    text = m["text"][:TEXT_MAX]
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else "?" for ch in text)
     return XidRecord(m["pci"].lower(), xid, pid, text)
