@@ -48,6 +48,7 @@ from gce_watchdog.daemon.service import (
     _instance_id,
     read_uptime,
 )
+from gce_watchdog.job.notice import write_notice
 from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
@@ -144,6 +145,7 @@ def build_agent(
         a.state_dir,
         emitter,
         apply_fault=SystemdFaultApplier(config_path),
+        on_notice=lambda n: write_notice(a.run_dir, n),
     )
 
     def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
