@@ -99,6 +99,21 @@ def test_xid_79_with_the_gpu_lost_is_a_fault_on_that_gpu() -> None:
     assert all(f["gpu"] == "1" for f in faults)
 
 
+def test_a_lost_gpu_without_its_pci_id_is_still_matched_to_its_xid() -> None:
+    w, rec, ans, said = watch()
+    ans.next = [gpus()]
+    w.step(0.0)
+    lost = gpus(g1={"lost": True})
+    assert lost.sample is not None
+    del lost.sample["gpus"][1]["bus"]  # NVML cannot read a lost GPU's PCI info
+    ans.next = [lost]
+    rec.add(xid(79, gpu=1))
+    w.step(1.0)
+    assert {"xid": "79", "pci": "0000:00:05", "gpu": "1", "sig": "handle_lost"} in said.of(
+        "gpu_fault"
+    )
+
+
 def test_a_hardware_xid_alone_is_an_event_until_a_second_signal() -> None:
     w, rec, ans, said = watch()
     ans.next = [gpus()]

@@ -48,6 +48,7 @@ from gce_watchdog.daemon.service import (
     _instance_id,
     read_uptime,
 )
+from gce_watchdog.gpu.service import GpuService, ProbeGauges
 from gce_watchdog.job.notice import write_notice
 from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
@@ -166,8 +167,14 @@ def build_agent(
         monotonic=time.monotonic,
         default_linger=cfg.actions.linger,
     )
-    services: list[Service] = [watcher, end_watch]
-    monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
+    # The GPU watch (docs/gpu.md): off, with no GPU library imported, where there is no driver.
+    gpu_service = GpuService(cfg.gpu, emitter)
+    services: list[Service] = [watcher, end_watch, gpu_service]
+    monitor = (
+        MemoryMonitor(cfg.memory, emitter, gpu=ProbeGauges(gpu_service))
+        if cfg.memory.enabled
+        else None
+    )
     if monitor is not None:
         preload_psutil()  # on this thread, not at the first sample on the monitor's
         services.append(monitor)

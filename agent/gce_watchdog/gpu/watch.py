@@ -15,7 +15,7 @@ Records not written by the kernel (facility != 0: ``logger``, the workload) are 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gce_watchdog.gpu import episode, health
@@ -62,6 +62,7 @@ class GpuWatch:
         self._episodes = Episodes()
         self._signals: dict[str, SecondSignal] = {}  # pci key -> the latest second signal
         self._index: dict[str, int] = {}  # pci key -> GPU index
+        self._bus_of: dict[int, str] = {}  # GPU index -> pci key, as last seen
         self._pending: dict[tuple[str, int], int] = {}  # unconfirmed hardware Xids
         self._said: set[tuple[str, str]] = set()  # (gpu, cause) faults already said
         self._boot_count: int | None = None
@@ -69,6 +70,7 @@ class GpuWatch:
         self._unanswered_since: float | None = None
         self.forged = 0
         self.lost_records = 0
+        self.latest_sample: dict[str, object] | None = None  # the last good NVML answer
 
     def step(self, now: float, progress_stopped: bool = False) -> None:
         if self._kmsg is not None:
@@ -132,15 +134,21 @@ class GpuWatch:
                 self._unanswered_since = now
             return
         self._unanswered_since = None
+        self.latest_sample = r.sample
         findings = health.assess(r.sample, self._boot_count, self._prev_ecc)
         count = r.sample.get("count")
         if self._boot_count is None and isinstance(count, int):
             self._boot_count = count
         self._prev_ecc = health.ecc_counts(r.sample)
         for f in findings:
-            if f.bus:
-                self._index[f.bus] = f.index
-                self._signals[f.bus] = f.signal
+            # A GPU that fell off the bus cannot tell NVML its PCI id any more: use the one an
+            # earlier sample gave for its index, so the Xid that names it still finds its signal.
+            bus = f.bus or self._bus_of.get(f.index, "")
+            if bus:
+                self._index[bus] = f.index
+                self._bus_of[f.index] = bus
+                self._signals[bus] = f.signal
+                f = replace(f, bus=bus)
             if f.fault:
                 gpu = str(f.index) if f.index >= 0 else "-"
                 self._fault(

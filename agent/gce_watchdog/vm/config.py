@@ -240,6 +240,8 @@ class GpuSection:
     enabled: str = field(default="auto", metadata=_check(_one_of("auto", "on", "off")))
     driver_path: str = field(default="/proc/driver/nvidia/version", metadata=_check(_abs_path))
     kmsg_path: str = field(default="/dev/kmsg", metadata=_check(_abs_path))
+    # How often the watch reads the kernel log and asks the probe child for a sample.
+    period: Duration = field(default=Duration(10.0), metadata=_check(_within(MIN_INTERVAL, 3600.0)))
     # How long one NVML sample may take in the child before a `gpu_stall` line.
     probe_timeout: Duration = field(
         default=Duration(10.0), metadata=_check(_within(0, 3600.0, lo_open=True))
