@@ -67,14 +67,18 @@ def _wait_for_call(state: Path, name: str) -> None:
     raise AssertionError(f"NVML call {name} never made")
 
 
-def test_a_sample_has_every_gpu(nvml: Path) -> None:
+def _one_sample() -> dict[str, Any]:
     probe = GpuProbe(timeout=5.0)
     try:
         r = _answer(probe, 0.0)
     finally:
         probe.close()
     assert r.sample is not None
-    s: dict[str, Any] = r.sample
+    return r.sample
+
+
+def test_a_sample_has_every_gpu(nvml: Path) -> None:
+    s = _one_sample()
     assert s["count"] == 2
     assert [g["bus"] for g in s["gpus"]] == ["00000000:00:04.0", "00000000:00:05.0"]
     assert s["gpus"][0]["remap"] == [0, 0, 0, 0] and s["gpus"][0]["lost"] is False
@@ -98,13 +102,7 @@ def test_the_agents_process_never_imports_a_gpu_library(nvml: Path) -> None:
 
 def test_a_lost_gpu_is_marked_lost(nvml: Path) -> None:
     nvml.write_text(json.dumps({"gpus": [GPU, {**GPU, "lost": True}]}))
-    probe = GpuProbe(timeout=5.0)
-    try:
-        r = _answer(probe, 0.0)
-    finally:
-        probe.close()
-    assert r.sample is not None
-    assert [g["lost"] for g in r.sample["gpus"]] == [False, True]
+    assert [g["lost"] for g in _one_sample()["gpus"]] == [False, True]
 
 
 def test_a_hung_call_is_one_stall_and_no_second_child(nvml: Path) -> None:
