@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from gce_watchdog.job.notice import NOTICE_ENV, NoticeFollower, notice_path
 from gce_watchdog.lib.cli import EX_NOEXEC, EX_NOTFOUND
 from gce_watchdog.vm.runtime import CommandConsole, open_console
 from gce_watchdog.vm.state import write_phase
@@ -247,6 +248,29 @@ def _pass_through(src: IO[bytes], dst: int, defuser: _Defuser) -> None:
         defuser.write(dst, chunk)
 
 
+# How often exec looks at the notice file while the job runs: one stat() a second; GCE's
+# shortest notice (a preemption) is about 30 s.
+NOTICE_POLL_S = 1.0
+
+
+def _wait_with_notices(child: Any, follower: NoticeFollower, cfg: Config) -> int:
+    """The child's return code; meanwhile each new stop notice sends it ``[job] notice_signal``."""
+    import subprocess
+
+    name = cfg.job.notice_signal
+    if name == "off":
+        return int(child.wait())
+    signum = signal.Signals[name]
+    while True:
+        try:
+            return int(child.wait(timeout=NOTICE_POLL_S))
+        except subprocess.TimeoutExpired:
+            pass
+        if follower.changed():
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+
+
 def run_exec(
     cfg: Config,
     argv: Sequence[str],
@@ -273,6 +297,8 @@ def run_exec(
     env[RESULT_RUN_ENV] = token
     if config_path:
         env[CONFIG_ENV] = os.path.abspath(config_path)
+    env[NOTICE_ENV] = notice_path(cfg.agent.run_dir)
+    follower = NoticeFollower(env[NOTICE_ENV])
     exe = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     if os.path.basename(exe) == "gce-watchdog" and os.access(exe, os.X_OK):
         env[AGENT_ENV] = exe  # the gce-watchdog the job's `result` runs (gce_watchdog.jobresult)
@@ -296,7 +322,7 @@ def run_exec(
             for t in pumps:
                 t.start()
             fwd.attach(child)
-            status = ExitStatus.from_returncode(child.wait())
+            status = ExitStatus.from_returncode(_wait_with_notices(child, follower, cfg))
             for t in pumps:
                 t.join(5.0)  # output of a grandchild that outlives the workload is not awaited
     finally:

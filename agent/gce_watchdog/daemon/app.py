@@ -48,6 +48,8 @@ from gce_watchdog.daemon.service import (
     _instance_id,
     read_uptime,
 )
+from gce_watchdog.gpu.service import GpuService, ProbeGauges
+from gce_watchdog.job.notice import write_notice
 from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
@@ -144,6 +146,7 @@ def build_agent(
         a.state_dir,
         emitter,
         apply_fault=SystemdFaultApplier(config_path),
+        on_notice=lambda n: write_notice(a.run_dir, n),
     )
 
     def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
@@ -164,8 +167,14 @@ def build_agent(
         monotonic=time.monotonic,
         default_linger=cfg.actions.linger,
     )
-    services: list[Service] = [watcher, end_watch]
-    monitor = MemoryMonitor(cfg.memory, emitter) if cfg.memory.enabled else None
+    # The GPU watch (docs/gpu.md): off, with no GPU library imported, where there is no driver.
+    gpu_service = GpuService(cfg.gpu, emitter)
+    services: list[Service] = [watcher, end_watch, gpu_service]
+    monitor = (
+        MemoryMonitor(cfg.memory, emitter, gpu=ProbeGauges(gpu_service))
+        if cfg.memory.enabled
+        else None
+    )
     if monitor is not None:
         preload_psutil()  # on this thread, not at the first sample on the monitor's
         services.append(monitor)

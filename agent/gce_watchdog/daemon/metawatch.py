@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from gce_watchdog.faults.request import FaultRequest, decide, inject_argv, remember
+from gce_watchdog.job.notice import Notice, maintenance_notice, preemption_notice
 from gce_watchdog.lib.files import atomic_write, read_json
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.vm import config as cfgmod
@@ -192,8 +193,12 @@ class MetadataWatcher:
         client: MetadataClient | None = None,
         log: Callable[..., object] | None = None,
         apply_fault: FaultApplier | None = None,
+        on_notice: Callable[[Notice], None] | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.watch = watch
+        self.on_notice = on_notice  # the job's notice (job/notice.py): written by the agent
+        self.wall = wall
         self.state_dir = state_dir  # the instance identity cache (instance.json) lives here
         self.emitter = emitter
         self.clock = clock
@@ -390,6 +395,7 @@ class MetadataWatcher:
             was, self._preempted = self._preempted, now
             inst = self._instance
         if now and not was:
+            self._notice(preemption_notice(self.wall()))
             self.emitter.emit(
                 vocab.PREEMPTED,
                 {"inst": inst.id if inst else "-", "src": "metadata"},
@@ -402,6 +408,7 @@ class MetadataWatcher:
         with self._lock:
             was, self._maintenance = self._maintenance, value
         if value != was:
+            self._notice(maintenance_notice(value, self.wall()))
             self.emitter.emit(
                 vocab.MAINTENANCE,
                 {"event": value, "was": was},
@@ -505,6 +512,15 @@ class MetadataWatcher:
                 err[:100],
                 sync=True,
             )
+
+    def _notice(self, notice: Notice) -> None:
+        """Hand the job its notice first: it has the least time of anyone to act on it."""
+        if self.on_notice is None:
+            return
+        try:
+            self.on_notice(notice)
+        except OSError as e:  # best effort at the edge: the console line still goes out
+            self._note("cannot write the job's notice", error=str(e))
 
     def _note(self, msg: str, **kw: Any) -> None:
         if self.log is not None:

@@ -27,7 +27,13 @@ from typing import Any
 from gce_watchdog.lib import proc
 from gce_watchdog.memory import GIB
 from gce_watchdog.memory.detector import ClimbVerdict, DetectorParams, Status, detect
-from gce_watchdog.memory.samplers import GpuSampler, TopProcess, host_gauges, top_processes
+from gce_watchdog.memory.samplers import (
+    GpuGauges,
+    GpuSampler,
+    TopProcess,
+    host_gauges,
+    top_processes,
+)
 from gce_watchdog.vm.config import Config, MemorySection
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
@@ -74,7 +80,7 @@ class MemoryMonitor:
         *,
         host: HostReader = host_gauges,
         top: TopReader = top_processes,
-        gpu: GpuSampler | None = None,
+        gpu: GpuGauges | None = None,
         run_command: CommandRunner = run_argv,
         log: Callable[..., object] | None = None,
     ) -> None:
@@ -83,7 +89,7 @@ class MemoryMonitor:
         self.clock = clock
         self._host = host
         self._top = top
-        self._gpu = gpu if gpu is not None else GpuSampler()
+        self._gpu: GpuGauges = gpu if gpu is not None else GpuSampler()
         self._run_command = run_command
         self._log = log
         self.params = DetectorParams(
@@ -188,8 +194,9 @@ class MemoryMonitor:
         gauges = dict(self._host())
         if self._gpu_on:
             g = self._gpu.sample()
-            self._gpu_health(bool(g))
-            gauges.update(g)
+            if g is not None:  # None: no news yet (the probe child has not answered once)
+                self._gpu_health(bool(g))
+                gauges.update(g)
         self._latest = MappingProxyType(gauges)
         started = self._started_at if self._started_at is not None else now
         judge = now >= started + self.cfg.warmup

@@ -18,7 +18,25 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
+
+
+class GpuGauges(Protocol):
+    """What the memory monitor reads GPU memory through: :class:`GpuSampler` (NVML in this
+    process, for ``memwatch``), or the agent's GPU probe child (gpu/service.py: NVML never runs in
+    the agent's process, and not at all where there is no driver)."""
+
+    reason: str
+    names: list[str]
+    last_error: str
+
+    @property
+    def count(self) -> int: ...
+    def open(self) -> bool: ...
+    def sample(self) -> dict[str, int] | None:
+        """The gauges read now ({} when every read failed), or None when there is no news yet."""
+
+    def close(self) -> None: ...
 
 
 def preload() -> None:

@@ -232,6 +232,43 @@ class MemorySection:
 
 
 @dataclass(frozen=True)
+class GpuSection:
+    """GPU health (docs/gpu.md): Xid records from the kernel log, NVML in a probe child."""
+
+    # auto: on when the NVIDIA driver is loaded (driver_path exists); on; off. With it off or no
+    # driver, no GPU library is imported and no probe child runs.
+    enabled: str = field(default="auto", metadata=_check(_one_of("auto", "on", "off")))
+    driver_path: str = field(default="/proc/driver/nvidia/version", metadata=_check(_abs_path))
+    kmsg_path: str = field(default="/dev/kmsg", metadata=_check(_abs_path))
+    # How often the watch reads the kernel log and asks the probe child for a sample.
+    period: Duration = field(default=Duration(10.0), metadata=_check(_within(MIN_INTERVAL, 3600.0)))
+    # How long one NVML sample may take in the child before a `gpu_stall` line.
+    probe_timeout: Duration = field(
+        default=Duration(10.0), metadata=_check(_within(0, 3600.0, lo_open=True))
+    )
+    # NVML unable to answer (a stall, a broken library) this long is a GPU fault.
+    unanswered_window: Duration = field(
+        default=Duration(300.0), metadata=_check(_within(0, DAY, lo_open=True))
+    )
+    # An Xid flood is one episode (one line) until this long passes without a record of it.
+    episode_quiet: Duration = field(
+        default=Duration(600.0), metadata=_check(_within(0, DAY, lo_open=True))
+    )
+
+
+@dataclass(frozen=True)
+class JobSection:
+    """The job started by `gce-watchdog exec` (docs/bootstrap.md, "Notices")."""
+
+    # The signal the job gets when GCE announces a maintenance stop or a preemption (Slurm's
+    # --signal and Lightning's requeue use SIGUSR1 for "checkpoint now"); "off": none.
+    notice_signal: str = field(
+        default="SIGUSR1",
+        metadata=_check(_one_of("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "off")),
+    )
+
+
+@dataclass(frozen=True)
 class ActionsSection:
     """The shutdown action chain (docs/actions.md). The action itself is ``agent.action``."""
 
@@ -370,6 +407,8 @@ class Config:
     egress: EgressSection = field(default_factory=EgressSection)
     serial: SerialSection = field(default_factory=SerialSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    gpu: GpuSection = field(default_factory=GpuSection)
+    job: JobSection = field(default_factory=JobSection)
     actions: ActionsSection = field(default_factory=ActionsSection)
     watch: WatchSection = field(default_factory=WatchSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
