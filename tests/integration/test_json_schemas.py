@@ -29,7 +29,7 @@ from kit.paths import AGENT_SRC, DOCS
 from kit.poll import poll_args
 
 SCHEMAS = AGENT_SRC / "gce_watchdog" / "schemas"
-NAMES = ("poll", "check", "parse", "report", "decisions", "decisions-held")
+NAMES = ("poll", "check", "parse", "report", "decisions", "decisions-held", "validate-plan")
 # A string that starts like a date is a time; it must then be RFC 3339 UTC, the one format.
 LOOKS_LIKE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]\d")
 # Keys that would hold an epoch time if a number slipped back in.
@@ -88,6 +88,9 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list
     out["parse"] = run(["parse", str(log), "--json", "--now", "last"])[1]
     out["report"] = run(["report", str(log), "--json", "--now", "last"])[1]
     out["check"] = check_outputs(tmp)
+    image = "projects/p/global/images/agent"  # a plan only: nothing is created
+    plan = ["validate", "--plan", "--json", "--project", "p", "--zone", "us-central1-a"]
+    out["validate-plan"] = run([*plan, "--image", image])[1]
     yield out
 
 
