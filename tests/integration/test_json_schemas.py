@@ -25,20 +25,19 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.testing.synth import Writer
 from kit.cli import gcewd
-from kit.paths import AGENT_SRC, DOCS
+from kit.paths import DOCS
 from kit.poll import poll_args
+from kit.schemas import SCHEMAS, schema
+from kit.schemas import validate as _validate
 
-SCHEMAS = AGENT_SRC / "gce_watchdog" / "schemas"
+# The outputs this file makes in-process; fault inject/status need root and network namespaces:
+# tests/root/test_faults.py validates those against theirs.
 NAMES = ("poll", "check", "parse", "report", "decisions", "decisions-held", "validate-plan")
+ALL = (*NAMES, "fault-inject", "fault-status")
 # A string that starts like a date is a time; it must then be RFC 3339 UTC, the one format.
 LOOKS_LIKE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]\d")
 # Keys that would hold an epoch time if a number slipped back in.
 TIME_KEY = re.compile(r"(^ts$|_at$|_ts$|^ts_|_rx$|received)")
-
-
-def schema(name: str) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads((SCHEMAS / f"{name}.schema.json").read_text())
-    return doc
 
 
 def run(argv: list[str]) -> tuple[int, list[dict[str, Any]]]:
@@ -115,20 +114,13 @@ def check_outputs(tmp: Path) -> list[dict[str, Any]]:
     return docs
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL)
 def test_every_schema_is_a_valid_draft_2020_12_schema_with_a_version(name: str) -> None:
     s = schema(name)
     jsonschema.Draft202012Validator.check_schema(s)
     assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert s["properties"]["v"]["const"] >= 1 and "v" in s["required"]
     assert s["$defs"]["time"]["pattern"] == jsontime.PATTERN, "one time format in every schema"
-
-
-def _validate(name: str, doc: dict[str, Any]) -> None:
-    s = schema(name)
-    jsonschema.Draft202012Validator(
-        s, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
-    ).validate(doc)
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if n != "check"])
@@ -256,8 +248,6 @@ def test_a_schema_rejects_an_epoch_time_and_a_missing_version(
 
 def test_docs_json_md_lists_every_schema_and_its_version() -> None:
     text = (DOCS / "json.md").read_text()
-    for name in NAMES:
+    for name in ALL:
         assert f"schemas/{name}.schema.json" in text, name
-    assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(
-        f"{n}.schema.json" for n in NAMES
-    )
+    assert sorted(p.name for p in SCHEMAS.glob("*.json")) == sorted(f"{n}.schema.json" for n in ALL)
