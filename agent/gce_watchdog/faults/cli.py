@@ -165,7 +165,8 @@ def cmd_inject(args: argparse.Namespace) -> int:
                         "until": iso(inj.until),
                         "families": list(inj.families),
                         "revert": inj.revert,
-                    }
+                    },
+                    sort_keys=True,
                 )
             )
         else:
