@@ -11,13 +11,15 @@ STAMP := $(VENV)/.installed-dev
 # debootstrap: the Debian 12 and 13 trees the packages are built and installed in
 # (tests/root/test_deb_releases.py; cached under build/cache/debroot);
 # postgresql: the ledger's contract suite (tests/kit/pgserver.py runs its own initdb and pg_ctl in a
-# temp dir on a loopback port).
+# temp dir on a loopback port);
+# chromium: the HTML report's colours, seen in a real browser (tests/integration/test_report_browser.py).
 # The tests start their own servers from temp configs; the packages' own services are never
 # started (policy-rc.d during the install) and disabled afterwards.
 APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian debootstrap \
-  podman runc
+  podman runc chromium
 
-.PHONY: demo test test-fast lint venv apt-test install bench e2e e2e-if-possible clean cli-docs deb
+.PHONY: demo test test-fast lint venv apt-test install install-cli bench e2e e2e-if-possible clean \
+  cli-docs deb
 
 $(VENV)/bin/python:
 	@$(PY) -m venv --help >/dev/null 2>&1 && $(PY) -c 'import ensurepip' 2>/dev/null || \
@@ -30,6 +32,20 @@ $(STAMP): pyproject.toml $(VENV)/bin/python
 	touch $@
 
 venv: $(STAMP)
+
+# `gce-watchdog` on PATH for this checkout, so the README's commands work as typed: as root a
+# link CLI_LINK -> .venv/bin/gce-watchdog (/usr/local/bin is on root's and sudo's PATH on Debian);
+# a file there that is not a link (someone else's) is left alone. Without root: the PATH line to
+# use instead. Explicit, not part of `make venv`: several checkouts on one machine would otherwise
+# take the link from each other.
+CLI_LINK ?= /usr/local/bin/gce-watchdog
+install-cli: $(STAMP)
+	@if [ "$$(id -u)" != 0 ]; then \
+	  echo "install-cli: not root; for this shell: export PATH=\"$(CURDIR)/$(VENV)/bin:\$$PATH\""; \
+	elif [ -e $(CLI_LINK) ] && [ ! -L $(CLI_LINK) ]; then \
+	  echo "install-cli: $(CLI_LINK) exists and is not a link: left alone" >&2; exit 1; \
+	else ln -sfn $(CURDIR)/$(VENV)/bin/gce-watchdog $(CLI_LINK) && \
+	  echo "install-cli: $(CLI_LINK) -> $(CURDIR)/$(VENV)/bin/gce-watchdog"; fi
 
 # Installs the apt packages the tests need when running as root and one is missing.
 apt-test:
@@ -138,7 +154,8 @@ deb: $(STAMP) cli-docs
 
 # Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
 # lays down the systemd unit and a default config, enables and starts it (idempotent; run as root).
-# INSTALL_FLAGS: e.g. --no-start, or --root DIR for an image tree.
+# INSTALL_FLAGS: e.g. --no-start. (Not --root DIR: this venv's python is not in an image tree, and
+# install refuses it; an image gets the agent from `startup/bake-image.sh --root DIR`.)
 PREFIX ?= /opt/gce-watchdog
 INSTALL_FLAGS ?=
 install:

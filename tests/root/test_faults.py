@@ -33,6 +33,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kit.netns import EGRESS_IP, METADATA_IP, PY, VM_ADDR, Topology
 from kit.nobody import Nobody
+from kit.schemas import validate
 
 ALL_CUTS = [Cut(*bits) for bits in itertools.product([False, True], repeat=4)]
 NOW = 1_800_000_000.0
@@ -507,6 +508,7 @@ def test_real_inject_cuts_paths_keeps_ssh_and_clears(topo: Topology, tmp_path: P
     r = fault_cli(topo, cfg, "inject", "--metadata", "--egress443", "--ttl", "5m", "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
+    validate("fault-inject", info)  # docs/json.md
     assert info["cut"] == "metadata+egress443" and info["revert"]["kind"] == "process"
     assert rule_count(topo) > 0
 
@@ -519,6 +521,7 @@ def test_real_inject_cuts_paths_keeps_ssh_and_clears(topo: Topology, tmp_path: P
     assert session.stdout.readline().strip() == "still-here"  # established session lives on
 
     st = json.loads(fault_cli(topo, cfg, "status", "--json").stdout)
+    validate("fault-status", st)
     assert st["active"] and st["id"] == info["id"] and 0 < st["remaining_s"] <= 300
 
     r = fault_cli(topo, cfg, "clear")
@@ -601,7 +604,8 @@ def test_real_ttl_reverts_after_the_cli_is_killed(topo: Topology, tmp_path: Path
     assert ops == ["inject", "expire"]
     assert not (tmp_path / "run" / firewall.STATE_FILE).exists()
     st = json.loads(fault_cli(topo, cfg, "status", "--json").stdout)
-    assert st == {"active": False}
+    validate("fault-status", st)
+    assert st == {"v": 1, "active": False}
 
 
 @pytest.mark.netns

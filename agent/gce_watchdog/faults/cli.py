@@ -31,6 +31,10 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.cli import add_config_arg
 from gce_watchdog.vm.runtime import CommandConsole, load_config_or_exit, open_console
 
+# `fault inject --json` and `fault status --json`'s version (docs/json.md,
+# schemas/fault-inject.schema.json, schemas/fault-status.schema.json): 1, the first with `v`.
+FAULT_JSON_VERSION = 1
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
@@ -154,13 +158,15 @@ def cmd_inject(args: argparse.Namespace) -> int:
             print(
                 json.dumps(
                     {
+                        "v": FAULT_JSON_VERSION,
                         "id": inj.fault_id,
                         "cut": cut.label,
                         "ttl": ttl,
                         "until": iso(inj.until),
                         "families": list(inj.families),
                         "revert": inj.revert,
-                    }
+                    },
+                    sort_keys=True,
                 )
             )
         else:
@@ -179,7 +185,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     def op(deps: Deps, paths: Paths) -> int:
         st = status(deps, paths)
         if args.json:
-            print(json.dumps(st, sort_keys=True))
+            print(json.dumps({"v": FAULT_JSON_VERSION, **st}, sort_keys=True))
         elif not st["active"]:
             extra = (
                 " (a state file is left over; `fault clear` removes it)"

@@ -3,7 +3,8 @@
 - :mod:`gce_watchdog.memory.detector`: the pure climb detector (no clock, no I/O).
 - :mod:`gce_watchdog.memory.samplers`: host memory through psutil, GPU memory through NVML.
 - :mod:`gce_watchdog.memory.monitor`: the in-agent monitor (own thread, serial lines).
-- :mod:`gce_watchdog.memory.cli`: ``gce-watchdog memwatch``.
+- :mod:`gce_watchdog.memory.memwatch`: ``memwatch``'s library: sample a process tree, judge it.
+- :mod:`gce_watchdog.memory.cli`: ``gce-watchdog memwatch`` (options only).
 
 ``docs/memory-watch.md`` explains the method and the JSON output.
 """

@@ -13,6 +13,8 @@ imports the rest only inside its handlers):
   ledger that makes a FAILOVER decision happen once.
 - :mod:`gce_watchdog.poller.ledger_pg`: the PostgreSQL ledger, the same semantics across hosts.
 - :mod:`gce_watchdog.poller.ledgers`: ``open_ledger``, the factory picking one of the two.
+- :mod:`gce_watchdog.poller.identity`: who an instance id is (project, zone, name), asked of the
+  Compute API, never taken from a LogEntry.
 - :mod:`gce_watchdog.poller.poller`: one poll of one instance: read, decide, claim, reap.
 - :mod:`gce_watchdog.poller.fleet`: a labelled fleet: discovery, the pool, the per-project budget.
 - :mod:`gce_watchdog.poller.pubsub`: the event-driven worker (Cloud Logging lines via Pub/Sub).
@@ -24,8 +26,12 @@ imports the rest only inside its handlers):
 - :mod:`gce_watchdog.poller.hooks`: ``--on-failover`` (a command per announcement) and
   ``--publish`` (a Pub/Sub message per announcement).
 - :mod:`gce_watchdog.poller.brake`: the fleet-wide brake's pure rule.
+- :mod:`gce_watchdog.poller.cloudlogging`: Cloud Logging's ``entries.list`` of the serial-port log
+  (``--logging-evidence``).
 - :mod:`gce_watchdog.poller.dump`: ``parse``'s reading and printing of a saved dump.
-- :mod:`gce_watchdog.poller.cli`: ``gce-watchdog poll``, ``parse`` and ``decisions`` (options only).
+- :mod:`gce_watchdog.poller.cli`: ``gce-watchdog poll`` and ``parse`` (options only).
+- :mod:`gce_watchdog.poller.ledger_cli`: ``gce-watchdog decisions`` and ``pin``, the ledger's
+  operator commands (options only).
 
 ``docs/poller.md`` documents the decision table, the reader and the ledger.
 """

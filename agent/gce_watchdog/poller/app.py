@@ -41,10 +41,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE
 from gce_watchdog.lib.compute import (
     DEFAULT_API_BASE,
@@ -631,8 +631,8 @@ def _redact(e: BaseException) -> str:
 
 
 def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time) -> None:
-    """One line per instance and round, led by the UTC time it was decided (ISO 8601)."""
-    ts = datetime.fromtimestamp(now(), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """One line per instance and round, led by the UTC time it was decided (RFC 3339)."""
+    ts = jsontime.from_epoch(now(), fraction=False)
     if as_json:
         import json
 

@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import EX_NOINPUT, EX_OK
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict
@@ -22,6 +23,9 @@ from gce_watchdog.wire.vocab import human_fields
 EX_DATAERR = 65  # sysexits: the input is too large to be a dump
 # What parse reads at most: a month of a busy console's export, far more than any real dump.
 MAX_DUMP_BYTES = 1 << 30
+# `parse --json`'s version (docs/json.md, schemas/parse.schema.json): 1 since the boots' times
+# are RFC 3339 strings (first_ts, last_ts, first_received, last_received; epoch numbers before).
+PARSE_JSON_VERSION = 1
 
 
 def show_dump(
@@ -112,10 +116,12 @@ def _timeline_json(
     tl: Timeline, events: list[Event], verdict: Verdict, total: int
 ) -> dict[str, Any]:
     return {
+        "v": PARSE_JSON_VERSION,
         "bytes": total,
         "lines": tl.lines,
         "boots": [
-            {**asdict(b), "lost": b.lost} for b in sorted(tl.boots.values(), key=lambda b: b.order)
+            jsontime.times({**asdict(b), "lost": b.lost})
+            for b in sorted(tl.boots.values(), key=lambda b: b.order)
         ],
         "events": [e.to_json() for e in events],
         "seq_gaps": [{**asdict(g), "missing": g.missing} for g in tl.seq_gaps],

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
 from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
@@ -83,6 +84,11 @@ def _op_time(op: dict[str, Any]) -> float | None:
         return None
 
 
+# `poll --json`'s version (docs/json.md, schemas/poll.schema.json): 1 since times are RFC 3339
+# strings (decided_at was epoch seconds in the unversioned output before it).
+POLL_JSON_VERSION = 1
+
+
 @dataclass(frozen=True)
 class PollOutcome:
     """Everything one poll learned about one instance (rendered by the CLI as text or JSON)."""
@@ -127,6 +133,7 @@ class PollOutcome:
         v = self.verdict
         d = self.decision
         return {
+            "v": POLL_JSON_VERSION,
             "instance": self.instance,
             "project": self.project,
             "zone": self.zone,
@@ -144,7 +151,7 @@ class PollOutcome:
                 "token": d.token,
                 "won": d.won,
                 "owner": d.owner,
-                "decided_at": d.decided_at,
+                "decided_at": jsontime.from_epoch(d.decided_at),
                 "request_id": d.request_id,
                 "held": d.held,  # the fleet-wide brake holds it: token 0, nothing decided yet
             },

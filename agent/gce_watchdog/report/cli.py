@@ -169,16 +169,23 @@ def _columns() -> int:
         return 160  # not a terminal (a pipe, a file): wide enough for most rows
 
 
+# `report --json`'s version (docs/json.md, schemas/report.schema.json): 1 since every time is an
+# RFC 3339 string (the series' ts, the boots' and the faults' times were epoch numbers before).
+REPORT_JSON_VERSION = 1
+
+
 def to_json(r: Any) -> dict[str, Any]:
     """The report as plain JSON-able data (series included)."""
+    from gce_watchdog.lib import jsontime
     from gce_watchdog.wire.protocol import format_ts
 
     v = r.verdict
     return {
+        "v": REPORT_JSON_VERSION,
         "source": r.source,
         "bytes": r.size,
         "lines": r.lines,
-        "boots": [{**asdict(s.info), "lost": s.info.lost} for s in r.sections],
+        "boots": [jsontime.times({**asdict(s.info), "lost": s.info.lost}) for s in r.sections],
         "events": [e.to_json() for e in r.events],
         "dropped_events": r.dropped_events,
         "seq_gaps": [{**asdict(g), "missing": g.missing} for g in r.seq_gaps],
@@ -193,11 +200,11 @@ def to_json(r: Any) -> dict[str, Any]:
         "key_id": r.key_id,
         "key_conflict": r.key_conflict,
         "threshold": r.threshold,
-        "rungs": [asdict(p) for p in r.rungs],
-        "probes": [asdict(p) for p in r.probes],
-        "memory": [asdict(p) for p in r.memory],
-        "faults": [asdict(w) for w in r.faults],
-        "markers": [asdict(m) for m in r.markers],
+        "rungs": [jsontime.times(asdict(x)) for x in r.rungs],
+        "probes": [jsontime.times(asdict(x)) for x in r.probes],
+        "memory": [jsontime.times(asdict(x)) for x in r.memory],
+        "faults": [jsontime.times(asdict(x)) for x in r.faults],
+        "markers": [jsontime.times(asdict(x)) for x in r.markers],
         "actions": [
             {"ts": format_ts(e.ts_ms), "boot": e.boot, "event": e.event, "fields": dict(e.fields)}
             for e in r.actions

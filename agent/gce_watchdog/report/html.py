@@ -9,24 +9,53 @@ from __future__ import annotations
 import base64
 from html import escape
 
-from gce_watchdog.report.model import Report
+from gce_watchdog.report.model import VERDICT_WORDS, Report, verdict_class
 from gce_watchdog.report.text import COLUMNS, cells, duration, fault_line, verdict_line
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import format_ts
 
 MAX_ROWS = 50_000  # event rows in the table (~10 MB of HTML); the rest is counted
 
-_CSS = """
+# One colour per verdict class (model.VERDICT_WORDS): the badge's background, with white text, and
+# a light tint of it behind the verdict line. Told apart without colour too: the badge's word.
+# tests/integration/test_report_browser.py finds each colour in a real browser's screenshot.
+COLOURS = {
+    "failover": "#c62828",  # red: a job is being moved
+    "alarm": "#e65100",  # orange: a human must look
+    "dry-run": "#6a1b9a",  # purple: a rehearsal reached its decision, nothing was powered off
+    "job-failed": "#795548",  # brown: the job's own failure, no failover
+    # blue-grey: no evidence either way (not a neutral grey: anti-aliased text is full of those)
+    "unknown": "#546e7a",
+    "healthy": "#2e7d32",  # green: alive, or ended well
+}
+TINTS = {
+    "failover": "#fdecea",
+    "alarm": "#fff3e0",
+    "dry-run": "#f3e5f5",
+    "job-failed": "#efebe9",
+    "unknown": "#eceff1",
+    "healthy": "#e8f5e9",
+}
+_CSS = (
+    """
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:1.3em} h2{font-size:1.1em;margin-top:1.5em}
-.verdict{padding:.6em 1em;border-radius:4px;background:#eef5ee;border:1px solid #9c9}
-.verdict.failover{background:#fbeaea;border-color:#d99}
-table{border-collapse:collapse;font-size:12px;font-family:ui-monospace,monospace}
+.verdict{padding:.6em 1em;border-radius:4px;border:1px solid}
+.badge{display:inline-block;padding:.2em .7em;margin-right:.7em;border-radius:3px;color:#fff;
+font-weight:bold;letter-spacing:.05em}
+"""
+    + "".join(
+        f".v-{c} .badge{{background:{COLOURS[c]}}} .v-{c}{{background:{TINTS[c]};"
+        f"border-color:{COLOURS[c]}}}\n"
+        for c in COLOURS
+    )
+    + """table{border-collapse:collapse;font-size:12px;font-family:ui-monospace,monospace}
 td,th{border:1px solid #ddd;padding:2px 6px;text-align:left;vertical-align:top}
 tr.key td{background:#fff7e0} tr.shutdown td{background:#fde0e0}
 img{max-width:100%;border:1px solid #ddd}
 .note{color:#666}
 """
+)
 _KEY = vocab.HIGHLIGHT_EVENTS
 
 
@@ -34,13 +63,15 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
     """The page. ``png`` None: no plot (``png_note`` says why)."""
     e = escape
     v = r.verdict
+    cls = verdict_class(r)
     out: list[str] = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>gce-watchdog report: {e(r.source or '-')}</title>",
         f"<style>{_CSS}</style></head><body>",
         f"<h1>gce-watchdog report: {e(r.source or '-')}</h1>",
-        f'<p class="verdict{" failover" if v.failover else ""}">{e(verdict_line(r))}</p>',
+        f'<p class="verdict v-{cls}" id="verdict"><span class="badge">{VERDICT_WORDS[cls]}</span>'
+        f"{e(verdict_line(r))}</p>",
     ]
     if v.evidence:
         out.append("<ul>" + "".join(f"<li><code>{e(x)}</code></li>" for x in v.evidence) + "</ul>")

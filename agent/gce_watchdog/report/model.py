@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gce_watchdog.poller.timeline import BootInfo, SeqGap, Timeline
-from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict
+from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event, parse_ts
 
@@ -122,6 +122,49 @@ class Report:
     @property
     def end_ms(self) -> int | None:
         return max((e.ts_ms for e in self.events), default=None)
+
+
+# What a person must see first (docs/report.md, "The verdict at a glance"): each class has one
+# word and, in the HTML page, one colour. Checked in this order; the first that holds is shown.
+#   failover    the poller fails this job over (a decided failover)
+#   alarm       a human must look: an alarm verdict, lines that do not authenticate, two keys
+#   dry-run     the agent decided to shut down with agent.action = "dry-run": nothing was off
+#   job-failed  the job's own failure (setup_failed cause=job, workload_failed): no failover
+#   unknown     no evidence either way
+#   healthy     alive, or the job ended well
+VERDICT_WORDS = {
+    "failover": "FAILOVER",
+    "alarm": "ALARM",
+    "dry-run": "DRY RUN",
+    "job-failed": "JOB FAILED",
+    "unknown": "UNKNOWN",
+    "healthy": "HEALTHY",
+}
+_JOB_FAILED = frozenset({VerdictKind.SETUP_FAILED, VerdictKind.WORKLOAD_FAILED})
+
+
+def is_dry_run(ev: Event) -> bool:
+    """A shutdown decided with ``agent.action = "dry-run"`` (its own event since protocol v2, a
+    ``shutdown`` line with ``action=dry-run`` before)."""
+    if ev.event == vocab.DRY_RUN_SHUTDOWN:
+        return True
+    return ev.event == vocab.SHUTDOWN and (ev.get("action") or "").replace("_", "-") == "dry-run"
+
+
+def verdict_class(r: Report) -> str:
+    """The report's class, a key of :data:`VERDICT_WORDS`."""
+    v = r.verdict
+    if v.failover:
+        return "failover"
+    if v.alarm or r.forged or r.key_conflict:
+        return "alarm"
+    if any(is_dry_run(ev) for ev in r.actions):
+        return "dry-run"
+    if v.kind in _JOB_FAILED:
+        return "job-failed"
+    if v.kind is VerdictKind.UNKNOWN:
+        return "unknown"
+    return "healthy"
 
 
 def parse_rung(value: str | None) -> tuple[int, int] | None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import IO, Any
 
-from gce_watchdog.report.model import Marker, Report
+from gce_watchdog.report.model import Marker, Report, is_dry_run
 from gce_watchdog.wire import vocab
 
 WIDTH_PX = 1400
@@ -114,7 +114,7 @@ def dry_run_shutdown(m: Marker, r: Report) -> bool:
         return False
     for ev in r.actions:
         if ev.boot == m.boot and ev.event == vocab.SHUTDOWN and ev.ts_ms == m.ts_ms:
-            return (ev.get("action") or "").replace("_", "-") == "dry-run"
+            return is_dry_run(ev)
     return False
 
 

@@ -173,7 +173,9 @@ class Plan:
         return lines
 
     def to_json(self) -> dict[str, object]:
+        """``validate --plan --json`` (docs/json.md, schemas/validate-plan.schema.json)."""
         return {
+            "v": PLAN_JSON_VERSION,
             "run": self.run,
             "project": self.project,
             "zone": self.zone,
@@ -186,6 +188,10 @@ class Plan:
             "roles": list(ROLES),
             "permissions": [p for p, _ in PERMISSIONS],
         }
+
+
+# `validate --plan --json`'s version: 1 is its first versioned form (the fields are unchanged).
+PLAN_JSON_VERSION = 1
 
 
 def vm_name(run: str, scenario: str) -> str:
