@@ -36,6 +36,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
+from gce_watchdog.lib.clock import Clock, RealClock
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
 from gce_watchdog.lib.retry import Backoff
@@ -62,27 +63,6 @@ LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
 
 
 Runner = Callable[[Sequence[str], float], RunResult]
-
-
-class ChainClock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def sleep(self, seconds: float) -> None: ...
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        """Wait up to ``seconds`` for ``event``; True when it is set."""
-        ...
-
-
-class RealChainClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(max(0.0, seconds))
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        return event.wait(max(0.0, seconds))
 
 
 @dataclass(frozen=True)
@@ -299,7 +279,7 @@ class ActionChain:
         emitter: Emitter,
         keepalive: Callable[[], object],
         runner: Runner = run_command,
-        clock: ChainClock | None = None,
+        clock: Clock | None = None,
         api: ComputeApi | None = None,
         kernel: Kernel | None = None,
         instance: Callable[[], InstanceInfo | None] | None = None,
@@ -310,7 +290,7 @@ class ActionChain:
         self.emitter = emitter
         self.keepalive = keepalive
         self.runner = runner
-        self.clock: ChainClock = clock or RealChainClock()
+        self.clock: Clock = clock or RealClock()
         self.api: ComputeApi = api or GoogleComputeApi(actions.api_base, actions.api_timeout)
         self.kernel: Kernel = kernel or RealKernel(actions.sysrq_path)
         self.instance = instance or (lambda: load_instance_cache(state_dir))

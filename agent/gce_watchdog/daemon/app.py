@@ -43,12 +43,12 @@ from gce_watchdog.daemon.service import (
     Deps,
     LadderStore,
     Notify,
-    RealClock,
     Service,
     _instance_id,
     read_uptime,
 )
 from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
+from gce_watchdog.lib.clock import RealClock
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory.monitor import MemoryMonitor

@@ -12,7 +12,6 @@ import fcntl
 import math
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,31 +24,11 @@ from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
 from gce_watchdog.daemon.metawatch import load_instance_cache
 from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
 from gce_watchdog.lib.cli import EX_OK
+from gce_watchdog.lib.clock import Clock
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def wall(self) -> float: ...
-
-    def wait(self, seconds: float, stop: threading.Event) -> bool:
-        """Sleep up to ``seconds``; True if ``stop`` was set meanwhile."""
-        ...
-
-
-class RealClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def wall(self) -> float:
-        return time.time()
-
-    def wait(self, seconds: float, stop: threading.Event) -> bool:
-        return stop.wait(max(seconds, 0.0))
 
 
 class Notify(Protocol):
@@ -533,7 +512,7 @@ class Agent:
                     if left <= 0:
                         break
                     chunk = min(left, ping_every) if ping_every else left
-                    if d.clock.wait(chunk, stop):
+                    if d.clock.wait(stop, chunk):
                         break
                     if ping_every and due - d.clock.monotonic() > 0:
                         d.notifier.notify("WATCHDOG=1")
