@@ -39,7 +39,7 @@ from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
 from gce_watchdog.lib.clock import Clock, RealClock
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
-from gce_watchdog.lib.retry import Backoff
+from gce_watchdog.lib.retry import Backoff, retry_call
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
@@ -63,6 +63,14 @@ LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
 
 
 Runner = Callable[[Sequence[str], float], RunResult]
+
+
+class _Retryable(Exception):
+    """A Compute API attempt that may be tried again (``result`` is its answer)."""
+
+    def __init__(self, result: ApiResult) -> None:
+        super().__init__(result.detail)
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -609,23 +617,31 @@ class ActionChain:
         self, op: str, inst: InstanceInfo, rid: str, policy: ChainRetry, t0: float
     ) -> tuple[ApiResult, int]:
         """Try until success, a final answer, ``attempts`` or the deadline (runs in a thread)."""
-        result = ApiResult(False, None, "not attempted", retryable=True)
         tries = 0
-        for attempt in range(1, policy.attempts + 1):
-            if attempt > 1:
-                elapsed = self.clock.monotonic() - t0
-                wait = policy.next_wait(attempt, self.jitter(), elapsed, result.wait_at_least)
-                if wait is None:
-                    break
-                self.clock.sleep(wait)
+
+        def one(attempt: int) -> ApiResult:
+            nonlocal tries
             tries = attempt
             try:
                 result = self.api.act(op, inst, rid)
             except Exception as e:
                 result = ApiResult(False, None, f"{type(e).__name__}: {e}"[:DETAIL_MAX])
             if result.ok or not result.retryable:
-                break
-        return result, tries
+                return result
+            raise _Retryable(result)
+
+        def next_wait(attempt: int, e: BaseException) -> float | None:
+            if attempt >= policy.attempts or not isinstance(e, _Retryable):
+                return None
+            elapsed = self.clock.monotonic() - t0
+            return policy.next_wait(attempt + 1, self.jitter(), elapsed, e.result.wait_at_least)
+
+        if policy.attempts < 1:
+            return ApiResult(False, None, "not attempted", retryable=True), 0
+        try:
+            return retry_call(one, next_wait, sleep=self.clock.sleep), tries
+        except _Retryable as e:
+            return e.result, tries
 
     def _command_step(self, res: ChainResult, step: str, argv: list[str], wait: float) -> None:
         """Run one power-off command; if it was accepted, wait (bounded) for the power to go."""
