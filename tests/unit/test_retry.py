@@ -125,3 +125,27 @@ def test_attempts_are_counted_exactly(fails: int, attempts: int) -> None:
         got = None
     assert calls == list(range(1, min(fails + 1, attempts) + 1))
     assert got == (fails + 1 if fails < attempts else None)
+
+
+def test_a_deadline_loop_without_jitter_fits_it() -> None:
+    """The shape of the ledger's open (poller/ledger.py: SQLITE_BUSY until a deadline, waits
+    doubling to a cap, no jitter): the same waits, then the last error."""
+    now = [0.0]
+    slept: list[float] = []
+    b = Backoff(0.05, 2.0, 0.4, jitter=0.0)
+    deadline = 1.0
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    def busy(_n: int) -> None:
+        raise RuntimeError("database is locked")
+
+    def next_wait(n: int, _e: BaseException) -> float | None:
+        w = b.wait(n, 0.0)
+        return None if now[0] + w > deadline else w
+
+    with pytest.raises(RuntimeError, match="locked"):
+        retry_call(busy, next_wait, retry_on=lambda e: "locked" in str(e), sleep=sleep)
+    assert slept == pytest.approx([0.05, 0.1, 0.2, 0.4])  # 0.75 s; the next 0.4 s would cross 1 s
