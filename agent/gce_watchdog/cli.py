@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from gce_watchdog import __version__
-from gce_watchdog.lib.cli import EX_SIGPIPE, EX_USAGE, Parser, all_parsers
+from gce_watchdog.lib.cli import EX_SIGPIPE, EX_USAGE, CommandError, Parser, all_parsers
 
 # Feature modules that add subcommands. Each has `register(sub: argparse._SubParsersAction)`,
 # and each parser it adds sets `func=handler(args) -> int`.
@@ -237,7 +237,12 @@ def _run(argv: Sequence[str] | None) -> int:
     if not getattr(args, "func", None):  # a group without its action: the root's whole help
         build_parser().print_help(sys.stderr)
         return EX_USAGE
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+    except CommandError as e:  # the one place a command's failure becomes its exit status
+        if e.message is not None:
+            print(e.message, file=sys.stderr)
+        rc = e.status
     sys.stdout.flush()  # a closed pipe shows here, inside the handler below
     return rc
 

@@ -66,6 +66,9 @@ class FakeClock:
         with self._lock:
             self.t += max(0.0, seconds)
 
+    def wall(self) -> float:  # lib.clock.Clock; the chain reads no wall time
+        return self.monotonic()
+
     def wait(self, event: threading.Event, seconds: float) -> bool:
         if event.wait(self.real_slice):
             return True

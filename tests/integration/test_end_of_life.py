@@ -104,6 +104,9 @@ class TimelineClock:
     def monotonic(self) -> float:
         return self.tl.t
 
+    def wall(self) -> float:  # lib.clock.Clock; the chain reads no wall time
+        return self.monotonic()
+
     def sleep(self, seconds: float) -> None:
         self.tl.t += max(0.0, seconds)
         self.tl.add("sleep", f"{seconds:g}")

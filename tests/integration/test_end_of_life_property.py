@@ -151,13 +151,16 @@ class World:
 
 @dataclass
 class SimClock:
-    """The chain's clock on the world's time (``ChainClock``)."""
+    """The chain's clock on the world's time (``lib.clock.Clock``)."""
 
     world: World
     alive: Callable[[], bool]
 
     def monotonic(self) -> float:
         return self.world.now[0]
+
+    def wall(self) -> float:  # lib.clock.Clock; the chain reads no wall time
+        return self.monotonic()
 
     def sleep(self, seconds: float) -> None:
         if threading.current_thread().name != "chain":

@@ -27,8 +27,9 @@ class ManualClock:
 
 @dataclass
 class ChainClock:
-    """The shutdown chain's clock on the daemon's fake clock: sleeping advances time; a wait gives
-    another thread ``real_slice`` real seconds to set the event before time moves on."""
+    """The shutdown chain's clock (``gce_watchdog.lib.clock.Clock``) on the daemon's fake clock:
+    sleeping advances time; a wait gives another thread ``real_slice`` real seconds to set the
+    event before time moves on."""
 
     fc: FakeClock
     real_slice: float = 1.0
@@ -36,6 +37,9 @@ class ChainClock:
 
     def monotonic(self) -> float:
         return self.fc.monotonic()
+
+    def wall(self) -> float:
+        return self.fc.wall()
 
     def sleep(self, seconds: float) -> None:
         if self.fail_sleep is not None:

@@ -11,7 +11,8 @@ from gce_watchdog.daemon.tick import ProbeResult, TickResult
 
 
 class FakeClock:
-    """Monotonic and wall time that only move when the code under test waits."""
+    """Monotonic and wall time that only move when the code under test waits (a
+    ``gce_watchdog.lib.clock.Clock``)."""
 
     def __init__(self, start: float = 1000.0, wall0: float = 1_796_000_000.0) -> None:
         self.t = start
@@ -30,7 +31,10 @@ class FakeClock:
         for cb in self.on_advance:
             cb(self.t)
 
-    def wait(self, seconds: float, stop: threading.Event) -> bool:
+    def sleep(self, seconds: float) -> None:
+        self.advance(max(seconds, 0.0))
+
+    def wait(self, stop: threading.Event, seconds: float) -> bool:
         self.waits.append(seconds)
         if stop.is_set():
             return True

@@ -24,7 +24,7 @@ from gce_watchdog.faults import firewall
 from gce_watchdog.faults import plan as fplan
 from gce_watchdog.faults.firewall import Deps, Paths, Result
 from gce_watchdog.faults.plan import CHAIN_IN, CHAIN_OUT, Cut, FaultError
-from gce_watchdog.lib.cli import EX_NOPERM, EX_UNAVAILABLE
+from gce_watchdog.lib.cli import EX_NOPERM, EX_UNAVAILABLE, CommandError
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
@@ -644,8 +644,9 @@ def test_without_root_nothing_runs() -> None:
 
     ran: list[bool] = []
     args = argparse.Namespace(config=None, iptables="iptables", ip6tables="ip6tables")
-    rc = faults_cli._run_op(args, True, lambda d, p: ran.append(True) or 0, euid=lambda: 1000)
-    assert rc == EX_NOPERM and ran == []
+    with pytest.raises(CommandError) as e:
+        faults_cli._run_op(args, True, lambda d, p: ran.append(True) or 0, euid=lambda: 1000)
+    assert e.value.status == EX_NOPERM and ran == []
 
 
 @pytest.mark.netns

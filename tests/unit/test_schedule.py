@@ -123,11 +123,11 @@ def test_a_stall_in_the_wait_is_written_too(tmp_path: Path) -> None:
     jumped = [False]
     real_wait = clock.wait
 
-    def wait(seconds: float, stop: threading.Event) -> bool:
+    def wait(stop: threading.Event, seconds: float) -> bool:
         if not jumped[0] and len(prober.starts) == 2:
             jumped[0] = True
             clock.advance(5.0)  # stopped for 5 s while waiting for the next slot
-        return real_wait(seconds, stop)
+        return real_wait(stop, seconds)
 
     clock.wait = wait  # type: ignore[method-assign]
     agent.run(threading.Event(), max_ticks=4)

@@ -28,7 +28,7 @@ from gce_watchdog.bootstrap.phases import (
     report_result,
     run_exec,
 )
-from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_OK, EX_USAGE
+from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_OK, EX_USAGE, CommandError
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.vm import config as cfgmod
@@ -131,14 +131,17 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def cmd_phase(args: argparse.Namespace) -> int:
     cfg = load_config_or_exit(args.config)
     ok = emit_terminal(cfg, vocab.PHASE, {"ph": args.phase}, phase=args.phase)
-    return EX_OK if ok else EX_IOERR
+    if not ok:  # not confirmed written: emit_terminal said so
+        raise CommandError(EX_IOERR)
+    return EX_OK
 
 
 def cmd_setup_failed(args: argparse.Namespace) -> int:
     step, reason = args.step.strip(), args.reason.strip()
     if not step or not reason:
-        print("gce-watchdog setup-failed: --step and --reason must not be empty", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(
+            EX_USAGE, "gce-watchdog setup-failed: --step and --reason must not be empty"
+        )
     cfg = load_config_or_exit(args.config)
     fields: dict[str, object] = {
         "step": sanitize_value(step, 32),
@@ -147,7 +150,9 @@ def cmd_setup_failed(args: argparse.Namespace) -> int:
         "cause": args.cause,
     }
     ok = emit_terminal(cfg, SETUP_FAILED, fields, reason, phase=SETUP_FAILED)
-    return EX_OK if ok else EX_IOERR
+    if not ok:  # not confirmed written: emit_terminal said so
+        raise CommandError(EX_IOERR)
+    return EX_OK
 
 
 def cmd_exec(args: argparse.Namespace) -> int:
@@ -155,11 +160,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv or not argv[0]:
-        print(
-            "gce-watchdog exec: usage: gce-watchdog exec [--config PATH] -- CMD [ARGS...]",
-            file=sys.stderr,
+        raise CommandError(
+            EX_USAGE, "gce-watchdog exec: usage: gce-watchdog exec [--config PATH] -- CMD [ARGS...]"
         )
-        return EX_USAGE
     cfg = load_config_or_exit(args.config)
     return run_exec(cfg, argv, expect_result=args.expect_result, config_path=args.config)
 
@@ -167,11 +170,12 @@ def cmd_exec(args: argparse.Namespace) -> int:
 def cmd_result(args: argparse.Namespace) -> int:
     bad = [d for d in args.detail if "=" not in d or not d.partition("=")[0].strip()]
     if bad:
-        print(f"gce-watchdog result: --detail must be K=V, got {bad[0]!r}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog result: --detail must be K=V, got {bad[0]!r}")
     cfg = load_config_or_exit(args.config)
     ok = report_result(cfg, args.status, args.detail)
-    return EX_OK if ok else EX_IOERR
+    if not ok:  # not confirmed written: emit_terminal said so
+        raise CommandError(EX_IOERR)
+    return EX_OK
 
 
 def register_fetch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -277,8 +281,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     try:
         req = request_from_args(args)
     except ValueError as e:
-        print(f"gce-watchdog fetch: {e}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog fetch: {e}") from None
     cfg = load_config_or_exit(args.config)
     con = open_console(cfg)
     try:
@@ -351,19 +354,15 @@ def cmd_install(args: argparse.Namespace) -> int:
     try:
         return install(opts)
     except InstallError as e:
-        print(f"gce-watchdog install: {e}", file=sys.stderr)
-        return e.code
+        raise CommandError(e.code, f"gce-watchdog install: {e}") from None
     except OSError as e:
-        print(f"gce-watchdog install: {e}", file=sys.stderr)
-        return EX_FAIL
+        raise CommandError(EX_FAIL, f"gce-watchdog install: {e}") from None
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
     try:
         return uninstall(_root(args), args.purge)
     except InstallError as e:
-        print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
-        return e.code
+        raise CommandError(e.code, f"gce-watchdog uninstall: {e}") from None
     except OSError as e:
-        print(f"gce-watchdog uninstall: {e}", file=sys.stderr)
-        return EX_FAIL
+        raise CommandError(EX_FAIL, f"gce-watchdog uninstall: {e}") from None

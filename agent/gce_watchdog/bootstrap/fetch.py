@@ -34,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 from gce_watchdog.lib import dns as dnslib
 from gce_watchdog.lib.cli import EX_CANTCREAT, EX_DATAERR, EX_OK, EX_TEMPFAIL, EX_UNAVAILABLE
 from gce_watchdog.lib.httpdate import parse_retry_after
-from gce_watchdog.lib.retry import Backoff
+from gce_watchdog.lib.retry import Backoff, retry_call
 from gce_watchdog.wire import vocab
 
 if TYPE_CHECKING:
@@ -750,11 +750,48 @@ class FetchDeps:
     policy: FetchRetry | None = None
 
 
+@dataclass
+class _Voice:
+    """What a run says: every message on stderr (when given one), and its ``fetch`` lines on the
+    serial console: each retry rate-limited by ``limit``, the end always."""
+
+    deps: FetchDeps
+    limit: RateLimit
+    host: str
+
+    def say(self, msg: str) -> None:
+        if self.deps.stderr is not None:
+            self.deps.stderr.write(f"gce-watchdog fetch: {msg}\n")
+            self.deps.stderr.flush()
+
+    def retry(self, n: int, exc: FetchError, w: float, now: float) -> None:
+        self.say(f"attempt {n} failed ({exc.kind}): {exc.message}; retrying in {w:.1f}s")
+        if self.deps.emitter is not None and self.limit.allow(now):
+            fields: dict[str, object] = {
+                "out": "retry",
+                "att": n,
+                "host": self.host,
+                "err": exc.kind,
+                "wait": f"{int(w * 1000)}ms",
+            }
+            supp = self.limit.take_suppressed()
+            if supp:
+                fields["supp"] = supp
+            text = vocab.fit_text(vocab.FETCH, fields, exc.message)
+            self.deps.emitter.emit(vocab.FETCH, fields, text)
+
+    def end(self, fields: dict[str, object], message: str, supp: bool = True) -> None:
+        if self.deps.emitter is not None:
+            n = self.limit.take_suppressed() if supp else 0
+            if n:
+                fields["supp"] = n
+            text = vocab.fit_text(vocab.FETCH, fields, message)
+            self.deps.emitter.emit(vocab.FETCH, fields, text, sync=True)
+
+
 def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
     """Download req.url to req.output under the retry policy; never raises FetchError."""
     import random
-
-    import tenacity
 
     rng = deps.rng or random.Random()  # noqa: S311 - jitter, not cryptography
     policy = deps.policy or FetchRetry(deadline=req.deadline)
@@ -770,63 +807,34 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
         Progress(deps.progress, clock),
         budget=policy.deadline,
     )
-    limit = RateLimit(deps.serial_every)
-    jitter: dict[int, float] = {}
-    host = req.url.host[:40]
-    dst = req.output.name[:40] or "-"
-
-    def say(msg: str) -> None:
-        if deps.stderr is not None:
-            deps.stderr.write(f"gce-watchdog fetch: {msg}\n")
-            deps.stderr.flush()
-
-    def plan(rs: tenacity.RetryCallState) -> float | None:
-        exc = rs.outcome.exception() if rs.outcome else None
-        ra = exc.retry_after if isinstance(exc, FetchError) else None
-        u = jitter.setdefault(rs.attempt_number, rng.random())
-        return policy.next_wait(rs.attempt_number, clock() - t0, ra, u)
-
-    def wait(rs: tenacity.RetryCallState) -> float:
-        return plan(rs) or 0.0
-
-    def stop(rs: tenacity.RetryCallState) -> bool:
-        return plan(rs) is None
-
-    def before_sleep(rs: tenacity.RetryCallState) -> None:
-        exc = rs.outcome.exception() if rs.outcome else None
-        assert isinstance(exc, FetchError)
-        w = plan(rs) or 0.0
-        attempt.progress.done()
-        say(f"attempt {rs.attempt_number} failed ({exc.kind}): {exc.message}; retrying in {w:.1f}s")
-        if deps.emitter is not None and limit.allow(clock()):
-            fields: dict[str, object] = {
-                "out": "retry",
-                "att": rs.attempt_number,
-                "host": host,
-                "err": exc.kind,
-                "wait": f"{int(w * 1000)}ms",
-            }
-            supp = limit.take_suppressed()
-            if supp:
-                fields["supp"] = supp
-            deps.emitter.emit(vocab.FETCH, fields, vocab.fit_text(vocab.FETCH, fields, exc.message))
-
-    retrying = tenacity.Retrying(
-        stop=stop,
-        wait=wait,
-        retry=tenacity.retry_if_exception(lambda e: isinstance(e, FetchError) and e.retryable),
-        sleep=deps.sleep,
-        before_sleep=before_sleep,
-        reraise=True,
-    )
+    voice = _Voice(deps, RateLimit(deps.serial_every), req.url.host[:40])
+    host, dst = voice.host, req.output.name[:40] or "-"
     n = 0
+
+    def next_wait(n: int, exc: BaseException) -> float | None:
+        ra = exc.retry_after if isinstance(exc, FetchError) else None
+        return policy.next_wait(n, clock() - t0, ra, rng.random())
+
+    def before_sleep(n: int, exc: BaseException, w: float) -> None:
+        assert isinstance(exc, FetchError)
+        attempt.progress.done()
+        voice.retry(n, exc, w, clock())
+
+    def one(att: int) -> int:
+        nonlocal n
+        n = att
+        return attempt.run()
+
     rc, out, message, nbytes = EX_OK, "ok", "", 0
     try:
         try:
-            for att in retrying:
-                with att:
-                    n = att.retry_state.attempt_number
-                    nbytes = attempt.run()
+            nbytes = retry_call(
+                one,
+                next_wait,
+                retry_on=lambda e: isinstance(e, FetchError) and e.retryable,
+                sleep=deps.sleep,
+                before_sleep=before_sleep,
+            )
         finally:
             attempt.drop_partial()  # never a .part left behind, whatever ended the run
         message = f"{nbytes} bytes to {req.output} in {clock() - t0:.1f}s after {n} attempt(s)"
@@ -855,27 +863,21 @@ def run_fetch(req: FetchRequest, deps: FetchDeps) -> FetchResult:
         last_kind = ""
     if out == "killed":
         attempt.progress.done()
-        say(message)
+        voice.say(message)
         if deps.emitter is not None:
             fields = {"out": out, "att": n, "host": host, "dst": dst, "rc": rc, "err": last_kind}
             fields["dur"] = f"{clock() - t0:.1f}"
-            text = vocab.fit_text(vocab.FETCH, fields, message)
-            deps.emitter.emit(vocab.FETCH, fields, text, sync=True)
+            voice.end(fields, message, supp=False)
         return FetchResult(rc, n, clock() - t0, message, 0)
     attempt.progress.done()
     elapsed = clock() - t0
-    say(message if rc else f"ok: {message}")
-    if deps.emitter is not None:
-        fields = {"out": out, "att": n, "host": host, "dst": dst, "rc": rc, "dur": f"{elapsed:.1f}"}
-        if rc == EX_OK:
-            fields["bytes"] = nbytes
-        else:
-            fields["err"] = last_kind
-        supp = limit.take_suppressed()
-        if supp:
-            fields["supp"] = supp
-        text = vocab.fit_text(vocab.FETCH, fields, message)
-        deps.emitter.emit(vocab.FETCH, fields, text, sync=True)
+    voice.say(message if rc else f"ok: {message}")
+    fields = {"out": out, "att": n, "host": host, "dst": dst, "rc": rc, "dur": f"{elapsed:.1f}"}
+    if rc == EX_OK:
+        fields["bytes"] = nbytes
+    else:
+        fields["err"] = last_kind
+    voice.end(fields, message)
     return FetchResult(rc, n, elapsed, message, nbytes)
 
 

@@ -36,9 +36,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.daemon.metawatch import InstanceInfo, load_instance_cache
+from gce_watchdog.lib.clock import Clock, RealClock
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.lib.proc import DETAIL_MAX, RunResult, run_command
-from gce_watchdog.lib.retry import Backoff
+from gce_watchdog.lib.retry import Backoff, retry_call
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
@@ -64,25 +65,12 @@ LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
 Runner = Callable[[Sequence[str], float], RunResult]
 
 
-class ChainClock(Protocol):
-    def monotonic(self) -> float: ...
+class _Retryable(Exception):
+    """A Compute API attempt that may be tried again (``result`` is its answer)."""
 
-    def sleep(self, seconds: float) -> None: ...
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        """Wait up to ``seconds`` for ``event``; True when it is set."""
-        ...
-
-
-class RealChainClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(max(0.0, seconds))
-
-    def wait(self, event: threading.Event, seconds: float) -> bool:
-        return event.wait(max(0.0, seconds))
+    def __init__(self, result: ApiResult) -> None:
+        super().__init__(result.detail)
+        self.result = result
 
 
 @dataclass(frozen=True)
@@ -299,7 +287,7 @@ class ActionChain:
         emitter: Emitter,
         keepalive: Callable[[], object],
         runner: Runner = run_command,
-        clock: ChainClock | None = None,
+        clock: Clock | None = None,
         api: ComputeApi | None = None,
         kernel: Kernel | None = None,
         instance: Callable[[], InstanceInfo | None] | None = None,
@@ -310,7 +298,7 @@ class ActionChain:
         self.emitter = emitter
         self.keepalive = keepalive
         self.runner = runner
-        self.clock: ChainClock = clock or RealChainClock()
+        self.clock: Clock = clock or RealClock()
         self.api: ComputeApi = api or GoogleComputeApi(actions.api_base, actions.api_timeout)
         self.kernel: Kernel = kernel or RealKernel(actions.sysrq_path)
         self.instance = instance or (lambda: load_instance_cache(state_dir))
@@ -629,23 +617,31 @@ class ActionChain:
         self, op: str, inst: InstanceInfo, rid: str, policy: ChainRetry, t0: float
     ) -> tuple[ApiResult, int]:
         """Try until success, a final answer, ``attempts`` or the deadline (runs in a thread)."""
-        result = ApiResult(False, None, "not attempted", retryable=True)
         tries = 0
-        for attempt in range(1, policy.attempts + 1):
-            if attempt > 1:
-                elapsed = self.clock.monotonic() - t0
-                wait = policy.next_wait(attempt, self.jitter(), elapsed, result.wait_at_least)
-                if wait is None:
-                    break
-                self.clock.sleep(wait)
+
+        def one(attempt: int) -> ApiResult:
+            nonlocal tries
             tries = attempt
             try:
                 result = self.api.act(op, inst, rid)
             except Exception as e:
                 result = ApiResult(False, None, f"{type(e).__name__}: {e}"[:DETAIL_MAX])
             if result.ok or not result.retryable:
-                break
-        return result, tries
+                return result
+            raise _Retryable(result)
+
+        def next_wait(attempt: int, e: BaseException) -> float | None:
+            if attempt >= policy.attempts or not isinstance(e, _Retryable):
+                return None
+            elapsed = self.clock.monotonic() - t0
+            return policy.next_wait(attempt + 1, self.jitter(), elapsed, e.result.wait_at_least)
+
+        if policy.attempts < 1:
+            return ApiResult(False, None, "not attempted", retryable=True), 0
+        try:
+            return retry_call(one, next_wait, sleep=self.clock.sleep), tries
+        except _Retryable as e:
+            return e.result, tries
 
     def _command_step(self, res: ChainResult, step: str, argv: list[str], wait: float) -> None:
         """Run one power-off command; if it was accepted, wait (bounded) for the power to go."""

@@ -43,14 +43,14 @@ from gce_watchdog.daemon.service import (
     Deps,
     LadderStore,
     Notify,
-    RealClock,
     Service,
     _instance_id,
     read_uptime,
 )
 from gce_watchdog.gpu.service import GpuService, ProbeGauges
 from gce_watchdog.job.notice import write_notice
-from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE
+from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE, CommandError
+from gce_watchdog.lib.clock import RealClock
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory.monitor import MemoryMonitor
@@ -106,8 +106,7 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
                 "run_dir", f"cannot use {lock.path} ({e.strerror}): running without the agent lock"
             )
     if held:
-        print(f"gce-watchdog: {held}; refusing to run a second ladder", file=sys.stderr)
-        return EX_TEMPFAIL
+        raise CommandError(EX_TEMPFAIL, f"gce-watchdog: {held}; refusing to run a second ladder")
     console = open_console(cfg, log=logs.mirror(log), journal=log)
     if console.port is not None and console.port.open_error:
         log.warning("serial_fallback", error=console.port.open_error, target=console.port.target)
@@ -410,20 +409,19 @@ def disarm(config_path: str | None, duration: str | None, reason: str, status: b
         print(_status_line(cfg, now))
         return EX_OK
     if duration is None:
-        print("gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(
+            EX_USAGE, "gce-watchdog disarm: --for DURATION is required (e.g. --for 2h)"
+        )
     try:
         secs = parse_duration(duration)
     except ValueError as e:
-        print(f"gce-watchdog disarm: --for: {e}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog disarm: --for: {e}") from None
     if not 0 < secs <= MAX_DISARM_S:
-        print(
+        raise CommandError(
+            EX_USAGE,
             f"gce-watchdog disarm: --for must be more than 0 and at most "
             f"{MAX_DISARM_S / 3600:g}h (got {duration}); run it again later to extend",
-            file=sys.stderr,
         )
-        return EX_USAGE
     until = now + secs
     rec = {"set_at": now, "until": until, "reason": reason[:200], "by": _who()}
 
@@ -434,11 +432,9 @@ def disarm(config_path: str | None, duration: str | None, reason: str, status: b
             0o644,
         )
     except OSError as e:
-        print(
-            f"gce-watchdog disarm: cannot write {disarm_path(cfg.agent.state_dir)}: {e}",
-            file=sys.stderr,
-        )
-        return EX_FAIL
+        raise CommandError(
+            EX_FAIL, f"gce-watchdog disarm: cannot write {disarm_path(cfg.agent.state_dir)}: {e}"
+        ) from None
     _emit_cli(
         cfg,
         vocab.DISARM,
@@ -476,8 +472,7 @@ def arm(config_path: str | None) -> int:
     except FileNotFoundError:
         pass
     except OSError as e:
-        print(f"gce-watchdog arm: cannot remove {p}: {e}", file=sys.stderr)
-        return EX_FAIL
+        raise CommandError(EX_FAIL, f"gce-watchdog arm: cannot remove {p}: {e}") from None
     _emit_cli(cfg, vocab.ARM, {"src": "local", "was": was, "by": _who()}, "armed by an operator")
     print("armed" + ("" if was == "disarmed" else " (it was not disarmed locally)"))
     return EX_OK
@@ -504,8 +499,7 @@ def end(
             if not math.isfinite(wait_s) or not 0 <= wait_s <= LINGER_MAX_S:
                 raise ValueError("must be 0 to 1h")
         except ValueError as e:
-            print(f"gce-watchdog end: --wait: {e}", file=sys.stderr)
-            return EX_USAGE
+            raise CommandError(EX_USAGE, f"gce-watchdog end: --wait: {e}") from None
     box = EndBox(cfg.agent.run_dir, read_boot_id(cfg.agent.boot_id_path))
     try:
         box.request(reason, linger)

@@ -12,7 +12,6 @@ import fcntl
 import math
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,35 +20,15 @@ from typing import Any, Protocol
 from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
 from gce_watchdog.daemon.actions import step_after
-from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
+from gce_watchdog.daemon.ladder import LadderState, Observation
 from gce_watchdog.daemon.metawatch import load_instance_cache
-from gce_watchdog.daemon.tick import ProbeResult, TickReport, TickResult
+from gce_watchdog.daemon.tick import TickReport, TickResult, tick_lines
 from gce_watchdog.lib.cli import EX_OK
+from gce_watchdog.lib.clock import Clock
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def wall(self) -> float: ...
-
-    def wait(self, seconds: float, stop: threading.Event) -> bool:
-        """Sleep up to ``seconds``; True if ``stop`` was set meanwhile."""
-        ...
-
-
-class RealClock:
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def wall(self) -> float:
-        return time.time()
-
-    def wait(self, seconds: float, stop: threading.Event) -> bool:
-        return stop.wait(max(seconds, 0.0))
 
 
 class Notify(Protocol):
@@ -184,10 +163,6 @@ class Deps:
     end_of_life: EndHook | None = None
 
 
-def _probe_field(r: ProbeResult) -> str:
-    return vocab.encode_probe(r.verdict.value, r.reason, r.latency_ms)
-
-
 class Agent:
     """The tick loop. ``agent``: its own section; ``linger``: ``actions.linger`` (what is left
     of it when a restart resumes the chain there); ``cfg_digest``: the config's digest, for the
@@ -220,114 +195,79 @@ class Agent:
 
     # -- one tick -------------------------------------------------------------------------------
     def tick_once(self) -> TickReport:
-        d, thr = self.d, self.threshold
+        d = self.d
         self.end_of_life()
         t0 = d.clock.monotonic()
         res = d.prober()
         armed, why = d.armed()
         # A dry run decides like an armed agent but latches nothing: to the ladder it is
         # "disarmed" (one decision per outage, reset by a recovery), and the chain is rehearsed.
-        dry = self.settings.action == "dry-run"
+        rehearsing = self.settings.action == "dry-run" and armed
+        actions = self._step(res, armed and self.settings.action != "dry-run")
+        decided = any(isinstance(a, ladder.Shutdown) for a in actions)
+        said = tick_lines(
+            res,
+            self.state,
+            actions,
+            self.threshold,
+            streak=self.healthy_streak,
+            heartbeat_every=self.settings.heartbeat_every,
+            ticks=self.ticks,
+            dropped=d.emitter.sink.dropped,
+            why=why,
+            rehearsing=rehearsing,
+            phase=d.phase,
+        )
+        self.healthy_streak = said.streak
+        for line in said.lines:
+            d.emitter.emit(line.event, line.fields, line.text, sync=line.sync)
+        d.notifier.notify("WATCHDOG=1", f"STATUS={said.status}")
+        if rehearsing and any(isinstance(a, ladder.WouldShutdown) for a in actions):
+            self.rehearse()
+        for line in said.would:
+            d.emitter.emit(line.event, line.fields, line.text, sync=line.sync)
+        resume = None if decided else self.chain_due()
+        if decided or resume is not None:
+            self.run_chain(resume)
+        return self._report(res, actions, d.clock.monotonic() - t0, armed)
+
+    def _step(self, res: TickResult, armed: bool) -> tuple[ladder.Action, ...]:
+        """One ladder step on this tick's verdicts; a decision is persisted before the chain
+        runs, so a restart resumes it and never forgets it."""
+        d = self.d
         obs = Observation(
             metadata=res.metadata.verdict,
             egress=res.egress.verdict,
             in_grace=d.uptime() < self.settings.boot_grace,
-            armed=armed and not dry,
+            armed=armed,
         )
         prev = self.state
-        self.state, actions = ladder.step(prev, obs, thr)
+        self.state, actions = ladder.step(prev, obs, self.threshold)
         self.ticks += 1
         decided = any(isinstance(a, ladder.Shutdown) for a in actions)
-        if decided:  # persisted before the chain: a restart resumes it, never forgets it
+        if decided:
             self.mark = ChainMark("shutdown", d.clock.wall())
         if self.state != prev or decided:
             d.store.save(self.state, self.mark)
+        return actions
 
-        rung = vocab.encode_rung(self.state.rung, thr)
-        healthy = res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK
-        dropped = d.emitter.sink.dropped
-        drop = {"drop": dropped} if dropped else {}
-        for a in actions:
-            if isinstance(a, ladder.Recovered):
-                d.emitter.emit(
-                    vocab.RECOVERED,
-                    {
-                        "from": a.from_rung,
-                        "rung": rung,
-                        "md": res.metadata.verdict,
-                        "eg": res.egress.verdict,
-                    },
-                    f"reachability restored after {a.from_rung}/{thr}",
-                )
-        if not healthy or self.state.rung > 0:
-            self.healthy_streak = 0
-            both = any(isinstance(a, ladder.Climb) for a in actions)
-            grace = any(isinstance(a, ladder.Hold) and a.why == "grace" for a in actions)
-            if both:
-                text = f"BOTH reachability probes FAILED ({self.state.rung}/{thr})"
-            elif grace:
-                text = "BOTH reachability probes FAILED (boot grace, not counted)"
-            elif self.state.fired:
-                text = f"shutdown already decided ({self.state.rung}/{thr})"
-            else:
-                text = "one reachability probe failed, ladder holds"
-            d.emitter.emit(
-                vocab.TICK,
-                {
-                    "rung": rung,
-                    "md": _probe_field(res.metadata),
-                    "eg": _probe_field(res.egress),
-                    "dns": res.dns,
-                    "ph": d.phase(),
-                    **drop,
-                },
-                text,
-            )
-        else:
-            self.healthy_streak += 1
-            if self.healthy_streak % self.settings.heartbeat_every == 0:
-                d.emitter.emit(
-                    vocab.HEARTBEAT,
-                    {
-                        "rung": rung,
-                        "ph": d.phase(),
-                        "ticks": self.ticks,
-                        "dns": res.dns,
-                        "mdl": res.metadata.latency_ms,
-                        "egl": res.egress.latency_ms,
-                        "drop": dropped,
-                    },
-                )
-        d.notifier.notify("WATCHDOG=1", f"STATUS=rung {rung}, {self._status(res)}")
-        for a in actions:
-            if isinstance(a, ladder.WouldShutdown) and dry and armed:
-                self.rehearse()
-            elif isinstance(a, ladder.WouldShutdown):
-                d.emitter.emit(
-                    vocab.WOULD_SHUTDOWN,
-                    {"rung": rung, "why": why or "disarmed"},
-                    f"disarmed: would shut down ({rung})",
-                    sync=True,
-                )
-        if decided:
-            self.run_chain(None)
-        else:
-            resume = self.chain_due()
-            if resume is not None:
-                self.run_chain(resume)
+    def _report(
+        self, res: TickResult, actions: tuple[ladder.Action, ...], duration: float, armed: bool
+    ) -> TickReport:
+        """The tick's report, handed to every tick hook (an exporter never breaks the ladder)."""
         report = TickReport(
             self.ticks,
             res,
             self.state,
             actions,
-            d.clock.monotonic() - t0,
+            duration,
             overruns=self.overruns,
             skipped=self.skipped,
             stalls=self.stalls,
             armed=armed,
         )
-        for hook in d.tick_hooks:
-            with contextlib.suppress(Exception):  # an exporter must never break the ladder
+        for hook in self.d.tick_hooks:
+            with contextlib.suppress(Exception):
                 hook(report)
         return report
 
@@ -459,10 +399,6 @@ class Agent:
 
             threading.Thread(target=say, name="signal-line", daemon=True).start()
 
-    @staticmethod
-    def _status(res: TickResult) -> str:
-        return f"metadata {res.metadata.verdict.value}, egress {res.egress.verdict.value}"
-
     # -- the loop -------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
         d = self.d
@@ -533,7 +469,7 @@ class Agent:
                     if left <= 0:
                         break
                     chunk = min(left, ping_every) if ping_every else left
-                    if d.clock.wait(chunk, stop):
+                    if d.clock.wait(stop, chunk):
                         break
                     if ping_every and due - d.clock.monotonic() > 0:
                         d.notifier.notify("WATCHDOG=1")

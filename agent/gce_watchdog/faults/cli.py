@@ -26,7 +26,15 @@ from gce_watchdog.faults.plan import (
     iso,
     parse_ttl,
 )
-from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE, EX_USAGE
+from gce_watchdog.lib.cli import (
+    EX_FAIL,
+    EX_IOERR,
+    EX_NOPERM,
+    EX_OK,
+    EX_UNAVAILABLE,
+    EX_USAGE,
+    CommandError,
+)
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.cli import add_config_arg
 from gce_watchdog.vm.runtime import CommandConsole, load_config_or_exit, open_console
@@ -81,7 +89,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     def usage(_args: argparse.Namespace) -> int:
         p.print_help(sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE)
 
     p.set_defaults(func=usage)
 
@@ -108,12 +116,11 @@ def _run_op(
     before: Callable[[], None] = lambda: None,
 ) -> int:
     if euid() != 0:
-        print(
+        raise CommandError(
+            EX_NOPERM,
             "gce-watchdog fault: must run as root (iptables needs CAP_NET_ADMIN); "
             "try: sudo gce-watchdog fault ...",
-            file=sys.stderr,
         )
-        return EX_NOPERM
     # The config is read before `before` (the reverter's wait): a config edited or broken during
     # the TTL must not stop the rules from being removed.
     cfg = load_config_or_exit(args.config)
@@ -123,15 +130,14 @@ def _run_op(
         rc = op(deps, paths)
         if rc == EX_OK and deps.unwritten:
             # Done, but the console does not say so: callers must be able to tell and fall back.
-            print(
+            raise CommandError(
+                EX_IOERR,
                 f"gce-watchdog fault: {deps.unwritten} serial line(s) not written (exit 74)",
-                file=sys.stderr,
             )
-            return EX_IOERR
         return rc
     except FaultError as e:
-        print(f"gce-watchdog fault: {e}", file=sys.stderr)
-        return EX_UNAVAILABLE if isinstance(e, ToolMissing) else EX_FAIL
+        status = EX_UNAVAILABLE if isinstance(e, ToolMissing) else EX_FAIL
+        raise CommandError(status, f"gce-watchdog fault: {e}") from None
     finally:
         if console is not None:
             console.close()
@@ -141,16 +147,14 @@ def cmd_inject(args: argparse.Namespace) -> int:
     try:
         ttl = parse_ttl(args.ttl)
     except ValueError as e:
-        print(f"gce-watchdog fault: {e}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog fault: {e}") from None
     cut = Cut(args.metadata, args.egress443, args.dns, args.metadata_dns)
     if not cut:
-        print(
+        raise CommandError(
+            EX_USAGE,
             "gce-watchdog fault: nothing to cut: give --metadata, --egress443, --dns "
             "and/or --metadata-dns",
-            file=sys.stderr,
         )
-        return EX_USAGE
 
     def op(deps: Deps, paths: Paths) -> int:
         inj = inject(deps, paths, cut, ttl, args.revert_with)

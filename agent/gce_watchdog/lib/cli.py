@@ -4,6 +4,10 @@
   sysexits.h, in every command: :class:`Parser` is the root parser's class, and argparse makes
   every subcommand's parser of the same class.
 - Every ``--help`` ends with the command's exit codes (:attr:`Parser.exit_codes`).
+- A command that fails raises :class:`CommandError` (its exit status and its message); the one
+  place that maps it to the exit status and prints the message is ``gce_watchdog.cli.main``. A
+  command returns only its answer: ``EX_OK``, or a verdict it was asked for (``EX_FAIL``: the
+  check ran and failed).
 - Durations and sizes are read by one parser each (:mod:`gce_watchdog.lib.durations`,
   :mod:`gce_watchdog.lib.sizes`); :func:`duration_arg` and :func:`size_arg` are their argparse
   types.
@@ -35,6 +39,16 @@ EX_CONFIG = 78  # sysexits.h: a configuration error
 EX_NOEXEC = 126  # shell convention: found but cannot be executed
 EX_NOTFOUND = 127  # shell convention: command not found
 EX_SIGPIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader went away
+
+
+class CommandError(Exception):
+    """A command failed: exit with ``status``, after ``message`` on stderr (nothing when None).
+    Raised anywhere under a command's handler; ``gce_watchdog.cli.main`` maps it."""
+
+    def __init__(self, status: int, message: str | None = None) -> None:
+        super().__init__(message or "")
+        self.status = status
+        self.message = message
 
 
 class Parser(argparse.ArgumentParser):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import re
 import threading
 import time
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.lib.httpdate import parse_retry_after
-from gce_watchdog.lib.retry import Backoff, tenacity_wait
+from gce_watchdog.lib.retry import Backoff, retry_call
 
 if TYPE_CHECKING:  # pragma: no cover
     import requests
@@ -136,38 +137,32 @@ class ComputeRetry:
             raise ValueError("attempts must be >= 1")
 
     def call(self, what: str, fn: Callable[[], Any]) -> Any:
-        import tenacity
-
         # full jitter: any wait up to the exponential step
-        backoff = tenacity_wait(Backoff(self.initial_s, 2.0, self.max_wait_s, jitter=1.0))
+        backoff = Backoff(self.initial_s, 2.0, self.max_wait_s, jitter=1.0)
 
-        def wait(rs: tenacity.RetryCallState) -> float:
-            w = float(backoff(rs))
-            e = rs.outcome.exception() if rs.outcome is not None else None
+        def next_wait(n: int, e: BaseException) -> float | None:
+            if n >= self.attempts:
+                return None
+            w = backoff.wait(n, random.random())  # noqa: S311 - jitter, not cryptography
             after = (
                 e.classify(self.wall()).wait_at_least if isinstance(e, ComputeAPIError) else None
             )
             return w if after is None else min(self.max_wait_s, max(w, after))
 
-        retrying = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(self.attempts),
-            wait=wait,
-            retry=tenacity.retry_if_exception(
-                lambda e: isinstance(e, ComputeAPIError) and e.transient
-            ),
-            sleep=self.sleep,
-            reraise=False,
-        )
         try:
-            return retrying(fn)
-        except tenacity.RetryError as e:
-            last = e.last_attempt.exception()
-            status = last.status if isinstance(last, ComputeAPIError) else 0
-            reason = last.reason if isinstance(last, ComputeAPIError) else ""
+            return retry_call(
+                lambda _n: fn(),
+                next_wait,
+                retry_on=lambda e: isinstance(e, ComputeAPIError) and e.transient,
+                sleep=self.sleep,
+            )
+        except ComputeAPIError as last:
+            if not last.transient:
+                raise
             raise GaveUpError(
                 f"{what}: gave up after {self.attempts} attempts, last error: {last}",
-                status,
-                reason,
+                last.status,
+                last.reason,
             ) from last
 
 

@@ -1,18 +1,26 @@
-"""The one back-off: exponential, capped, jittered, as a value (deciding is separate from doing).
+"""The one back-off and the one retry loop.
+
+:class:`Backoff` is the wait: exponential, capped, jittered, as a value (deciding is separate from
+doing). :func:`retry_call` is the loop every bounded retry runs (tenacity underneath): an
+attempt, and after each failed one the caller's ``next_wait`` says how long to wait or to give up.
 
 Its callers keep their own stop rule, the part that really differs: ``fetch`` stops at an absolute
 deadline and honours ``Retry-After`` (:class:`gce_watchdog.bootstrap.fetch.FetchRetry`), the
-action chain after N attempts or when the next wait would cross its deadline, the poller after N
-attempts through tenacity (:func:`tenacity_wait`), the metadata watcher never (it backs off while
-the server is unreachable, :class:`Backoff.counter`).
+action chain after N attempts or when the next wait would cross its deadline, the Compute API
+client and the poller's deliveries after N attempts, the ledger's open at a deadline (no jitter:
+``Backoff(jitter=0)``). The metadata watcher never gives up (it backs off while the server is
+unreachable and starts over after a success): :meth:`Backoff.counter`, not a retry loop.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,12 +60,47 @@ class BackoffCounter:
         self._n = 0
 
 
-def tenacity_wait(
-    backoff: Backoff, rng: Callable[[], float] = random.random
-) -> Callable[[Any], float]:
-    """A tenacity ``wait=`` callable drawing from ``backoff`` (attempt n -> wait n)."""
+def retry_call(
+    attempt: Callable[[int], T],
+    next_wait: Callable[[int, BaseException], float | None],
+    *,
+    retry_on: Callable[[BaseException], bool] = lambda _e: True,
+    sleep: Callable[[float], None] = time.sleep,
+    before_sleep: Callable[[int, BaseException, float], None] | None = None,
+) -> T:
+    """``attempt(n)`` (n = 1, 2, ...) until it returns; its value is returned.
 
-    def wait(rs: Any) -> float:
-        return backoff.wait(int(rs.attempt_number), rng())
+    An exception ``retry_on`` refuses is raised at once. After a retryable failure of attempt
+    ``n``, ``next_wait(n, error)`` is asked once: None gives up (the error is raised), else
+    ``before_sleep(n, error, wait)`` is told and ``sleep(wait)`` runs (a ``sleep`` may raise to
+    end the loop: a stop event set). Never retries forever: ``next_wait`` holds the stop rule.
+    """
+    import tenacity  # imported here: the agent's start-up does not need it
 
-    return wait
+    plans: dict[int, float | None] = {}  # the one answer of next_wait per failed attempt
+
+    def plan(rs: tenacity.RetryCallState) -> float | None:
+        n = rs.attempt_number
+        if n not in plans:
+            error = rs.outcome.exception() if rs.outcome is not None else None
+            assert error is not None  # tenacity asks only after a failed attempt
+            plans[n] = next_wait(n, error)
+        return plans[n]
+
+    def told(rs: tenacity.RetryCallState) -> None:
+        error = rs.outcome.exception() if rs.outcome is not None else None
+        if before_sleep is not None and error is not None:
+            before_sleep(rs.attempt_number, error, plan(rs) or 0.0)
+
+    retrying = tenacity.Retrying(
+        stop=lambda rs: plan(rs) is None,
+        wait=lambda rs: plan(rs) or 0.0,
+        retry=tenacity.retry_if_exception(retry_on),
+        sleep=sleep,
+        before_sleep=told,
+        reraise=True,
+    )
+    for att in retrying:
+        with att:
+            return attempt(att.retry_state.attempt_number)
+    raise AssertionError("unreachable: tenacity returns or raises")  # pragma: no cover

@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-from gce_watchdog.lib.cli import EX_NOTFOUND, EX_USAGE
+from gce_watchdog.lib.cli import EX_NOTFOUND, EX_USAGE, CommandError
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.memory import GIB
@@ -164,11 +163,9 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if argv and args.pid is not None:
-        print("gce-watchdog memwatch: give --pid or -- CMD, not both", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, "gce-watchdog memwatch: give --pid or -- CMD, not both")
     if args.pid is not None and args.pid <= 0:
-        print(f"gce-watchdog memwatch: bad --pid {args.pid}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog memwatch: bad --pid {args.pid}")
     kind, amount = args.warmup
     warmup = int(amount) if kind == "samples" else math.ceil(amount / args.interval)
     params = DetectorParams(
@@ -177,8 +174,7 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
     if args.out:
         why = _unwritable(args.out)
         if why:  # found out now, not after an hour of sampling (the verdict would be lost)
-            print(f"gce-watchdog memwatch: --out {args.out}: {why}", file=sys.stderr)
-            return EX_USAGE
+            raise CommandError(EX_USAGE, f"gce-watchdog memwatch: --out {args.out}: {why}")
     watching = bool(argv) or args.pid is not None
     gate = args.gate or (("tree", "gpu") if watching else ("host", "gpu"))
     try:
@@ -190,8 +186,9 @@ def cmd_memwatch(args: argparse.Namespace) -> int:
             gpu=not args.no_gpu,
         )
     except OSError as e:  # the command could not be started (not found, not executable)
-        print(f"gce-watchdog memwatch: cannot run {argv[0]!r}: {e.strerror or e}", file=sys.stderr)
-        return EX_NOTFOUND
+        raise CommandError(
+            EX_NOTFOUND, f"gce-watchdog memwatch: cannot run {argv[0]!r}: {e.strerror or e}"
+        ) from None
     overall, per = judge(run, params, gate)
     target: dict[str, Any] = {"pid": args.pid, "argv": argv or None}
     if args.out:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib import jsontime
-from gce_watchdog.lib.cli import EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE
+from gce_watchdog.lib.cli import EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE, CommandError
 from gce_watchdog.lib.compute import (
     DEFAULT_API_BASE,
     AuthError,
@@ -94,6 +94,11 @@ def default_ledger() -> Path:
 
 def _log(msg: str) -> None:
     print(f"gce-watchdog poll: {msg}", file=sys.stderr, flush=True)
+
+
+def _failed(status: int, msg: str) -> CommandError:
+    """``poll``'s failure: its exit status, its message as :func:`_log` writes it."""
+    return CommandError(status, f"gce-watchdog poll: {msg}")
 
 
 CREDENTIAL_TOKEN = "token"  # noqa: S105 (a credential's name): $CREDENTIALS_DIRECTORY/token
@@ -238,27 +243,22 @@ def run_poll(s: PollSettings) -> int:
             _credentials(token_file), s.api.base or DEFAULT_API_BASE, retry=retry
         )
     except (OSError, ValueError) as e:
-        _log(f"--access-token-file: {e}")
-        return EX_NOPERM
+        raise _failed(EX_NOPERM, f"--access-token-file: {e}") from None
     except AuthError as e:
-        _log(str(e))
-        return EX_NOPERM
+        raise _failed(EX_NOPERM, str(e)) from None
     try:
         ledger = open_ledger(
             s.ledger or state / "ledger.sqlite", announce_lease_s=s.announce_lease_s
         )
     except ImportError as e:
-        _log(f"a postgresql ledger needs psycopg: {e}")
-        return EX_IOERR
+        raise _failed(EX_IOERR, f"a postgresql ledger needs psycopg: {e}") from None
     except Exception as e:  # the driver's own errors (sqlite3.Error, psycopg.Error)
-        _log(f"cannot open the ledger: {_redact(e)}")
-        return EX_IOERR
+        raise _failed(EX_IOERR, f"cannot open the ledger: {_redact(e)}") from None
     try:
         store = CursorStore(s.cursor_dir or state / "cursors")
     except OSError as e:
         ledger.close()
-        _log(f"cannot open the cursor directory: {e}")
-        return EX_IOERR
+        raise _failed(EX_IOERR, f"cannot open the cursor directory: {e}") from None
     errors: tuple[type[BaseException], ...] = (OSError, sqlite3.Error, *ledger.errors)
     budget = budgeted(client, s.budget, s.workers)
     stop = threading.Event()
@@ -275,8 +275,7 @@ def run_poll(s: PollSettings) -> int:
         except ImportError as e:
             ledger.close()
             client.close()
-            _log(f"--publish needs the [pubsub] extra: {e}")
-            return EX_UNAVAILABLE
+            raise _failed(EX_UNAVAILABLE, f"--publish needs the [pubsub] extra: {e}") from None
         # every mode, --pubsub workers too: one step of the same Delivery (poller/hooks.py)
         publisher = TopicPublisher(pubsub_v1.PublisherClient(), s.publish, stop=stop, log=_log)
         deliveries.append(publisher)
@@ -297,8 +296,9 @@ def run_poll(s: PollSettings) -> int:
         except OSError as e:
             ledger.close()
             client.close()
-            _log(f"--health-port: cannot listen on {s.health.address}:{s.health.port}: {e}")
-            return EX_IOERR
+            raise _failed(
+                EX_IOERR, f"--health-port: cannot listen on {s.health.address}:{s.health.port}: {e}"
+            ) from None
         _log(f"health: GET /healthz on {s.health.address}:{server.port}")
     parts = Parts(
         client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries), logs, live
@@ -310,11 +310,9 @@ def run_poll(s: PollSettings) -> int:
         try:
             return loop[s.mode](s, parts)
         except AuthError as e:
-            _log(str(e))
-            return EX_NOPERM
+            raise _failed(EX_NOPERM, str(e)) from None
         except errors as e:
-            _log(f"ledger/cursor write failed: {e}")
-            return EX_IOERR
+            raise _failed(EX_IOERR, f"ledger/cursor write failed: {e}") from None
         finally:
             if pulse is not None:
                 pulse.stopping()
@@ -386,17 +384,16 @@ def run_decisions_cmd(
     try:
         backend = ledger_backend(where)
     except ValueError as e:
-        print(f"gce-watchdog decisions: --ledger: {e}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog decisions: --ledger: {e}") from None
     if backend == "sqlite" and not Path(where).is_file():
         # a reader never creates a ledger: a typo would follow an empty one forever
-        print(f"gce-watchdog decisions: no ledger at {where}", file=sys.stderr)
-        return EX_IOERR
+        raise CommandError(EX_IOERR, f"gce-watchdog decisions: no ledger at {where}")
     try:
         ledger = open_ledger(where, announce_lease_s=0.0)
     except Exception as e:  # the driver's own errors, psycopg missing
-        print(f"gce-watchdog decisions: cannot open the ledger: {_redact(e)}", file=sys.stderr)
-        return EX_IOERR
+        raise CommandError(
+            EX_IOERR, f"gce-watchdog decisions: cannot open the ledger: {_redact(e)}"
+        ) from None
     stop = threading.Event()
     with _signals_set(stop):
         try:
@@ -428,14 +425,12 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
                 p.deliver(out, s.json, poller.announced)  # marked after: pending until then
             except TargetNotFound as e:
                 # a wrong project or zone: a configuration error, never a verdict
-                _log(str(e))
-                return EX_UNAVAILABLE
+                raise _failed(EX_UNAVAILABLE, str(e)) from None
         try:  # decisions whose claimer died before announcing them (e.g. a reaped VM)
             for out in lapsed_announcements(p.ledger, time.time()):
                 p.deliver(out, s.json, lambda o: announced_outcome(p.ledger, o, time.time()))
         except p.ledger_errors as e:
-            _log(f"ledger write failed: {e}")
-            return EX_IOERR
+            raise _failed(EX_IOERR, f"ledger write failed: {e}") from None
         _cursor_notes(p.store)
         if s.once or (s.max_polls and rounds >= s.max_polls):
             break

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import TYPE_CHECKING
 
 from gce_watchdog import __version__
-from gce_watchdog.lib.cli import EX_USAGE
+from gce_watchdog.lib.cli import EX_USAGE, CommandError
 
 if TYPE_CHECKING:
     from gce_watchdog.poller.verdict import Policy
@@ -346,12 +345,10 @@ def cmd_parse(args: argparse.Namespace) -> int:
     try:
         policy = _policy(args)
     except ValueError as e:
-        print(f"gce-watchdog parse: --drain-timeout: {e}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog parse: --drain-timeout: {e}") from None
     times = judging_times(args, args.file)
     if isinstance(times, str):
-        print(f"gce-watchdog parse: {times}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog parse: {times}")
     from gce_watchdog.poller.dump import show_dump
 
     rx, now = times
@@ -367,9 +364,8 @@ def cmd_poll(args: argparse.Namespace) -> int:
     try:
         settings = poll_settings(vars(args))
     except InvalidSettings as e:
-        for msg in e.errors:
-            print(f"gce-watchdog poll: {msg}", file=sys.stderr)
-        return EX_USAGE
+        lines = [f"gce-watchdog poll: {msg}" for msg in e.errors]
+        raise CommandError(EX_USAGE, "\n".join(lines) or None) from None
     from gce_watchdog.poller.app import run_poll
 
     return run_poll(settings)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE
+from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
 from gce_watchdog.poller.ledger import BaseLedger, Decision, Hold
 
 VERSION = 1  # the view's version: a field's meaning never changes within a version
@@ -153,7 +153,8 @@ def run_decisions(
             d = ledger.release(h, by=ledger.owner)
             rows = ledger.details_after(d.token - 1, 1)
             emit(decision_doc(*rows[0]) if rows else hold_doc(h))
-        return EX_USAGE if unknown else EX_OK
+        if unknown:  # each one said above, before the releases' lines
+            raise CommandError(EX_USAGE)
+        return EX_OK
     except ledger.errors as e:
-        print(f"gce-watchdog decisions: ledger failed: {e}", file=sys.stderr)
-        return EX_IOERR
+        raise CommandError(EX_IOERR, f"gce-watchdog decisions: ledger failed: {e}") from None

@@ -14,7 +14,7 @@ from dataclasses import asdict
 from typing import Any
 
 from gce_watchdog.lib import jsontime
-from gce_watchdog.lib.cli import EX_NOINPUT, EX_OK
+from gce_watchdog.lib.cli import EX_NOINPUT, EX_OK, CommandError
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict
 from gce_watchdog.wire.protocol import Event, format_ts
@@ -50,25 +50,24 @@ def show_dump(
             if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
                 # /dev/zero, a tty, a directory: a dump is a file or a pipe
                 kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file or a pipe"
-                print(f"gce-watchdog parse: {path} is {kind}", file=sys.stderr)
-                return EX_NOINPUT
+                raise CommandError(EX_NOINPUT, f"gce-watchdog parse: {path} is {kind}")
             os.set_blocking(fd, True)
             while chunk := os.read(fd, 1 << 16):
                 total += len(chunk)
                 if total > MAX_DUMP_BYTES:
-                    print(
+                    raise CommandError(
+                        EX_DATAERR,
                         f"gce-watchdog parse: {path} is over {MAX_DUMP_BYTES >> 20} MiB: stopped"
                         " (split it; a serial port's output through the API is 1 MiB a read)",
-                        file=sys.stderr,
                     )
-                    return EX_DATAERR
                 events += tl.feed(chunk, received)
         finally:
             if path != "-":
                 os.close(fd)
     except OSError as e:
-        print(f"gce-watchdog parse: cannot read {path}: {e.strerror or e}", file=sys.stderr)
-        return EX_NOINPUT
+        raise CommandError(
+            EX_NOINPUT, f"gce-watchdog parse: cannot read {path}: {e.strerror or e}"
+        ) from None
     events += tl.finish(received)
     verdict = tl.judge(InstanceState(status, spot), now, policy)
     if as_json:

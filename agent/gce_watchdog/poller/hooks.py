@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gce_watchdog.lib.retry import Backoff
+from gce_watchdog.lib.retry import Backoff, retry_call
 from gce_watchdog.poller.decisions import doc_for
 from gce_watchdog.poller.ledger import BaseLedger
 
@@ -57,14 +57,37 @@ def retried(
     cuts the wait short (and ends the attempts). The retry of every delivery step
     (``--on-failover``, ``--publish``), each failed attempt logged as ``WHAT: WHY (attempt n/N)``.
     """
-    for n in range(1, attempts + 1):
+    if attempts < 1:
+        return False
+
+    def one(n: int) -> None:
         why = once()
-        if why is None:
-            return True
-        log(f"{what}: {why} (attempt {n}/{attempts})")
-        if n < attempts and stop.wait(backoff.wait(n, rng())):
-            break
-    return False
+        if why is not None:
+            log(f"{what}: {why} (attempt {n}/{attempts})")
+            raise _Failed(why)
+
+    def pause(seconds: float) -> None:
+        if stop.wait(seconds):
+            raise _Stopped
+
+    try:
+        retry_call(
+            one,
+            lambda n, _e: backoff.wait(n, rng()) if n < attempts else None,
+            retry_on=lambda e: isinstance(e, _Failed),
+            sleep=pause,
+        )
+    except (_Failed, _Stopped):
+        return False
+    return True
+
+
+class _Failed(Exception):
+    """One delivery attempt failed (its reason is logged already)."""
+
+
+class _Stopped(Exception):
+    """The stop event cut a wait short: no more attempts."""
 
 
 @dataclass

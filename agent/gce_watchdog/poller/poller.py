@@ -271,18 +271,9 @@ class Poller:
         tl = cur.timeline
         tl.settle(self.clock())  # lines a flood delayed are checked even if no byte follows
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
-        verdict = tl.judge(state, self.clock(), self.policy)
         instance_id = info.id if info else cur.instance_id
         try:
-            if verdict.kind is VerdictKind.ENDED_UNREAD:
-                verdict = self._evidence(name, instance_id, tl, state, verdict)
-            elif verdict.kind is VerdictKind.SUSPECTED_WEDGE and self.policy.planned_stop_wait:
-                verdict = self._back_evidence(name, instance_id, tl, state, verdict)
-            elif reported_gpu_fault(verdict) and state.status in OFF_STATES and instance_id:
-                # --on-gpu-fault report holds back only the GPU's own failover: a preemption
-                # or a planned stop of the VM still decides, so its operations are read too
-                state = dataclasses.replace(state, end_ops=self._boot_ops(name, instance_id, tl))
-                verdict = tl.judge(state, self.clock(), self.policy)
+            verdict = self._judge(name, instance_id, tl, state)
         except AuthError:
             raise
         except ComputeAPIError as e:  # blind to the evidence: no verdict, retried next poll
@@ -339,6 +330,20 @@ class Poller:
             key_alarm=tl.key_alarm,
             announce=announce,
         )
+
+    def _judge(self, name: str, instance_id: str, tl: Timeline, state: InstanceState) -> Verdict:
+        """The verdict, with the operations read where it needs them (ComputeAPIError: blind)."""
+        verdict = tl.judge(state, self.clock(), self.policy)
+        if verdict.kind is VerdictKind.ENDED_UNREAD:
+            return self._evidence(name, instance_id, tl, state, verdict)
+        if verdict.kind is VerdictKind.SUSPECTED_WEDGE and self.policy.planned_stop_wait:
+            return self._back_evidence(name, instance_id, tl, state, verdict)
+        if reported_gpu_fault(verdict) and state.status in OFF_STATES and instance_id:
+            # --on-gpu-fault report holds back only the GPU's own failover: a preemption or a
+            # planned stop of the VM still decides, so its operations are read too
+            state = dataclasses.replace(state, end_ops=self._boot_ops(name, instance_id, tl))
+            return tl.judge(state, self.clock(), self.policy)
+        return verdict
 
     def _ever_seen(self, name: str) -> bool:
         """This cursor read the instance, or the ledger holds a decision for it (another

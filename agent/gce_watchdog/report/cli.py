@@ -28,6 +28,7 @@ from gce_watchdog.lib.cli import (
     EX_OK,
     EX_UNAVAILABLE,
     EX_USAGE,
+    CommandError,
     size_arg,
 )
 from gce_watchdog.poller.cli import add_judging_args, judging_times
@@ -86,20 +87,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     from gce_watchdog.poller.verdict import InstanceState, Policy
     from gce_watchdog.report.model import build_report
 
-    def fail(rc: int, msg: str) -> int:
-        print(f"gce-watchdog report: {msg}", file=sys.stderr)
-        return rc
+    def fail(rc: int, msg: str) -> CommandError:
+        return CommandError(rc, f"gce-watchdog report: {msg}")
 
     try:
         policy = Policy(drain_timeout_s=parse_duration(args.drain_timeout))
     except ValueError as e:
-        return fail(EX_USAGE, f"--drain-timeout: {e}")
+        raise fail(EX_USAGE, f"--drain-timeout: {e}") from None
     if args.band_gib is not None and not args.band_gib > 0:
-        return fail(EX_USAGE, f"--band-gib must be > 0, got {args.band_gib}")
+        raise fail(EX_USAGE, f"--band-gib must be > 0, got {args.band_gib}")
     band_gib = args.band / (1 << 30) if args.band else args.band_gib if args.band_gib else 1.0
     times = judging_times(args, args.file)
     if isinstance(times, str):
-        return fail(EX_USAGE, times)
+        raise fail(EX_USAGE, times)
     received, now = times
     plot: Any = None
     if args.png:
@@ -109,7 +109,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         try:
             plot_mod._mpl()
         except plot_mod.MatplotlibMissing as e:
-            return fail(EX_UNAVAILABLE, f"--png: {e}")
+            raise fail(EX_UNAVAILABLE, f"--png: {e}") from None
         plot = plot_mod
     try:
         report = build_report(
@@ -122,7 +122,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             band_gib=band_gib,
         )
     except OSError as e:
-        return fail(EX_NOINPUT, f"cannot read {args.file}: {e.strerror or e}")
+        raise fail(EX_NOINPUT, f"cannot read {args.file}: {e.strerror or e}") from None
 
     png: bytes | None = None
     note = ""
@@ -141,13 +141,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.png and png is not None:
         err = _write(args.png, png)
         if err:
-            return fail(EX_CANTCREAT, err)
+            raise fail(EX_CANTCREAT, err)
     if args.html:
         from gce_watchdog.report.html import render as render_html
 
         err = _write(args.html, render_html(report, png, note).encode("utf-8"))
         if err:
-            return fail(EX_CANTCREAT, err)
+            raise fail(EX_CANTCREAT, err)
     if args.json:
         print(json.dumps(to_json(report), sort_keys=True))
         return EX_OK

@@ -9,7 +9,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from gce_watchdog.lib.cli import EX_NOPERM, EX_OK, EX_UNAVAILABLE, EX_USAGE
+from gce_watchdog.lib.cli import EX_NOPERM, EX_OK, EX_UNAVAILABLE, EX_USAGE, CommandError
 
 STARTUP_IN_TREE = Path(__file__).resolve().parents[3] / "startup" / "startup-script.sh"
 
@@ -75,6 +75,11 @@ def _say(msg: str) -> None:
     print(f"gce-watchdog validate: {msg}", file=sys.stderr, flush=True)
 
 
+def _failed(status: int, msg: str) -> CommandError:
+    """``validate``'s failure: its exit status, its message as :func:`_say` writes it."""
+    return CommandError(status, f"gce-watchdog validate: {msg}")
+
+
 def _api(args: argparse.Namespace) -> object:
     from gce_watchdog.lib.compute import DEFAULT_API_BASE, ComputeClient, ComputeRetry
     from gce_watchdog.validate.gce import ValidateApi
@@ -102,31 +107,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     if args.cleanup is not None:
         if args.cleanup and not RUN_RE.match(args.cleanup):
-            _say(f"--cleanup {args.cleanup!r} is not a run id")
-            return EX_USAGE
+            raise _failed(EX_USAGE, f"--cleanup {args.cleanup!r} is not a run id")
         try:
             api = _api(args)
             assert isinstance(api, ValidateApi)
             return runmod.cleanup_label(api, args.project, args.cleanup or None, _say)
         except (OSError, ValueError) as e:
-            _say(str(e))
-            return EX_NOPERM
+            raise _failed(EX_NOPERM, str(e)) from None
         except AuthError as e:
-            _say(str(e))
-            return EX_NOPERM
+            raise _failed(EX_NOPERM, str(e)) from None
         except ComputeAPIError as e:
-            _say(str(e))
-            return EX_UNAVAILABLE
+            raise _failed(EX_UNAVAILABLE, str(e)) from None
     if not args.zone:
-        _say("--zone is required (e.g. --zone us-central1-a)")
-        return EX_USAGE
+        raise _failed(EX_USAGE, "--zone is required (e.g. --zone us-central1-a)")
     script_path = Path(args.startup_script) if args.startup_script else STARTUP_IN_TREE
     try:
         script = script_path.read_text()
     except OSError as e:
-        _say(f"cannot read the start-up script {script_path}: {e.strerror or e} "
-             "(give --startup-script PATH: startup/startup-script.sh of the release)")  # fmt: skip
-        return EX_USAGE
+        why = e.strerror or e
+        raise _failed(
+            EX_USAGE,
+            f"cannot read the start-up script {script_path}: {why} "
+            "(give --startup-script PATH: startup/startup-script.sh of the release)",
+        ) from None
     run_id = args.run_id or ("v" + secrets.token_hex(4))
     try:
         plan = make_plan(
@@ -137,8 +140,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             script, args.machine_type, args.spot, args.allow_gpu, args.agent_interval,
         )  # fmt: skip
     except ValueError as e:
-        _say(str(e))
-        return EX_USAGE
+        raise _failed(EX_USAGE, str(e)) from None
     if args.plan or not args.yes:
         if args.json:
             print(json.dumps(plan.to_json(), sort_keys=True))
@@ -146,14 +148,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
             for line in plan.render():
                 print(line)
         if not args.plan:
-            _say("nothing created: add --yes to create these VMs (or --plan to only look)")
-            return EX_USAGE
+            raise _failed(
+                EX_USAGE, "nothing created: add --yes to create these VMs (or --plan to only look)"
+            )
         return EX_OK
     try:
         api = _api(args)
     except (OSError, ValueError, AuthError) as e:
-        _say(str(e))
-        return EX_NOPERM
+        raise _failed(EX_NOPERM, str(e)) from None
     assert isinstance(api, ValidateApi)
     timing = runmod.Timing(
         poll_every_s=args.poll_every,

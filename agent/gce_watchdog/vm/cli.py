@@ -14,6 +14,7 @@ from gce_watchdog.lib.cli import (
     EX_OK,
     EX_UNAVAILABLE,
     EX_USAGE,
+    CommandError,
 )
 from gce_watchdog.vm import config as cfgmod
 
@@ -89,17 +90,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     if args.path and args.config and args.path != args.config:
-        print(
+        raise CommandError(
+            EX_USAGE,
             f"gce-watchdog config check: two paths: --config {args.config} and {args.path}",
-            file=sys.stderr,
         )
-        return EX_USAGE
     path = args.path or args.config
     try:
         loaded = cfgmod.load_sources(path, args.drop_in)
     except cfgmod.InvalidConfig as e:
-        print(str(e), file=sys.stderr)
-        return EX_CONFIG
+        raise CommandError(EX_CONFIG, str(e)) from None
     _notes(loaded)
     src = path or (str(cfgmod.DEFAULT_PATH) + " (defaults if missing)")
     main = str(path) if path is not None else str(cfgmod.DEFAULT_PATH)
@@ -118,8 +117,7 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     try:
         loaded = cfgmod.load_sources(getattr(args, "config", None))
     except cfgmod.InvalidConfig as e:
-        print(f"gce-watchdog: {e}", file=sys.stderr)
-        return EX_CONFIG
+        raise CommandError(EX_CONFIG, f"gce-watchdog: {e}") from None
     _notes(loaded)
     sys.stdout.write(cfgmod.to_toml(loaded.config, None if args.no_sources else loaded))
     return EX_OK
@@ -136,8 +134,7 @@ def cmd_key(args: argparse.Namespace) -> int:
     try:
         ks = load_line_key(cfg.agent.state_dir, cfg.agent.run_dir)
     except KeyUnavailable as e:
-        print(f"gce-watchdog key: {e} (run as root)", file=sys.stderr)
-        return EX_NOPERM
+        raise CommandError(EX_NOPERM, f"gce-watchdog key: {e} (run as root)") from None
     for problem in ks.problems:
         print(f"gce-watchdog key: {problem}", file=sys.stderr)
     if ks.ephemeral:
@@ -165,24 +162,23 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
     state_dir, run_dir = cfg.agent.state_dir, cfg.agent.run_dir
     inst = cached_instance_id(state_dir)
     if inst == "-":
-        print(
+        raise CommandError(
+            EX_UNAVAILABLE,
             f"{prog}: the instance id is not known yet ({state_dir}/instance.json: the agent's "
             "metadata watcher writes it): not rotated",
-            file=sys.stderr,
         )
-        return EX_UNAVAILABLE
     try:  # not root: say so before the console (root's too) is tried
         inspect_line_key(state_dir, run_dir)
     except KeyUnavailable as e:
-        print(f"{prog}: {e} (run as root)", file=sys.stderr)
-        return EX_NOPERM
+        raise CommandError(EX_NOPERM, f"{prog}: {e} (run as root)") from None
     boot = boot_of(cfg)
     s = cfg.serial
     try:
         port = SerialPort(s.device, s.fallback_file, s.queue_size, s.sync_timeout).open()
     except OSError as e:
-        print(f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}", file=sys.stderr)
-        return EX_IOERR
+        raise CommandError(
+            EX_IOERR, f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}"
+        ) from None
     seq = SeqAllocator(run_dir, boot)
     written: list[int] = []
 
@@ -204,16 +200,13 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
         _old, new_seed = rotate_line_key(state_dir, seq, announce)
     except KeyUnavailable as e:
         port.close()
-        print(f"{prog}: {e} (run as root)", file=sys.stderr)
-        return EX_NOPERM
+        raise CommandError(EX_NOPERM, f"{prog}: {e} (run as root)") from None
     except RotateRefused as e:
         port.close()
-        print(f"{prog}: {e}", file=sys.stderr)
-        return EX_IOERR if written else EX_UNAVAILABLE
+        raise CommandError(EX_IOERR if written else EX_UNAVAILABLE, f"{prog}: {e}") from None
     except OSError as e:
         port.close()
-        print(f"{prog}: {e.strerror or e}: not rotated", file=sys.stderr)
-        return EX_IOERR
+        raise CommandError(EX_IOERR, f"{prog}: {e.strerror or e}: not rotated") from None
     import time
 
     new = protocol.LineKey(new_seed)
