@@ -637,6 +637,7 @@ def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_n
 
     def chain(reason: str, **kw: object) -> None:
         calls.append(reason)
+        kw["progress"]("poweroff")  # type: ignore[operator]
         # systemd stopping units during the power-off this chain started: the chain goes on
         holder[0].request_stop(stop, "sigterm", "SIGTERM")  # type: ignore[attr-defined]
         assert _wait_for(lambda: any(e.event == "signal" for e in _names(holder[1])), 5)
@@ -650,7 +651,8 @@ def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_n
     assert calls == ["failed"]
     evs = _names(sink)
     sig = next(e for e in evs if e.event == "signal")
-    assert (sig.get("sig"), sig.get("step")) == ("SIGTERM", "-")
+    assert (sig.get("sig"), sig.get("step")) == ("SIGTERM", "poweroff")
+    assert sig.text == "SIGTERM during the shutdown chain: the chain goes on"
     assert evs[-1].event == "stop", "the loop stops only after the chain returned"
     req = box.load()
     assert req is not None and req.step == "end"

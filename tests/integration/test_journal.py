@@ -22,7 +22,8 @@ PREFIXED = re.compile(r"<([0-7])>timestamp='[^']+' level='(\w+)' event='(\w+)'")
     ("event", "fields", "want"),
     [
         ("shutdown", {"rung": "10/10", "action": "poweroff"}, logs.ALERT),
-        ("shutdown", {"rung": "10/10", "action": "dry-run"}, logs.CRIT),
+        ("shutdown", {"rung": "10/10", "action": "dry-run"}, logs.WARNING),
+        ("dry_run_shutdown", {"rung": "10/10", "action": "dry-run"}, logs.WARNING),
         ("would_shutdown", {"rung": "10/10"}, logs.CRIT),
         ("memory_climb", {"g": "gpu0"}, logs.CRIT),
         ("setup_failed", {"step": "fetch"}, logs.ERR),
@@ -106,7 +107,7 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
         assert logs.NAMES[p] == level
         pri.setdefault(event, set()).add(p)
     # a dry run (its own event since protocol v2); a real shutdown is alert
-    assert pri.get("dry_run_shutdown") == {logs.CRIT}, text[-3000:]
+    assert pri.get("dry_run_shutdown") == {logs.WARNING}, text[-3000:]
     assert pri["tick"] == {logs.WARNING}
     assert pri["heartbeat"] == {logs.INFO}
     assert pri["start"] == pri["stop"] == {logs.NOTICE}
@@ -122,5 +123,5 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
 def test_no_prefix_when_stderr_is_not_the_journal(tmp_path: Path) -> None:
     found, text = _run_agent(tmp_path, journal=False)
     assert found == []
-    assert "level='crit' event='dry_run_shutdown'" in text
+    assert "level='warning' event='dry_run_shutdown'" in text
     assert not re.search(r"^<\d>", text, re.M)

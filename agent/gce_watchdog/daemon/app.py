@@ -113,7 +113,7 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     emitter = console.emitter
     stop = threading.Event()
 
-    agent, prober = build_agent(cfg, emitter, Notifier(), config_path=config_path)
+    agent, prober = build_agent(cfg, emitter, Notifier(), config_path=config_path, stop=stop)
     agent.notes.extend(notes)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -132,10 +132,15 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
 
 
 def build_agent(
-    cfg: cfgmod.Config, emitter: Emitter, notifier: Notify, config_path: str | None = None
+    cfg: cfgmod.Config,
+    emitter: Emitter,
+    notifier: Notify,
+    config_path: str | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[Agent, Prober]:
     """The real edges for a config, each from its own section. Returns the agent and the
-    prober (to close). ``config_path`` is passed on to a fault requested through metadata."""
+    prober (to close). ``config_path`` is passed on to a fault requested through metadata;
+    ``stop``, the loop's stop event, ends a linger (a stop asked for during it)."""
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
     prober = _prober(cfg)
@@ -157,6 +162,7 @@ def build_agent(
         emitter,
         keepalive=keepalive,
         instance=lambda: watcher.instance,
+        stop=stop,
     )
     end_watch = EndWatch(
         EndBox(a.run_dir, boot_id),

@@ -82,10 +82,10 @@ _ACTION_FAILED = frozenset({"error", "fail", "timeout", "stuck"})  # a step that
 def priority_of(event: str, fields: Mapping[str, object]) -> int:
     """The syslog priority of one serial event mirrored to the journal (pure)."""
     if event == vocab.DRY_RUN_SHUTDOWN:
-        return CRIT  # a dry run decides the same, but powers nothing off: an alarm
+        return WARNING  # a rehearsal: it would have acted, and nothing was done
     if event == vocab.SHUTDOWN:
-        # a dry run decides the same, but powers nothing off: an alarm, not an emergency
-        return CRIT if str(fields.get("action", "")).replace("_", "-") == "dry-run" else ALERT
+        # an older agent's dry run (action=dry-run): a rehearsal, not an emergency
+        return WARNING if str(fields.get("action", "")).replace("_", "-") == "dry-run" else ALERT
     if event == vocab.ACTION:
         return ERR if str(fields.get("status", "")) in _ACTION_FAILED else INFO
     if event == vocab.FAULT and fields.get("op") in ("clear", "expire"):
