@@ -57,7 +57,7 @@ from gce_watchdog.memory.samplers import preload as preload_psutil
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm import logs
 from gce_watchdog.vm.console import Emitter
-from gce_watchdog.vm.platform import arming, detect
+from gce_watchdog.vm.platform import WATCH_ONLY_PREFIX, arming, detect
 from gce_watchdog.vm.runtime import load_config_or_exit, open_console
 from gce_watchdog.vm.state import read_boot_id, read_phase, untrusted_dir
 from gce_watchdog.wire import vocab
@@ -74,9 +74,7 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     notes: list[tuple[str, str]] = []  # (what, text): written on the console after `start`
 
     def note(what: str, text: str) -> None:
-        print(f"gce-watchdog: {text}", file=sys.stderr)
-        log.warning(what, text=text)
-        notes.append((what, text))
+        notes.append((what, text))  # a `warn` line after `start`, mirrored to the journal whole
 
     private_state: str | None = None
     why = untrusted_dir(cfg.agent.state_dir)
@@ -185,6 +183,8 @@ def build_agent(
     armed, gce_note = platform_gate(
         a, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
     )
+    if gce_note:  # `systemctl status` says so on every STATUS= line
+        notifier = WatchOnlyStatus(notifier, gce_note)
     deps = Deps(
         emitter=emitter,
         prober=prober.tick,
@@ -207,6 +207,21 @@ def build_agent(
     if gce_note:
         agent.notes.append(("gce", gce_note))
     return agent, prober
+
+
+class WatchOnlyStatus:
+    """A :class:`Notify` that adds "watch only" and why to every ``STATUS=`` it passes on (what
+    ``systemctl status`` shows), for an agent that is never armed on this machine."""
+
+    def __init__(self, inner: Notify, note: str) -> None:
+        self.inner = inner
+        self.watchdog_interval = inner.watchdog_interval
+        self.suffix = "; watch only: " + note.removeprefix(WATCH_ONLY_PREFIX)
+
+    def notify(self, *assignments: str) -> bool:
+        return self.inner.notify(
+            *(a + self.suffix if a.startswith("STATUS=") else a for a in assignments)
+        )
 
 
 def _prober(cfg: cfgmod.Config) -> Prober:

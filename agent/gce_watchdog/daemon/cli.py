@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    # The agent's modules (and structlog, http.client, ...) load when a command needs them, not
+    # The agent's modules (and dnspython, http.client, ...) load when a command needs them, not
     # with the parser: every command builds the parser, `fetch` at boot included.
     from gce_watchdog.daemon import app
 

@@ -460,7 +460,9 @@ class Agent:
         """An unexpected exception: an ``error`` line (best effort), and the agent goes on."""
         text = f"{what or where + ' raised'}: {type(e).__name__}: {e}"
         with contextlib.suppress(Exception):
-            self.d.emitter.emit(vocab.ERROR, {"where": where, "err": type(e).__name__}, text[:100])
+            self.d.emitter.emit(
+                vocab.ERROR, {"where": where, "err": type(e).__name__}, text
+            )  # the serial line cuts it; the journal gets it whole
 
     def request_stop(self, stop: threading.Event, reason: str, signame: str) -> None:
         """A signal asked the agent to stop (called from the signal handler).
@@ -523,7 +525,7 @@ class Agent:
         )
         for what, text in self.notes:
             with contextlib.suppress(Exception):
-                d.emitter.emit(vocab.WARN, {"what": what}, text[:100], sync=True)
+                d.emitter.emit(vocab.WARN, {"what": what}, text, sync=True)  # whole to the journal
         for svc in d.services:
             with contextlib.suppress(Exception):
                 svc.start()
