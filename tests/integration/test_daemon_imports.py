@@ -47,7 +47,7 @@ RARE_PATHS = (
     "requests",
 )
 DROPPED = (
-    "structlog",  # issue 39: stdlib logging is the one logging path (vm/logs.py) (docs/performance.md)
+    "structlog",  # issue 39: stdlib logging is the one path (vm/logs.py, docs/performance.md)
     "asyncio",  # structlog imported it (and ssl with it); nothing on the daemon's path does
 )
 NOT_LOADED = OTHER_COMMANDS + RARE_PATHS + DROPPED
