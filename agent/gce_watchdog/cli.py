@@ -71,13 +71,22 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("75", "another agent holds the lock (EX_TEMPFAIL)"),
         _CONFIG,
     ),
+    # With --npd the codes are node-problem-detector's (0 OK, 1 NonOK, 2 Unknown), answered
+    # within 4 s; tests/integration/test_check_npd.py checks these rows against the behaviour.
     ("check",): (
-        ("0", "both paths up (with --npd: OK)"),
-        ("1", "one path down or unknown: the ladder would reset, not climb (--npd: 0, OK)"),
-        ("2", "both paths down: the ladder would climb (--npd: 1, NonOK)"),
-        ("3", "with --npd only: the check itself failed (NPD's Unknown is 2)"),
+        ("0", "both paths up; --npd: OK (both paths up, or one path down or unknown)"),
+        (
+            "1",
+            "one path down or unknown: the ladder would reset, not climb; --npd: NonOK (both "
+            "paths down, the ladder would climb)",
+        ),
+        (
+            "2",
+            "both paths down: the ladder would climb; --npd: Unknown (the check could not run: "
+            "an invalid config, an unexpected error)",
+        ),
         _USAGE,
-        _CONFIG,
+        ("78", "the --config file is invalid (every error is listed); --npd: 2, Unknown"),
     ),
     ("disarm",): (
         ("0", "disarmed, or --status printed"),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from gce_watchdog.daemon.actions import ActionChain, ApiResult, ChainRetry
+from gce_watchdog.daemon.actions import ActionChain, ApiResult, ChainRetry, ChainStopped
 from gce_watchdog.daemon.metawatch import InstanceInfo, save_instance_cache
 from gce_watchdog.lib.proc import RunResult
 from gce_watchdog.testing.synth import SYNTH_KEY
@@ -788,3 +788,65 @@ def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) 
     shutdowns = [e for e in all_ev if e.event == "dry_run_shutdown" and not e.get("rep")]
     assert len(shutdowns) == 1 and shutdowns[0].get("rung") == "10/10"
     assert not [e for e in all_ev if e.event == "shutdown"]
+
+
+# -- a stop asked for during the linger ---------------------------------------------------------
+
+
+class StopAfter(FakeClock):
+    """A fake clock whose waits set ``stop`` once ``after`` fake seconds have passed (a SIGTERM
+    arriving then)."""
+
+    def __init__(self, stop: threading.Event, after: float) -> None:
+        super().__init__(real_slice=0.0)
+        self.stop, self.at = stop, self.t + after
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        got = super().wait(event, seconds)
+        if self.monotonic() >= self.at:
+            self.stop.set()
+        return got or event.is_set()
+
+
+@pytest.mark.parametrize("action", ["poweroff", "delete", "dry-run"])
+def test_a_stop_during_the_linger_ends_the_chain_there(tmp_path: Path, action: str) -> None:
+    stop = threading.Event()
+    r = rig(tmp_path, action, clock=StopAfter(stop, 7.0))
+    r.chain.stop = stop
+    marks: list[str] = []
+    with pytest.raises(ChainStopped):
+        r.chain.execute("ladder", 10, 10, progress=marks.append)
+    assert marks == ["shutdown", "linger"], "nothing after the linger is started"
+    assert [(s, st) for e, s, st in r.steps() if e == "action"] == [("linger", "start")]
+    assert r.runner.calls == [] and r.api.calls == [] and r.kernel.calls == []
+    assert 7.0 <= r.clock.monotonic() - 1000.0 < 20.0, "stopped at the stop, not at the end"
+
+
+def test_a_stop_before_the_linger_ends_it_at_once_and_past_it_the_chain_goes_on(
+    tmp_path: Path,
+) -> None:
+    stop = threading.Event()
+    stop.set()
+    r = rig(tmp_path, "poweroff", clock=FakeClock(real_slice=0.0))
+    r.chain.stop = stop
+    with pytest.raises(ChainStopped):
+        r.chain.execute("ladder", 10, 10)
+    assert r.clock.monotonic() == 1000.0 and r.runner.calls == []
+    # resumed past the linger: a stop changes nothing, the chain acts
+    r2 = rig(tmp_path / "2", "poweroff", clock=FakeClock(real_slice=0.0))
+    r2.chain.stop = stop
+    r2.chain.execute("ladder", 10, 10, resume_at="poweroff")
+    assert r2.runner.calls[0] == ["systemctl", "poweroff"]
+
+
+def test_a_dry_run_says_its_decision_once_through_the_linger(tmp_path: Path) -> None:
+    r = rig(tmp_path, "dry-run", clock=FakeClock(real_slice=0.0))
+    r.chain.execute("ladder", 10, 10)
+    names = [e.event for e in r.events()]
+    assert names.count("dry_run_shutdown") == 1 and "shutdown" not in names
+    done = next(e for e in r.events() if e.get("step") == "linger" and e.get("status") == "ok")
+    assert done.get("reps") == "0" and int(done.get("ms") or 0) >= 20_000
+    # a real chain repeats it (the poller must read it before the VM goes)
+    r2 = rig(tmp_path / "2", "poweroff", clock=FakeClock(real_slice=0.0))
+    r2.chain.execute("ladder", 10, 10)
+    assert len([e for e in r2.events() if e.event == "shutdown" and e.get("rep")]) == 3

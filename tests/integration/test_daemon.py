@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -232,3 +234,92 @@ def test_a_dry_run_decision_latches_nothing_and_recovery_is_reported(tmp_path: P
     assert rec.get("from") == "10"
     stored = json.loads((tmp_path / "ladder.json").read_text())
     assert stored.get("fired") is not True
+
+
+# -- a stop asked for during the linger (issue 39) -----------------------------------------------
+
+
+def _in_linger(serial: Path) -> bool:
+    return any(
+        e.event == "action" and (e.get("step"), e.get("status")) == ("linger", "start")
+        for e in read_events(serial)
+    )
+
+
+def _sigterm_within(p: subprocess.Popen[str], limit: float) -> tuple[int, float]:
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(limit + 15)  # bounded; the limit itself is asserted by the caller
+    return rc, time.monotonic() - t0
+
+
+def test_sigterm_during_a_rehearsed_linger_stops_a_dry_run_within_5s(tmp_path: Path) -> None:
+    with SimGCE() as sim:
+        cfg = agent_config(tmp_path, sim, actions={"linger": 120, "repeat_every": 0.2})
+        serial = tmp_path / "ttyS0"
+        with agent_process(cfg, stderr=subprocess.PIPE) as p:
+            assert wait_for(lambda: any(e.event == "heartbeat" for e in read_events(serial)))
+            sim.outage(True)
+            assert wait_for(lambda: _in_linger(serial), 30)
+            rc, took = _sigterm_within(p, 5.0)
+            assert p.stderr is not None
+            err = p.stderr.read()
+    assert rc == 0 and took < 5.0, f"rc {rc} after {took:.1f}s"
+    evs = read_events(serial)
+    names = [e.event for e in evs]
+    sig = [e for e in evs if e.event == "signal"]
+    assert len(sig) == 1 and (sig[0].get("sig"), sig[0].get("step")) == ("SIGTERM", "linger")
+    assert sig[0].text == "SIGTERM during the dry-run linger: the agent stops"
+    assert names[-1] == "stop" and evs[-1].get("reason") == "sigterm"
+    assert names.index("signal") < names.index("stop")
+    steps = [(e.get("step"), e.get("status")) for e in evs if e.event == "action"]
+    assert steps == [("linger", "start")], "nothing rehearsed after the linger"
+    # the decision once, on the console and in the journal, as a warning
+    assert names.count("dry_run_shutdown") == 1
+    journal = [ln for ln in err.splitlines() if "event='dry_run_shutdown'" in ln]
+    assert len(journal) == 1 and "level='warning'" in journal[0], err[-2000:]
+
+
+def test_sigterm_during_a_real_linger_stops_within_5s_and_a_restart_resumes_it(
+    tmp_path: Path,
+) -> None:
+    record = tmp_path / "argv.log"
+    rec = tmp_path / "record.sh"
+    rec.write_text(f'#!/bin/sh\necho "$@" >> "{record}"\n')
+    rec.chmod(0o755)
+    with SimGCE() as sim:
+        cfg = agent_config(
+            tmp_path,
+            sim,
+            agent={"action": "poweroff", "allow_non_gce": True},
+            actions={
+                "linger": 120,
+                "repeat_every": 0.5,
+                "poweroff_cmd": [str(rec), "poweroff"],
+                "force_cmd": [str(rec), "force"],
+                "kernel": [],  # never reboot(2) the test machine
+            },
+        )
+        serial = tmp_path / "ttyS0"
+        with agent_process(cfg) as p:
+            sim.outage(True)
+            assert wait_for(lambda: _in_linger(serial), 30)
+            rc, took = _sigterm_within(p, 5.0)
+        assert rc == 0 and took < 5.0, f"rc {rc} after {took:.1f}s"
+        evs = read_events(serial)
+        sig = next(e for e in evs if e.event == "signal")
+        assert (sig.get("sig"), sig.get("step")) == ("SIGTERM", "linger")
+        assert sig.text == "SIGTERM during the linger: the agent stops; a restart resumes the chain"
+        assert evs[-1].event == "stop" and not record.exists(), "nothing powered off"
+        stored = json.loads((tmp_path / "state" / "ladder.json").read_text())
+        assert stored["fired"] is True and stored["chain"]["step"] == "linger"
+        # a restart resumes the linger (what is left of it), and stops when asked again
+        n = len(evs)
+        with agent_process(cfg) as p:
+            assert wait_for(
+                lambda: any(e.get("resume") == "linger" for e in read_events(serial)[n:]), 30
+            )
+            rc, took = _sigterm_within(p, 5.0)
+    assert rc == 0 and took < 5.0, f"rc {rc} after {took:.1f}s"
+    assert not record.exists()
+    assert read_events(serial)[-1].event == "stop"

@@ -640,6 +640,7 @@ def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_n
 
     def chain(reason: str, **kw: object) -> None:
         calls.append(reason)
+        kw["progress"]("poweroff")  # type: ignore[operator]
         # systemd stopping units during the power-off this chain started: the chain goes on
         holder[0].request_stop(stop, "sigterm", "SIGTERM")  # type: ignore[attr-defined]
         assert _wait_for(lambda: any(e.event == "signal" for e in _names(holder[1])), 5)
@@ -653,7 +654,8 @@ def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_n
     assert calls == ["failed"]
     evs = _names(sink)
     sig = next(e for e in evs if e.event == "signal")
-    assert (sig.get("sig"), sig.get("step")) == ("SIGTERM", "-")
+    assert (sig.get("sig"), sig.get("step")) == ("SIGTERM", "poweroff")
+    assert sig.text == "SIGTERM during the shutdown chain: the chain goes on"
     assert evs[-1].event == "stop", "the loop stops only after the chain returned"
     req = box.load()
     assert req is not None and req.step == "end"
@@ -670,3 +672,34 @@ def test_no_ending_is_run_once_the_ladder_decided(tmp_path: Path) -> None:
     box.request("done", None)
     agent.tick_once()  # type: ignore[attr-defined]
     assert chain.calls == [], "the ladder's chain ends this VM already"
+
+
+def test_a_sigterm_in_the_linger_of_an_ending_stops_the_agent_and_keeps_the_step(
+    tmp_path: Path,
+) -> None:
+    """Issue 39: the agent stops when asked during the linger of a job's ending too; end.json
+    keeps `linger`, so a restarted agent resumes the ending there."""
+    from gce_watchdog.daemon.actions import ChainStopped
+    from kit.fakes import result
+
+    stop = threading.Event()
+    holder: list[object] = []
+
+    def chain(reason: str, **kw: object) -> None:
+        kw["progress"]("linger")  # type: ignore[operator]
+        holder[0].request_stop(stop, "sigterm", "SIGTERM")  # type: ignore[attr-defined]
+        raise ChainStopped("stopped during the linger")  # what the chain's linger does
+
+    agent, sink, box = _agent(tmp_path, [result("ok", "ok")], chain)
+    holder += [agent, sink]
+    box.request("done", None)
+    assert agent.run(stop, max_ticks=5) == 0  # type: ignore[attr-defined]
+    evs = _names(sink)
+    names = [e.event for e in evs]
+    sig = next(e for e in evs if e.event == "signal")
+    assert (sig.get("sig"), sig.get("step")) == ("SIGTERM", "linger")
+    assert sig.text == "SIGTERM during the linger: the agent stops; a restart resumes the chain"
+    assert names.index("signal") < names.index("stop") and names[-1] == "stop"
+    assert agent.ticks == 1, "the loop stopped at the first tick"  # type: ignore[attr-defined]
+    req = box.load()
+    assert req is not None and req.step == "linger", "a restart resumes the linger"

@@ -9,6 +9,9 @@ ran would leave a trace.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -18,8 +21,9 @@ from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm.platform import GCE_PRODUCT, Platform, arming, detect
 from gce_watchdog.wire import protocol
 from kit.agent import LADDER_ONLY, SHORT_LADDER, agent_config, agent_in, run_agent
-from kit.cli import gcewd
+from kit.cli import agent_env, gcewd, gcewd_argv
 from kit.events import read_events
+from kit.journal import parse_native
 
 QEMU = "Standard PC (Q35 + ICH9, 2009)"
 
@@ -166,3 +170,59 @@ def test_install_on_gce_does_not_warn(tmp_path: Path) -> None:
 def test_install_off_gce_with_allow_says_it_will_act(tmp_path: Path) -> None:
     lines = _install(tmp_path, Platform(False, QEMU, "x"), config="[agent]\nallow_non_gce = true\n")
     assert any("it WILL act" in ln for ln in lines)
+
+
+def _datagrams(sock: socket.socket) -> list[bytes]:
+    out = []
+    sock.setblocking(False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            out.append(sock.recv(1 << 20))
+    return out
+
+
+def test_off_gce_the_journal_gets_the_whole_reason_and_systemctl_status_says_watch_only(
+    tmp_path: Path,
+) -> None:
+    """Issue 39: the journal got the console's 100-character text (the reason cut mid-path), and
+    `systemctl status` (sd_notify STATUS=) never said the agent only watches."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    journal, notify = (
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM),
+        socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM),
+    )
+    journal.bind(str(tmp_path / "journal.sock"))
+    notify.bind(str(tmp_path / "notify.sock"))
+    with SimGCE() as sim, (tmp_path / "stderr").open("w") as err:
+        cfg = _config(tmp_path, sim, None, dmi_product_path=str(deep / "product_name"))
+        st = os.fstat(err.fileno())
+        env = {**agent_env(), "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}",
+               "GCEWD_JOURNAL_SOCKET": str(tmp_path / "journal.sock"),
+               "NOTIFY_SOCKET": str(tmp_path / "notify.sock")}  # fmt: skip
+        r = subprocess.run(
+            gcewd_argv("run", "--config", str(cfg), "--max-ticks", "2"),
+            env=env, stderr=err, stdout=subprocess.PIPE, timeout=120, check=False,
+        )  # fmt: skip
+    assert r.returncode == 0, (tmp_path / "stderr").read_text()
+    entries = [dict(parse_native(d)) for d in _datagrams(journal)]
+    journal.close()
+    warn = next(e for e in entries if e["GCEWD_EVENT"] == b"warn")
+    text = warn["GCEWD_TEXT"].decode()
+    assert str(deep / "product_name") in text, text  # the whole path, not cut at 100
+    assert text.endswith("(agent.allow_non_gce = true to act anyway)")
+    assert text.startswith("WATCH ONLY") and warn["PRIORITY"] == b"4"
+    assert text in warn["MESSAGE"].decode()
+    # the serial line keeps its 100-character text
+    line = next(e for e in read_events(tmp_path / "ttyS0") if e.event == "warn")
+    assert len(line.text) <= protocol.MAX_TEXT and text.startswith(line.text.removesuffix("..."))
+    grams = _datagrams(notify)
+    statuses = [
+        a.removeprefix("STATUS=")
+        for d in grams
+        for a in d.decode().split("\n")
+        if a.startswith("STATUS=")
+    ]
+    notify.close()
+    assert statuses and all("; watch only: not a GCE VM (" in s for s in statuses), statuses
+    assert any(s.startswith("rung 0/2, metadata ok, egress ok;") for s in statuses), statuses

@@ -15,14 +15,15 @@ from kit.agent import agent_config, agent_process, stop_agent
 from kit.events import read_events
 from kit.wait import wait_for
 
-PREFIXED = re.compile(r"<([0-7])>timestamp='[^']+' level='(\w+)' event='(\w+)'")
+PREFIXED = re.compile(r"<([0-7])>(?:timestamp='[^']+' )?level='(\w+)' event='(\w+)'")
 
 
 @pytest.mark.parametrize(
     ("event", "fields", "want"),
     [
         ("shutdown", {"rung": "10/10", "action": "poweroff"}, logs.ALERT),
-        ("shutdown", {"rung": "10/10", "action": "dry-run"}, logs.CRIT),
+        ("shutdown", {"rung": "10/10", "action": "dry-run"}, logs.WARNING),
+        ("dry_run_shutdown", {"rung": "10/10", "action": "dry-run"}, logs.WARNING),
         ("would_shutdown", {"rung": "10/10"}, logs.CRIT),
         ("memory_climb", {"g": "gpu0"}, logs.CRIT),
         ("setup_failed", {"step": "fetch"}, logs.ERR),
@@ -50,12 +51,30 @@ def test_priority_of_each_event(event: str, fields: dict[str, object], want: int
 
 
 def test_render_prefixes_only_when_asked() -> None:
-    ed = {"event": "shutdown", "timestamp": "t", "priority": logs.ALERT, "rung": "3/3"}
-    line = logs.render(True)(None, "critical", dict(ed))
+    line = logs.render_line("shutdown", {"rung": "3/3", "gone": None}, logs.ALERT, True, "t")
     assert line == "<1>timestamp='t' level='alert' event='shutdown' rung='3/3'"
-    assert logs.render(False)(None, "critical", dict(ed)).startswith("timestamp='t' level='alert'")
-    # no priority named: the method decides
-    assert logs.render(True)(None, "warning", {"event": "x"}).startswith("<4>level='warning'")
+    plain = logs.render_line("shutdown", {"rung": "3/3"}, logs.ALERT, False, "t")
+    assert plain.startswith("timestamp='t' level='alert'")
+    assert logs.render_line("x", {}, logs.WARNING, True) == "<4>level='warning' event='x'"
+    # a field named like the line's own keys is kept, renamed
+    line = logs.render_line("maintenance", {"event": "TERMINATE"}, logs.WARNING, False)
+    assert line == "level='warning' event='maintenance' event_='TERMINATE'"
+
+
+def test_a_level_without_a_priority_gets_its_own(tmp_path: Path) -> None:
+    import logging
+
+    out = io.StringIO()
+    lg = logging.getLogger("gce-watchdog-test-levels")
+    lg.addHandler(logs.EventHandler(out, None, True))
+    lg.setLevel(logging.INFO)
+    log = logs.EventLog(lg)
+    log.error("serial_unavailable", device="/dev/ttyS0")
+    log.debug("dropped at info")
+    log.event("shutdown", {"rung": "3/3"}, logs.ALERT)
+    lines = out.getvalue().splitlines()
+    assert [ln[:3] for ln in lines] == ["<3>", "<1>"], lines
+    assert "event='serial_unavailable' device='/dev/ttyS0'" in lines[0]
 
 
 def test_journal_stream_is_recognised_by_device_and_inode(tmp_path: Path) -> None:
@@ -106,7 +125,7 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
         assert logs.NAMES[p] == level
         pri.setdefault(event, set()).add(p)
     # a dry run (its own event since protocol v2); a real shutdown is alert
-    assert pri.get("dry_run_shutdown") == {logs.CRIT}, text[-3000:]
+    assert pri.get("dry_run_shutdown") == {logs.WARNING}, text[-3000:]
     assert pri["tick"] == {logs.WARNING}
     assert pri["heartbeat"] == {logs.INFO}
     assert pri["start"] == pri["stop"] == {logs.NOTICE}
@@ -122,5 +141,5 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
 def test_no_prefix_when_stderr_is_not_the_journal(tmp_path: Path) -> None:
     found, text = _run_agent(tmp_path, journal=False)
     assert found == []
-    assert "level='crit' event='dry_run_shutdown'" in text
+    assert "level='warning' event='dry_run_shutdown'" in text
     assert not re.search(r"^<\d>", text, re.M)

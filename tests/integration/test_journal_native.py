@@ -4,6 +4,7 @@ tests/root/test_journald.py runs the same child under a REAL systemd-journald.""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -77,7 +78,7 @@ def test_entries_go_to_the_native_socket_as_datagrams(tmp_path: Path) -> None:
     )
     assert tick["PRIORITY"] == b"4" and tick["GCEWD_TEXT"] == b"BOTH failed\nsecond line"
     assert hb["PRIORITY"] == b"6" and hb["GCEWD_EVENT"] == b"heartbeat"
-    assert dry["PRIORITY"] == b"2" and dry["GCEWD_RUNG"] == b"10/10"
+    assert dry["PRIORITY"] == b"4" and dry["GCEWD_RUNG"] == b"10/10"
 
 
 def test_no_socket_means_the_prefixed_line_on_stderr_never_a_lost_one(tmp_path: Path) -> None:
@@ -85,7 +86,7 @@ def test_no_socket_means_the_prefixed_line_on_stderr_never_a_lost_one(tmp_path: 
         p = _child({"GCEWD_JOURNAL_SOCKET": str(tmp_path / "absent"), "TAG": "t2"}, err)
     assert p.returncode == 0
     lines = (tmp_path / "err").read_text().splitlines()
-    assert [ln[:3] for ln in lines] == ["<4>", "<6>", "<2>"]
+    assert [ln[:3] for ln in lines] == ["<4>", "<6>", "<4>"]
     assert "event='tick'" in lines[0] and "event='dry_run_shutdown'" in lines[2]
 
 
@@ -97,14 +98,18 @@ def test_an_entry_the_socket_refuses_is_written_as_a_line(tmp_path: Path) -> Non
     srv.bind(str(sock_path))
     try:
         out = io.StringIO()
-        lg = logs.JournalLogger(out, logs.JournalSender(str(sock_path)))
-        lg.msg("<6>small", entry=logs.encode_native([("MESSAGE", "small")]))
-        assert out.getvalue() == "" and parse_native(srv.recv(65536)) == [("MESSAGE", b"small")]
-        huge = logs.encode_native([("MESSAGE", "x" * (16 << 20))])  # over any datagram limit
-        lg.msg("<4>huge, as a line", entry=huge)
-        assert out.getvalue() == "<4>huge, as a line\n"
-        assert lg.sender.failures == 1
+        sender = logs.JournalSender(str(sock_path))
+        lg = logging.getLogger("gce-watchdog-test-native")
+        lg.addHandler(logs.EventHandler(out, sender, True))
+        lg.setLevel(logging.INFO)
+        log = logs.EventLog(lg)
+        log.event("small", {}, logs.INFO)
+        got = dict(parse_native(srv.recv(65536)))
+        assert out.getvalue() == "" and got["MESSAGE"] == b"small"
+        log.event("huge", {"text": "x" * (16 << 20)}, logs.WARNING)  # over any datagram limit
+        assert out.getvalue().startswith("<4>level='warning' event='huge' text='xxx")
+        assert sender.failures == 1
     finally:
         srv.close()
-    lg.msg("<3>journald gone", entry=b"MESSAGE=x\n")  # the socket's file is there, no reader
-    assert out.getvalue().endswith("<3>journald gone\n")
+    log.event("gone", {}, logs.ERR)  # the socket's file is there, no reader
+    assert out.getvalue().endswith("<3>level='err' event='gone'\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +27,8 @@ from gce_watchdog.testing.simgce import FakeMetadataServer
 from gce_watchdog.testing.simgce import SimInstance as SimInfo
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
-from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm import logs
+from gce_watchdog.vm.console import Emitter, LogMirror, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from kit.clocks import ManualClock
@@ -53,7 +56,11 @@ def md() -> Iterator[FakeMetadataServer]:
 
 
 def make(
-    tmp: Path, md: FakeMetadataServer, clock: ManualClock | None = None, **watch: object
+    tmp: Path,
+    md: FakeMetadataServer,
+    clock: ManualClock | None = None,
+    log: LogMirror | None = None,
+    **watch: object,
 ) -> tuple[MetadataWatcher, MemorySink, RecordingClient]:
     w = {"poll_timeout": "2s", "refresh": "0.5s", "request_timeout": "0.4s"}
     w.update({k: str(v) if not isinstance(v, bool) else v for k, v in watch.items()})  # type: ignore[misc]
@@ -61,7 +68,7 @@ def make(
         {"agent": {"state_dir": str(tmp)}, "metadata": {"url": md.url}, "watch": w}
     )
     sink = MemorySink()
-    em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de", key=SYNTH_KEY)
+    em = Emitter(sink, SeqAllocator(tmp, "0badc0de"), "0badc0de", log=log, key=SYNTH_KEY)
     client = RecordingClient(metadata_root(cfg))
     watcher = MetadataWatcher.from_config(cfg, em, clock=clock or ManualClock(), client=client)
     return watcher, sink, client
@@ -212,6 +219,40 @@ def test_maintenance_events_are_reported(tmp_path: Path, md: FakeMetadataServer)
         ("NONE", "MIGRATE_ON_HOST_MAINTENANCE"),
     ]
     assert not any(e.event == "preempted" for e in events(sink))
+
+
+def test_maintenance_changes_reach_the_journal_and_the_watcher_lives_on(
+    tmp_path: Path, md: FakeMetadataServer
+) -> None:
+    """Issue 39: the line's `event` field collided with the mirror's own `event` argument, and
+    the TypeError killed the watcher's thread at the first change."""
+    out = io.StringIO()
+    lg = logging.getLogger("gce-watchdog-test-maintenance")
+    lg.addHandler(logs.EventHandler(out, None, False))
+    lg.setLevel(logging.INFO)
+    w, sink, client = make(tmp_path, md, log=logs.mirror(logs.EventLog(lg)))
+    values = ["MIGRATE_ON_HOST_MAINTENANCE", "NONE", "TERMINATE_ON_HOST_MAINTENANCE", "NONE"]
+    w.start()
+    try:
+        assert wait_for(
+            lambda: any(
+                p == "instance/maintenance-event" and q.get("wait_for_change")
+                for p, q, _ in client.asked
+            )
+        )
+        for n, value in enumerate(values, 1):
+            md.set_maintenance(value)
+            assert wait_for(
+                lambda n=n: len([e for e in events(sink) if e.event == "maintenance"]) == n  # type: ignore[misc]
+            ), f"change {n} ({value}) not reported: the watcher died?"
+        assert all(t.is_alive() for t in w._threads), "every watcher thread lives on"
+    finally:
+        w.stop()
+    got = [e.get("event") for e in events(sink) if e.event == "maintenance"]
+    assert got == values
+    journal = [ln for ln in out.getvalue().splitlines() if "event='maintenance'" in ln]
+    assert [ln.split("event_='")[1].split("'")[0] for ln in journal] == values
+    assert all("level='warning'" in ln for ln in journal)
 
 
 def test_a_hanging_metadata_server_never_blocks_the_reader(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,11 +76,33 @@ def test_a_real_run_needs_yes(api: FakeComputeAPI, tmp_path: Path) -> None:
     assert api.calls == []
 
 
+def test_a_plan_needs_no_source_and_a_run_does(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bare = [a for a in argv(api, tmp_path) if a not in SOURCE]
+    assert main([*bare, "--plan", "--run-id", "vnosrc"]) == 0
+    out = capsys.readouterr().out
+    assert "gcewd-vnosrc-wedge" in out and "agent source: none given yet" in out
+    assert main([*bare, "--plan", "--json", "--run-id", "vnosrc"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["instances"]) == 4
+    assert main([*bare, "--yes", "--run-id", "vnosrc"]) == 64
+    assert "give exactly one agent source" in capsys.readouterr().err
+    two = [*bare, "--image", "img", "--wheel-url", "https://x.invalid/w.tgz"]
+    assert main([*two, "--wheel-sha256", "0" * 64, "--plan"]) == 64, "two sources: still refused"
+    assert main(argv(api, tmp_path, "--plan", "--run-id", "vsrc")) == 0
+    assert "agent source: the .deb https://example.invalid/gce-watchdog.deb" in (
+        capsys.readouterr().out
+    )
+    assert api.calls == []
+
+
 def test_the_whole_run_wedge_fails_over_once_the_rest_never_and_nothing_is_left(
-    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path
+    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
     rc = main(argv(api, tmp_path, "--yes", "--run-id", "vfull1", "--out", str(out), *FAST))
+    err = capsys.readouterr().err
+    _check_progress(err)
     doc = json.loads((out / "validate.json").read_text())
     by = {s["scenario"]: s for s in doc["scenarios"]}
     assert rc == 0, [(s["scenario"], [e for e in s["evidence"] if "FAIL" in e], s["notes"])
@@ -104,6 +127,28 @@ def test_the_whole_run_wedge_fails_over_once_the_rest_never_and_nothing_is_left(
         assert (out / s["files"]["serial"]).stat().st_size > 0
         assert "<html" in (out / s["files"]["html"]).read_text().lower()
     assert (out / "ledger.sqlite").exists()
+
+
+def _check_progress(err: str) -> None:
+    """validate's stderr: one line per step with the time since the run began, every
+    scenario's milestones in order, no spinner (not a terminal)."""
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    stamped = [
+        ln for ln in lines if re.match(r"gce-watchdog validate: \[(\d+h)?(\d+m)?\d+s\] ", ln)
+    ]
+    assert len(stamped) == len(lines) - 1, [ln for ln in lines if ln not in stamped]  # + `run ...`
+    for scenario in ("wedge", "done", "setup-failed", "flap"):
+        mine = [ln.split("] ", 1)[1] for ln in stamped if f"gcewd-vfull1-{scenario}: " in ln]
+        said = [m.split(": ", 1)[1] for m in mine]
+        assert said[0].startswith("creating") or said[0].startswith("its agent's first line")
+        assert said[-1].startswith("scenario finished (verdict "), said
+    wedge = [ln for ln in stamped if "gcewd-vfull1-wedge: " in ln]
+    order = ["first line", "the workload runs", "requesting the fault", "the fault is on",
+             "the ladder climbs", "the agent decided", "the poller decided: 1 failover",
+             "no longer RUNNING", "scenario finished"]  # fmt: skip
+    at = [next(i for i, ln in enumerate(wedge) if what in ln) for what in order]
+    assert at == sorted(at), list(zip(order, at, strict=True))
 
 
 def test_a_vm_that_does_not_enable_faults_fails_its_scenario(

@@ -48,8 +48,9 @@ CHILD = textwrap.dedent(
     logs.setup()
     m = logs.mirror(logs.get())
     tag = os.environ["TAG"]
-    m("tick", rung="3/10", md="fail/timeout/5000", tag=tag, text="BOTH failed\\nsecond line")
-    m("heartbeat", rung="0/10", tag=tag)
-    m("dry_run_shutdown", rung="10/10", tag=tag)
+    m("tick", {"rung": "3/10", "md": "fail/timeout/5000", "tag": tag,
+               "text": "BOTH failed\\nsecond line"})
+    m("heartbeat", {"rung": "0/10", "tag": tag})
+    m("dry_run_shutdown", {"rung": "10/10", "tag": tag})
     """
 )

@@ -85,10 +85,10 @@ def test_a_real_journald_stores_our_fields() -> None:
     assert tick["GCEWD_TEXT"] == "BOTH failed\nsecond line"  # the length-encoded value, intact
     assert tick["MESSAGE"].startswith("tick rung=3/10 md=fail/timeout/5000")
     assert tick["_TRANSPORT"] == "journal"  # journald's own word: the native protocol
-    assert native[2]["PRIORITY"] == "2"
+    assert native[2]["PRIORITY"] == "4"  # a dry run: a warning (issue 39)
     # No native socket: the prefixed lines through the stream, priorities read by journald.
     plain = [e for e in entries if e.get("_TRANSPORT") == "stdout"]
     assert len(plain) == 3, entries
-    assert [e["PRIORITY"] for e in plain] == ["4", "6", "2"]
+    assert [e["PRIORITY"] for e in plain] == ["4", "6", "4"]
     assert all("GCEWD_EVENT" not in e for e in plain)
     assert "event='tick'" in plain[0]["MESSAGE"] and "tag='fallback'" in plain[0]["MESSAGE"]

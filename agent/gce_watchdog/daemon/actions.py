@@ -65,6 +65,12 @@ LINUX_REBOOT_CMD_POWER_OFF = 0x4321FEDC
 Runner = Callable[[Sequence[str], float], RunResult]
 
 
+class ChainStopped(Exception):
+    """The agent was asked to stop (SIGTERM, SIGINT) before or during the linger: the chain ends
+    there, nothing after the linger is done, and the chain's mark stays at ``linger`` (a
+    restarted agent resumes it with what is left of it). Past the linger the chain goes on."""
+
+
 class _Retryable(Exception):
     """A Compute API attempt that may be tried again (``result`` is its answer)."""
 
@@ -292,8 +298,12 @@ class ActionChain:
         kernel: Kernel | None = None,
         instance: Callable[[], InstanceInfo | None] | None = None,
         jitter: Callable[[], float] | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.actions = actions
+        # The agent's stop event: set, it ends the linger (ChainStopped). None: nothing stops it
+        # (`gce-watchdog end` running the chain itself ignores SIGTERM).
+        self.stop = stop
         self._action = action  # agent.action: what the chain ends with
         self.emitter = emitter
         self.keepalive = keepalive
@@ -428,6 +438,8 @@ class ActionChain:
                     self._error(res, step, e, "cannot record the chain's progress")
             try:
                 fn()
+            except ChainStopped:
+                raise
             except Exception as e:
                 self._error(res, step, e)
 
@@ -551,7 +563,12 @@ class ActionChain:
                 self.verdict_event, fields, _verdict_text(reason, r) + f", {left:.0f}s to go"
             )
 
-        self._wait_pinging(linger, each=repeat, start=t0)
+        # A dry run says its decision once: the repeats are for a poller that must read a real
+        # verdict before the VM goes (a rehearsal's line is never a failover).
+        each = None if self.dry_run else repeat
+        self._wait_pinging(linger, done=self.stop, each=each, start=t0)
+        if self.stop is not None and self.stop.is_set():
+            raise ChainStopped("stopped during the linger")
         ms = int((self.clock.monotonic() - t0) * 1000)
         self._line(res, "linger", "ok", {"ms": ms, "reps": rep})
 

@@ -47,6 +47,7 @@ from gce_watchdog.daemon.service import (
     _instance_id,
     read_uptime,
 )
+from gce_watchdog.daemon.tick import TickResult
 from gce_watchdog.gpu.service import GpuService, ProbeGauges
 from gce_watchdog.job.notice import write_notice
 from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE, CommandError
@@ -58,7 +59,7 @@ from gce_watchdog.memory.samplers import preload as preload_psutil
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm import logs
 from gce_watchdog.vm.console import Emitter
-from gce_watchdog.vm.platform import arming, detect
+from gce_watchdog.vm.platform import WATCH_ONLY_PREFIX, arming, detect
 from gce_watchdog.vm.runtime import load_config_or_exit, open_console
 from gce_watchdog.vm.state import read_boot_id, read_phase, untrusted_dir
 from gce_watchdog.wire import vocab
@@ -75,9 +76,7 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     notes: list[tuple[str, str]] = []  # (what, text): written on the console after `start`
 
     def note(what: str, text: str) -> None:
-        print(f"gce-watchdog: {text}", file=sys.stderr)
-        log.warning(what, text=text)
-        notes.append((what, text))
+        notes.append((what, text))  # a `warn` line after `start`, mirrored to the journal whole
 
     private_state: str | None = None
     why = untrusted_dir(cfg.agent.state_dir)
@@ -113,7 +112,7 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
     emitter = console.emitter
     stop = threading.Event()
 
-    agent, prober = build_agent(cfg, emitter, Notifier(), config_path=config_path)
+    agent, prober = build_agent(cfg, emitter, Notifier(), config_path=config_path, stop=stop)
     agent.notes.extend(notes)
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -132,10 +131,15 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
 
 
 def build_agent(
-    cfg: cfgmod.Config, emitter: Emitter, notifier: Notify, config_path: str | None = None
+    cfg: cfgmod.Config,
+    emitter: Emitter,
+    notifier: Notify,
+    config_path: str | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[Agent, Prober]:
     """The real edges for a config, each from its own section. Returns the agent and the
-    prober (to close). ``config_path`` is passed on to a fault requested through metadata."""
+    prober (to close). ``config_path`` is passed on to a fault requested through metadata;
+    ``stop``, the loop's stop event, ends a linger (a stop asked for during it)."""
     a = cfg.agent
     boot_id = read_boot_id(a.boot_id_path)
     prober = _prober(cfg)
@@ -158,6 +162,7 @@ def build_agent(
         emitter,
         keepalive=keepalive,
         instance=lambda: watcher.instance,
+        stop=stop,
     )
     end_watch = EndWatch(
         EndBox(a.run_dir, boot_id),
@@ -186,6 +191,8 @@ def build_agent(
     armed, gce_note = platform_gate(
         a, DisarmGate(a.state_dir, emitter, lambda: watcher.disarm_requested)
     )
+    if gce_note:  # `systemctl status` says so on every STATUS= line
+        notifier = WatchOnlyStatus(notifier, gce_note)
     deps = Deps(
         emitter=emitter,
         prober=prober.tick,
@@ -208,6 +215,21 @@ def build_agent(
     if gce_note:
         agent.notes.append(("gce", gce_note))
     return agent, prober
+
+
+class WatchOnlyStatus:
+    """A :class:`Notify` that adds "watch only" and why to every ``STATUS=`` it passes on (what
+    ``systemctl status`` shows), for an agent that is never armed on this machine."""
+
+    def __init__(self, inner: Notify, note: str) -> None:
+        self.inner = inner
+        self.watchdog_interval = inner.watchdog_interval
+        self.suffix = "; watch only: " + note.removeprefix(WATCH_ONLY_PREFIX)
+
+    def notify(self, *assignments: str) -> bool:
+        return self.inner.notify(
+            *(a + self.suffix if a.startswith("STATUS=") else a for a in assignments)
+        )
 
 
 def _prober(cfg: cfgmod.Config) -> Prober:
@@ -286,20 +308,108 @@ def _key_status(cfg: cfgmod.Config) -> tuple[str, list[str]]:
 
 def check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
     """Exit 0: both paths up. 1: one path down or unknown (the ladder would reset). 2: both down
-    (it would climb). 78: invalid config. With --npd: 0 OK, 1 NonOK, 2 Unknown."""
+    (it would climb). 78: invalid config. With --npd: 0 OK, 1 NonOK, 2 Unknown, within
+    NPD_DEADLINE_S of the process's start."""
     if as_npd:
         try:
-            return _check(config_path, as_json, as_npd)
+            return _check_npd(config_path)
         except SystemExit as e:  # an invalid config (its errors are on stderr)
             print(f"check could not run: exit {e.code} (see stderr)")
             return NPD_UNKNOWN
         except Exception as e:  # NPD reads Unknown; the reason on stdout, where it looks
             print(f"check could not run: {type(e).__name__}: {e}"[:200])
             return NPD_UNKNOWN
-    return _check(config_path, as_json, as_npd)
+    return _check(config_path, as_json)
 
 
-def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
+# node-problem-detector kills a custom plugin at its timeout (5 s unless configured) and reads
+# that as Unknown, not NonOK: `check --npd` answers within NPD_DEADLINE_S of its process's start
+# whatever the network does, one deadline shared by everything it does (issue 39).
+NPD_DEADLINE_S = 4.0
+# What the deadline keeps after the probes' own timeouts: the cap's slack (NPD_CAP_SLACK_S),
+# reading the ladder file, printing the answer, the interpreter's exit.
+NPD_ANSWER_S = 0.5
+NPD_CAP_SLACK_S = 0.1  # a probe ends by its own timeout before the cap calls it "deadline"
+NPD_MIN_PROBE_S = 0.2  # a start-up that ate the deadline still probes, briefly
+
+
+def process_age(stat_path: str = "/proc/self/stat") -> float:
+    """Seconds since this process started: its start time (field 22 of ``/proc/self/stat``,
+    proc(5), in clock ticks since boot) against CLOCK_BOOTTIME; 0.0 when it cannot be read."""
+    try:
+        raw = Path(stat_path).read_bytes()
+        # The fields after the command name (which may hold spaces and parentheses) start at
+        # field 3: starttime, field 22, is the 20th of them.
+        ticks = int(raw.rsplit(b")", 1)[1].split()[19])
+        now = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return max(0.0, now - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def npd_timeouts(
+    probe_timeout: float, dns_timeout: float, left: float
+) -> tuple[float, float, float]:
+    """The probe timeout, DNS timeout and cap that fit in ``left`` seconds (pure): the configured
+    timeouts, scaled down together when they do not fit (dns_timeout < probe_timeout holds)."""
+    budget = max(NPD_MIN_PROBE_S, left - NPD_ANSWER_S)
+    f = min(1.0, budget / probe_timeout)
+    return probe_timeout * f, dns_timeout * f, probe_timeout * f + NPD_CAP_SLACK_S
+
+
+def _check_npd(config_path: str | None) -> int:
+    deadline = time.monotonic() - process_age() + NPD_DEADLINE_S
+    cfg = load_config_or_exit(config_path)
+    timeout, dns, cap = npd_timeouts(
+        cfg.agent.probe_timeout, cfg.egress.dns_timeout, deadline - time.monotonic()
+    )
+    a = cfg.agent
+    prober = build_prober(
+        cfg.egress, cfg.metadata.url, timeout, a.state_dir, dns_timeout=dns, cap=cap
+    )
+    try:
+        res = prober.tick()
+    finally:
+        prober.close()
+    verdict, _rc, npd, _say = _classify(res)
+    rung = _rung(cfg)
+    md, eg = res.metadata, res.egress
+    print(
+        f"{verdict}: metadata {md.verdict.value} {md.reason}, egress {eg.verdict.value} "
+        f"{eg.reason}; rung {rung}/{cfg.agent.threshold}",
+        flush=True,
+    )
+    if "deadline" in (md.reason, eg.reason):
+        # A probe thread is still stuck (getaddrinfo(3) has no deadline) and the interpreter
+        # would join it at exit: leave now, the answer is out.
+        sys.stderr.flush()
+        os._exit(npd)
+    return npd
+
+
+def _rung(cfg: cfgmod.Config) -> int:
+    st = LadderStore(
+        Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
+    )
+    return st.load(cfg.agent.threshold).rung
+
+
+def _classify(res: TickResult) -> tuple[str, int, int, str]:
+    """The verdict word, check's exit code, the NPD status and the sentence for one tick."""
+    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
+    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
+        return "healthy", 0, NPD_OK, "HEALTHY"
+    if cls is ladder.TickClass.BOTH_FAIL:
+        return "outage", 2, NPD_NONOK, "OUTAGE (both paths down: the ladder would climb)"
+    return (
+        "degraded",
+        1,
+        NPD_OK,
+        "DEGRADED (one path down or unknown: a tick like this resets the ladder)",
+    )
+
+
+def _check(config_path: str | None, as_json: bool) -> int:
     cfg = load_config_or_exit(config_path)
     prober = _prober(cfg)
     try:
@@ -311,16 +421,7 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
     )
     rung = st.load(cfg.agent.threshold).rung
     gpu = gpu_line()
-    cls = ladder.classify(res.metadata.verdict, res.egress.verdict)
-    if res.metadata.verdict is ProbeVerdict.OK and res.egress.verdict is ProbeVerdict.OK:
-        verdict, rc, npd = "healthy", 0, NPD_OK
-        say = "HEALTHY"
-    elif cls is ladder.TickClass.BOTH_FAIL:
-        verdict, rc, npd = "outage", 2, NPD_NONOK
-        say = "OUTAGE (both paths down: the ladder would climb)"
-    else:
-        verdict, rc, npd = "degraded", 1, NPD_OK
-        say = "DEGRADED (one path down or unknown: a tick like this resets the ladder)"
+    verdict, rc, _npd, say = _classify(res)
     probes = {
         "metadata": {
             "verdict": res.metadata.verdict.value,
@@ -333,13 +434,6 @@ def _check(config_path: str | None, as_json: bool, as_npd: bool) -> int:
             "latency_ms": res.egress.latency_ms,
         },
     }
-    if as_npd:
-        md, eg = probes["metadata"], probes["egress"]
-        print(
-            f"{verdict}: metadata {md['verdict']} {md['reason']}, egress {eg['verdict']} "
-            f"{eg['reason']}; rung {rung}/{cfg.agent.threshold}"
-        )
-        return npd
     key_line, key_problems = _key_status(cfg)
     if as_json:
         out = {

@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "nothing is written to the state or the serial port. --npd speaks "
             "node-problem-detector's custom plugin protocol: one short line on stdout and exit "
             "0 OK (both up, or one path down: the ladder would reset), 1 NonOK (both down: the "
-            "ladder would climb), 2 Unknown (the check could not run, e.g. an invalid config)."
+            "ladder would climb), 2 Unknown (the check could not run, e.g. an invalid config), "
+            "within 4 s whatever the network does (NPD's plugin timeout is 5 s by default)."
         ),
     )
     add_config_arg(c)
@@ -33,7 +34,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fmt.add_argument(
         "--npd",
         action="store_true",
-        help="node-problem-detector plugin: exit 0 OK, 1 NonOK, 2 Unknown",
+        help="node-problem-detector plugin: exit 0 OK, 1 NonOK, 2 Unknown, within 4 s",
     )
     c.set_defaults(func=cmd_check)
     register_disarm(sub)
@@ -41,7 +42,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    # The agent's modules (and structlog, http.client, ...) load when a command needs them, not
+    # The agent's modules (and dnspython, http.client, ...) load when a command needs them, not
     # with the parser: every command builds the parser, `fetch` at boot included.
     from gce_watchdog.daemon import app
 
@@ -50,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Exit 0: both paths up. 1: one path down or unknown (the ladder would reset). 2: both down
-    (it would climb). 78: invalid config. With --npd: 0 OK, 1 NonOK, 2 Unknown."""
+    (it would climb). 78: invalid config. With --npd: 0 OK, 1 NonOK, 2 Unknown (within 4 s)."""
     from gce_watchdog.daemon import app
 
     return app.check(args.config, args.json, args.npd)

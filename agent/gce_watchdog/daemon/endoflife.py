@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from gce_watchdog.daemon.actions import ChainStopped
 from gce_watchdog.lib.cli import EX_UNAVAILABLE
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.wire import vocab
@@ -246,9 +247,13 @@ def run_taken(
             linger_left=linger_left,
             progress=progress,
         )
-    finally:
-        # Ran through (or raised) with the VM still up: the next attempt powers off again.
+    except ChainStopped:
+        raise  # the agent stopped in the linger: the mark stays there, a restart resumes it
+    except BaseException:
         taken.mark("end", since)
+        raise
+    # Ran through (or raised) with the VM still up: the next attempt powers off again.
+    taken.mark("end", since)
 
 
 class EndWatch:
@@ -290,6 +295,19 @@ class EndWatch:
             self.running = False
             self._ended = self.monotonic()
         return True
+
+    @property
+    def step(self) -> str:
+        """The step the running chain is at ("-": none running)."""
+        return self.taken.req.step if self.running and self.taken is not None else "-"
+
+    @property
+    def lingers(self) -> bool:
+        """Whether the taken request's chain lingers."""
+        if self.taken is None:
+            return False
+        linger = self.taken.req.linger
+        return (self.default_linger if linger is None else linger) > 0
 
     def start(self) -> None:
         return None

@@ -295,24 +295,29 @@ class EgressProbe:
 
 
 class Prober:
-    """Runs the metadata and egress probes of one tick concurrently."""
+    """Runs the metadata and egress probes of one tick concurrently. ``cap``: how long a tick
+    waits for a probe at most (default ``timeout`` + 1 s); a probe still running then counts as
+    failed with reason ``deadline``."""
 
     def __init__(
         self,
         metadata: Callable[[], ProbeResult],
         egress: Callable[[], tuple[ProbeResult, str]],
         timeout: float,
+        cap: float | None = None,
     ) -> None:
         self._metadata = metadata
         self._egress = egress
         self.timeout = timeout
+        self.cap = timeout + 1.0 if cap is None else cap
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe")
         self._lock = threading.Lock()
 
     def tick(self) -> TickResult:
         # Hard cap: the probes bound themselves; this only guards against a bug or a stuck
-        # thread. A probe past the cap counts as a failure with reason "deadline".
-        cap = self.timeout + 1.0
+        # thread (or a name the metadata URL holds, resolved by getaddrinfo(3), which has no
+        # deadline). A probe past the cap counts as a failure with reason "deadline".
+        cap = self.cap
         with self._lock:
             try:
                 fm: Future[ProbeResult] = self._pool.submit(self._metadata)
@@ -355,10 +360,13 @@ def build_prober(
     timeout: float,
     state_dir: str,
     clock: Clock = time.monotonic,
+    dns_timeout: float | None = None,
+    cap: float | None = None,
 ) -> Prober:
     """The real prober: egress to ``egress.targets`` (its own section), the metadata server at
     ``metadata_url``, ``timeout`` for each probe (``agent.probe_timeout``), the DNS cache in
-    ``state_dir``."""
+    ``state_dir``. ``dns_timeout`` (default ``egress.dns_timeout``) and ``cap`` (see
+    :class:`Prober`) for a caller with a deadline of its own (``check --npd``)."""
     targets = [parse_host_port(t) for t in egress.targets]
     resolver: Resolver | None
     if any(not is_ip(h) for h, _ in targets):
@@ -371,10 +379,11 @@ def build_prober(
     else:
         resolver = None
     cache = AddressCache(Path(state_dir) / "dns-cache.json")
-    probe = EgressProbe(targets, timeout, egress.dns_timeout, resolver, cache, clock)
+    dns = egress.dns_timeout if dns_timeout is None else dns_timeout
+    probe = EgressProbe(targets, timeout, dns, resolver, cache, clock)
     url = metadata_url
 
     def metadata() -> ProbeResult:
         return probe_metadata(url, timeout, clock)
 
-    return Prober(metadata, probe, timeout)
+    return Prober(metadata, probe, timeout, cap)

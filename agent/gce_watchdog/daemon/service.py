@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from gce_watchdog import __version__
 from gce_watchdog.daemon import ladder
-from gce_watchdog.daemon.actions import step_after
+from gce_watchdog.daemon.actions import ChainStopped, step_after
 from gce_watchdog.daemon.ladder import LadderState, Observation
 from gce_watchdog.daemon.metawatch import load_instance_cache
 from gce_watchdog.daemon.tick import TickReport, TickResult, tick_lines
@@ -47,6 +47,9 @@ class Service(Protocol):
 
 # A chain that ran through with the VM still up is tried again (from the power-off) this often.
 CHAIN_RETRY_S = 60.0
+# How long the `stop` line waits for the `signal` line's thread (a sync line waits for the
+# port's drain, serial.sync_timeout, 5 s by default; systemd's stop timeout is 20 s).
+SIGNAL_LINE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,16 @@ class EndHook(Protocol):
 
     def poll(self) -> bool: ...
 
+    @property
+    def step(self) -> str:
+        """The step its running chain is at ("-": none)."""
+        ...
+
+    @property
+    def lingers(self) -> bool:
+        """Whether its chain lingers (a stop before the linger's end stops it)."""
+        ...
+
 
 @dataclass
 class Deps:
@@ -187,6 +200,8 @@ class Agent:
         self.chain_running = False
         self._chain_ended: float | None = None  # monotonic time the last chain returned
         self.notes: list[tuple[str, str]] = []  # (what, text): `warn` lines after `start`
+        self.rehearsing: str | None = None  # a dry run's chain: the step it is at
+        self._signal_line: threading.Thread | None = None
 
     @classmethod
     def from_config(cls, cfg: cfgmod.Config, deps: Deps) -> Agent:
@@ -280,6 +295,8 @@ class Agent:
             return
         try:
             hook.poll()
+        except ChainStopped:
+            pass  # stopped in the linger: a restarted agent resumes it there
         except Exception as e:
             self._report_error("chain", e, "end-of-life chain failed")
 
@@ -305,6 +322,11 @@ class Agent:
         """A dry-run decision: the configured chain runs in dry-run mode (its decision line is
         ``dry_run_shutdown``, its steps ``status=dry_run``), nothing is persisted or latched, and
         the agent goes on watching: a recovery is reported and a later outage decides again."""
+
+        def progress(step: str) -> None:
+            self.rehearsing = step
+
+        self.rehearsing = "shutdown"
         try:
             self.d.on_shutdown(
                 "ladder",
@@ -312,10 +334,14 @@ class Agent:
                 self.threshold,
                 resume_at=None,
                 linger_left=None,
-                progress=lambda _step: None,
+                progress=progress,
             )
+        except ChainStopped:
+            pass  # a stop during the rehearsed linger: the loop stops
         except Exception as e:
             self._report_error("chain", e, "dry-run chain failed")
+        finally:
+            self.rehearsing = None
 
     def run_chain(self, resume_at: str | None) -> None:
         """Run (or resume) the chain; whatever it raises, the next attempt goes on further."""
@@ -344,6 +370,8 @@ class Agent:
                 progress=progress,
             )
             progress("end")
+        except ChainStopped:
+            pass  # stopped in the linger: its mark stays there, a restart resumes it
         except Exception as e:
             nxt = step_after(self.mark.step)
             self._report_error("chain", e, f"shutdown chain failed at {self.mark.step}")
@@ -372,32 +400,46 @@ class Agent:
         """An unexpected exception: an ``error`` line (best effort), and the agent goes on."""
         text = f"{what or where + ' raised'}: {type(e).__name__}: {e}"
         with contextlib.suppress(Exception):
-            self.d.emitter.emit(vocab.ERROR, {"where": where, "err": type(e).__name__}, text[:100])
+            self.d.emitter.emit(
+                vocab.ERROR, {"where": where, "err": type(e).__name__}, text
+            )  # the serial line cuts it; the journal gets it whole
 
     def request_stop(self, stop: threading.Event, reason: str, signame: str) -> None:
         """A signal asked the agent to stop (called from the signal handler).
 
-        While the shutdown chain runs it goes on (it was decided; systemd stopping units during
-        the power-off it started sends SIGTERM too): a ``signal`` line says so, written from a
-        thread because the handler may have interrupted the emitter itself. The loop stops after
-        the chain, if the VM is still up then.
+        Before the shutdown chain's linger ends (a rehearsed one included) the agent stops: the
+        linger ends at once and nothing after it is done (a restarted agent resumes a real chain
+        at the linger). Past the linger the chain goes on (it acts; systemd stopping units during
+        the power-off it started sends SIGTERM too) and the loop stops after it, if the VM is
+        still up then. Either way a ``signal`` line says so, written from a thread because the
+        handler may have interrupted the emitter itself.
         """
         stop.reason = reason  # type: ignore[attr-defined]
         stop.set()
-        eol = self.d.end_of_life is not None and self.d.end_of_life.running
-        if self.chain_running or eol:
-            step = self.mark.step if self.mark is not None and not eol else "-"
+        hook = self.d.end_of_life
+        eol = hook is not None and hook.running
+        if not (self.chain_running or eol or self.rehearsing):
+            return
+        if eol and hook is not None:
+            step, lingers = hook.step, hook.lingers
+        elif self.rehearsing:
+            step, lingers = self.rehearsing, self.linger > 0
+        else:
+            step = self.mark.step if self.mark is not None else "-"
+            lingers = self.linger > 0
+        if step == "linger" or (step == "shutdown" and lingers):
+            what = "dry-run linger" if self.rehearsing else "linger"
+            then = "" if self.rehearsing else "; a restart resumes the chain"
+            text = f"{signame} during the {what}: the agent stops{then}"
+        else:
+            text = f"{signame} during the shutdown chain: the chain goes on"
 
-            def say() -> None:
-                with contextlib.suppress(Exception):
-                    self.d.emitter.emit(
-                        vocab.SIGNAL,
-                        {"sig": signame, "step": step},
-                        f"{signame} during the shutdown chain: the chain goes on",
-                        sync=True,
-                    )
+        def say() -> None:
+            with contextlib.suppress(Exception):
+                self.d.emitter.emit(vocab.SIGNAL, {"sig": signame, "step": step}, text, sync=True)
 
-            threading.Thread(target=say, name="signal-line", daemon=True).start()
+        self._signal_line = threading.Thread(target=say, name="signal-line", daemon=True)
+        self._signal_line.start()
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self, stop: threading.Event, max_ticks: int | None = None) -> int:
@@ -419,7 +461,7 @@ class Agent:
         )
         for what, text in self.notes:
             with contextlib.suppress(Exception):
-                d.emitter.emit(vocab.WARN, {"what": what}, text[:100], sync=True)
+                d.emitter.emit(vocab.WARN, {"what": what}, text, sync=True)  # whole to the journal
         for svc in d.services:
             with contextlib.suppress(Exception):
                 svc.start()
@@ -480,6 +522,8 @@ class Agent:
                 with contextlib.suppress(Exception):
                     svc.stop(2.0)
             d.notifier.notify("STOPPING=1")
+            if self._signal_line is not None:  # the `signal` line before the `stop` line
+                self._signal_line.join(SIGNAL_LINE_WAIT_S)
             d.emitter.emit(
                 vocab.STOP,
                 {

@@ -138,6 +138,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             AgentSource(args.deb_url, args.deb_sha256, args.wheel_url, args.wheel_sha256,
                         args.image),
             script, args.machine_type, args.spot, args.allow_gpu, args.agent_interval,
+            require_source=args.yes and not args.plan,  # a plan to look at needs none
         )  # fmt: skip
     except ValueError as e:
         raise _failed(EX_USAGE, str(e)) from None

@@ -107,10 +107,11 @@ class AgentSource:
     wheel_sha256: str = ""
     image: str = ""  # a baked image: the agent is already in it
 
-    def problems(self) -> list[str]:
+    def problems(self, required: bool = True) -> list[str]:
+        """What is wrong with the source; ``required`` False: none at all is fine (a plan)."""
         errs = []
         given = [bool(self.deb_url), bool(self.wheel_url), bool(self.image)]
-        if sum(given) != 1:
+        if sum(given) > 1 or (required and sum(given) != 1):
             errs.append("give exactly one agent source: --deb-url, --wheel-url or --image")
         for url, sha, what in (
             (self.deb_url, self.deb_sha256, "deb"),
@@ -121,6 +122,16 @@ class AgentSource:
             if url and not re.fullmatch(r"[0-9a-f]{64}", sha):
                 errs.append(f"--{what}-sha256 must be the 64 hex digits of the file's sha256")
         return errs
+
+    def describe(self) -> str:
+        """The source in words, for the plan."""
+        if self.deb_url:
+            return f"the .deb {self.deb_url}"
+        if self.wheel_url:
+            return f"the wheelhouse {self.wheel_url}"
+        if self.image:
+            return f"the baked image {self.image}"
+        return "none given yet (the run needs --deb-url, --wheel-url or --image)"
 
     def metadata(self) -> dict[str, str]:
         out = {}
@@ -150,6 +161,7 @@ class Plan:
     vms: tuple[VMPlan, ...]
     cost_usd: float
     minutes: int
+    source: str = ""  # AgentSource.describe()
 
     def render(self) -> list[str]:
         kind = "Spot" if self.spot else "on-demand"
@@ -159,6 +171,8 @@ class Plan:
             f"boot disk each, label {LABEL}={self.run}:",
         ]
         lines += [f"    {v.name}  ({v.scenario})" for v in self.vms]
+        if self.source:
+            lines.append(f"  agent source: {self.source}")
         lines += [
             f"  estimated cost: ${self.cost_usd:.4f} for about {self.minutes} VM-minutes, at "
             f"list prices of {PRICES_DATE} ({PRICES_SOURCE}); an estimate, not a bill: "
@@ -216,9 +230,11 @@ def make_plan(
     spot: bool = False,
     allow_gpu: bool = False,
     agent_interval_s: float = AGENT_INTERVAL_S,
+    require_source: bool = True,
 ) -> Plan:
-    """The plan; ValueError lists every problem with the inputs."""
-    errs = source.problems()
+    """The plan; ValueError lists every problem with the inputs. ``require_source`` False (a
+    plan that is only looked at): no agent source is fine, its VMs' bodies then have none."""
+    errs = source.problems(require_source)
     if not RUN_RE.match(run):
         errs.append(f"run id {run!r}: 3-16 lowercase letters and digits, starting with a letter")
     if machine_type not in MACHINE_PRICES:
@@ -240,7 +256,7 @@ def make_plan(
     )  # fmt: skip
     minutes = sum(MINUTES.get(s.name, 15) for s in scenarios)
     return Plan(run, project, zone, machine_type, spot, vms, estimate(machine_type, spot, minutes),
-                minutes)  # fmt: skip
+                minutes, source.describe())  # fmt: skip
 
 
 def insert_body(

@@ -30,6 +30,7 @@ from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.verdict import Policy
 from gce_watchdog.validate.gce import ValidateApi
 from gce_watchdog.validate.plan import LABEL, Plan, VMPlan
+from gce_watchdog.validate.progress import Progress
 from gce_watchdog.validate.scenarios import (
     SCENARIOS,
     Judgement,
@@ -42,6 +43,8 @@ from gce_watchdog.wire.protocol import Event
 
 FAULT_KEY = "gce-watchdog-fault"
 BOOT_DEADLINE_S = 15 * 60.0  # insert to the agent's first line (boot, install)
+SPIN_S = 0.25  # the spinner's pace on a terminal (the wait between polls is cut in slices)
+QUIET_S = 30.0  # off a terminal: the longest a run goes without a line (a boot takes minutes)
 
 
 @dataclass
@@ -70,6 +73,7 @@ class VMState:
     seen_running: bool = False
     finished: bool = False
     judgement: Judgement | None = None
+    told: list[str] = field(default_factory=list)  # the milestones already said, in order
 
 
 class Interrupted(Exception):
@@ -112,9 +116,31 @@ class Run:
         self.log = log
         self.vms = [VMState(v, Observation(v.scenario, v.name)) for v in plan.vms]
         self.created: list[str] = []
+        self.progress = Progress(log or sys.stderr, clock)
 
     def say(self, msg: str) -> None:
-        print(f"gce-watchdog validate: {msg}", file=self.log or sys.stderr, flush=True)
+        """One step line on stderr, with the time since the run began."""
+        self.progress.step(msg)
+
+    def _tell(self, vm: VMState) -> None:
+        """Say each milestone the VM reached since the last poll, once, in order."""
+        for key, text in milestones(vm):
+            if key not in vm.told:
+                vm.told.append(key)
+                self.say(f"{vm.plan.name}: {text}")
+
+    def _wait(self, seconds: float) -> None:
+        """The wait between polls; on a terminal, in slices that turn the spinner; elsewhere a
+        line after QUIET_S without one, so that a log never looks stuck."""
+        if not self.progress.tty:
+            self.sleep(seconds)
+            if self.clock() - self.progress.last_step >= QUIET_S:
+                self.say("still waiting for: " + ", ".join(_state(vm) for vm in self.vms))
+            return
+        end = self.clock() + seconds
+        while (left := end - self.clock()) > 0:
+            self.progress.waiting("waiting for: " + ", ".join(_state(vm) for vm in self.vms))
+            self.sleep(min(SPIN_S, left))
 
     # -- the run --------------------------------------------------------------------------------
     def execute(self) -> int:
@@ -140,6 +166,7 @@ class Run:
                     interrupted = f"API error: {e}"
                     self.say(f"{interrupted}; deleting what this run created")
                 finally:
+                    self.progress.close()
                     self._cleanup()
         finally:
             ledger.close()
@@ -157,14 +184,16 @@ class Run:
             op = self.api.insert(p.project, p.zone, vm.plan.body)
             vm.inserted_at = self.clock()
             self.api.wait(p.project, p.zone, op)
+        self.say(f"{len(self.vms)} VM(s) created; waiting for their agents' first lines")
 
     def _drive(self, poller: Poller, ledger: Ledger) -> None:
         while not all(vm.finished for vm in self.vms):
             for vm in self.vms:
                 if not vm.finished:
                     self._step(vm, poller, ledger)
+                    self._tell(vm)
             if not all(vm.finished for vm in self.vms):
-                self.sleep(self.t.poll_every_s)
+                self._wait(self.t.poll_every_s)
 
     def _step(self, vm: VMState, poller: Poller, ledger: Ledger) -> None:
         p, o, s = self.plan, vm.obs, SCENARIOS[vm.plan.scenario]
@@ -255,6 +284,7 @@ class Run:
     def _cleanup(self) -> None:
         """Delete every VM this run created, then anything else with its label; bounded."""
         p = self.plan
+        self.say("deleting the run's VMs")
         names = list(dict.fromkeys(self.created))
         with contextlib.suppress(ComputeAPIError):
             names += [n for z, n, _ in self.api.run_instances(p.project, p.run) if z == p.zone]
@@ -264,6 +294,7 @@ class Run:
 
     # -- the report ------------------------------------------------------------------------------
     def _report(self, interrupted: str | None) -> int:
+        self.say(f"writing the report and the timelines in {self.out_dir}/")
         entries = []
         ok = interrupted is None
         for vm in self.vms:
@@ -318,6 +349,53 @@ class Run:
         except Exception as e:  # a report must never lose the verdicts
             vm.obs.notes.append(f"timeline not written: {e}")
         return {"files": files}
+
+
+def milestones(vm: VMState) -> list[tuple[str, str]]:
+    """The milestones a scenario's VM has reached, in the order a run meets them (pure): the
+    step lines of the progress."""
+    o = vm.obs
+    out: list[tuple[str, str]] = []
+    if vm.events:
+        out.append(("booted", "its agent's first line (booted, installed)"))
+    if vm.workload_at is not None:
+        out.append(("workload", "the workload runs"))
+    if o.fault_at is not None:
+        out.append(("fault", "the fault is on (fault inject)"))
+    if o.fault_refused is not None:
+        out.append(("refused", f"the fault was refused ({o.fault_refused})"))
+    if o.first_rung_at is not None:
+        out.append(("climb", "the ladder climbs"))
+    if o.shutdown_at is not None:
+        out.append(("shutdown", "the agent decided (shutdown line)"))
+    for ev in vm.events:  # the job's own ending, and the chain's steps
+        f = ev.fields_dict
+        if ev.event == vocab.PHASE and f.get("ph") == "done":
+            out.append(("done", "the job is done (phase done)"))
+        elif ev.event == vocab.SETUP_FAILED:
+            out.append(("setup_failed", f"its set-up failed (step {f.get('step', '-')})"))
+        elif ev.event == vocab.END:
+            out.append(("end", f"its ending started (end reason={f.get('reason', '-')})"))
+        elif ev.event == vocab.ACTION and f.get("status") == "start":
+            step = f.get("step", "-")
+            what = "lingering, so the poller reads it" if step == "linger" else step
+            out.append((f"step-{step}", f"chain step: {what}"))
+    if o.recovered_at is not None:
+        out.append(("recovered", "recovered"))
+    if o.decided_at is not None:
+        out.append(("decided", f"the poller decided: {o.failovers} failover(s)"))
+    if o.left_running_at is not None:
+        out.append(("left", f"no longer RUNNING ({o.final_status})"))
+    if vm.finished:
+        end = "timed out" if o.timed_out else f"verdict {o.verdict or '-'}"
+        out.append(("finished", f"scenario finished ({end})"))
+    return out
+
+
+def _state(vm: VMState) -> str:
+    """One VM in the waiting line: its scenario and its latest milestone."""
+    last = vm.told[-1] if vm.told else ("created" if vm.inserted_at else "waiting")
+    return f"{vm.plan.scenario} ({last})"
 
 
 def _rung_above_zero(ev: Any) -> bool:

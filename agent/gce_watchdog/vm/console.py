@@ -26,6 +26,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import select
 import stat
 import struct
@@ -451,6 +452,11 @@ class KeyFollower:
         return protocol.LineKey(seed)
 
 
+# The journal mirror (vm.logs.mirror): the event's name, then its full fields as a mapping
+# (serial_ok, seq, text and the line's own fields; any names, `event` included).
+LogMirror = Callable[[str, Mapping[str, object]], object]
+
+
 class Emitter:
     """Numbers, timestamps, encodes, signs and writes events; mirrors them to the structured log.
 
@@ -470,7 +476,7 @@ class Emitter:
         seq: SeqAllocator,
         boot: str,
         wall: Clock = time.time,
-        log: Callable[..., object] | None = None,
+        log: LogMirror | None = None,
         *,
         key: protocol.LineKey | None,
         inst: str = "-",
@@ -518,6 +524,7 @@ class Emitter:
     ) -> tuple[protocol.Event, bool]:
         # Number and queue under one lock (threads of one process reach the port in seq order);
         # wait for a sync line's drain outside it, so no other thread waits on our drain.
+        fields = list(fields.items() if isinstance(fields, Mapping) else fields)  # read twice
         with self._order:
             ts_ms = int(self.wall() * 1000)
             if self.key is None:
@@ -550,8 +557,24 @@ class Emitter:
         self.written.append(ev)
         del self.written[: -self._keep]
         if self.log is not None:
-            self.log(event, serial_ok=ok, seq=ev.seq, text=ev.text or None, **ev.fields_dict)
+            self.log(event, _mirrored(ev, ok, fields, text))
         return ev, ok
+
+
+# What the journal gets of a text or a value: all of it (the serial line's text is cut at
+# protocol.MAX_TEXT, its values at MAX_VALUE), up to a bound that keeps an entry one datagram.
+MIRROR_MAX = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _mirrored(
+    ev: protocol.Event, ok: bool, fields: Iterable[tuple[str, object]], text: str
+) -> dict[str, object]:
+    """The journal's copy of a line: the full text and values the caller gave (control
+    characters replaced), not the serial line's shortened ones."""
+    full = {k: protocol.sanitize_value(v, MIRROR_MAX) for k, v in fields}
+    clean = _CONTROL.sub(" ", text)[:MIRROR_MAX].strip()
+    return {"serial_ok": ok, "seq": ev.seq, "text": clean or None, **full}
 
 
 def open_emitter(
@@ -562,7 +585,7 @@ def open_emitter(
     boot: str,
     queue_size: int = 256,
     sync_timeout: float = 5.0,
-    log: Callable[..., object] | None = None,
+    log: LogMirror | None = None,
 ) -> tuple[Emitter, SerialPort]:
     """Wire a real port and emitter (for `main()`-style callers); caller closes the port."""
     port = SerialPort(device, fallback, queue_size, sync_timeout).open()

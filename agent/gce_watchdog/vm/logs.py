@@ -1,4 +1,11 @@
-"""structlog set-up: one journal entry per event, with its fields; a key=value line elsewhere.
+"""The agent's log: one journal entry per event, with its fields; a key=value line elsewhere.
+
+stdlib :mod:`logging` underneath (one logger, ``gce-watchdog``, one handler), behind
+:class:`EventLog`: ``log.warning("serial_fallback", error=..., target=...)``, an event name and
+its fields, as the serial lines have them. structlog was used here only as a timestamper and a
+``k=v`` renderer, and importing it costs the daemon's import path 1.6 MiB RSS (asyncio and the
+rest it imports; 5.1 MiB where ``rich`` is importable): docs/performance.md, "One logging
+path".
 
 Every line has a syslog priority (sd-daemon(3)): decisions and alarms at ``alert``/``crit``,
 failures at ``err``/``warning``, routine lines at ``notice``/``info``/``debug``. Under systemd
@@ -20,6 +27,7 @@ is never lost.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -27,26 +35,37 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any, TextIO
-
-import structlog
 
 from gce_watchdog.wire import vocab
 
 # syslog(3) priorities, the numbers the <N> prefix carries.
 EMERG, ALERT, CRIT, ERR, WARNING, NOTICE, INFO, DEBUG = range(8)
 NAMES = ("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug")
-# A structlog method's priority when the call names none.
-_METHOD = {
-    "critical": CRIT,
-    "exception": ERR,
-    "error": ERR,
-    "warning": WARNING,
-    "warn": WARNING,
-    "info": INFO,
-    "debug": DEBUG,
+# A logging level's priority when the call names none.
+_LEVEL_PRIORITY = {
+    logging.CRITICAL: CRIT,
+    logging.ERROR: ERR,
+    logging.WARNING: WARNING,
+    logging.INFO: INFO,
+    logging.DEBUG: DEBUG,
 }
+# The level that lets a priority through the logger's filter (debug lines are dropped at info).
+_PRIORITY_LEVEL = {
+    EMERG: logging.CRITICAL,
+    ALERT: logging.CRITICAL,
+    CRIT: logging.CRITICAL,
+    ERR: logging.ERROR,
+    WARNING: logging.WARNING,
+    NOTICE: logging.INFO,
+    INFO: logging.INFO,
+    DEBUG: logging.DEBUG,
+}
+# The names a line gives the timestamp, the priority and the event: a field of the same name
+# (the maintenance line's `event`) is written with a "_" after it (`event_`), never dropped.
+RESERVED = ("timestamp", "level", "event")
+
 # A serial event's priority when its fields do not change it (see priority_of).
 _EVENT = {
     vocab.SHUTDOWN: ALERT,  # the agent is powering the VM off now
@@ -82,10 +101,10 @@ _ACTION_FAILED = frozenset({"error", "fail", "timeout", "stuck"})  # a step that
 def priority_of(event: str, fields: Mapping[str, object]) -> int:
     """The syslog priority of one serial event mirrored to the journal (pure)."""
     if event == vocab.DRY_RUN_SHUTDOWN:
-        return CRIT  # a dry run decides the same, but powers nothing off: an alarm
+        return WARNING  # a rehearsal: it would have acted, and nothing was done
     if event == vocab.SHUTDOWN:
-        # a dry run decides the same, but powers nothing off: an alarm, not an emergency
-        return CRIT if str(fields.get("action", "")).replace("_", "-") == "dry-run" else ALERT
+        # an older agent's dry run (action=dry-run): a rehearsal, not an emergency
+        return WARNING if str(fields.get("action", "")).replace("_", "-") == "dry-run" else ALERT
     if event == vocab.ACTION:
         return ERR if str(fields.get("status", "")) in _ACTION_FAILED else INFO
     if event == vocab.FAULT and fields.get("op") in ("clear", "expire"):
@@ -110,23 +129,6 @@ def journal_stream(stream: IO[str], env: Mapping[str, str]) -> bool:
     except (OSError, ValueError, AttributeError):
         return False
     return want == f"{st.st_dev}:{st.st_ino}"
-
-
-def render(prefix: bool) -> Callable[[Any, str, MutableMapping[str, Any]], str]:
-    """The final processor: ``[<N>]timestamp=... level=NAME event=... k=v``."""
-    kv = structlog.processors.KeyValueRenderer(
-        key_order=["timestamp", "level", "event"], drop_missing=True
-    )
-
-    def _render(logger: Any, method: str, ed: MutableMapping[str, Any]) -> str:
-        pri = ed.pop("priority", None)
-        if not isinstance(pri, int) or not EMERG <= pri <= DEBUG:
-            pri = _METHOD.get(method, INFO)
-        ed["level"] = NAMES[pri]
-        line = kv(logger, method, ed)
-        return f"<{pri}>{line}" if prefix else line
-
-    return _render
 
 
 # systemd-journald.service(8): "/run/systemd/journal/socket: ... the native protocol".
@@ -210,47 +212,99 @@ class JournalSender:
             return False
 
 
-class JournalLogger:
-    """structlog's logger under systemd: each event as a native journal entry, or, when that
-    cannot be sent, as the prefixed line on the stream (which is the journal's too)."""
+def fields_of(fields: Mapping[str, object]) -> dict[str, object]:
+    """An event's fields for a log line (pure): None left out, a reserved name suffixed."""
+    return {(k + "_" if k in RESERVED else k): v for k, v in fields.items() if v is not None}
 
-    def __init__(self, stream: IO[str], sender: JournalSender) -> None:
+
+def render_line(
+    event: str, fields: Mapping[str, object], pri: int, prefix: bool, timestamp: str = ""
+) -> str:
+    """``[<N>]timestamp='...' level='NAME' event='...' k='v' ...`` (pure): values as Python
+    literals (repr), so a value with spaces stays one value; the ``<N>`` prefix when asked."""
+    head: list[tuple[str, object]] = [("timestamp", timestamp)] if timestamp else []
+    head += [("level", NAMES[pri]), ("event", event)]
+    line = " ".join(f"{k}={v!r}" for k, v in [*head, *fields_of(fields).items()])
+    return f"<{pri}>{line}" if prefix else line
+
+
+def iso_utc(t: float) -> str:
+    """``2026-12-01T07:40:00.123456Z``: RFC 3339, UTC, microseconds."""
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class EventHandler(logging.Handler):
+    """The one handler: under systemd (``sender`` given) each event as a native journal entry,
+    or, when that cannot be sent, as the prefixed line on ``stream`` (the journal's too);
+    elsewhere the plain ``k=v`` line. Never raises: a log line must not stop the ladder."""
+
+    def __init__(self, stream: IO[str], sender: JournalSender | None, prefix: bool) -> None:
+        super().__init__()
         self.stream = stream
         self.sender = sender
-        self._lock = threading.Lock()
+        self.prefix = prefix
+        self._write = threading.Lock()
 
-    def msg(self, line: str, entry: bytes = b"") -> None:
-        if entry and self.sender.send(entry):
-            return
-        with self._lock:
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            event = str(record.msg)
+            fields: Mapping[str, object] = getattr(record, "gcewd_fields", {})
+            pri = getattr(record, "gcewd_priority", None)
+            if not isinstance(pri, int) or not EMERG <= pri <= DEBUG:
+                pri = _LEVEL_PRIORITY.get(record.levelno, INFO)
+            if self.sender is not None:
+                entry = encode_native(journal_fields({"event": event, **fields_of(fields)}, pri))
+                if self.sender.send(entry):
+                    return
+            ts = "" if self.sender is not None else iso_utc(record.created)  # journald stamps
+            self.write(render_line(event, fields, pri, self.prefix, ts))
+        except Exception:  # logging's own contract: a handler never raises
+            self.handleError(record)
+
+    def write(self, line: str) -> None:
+        with self._write:
             try:
                 self.stream.write(line + "\n")
                 self.stream.flush()
             except (OSError, ValueError):  # stderr gone: nothing else is left to tell
                 pass
 
-    log = debug = info = warning = warn = error = critical = exception = fatal = failure = msg
+
+class EventLog:
+    """The agent's logger: an event name and its fields, at a level (``log.warning("x", a=1)``)
+    or at a syslog priority (:meth:`event`, what the serial mirror uses)."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+
+    def event(self, name: str, fields: Mapping[str, object], priority: int) -> None:
+        """One event at ``priority``, its fields as a mapping (any names, ``event`` included)."""
+        level = _PRIORITY_LEVEL.get(priority, logging.INFO)
+        if self.logger.isEnabledFor(level):
+            extra = {"gcewd_fields": dict(fields), "gcewd_priority": priority}
+            self.logger.log(level, name, extra=extra)
+
+    def _at(self, level: int, name: str, fields: dict[str, object]) -> None:
+        if self.logger.isEnabledFor(level):
+            self.logger.log(level, name, extra={"gcewd_fields": fields})
+
+    def debug(self, name: str, **fields: object) -> None:
+        self._at(logging.DEBUG, name, fields)
+
+    def info(self, name: str, **fields: object) -> None:
+        self._at(logging.INFO, name, fields)
+
+    def warning(self, name: str, **fields: object) -> None:
+        self._at(logging.WARNING, name, fields)
+
+    def error(self, name: str, **fields: object) -> None:
+        self._at(logging.ERROR, name, fields)
+
+    def critical(self, name: str, **fields: object) -> None:
+        self._at(logging.CRITICAL, name, fields)
 
 
-def render_journal() -> Callable[
-    [Any, str, MutableMapping[str, Any]], tuple[tuple[str], dict[str, bytes]]
-]:
-    """The final processor under systemd: the native entry and the prefixed fallback line."""
-    line_of = render(True)
-
-    def _render(
-        logger: Any, method: str, ed: MutableMapping[str, Any]
-    ) -> tuple[tuple[str], dict[str, bytes]]:
-        pri = ed.get("priority")
-        if not isinstance(pri, int) or not EMERG <= pri <= DEBUG:
-            pri = _METHOD.get(method, INFO)
-        entry = encode_native(journal_fields({k: v for k, v in ed.items() if k != "priority"}, pri))
-        return (line_of(logger, method, ed),), {"entry": entry}
-
-    return _render
-
-
-_configured = False
+LOGGER = "gce-watchdog"
 
 
 def setup(
@@ -259,56 +313,31 @@ def setup(
     env: Mapping[str, str] | None = None,
     journal_socket: str | None = None,
 ) -> None:
-    """Configure structlog once. Under systemd (``out`` is ``$JOURNAL_STREAM``) events go to
-    ``journal_socket`` (default ``$GCEWD_JOURNAL_SOCKET``, else :data:`JOURNAL_SOCKET`; the
-    variable is for tests that must not write into the host's journal)."""
-    global _configured
-    if _configured:
+    """Give the ``gce-watchdog`` logger its one handler, once. Under systemd (the stream is
+    ``$JOURNAL_STREAM``) events go to ``journal_socket`` (default ``$GCEWD_JOURNAL_SOCKET``,
+    else :data:`JOURNAL_SOCKET`; the variable is for tests that must not write into the host's
+    journal), with the prefixed line as the fallback; elsewhere the plain line."""
+    logger = logging.getLogger(LOGGER)
+    if any(isinstance(h, EventHandler) for h in logger.handlers):
         return
     out = stream or sys.stderr
     env = os.environ if env is None else env
     journal = journal_stream(out, env)
-    journal_socket = journal_socket or env.get("GCEWD_JOURNAL_SOCKET") or JOURNAL_SOCKET
-    final: Any = render_journal() if journal else render(False)
-    sender = JournalSender(journal_socket)  # one socket for every logger
-    factory: Any = (
-        (lambda *_a: JournalLogger(out, sender))
-        if journal
-        else structlog.PrintLoggerFactory(file=out)
-    )
-    structlog.configure(
-        processors=[structlog.processors.TimeStamper(fmt="iso", utc=True), final],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            getattr(logging, level.upper(), logging.INFO)
-        ),
-        logger_factory=factory,
-        cache_logger_on_first_use=True,
-    )
-    _configured = True
+    sock = journal_socket or env.get("GCEWD_JOURNAL_SOCKET") or JOURNAL_SOCKET
+    logger.addHandler(EventHandler(out, JournalSender(sock) if journal else None, journal))
+    logger.setLevel(getattr(logging, level.upper(), logging.INFO))
+    logger.propagate = False  # the root logger's handlers (none in the agent) never see them
 
 
-def get(name: str = "gce-watchdog") -> Any:
-    return structlog.get_logger(name)
+def get() -> EventLog:
+    return EventLog(logging.getLogger(LOGGER))
 
 
-def mirror(log: Any) -> Callable[..., object]:
-    """The Emitter's ``log``: each serial event to the journal at its own priority."""
+def mirror(log: EventLog) -> Callable[[str, Mapping[str, object]], object]:
+    """The Emitter's ``log``: each serial event to the journal at its own priority. The fields
+    come as a mapping: a field named ``event`` (the maintenance line's) is a field like any."""
 
-    def _mirror(event: str, **kw: object) -> object:
-        pri = priority_of(event, kw)
-        # The method decides the level filter (debug lines are dropped at level info); the
-        # priority decides the prefix and the level= word.
-        method = (
-            log.critical
-            if pri <= CRIT
-            else log.error
-            if pri == ERR
-            else log.warning
-            if pri == WARNING
-            else log.debug
-            if pri == DEBUG
-            else log.info
-        )
-        return method(event, priority=pri, **kw)
+    def _mirror(event: str, fields: Mapping[str, object]) -> None:
+        log.event(event, fields, priority_of(event, fields))
 
     return _mirror

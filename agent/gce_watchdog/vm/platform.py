@@ -113,6 +113,9 @@ def detect_in(dmi_dir: str) -> Platform:
     return detect(os.path.join(dmi_dir, "product_name"))
 
 
+WATCH_ONLY_PREFIX = "WATCH ONLY, never acting here: "  # how the sentence of arming() begins
+
+
 def arming(platform: Platform, allow_non_gce: bool) -> tuple[bool, str]:
     """Whether the agent may act here, and a sentence saying why not (empty when it may)."""
     if platform.gce:
@@ -120,6 +123,6 @@ def arming(platform: Platform, allow_non_gce: bool) -> tuple[bool, str]:
     if allow_non_gce:
         return True, ""
     return False, (
-        f"WATCH ONLY, never acting here: not a GCE VM ({platform.why}); it watches and reports "
+        f"{WATCH_ONLY_PREFIX}not a GCE VM ({platform.why}); it watches and reports "
         "(agent.allow_non_gce = true to act anyway)"
     )
