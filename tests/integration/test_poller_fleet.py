@@ -14,7 +14,7 @@ import pytest
 import requests
 from gce_watchdog.cli import main
 from gce_watchdog.lib.cli import EX_USAGE
-from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
+from gce_watchdog.lib.compute import ComputeClient, ComputeRetry, label_filter, parse_label
 from gce_watchdog.poller.fleet import (
     DEFAULT_BUDGET_PER_MIN,
     BudgetedSession,
@@ -22,8 +22,6 @@ from gce_watchdog.poller.fleet import (
     ProjectBudget,
     Target,
     discover,
-    label_filter,
-    parse_label,
     plan_interval,
 )
 from gce_watchdog.poller.ledger import Ledger

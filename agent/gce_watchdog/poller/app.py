@@ -380,7 +380,7 @@ def run_decisions_cmd(
     next round: its lease is 0), run :func:`gce_watchdog.poller.decisions.run_decisions`."""
     from gce_watchdog.lib.cli import EX_USAGE
     from gce_watchdog.poller.decisions import run_decisions
-    from gce_watchdog.poller.ledgers import ledger_backend
+    from gce_watchdog.poller.settings import ledger_backend
 
     where: str | Path = spec or _state_home() / "gce-watchdog" / "ledger.sqlite"
     try:

@@ -69,8 +69,6 @@ DEFAULT_WORKERS = 16
 # then the steady rate.
 BURST_S = 10.0
 _PROJECT_IN_URL = re.compile(r"/projects/([^/?]+)")
-_LABEL_RE = re.compile(r"[a-z][-_a-z0-9]{0,62}\Z")
-_VALUE_RE = re.compile(r"[-_a-z0-9]{0,63}\Z")
 # A serial read's worst case: connect + read timeout, then the retries (ComputeRetry).
 SLOW_POLL_NOTE = "still polling at the round's deadline; its next poll waits for this one"
 
@@ -83,21 +81,6 @@ class Target:
 
     def __str__(self) -> str:
         return f"{self.project}/{self.zone}/{self.name}"
-
-
-def parse_label(spec: str) -> tuple[str, str | None]:
-    """``KEY=VALUE`` or ``KEY`` (any value) as GCE label syntax allows; ValueError otherwise."""
-    key, sep, value = spec.partition("=")
-    if not _LABEL_RE.match(key):
-        raise ValueError(f"label key {key!r}: lower-case letters, digits, - and _, 1-63")
-    if sep and not _VALUE_RE.match(value):
-        raise ValueError(f"label value {value!r}: lower-case letters, digits, - and _, 0-63")
-    return key, (value if sep else None)
-
-
-def label_filter(key: str, value: str | None) -> str:
-    """The aggregatedList filter (AIP-160) for instances carrying the label."""
-    return f"labels.{key}:*" if value is None else f'labels.{key} = "{value}"'
 
 
 @dataclass(frozen=True)

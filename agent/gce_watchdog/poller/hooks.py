@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import tempfile
@@ -151,11 +150,6 @@ class Delivery:
             "pending and is retried after its lease"
         )
         return False
-
-
-# A topic's resource name (Pub/Sub resource names: a topic id starts with a letter, 3-255 of
-# letters, digits and - _ . ~ + %).
-TOPIC_RE = re.compile(r"projects/[^/\s]+/topics/[A-Za-z][-A-Za-z0-9._~%+]{2,254}\Z")
 
 
 @dataclass

@@ -7,32 +7,10 @@ when a URL asks for it (psycopg is the ``[postgres]`` extra).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, BaseLedger, Ledger
-
-# The URI schemes libpq accepts (PostgreSQL docs, "Connection URIs": postgresql:// or
-# postgres://). Any other scheme://... is refused, never taken for a SQLite file name.
-POSTGRES_SCHEMES = ("postgresql", "postgres")
-_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def ledger_backend(spec: str | Path) -> str:
-    """``"postgresql"`` or ``"sqlite"`` for a ``--ledger`` value; ValueError for a URL of any other
-    scheme (``mysql://``, ``postgresql+psycopg://``, ``sqlite:///``). A SQLite path there would
-    give each host a private ledger, and exactly-once across hosts would be lost without a word.
-    The message names only the scheme: the URL may carry a password."""
-    if isinstance(spec, Path):
-        return "sqlite"
-    m = _SCHEME_RE.match(spec)
-    if m is None:
-        return "sqlite"
-    if m.group(1) in POSTGRES_SCHEMES:
-        return "postgresql"
-    raise ValueError(
-        f"unknown URL scheme {m.group(1)!r}: want a postgresql:// URL or a SQLite file path"
-    )
+from gce_watchdog.poller.settings import ledger_backend
 
 
 def open_ledger(

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import json
-import re
 import sys
 import threading
 import time
@@ -89,9 +88,6 @@ from gce_watchdog.wire.protocol import (
 
 SERIAL_LOG_SUFFIX = "/logs/serialconsole.googleapis.com%2Fserial_port_1_output"
 NAME_LABEL = "compute.googleapis.com/resource_name"
-SUBSCRIPTION_RE = re.compile(
-    r"projects/[a-z][-a-z0-9:.]{4,61}[a-z0-9]/subscriptions/[A-Za-z][-\w.~+%]{2,254}\Z"
-)
 # Lines arrive within seconds of each other; a gap still open after this is a lost line.
 DEFAULT_SETTLE_S = 2.0
 # How often a worker looks for decisions whose claimer died before announcing them.
