@@ -106,13 +106,6 @@ PIN_REKEYS_TABLE = """CREATE TABLE IF NOT EXISTS pin_rekeys (
 # tables in both backends (ledger_pg has its copy). Kept apart from the decisions so that the
 # ledger's other users never read them.
 ASSEMBLY_SCHEMA = (
-    # per instance: the v2 HMAC key its first announcement pinned (protocol v2). Nothing reads
-    # it any more: v3 pins are in `pins`, shared with the poll path (docs/poller.md)
-    """CREATE TABLE IF NOT EXISTS assembly_pins (
-        instance_id TEXT PRIMARY KEY,
-        key_hex     TEXT NOT NULL,
-        pinned_at   DOUBLE PRECISION NOT NULL
-    )""",
     # per (instance, boot): open (lines being gathered), or a tombstone once decided, ended
     # (its verdict is final and no failover) or gapped (left to the Compute API sweep)
     """CREATE TABLE IF NOT EXISTS assembly_boots (
@@ -847,32 +840,6 @@ class BaseLedger:
     # -- the Pub/Sub workers' shared assembly state ----------------------------------------
     # Every method is one transaction: a worker acks a message only after the method that stored
     # its line returned (committed). docs/poller.md "Many workers" has the protocol.
-
-    @_locked
-    def assembly_pin(self, instance_id: str, key: bytes, now: float) -> bytes:
-        """Pin ``key`` for the instance unless one is pinned; returns the pinned key."""
-        self._exec(
-            "INSERT INTO assembly_pins (instance_id, key_hex, pinned_at) VALUES (?, ?, ?)"
-            " ON CONFLICT (instance_id) DO NOTHING",
-            (instance_id, key.hex(), now),
-        )
-        rows = self._exec("SELECT key_hex FROM assembly_pins WHERE instance_id = ?", (instance_id,))
-        return bytes.fromhex(str(rows[0][0]))
-
-    @_locked
-    def assembly_pinned(self, instance_ids: list[str]) -> dict[str, bytes]:
-        """The pinned keys of those instances that have one."""
-        out: dict[str, bytes] = {}
-        ids = sorted(set(instance_ids))
-        for i in range(0, len(ids), 500):
-            chunk = ids[i : i + 500]
-            marks = ", ".join("?" * len(chunk))
-            rows = self._exec(
-                f"SELECT instance_id, key_hex FROM assembly_pins WHERE instance_id IN ({marks})",  # noqa: S608
-                tuple(chunk),
-            )
-            out.update((str(iid), bytes.fromhex(str(k))) for iid, k in rows)
-        return out
 
     @_locked
     def assembly_store(
