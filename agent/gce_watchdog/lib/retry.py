@@ -3,7 +3,8 @@
 Its callers keep their own stop rule, the part that really differs: ``fetch`` stops at an absolute
 deadline and honours ``Retry-After`` (:class:`gce_watchdog.bootstrap.fetch.FetchRetry`), the
 action chain after N attempts or when the next wait would cross its deadline, the poller after N
-attempts through tenacity (:func:`tenacity_wait`), the metadata watcher never (it backs off while
+attempts through tenacity (:func:`tenacity_wait`), the SQLite ledger's open when its next wait
+would cross the busy timeout (tenacity too), the metadata watcher never (it backs off while
 the server is unreachable, :class:`Backoff.counter`).
 """
 

@@ -34,6 +34,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 if TYPE_CHECKING:
     from gce_watchdog.poller.brake import BrakeRule
 
+import tenacity
+
+from gce_watchdog.lib.retry import Backoff, tenacity_wait
 from gce_watchdog.poller.assemble import Received
 from gce_watchdog.poller.verdict import terminal_kind
 from gce_watchdog.wire.protocol import MAX_RETIRED, Event, Retired, Retirees
@@ -42,8 +45,9 @@ from gce_watchdog.wire.protocol import MAX_RETIRED, Event, Retired, Retirees
 BUSY_TIMEOUT_MS = 30_000
 # Opening retries "database is locked" that SQLite returns without calling its busy handler (the
 # deadlock case: several processes switching a fresh file to WAL at once each hold a shared lock
-# and want an exclusive one). Backoff from 10 ms doubling to 250 ms, for BUSY_TIMEOUT_MS in all.
-_OPEN_BACKOFF_S = (0.01, 0.25)
+# and want an exclusive one). Backoff from 10 ms doubling to 250 ms, for BUSY_TIMEOUT_MS in all;
+# no jitter: each open's own timing spreads the processes out.
+_OPEN_BACKOFF = Backoff(initial=0.01, multiplier=2.0, max_wait=0.25, jitter=0.0)
 # Namespace for requestIds derived from decisions (any fixed UUID works; this one is ours).
 _REQUEST_NS = uuid.UUID("6b0f2a4e-8a1d-4c1e-9a55-0d1f3c2b7e11")
 
@@ -1108,6 +1112,11 @@ class BaseLedger:
         )
 
 
+def _is_busy(e: BaseException) -> bool:
+    """SQLite's "database is locked" / "busy", the errors an open retries."""
+    return isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e))
+
+
 def default_owner() -> str:
     """A ledger owner's default name: host and pid, and a random part, since replicas of one
     container image often share both (pid 1, a fixed hostname) and leases go by owner."""
@@ -1160,23 +1169,22 @@ class Ledger(BaseLedger):
         a fresh file does exactly that, so pollers started together failed there.
         """
         deadline = clock() + BUSY_TIMEOUT_MS / 1000
-        wait, cap = _OPEN_BACKOFF_S
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                self._init_schema()
-                return
-            except sqlite3.OperationalError as e:
-                msg = str(e)
-                if "locked" not in msg and "busy" not in msg:
-                    raise
-                if clock() + wait > deadline:
-                    raise sqlite3.OperationalError(
-                        f"{msg} (gave up opening {self.path} after {attempt} attempts)"
-                    ) from e
-            sleep(wait)
-            wait = min(wait * 2, cap)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(_is_busy),
+            wait=tenacity_wait(_OPEN_BACKOFF),
+            # stop when the next wait would cross the deadline (computed here, not read from
+            # tenacity's upcoming_sleep: tenacity < 8.3 runs the stop rule before the wait)
+            stop=lambda rs: clock() + _OPEN_BACKOFF.wait(rs.attempt_number, 0.0) > deadline,
+            sleep=sleep,
+        )
+        try:
+            retrying(self._init_schema)
+        except tenacity.RetryError as e:
+            last = e.last_attempt.exception()
+            raise sqlite3.OperationalError(
+                f"{last} (gave up opening {self.path} after {e.last_attempt.attempt_number}"
+                " attempts)"
+            ) from last
 
     def _init_schema(self) -> None:
         db = self._db
