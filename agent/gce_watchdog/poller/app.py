@@ -66,8 +66,7 @@ from gce_watchdog.poller.fleet import (
 )
 from gce_watchdog.poller.hooks import Delivery, FailoverHook, TopicPublisher
 from gce_watchdog.poller.identity import ComputeIdentities, subscription_project
-from gce_watchdog.poller.ledger import BaseLedger
-from gce_watchdog.poller.ledgers import open_ledger
+from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import (
     Poller,
     PollOutcome,
@@ -163,7 +162,7 @@ class Parts:
 
     client: ComputeClient
     store: CursorStore
-    ledger: BaseLedger
+    ledger: Ledger
     budget: ProjectBudget
     stop: threading.Event  # set by SIGTERM/SIGINT
     ledger_errors: tuple[type[BaseException], ...]  # what a failed ledger or cursor write raises
@@ -216,7 +215,7 @@ class Parts:
             return
         if not out.announce or d is None:
             return
-        if self.deliveries and not Delivery(self.ledger, self.deliveries, _log)(d.token):
+        if self.deliveries and not Delivery(self.ledger.decisions, self.deliveries, _log)(d.token):
             return
         mark(out)
 
@@ -265,7 +264,7 @@ def run_poll(s: PollSettings) -> int:
     hook = None
     if s.on_failover:
         hook = FailoverHook(s.on_failover, s.on_failover_timeout_s, stop=stop, log=_log)
-    ledger.brake = s.brake
+    ledger.decisions.brake = s.brake
     notifier = Notifier()
     pulse = Pulse(notifier) if notifier.enabled else None
     deliveries: list[Callable[[dict[str, Any]], bool]] = []
@@ -400,7 +399,9 @@ def run_decisions_cmd(
     stop = threading.Event()
     with _signals_set(stop):
         try:
-            return run_decisions(ledger, what, after, keep_following, as_json, ids, every, stop)
+            return run_decisions(
+                ledger.decisions, what, after, keep_following, as_json, ids, every, stop
+            )
         finally:
             ledger.close()
 
@@ -414,7 +415,7 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
         p.client, p.store, s.projects[0], s.zone, p.ledger, s.policy, s.reap,
         peers=[Path(d) for d in s.evidence.peer_cursor_dirs], logging=p.logging,
     )  # fmt: skip
-    p.ledger.fleet_size = lambda: len(s.instances)
+    p.ledger.decisions.fleet_size = lambda: len(s.instances)
     rc = EX_OK
     rounds = 0
     while not p.stop.is_set():
@@ -431,8 +432,10 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
                 _log(str(e))
                 return EX_UNAVAILABLE
         try:  # decisions whose claimer died before announcing them (e.g. a reaped VM)
-            for out in lapsed_announcements(p.ledger, time.time()):
-                p.deliver(out, s.json, lambda o: announced_outcome(p.ledger, o, time.time()))
+            for out in lapsed_announcements(p.ledger.decisions, time.time()):
+                p.deliver(
+                    out, s.json, lambda o: announced_outcome(p.ledger.decisions, o, time.time())
+                )
         except p.ledger_errors as e:
             _log(f"ledger write failed: {e}")
             return EX_IOERR
@@ -457,7 +460,7 @@ def _fleet(s: PollSettings, p: Parts) -> FleetPoller:
 
 def _run_fleet(s: PollSettings, p: Parts) -> int:
     fleet = _fleet(s, p)
-    p.ledger.fleet_size = lambda: len(fleet.known)
+    p.ledger.decisions.fleet_size = lambda: len(fleet.known)
     rc = EX_OK
     rounds = 0
     effective = s.wait_s
@@ -544,7 +547,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
     identity = ComputeIdentities(p.client, projects)
     deliver = None
     if p.deliveries:
-        delivery = Delivery(p.ledger, p.deliveries, _log)
+        delivery = Delivery(p.ledger.decisions, p.deliveries, _log)
 
         def deliver(token: int) -> bool:
             ok = delivery(token)
@@ -556,7 +559,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
         identity=identity, log=_log, deliver=deliver,
     )  # fmt: skip
     # the fleet the brake is a share of: every instance heard from on the stream or listed
-    p.ledger.fleet_size = worker.fleet_size
+    p.ledger.decisions.fleet_size = worker.fleet_size
     sweeper = None
     if s.label_filter is not None:  # (settings: --label comes with its --project)
         sweeper = threading.Thread(
@@ -603,7 +606,7 @@ def _sweep(
         if d is not None and d.held:
             _log(f"ALARM: the fleet-wide brake holds the failover of {d.instance}")
         elif out.announce and d is not None:
-            if p.deliveries and not Delivery(p.ledger, p.deliveries, _log)(d.token):
+            if p.deliveries and not Delivery(p.ledger.decisions, p.deliveries, _log)(d.token):
                 return  # pending: the workers' announcement sweep retries it after the lease
             fleet.announced(out)
 

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE
-from gce_watchdog.poller.ledger import BaseLedger, Decision, Hold
+from gce_watchdog.poller.ledger import Decision, DecisionStore, Hold
 
 VERSION = 1  # the view's version: a field's meaning never changes within a version
 FOLLOW_INTERVAL_S = 1.0  # --follow asks the ledger this often for new decisions
@@ -55,7 +55,7 @@ def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def doc_for(ledger: BaseLedger, token: int) -> dict[str, Any] | None:
+def doc_for(ledger: DecisionStore, token: int) -> dict[str, Any] | None:
     """The view of the decision with this token, or None."""
     rows = ledger.details_after(token - 1, 1)
     if not rows or rows[0][0].token != token:
@@ -64,7 +64,7 @@ def doc_for(ledger: BaseLedger, token: int) -> dict[str, Any] | None:
 
 
 def follow(
-    ledger: BaseLedger,
+    ledger: DecisionStore,
     after: int,
     out: Callable[[dict[str, Any]], None],
     stop: threading.Event,
@@ -121,7 +121,7 @@ def _line(doc: dict[str, Any], as_json: bool) -> str:
 
 
 def run_decisions(
-    ledger: BaseLedger,
+    ledger: DecisionStore,
     what: str,
     after: int,
     keep_following: bool,

@@ -43,7 +43,7 @@ from gce_watchdog.lib.compute import (
 )
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.poller.cloudlogging import LoggingClient
-from gce_watchdog.poller.ledger import BaseLedger
+from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.poller import (
     Poller,
     PollOutcome,
@@ -281,7 +281,7 @@ class FleetPoller:
         self,
         client: ComputeClient,
         store: CursorStore,
-        ledger: BaseLedger | None,
+        ledger: Ledger | None,
         projects: list[str],
         flt: str,
         policy: Policy | None = None,
@@ -344,7 +344,7 @@ class FleetPoller:
         """``Poller.announced`` for an outcome of this fleet."""
         if self.ledger is None:
             return False
-        return announced_outcome(self.ledger, out, self.clock())
+        return announced_outcome(self.ledger.decisions, out, self.clock())
 
     def round(
         self,
@@ -411,7 +411,7 @@ class FleetPoller:
                 del self._inflight[t]
                 self._emit(f.result(), emit, rep)
         if self.ledger is not None:  # decisions whose claimer died before announcing them
-            for out in lapsed_announcements(self.ledger, self.clock()):
+            for out in lapsed_announcements(self.ledger.decisions, self.clock()):
                 rep.outcomes += 1
                 emit(out)
         return rep

@@ -37,7 +37,7 @@ from typing import Any
 
 from gce_watchdog.lib.retry import Backoff
 from gce_watchdog.poller.decisions import doc_for
-from gce_watchdog.poller.ledger import BaseLedger
+from gce_watchdog.poller.ledger import DecisionStore
 
 TAIL_BYTES = 2048
 
@@ -137,7 +137,7 @@ class Delivery:
     step in turn; True only once every step succeeded (then, and only then, the caller marks the
     announcement done)."""
 
-    ledger: BaseLedger
+    ledger: DecisionStore
     steps: Sequence[Callable[[dict[str, Any]], bool]]
     log: Callable[[str], None] = lambda _msg: None
 
