@@ -46,7 +46,7 @@ import fcntl, json, os, signal, sys
 state = sys.argv[1]
 doc = json.load(sys.stdin)
 token = os.environ["GCE_WATCHDOG_TOKEN"]
-assert doc["v"] == 1 and str(doc["token"]) == token
+assert doc["v"] == 2 and str(doc["token"]) == token
 assert doc["request_id"] == os.environ["GCE_WATCHDOG_REQUEST_ID"]
 with open(os.path.join(state, "calls"), "a") as f:
     f.write(token + "\\n")
@@ -86,7 +86,7 @@ cmd = [sys.executable, "-m", "gce_watchdog", "decisions", "--ledger", ledger,
 with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
     for line in p.stdout:
         d = json.loads(line)
-        assert d["v"] == 1
+        assert d["v"] == 2
         if d["token"] <= last:
             continue
         with open(log, "a") as f:
@@ -245,7 +245,7 @@ def hook_script(tmp_path: Path, body: str) -> list[str]:
     return [sys.executable, str(script), str(tmp_path)]
 
 
-DOC = {"v": 1, "token": 7, "request_id": "r-7", "project": P, "zone": Z, "name": "vm", "job": "j"}
+DOC = {"v": 2, "token": 7, "request_id": "r-7", "project": P, "zone": Z, "name": "vm", "job": "j"}
 
 
 def test_the_hook_is_retried_until_it_exits_zero(tmp_path: Path) -> None:
@@ -465,7 +465,7 @@ def test_decisions_are_published_to_a_topic_with_the_request_id(
         assert d.announced_at is not None
     assert dict(msg.attributes) == {"request_id": d.request_id, "token": "1",
                                     "verdict": "self_shutdown"}  # fmt: skip
-    assert (doc["v"], doc["token"], doc["job"], doc["name"]) == (1, 1, "job-1", "vm-1")
+    assert (doc["v"], doc["token"], doc["job"], doc["name"]) == (2, 1, "job-1", "vm-1")
 
 
 def test_decisions_never_creates_a_ledger(

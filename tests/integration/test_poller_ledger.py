@@ -35,6 +35,7 @@ def test_sqlite_ledger_is_wal_and_upgrades_an_older_file(tmp_path: Path) -> None
     with open_ledger(db, owner="new") as led:
         got = led.decisions.get("id-1", "b")
         assert got is not None and got.announced_at == 5.0  # printed by the old poller
+        assert (got.delivery, got.delivery_attempts, got.delivery_error) == ("delivered", 0, None)
         assert led.decisions.pending_announcements() == []
         assert led.decisions.claim("id-2", "b", "self_shutdown", "r").token == 2
     mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]

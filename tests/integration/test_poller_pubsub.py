@@ -539,7 +539,7 @@ import fcntl, json, os, signal, sys
 state = sys.argv[1]
 doc = json.load(sys.stdin)
 token = os.environ["GCE_WATCHDOG_TOKEN"]
-assert doc["v"] == 1 and str(doc["token"]) == token
+assert doc["v"] == 2 and str(doc["token"]) == token
 assert doc["verdict"] in ("self_shutdown", "preempted")
 assert doc["request_id"] == os.environ["GCE_WATCHDOG_REQUEST_ID"]
 assert os.environ["GCE_WATCHDOG_INSTANCE"].endswith("/" + doc["name"])
@@ -750,7 +750,7 @@ def _check_messages(msgs: list[Any], decisions: list[Any]) -> None:
     tokens = {d.request_id: d.token for d in decisions}
     for m in msgs:
         doc = json.loads(m.data)
-        assert doc["v"] == 1 and doc["request_id"] == m.attributes["request_id"]
+        assert doc["v"] == 2 and doc["request_id"] == m.attributes["request_id"]
         assert str(doc["token"]) == m.attributes["token"] == str(tokens[doc["request_id"]])
         assert doc["verdict"] == m.attributes["verdict"] == "self_shutdown"
 

@@ -99,7 +99,7 @@ def test_the_ledger_holds_failovers_beyond_the_share_and_releases_them(tmp_path:
         rows = led.decisions.details_after(0)
         assert [d.token for d, _ in rows] == list(range(1, 52))  # gap-free, increasing
         doc = decision_doc(*rows[7])
-        assert (doc["v"], doc["project"], doc["zone"], doc["name"]) == (1, "p", "z", "vm-8")
+        assert (doc["v"], doc["project"], doc["zone"], doc["name"]) == (2, "p", "z", "vm-8")
         assert doc["job"] == "job-8" and doc["labels"] == {"gce-watchdog-job": "job-8"}
         assert doc["evidence"] == ["line 8"] and doc["request_id"] == rows[7][0].request_id
 

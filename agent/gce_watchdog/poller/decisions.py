@@ -21,9 +21,11 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE
-from gce_watchdog.poller.ledger import Decision, DecisionStore, Hold
+from gce_watchdog.poller.ledger import DELIVERY_STATES, Decision, DecisionStore, Hold
 
-VERSION = 1  # the view's version: a field's meaning never changes within a version
+# The view's version: a field's meaning never changes within a version. 2: the delivery state
+# (``delivery``, ``delivery_attempts``, ``delivery_error``); every field of 1 is unchanged.
+VERSION = 2
 FOLLOW_INTERVAL_S = 1.0  # --follow asks the ledger this often for new decisions
 
 
@@ -52,7 +54,26 @@ def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
         "labels": dict(details.get("labels") or {}),
         "job": details.get("job"),
         "decided_at": _iso(d.decided_at),
+        "delivery": d.delivery,
+        "delivery_attempts": d.delivery_attempts,
+        "delivery_error": d.delivery_error,
     }
+
+
+DELIVERY_METRIC = "gce_watchdog_poller_decisions"
+
+
+def delivery_metrics(counts: dict[str, int]) -> str:
+    """The decisions by delivery state as Prometheus text (``GET /metrics``; pure)."""
+    lines = [
+        f"# HELP {DELIVERY_METRIC} Decisions in the ledger by delivery state"
+        " (--on-failover, --publish): pending, delivered, failed.",
+        f"# TYPE {DELIVERY_METRIC} gauge",
+    ]
+    lines += [
+        f'{DELIVERY_METRIC}{{delivery="{s}"}} {int(counts.get(s, 0))}' for s in DELIVERY_STATES
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def doc_for(ledger: DecisionStore, token: int) -> dict[str, Any] | None:

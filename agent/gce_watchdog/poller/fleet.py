@@ -356,6 +356,7 @@ class FleetPoller:
         """Discover, poll everything listed (and once more what vanished), emit outcomes until
         ``deadline_s`` (a ``monotonic`` time). Raises AuthError from discovery; a project whose
         list failed is in the report's ``failed``, its known VMs kept and polled."""
+        started = self.clock()  # a delivery that fails in this round is retried in the next
         found = discover(self.client, self.projects, self.filter)
 
         def unlisted(t: Target) -> bool:  # the list said nothing about its zone or project
@@ -411,7 +412,7 @@ class FleetPoller:
                 del self._inflight[t]
                 self._emit(f.result(), emit, rep)
         if self.ledger is not None:  # decisions whose claimer died before announcing them
-            for out in lapsed_announcements(self.ledger.decisions, self.clock()):
+            for out in lapsed_announcements(self.ledger.decisions, started):
                 rep.outcomes += 1
                 emit(out)
         return rep

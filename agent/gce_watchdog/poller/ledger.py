@@ -42,8 +42,15 @@ ANNOUNCE_LEASE_S = 300.0
 
 _COLUMNS = (
     "instance_id, boot, token, verdict, reason, instance, owner, decided_at, reaped_at,"
-    " reap_result, announced_at, announced_by"
+    " reap_result, announced_at, announced_by, delivery_attempts, delivery_error"
 )
+_NCOLS = 14
+# A decision's delivery state (``--on-failover``, ``--publish``; docs/poller.md, "Delivery"):
+# announced (every configured delivery succeeded, or none is configured), or not yet: failed
+# when its last delivery gave up (the next poll of any poller retries it), else pending.
+PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+DELIVERY_ERROR_MAX = 2048  # characters of the last error kept (a hook's output tail is 2 KiB)
+DELIVERY_STATES = (PENDING, DELIVERED, FAILED)
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,17 @@ class Decision:
     # The fleet-wide brake held this failover: nothing was recorded but the hold (token 0, no
     # announcement, no reap) until ``gce-watchdog decisions release`` (docs/poller.md).
     held: bool = False
+    # Delivery attempts so far (each --on-failover run, each publish), across polls and
+    # pollers, and the last failed delivery's error (None once one succeeded).
+    delivery_attempts: int = 0
+    delivery_error: str | None = None
+
+    @property
+    def delivery(self) -> str:
+        """``delivered`` (announced), ``failed`` (its last delivery gave up) or ``pending``."""
+        if self.announced_at is not None:
+            return DELIVERED
+        return FAILED if self.delivery_error is not None else PENDING
 
     @property
     def request_id(self) -> str:
@@ -95,7 +113,10 @@ NO_BOOT = "-"
 
 
 def _row(row: tuple[object, ...], won: bool = False) -> Decision:
-    iid, boot, token, verdict, reason, inst, owner, at, reaped_at, reap_result, ann_at, ann_by = row
+    iid, boot, token, verdict, reason, inst, owner, at, reaped_at, reap_result, ann_at, ann_by = (
+        row[:12]
+    )
+    attempts, error = row[12:_NCOLS]
     return Decision(
         str(iid),
         str(boot),
@@ -110,6 +131,8 @@ def _row(row: tuple[object, ...], won: bool = False) -> Decision:
         None if reap_result is None else str(reap_result),
         None if ann_at is None else float(ann_at),  # type: ignore[arg-type]
         None if ann_by is None else str(ann_by),
+        delivery_attempts=int(attempts or 0),  # type: ignore[call-overload]
+        delivery_error=None if error is None else str(error),
     )
 
 
@@ -163,6 +186,12 @@ class DecisionStore(Protocol):
     ) -> None: ...
 
     def all(self) -> list[Decision]: ...
+
+    def record_delivery(
+        self, token: int, attempts: int, error: str | None, now: float | None = None
+    ) -> None: ...
+
+    def delivery_counts(self) -> dict[str, int]: ...
 
 
 class SqlDecisions:
@@ -349,10 +378,10 @@ class SqlDecisions:
         )
         out = []
         for r in rows:
-            labels, job, evidence = r[12:15]
+            labels, job, evidence = r[_NCOLS : _NCOLS + 3]
             out.append(
                 (
-                    _row(r[:12]),
+                    _row(r[:_NCOLS]),
                     {
                         "labels": json.loads(str(labels)) if labels is not None else {},
                         "job": None if job is None else str(job),
@@ -456,3 +485,38 @@ class SqlDecisions:
     def _select(self, tail: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         # Only constants are joined here (_COLUMNS and literal clauses); values are parameters.
         return self.db.exec(f"SELECT {_COLUMNS} FROM decisions {tail}", params)  # noqa: S608
+
+    @locked
+    def record_delivery(
+        self, token: int, attempts: int, error: str | None, now: float | None = None
+    ) -> None:
+        """Count ``attempts`` more delivery attempts of the decision with this token and keep
+        ``error``, the last one's (None: it succeeded; the caller then marks it announced).
+        A failure also ends this owner's announcement lease now: the decision is ``failed``,
+        and the next poll (or announcement sweep) of any poller takes it over and retries it."""
+        at = time.time() if now is None else now
+        if error is None:
+            self.db.rowcount(
+                "UPDATE decisions SET delivery_attempts = delivery_attempts + ?,"
+                " delivery_error = NULL WHERE token = ?",
+                (attempts, token),
+            )
+            return
+        self.db.rowcount(
+            "UPDATE decisions SET delivery_attempts = delivery_attempts + ?, delivery_error = ?,"
+            " announce_until = CASE WHEN announce_owner = ? THEN ? ELSE announce_until END"
+            " WHERE token = ? AND announced_at IS NULL",
+            (attempts, error[:DELIVERY_ERROR_MAX], self.owner, at, token),
+        )
+
+    @locked
+    def delivery_counts(self) -> dict[str, int]:
+        """How many decisions are in each delivery state (every state present, 0 if none)."""
+        rows = self.db.exec(
+            "SELECT CASE WHEN announced_at IS NOT NULL THEN 'delivered'"
+            " WHEN delivery_error IS NOT NULL THEN 'failed' ELSE 'pending' END, COUNT(*)"
+            " FROM decisions GROUP BY 1"
+        )
+        out = dict.fromkeys(DELIVERY_STATES, 0)
+        out.update((str(k), int(n)) for k, n in rows)  # type: ignore[call-overload]
+        return out

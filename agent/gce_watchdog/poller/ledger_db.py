@@ -142,6 +142,12 @@ _ADDED_COLUMNS = (
     ("announce_owner", "TEXT"),
     ("announce_until", "REAL"),
 )
+# The delivery state's columns (docs/poller.md, "Delivery"), added to an older ledger on open:
+# its decisions then read as never attempted (announced ones are delivered all the same).
+DELIVERY_COLUMNS = (
+    ("delivery_attempts", "BIGINT NOT NULL DEFAULT 0"),
+    ("delivery_error", "TEXT"),
+)
 # Decisions as an interface (docs/poller.md): what a dispatcher needs beyond the decision (the
 # instance's labels, its job, the verdict's evidence), one row per token, written in the claim's
 # transaction; and the fleet-wide brake's holds: failovers it did not let through, one per
@@ -324,6 +330,9 @@ class SqliteDb(SqlDb):
                     "UPDATE decisions SET announced_at = decided_at, announced_by = owner"
                     " WHERE announced_at IS NULL"
                 )
+            for name, sqltype in DELIVERY_COLUMNS:
+                if name not in have:
+                    db.execute(f"ALTER TABLE decisions ADD COLUMN {name} {sqltype}")
             # the lookups of a claim without boot or id, and of the pending announcements
             db.execute("CREATE INDEX IF NOT EXISTS decisions_instance ON decisions (instance)")
             db.execute(

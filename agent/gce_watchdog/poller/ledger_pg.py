@@ -27,6 +27,7 @@ from psycopg.pq import TransactionStatus
 
 from gce_watchdog.poller.ledger_db import (
     ASSEMBLY_SCHEMA,
+    DELIVERY_COLUMNS,
     DISPATCH_TABLES,
     PIN_REKEYS_TABLE,
     SqlDb,
@@ -120,6 +121,13 @@ class PostgresDb(SqlDb):
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
                     if not self._ready("pin_rekeys"):
                         self._db.execute(PIN_REKEYS_TABLE)
+            if not self._has_column("decisions", "delivery_error"):  # delivery state, later
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    for name, sqltype in DELIVERY_COLUMNS:  # (IF NOT EXISTS: idempotent)
+                        self._db.execute(
+                            f"ALTER TABLE decisions ADD COLUMN IF NOT EXISTS {name} {sqltype}"
+                        )
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
@@ -135,6 +143,14 @@ class PostgresDb(SqlDb):
         row = self._db.execute(
             "SELECT to_regclass('decisions_pending') IS NOT NULL"
             " AND to_regclass('pins') IS NOT NULL"
+        ).fetchone()
+        return bool(row and row[0])
+
+    def _has_column(self, table: str, column: str) -> bool:
+        row = self._db.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+            " AND attname = %s AND NOT attisdropped)",
+            (table, column),
         ).fetchone()
         return bool(row and row[0])
 
