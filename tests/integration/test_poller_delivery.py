@@ -59,13 +59,17 @@ def _poll(api: FakeComputeAPI, tmp: Path, ledger: str) -> subprocess.CompletedPr
     return subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S)
 
 
-def _view(ledger: str) -> list[dict[str, object]]:
+def _decisions(ledger: str, *extra: str) -> str:
     r = subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "decisions", "--ledger", ledger, "--json"],
+        [sys.executable, "-m", "gce_watchdog", "decisions", "--ledger", ledger, *extra],
         capture_output=True, text=True, env=ENV, timeout=TIMEOUT_S,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    return [json.loads(line) for line in r.stdout.splitlines()]
+    return r.stdout
+
+
+def _view(ledger: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in _decisions(ledger, "--json").splitlines()]
 
 
 def _calls(tmp: Path) -> list[str]:
@@ -99,6 +103,7 @@ def test_a_failed_delivery_is_failed_then_delivered_exactly_once_by_a_later_poll
     assert doc["v"] == 2
     assert (doc["delivery"], doc["delivery_attempts"]) == ("failed", 3)
     assert "exit status 3" in str(doc["delivery_error"])
+    assert _decisions(ledger_spec).split()[-1] == "delivery=failed/3"  # the operator's line
 
     (tmp_path / "rc").write_text("0")  # the dispatcher is fixed
     second = _poll(api, tmp_path, ledger_spec)

@@ -138,7 +138,10 @@ def _line(doc: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps(doc, sort_keys=True)
     parts = [f"{k}={doc[k]}" for k in ("token", "project", "zone", "name", "boot") if k in doc]
-    return " ".join([*parts, f"verdict={doc['verdict']}", f"job={doc.get('job') or '-'}"])
+    parts += [f"verdict={doc['verdict']}", f"job={doc.get('job') or '-'}"]
+    if "delivery" in doc:  # a decision (a hold has none)
+        parts.append(f"delivery={doc['delivery']}/{doc['delivery_attempts']}")
+    return " ".join(parts)
 
 
 def run_decisions(
