@@ -56,4 +56,4 @@ def test_a_ledger_gives_three_stores_over_one_connection(tmp_path: object) -> No
 
     with ledgers.open_ledger(Path(str(tmp_path)) / "l.sqlite", owner="me") as led:
         assert led.decisions.db is led.pins.db is led.assembly.db is led.db
-        assert led.decisions.owner == led.owner == "me"
+        assert led.decisions.owner == led.db.owner == "me"

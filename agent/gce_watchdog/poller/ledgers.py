@@ -34,11 +34,6 @@ class Ledger:
         self.assembly = SqlAssembly(db)
 
     @property
-    def owner(self) -> str:
-        """This poller's name in what it writes (decisions, leases, pins)."""
-        return self.db.owner
-
-    @property
     def errors(self) -> tuple[type[BaseException], ...]:
         """What the backend raises when the ledger fails (the CLI's exit 74)."""
         return self.db.errors
