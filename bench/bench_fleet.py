@@ -165,7 +165,7 @@ def bench_polling(n: int, args: argparse.Namespace) -> dict[str, Any]:
             parent.send(("calls", None))
             calls_after = parent.recv()
             with open_ledger(work / "ledger.sqlite") as led:
-                decisions = led.all()
+                decisions = led.decisions.all()
         lat = [d.decided_at - readable_at[d.instance.rsplit("/", 1)[1]] for d in decisions]
         announced = sum(1 for x in out.splitlines() if '"action": "failover"' in x)
         round_calls = {k: calls_after.get(k, 0) - calls_before.get(k, 0) for k in calls_after}
@@ -254,7 +254,7 @@ def bench_pubsub(
         os.environ["PUBSUB_EMULATOR_HOST"] = host
         with open_ledger(ledger) as led:  # the poll path pins each VM (byte 0 of its port)
             for iid in fleet.names:
-                led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+                led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         from google.cloud import pubsub_v1
 
         pub, sub = pubsub_v1.PublisherClient(), pubsub_v1.SubscriberClient()
@@ -288,8 +288,8 @@ def bench_pubsub(
                 deadline = t0 + PUBSUB_TIMEOUT_S
                 load = [os.getloadavg()[0]]  # the machine's 1-min load, every LOAD_EVERY_S
                 while time.monotonic() < deadline:
-                    done = {i for i, _, st in led.assembly_boots() if st != "open"}
-                    if done >= closed and not led.pending_announcements():
+                    done = {i for i, _, st in led.assembly.boots() if st != "open"}
+                    if done >= closed and not led.decisions.pending_announcements():
                         break
                     if time.monotonic() - t0 >= len(load) * LOAD_EVERY_S:
                         load.append(os.getloadavg()[0])
@@ -297,8 +297,8 @@ def bench_pubsub(
                 load.append(os.getloadavg()[0])
                 elapsed = time.monotonic() - t0
                 publisher.join(timeout=120)
-                decisions = led.all()
-                states = {i: st for i, _, st in led.assembly_boots()}
+                decisions = led.decisions.all()
+                states = {i: st for i, _, st in led.assembly.boots()}
         finally:
             for p in procs:
                 p.send_signal(signal.SIGTERM)

@@ -155,6 +155,7 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("64", "usage error: bad option, instance name or duration"),
         ("69", "at least one instance could not be read; the rest were reported"),
         ("74", "the ledger or cursor directory cannot be opened or written"),
+        ("75", "a decision's --on-failover/--publish delivery failed; the next poll retries it"),
         ("77", "no credentials, or the API rejected them"),
     ),
     ("decisions",): (

@@ -28,7 +28,7 @@ def _race(spec: str, barrier: Any, results: Any, keys: list[tuple[str, str]]) ->
     with open_ledger(spec, owner=f"racer-{mp.current_process().pid}") as led:
         barrier.wait(timeout=WAIT_S)
         for iid, boot in keys:
-            d = led.claim(iid, boot, "self_shutdown", "ladder 10/10", "vm")
+            d = led.decisions.claim(iid, boot, "self_shutdown", "ladder 10/10", "vm")
             results.put((iid, boot, d.won, d.token, d.owner))
 
 
@@ -47,7 +47,7 @@ def test_eight_processes_racing_one_key_one_winner(spec: str) -> None:
     assert {r[3] for r in out} == {winners[0][3]}  # everyone sees the winner's token
     assert {r[4] for r in out} == {winners[0][4]}  # and the winner's name
     with open_ledger(spec) as led:
-        rows = led.all()
+        rows = led.decisions.all()
     assert len(rows) == 1 and rows[0].token == 1
 
 
@@ -62,16 +62,20 @@ def test_racing_many_keys_gives_unique_increasing_tokens(spec: str) -> None:
         assert sum(w for w, _ in claims) == 1
         assert len({t for _, t in claims}) == 1
     with open_ledger(spec) as led:
-        tokens = [d.token for d in led.all()]
+        tokens = [d.token for d in led.decisions.all()]
     assert tokens == list(range(1, len(keys) + 1))  # one token per decision, no holes
 
 
 def test_claim_is_durable_and_a_second_run_is_already_decided(spec: str) -> None:
     with open_ledger(spec, owner="first") as led:
-        d1 = led.claim("id-1", "aaaa0001", "suspected_wedge", "silent 901s", "vm-1", now=100.0)
+        d1 = led.decisions.claim(
+            "id-1", "aaaa0001", "suspected_wedge", "silent 901s", "vm-1", now=100.0
+        )
         assert d1.won and d1.token == 1 and d1.decided_at == 100.0
     with open_ledger(spec, owner="second") as led:
-        d2 = led.claim("id-1", "aaaa0001", "self_shutdown", "other reason", "vm-1", now=200.0)
+        d2 = led.decisions.claim(
+            "id-1", "aaaa0001", "self_shutdown", "other reason", "vm-1", now=200.0
+        )
         assert not d2.won
         assert (d2.token, d2.owner, d2.verdict, d2.decided_at) == (
             1,
@@ -81,20 +85,22 @@ def test_claim_is_durable_and_a_second_run_is_already_decided(spec: str) -> None
         )
         assert d2.request_id == d1.request_id  # a retried reap uses the same requestId
         # a new boot of the same instance is a new incarnation: its own decision
-        d3 = led.claim("id-1", "bbbb0002", "preempted", "spot", "vm-1", now=300.0)
+        d3 = led.decisions.claim("id-1", "bbbb0002", "preempted", "spot", "vm-1", now=300.0)
         assert d3.won and d3.token == 2 and d3.request_id != d1.request_id
-        led.mark_reaped("id-1", "aaaa0001", "operation-1", now=400.0)
-        got = led.get("id-1", "aaaa0001")
+        led.decisions.mark_reaped("id-1", "aaaa0001", "operation-1", now=400.0)
+        got = led.decisions.get("id-1", "aaaa0001")
         assert got is not None and got.reaped_at == 400.0 and got.reap_result == "operation-1"
-        assert led.get("id-9", "x") is None
+        assert led.decisions.get("id-9", "x") is None
 
 
 def test_tokens_only_increase_across_reopen_and_owners(spec: str) -> None:
     seen = []
     for i in range(5):
         with open_ledger(spec, owner=f"p{i}") as led:
-            seen.append(led.claim(f"id-{i}", "b", "self_shutdown", "r").token)
-            seen.append(led.claim(f"id-{i}", "b", "self_shutdown", "r").token)  # same key again
+            seen.append(led.decisions.claim(f"id-{i}", "b", "self_shutdown", "r").token)
+            seen.append(
+                led.decisions.claim(f"id-{i}", "b", "self_shutdown", "r").token
+            )  # same key again
     assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
@@ -103,42 +109,50 @@ def test_the_ledger_decides_not_the_cursor(spec: str) -> None:
     id (``name:...``). Its claim returns the instance's existing decision, never a second one;
     and once an instance was reaped, no boot of it gets a new decision."""
     with open_ledger(spec, owner="a") as led:
-        first = led.claim("id-1", "aaaa0001", "self_shutdown", "ladder", "p/z/vm-1", now=1.0)
+        first = led.decisions.claim(
+            "id-1", "aaaa0001", "self_shutdown", "ladder", "p/z/vm-1", now=1.0
+        )
         assert first.won
-        no_boot = led.claim("id-1", "-", "terminated_unexplained", "off", "p/z/vm-1", now=2.0)
+        no_boot = led.decisions.claim(
+            "id-1", "-", "terminated_unexplained", "off", "p/z/vm-1", now=2.0
+        )
         assert not no_boot.won and no_boot.token == first.token
-        by_name = led.claim("name:vm-1", "-", "terminated_unexplained", "gone", "p/z/vm-1")
+        by_name = led.decisions.claim(
+            "name:vm-1", "-", "terminated_unexplained", "gone", "p/z/vm-1"
+        )
         assert not by_name.won and by_name.token == first.token
-        led.mark_reaped("id-1", "aaaa0001", "operation-9")
-        late = led.claim("id-1", "cccc0003", "suspected_wedge", "silent", "p/z/vm-1")
+        led.decisions.mark_reaped("id-1", "aaaa0001", "operation-9")
+        late = led.decisions.claim("id-1", "cccc0003", "suspected_wedge", "silent", "p/z/vm-1")
         assert not late.won and late.token == first.token and late.reaped_at is not None
         # another instance (other id and name) is unaffected
-        other = led.claim("name:vm-2", "-", "terminated_unexplained", "gone", "p/z/vm-2")
+        other = led.decisions.claim("name:vm-2", "-", "terminated_unexplained", "gone", "p/z/vm-2")
         assert other.won and other.token == first.token + 1
-        found = led.find_instance("", "p/z/vm-1")
+        found = led.decisions.find_instance("", "p/z/vm-1")
         assert found is not None and found.token == first.token
     with open_ledger(spec) as again:
-        assert [d.token for d in again.all()] == [1, 2]
+        assert [d.token for d in again.decisions.all()] == [1, 2]
 
 
 def test_claimer_holds_the_announcement_and_a_lapsed_one_is_taken_once(spec: str) -> None:
     with open_ledger(spec, owner="claimer", announce_lease_s=60) as a:
-        d = a.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1000.0)
+        d = a.decisions.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1000.0)
         assert d.won and d.announced_at is None
         # the claimer dies here: nothing announced
     with (
         open_ledger(spec, owner="late-1", announce_lease_s=60) as b,
         open_ledger(spec, owner="late-2", announce_lease_s=60) as c,
     ):
-        assert [p.token for p in b.pending_announcements()] == [d.token]
-        assert not b.take_announcement("id-1", "b1", now=1059.0)  # the claimer's lease is live
-        assert b.take_announcement("id-1", "b1", now=1060.0)  # lapsed: b takes it
-        assert not c.take_announcement("id-1", "b1", now=1061.0)  # b's lease is live now
-        assert b.mark_announced("id-1", "b1", now=1061.0)
-        assert not c.mark_announced("id-1", "b1", now=1062.0)  # once
-        assert not c.take_announcement("id-1", "b1", now=9999.0)  # announced: never again
-        assert b.pending_announcements() == []
-        got = c.get("id-1", "b1")
+        assert [p.token for p in b.decisions.pending_announcements()] == [d.token]
+        assert not b.decisions.take_announcement(
+            "id-1", "b1", now=1059.0
+        )  # the claimer's lease is live
+        assert b.decisions.take_announcement("id-1", "b1", now=1060.0)  # lapsed: b takes it
+        assert not c.decisions.take_announcement("id-1", "b1", now=1061.0)  # b's lease is live now
+        assert b.decisions.mark_announced("id-1", "b1", now=1061.0)
+        assert not c.decisions.mark_announced("id-1", "b1", now=1062.0)  # once
+        assert not c.decisions.take_announcement("id-1", "b1", now=9999.0)  # announced: never again
+        assert b.decisions.pending_announcements() == []
+        got = c.decisions.get("id-1", "b1")
         assert got is not None and (got.announced_at, got.announced_by) == (1061.0, "late-1")
 
 
@@ -149,16 +163,20 @@ def test_a_delivery_renews_its_own_lease_and_never_anothers(spec: str) -> None:
         open_ledger(spec, owner="claimer", announce_lease_s=60) as a,
         open_ledger(spec, owner="other", announce_lease_s=60) as b,
     ):
-        a.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1000.0)
-        assert not b.hold_announcement("id-1", "b1", now=1030.0)  # the claimer's, live
-        assert a.hold_announcement("id-1", "b1", now=1050.0)  # renewed: until 1110
-        assert not b.take_announcement("id-1", "b1", now=1100.0)  # not lapsed: renewed
-        assert b.hold_announcement("id-1", "b1", now=1110.0)  # lapsed: b holds it now
-        assert not a.hold_announcement("id-1", "b1", now=1120.0)  # b's: a skips its delivery
-        assert b.mark_announced("id-1", "b1", now=1121.0)
-        assert not b.hold_announcement("id-1", "b1", now=1122.0)  # announced: nothing to hold
-        assert not a.hold_announcement("id-1", "b1", now=99_999.0)
-        assert not a.hold_announcement("id-2", "b1", now=1000.0)  # no such decision
+        a.decisions.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1000.0)
+        assert not b.decisions.hold_announcement("id-1", "b1", now=1030.0)  # the claimer's, live
+        assert a.decisions.hold_announcement("id-1", "b1", now=1050.0)  # renewed: until 1110
+        assert not b.decisions.take_announcement("id-1", "b1", now=1100.0)  # not lapsed: renewed
+        assert b.decisions.hold_announcement("id-1", "b1", now=1110.0)  # lapsed: b holds it now
+        assert not a.decisions.hold_announcement(
+            "id-1", "b1", now=1120.0
+        )  # b's: a skips its delivery
+        assert b.decisions.mark_announced("id-1", "b1", now=1121.0)
+        assert not b.decisions.hold_announcement(
+            "id-1", "b1", now=1122.0
+        )  # announced: nothing to hold
+        assert not a.decisions.hold_announcement("id-1", "b1", now=99_999.0)
+        assert not a.decisions.hold_announcement("id-2", "b1", now=1000.0)  # no such decision
 
 
 def test_default_owners_differ_between_ledgers_of_one_process(spec: str) -> None:
@@ -170,13 +188,13 @@ def test_default_owners_differ_between_ledgers_of_one_process(spec: str) -> None
 def _take(spec: str, barrier: Any, results: Any) -> None:
     with open_ledger(spec, owner=f"taker-{mp.current_process().pid}") as led:
         barrier.wait(timeout=WAIT_S)
-        took = led.take_announcement("id-1", "b1", now=10_000.0)
-        results.put(took and led.mark_announced("id-1", "b1", now=10_000.0))
+        took = led.decisions.take_announcement("id-1", "b1", now=10_000.0)
+        results.put(took and led.decisions.mark_announced("id-1", "b1", now=10_000.0))
 
 
 def test_eight_processes_racing_for_a_lapsed_announcement_one_takes_it(spec: str) -> None:
     with open_ledger(spec, owner="dead", announce_lease_s=1) as led:
-        led.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1.0)
+        led.decisions.claim("id-1", "b1", "self_shutdown", "ladder", "vm-1", now=1.0)
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(RACERS)
     results = ctx.Queue()
@@ -196,9 +214,9 @@ def test_eight_processes_racing_for_a_lapsed_announcement_one_takes_it(spec: str
 
 def test_primary_key_is_the_second_line_of_defence(spec: str) -> None:
     with open_ledger(spec) as led:
-        led.claim("id-1", "b", "self_shutdown", "r")
+        led.decisions.claim("id-1", "b", "self_shutdown", "r")
         with pytest.raises(led.errors):
-            led._exec(
+            led.db.exec(
                 "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance,"
                 " owner, decided_at) VALUES ('id-1', 'b', 99, 'x', 'y', '', 'z', 0)"
             )
@@ -211,18 +229,19 @@ def test_postgres_claim_behind_a_stuck_lock_fails_cleanly_and_the_ledger_stays_u
     lock timeout with the driver's error, not hang; no transaction is left open, so the next
     claim works once the lock is gone."""
     import psycopg
-    from gce_watchdog.poller.ledger_pg import PostgresLedger
+    from gce_watchdog.poller.ledger_pg import PostgresDb
+    from gce_watchdog.poller.ledgers import Ledger
 
-    with PostgresLedger(pg_database, owner="me", lock_timeout_ms=300) as led:
+    with Ledger(PostgresDb(pg_database, owner="me", lock_timeout_ms=300)) as led:
         stuck = psycopg.connect(pg_database)
         try:
             stuck.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
             with pytest.raises(led.errors, match="lock timeout"):
-                led.claim("id-1", "b", "self_shutdown", "r")
+                led.decisions.claim("id-1", "b", "self_shutdown", "r")
         finally:
             stuck.rollback()
             stuck.close()
-        d = led.claim("id-1", "b", "self_shutdown", "r")
+        d = led.decisions.claim("id-1", "b", "self_shutdown", "r")
         assert d.won and d.token == 1
 
 
@@ -234,7 +253,7 @@ def _place(spec: str, barrier: Any, results: Any, n: int) -> None:
     public = bytes([n]) * 32
     with open_ledger(spec, owner=f"reader-{n}") as led:
         barrier.wait(timeout=WAIT_S)
-        pin = led.place_pin("4000000000000000001", public, f"fp{n}")
+        pin = led.pins.place_pin("4000000000000000001", public, f"fp{n}")
         results.put((n, pin.fingerprint, pin.public))
 
 
@@ -248,30 +267,30 @@ def test_racing_readers_placing_pins_all_get_the_first_one(spec: str) -> None:
     (_, fp, pub), *_ = out
     assert pub == bytes([int(fp[2:])]) * 32  # and it is one reader's whole key
     with open_ledger(spec) as led:  # a reader started later (another host, a restart)
-        pin = led.get_pin("4000000000000000001")
+        pin = led.pins.get_pin("4000000000000000001")
     assert pin is not None and (pin.fingerprint, pin.public, pin.source) == (fp, pub, "placed")
 
 
 def test_a_hand_pin_replaces_and_the_first_matching_key_fills_it_in(spec: str) -> None:
     with open_ledger(spec, owner="host-a") as a, open_ledger(spec, owner="host-b") as b:
-        assert a.get_pin("42") is None
-        placed = a.place_pin("42", b"\x01" * 32, "fp-first", now=10.0)
+        assert a.pins.get_pin("42") is None
+        placed = a.pins.place_pin("42", b"\x01" * 32, "fp-first", now=10.0)
         assert placed.source == "placed" and placed.pinned_by == "host-a"
-        old = b.hand_pin("42", "fp-operator", now=20.0)  # the operator's pin wins
+        old = b.pins.hand_pin("42", "fp-operator", now=20.0)  # the operator's pin wins
         assert old is not None and old.fingerprint == "fp-first"
-        pin = a.get_pin("42")
+        pin = a.pins.get_pin("42")
         assert pin is not None and (pin.fingerprint, pin.public, pin.source) == (
             "fp-operator",
             None,
             "hand",
         )
         # a key placed with another fingerprint does not replace it...
-        assert a.place_pin("42", b"\x02" * 32, "fp-other").fingerprint == "fp-operator"
-        assert b.get_pin("42").public is None  # type: ignore[union-attr]
+        assert a.pins.place_pin("42", b"\x02" * 32, "fp-other").fingerprint == "fp-operator"
+        assert b.pins.get_pin("42").public is None  # type: ignore[union-attr]
         # ...the key with the operator's fingerprint fills it in, for every reader
-        assert b.place_pin("42", b"\x03" * 32, "fp-operator").public == b"\x03" * 32
-        assert a.get_pin("42").public == b"\x03" * 32  # type: ignore[union-attr]
-        assert a.get_pin("43") is None
+        assert b.pins.place_pin("42", b"\x03" * 32, "fp-operator").public == b"\x03" * 32
+        assert a.pins.get_pin("42").public == b"\x03" * 32  # type: ignore[union-attr]
+        assert a.pins.get_pin("43") is None
 
 
 def test_a_late_poller_and_a_second_host_use_the_ledgers_pin(spec: str, tmp_path: Path) -> None:
@@ -298,13 +317,13 @@ def test_a_late_poller_and_a_second_host_use_the_ledgers_pin(spec: str, tmp_path
                 Credentials("tok"), api.base_url, timeout=(2.0, 2.0),
                 retry=ComputeRetry(attempts=2, sleep=lambda s: None),
             )  # fmt: skip
-            return SerialReader(client, CursorStore(tmp_path / cursors), pins=led)
+            return SerialReader(client, CursorStore(tmp_path / cursors), pins=led.pins)
 
         w = Writer(boot="aaaa0001", inst=inst.id)
         api.append_serial("vm-1", w.line("start", {"v": "3"}) + w.line("phase", {"ph": "workload"}))
         with open_ledger(spec, owner="host-a") as a:
             reader("a", a).read(p, z, "vm-1", inst.id)  # from byte 0: places and stores
-            pin = a.get_pin(inst.id)
+            pin = a.pins.get_pin(inst.id)
             assert pin is not None and pin.public == SYNTH_KEY.public and pin.source == "placed"
         # hours of workload output push the first lines out of the window; a forger prints a
         # key of its own and a shutdown signed with it; then the real agent's exit rc=0
@@ -321,7 +340,9 @@ def test_a_late_poller_and_a_second_host_use_the_ledgers_pin(spec: str, tmp_path
             res = r.read(p, z, "vm-1", inst.id)
             assert res.lost > 0  # it started after the window moved
             tl = r.cursor(p, z, "vm-1").timeline
-            assert tl.pin is None and "no_pin" in tl.key_alarm and empty.get_pin(inst.id) is None
+            assert (
+                tl.pin is None and "no_pin" in tl.key_alarm and empty.pins.get_pin(inst.id) is None
+            )
             v = tl.judge(off, 1e10, Policy())  # not even the status decides: the job finished
             assert not v.failover and v.reason.startswith("ALARM")
         # a second host with a fresh cursor dir and the shared ledger: the pinned key decides

@@ -20,22 +20,22 @@ def spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def test_holds_releases_and_details_on_both_backends(spec: str) -> None:
     with open_ledger(spec, owner="a") as led:
-        led.brake = BrakeRule(0.1, 600.0, 3)
-        led.fleet_size = lambda: 20  # allowed: 3 per window
+        led.decisions.brake = BrakeRule(0.1, 600.0, 3)
+        led.decisions.fleet_size = lambda: 20  # allowed: 3 per window
         got = [
-            led.claim(f"id-{i}", "b", "preempted", "r", f"p/z/vm-{i}", 100.0 + i,
+            led.decisions.claim(f"id-{i}", "b", "preempted", "r", f"p/z/vm-{i}", 100.0 + i,
                       {"labels": {"gce-watchdog-job": f"j{i}"}, "job": f"j{i}", "evidence": ["e"]})
             for i in range(5)
         ]  # fmt: skip
         assert [d.won for d in got] == [True, True, True, False, False]
         assert [d.held for d in got] == [False, False, False, True, True]
-        assert [h.instance_id for h in led.holds()] == ["id-3", "id-4"]
-        (hold,) = [h for h in led.holds() if h.instance_id == "id-4"]
-        d = led.release(hold, "operator", 200.0)
+        assert [h.instance_id for h in led.decisions.holds()] == ["id-3", "id-4"]
+        (hold,) = [h for h in led.decisions.holds() if h.instance_id == "id-4"]
+        d = led.decisions.release(hold, "operator", 200.0)
         assert d.won and d.token == 4
-        assert [h.instance_id for h in led.holds()] == ["id-3"]
+        assert [h.instance_id for h in led.decisions.holds()] == ["id-3"]
     with open_ledger(spec, owner="b") as led:  # another poller: same view, brake off
-        rows = led.details_after(2)
+        rows = led.decisions.details_after(2)
         assert [r[0].token for r in rows] == [3, 4]
         doc = decision_doc(*rows[-1])
         assert (doc["name"], doc["job"], doc["labels"]) == (
@@ -43,5 +43,7 @@ def test_holds_releases_and_details_on_both_backends(spec: str) -> None:
             "j4",
             {"gce-watchdog-job": "j4"},
         )
-        assert led.claim("id-3", "b", "preempted", "r", "p/z/vm-3", 300.0).token == 5
-        assert led.holds() == []  # decided since (that poller had no brake): not held any more
+        assert led.decisions.claim("id-3", "b", "preempted", "r", "p/z/vm-3", 300.0).token == 5
+        assert (
+            led.decisions.holds() == []
+        )  # decided since (that poller had no brake): not held any more

@@ -37,7 +37,7 @@ import pytest
 from gce_watchdog.daemon.actions import ActionChain, GoogleComputeApi, RunResult
 from gce_watchdog.daemon.metawatch import InstanceInfo
 from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
-from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import Poller, PollOutcome
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.verdict import Policy, VerdictKind
@@ -311,7 +311,7 @@ def sim_factory(tmp_path: Path) -> Iterator[Callable[[float], Sim]]:
         retry = ComputeRetry(attempts=2, sleep=lambda s: None)  # a 503 while STOPPING: no wait
         client = ComputeClient.create(creds, api_base=api.base_url, retry=retry)
         vm_client = ComputeClient.create(creds, api_base=api.base_url, retry=retry)
-        ledger = Ledger(tmp_path / f"ledger-{window:g}-{len(stack)}.sqlite", "sim")
+        ledger = open_ledger(tmp_path / f"ledger-{window:g}-{len(stack)}.sqlite", "sim")
         ledger.__enter__()
         stack.append((api, client, vm_client, ledger))
         poller = Poller(

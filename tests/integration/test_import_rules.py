@@ -45,6 +45,7 @@ def test_the_import_rules_hold() -> None:
         ("wire/vocab.py", "from gce_watchdog.vm import state", "layers"),
         ("daemon/tick.py", "from gce_watchdog.daemon import service", "import cycles"),
         ("vm/runtime.py", "import argparse", "only the CLI modules import argparse"),
+        ("poller/settings.py", "from gce_watchdog.poller import fleet", "settings parse"),
     ],
 )
 def test_a_violation_breaks_its_contract(

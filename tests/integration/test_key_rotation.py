@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.lib.compute import SerialChunk
-from gce_watchdog.poller.ledger import PIN_REKEY
 from gce_watchdog.poller.ledgers import open_ledger
+from gce_watchdog.poller.pin_store import PIN_REKEY
 from gce_watchdog.poller.pubsub import PubSubWorker, SerialLine
 from gce_watchdog.poller.reader import CursorStore, SerialReader
 from gce_watchdog.poller.timeline import Timeline
@@ -230,37 +230,37 @@ def test_a_rotation_moves_the_ledger_pin_and_every_reader_follows(
     vm = Console(old)
     api = FakeCompute()
     with open_ledger(ledger_spec, owner="poller-a") as led:
-        reader = SerialReader(api, CursorStore(tmp_path / "a"), lambda: 10.0, pins=led)
+        reader = SerialReader(api, CursorStore(tmp_path / "a"), lambda: 10.0, pins=led.pins)
         vm.emit("start", v="1")
         vm.emit("heartbeat", rung="0/10")
         api.data = vm.bytes()
         reader.read("p", "z", "vm", INST)
-        pin = led.get_pin(INST)
+        pin = led.pins.get_pin(INST)
         assert pin is not None and pin.public == old.public and pin.source == "placed"
         # a forged rekey: nothing moves
         vm.rotate(EVIL, signer=EVIL)
         vm.emit("heartbeat", rung="0/10")
         api.data = vm.bytes()
         reader.read("p", "z", "vm", INST)
-        assert led.get_pin(INST).public == old.public  # type: ignore[union-attr]
+        assert led.pins.get_pin(INST).public == old.public  # type: ignore[union-attr]
         # the real rotation
         n = vm.rotate(new)
         vm.emit("heartbeat", rung="0/10")
         api.data = vm.bytes()
         reader.read("p", "z", "vm", INST)
-        pin = led.get_pin(INST)
+        pin = led.pins.get_pin(INST)
         assert pin is not None and pin.public == new.public and pin.source == PIN_REKEY
         assert pin.fingerprint == new.fingerprint and pin.pinned_by == "poller-a"
         assert pin.retired == (Retired(old.public, BOOT, n),)
         # a stale mover (another reader that decoded the same rotation) changes nothing
-        again = led.rekey_pin(INST, old.public, EVIL.public, EVIL.fingerprint, BOOT, n)
+        again = led.pins.rekey_pin(INST, old.public, EVIL.public, EVIL.fingerprint, BOOT, n)
         assert again is not None and again.public == new.public
         # a chain: a second rotation
         m = vm.rotate(newer)
         vm.emit("heartbeat", rung="0/10")
         api.data = vm.bytes()
         reader.read("p", "z", "vm", INST)
-        pin = led.get_pin(INST)
+        pin = led.pins.get_pin(INST)
         assert pin is not None and pin.public == newer.public
         assert pin.retired == (Retired(old.public, BOOT, n), Retired(new.public, BOOT, m))
         tl = reader.cursor("p", "z", "vm").timeline
@@ -268,14 +268,14 @@ def test_a_rotation_moves_the_ledger_pin_and_every_reader_follows(
         assert tl.judge(RUN, 11.0, POL).kind is VerdictKind.HEALTHY
     # another host, a fresh cursor dir, after the rotations: the ledger's pin, no key alarm
     with open_ledger(ledger_spec, owner="poller-b") as led:
-        fresh = SerialReader(api, CursorStore(tmp_path / "b"), lambda: 20.0, pins=led)
+        fresh = SerialReader(api, CursorStore(tmp_path / "b"), lambda: 20.0, pins=led.pins)
         fresh.read("p", "z", "vm", INST)
         tl = fresh.cursor("p", "z", "vm").timeline
         assert tl.pin == newer.public and tl.key_alarm == ""
         assert tl.judge(RUN, 21.0, POL).kind is VerdictKind.HEALTHY
         # an operator's hand pin replaces the rotation record too
-        led.hand_pin(INST, "f" * 32)
-        pin = led.get_pin(INST)
+        led.pins.hand_pin(INST, "f" * 32)
+        pin = led.pins.get_pin(INST)
         assert pin is not None and pin.retired == () and pin.source == "hand"
 
 
@@ -285,7 +285,7 @@ def test_pubsub_workers_move_the_pin_through_a_verified_rekey_only(ledger_spec: 
     vm = Console(old)
     vm.emit("start", v="1")
     with open_ledger(ledger_spec, owner="w") as led:
-        led.place_pin(INST, old.public, old.fingerprint, now=1.0)
+        led.pins.place_pin(INST, old.public, old.fingerprint, now=1.0)
         ids = TableIdentities.of([INST], "p", "z")
         a = PubSubWorker(None, "sub", led, lambda o: None, identity=ids)
         b = PubSubWorker(None, "sub", led, lambda o: None, identity=ids)
@@ -303,14 +303,14 @@ def test_pubsub_workers_move_the_pin_through_a_verified_rekey_only(ledger_spec: 
         # forged: signed by the attacker
         forged = protocol.rekey_line(BOOT, 40, 0, EVIL, EVIL.public, INST)
         assert feed(a, forged) == [] and a.stats.forged == 1
-        assert led.get_pin(INST).public == old.public  # type: ignore[union-attr]
+        assert led.pins.get_pin(INST).public == old.public  # type: ignore[union-attr]
         # a real rekey of this instance relabelled as another's (the same key elsewhere)
         assert feed(a, protocol.rekey_line(BOOT, 41, 0, old, new.public, INST), inst="99") == []
-        assert led.get_pin("99") is None
+        assert led.pins.get_pin("99") is None
         n = vm.rotate(new)
         vm.emit("heartbeat", rung="0/10")
         assert feed(a, vm.lines[-2], now=6.0) == ["rekey"]
-        pin = led.get_pin(INST)
+        pin = led.pins.get_pin(INST)
         assert pin is not None and pin.public == new.public and pin.source == PIN_REKEY
         assert pin.retired == (Retired(old.public, BOOT, n),) and a.stats.rekeys == 1
         assert feed(a, vm.lines[-1], now=6.0) == ["heartbeat"]

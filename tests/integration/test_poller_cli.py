@@ -171,7 +171,7 @@ def test_a_typo_in_project_zone_or_name_is_a_config_error_never_a_verdict(
     assert out["vm-2"]["error"] is None  # the others are still decided
     assert api.calls_to("delete") == []  # nothing was failed over, nothing deleted
     with open_ledger(str(tmp_path / "ledger.sqlite")) as led:
-        assert led.all() == []
+        assert led.decisions.all() == []
     # A VM this poller has read, deleted since (by someone else): gone, a real verdict.
     assert main(poll_args(api, tmp_path, "--once", "vm-1")) == 0
     capsys.readouterr()
@@ -246,7 +246,7 @@ def test_invented_boots_give_no_second_decision(
         assert out["forged"] == 4
     assert actions == ["failover", "already_decided", "already_decided", "already_decided"]
     with open_ledger(str(tmp_path / "ledger.sqlite")) as led:
-        assert [(d.boot, d.verdict) for d in led.all()] == [("aaaa0001", "self_shutdown")]
+        assert [(d.boot, d.verdict) for d in led.decisions.all()] == [("aaaa0001", "self_shutdown")]
 
 
 def test_label_without_project_is_a_usage_error(

@@ -46,7 +46,7 @@ import fcntl, json, os, signal, sys
 state = sys.argv[1]
 doc = json.load(sys.stdin)
 token = os.environ["GCE_WATCHDOG_TOKEN"]
-assert doc["v"] == 1 and str(doc["token"]) == token
+assert doc["v"] == 2 and str(doc["token"]) == token
 assert doc["request_id"] == os.environ["GCE_WATCHDOG_REQUEST_ID"]
 with open(os.path.join(state, "calls"), "a") as f:
     f.write(token + "\\n")
@@ -86,7 +86,7 @@ cmd = [sys.executable, "-m", "gce_watchdog", "decisions", "--ledger", ledger,
 with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as p:
     for line in p.stdout:
         d = json.loads(line)
-        assert d["v"] == 1
+        assert d["v"] == 2
         if d["token"] <= last:
             continue
         with open(log, "a") as f:
@@ -152,15 +152,15 @@ class Rig:
         def done() -> bool:
             subprocess.run(self.argv(name), capture_output=True, env=ENV, timeout=DEADLINE_S)
             with open_ledger(self.ledger) as led:
-                return not led.pending_announcements() and any(
-                    d.instance.endswith("/" + name) for d in led.all()
+                return not led.decisions.pending_announcements() and any(
+                    d.instance.endswith("/" + name) for d in led.decisions.all()
                 )
 
         until(done, f"{name} announced")
 
     def decided(self, name: str) -> bool:
         with open_ledger(self.ledger) as led:
-            return any(d.instance.endswith("/" + name) for d in led.all())
+            return any(d.instance.endswith("/" + name) for d in led.decisions.all())
 
     def follower(self) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
@@ -231,8 +231,8 @@ def test_each_job_is_relaunched_exactly_once_across_poller_crashes_at_every_step
     assert sorted(followed) == jobs  # the follower: each job once, across its own crash
     calls = Counter(read_lines(rig.state / "calls"))
     with open_ledger(ledger_spec) as led:
-        decisions = led.all()
-        assert led.pending_announcements() == []
+        decisions = led.decisions.all()
+        assert led.decisions.pending_announcements() == []
     assert [d.token for d in decisions] == [1, 2, 3, 4]
     token_of = {d.instance.rsplit("/", 1)[1]: str(d.token) for d in decisions}
     assert calls[token_of["vm-after-hook"]] >= 2  # delivered again: at-least-once, deduped
@@ -245,7 +245,7 @@ def hook_script(tmp_path: Path, body: str) -> list[str]:
     return [sys.executable, str(script), str(tmp_path)]
 
 
-DOC = {"v": 1, "token": 7, "request_id": "r-7", "project": P, "zone": Z, "name": "vm", "job": "j"}
+DOC = {"v": 2, "token": 7, "request_id": "r-7", "project": P, "zone": Z, "name": "vm", "job": "j"}
 
 
 def test_the_hook_is_retried_until_it_exits_zero(tmp_path: Path) -> None:
@@ -315,7 +315,7 @@ def test_a_full_stdout_pipe_never_blocks_an_announcement(
     assert p.returncode == 0, p.stderr
     assert [x.split()[1] for x in read_lines(rig.state / "relaunched")] == ["job-1"]
     with open_ledger(ledger) as led:
-        (d,) = led.all()
+        (d,) = led.decisions.all()
         assert d.announced_at is not None
 
 
@@ -379,7 +379,11 @@ def test_the_brake_holds_a_zone_outage_of_50_vms_and_a_release_lets_them_through
     actions = Counter(str(o["action"]) for o in outcomes(capsys.readouterr().out))
     assert actions["failover"] == 40 and actions["held"] == 0
     with open_ledger(ledger) as led:
-        assert len(led.all()) == 50 and led.pending_announcements() == [] and led.holds() == []
+        assert (
+            len(led.decisions.all()) == 50
+            and led.decisions.pending_announcements() == []
+            and led.decisions.holds() == []
+        )
 
 
 def test_one_real_wedge_in_a_healthy_fleet_goes_through_the_brake(
@@ -402,7 +406,7 @@ def test_a_dispatcher_follows_decisions_as_they_are_made(tmp_path: Path) -> None
     """``decisions --follow`` prints a decision claimed while it waits (no restart)."""
     ledger = str(tmp_path / "l.sqlite")
     with open_ledger(ledger) as led:
-        led.claim("1", "b", "self_shutdown", "r", f"{P}/{Z}/vm-1", 1.0)
+        led.decisions.claim("1", "b", "self_shutdown", "r", f"{P}/{Z}/vm-1", 1.0)
     cmd = [sys.executable, "-m", "gce_watchdog", "decisions", "--ledger", ledger, "--follow",
            "--json"]  # fmt: skip
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=ENV)
@@ -416,7 +420,7 @@ def test_a_dispatcher_follows_decisions_as_they_are_made(tmp_path: Path) -> None
             None,
         )
         with open_ledger(ledger) as led:
-            led.claim("2", "b", "preempted", "r", f"{P}/{Z}/vm-2", 2.0, {"job": "j-2"})
+            led.decisions.claim("2", "b", "preempted", "r", f"{P}/{Z}/vm-2", 2.0, {"job": "j-2"})
         got: list[dict[str, object]] = []
         reader = threading.Thread(target=lambda: got.append(json.loads(p.stdout.readline())))  # type: ignore[union-attr]
         reader.start()
@@ -457,11 +461,11 @@ def test_decisions_are_published_to_a_topic_with_the_request_id(
     msg = got[0].message
     doc = json.loads(msg.data)
     with open_ledger(str(tmp_path / "l.sqlite")) as led:
-        (d,) = led.all()
+        (d,) = led.decisions.all()
         assert d.announced_at is not None
     assert dict(msg.attributes) == {"request_id": d.request_id, "token": "1",
                                     "verdict": "self_shutdown"}  # fmt: skip
-    assert (doc["v"], doc["token"], doc["job"], doc["name"]) == (1, 1, "job-1", "vm-1")
+    assert (doc["v"], doc["token"], doc["job"], doc["name"]) == (2, 1, "job-1", "vm-1")
 
 
 def test_decisions_never_creates_a_ledger(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
-from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import Poller, end_request_id
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.verdict import (
@@ -128,7 +128,7 @@ def api(now: list[float]) -> Iterator[FakeComputeAPI]:
 
 @pytest.fixture
 def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    with Ledger(tmp_path / "ledger.sqlite", "t") as led:
+    with open_ledger(tmp_path / "ledger.sqlite", "t") as led:
         yield led
 
 
@@ -170,7 +170,7 @@ def test_reap_of_an_end_waits_for_done(
     assert done.reaped and done.reaped.startswith("operation-") and inst.deleted
     rids = {c.query["requestId"] for c in api.calls_to("delete")}
     assert rids == {end_request_id(inst.id, done.verdict.boot or "-")}
-    assert ledger.all() == []  # nothing was decided: no ledger entry
+    assert ledger.decisions.all() == []  # nothing was decided: no ledger entry
 
 
 def test_a_failed_delete_operation_is_an_error_never_reaped(
@@ -215,10 +215,10 @@ def test_failover_reap_is_recorded_only_once_done(
     out = p.poll("spot-1")
     assert out.verdict is not None and out.verdict.kind is K.PREEMPTED
     assert out.action == "failover" and out.reap_pending
-    assert ledger.all()[0].reaped_at is None
+    assert ledger.decisions.all()[0].reaped_at is None
     now[0] += 5
     again = p.poll("spot-1")
-    assert again.reaped and ledger.all()[0].reaped_at is not None
+    assert again.reaped and ledger.decisions.all()[0].reaped_at is not None
 
 
 def test_operations_of_an_earlier_boot_are_not_evidence(

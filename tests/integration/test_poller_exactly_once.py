@@ -81,8 +81,8 @@ def test_separate_cursor_dirs_never_give_a_second_decision(
             assert {o["action"] for o in out} == {"already_decided"}
     assert sorted(announced) == sorted(names)  # one announcement per VM, in the first round
     with open_ledger(ledger_spec) as led:
-        decisions = led.all()
-        assert led.pending_announcements() == []
+        decisions = led.decisions.all()
+        assert led.decisions.pending_announcements() == []
     assert len(decisions) == len(names)
     assert [d.token for d in decisions] == list(range(1, len(names) + 1))
     deletes = api.calls_to("delete")
@@ -112,7 +112,7 @@ def test_a_poller_killed_between_claim_and_announce_is_announced_by_the_next_onc
     try:
         deadline = time.monotonic() + DEADLINE_S
         with open_ledger(ledger_spec) as led:
-            while not (pending := led.pending_announcements()):  # the claim is the event
+            while not (pending := led.decisions.pending_announcements()):  # the claim is the event
                 assert first.poll() is None, first.communicate()
                 assert time.monotonic() < deadline, "the first poller never claimed"
                 time.sleep(0.05)
@@ -137,9 +137,9 @@ def test_a_poller_killed_between_claim_and_announce_is_announced_by_the_next_onc
     assert actions.count("failover") == 1
     assert set(actions) <= {"already_decided", "failover"}
     with open_ledger(ledger_spec) as led:
-        (d,) = led.all()
+        (d,) = led.decisions.all()
         assert d.announced_at is not None and d.announced_by != d.owner
-        assert led.pending_announcements() == []
+        assert led.decisions.pending_announcements() == []
     assert {c.query["requestId"] for c in api.calls_to("delete")} == {d.request_id}
 
 
@@ -183,8 +183,8 @@ def test_eight_pollers_with_separate_cursors_race_over_100_wedged_vms(
         o["error"] for o in results if o["error"]
     ][:3]
     with open_ledger(ledger_spec) as led:
-        decisions = led.all()
-        assert led.pending_announcements() == []
+        decisions = led.decisions.all()
+        assert led.decisions.pending_announcements() == []
     assert len(decisions) == FLEET
     assert sorted(d.token for d in decisions) == list(range(1, FLEET + 1))
     rids: dict[str, set[str]] = {}
@@ -218,10 +218,14 @@ def test_a_poller_killed_after_its_reap_before_announcing_is_announced_once(
             assert time.monotonic() < deadline, "the first poller never reaped"
             time.sleep(0.05)
         with open_ledger(ledger_spec) as led:
-            while (d := led.get(led.all()[0].instance_id, led.all()[0].boot)) and not d.reaped_at:
+            while (
+                d := led.decisions.get(
+                    led.decisions.all()[0].instance_id, led.decisions.all()[0].boot
+                )
+            ) and not d.reaped_at:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            assert [p.token for p in led.pending_announcements()] == [d.token]
+            assert [p.token for p in led.decisions.pending_announcements()] == [d.token]
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=DEADLINE_S)
     finally:
@@ -240,6 +244,6 @@ def test_a_poller_killed_after_its_reap_before_announcing_is_announced_once(
         actions += [str(o["action"]) for o in lines(capsys.readouterr().out)]
     assert actions.count("failover") == 1
     with open_ledger(ledger_spec) as led:
-        (d,) = led.all()
-        assert led.pending_announcements() == [] and d.announced_by != d.owner
+        (d,) = led.decisions.all()
+        assert led.decisions.pending_announcements() == [] and d.announced_by != d.owner
     assert len(api.operations) == 1  # deleted once

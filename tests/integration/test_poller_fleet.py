@@ -14,7 +14,7 @@ import pytest
 import requests
 from gce_watchdog.cli import main
 from gce_watchdog.lib.cli import EX_USAGE
-from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
+from gce_watchdog.lib.compute import ComputeClient, ComputeRetry, label_filter, parse_label
 from gce_watchdog.poller.fleet import (
     DEFAULT_BUDGET_PER_MIN,
     BudgetedSession,
@@ -22,11 +22,9 @@ from gce_watchdog.poller.fleet import (
     ProjectBudget,
     Target,
     discover,
-    label_filter,
-    parse_label,
     plan_interval,
 )
-from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import PollOutcome
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.verdict import Policy
@@ -144,7 +142,7 @@ def test_new_vms_are_picked_up_and_gone_ones_finalized_once(
     healthy(api, "a-healthy", "aaaa0001")
     wedged(api, "b-wedged", "bbbb0002")
     healthy(api, "c-deleted", "cccc0003")
-    with Ledger(tmp_path / "ledger.sqlite") as led:
+    with open_ledger(tmp_path / "ledger.sqlite") as led:
         fleet = FleetPoller(client_for(api), CursorStore(tmp_path / "c"), led, ["test-project"],
                             FLT, Policy(), reap=True, workers=4)  # fmt: skip
         try:
@@ -171,7 +169,7 @@ def test_new_vms_are_picked_up_and_gone_ones_finalized_once(
             assert sorted(outs) == ["a-healthy", "d-new"]
         finally:
             fleet.close()
-        decisions = led.all()
+        decisions = led.decisions.all()
     assert sorted(d.instance for d in decisions) == ["test-project/us-central1-b/b-wedged"]
     assert "unwatched" not in {c.path.rsplit("/", 2)[-2] for c in api.calls_to("serial")}
 
@@ -314,11 +312,11 @@ def test_a_round_announces_a_lapsed_decision_of_a_vm_no_longer_listed(
     will meet the decision again. The next round announces it once its lease has lapsed."""
     api.add_instance("alive", labels=LABEL)
     healthy(api, "alive", "aaaa0001")
-    with Ledger(tmp_path / "l.sqlite", owner="dead", announce_lease_s=60) as dead:
-        d = dead.claim("4711", "bbbb0002", "self_shutdown", "ladder", "test-project/z/gone-vm",
-                       now=time.time() - 61)  # fmt: skip
-        dead.mark_reaped("4711", "bbbb0002", "operation-1")
-    with Ledger(tmp_path / "l.sqlite", owner="next") as led:
+    with open_ledger(tmp_path / "l.sqlite", owner="dead", announce_lease_s=60) as dead:
+        d = dead.decisions.claim("4711", "bbbb0002", "self_shutdown", "ladder",
+                                 "test-project/z/gone-vm", now=time.time() - 61)  # fmt: skip
+        dead.decisions.mark_reaped("4711", "bbbb0002", "operation-1")
+    with open_ledger(tmp_path / "l.sqlite", owner="next") as led:
         fleet = FleetPoller(client_for(api), CursorStore(None), led, ["test-project"], FLT)
         try:
             outs, _ = _outcomes(fleet)
@@ -329,7 +327,7 @@ def test_a_round_announces_a_lapsed_decision_of_a_vm_no_longer_listed(
             assert "gone-vm" not in outs  # once
         finally:
             fleet.close()
-        got = led.get("4711", "bbbb0002")
+        got = led.decisions.get("4711", "bbbb0002")
         assert got is not None and got.announced_by == "next"
 
 
@@ -343,7 +341,7 @@ def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
         api.add_instance(n, labels=LABEL)
         healthy(api, n, f"{len(n):08x}")
     cursors = tmp_path / "cursors"
-    with Ledger(tmp_path / "l.sqlite") as led:
+    with open_ledger(tmp_path / "l.sqlite") as led:
         fleet = FleetPoller(client_for(api), CursorStore(cursors), led, ["test-project"], FLT)
         try:
             outs, _ = _outcomes(fleet)
@@ -368,7 +366,7 @@ def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
                 assert "unlabelled" not in outs  # still there: not decided, not announced
             else:
                 assert sorted(outs) == ["stays"]
-        assert [d.instance for d in led.all()] == []
+        assert [d.instance for d in led.decisions.all()] == []
     assert sorted(p.name for p in cursors.glob("*.json")) == [
         "test-project.us-central1-a.stays.json",
         "test-project.us-central1-a.unlabelled.json",
@@ -488,7 +486,7 @@ def test_an_unreachable_zone_keeps_its_vms_never_takes_them_for_deleted(
     api.add_instance("b-vm", zone="us-central1-b", labels=LABEL)
     healthy(api, "a-vm", "aaaa0001")
     healthy(api, "b-vm", "bbbb0002")
-    with Ledger(tmp_path / "ledger.sqlite") as led:
+    with open_ledger(tmp_path / "ledger.sqlite") as led:
         fleet = FleetPoller(client_for(api), CursorStore(tmp_path / "c"), led, ["test-project"],
                             FLT, Policy(), reap=True, workers=2)  # fmt: skip
         try:
@@ -506,7 +504,7 @@ def test_an_unreachable_zone_keeps_its_vms_never_takes_them_for_deleted(
             assert [t.name for t in rep.gone] == ["b-vm"]  # type: ignore[attr-defined]
         finally:
             fleet.close()
-        assert led.all() == []  # nothing failed over
+        assert led.decisions.all() == []  # nothing failed over
     assert api.calls_to("delete") == []
 
 

@@ -88,7 +88,7 @@ def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
     ]
     ledger = tmp_path / "l.sqlite"
     with open_ledger(ledger) as led:
-        led.place_pin("6100", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        led.pins.place_pin("6100", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     # who 6100 is: the worker asks the Compute API by id (never the LogEntry's names)
     api = FakeComputeAPI(token="unused").start()
     api.add_instance("vm-h", project="test-project", instance_id="6100")
@@ -128,7 +128,10 @@ def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
         (state / "release").touch()
         assert wait_for(lambda: health_is(200), DEADLINE_S), "did not recover"
         with open_ledger(ledger) as led:
-            assert wait_for(lambda: not led.pending_announcements() and led.all(), DEADLINE_S)
+            assert wait_for(
+                lambda: not led.decisions.pending_announcements() and led.decisions.all(),
+                DEADLINE_S,
+            )
         worker.send_signal(signal.SIGTERM)
         _, err = worker.communicate(timeout=60)
     finally:

@@ -176,12 +176,12 @@ def test_the_least_privilege_pubsub_role_names_a_decision_by_its_id(tmp_path: Pa
             )
             outs: list[object] = []
             with open_ledger(tmp_path / f"{tok}.sqlite") as led:
-                led.place_pin("8100000001", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+                led.pins.place_pin("8100000001", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
                 worker = PubSubWorker(Batches([entries]), f"projects/{P}/subscriptions/s", led,
                                       outs.append, identity=ComputeIdentities(client, [P]),
                                       log=lambda m: None)  # fmt: skip
                 worker.step()
-                assert len(led.all()) == decided and len(outs) == decided
-                assert [d.instance for d in led.all()] == [f"{P}/{Z}/vm-1"] * decided
+                assert len(led.decisions.all()) == decided and len(outs) == decided
+                assert [d.instance for d in led.decisions.all()] == [f"{P}/{Z}/vm-1"] * decided
         statuses = [c.status for c in api.calls_to("list")]
         assert statuses == [403, 200]

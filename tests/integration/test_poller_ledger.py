@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.ledgers import open_ledger
 from kit.procs import gather
 
 WAIT_S = 60  # every process/barrier wait is bounded
@@ -32,11 +32,12 @@ def test_sqlite_ledger_is_wal_and_upgrades_an_older_file(tmp_path: Path) -> None
         " NULL, NULL);"
     )
     old.close()
-    with Ledger(db, owner="new") as led:
-        got = led.get("id-1", "b")
+    with open_ledger(db, owner="new") as led:
+        got = led.decisions.get("id-1", "b")
         assert got is not None and got.announced_at == 5.0  # printed by the old poller
-        assert led.pending_announcements() == []
-        assert led.claim("id-2", "b", "self_shutdown", "r").token == 2
+        assert (got.delivery, got.delivery_attempts, got.delivery_error) == ("delivered", 0, None)
+        assert led.decisions.pending_announcements() == []
+        assert led.decisions.claim("id-2", "b", "self_shutdown", "r").token == 2
     mode = sqlite3.connect(db).execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
 
@@ -58,8 +59,8 @@ def test_open_waits_out_a_writer_that_sqlite_would_not_wait_for(tmp_path: Path) 
             holder.execute("COMMIT")
 
     try:
-        with Ledger(db, sleep=sleep) as led:
-            assert led.claim("id-1", "b", "self_shutdown", "r").won
+        with open_ledger(db, sleep=sleep) as led:
+            assert led.decisions.claim("id-1", "b", "self_shutdown", "r").won
     finally:
         holder.close()
     assert waits, "the open never met the lock: the test did not exercise the retry"
@@ -80,7 +81,7 @@ def test_open_gives_up_after_the_busy_timeout_with_a_clear_error(tmp_path: Path)
 
     try:
         with pytest.raises(sqlite3.OperationalError, match="gave up opening"):
-            Ledger(db, sleep=sleep, clock=lambda: now[0])
+            open_ledger(db, sleep=sleep, clock=lambda: now[0])
     finally:
         holder.close()
     assert 29 < now[0] <= 30  # waited out the whole busy timeout, then stopped
@@ -89,8 +90,8 @@ def test_open_gives_up_after_the_busy_timeout_with_a_clear_error(tmp_path: Path)
 def _open_many(path: str, barrier: Any, results: Any) -> None:
     barrier.wait(timeout=WAIT_S)
     try:
-        with Ledger(path) as led:
-            d = led.claim(f"id-{mp.current_process().pid}", "b", "self_shutdown", "r")
+        with open_ledger(path) as led:
+            d = led.decisions.claim(f"id-{mp.current_process().pid}", "b", "self_shutdown", "r")
         results.put(("ok", d.token))
     except Exception as e:  # reported to the parent, which fails the test with it
         results.put(("error", repr(e)))

@@ -186,7 +186,7 @@ def test_a_decision_is_ready_when_the_last_line_it_needed_was_published() -> Non
     """The pipeline's share of a decision's latency starts at the latest first copy of a line up
     to the deciding one: a tick published after its shutdown line (displaced in transit) is
     waited for; a later copy of it, or a line after the shutdown, is not."""
-    from gce_watchdog.poller.ledger import BootLines
+    from gce_watchdog.poller.assembly_store import BootLines
     from gce_watchdog.poller.pubsub import _needed_by
 
     def rx(seq: int, name: str) -> Received:
@@ -240,7 +240,7 @@ def test_one_worker_decides_once_per_vm_from_a_service_like_stream(
     outs: list[PollOutcome] = []
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
         for iid in fleet.names:  # pinned by the poll path (read from byte 0), or by hand
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         # settle: longer than a redelivery takes (ack deadline 10 s, a loaded machine)
         ids = TableIdentities.of(fleet.names, PROJECT)
         w1 = PubSubWorker(sub, s, led, outs.append, settle_s=SETTLE_S, identity=ids)
@@ -248,13 +248,13 @@ def test_one_worker_decides_once_per_vm_from_a_service_like_stream(
         _drive(
             [w1],
             lambda: (
-                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
-                and not led.pending_announcements()
+                {i for i, _, st in led.assembly.boots() if st != "open"} >= closed
+                and not led.decisions.pending_announcements()
             ),
             lambda: f"decided {led_count(led)} of {len(fleet.wedged)}",
         )
-        decisions = led.all()
-        states = {i: st for i, _, st in led.assembly_boots()}
+        decisions = led.decisions.all()
+        states = {i: st for i, _, st in led.assembly.boots()}
     assert {d.instance_id for d in decisions} == fleet.wedged  # the finished jobs: never
     assert all(d.verdict == "self_shutdown" for d in decisions)
     assert {states[i] for i in fleet.finished} == {"ended"}
@@ -294,7 +294,7 @@ def test_a_boot_that_lost_a_line_is_left_to_the_sweep_never_decided_from_the_str
     outs: list[PollOutcome] = []
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
         for iid in ("5000000000", "5000000001"):
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         ids = TableIdentities.of({"5000000000": "vm-000", "5000000001": "vm-001"}, PROJECT)
         w = PubSubWorker(sub, s, led, outs.append, settle_s=1.0, identity=ids)
         _drive(
@@ -302,7 +302,7 @@ def test_a_boot_that_lost_a_line_is_left_to_the_sweep_never_decided_from_the_str
             lambda: led_count(led) >= 1 and w.gapped and w.next_gap() is None,
             lambda: f"decided {led_count(led)}, gapped {w.gapped}",
         )
-        assert [d.instance_id for d in led.all()] == ["5000000000"]
+        assert [d.instance_id for d in led.decisions.all()] == ["5000000000"]
         assert w.heard("5000000001")[1] and not w.heard("5000000000")[1]
         assert w.gapped == {"5000000001"} and w.stats.gapped == 1
     assert [o.instance_id for o in outs if o.action == "failover"] == ["5000000000"]
@@ -371,23 +371,25 @@ def test_two_workers_each_with_half_a_boot_decide_it_once_from_the_union(
         w2 = PubSubWorker(s2, "s", l2, outs.append, settle_s=SETTLE_S, identity=IDS)
         w1 = PubSubWorker(s1, "s", l1, outs.append, settle_s=SETTLE_S, identity=IDS)
         w2.step()
-        assert l2.all() == [] and w2.stats.unverified == 2 and len(s2.acked) == 2  # stored: acked
-        l1.place_pin(
+        assert (
+            l2.decisions.all() == [] and w2.stats.unverified == 2 and len(s2.acked) == 2
+        )  # stored: acked
+        l1.pins.place_pin(
             "77", SYNTH_KEY.public, SYNTH_KEY.fingerprint
         )  # the poll path pins it meanwhile
         w1.step()
-        (d,) = l1.all()
+        (d,) = l1.decisions.all()
         assert (d.instance_id, d.boot, d.verdict, d.owner) == (
             "77",
             "abab0001",
             "self_shutdown",
             "w1",
         )
-        assert l1.assembly_boots() == [("77", "abab0001", "decided")]
+        assert l1.assembly.boots() == [("77", "abab0001", "decided")]
         # a redelivery of any of its lines, to either worker: acked, nothing new
         s2.batches = [[_Rm(e, 9000 + i) for i, e in enumerate(entries)]]
         w2.step()
-        assert len(l2.all()) == 1 and len(s2.acked) == 2 + len(entries)
+        assert len(l2.decisions.all()) == 1 and len(s2.acked) == 2 + len(entries)
     assert [o.action for o in outs] == ["failover"]
 
 
@@ -400,23 +402,25 @@ def test_a_restarted_worker_loses_nothing_and_needs_nothing_again(tmp_path: Path
     outs: list[PollOutcome] = []
     with open_ledger(url, owner="w1") as led:
         for iid in ("88", "99"):
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         first = PubSubWorker(
             _Batches([wedged[:-1] + finished[:-2]]), "s", led, outs.append, identity=IDS
         )
         assert "shutdown" in str(wedged[-1]) and "exit" in str(finished[-2])
         first.step()
-        assert led.all() == [] and first.stats.acked == len(wedged) - 1 + len(finished) - 2
+        assert (
+            led.decisions.all() == [] and first.stats.acked == len(wedged) - 1 + len(finished) - 2
+        )
     with open_ledger(url, owner="w1b") as led:
         again = PubSubWorker(_Batches([[wedged[-1], finished[-2], finished[-1]]]), "s", led,
                              outs.append, identity=IDS)  # fmt: skip
         again.step()
-        assert [d.instance_id for d in led.all()] == ["88"]
-        assert sorted(led.assembly_boots()) == [
+        assert [d.instance_id for d in led.decisions.all()] == ["88"]
+        assert sorted(led.assembly.boots()) == [
             ("88", "cdcd0001", "decided"),
             ("99", "efef0001", "ended"),
         ]
-        assert led._exec("SELECT COUNT(*) FROM assembly_lines") == [(0,)]  # pruned
+        assert led.db.exec("SELECT COUNT(*) FROM assembly_lines") == [(0,)]  # pruned
     assert [o.instance_id for o in outs if o.action == "failover"] == ["88"]
 
 
@@ -430,14 +434,14 @@ def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> No
     fake = [log_entry("66", "vm-66", x) for x in lines_of(
         w, ("start", {"v": "1"}), ("shutdown", {"reason": "ladder", "rung": "10/10"}))]  # fmt: skip
     with open_ledger(tmp_path / "l.sqlite") as led:
-        led.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         wk = PubSubWorker(
             _Batches([real[:1], fake, real[1:]]), "s", led, lambda o: None, identity=IDS
         )
         for _ in range(3):
             wk.step()
-        assert led.all() == [] and wk.stats.forged >= 2
-        assert led.assembly_boots() == [("66", "aaaa6666", "ended")]
+        assert led.decisions.all() == [] and wk.stats.forged >= 2
+        assert led.assembly.boots() == [("66", "aaaa6666", "ended")]
 
 
 # -- many workers (issue 26 "Done when") --------------------------------------------------------
@@ -472,7 +476,7 @@ def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
     publish(t, fleet.messages)
     with open_ledger(ledger_url) as led:  # the poll path pins each VM (byte 0 of its port)
         for iid in fleet.names:
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     logs = {n: tmp_path / f"{n}.out" for n in ("w0", "w1", "w2", "w0b")}
     names = tmp_path / "names.json"  # who each id is, as the Compute API would say
     TableIdentities.of(fleet.names, PROJECT).save(names)
@@ -491,14 +495,14 @@ def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
             closed = fleet.wedged | fleet.finished
             deadline = time.monotonic() + 2 * DEADLINE_S
             while not (
-                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
-                and not led.pending_announcements()
+                {i for i, _, st in led.assembly.boots() if st != "open"} >= closed
+                and not led.decisions.pending_announcements()
             ):
                 assert all(p.poll() is None for p in procs.values()), _errs(procs)
                 assert time.monotonic() < deadline, f"decided {led_count(led)}"
                 time.sleep(0.2)
-            decisions = led.all()
-            states = {i: st for i, _, st in led.assembly_boots()}
+            decisions = led.decisions.all()
+            states = {i: st for i, _, st in led.assembly.boots()}
     finally:
         for p in procs.values():
             p.send_signal(signal.SIGTERM)
@@ -535,7 +539,7 @@ import fcntl, json, os, signal, sys
 state = sys.argv[1]
 doc = json.load(sys.stdin)
 token = os.environ["GCE_WATCHDOG_TOKEN"]
-assert doc["v"] == 1 and str(doc["token"]) == token
+assert doc["v"] == 2 and str(doc["token"]) == token
 assert doc["verdict"] in ("self_shutdown", "preempted")
 assert doc["request_id"] == os.environ["GCE_WATCHDOG_REQUEST_ID"]
 assert os.environ["GCE_WATCHDOG_INSTANCE"].endswith("/" + doc["name"])
@@ -572,13 +576,13 @@ def _three_workers_until_decided(
             closed = fleet.wedged | fleet.finished
             deadline = time.monotonic() + 2 * DEADLINE_S
             while not (
-                {i for i, _, st in led.assembly_boots() if st != "open"} >= closed
-                and not led.pending_announcements()
+                {i for i, _, st in led.assembly.boots() if st != "open"} >= closed
+                and not led.decisions.pending_announcements()
             ):
                 assert time.monotonic() < deadline, f"decided {led_count(led)}: {_errs(procs)}"
                 assert sum(p.poll() is not None for p in procs.values()) <= 1, _errs(procs)
                 time.sleep(0.2)
-            decisions = led.all()
+            decisions = led.decisions.all()
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -621,7 +625,7 @@ def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_i
     publish(t, fleet.messages)
     with open_ledger(ledger_url) as led:
         for iid in fleet.names:
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     state, hook = _hook(tmp_path)
     monkeypatch.setenv("KILL_FIRST", "1")
     extra = ("--on-failover", hook, "--announce-lease", "8")
@@ -651,7 +655,7 @@ def _two_wedged_one_finished(
     publish(topic, msgs)
     with open_ledger(ledger) as led:
         for iid in ids:
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
             compute.add_instance(f"vm-{iid}", project=PROJECT, instance_id=iid)  # who it is
 
 
@@ -686,11 +690,14 @@ def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
         with open_ledger(ledger) as led:
             wait_alive(
                 worker,
-                lambda: len(_pairs(state / "succeeded")) >= 2 and not led.pending_announcements(),
+                lambda: (
+                    len(_pairs(state / "succeeded")) >= 2
+                    and not led.decisions.pending_announcements()
+                ),
                 DEADLINE_S,
                 "the hooks never succeeded",
             )
-            decisions = led.all()
+            decisions = led.decisions.all()
         out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     assert sorted(d.instance_id for d in decisions) == ["5101", "5102"]
@@ -743,7 +750,7 @@ def _check_messages(msgs: list[Any], decisions: list[Any]) -> None:
     tokens = {d.request_id: d.token for d in decisions}
     for m in msgs:
         doc = json.loads(m.data)
-        assert doc["v"] == 1 and doc["request_id"] == m.attributes["request_id"]
+        assert doc["v"] == 2 and doc["request_id"] == m.attributes["request_id"]
         assert str(doc["token"]) == m.attributes["token"] == str(tokens[doc["request_id"]])
         assert doc["verdict"] == m.attributes["verdict"] == "self_shutdown"
 
@@ -768,7 +775,7 @@ def test_publish_sends_each_decision_once_across_workers_and_a_worker_killed_bef
     publish(t, fleet.messages)
     with open_ledger(ledger_url) as led:
         for iid in fleet.names:
-            led.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     faults = tmp_path / "faults"
     faults.mkdir()
     monkeypatch.setenv("KILL_FIRST", "1")
@@ -814,11 +821,14 @@ def test_poll_pubsub_publishes_each_decision_to_the_topic(
         with open_ledger(ledger) as led:
             wait_alive(
                 worker,
-                lambda: len(led.all()) == 2 and all(d.announced_at is not None for d in led.all()),
+                lambda: (
+                    len(led.decisions.all()) == 2
+                    and all(d.announced_at is not None for d in led.decisions.all())
+                ),
                 DEADLINE_S,
                 "the decisions were never announced",
             )
-            decisions = led.all()
+            decisions = led.decisions.all()
         out, err = terminate(worker)
     assert worker.returncode == 0, err.decode()
     assert sorted(d.instance_id for d in decisions) == ["5201", "5202"]
@@ -832,7 +842,7 @@ def _errs(procs: dict[str, subprocess.Popen[bytes]]) -> str:
 
 
 def led_count(led: Any) -> int:
-    return len(led.all())
+    return len(led.decisions.all())
 
 
 @pytest.fixture
@@ -858,7 +868,7 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     publish(t, [log_entry("4242", "vm-k", x) for x in reversed(texts)])
     compute.add_instance("vm-k", project=PROJECT, instance_id="4242")
     with open_ledger(pg_database) as led:
-        led.place_pin("4242", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        led.pins.place_pin("4242", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", s, "--ledger", pg_database,
             "--json", "--settle", "1s", "--access-token-file", str(tmp_path / "tok"),
@@ -873,7 +883,7 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     try:
         deadline = time.monotonic() + DEADLINE_S
         with open_ledger(pg_database) as led:
-            while not led.pending_announcements():
+            while not led.decisions.pending_announcements():
                 assert first.poll() is None, first.communicate()
                 assert time.monotonic() < deadline, "worker 1 never claimed"
                 time.sleep(0.1)
@@ -888,11 +898,13 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     try:
         deadline = time.monotonic() + DEADLINE_S
         with open_ledger(pg_database) as led:
-            while led.pending_announcements():  # redelivery (ack deadline 10 s), then the sweep
+            while (
+                led.decisions.pending_announcements()
+            ):  # redelivery (ack deadline 10 s), then the sweep
                 assert second.poll() is None, second.communicate()
                 assert time.monotonic() < deadline, "worker 2 never announced"
                 time.sleep(0.2)
-            (d,) = led.all()
+            (d,) = led.decisions.all()
         second.send_signal(signal.SIGTERM)
         out, err = second.communicate(timeout=60)
     finally:
@@ -949,7 +961,7 @@ def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
     failovers = [x for x in lines if x["action"] == "failover"]
     assert [(x["instance"], x["verdict"]) for x in failovers] == [("vm-stopped", "preempted")], err
     with open_ledger(tmp_path / "l.sqlite") as led:
-        (d,) = led.all()
+        (d,) = led.decisions.all()
         assert d.instance == f"{PROJECT}/us-central1-a/vm-stopped"
     assert b"sweep:" in err
     assert [t for t, _ in _pairs(state / "succeeded")] == [str(d.token)]  # failed once, then ran
@@ -959,7 +971,7 @@ def _decided(path: Path) -> bool:
     """A decision claimed and announced (its line printed): claiming alone comes first, and a
     SIGTERM between the two leaves the announcement to the next poller (docs/poller.md)."""
     with open_ledger(path) as led:
-        return any(d.announced_at is not None for d in led.all())
+        return any(d.announced_at is not None for d in led.decisions.all())
 
 
 def test_no_pin_no_decision_and_a_relabelled_line_decides_nothing(
@@ -987,7 +999,7 @@ def test_no_pin_no_decision_and_a_relabelled_line_decides_nothing(
     outs: list[PollOutcome] = []
     with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
         other = protocol.LineKey(secrets.token_bytes(32))  # vm-other's own (real) key
-        led.place_pin("7000000003", other.public, other.fingerprint)
+        led.pins.place_pin("7000000003", other.public, other.fingerprint)
         w = PubSubWorker(sub, s, led, outs.append, settle_s=0.5, identity=TableIdentities({}))
         deadline = time.monotonic() + DEADLINE_S
         while w.stats.messages < len(msgs) or w.stats.forged < len(texts):
@@ -995,7 +1007,7 @@ def test_no_pin_no_decision_and_a_relabelled_line_decides_nothing(
             w.step(timeout=1.0)
         for _ in range(3):
             w.step(timeout=0.5)
-        assert led.all() == [] and outs == []
+        assert led.decisions.all() == [] and outs == []
     assert w.unpinned == {"7000000001"} and w.stats.unpinned == 1
     assert w.stats.forged >= len(texts)  # the relabelled lines: not under vm-other's pin
     sub.close()

@@ -109,16 +109,16 @@ def test_a_real_line_of_vm_a_relabelled_as_vm_b_is_announced_as_vm_a_on_the_emul
         outs: list[PollOutcome] = []
         logs: list[str] = []
         with open_ledger(tmp_path / "ledger.sqlite", owner="w1") as led:
-            led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)  # A's key, by its id
+            led.pins.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)  # A's key, by its id
             ss = ServiceLikeSubscriber(ts.subscriber, 2, seed=3)
             w = PubSubWorker(ss, ts.subscription, led, outs.append, settle_s=600.0,
                              identity=identities(api), log=logs.append)  # fmt: skip
             deadline = time.monotonic() + DEADLINE_S
-            while not (led.all() and not led.pending_announcements()):
+            while not (led.decisions.all() and not led.decisions.pending_announcements()):
                 assert time.monotonic() < deadline, f"nothing decided: {w.stats}, {logs}"
                 w.step(timeout=0.5)
-            (d,) = led.all()
-            view = doc_for(led, d.token)  # the decisions view (`gce-watchdog decisions`)
+            (d,) = led.decisions.all()
+            view = doc_for(led.decisions, d.token)  # the decisions view (`gce-watchdog decisions`)
     assert (d.instance_id, d.verdict, d.instance) == (A_ID, "self_shutdown", f"{P}/{Z}/vm-a")
     assert view is not None and (view["project"], view["zone"], view["name"]) == (P, Z, "vm-a")
     (o,) = [o for o in outs if o.action == "failover"]
@@ -134,11 +134,11 @@ def test_an_honest_stream_is_named_as_before_no_alarm(api: FakeComputeAPI, tmp_p
     outs: list[PollOutcome] = []
     logs: list[str] = []
     with open_ledger(tmp_path / "l.sqlite") as led:
-        led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        led.pins.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         w = PubSubWorker(Batches([honest(a_boot())]), "s", led, outs.append,
                          identity=identities(api), log=logs.append)  # fmt: skip
         w.step()
-        (d,) = led.all()
+        (d,) = led.decisions.all()
     assert d.instance == f"{P}/{Z}/vm-a" and [o.instance for o in outs] == ["vm-a"]
     assert w.stats.relabelled == 0 and logs == []
 
@@ -159,14 +159,14 @@ def test_an_id_no_configured_project_has_is_never_announced(
     logs: list[str] = []
     entries = relabelled(a_boot())
     with open_ledger(tmp_path / "l.sqlite") as led:
-        led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        led.pins.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         subscriber = Batches([entries, entries])  # then a redelivery of all of it
         w = PubSubWorker(subscriber, "s", led, outs.append,
                          identity=identities(api, projects), log=logs.append)  # fmt: skip
         w.step()
         w.step()
-        assert led.all() == [] and led.pending_announcements() == []
-        assert led.assembly_boots() == [(A_ID, "a1a10001", "gapped")]
+        assert led.decisions.all() == [] and led.decisions.pending_announcements() == []
+        assert led.assembly.boots() == [(A_ID, "a1a10001", "gapped")]
         assert len(subscriber.acked) == 2 * len(entries)  # stored, left: acked
     assert outs == []
     assert w.stats.unknown == 1 and w.stats.decisions == 0
@@ -186,21 +186,21 @@ def test_an_api_error_delays_the_claim_never_lets_the_logentry_names_through(
     logs: list[str] = []
     entries = relabelled(a_boot())
     with open_ledger(tmp_path / "l.sqlite") as led:
-        led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        led.pins.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         subscriber = Batches([entries])
         w = PubSubWorker(subscriber, "s", led, outs.append, clock=clock,
                          identity=identities(api, clock=clock), log=logs.append)  # fmt: skip
         w.step()
-        assert led.all() == [] and outs == [] and w.stats.unidentified == 1
+        assert led.decisions.all() == [] and outs == [] and w.stats.unidentified == 1
         assert len(subscriber.acked) == len(entries)
-        assert led.assembly_boots() == [(A_ID, "a1a10001", "open")]
+        assert led.assembly.boots() == [(A_ID, "a1a10001", "open")]
         clock.t += IDENTITY_RETRY_S - 1.5
         w.step()
-        assert led.all() == [] and w.stats.unidentified == 1  # not due yet: not asked
+        assert led.decisions.all() == [] and w.stats.unidentified == 1  # not due yet: not asked
         api.set_fault("list", None)
         clock.t += 2.0
         w.step()  # housekeeping: the hint is due
-        (d,) = led.all()
+        (d,) = led.decisions.all()
     assert d.instance == f"{P}/{Z}/vm-a"
     assert [(o.instance, o.project, o.zone) for o in outs] == [("vm-a", P, Z)]
     _never_b(outs, logs)
@@ -217,18 +217,18 @@ def test_a_worker_that_dies_during_the_lookup_leaves_the_boot_to_the_next(
     outs: list[PollOutcome] = []
     url = tmp_path / "l.sqlite"
     with open_ledger(url, owner="w1") as led:
-        led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        led.pins.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         w1 = PubSubWorker(Batches([relabelled(a_boot())]), "s", led, outs.append, clock=clock,
                           identity=identities(api), log=lambda m: None)  # fmt: skip
         w1.step()
-        assert led.all() == []
+        assert led.decisions.all() == []
     api.set_fault("list", None)
     clock.t += IDENTITY_RETRY_S + 1
     with open_ledger(url, owner="w2") as led:
         w2 = PubSubWorker(Batches([]), "s", led, outs.append, clock=clock,
                           identity=identities(api), log=lambda m: None)  # fmt: skip
         w2.step()
-        (d,) = led.all()
+        (d,) = led.decisions.all()
     assert (d.owner, d.instance) == ("w2", f"{P}/{Z}/vm-a")
 
 
@@ -242,7 +242,7 @@ def test_the_cli_worker_looks_ids_up_in_the_subscriptions_project(
         publish_all(ts.publisher, ts.topic, relabelled(a_boot()))
         ledger = tmp_path / "l.sqlite"
         with open_ledger(ledger) as led:
-            led.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin(A_ID, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         (tmp_path / "tok").write_text("tok\n")
         env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PUBSUB_EMULATOR_HOST": pubsub_host}
         argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub", ts.subscription,
@@ -261,4 +261,4 @@ def test_the_cli_worker_looks_ids_up_in_the_subscriptions_project(
 
 def _announced(path: Path) -> bool:
     with open_ledger(path) as led:
-        return any(d.announced_at is not None for d in led.all())
+        return any(d.announced_at is not None for d in led.decisions.all())

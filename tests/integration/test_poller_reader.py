@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.lib.compute import AuthError, ComputeClient, ComputeRetry, GaveUpError
-from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import Poller
 from gce_watchdog.poller.reader import CursorStore, SerialReader
 from gce_watchdog.poller.timeline import parse_bytes
@@ -276,7 +276,7 @@ def test_corrupt_cursor_starts_fresh_and_is_reported(
 def make_poller(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path, now: float, **kw: object
 ) -> Poller:
-    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger = open_ledger(tmp_path / "ledger.sqlite")
     return Poller(
         make_client(api, sleeps),
         CursorStore(tmp_path / "cursors"),
@@ -308,7 +308,7 @@ def test_failover_once_then_already_decided_and_reaped_once(
         CursorStore(tmp_path / "other"),
         P,
         Z,
-        Ledger(tmp_path / "ledger.sqlite"),
+        open_ledger(tmp_path / "ledger.sqlite"),
         Policy(),
         reap=True,
         clock=lambda: now,
@@ -337,7 +337,7 @@ def test_api_outage_gives_no_verdict_and_no_decision(
     out = p.poll("vm-1")
     assert out.verdict is None and out.error and "gave up after 3 attempts" in out.error
     assert out.action == "error"
-    assert p.ledger is not None and p.ledger.all() == []
+    assert p.ledger is not None and p.ledger.decisions.all() == []
     api.set_fault("serial", None)  # back: now the silence is real
     assert p.poll("vm-1").verdict.kind is VerdictKind.SUSPECTED_WEDGE  # type: ignore[union-attr]
 

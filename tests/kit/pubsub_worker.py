@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(TopicPublisher(client, args.publish, stop=stop, log=log))
         if args.on_failover:
             steps.append(FailoverHook(shlex.split(args.on_failover), stop=stop, log=log))
-        deliver = Delivery(led, steps, log) if steps else None
+        deliver = Delivery(led.decisions, steps, log) if steps else None
         w = PubSubWorker(
             sub, args.subscription, led, emit, settle_s=args.settle, identity=ids, deliver=deliver
         )

@@ -105,7 +105,7 @@ def test_as_a_cloud_run_job_each_replica_a_fresh_disk_one_failover(
     assert runs[0]["a-healthy"]["action"] == "none"
     assert runs[1]["b-wedged"]["action"] == "already_decided", runs[1]
     with open_ledger(pg_database) as led:
-        assert [d.instance for d in led.all()] == ["test-project/us-central1-b/b-wedged"]
+        assert [d.instance for d in led.decisions.all()] == ["test-project/us-central1-b/b-wedged"]
 
 
 def _health(port: int) -> int:
@@ -126,7 +126,7 @@ def test_as_a_cloud_run_service_healthz_on_port_and_sigterm(
     n = f"{os.getpid()}-{time.monotonic_ns():x}"
     with topic_and_subscription("test-project", "serial-c", "watchdog-c", ack_deadline_s=60) as ts:
         with open_ledger(pg_database) as led:
-            led.place_pin("6200", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+            led.pins.place_pin("6200", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
         tok, port, name = secret(tmp_path), free_port(), f"gcewd-svc-{n}"
         api = FakeComputeAPI(token="tok").start()
         api.add_instance("vm-c", project="test-project", instance_id="6200")
@@ -147,8 +147,13 @@ def test_as_a_cloud_run_service_healthz_on_port_and_sigterm(
                     entry = exported_entry("test-project", "6200", "vm-c", text)
                     ts.publisher.publish(ts.topic, entry).result(timeout=30)
             with open_ledger(pg_database) as led:
-                assert wait_for(lambda: led.all() and not led.pending_announcements(), DEADLINE_S)
-                assert [d.instance for d in led.all()] == ["test-project/us-central1-a/vm-c"]
+                assert wait_for(
+                    lambda: led.decisions.all() and not led.decisions.pending_announcements(),
+                    DEADLINE_S,
+                )
+                assert [d.instance for d in led.decisions.all()] == [
+                    "test-project/us-central1-a/vm-c"
+                ]
             stop = pm.run("stop", "--time", "10", name, timeout=60)  # SIGTERM, SIGKILL after 10 s
             assert stop.returncode == 0, stop.stderr
             out, err = svc.communicate(timeout=60)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from gce_watchdog.poller.brake import BrakeRule, parse_share
 from gce_watchdog.poller.decisions import decision_doc, selected
-from gce_watchdog.poller.ledger import Decision, Ledger
+from gce_watchdog.poller.ledger import Decision
+from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -63,7 +64,7 @@ def test_shares_parse_as_percentages_or_fractions() -> None:
 
 def claim(led: Ledger, i: int, now: float) -> Decision:
     labels = {"gce-watchdog-job": f"job-{i}"}
-    return led.claim(
+    return led.decisions.claim(
         f"id-{i}", f"b{i}", "self_shutdown", "shut down", f"p/z/vm-{i}", now,
         {"labels": labels, "job": labels["gce-watchdog-job"], "evidence": [f"line {i}"]},
     )  # fmt: skip
@@ -73,9 +74,9 @@ def test_the_ledger_holds_failovers_beyond_the_share_and_releases_them(tmp_path:
     """A zone outage: 50 of a 60-VM fleet fail over within the window. 6 (10 %) are decided,
     44 held (no token spent), the held ones stay held when polled again, and a release decides
     each with the next token, so the view stays gap-free."""
-    with Ledger(tmp_path / "l.sqlite", owner="a") as led:
-        led.brake = BrakeRule(0.1, 600.0, 3)
-        led.fleet_size = lambda: 60
+    with open_ledger(tmp_path / "l.sqlite", owner="a") as led:
+        led.decisions.brake = BrakeRule(0.1, 600.0, 3)
+        led.decisions.fleet_size = lambda: 60
         got = [claim(led, i, 1000.0 + i) for i in range(50)]
         won = [d for d in got if d.won]
         held = [d for d in got if d.held]
@@ -83,30 +84,32 @@ def test_the_ledger_holds_failovers_beyond_the_share_and_releases_them(tmp_path:
         assert [d.token for d in won] == [1, 2, 3, 4, 5, 6]
         assert all(d.token == 0 for d in held)
         assert claim(led, 10, 1100.0).held
-        holds = led.holds()
+        holds = led.decisions.holds()
         assert [h.instance_id for h in holds] == [f"id-{i}" for i in range(6, 50)]
         picked, unknown = selected(holds, ["id-7", "p/z/vm-8", "nope"], every=False)
         assert {h.instance_id for h in picked} == {"id-7", "id-8"} and unknown == ["nope"]
-        released = [led.release(h, "operator", 1200.0) for h in picked]
+        released = [led.decisions.release(h, "operator", 1200.0) for h in picked]
         assert [d.token for d in released] == [7, 8] and all(d.won for d in released)
-        assert len(led.holds()) == 42
-        released_all = [led.release(h, "operator", 1200.0) for h in led.holds()]
+        assert len(led.decisions.holds()) == 42
+        released_all = [led.decisions.release(h, "operator", 1200.0) for h in led.decisions.holds()]
         assert [d.token for d in released_all] == list(range(9, 51))
         # at 1606 the six admitted at 1000..1005 aged out; the 44 released at 1200 would not
         assert claim(led, 60, 1606.0).won  # released ones do not fill the window
         assert not claim(led, 7, 1300.0).won
-        rows = led.details_after(0)
+        rows = led.decisions.details_after(0)
         assert [d.token for d, _ in rows] == list(range(1, 52))  # gap-free, increasing
         doc = decision_doc(*rows[7])
-        assert (doc["v"], doc["project"], doc["zone"], doc["name"]) == (1, "p", "z", "vm-8")
+        assert (doc["v"], doc["project"], doc["zone"], doc["name"]) == (2, "p", "z", "vm-8")
         assert doc["job"] == "job-8" and doc["labels"] == {"gce-watchdog-job": "job-8"}
         assert doc["evidence"] == ["line 8"] and doc["request_id"] == rows[7][0].request_id
 
 
 def test_the_window_slides_and_a_wedge_in_a_healthy_fleet_goes_through(tmp_path: Path) -> None:
-    with Ledger(tmp_path / "l.sqlite", owner="a") as led:
-        led.brake = BrakeRule(0.1, 600.0, 3)
-        led.fleet_size = lambda: 20  # allowed: max(3, 2) = 3
+    with open_ledger(tmp_path / "l.sqlite", owner="a") as led:
+        led.decisions.brake = BrakeRule(0.1, 600.0, 3)
+        led.decisions.fleet_size = lambda: 20  # allowed: max(3, 2) = 3
         assert [claim(led, i, 0.0).won for i in range(4)] == [True, True, True, False]
         assert claim(led, 5, 601.0).won  # the first three aged out
-        assert [h.instance_id for h in led.holds()] == ["id-3"]  # still held: only a release
+        assert [h.instance_id for h in led.decisions.holds()] == [
+            "id-3"
+        ]  # still held: only a release

@@ -494,3 +494,23 @@ class ComputeClient:
         """``zoneOperations.get``: the operation as it is now (PENDING, RUNNING or DONE)."""
         url = f"{self.api_base}/projects/{project}/zones/{zone}/operations/{name}"
         return self._call("GET", url, {})
+
+
+# GCE label syntax (Compute Engine docs, "Labels": keys start with a lower-case letter).
+_LABEL_RE = re.compile(r"[a-z][-_a-z0-9]{0,62}\Z")
+_VALUE_RE = re.compile(r"[-_a-z0-9]{0,63}\Z")
+
+
+def parse_label(spec: str) -> tuple[str, str | None]:
+    """``KEY=VALUE`` or ``KEY`` (any value) as GCE label syntax allows; ValueError otherwise."""
+    key, sep, value = spec.partition("=")
+    if not _LABEL_RE.match(key):
+        raise ValueError(f"label key {key!r}: lower-case letters, digits, - and _, 1-63")
+    if sep and not _VALUE_RE.match(value):
+        raise ValueError(f"label value {value!r}: lower-case letters, digits, - and _, 0-63")
+    return key, (value if sep else None)
+
+
+def label_filter(key: str, value: str | None) -> str:
+    """The aggregatedList filter (AIP-160) for instances carrying the label."""
+    return f"labels.{key}:*" if value is None else f'labels.{key} = "{value}"'

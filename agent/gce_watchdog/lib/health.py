@@ -8,6 +8,9 @@ after ``WatchdogSec=`` without): the loop calls :meth:`Liveness.beat` on progres
 https://cloud.google.com/run/docs/configuring/healthchecks). The body is one JSON object:
 ``{"status": "ok"|"stalled", "last_progress_s": AGE, "stall_s": LIMIT}``.
 
+``GET /metrics``, where the server was given a ``metrics`` callable, answers 200 with what it
+returns: Prometheus text format (the poller's delivery states, docs/poller.md, "Delivery").
+
 The server is a stdlib ``ThreadingHTTPServer`` in a daemon thread: it answers no other path
 (404) and no other method (501, http.server's default), reads no request body, and each request
 is handled in a thread of its own with a short socket timeout, so a slow client holds nothing.
@@ -22,6 +25,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 HEALTH_PATHS = ("/healthz", "/")
+METRICS_PATH = "/metrics"
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
 REQUEST_TIMEOUT_S = 5.0
 
 
@@ -55,20 +60,37 @@ class HealthServer:
     """``GET /healthz`` on ``(address, port)`` from a daemon thread; a context manager.
     ``port`` 0 picks a free one (``self.port`` says which)."""
 
-    def __init__(self, liveness: Liveness, address: str, port: int) -> None:
+    def __init__(
+        self,
+        liveness: Liveness,
+        address: str,
+        port: int,
+        metrics: Callable[[], str] | None = None,
+    ) -> None:
         live = liveness
 
         class Handler(BaseHTTPRequestHandler):
             timeout = REQUEST_TIMEOUT_S
 
             def do_GET(self) -> None:
-                if self.path.split("?", 1)[0] not in HEALTH_PATHS:
+                path = self.path.split("?", 1)[0]
+                if path == METRICS_PATH and metrics is not None:
+                    try:
+                        text = metrics()
+                    except Exception as e:  # (the ledger's errors): the scrape fails, not us
+                        self.send_error(503, f"{type(e).__name__}")
+                        return
+                    self._answer(200, text.encode(), METRICS_TYPE)
+                    return
+                if path not in HEALTH_PATHS:
                     self.send_error(404)
                     return
                 code, body = live.answer()
-                data = (json.dumps(body, sort_keys=True) + "\n").encode()
+                self._answer(code, (json.dumps(body, sort_keys=True) + "\n").encode())
+
+            def _answer(self, code: int, data: bytes, ctype: str = "application/json") -> None:
                 self.send_response(code)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(data)))
                 self.send_header("Cache-Control", "no-store")
                 self.end_headers()

@@ -7,9 +7,10 @@ attempt, and after each failed one the caller's ``next_wait`` says how long to w
 Its callers keep their own stop rule, the part that really differs: ``fetch`` stops at an absolute
 deadline and honours ``Retry-After`` (:class:`gce_watchdog.bootstrap.fetch.FetchRetry`), the
 action chain after N attempts or when the next wait would cross its deadline, the Compute API
-client and the poller's deliveries after N attempts, the ledger's open at a deadline (no jitter:
-``Backoff(jitter=0)``). The metadata watcher never gives up (it backs off while the server is
-unreachable and starts over after a success): :meth:`Backoff.counter`, not a retry loop.
+client and the poller's deliveries after N attempts, the SQLite ledger's open when its next wait
+would cross the busy timeout (no jitter: ``Backoff(jitter=0)``). The metadata watcher never gives
+up (it backs off while the server is unreachable and starts over after a success):
+:meth:`Backoff.counter`, not a retry loop.
 """
 
 from __future__ import annotations

@@ -9,10 +9,14 @@ imports the rest only inside its handlers):
 - :mod:`gce_watchdog.poller.assemble`: the pure reassembly of Pub/Sub lines (gap-free prefix).
 - :mod:`gce_watchdog.poller.reader`: the incremental, resumable serial reader and its cursor store
   (through the one Compute API client, :mod:`gce_watchdog.lib.compute`).
-- :mod:`gce_watchdog.poller.ledger`: the ledger's interface (``BaseLedger``) and the SQLite
-  ledger that makes a FAILOVER decision happen once.
-- :mod:`gce_watchdog.poller.ledger_pg`: the PostgreSQL ledger, the same semantics across hosts.
-- :mod:`gce_watchdog.poller.ledgers`: ``open_ledger``, the factory picking one of the two.
+- :mod:`gce_watchdog.poller.ledger`: the decisions store (``DecisionStore``) that makes a
+  FAILOVER decision happen once; :mod:`gce_watchdog.poller.pin_store`: the readers' shared pins
+  (``PinStore``); :mod:`gce_watchdog.poller.assembly_store`: the Pub/Sub workers' assembly state
+  (``AssemblyStore``). Each is SQL over one connection of the ledger's database.
+- :mod:`gce_watchdog.poller.ledger_db`: that connection and schema, SQLite;
+  :mod:`gce_watchdog.poller.ledger_pg`: PostgreSQL, the same semantics across hosts.
+- :mod:`gce_watchdog.poller.ledgers`: ``open_ledger``, the factory picking one of the two and
+  handing out the three stores (``Ledger``).
 - :mod:`gce_watchdog.poller.identity`: who an instance id is (project, zone, name), asked of the
   Compute API, never taken from a LogEntry.
 - :mod:`gce_watchdog.poller.poller`: one poll of one instance: read, decide, claim, reap.

@@ -40,12 +40,19 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib import jsontime
-from gce_watchdog.lib.cli import EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE, CommandError
+from gce_watchdog.lib.cli import (
+    EX_IOERR,
+    EX_NOPERM,
+    EX_OK,
+    EX_TEMPFAIL,
+    EX_UNAVAILABLE,
+    CommandError,
+)
 from gce_watchdog.lib.compute import (
     DEFAULT_API_BASE,
     AuthError,
@@ -56,6 +63,7 @@ from gce_watchdog.lib.compute import (
 from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
+from gce_watchdog.poller.decisions import delivery_metrics
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
     BudgetedSession,
@@ -64,10 +72,9 @@ from gce_watchdog.poller.fleet import (
     Target,
     plan_interval,
 )
-from gce_watchdog.poller.hooks import Delivery, FailoverHook, TopicPublisher
+from gce_watchdog.poller.hooks import Delivery, FailoverHook, Step, TopicPublisher
 from gce_watchdog.poller.identity import ComputeIdentities, subscription_project
-from gce_watchdog.poller.ledger import BaseLedger
-from gce_watchdog.poller.ledgers import open_ledger
+from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import (
     Poller,
     PollOutcome,
@@ -168,16 +175,34 @@ class Parts:
 
     client: ComputeClient
     store: CursorStore
-    ledger: BaseLedger
+    ledger: Ledger
     budget: ProjectBudget
     stop: threading.Event  # set by SIGTERM/SIGINT
     ledger_errors: tuple[type[BaseException], ...]  # what a failed ledger or cursor write raises
     hook: FailoverHook | None = None  # --on-failover
     pulse: Pulse | None = None  # systemd's watchdog (Type=notify); None: not under systemd
     # --publish, then --on-failover: each must succeed before the announcement is marked done
-    deliveries: tuple[Callable[[dict[str, Any]], bool], ...] = ()
+    deliveries: tuple[Step, ...] = ()
     logging: LoggingClient | None = None  # --logging-evidence
     health: Liveness | None = None  # --health-port: GET /healthz (lib/health.py)
+    # tokens whose delivery failed in this run and that no delivery of this run has delivered
+    # since: while any is left, a round's status is EX_TEMPFAIL (docs/poller.md, "Delivery")
+    undelivered: set[int] = field(default_factory=set)
+
+    def delivered(self, token: int) -> bool:
+        """Run the deliveries of one decision (``Delivery``: its state goes to the ledger)."""
+        ok = Delivery(self.ledger.decisions, self.deliveries, _log)(token)
+        if ok:
+            self.undelivered.discard(token)
+        else:
+            self.undelivered.add(token)
+        self.beat()  # a delivery is progress (bounded: attempts x --on-failover-timeout)
+        return ok
+
+    def status(self, rc: int) -> int:
+        """A round's exit status: ``rc``, or EX_TEMPFAIL where it is EX_OK and a decision of
+        this run stays undelivered."""
+        return EX_TEMPFAIL if rc == EX_OK and self.undelivered else rc
 
     def wait(self, seconds: float) -> bool:
         """``stop.wait`` that keeps the watchdog (and the health endpoint) fed while the loop
@@ -221,15 +246,13 @@ class Parts:
             return
         if not out.announce or d is None:
             return
-        if self.deliveries and not Delivery(self.ledger, self.deliveries, _log)(d.token):
-            return
+        if self.deliveries and not self.delivered(d.token):
+            return  # failed: the next poll of any poller retries it
         mark(out)
 
 
-def run_poll(s: PollSettings) -> int:
-    """Build the parts, run the mode's loop, close everything; the command's exit status."""
-    global _write_line
-    state = _state_home() / "gce-watchdog"
+def _open_client(s: PollSettings) -> tuple[ComputeClient, str | None]:
+    """The Compute API client from the token file or systemd's credentials, and that file."""
     creds = service_credentials(os.environ)
     token_file = s.api.token_file or creds.get(CREDENTIAL_TOKEN)
     if not s.api.token_file and CREDENTIAL_TOKEN in creds:
@@ -246,6 +269,14 @@ def run_poll(s: PollSettings) -> int:
         raise _failed(EX_NOPERM, f"--access-token-file: {e}") from None
     except AuthError as e:
         raise _failed(EX_NOPERM, str(e)) from None
+    return client, token_file
+
+
+def run_poll(s: PollSettings) -> int:
+    """Build the parts, run the mode's loop, close everything; the command's exit status."""
+    global _write_line
+    state = _state_home() / "gce-watchdog"
+    client, token_file = _open_client(s)
     try:
         ledger = open_ledger(
             s.ledger or state / "ledger.sqlite", announce_lease_s=s.announce_lease_s
@@ -265,10 +296,10 @@ def run_poll(s: PollSettings) -> int:
     hook = None
     if s.on_failover:
         hook = FailoverHook(s.on_failover, s.on_failover_timeout_s, stop=stop, log=_log)
-    ledger.brake = s.brake
+    ledger.decisions.brake = s.brake
     notifier = Notifier()
     pulse = Pulse(notifier) if notifier.enabled else None
-    deliveries: list[Callable[[dict[str, Any]], bool]] = []
+    deliveries: list[Step] = []
     if s.publish:
         try:
             from google.cloud import pubsub_v1
@@ -292,7 +323,13 @@ def run_poll(s: PollSettings) -> int:
     if s.health is not None:  # listening once the ledger is open: Cloud Run's startup probe
         live = Liveness(s.health.stall_s)
         try:
-            server = HealthServer(live, s.health.address, s.health.port).start()
+            decisions = ledger.decisions
+            server = HealthServer(
+                live,
+                s.health.address,
+                s.health.port,
+                metrics=lambda: delivery_metrics(decisions.delivery_counts()),
+            ).start()
         except OSError as e:
             ledger.close()
             client.close()
@@ -378,7 +415,7 @@ def run_decisions_cmd(
     next round: its lease is 0), run :func:`gce_watchdog.poller.decisions.run_decisions`."""
     from gce_watchdog.lib.cli import EX_USAGE
     from gce_watchdog.poller.decisions import run_decisions
-    from gce_watchdog.poller.ledgers import ledger_backend
+    from gce_watchdog.poller.settings import ledger_backend
 
     where: str | Path = spec or _state_home() / "gce-watchdog" / "ledger.sqlite"
     try:
@@ -397,7 +434,9 @@ def run_decisions_cmd(
     stop = threading.Event()
     with _signals_set(stop):
         try:
-            return run_decisions(ledger, what, after, keep_following, as_json, ids, every, stop)
+            return run_decisions(
+                ledger.decisions, what, after, keep_following, as_json, ids, every, stop
+            )
         finally:
             ledger.close()
 
@@ -411,12 +450,18 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
         p.client, p.store, s.projects[0], s.zone, p.ledger, s.policy, s.reap,
         peers=[Path(d) for d in s.evidence.peer_cursor_dirs], logging=p.logging,
     )  # fmt: skip
-    p.ledger.fleet_size = lambda: len(s.instances)
+    p.ledger.decisions.fleet_size = lambda: len(s.instances)
+    decisions = p.ledger.decisions
+
+    def mark_lapsed(out: PollOutcome) -> bool:
+        return announced_outcome(decisions, out, time.time())
+
     rc = EX_OK
     rounds = 0
     while not p.stop.is_set():
         rounds += 1
         rc = EX_OK
+        started = time.time()  # a delivery that fails in this round is retried in the next
         for name in s.instances:
             try:  # (AuthError and a failed ledger or cursor write end the run: run_poll)
                 out = poller.poll(name)
@@ -427,11 +472,12 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
                 # a wrong project or zone: a configuration error, never a verdict
                 raise _failed(EX_UNAVAILABLE, str(e)) from None
         try:  # decisions whose claimer died before announcing them (e.g. a reaped VM)
-            for out in lapsed_announcements(p.ledger, time.time()):
-                p.deliver(out, s.json, lambda o: announced_outcome(p.ledger, o, time.time()))
+            for out in lapsed_announcements(p.ledger.decisions, started):
+                p.deliver(out, s.json, mark_lapsed)
         except p.ledger_errors as e:
             raise _failed(EX_IOERR, f"ledger write failed: {e}") from None
         _cursor_notes(p.store)
+        rc = p.status(rc)
         if s.once or (s.max_polls and rounds >= s.max_polls):
             break
         p.wait(s.wait_s)
@@ -452,7 +498,7 @@ def _fleet(s: PollSettings, p: Parts) -> FleetPoller:
 
 def _run_fleet(s: PollSettings, p: Parts) -> int:
     fleet = _fleet(s, p)
-    p.ledger.fleet_size = lambda: len(fleet.known)
+    p.ledger.decisions.fleet_size = lambda: len(fleet.known)
     rc = EX_OK
     rounds = 0
     effective = s.wait_s
@@ -492,6 +538,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
                 note = plan.note
                 _log(note or f"the fleet fits the budget again: polling every {s.interval_s:g}s")
             effective = plan.interval_s
+            rc = p.status(rc)
             if s.once or (s.max_polls and rounds >= s.max_polls):
                 break
             p.wait(max(0.0, effective - (time.monotonic() - t0)))
@@ -537,21 +584,13 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
     # subscription's without --project), never the LogEntry's labels (docs/poller.md)
     projects = s.projects or (subscription_project(sub.subscription),)
     identity = ComputeIdentities(p.client, projects)
-    deliver = None
-    if p.deliveries:
-        delivery = Delivery(p.ledger, p.deliveries, _log)
-
-        def deliver(token: int) -> bool:
-            ok = delivery(token)
-            p.beat()  # a delivery is progress (bounded: attempts x --on-failover-timeout)
-            return ok
-
+    deliver = p.delivered if p.deliveries else None
     worker = PubSubWorker(
         subscriber, sub.subscription, p.ledger, emit, s.policy, sub.settle_s,
         identity=identity, log=_log, deliver=deliver,
     )  # fmt: skip
     # the fleet the brake is a share of: every instance heard from on the stream or listed
-    p.ledger.fleet_size = worker.fleet_size
+    p.ledger.decisions.fleet_size = worker.fleet_size
     sweeper = None
     if s.label_filter is not None:  # (settings: --label comes with its --project)
         sweeper = threading.Thread(
@@ -573,7 +612,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
         f"stopped: {st.messages} messages, {st.lines} lines of ours, {st.decisions} decisions, "
         f"{st.announced} announced, {st.acked} acked"
     )
-    return EX_OK
+    return p.status(EX_OK)
 
 
 def _sweep(
@@ -598,8 +637,8 @@ def _sweep(
         if d is not None and d.held:
             _log(f"ALARM: the fleet-wide brake holds the failover of {d.instance}")
         elif out.announce and d is not None:
-            if p.deliveries and not Delivery(p.ledger, p.deliveries, _log)(d.token):
-                return  # pending: the workers' announcement sweep retries it after the lease
+            if p.deliveries and not p.delivered(d.token):
+                return  # failed: the workers' announcement sweep retries it
             fleet.announced(out)
 
     try:

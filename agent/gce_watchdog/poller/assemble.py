@@ -1,13 +1,13 @@
 """Putting a boot's lines back in order when they arrive out of order, twice, or not at all.
 
 The pure core of the Pub/Sub path (no clock, no I/O: times are passed in). Log entries reach the
-workers of a subscription in any order, spread over the workers, and possibly more than once.
-Every line a worker receives goes to the shared store first (the ledger's ``assembly_*`` tables,
-see ``ledger.BaseLedger``); this module computes, from **the union of what all workers stored**
-for one (instance, boot), the **gap-free prefix**: the lines with seq 0, 1, 2, ... up to the first
-one nobody has received yet. A line past a gap is held; the verdict is only ever taken over the
-prefix, so a ``shutdown`` that arrives before the ``exit rc=0`` written just ahead of it cannot
-fail a finished job over.
+workers of a subscription in any order, spread over the workers, and possibly more than once. Every
+line a worker receives goes to the shared store first (the ledger's ``assembly_*`` tables, see
+``assembly_store.AssemblyStore``); this module computes, from **the union of what all workers
+stored** for one (instance, boot), the **gap-free prefix**: the lines with seq 0, 1, 2, ... up to
+the first one nobody has received yet. A line past a gap is held; the verdict is only ever taken
+over the prefix, so a ``shutdown`` that arrives before the ``exit rc=0`` written just ahead of it
+cannot fail a finished job over.
 
 A gap is waited for ``settle_s`` from the moment the earliest line held behind it was received.
 If it has not filled by then, the boot is **gapped**: never decided from the stream (the missing

@@ -14,6 +14,8 @@ in each ``--help`` and in docs/poller.md:
     retries, or still polling at the round's deadline); the others were still decided and
     reported; or the project or zone does not exist (EX_UNAVAILABLE)
 74  ``poll``: the ledger or cursor directory cannot be opened or written (EX_IOERR)
+75  ``poll``: a decision's delivery (``--on-failover``, ``--publish``) failed and stays
+    undelivered (``failed`` in the decisions view); the next poll retries it (EX_TEMPFAIL)
 77  ``poll``: no credentials, or the API rejected them (EX_NOPERM)
 ==  =====================================================================================
 

@@ -21,9 +21,11 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
-from gce_watchdog.poller.ledger import BaseLedger, Decision, Hold
+from gce_watchdog.poller.ledger import DELIVERY_STATES, Decision, DecisionStore, Hold
 
-VERSION = 1  # the view's version: a field's meaning never changes within a version
+# The view's version: a field's meaning never changes within a version. 2: the delivery state
+# (``delivery``, ``delivery_attempts``, ``delivery_error``); every field of 1 is unchanged.
+VERSION = 2
 FOLLOW_INTERVAL_S = 1.0  # --follow asks the ledger this often for new decisions
 
 
@@ -52,10 +54,29 @@ def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
         "labels": dict(details.get("labels") or {}),
         "job": details.get("job"),
         "decided_at": _iso(d.decided_at),
+        "delivery": d.delivery,
+        "delivery_attempts": d.delivery_attempts,
+        "delivery_error": d.delivery_error,
     }
 
 
-def doc_for(ledger: BaseLedger, token: int) -> dict[str, Any] | None:
+DELIVERY_METRIC = "gce_watchdog_poller_decisions"
+
+
+def delivery_metrics(counts: dict[str, int]) -> str:
+    """The decisions by delivery state as Prometheus text (``GET /metrics``; pure)."""
+    lines = [
+        f"# HELP {DELIVERY_METRIC} Decisions in the ledger by delivery state"
+        " (--on-failover, --publish): pending, delivered, failed.",
+        f"# TYPE {DELIVERY_METRIC} gauge",
+    ]
+    lines += [
+        f'{DELIVERY_METRIC}{{delivery="{s}"}} {int(counts.get(s, 0))}' for s in DELIVERY_STATES
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def doc_for(ledger: DecisionStore, token: int) -> dict[str, Any] | None:
     """The view of the decision with this token, or None."""
     rows = ledger.details_after(token - 1, 1)
     if not rows or rows[0][0].token != token:
@@ -64,7 +85,7 @@ def doc_for(ledger: BaseLedger, token: int) -> dict[str, Any] | None:
 
 
 def follow(
-    ledger: BaseLedger,
+    ledger: DecisionStore,
     after: int,
     out: Callable[[dict[str, Any]], None],
     stop: threading.Event,
@@ -117,11 +138,14 @@ def _line(doc: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps(doc, sort_keys=True)
     parts = [f"{k}={doc[k]}" for k in ("token", "project", "zone", "name", "boot") if k in doc]
-    return " ".join([*parts, f"verdict={doc['verdict']}", f"job={doc.get('job') or '-'}"])
+    parts += [f"verdict={doc['verdict']}", f"job={doc.get('job') or '-'}"]
+    if "delivery" in doc:  # a decision (a hold has none)
+        parts.append(f"delivery={doc['delivery']}/{doc['delivery_attempts']}")
+    return " ".join(parts)
 
 
 def run_decisions(
-    ledger: BaseLedger,
+    ledger: DecisionStore,
     what: str,
     after: int,
     keep_following: bool,

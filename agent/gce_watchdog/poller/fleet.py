@@ -43,7 +43,7 @@ from gce_watchdog.lib.compute import (
 )
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.poller.cloudlogging import LoggingClient
-from gce_watchdog.poller.ledger import BaseLedger
+from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.poller import (
     Poller,
     PollOutcome,
@@ -69,8 +69,6 @@ DEFAULT_WORKERS = 16
 # then the steady rate.
 BURST_S = 10.0
 _PROJECT_IN_URL = re.compile(r"/projects/([^/?]+)")
-_LABEL_RE = re.compile(r"[a-z][-_a-z0-9]{0,62}\Z")
-_VALUE_RE = re.compile(r"[-_a-z0-9]{0,63}\Z")
 # A serial read's worst case: connect + read timeout, then the retries (ComputeRetry).
 SLOW_POLL_NOTE = "still polling at the round's deadline; its next poll waits for this one"
 
@@ -83,21 +81,6 @@ class Target:
 
     def __str__(self) -> str:
         return f"{self.project}/{self.zone}/{self.name}"
-
-
-def parse_label(spec: str) -> tuple[str, str | None]:
-    """``KEY=VALUE`` or ``KEY`` (any value) as GCE label syntax allows; ValueError otherwise."""
-    key, sep, value = spec.partition("=")
-    if not _LABEL_RE.match(key):
-        raise ValueError(f"label key {key!r}: lower-case letters, digits, - and _, 1-63")
-    if sep and not _VALUE_RE.match(value):
-        raise ValueError(f"label value {value!r}: lower-case letters, digits, - and _, 0-63")
-    return key, (value if sep else None)
-
-
-def label_filter(key: str, value: str | None) -> str:
-    """The aggregatedList filter (AIP-160) for instances carrying the label."""
-    return f"labels.{key}:*" if value is None else f'labels.{key} = "{value}"'
 
 
 @dataclass(frozen=True)
@@ -298,7 +281,7 @@ class FleetPoller:
         self,
         client: ComputeClient,
         store: CursorStore,
-        ledger: BaseLedger | None,
+        ledger: Ledger | None,
         projects: list[str],
         flt: str,
         policy: Policy | None = None,
@@ -361,7 +344,7 @@ class FleetPoller:
         """``Poller.announced`` for an outcome of this fleet."""
         if self.ledger is None:
             return False
-        return announced_outcome(self.ledger, out, self.clock())
+        return announced_outcome(self.ledger.decisions, out, self.clock())
 
     def round(
         self,
@@ -373,6 +356,7 @@ class FleetPoller:
         """Discover, poll everything listed (and once more what vanished), emit outcomes until
         ``deadline_s`` (a ``monotonic`` time). Raises AuthError from discovery; a project whose
         list failed is in the report's ``failed``, its known VMs kept and polled."""
+        started = self.clock()  # a delivery that fails in this round is retried in the next
         found = discover(self.client, self.projects, self.filter)
 
         def unlisted(t: Target) -> bool:  # the list said nothing about its zone or project
@@ -428,7 +412,7 @@ class FleetPoller:
                 del self._inflight[t]
                 self._emit(f.result(), emit, rep)
         if self.ledger is not None:  # decisions whose claimer died before announcing them
-            for out in lapsed_announcements(self.ledger, self.clock()):
+            for out in lapsed_announcements(self.ledger.decisions, started):
                 rep.outcomes += 1
                 emit(out)
         return rep

@@ -10,7 +10,8 @@ its environment ``GCE_WATCHDOG_TOKEN``, ``GCE_WATCHDOG_REQUEST_ID``, ``GCE_WATCH
 - Exit 0 is the only success: only then does the poller mark the announcement done.
 - Anything else (an exit status, a signal, a timeout, a command that cannot start) is retried
   with the package's back-off (``lib.retry.Backoff``) up to ``attempts`` times; then the
-  announcement stays pending and the next announcement sweep (after the lease) tries again.
+  decision's delivery is ``failed`` (its attempts and last error in the ledger), its lease ends,
+  and the next poll (or announcement sweep) of any poller tries again.
   Delivery is at-least-once: the token is the dedup key.
 - Each run is bounded by ``timeout_s``: its whole process group is killed (SIGKILL) then.
 - The command's stdout and stderr go to an unlinked temporary file, never a pipe: a command that
@@ -27,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import tempfile
@@ -38,9 +38,27 @@ from typing import Any
 
 from gce_watchdog.lib.retry import Backoff, retry_call
 from gce_watchdog.poller.decisions import doc_for
-from gce_watchdog.poller.ledger import BaseLedger
+from gce_watchdog.poller.ledger import DecisionStore
 
 TAIL_BYTES = 2048
+
+
+@dataclass(frozen=True)
+class Tried:
+    """What one delivery step did: true once it succeeded; ``attempts`` made, and the last
+    failed attempt's ``error`` (None if it succeeded)."""
+
+    ok: bool
+    attempts: int
+    error: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+# A delivery step (``--publish``, ``--on-failover``): the decision's view in, what it did out
+# (a plain bool counts as one attempt).
+Step = Callable[[dict[str, Any]], "Tried | bool"]
 
 
 def retried(
@@ -51,17 +69,19 @@ def retried(
     stop: threading.Event,
     log: Callable[[str], None],
     rng: Callable[[], float],
-) -> bool:
-    """Run ``once`` (None: it succeeded, else what went wrong) until it succeeds (True) or
-    ``attempts`` are spent (False), waiting the package's back-off between attempts; ``stop``
+) -> Tried:
+    """Run ``once`` (None: it succeeded, else what went wrong) until it succeeds (true) or
+    ``attempts`` are spent (false), waiting the package's back-off between attempts; ``stop``
     cuts the wait short (and ends the attempts). The retry of every delivery step
     (``--on-failover``, ``--publish``), each failed attempt logged as ``WHAT: WHY (attempt n/N)``.
     """
     if attempts < 1:
-        return False
+        return Tried(False, 0)
+    made: list[str | None] = []  # each attempt's error (None: it succeeded)
 
     def one(n: int) -> None:
         why = once()
+        made.append(why)
         if why is not None:
             log(f"{what}: {why} (attempt {n}/{attempts})")
             raise _Failed(why)
@@ -78,8 +98,8 @@ def retried(
             sleep=pause,
         )
     except (_Failed, _Stopped):
-        return False
-    return True
+        return Tried(False, len(made), made[-1] if made else None)
+    return Tried(True, len(made))
 
 
 class _Failed(Exception):
@@ -100,8 +120,8 @@ class FailoverHook:
     log: Callable[[str], None] = lambda _msg: None
     rng: Callable[[], float] = random.random
 
-    def __call__(self, doc: Mapping[str, Any]) -> bool:
-        """Run the command until it exits 0 (True) or the attempts are spent (False)."""
+    def __call__(self, doc: Mapping[str, Any]) -> Tried:
+        """Run the command until it exits 0 (true) or the attempts are spent (false)."""
         data = (json.dumps(doc, sort_keys=True) + "\n").encode()
         env = dict(os.environ)
         env.update(
@@ -159,26 +179,33 @@ class Delivery:
     """An announced decision's deliveries (``--publish``, then ``--on-failover``), by token: its
     view read back from the ledger (:func:`gce_watchdog.poller.decisions.doc_for`), then each
     step in turn; True only once every step succeeded (then, and only then, the caller marks the
-    announcement done)."""
+    announcement done). The attempts and the last error go to the decision's delivery state in
+    the ledger (``record_delivery``): a failed one is ``failed`` until a later poll delivers it."""
 
-    ledger: BaseLedger
-    steps: Sequence[Callable[[dict[str, Any]], bool]]
+    ledger: DecisionStore
+    steps: Sequence[Step]
     log: Callable[[str], None] = lambda _msg: None
 
     def __call__(self, token: int) -> bool:
         doc = doc_for(self.ledger, token)
-        if doc is not None and all(step(doc) for step in self.steps):
+        if doc is None:  # (not in the ledger: nothing to deliver, nothing to record)
+            self.log(f"the delivery of token {token} found no such decision in the ledger")
+            return False
+        attempts, error = 0, None
+        for step in self.steps:
+            got = step(doc)
+            attempts += got.attempts if isinstance(got, Tried) else 1
+            if not got:
+                error = (got.error if isinstance(got, Tried) else None) or "the step failed"
+                break
+        self.ledger.record_delivery(token, attempts, error)
+        if error is None:
             return True
         self.log(
-            f"the delivery of token {token} did not succeed: the announcement stays "
-            "pending and is retried after its lease"
+            f"the delivery of token {token} failed after {attempts} attempt(s): {error}; it "
+            "stays undelivered (failed) and the next poll retries it"
         )
         return False
-
-
-# A topic's resource name (Pub/Sub resource names: a topic id starts with a letter, 3-255 of
-# letters, digits and - _ . ~ + %).
-TOPIC_RE = re.compile(r"projects/[^/\s]+/topics/[A-Za-z][-A-Za-z0-9._~%+]{2,254}\Z")
 
 
 @dataclass
@@ -200,7 +227,7 @@ class TopicPublisher:
     log: Callable[[str], None] = lambda _msg: None
     rng: Callable[[], float] = random.random
 
-    def __call__(self, doc: Mapping[str, Any]) -> bool:
+    def __call__(self, doc: Mapping[str, Any]) -> Tried:
         data = json.dumps(doc, sort_keys=True).encode()
         attrs = {"request_id": str(doc["request_id"]), "token": str(doc["token"]),
                  "verdict": str(doc["verdict"])}  # fmt: skip

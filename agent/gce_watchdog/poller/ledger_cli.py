@@ -59,7 +59,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
         return EX_USAGE
     try:
         with open_ledger(args.ledger or default_ledger()) as led:
-            old = led.hand_pin(args.instance_id, args.fingerprint)
+            old = led.pins.hand_pin(args.instance_id, args.fingerprint)
     except ValueError as e:
         print(f"gce-watchdog pin: --ledger: {e}", file=sys.stderr)
         return EX_USAGE

@@ -1,4 +1,5 @@
-"""The PostgreSQL ledger: the same semantics as the SQLite one, shared by pollers on many hosts.
+"""The PostgreSQL ledger database: the stores' semantics as in SQLite, shared by pollers on many
+hosts.
 
 ``--ledger postgresql://user@host/db`` (psycopg 3, the ``[postgres]`` extra). The connection runs
 in autocommit mode and every write that must be atomic is an explicit transaction:
@@ -24,12 +25,12 @@ from typing import Any
 import psycopg
 from psycopg.pq import TransactionStatus
 
-from gce_watchdog.poller.ledger import (
-    ANNOUNCE_LEASE_S,
+from gce_watchdog.poller.ledger_db import (
     ASSEMBLY_SCHEMA,
+    DELIVERY_COLUMNS,
     DISPATCH_TABLES,
     PIN_REKEYS_TABLE,
-    BaseLedger,
+    SqlDb,
     default_owner,
 )
 
@@ -81,8 +82,8 @@ _SCHEMA = (
 _SCHEMA_LOCK_KEY = 0x6763_6577_6400  # "gcewd" as an advisory lock key
 
 
-class PostgresLedger(BaseLedger):
-    """The ledger in the PostgreSQL database at ``url``. A context manager, or call close()."""
+class PostgresDb(SqlDb):
+    """The ledger in the PostgreSQL database at ``url``."""
 
     errors = (psycopg.Error,)
 
@@ -90,13 +91,11 @@ class PostgresLedger(BaseLedger):
         self,
         url: str,
         owner: str = "",
-        announce_lease_s: float = ANNOUNCE_LEASE_S,
         lock_timeout_ms: int = LOCK_TIMEOUT_MS,
     ) -> None:
         self.url = url
         self.owner = owner or default_owner()
-        self.announce_lease_s = announce_lease_s
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self._db: psycopg.Connection[Any] = psycopg.connect(
             url,
             autocommit=True,
@@ -122,6 +121,13 @@ class PostgresLedger(BaseLedger):
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
                     if not self._ready("pin_rekeys"):
                         self._db.execute(PIN_REKEYS_TABLE)
+            if not self._has_column("decisions", "delivery_error"):  # delivery state, later
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    for name, sqltype in DELIVERY_COLUMNS:  # (IF NOT EXISTS: idempotent)
+                        self._db.execute(
+                            f"ALTER TABLE decisions ADD COLUMN IF NOT EXISTS {name} {sqltype}"
+                        )
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
@@ -140,6 +146,14 @@ class PostgresLedger(BaseLedger):
         ).fetchone()
         return bool(row and row[0])
 
+    def _has_column(self, table: str, column: str) -> bool:
+        row = self._db.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s)"
+            " AND attname = %s AND NOT attisdropped)",
+            (table, column),
+        ).fetchone()
+        return bool(row and row[0])
+
     def _ready(self, table: str) -> bool:
         row = self._db.execute("SELECT to_regclass(%s) IS NOT NULL", (table,)).fetchone()
         return bool(row and row[0])
@@ -147,35 +161,32 @@ class PostgresLedger(BaseLedger):
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> PostgresLedger:
-        return self
-
-    def _begin_write(self) -> None:
+    def begin_write(self) -> None:
         self._db.execute("BEGIN")
         self._db.execute("SELECT last_token FROM fence WHERE id = 1 FOR UPDATE")
 
     # the assembly state locks one boot's row, never the claim lock (fence)
-    _for_update = " FOR UPDATE"
+    for_update = " FOR UPDATE"
 
-    def _begin_plain(self) -> None:
+    def begin_plain(self) -> None:
         self._db.execute("BEGIN")
 
-    def _rollback(self) -> None:
+    def rollback(self) -> None:
         # Only inside a transaction (a failed BEGIN leaves none) and on a live connection: a
         # ROLLBACK that raises would hide the error being handled.
         if self._db.closed or self._db.info.transaction_status == TransactionStatus.IDLE:
             return
         self._db.execute("ROLLBACK")
 
-    def _exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    def exec(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         cur = self._db.execute(sql.replace("?", "%s"), params)
         return [tuple(r) for r in cur.fetchall()] if cur.description else []
 
-    def _execmany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+    def execmany(self, sql: str, rows: list[tuple[object, ...]]) -> None:
         if rows:  # psycopg 3 pipelines executemany: one round trip for the batch
             with self._db.cursor() as cur:
                 cur.executemany(sql.replace("?", "%s"), rows)
 
-    def _rowcount(self, sql: str, params: tuple[object, ...]) -> int:
+    def rowcount(self, sql: str, params: tuple[object, ...]) -> int:
         cur = self._db.execute(sql.replace("?", "%s"), params)
         return int(cur.rowcount)

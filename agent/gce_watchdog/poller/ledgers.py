@@ -1,47 +1,65 @@
-"""``open_ledger``: the ledger ``--ledger`` names, SQLite or PostgreSQL, behind one interface.
+"""``open_ledger``: the ledger ``--ledger`` names, SQLite or PostgreSQL, as its three stores.
 
-Apart from both backends so that neither imports the other: ``ledger_pg`` builds on
-``ledger.BaseLedger``, and this factory picks one of them. The PostgreSQL backend is imported only
+A ledger is one database (a SQLite file or a PostgreSQL database) holding three stores, each one
+concern behind its own protocol: the decisions (:class:`~gce_watchdog.poller.ledger.DecisionStore`),
+the pins (:class:`~gce_watchdog.poller.pin_store.PinStore`) and the Pub/Sub workers' assembly
+state (:class:`~gce_watchdog.poller.assembly_store.AssemblyStore`). They share one connection
+(:mod:`~gce_watchdog.poller.ledger_db`), so a caller holding a :class:`Ledger` closes it once.
+
+Apart from both backends so that neither imports the other; the PostgreSQL backend is imported only
 when a URL asks for it (psycopg is the ``[postgres]`` extra).
 """
 
 from __future__ import annotations
 
-import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, BaseLedger, Ledger
+from gce_watchdog.poller.assembly_store import SqlAssembly
+from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, SqlDecisions
+from gce_watchdog.poller.ledger_db import SqlDb, SqliteDb
+from gce_watchdog.poller.pin_store import SqlPins
+from gce_watchdog.poller.settings import ledger_backend
 
-# The URI schemes libpq accepts (PostgreSQL docs, "Connection URIs": postgresql:// or
-# postgres://). Any other scheme://... is refused, never taken for a SQLite file name.
-POSTGRES_SCHEMES = ("postgresql", "postgres")
-_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
+class Ledger:
+    """One open ledger: ``decisions``, ``pins`` and ``assembly`` over one connection. A context
+    manager, or call close()."""
 
-def ledger_backend(spec: str | Path) -> str:
-    """``"postgresql"`` or ``"sqlite"`` for a ``--ledger`` value; ValueError for a URL of any other
-    scheme (``mysql://``, ``postgresql+psycopg://``, ``sqlite:///``). A SQLite path there would
-    give each host a private ledger, and exactly-once across hosts would be lost without a word.
-    The message names only the scheme: the URL may carry a password."""
-    if isinstance(spec, Path):
-        return "sqlite"
-    m = _SCHEME_RE.match(spec)
-    if m is None:
-        return "sqlite"
-    if m.group(1) in POSTGRES_SCHEMES:
-        return "postgresql"
-    raise ValueError(
-        f"unknown URL scheme {m.group(1)!r}: want a postgresql:// URL or a SQLite file path"
-    )
+    def __init__(self, db: SqlDb, announce_lease_s: float = ANNOUNCE_LEASE_S) -> None:
+        self.db = db
+        self.decisions = SqlDecisions(db, announce_lease_s)
+        self.pins = SqlPins(db)
+        self.assembly = SqlAssembly(db)
+
+    @property
+    def errors(self) -> tuple[type[BaseException], ...]:
+        """What the backend raises when the ledger fails (the CLI's exit 74)."""
+        return self.db.errors
+
+    def close(self) -> None:
+        self.db.close()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def open_ledger(
-    spec: str | Path, owner: str = "", announce_lease_s: float = ANNOUNCE_LEASE_S
-) -> BaseLedger:
+    spec: str | Path,
+    owner: str = "",
+    announce_lease_s: float = ANNOUNCE_LEASE_S,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> Ledger:
     """A ledger from ``--ledger``: a ``postgresql://`` URL (psycopg 3, the [postgres] extra) or a
-    SQLite file path; ValueError for a URL of another scheme (:func:`ledger_backend`)."""
+    SQLite file path; ValueError for a URL of another scheme (:func:`ledger_backend`).
+    ``sleep``/``clock``: the SQLite open's retry of a locked fresh file waits on these."""
     if ledger_backend(spec) == "postgresql":
-        from gce_watchdog.poller.ledger_pg import PostgresLedger
+        from gce_watchdog.poller.ledger_pg import PostgresDb
 
-        return PostgresLedger(str(spec), owner, announce_lease_s=announce_lease_s)
-    return Ledger(spec, owner, announce_lease_s=announce_lease_s)
+        return Ledger(PostgresDb(str(spec), owner), announce_lease_s)
+    return Ledger(SqliteDb(spec, owner, sleep=sleep, clock=clock), announce_lease_s)

@@ -30,7 +30,8 @@ from typing import Any
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
-from gce_watchdog.poller.ledger import NO_BOOT, BaseLedger, Decision
+from gce_watchdog.poller.ledger import NO_BOOT, Decision, DecisionStore
+from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import (
@@ -199,7 +200,7 @@ class Poller:
         store: CursorStore,
         project: str,
         zone: str,
-        ledger: BaseLedger | None = None,
+        ledger: Ledger | None = None,
         policy: Policy | None = None,
         reap: bool = False,
         clock: Callable[[], float] = time.time,
@@ -207,10 +208,13 @@ class Poller:
         logging: LoggingClient | None = None,
     ) -> None:
         self.client = client
-        self.reader = SerialReader(client, store, clock, pins=ledger)
+        self.reader = SerialReader(
+            client, store, clock, pins=None if ledger is None else ledger.pins
+        )
         self.project = project
         self.zone = zone
         self.ledger = ledger
+        self.decisions: DecisionStore | None = None if ledger is None else ledger.decisions
         self.policy = policy or Policy()
         self.reap = reap
         self.clock = clock
@@ -281,10 +285,10 @@ class Poller:
         decision = None
         reaped = reap_error = reap_pending = None
         announce = False
-        if verdict.failover and self.ledger is not None:
+        if verdict.failover and self.decisions is not None:
             key = instance_id or f"name:{name}"
             now = self.clock()
-            decision = self.ledger.claim(
+            decision = self.decisions.claim(
                 key,
                 verdict.boot or NO_BOOT,
                 verdict.kind.value,
@@ -298,7 +302,7 @@ class Poller:
             # won it, or if its claimer died before announcing and the lease lapsed.
             announce = decision.won or (
                 decision.announced_at is None
-                and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
+                and self.decisions.take_announcement(decision.instance_id, decision.boot, now)
             )
             if decision.held:
                 pass  # the brake holds it: nothing is announced nor reaped until released
@@ -350,8 +354,8 @@ class Poller:
         poller, with another cursor dir, decided and maybe reaped it)."""
         if self.reader.cursor(self.project, self.zone, name).instance_id:
             return True
-        return self.ledger is not None and (
-            self.ledger.find_instance("", self.path(name)) is not None
+        return self.decisions is not None and (
+            self.decisions.find_instance("", self.path(name)) is not None
         )
 
     def _not_found(self, name: str) -> str:
@@ -386,10 +390,10 @@ class Poller:
     def announced(self, out: PollOutcome) -> bool:
         """Call once the outcome of an announcing poll was written (printed and flushed): the
         decision is no longer pending. False if another poller had announced it already."""
-        if not out.announce or out.decision is None or self.ledger is None:
+        if not out.announce or out.decision is None or self.decisions is None:
             return False
         d = out.decision
-        return self.ledger.mark_announced(d.instance_id, d.boot, self.clock())
+        return self.decisions.mark_announced(d.instance_id, d.boot, self.clock())
 
     def _evidence(
         self, name: str, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict
@@ -404,8 +408,8 @@ class Poller:
             pv = peer.timeline.judge(state, now, self.policy)
             if pv.kind in _LINE_VERDICTS and verdict.boot in (None, pv.boot):
                 return dataclasses.replace(pv, evidence=(*pv.evidence, f"peer_cursor={d}"))
-        if self.ledger is not None:  # another poller decided this boot (and maybe reaped it)
-            prior = self.ledger.find_instance(instance_id or f"name:{name}", self.path(name))
+        if self.decisions is not None:  # another poller decided this boot (and maybe reaped it)
+            prior = self.decisions.find_instance(instance_id or f"name:{name}", self.path(name))
             if prior is not None and verdict.boot in (None, prior.boot, NO_BOOT):
                 why = f"{prior.reason} (recorded by {prior.owner})"
                 kind = VerdictKind(prior.verdict)
@@ -533,15 +537,15 @@ class Poller:
     def _reap(
         self, name: str, info: InstanceStatus | None, decision: Decision
     ) -> tuple[str | None, str | None, str | None]:
-        assert self.ledger is not None
+        assert self.decisions is not None
         if info is None:
-            self.ledger.mark_reaped(decision.instance_id, decision.boot, "gone", self.clock())
+            self.decisions.mark_reaped(decision.instance_id, decision.boot, "gone", self.clock())
             return "gone", None, None
         op, err, pending = self._delete(name, decision.request_id)
         if err is not None or pending is not None:
             return None, err, pending
         result = "gone" if op is None else str(op.get("name", "operation"))
-        self.ledger.mark_reaped(decision.instance_id, decision.boot, result, self.clock())
+        self.decisions.mark_reaped(decision.instance_id, decision.boot, result, self.clock())
         return result, None, None
 
     def _reap_end(
@@ -559,7 +563,7 @@ class Poller:
         return ("gone" if op is None else str(op.get("name", "operation"))), None, None
 
 
-def lapsed_announcements(ledger: BaseLedger, now: float) -> list[PollOutcome]:
+def lapsed_announcements(ledger: DecisionStore, now: float) -> list[PollOutcome]:
     """Take over the announcement of every decision whose claimer died before announcing it
     (its lease has lapsed), as outcomes to print, then to mark with ``announced_outcome``.
 
@@ -593,7 +597,7 @@ def lapsed_announcements(ledger: BaseLedger, now: float) -> list[PollOutcome]:
     return outs
 
 
-def announced_outcome(ledger: BaseLedger, out: PollOutcome, now: float) -> bool:
+def announced_outcome(ledger: DecisionStore, out: PollOutcome, now: float) -> bool:
     """``Poller.announced`` without a Poller: mark the outcome's decision announced."""
     if not out.announce or out.decision is None:
         return False

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import json
-import re
 import sys
 import threading
 import time
@@ -58,20 +57,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gce_watchdog.poller.assemble import assemble, compact
-from gce_watchdog.poller.identity import Identities, Identity, IdentityUnavailable
-from gce_watchdog.poller.ledger import (
+from gce_watchdog.poller.assembly_store import (
     DECIDED,
     ENDED,
     GAPPED,
     OPEN,
-    BaseLedger,
+    AssemblyStore,
     BootLines,
     BootUpdate,
-    Decision,
-    PinStore,
     RawLine,
     StoredLine,
 )
+from gce_watchdog.poller.identity import Identities, Identity, IdentityUnavailable
+from gce_watchdog.poller.ledger import Decision, DecisionStore
+from gce_watchdog.poller.ledgers import Ledger
+from gce_watchdog.poller.pin_store import PinStore
 from gce_watchdog.poller.poller import PollOutcome, announced_outcome, lapsed_announcements
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
 from gce_watchdog.wire.protocol import (
@@ -89,9 +89,6 @@ from gce_watchdog.wire.protocol import (
 
 SERIAL_LOG_SUFFIX = "/logs/serialconsole.googleapis.com%2Fserial_port_1_output"
 NAME_LABEL = "compute.googleapis.com/resource_name"
-SUBSCRIPTION_RE = re.compile(
-    r"projects/[a-z][-a-z0-9:.]{4,61}[a-z0-9]/subscriptions/[A-Za-z][-\w.~+%]{2,254}\Z"
-)
 # Lines arrive within seconds of each other; a gap still open after this is a lost line.
 DEFAULT_SETTLE_S = 2.0
 # How often a worker looks for decisions whose claimer died before announcing them.
@@ -224,7 +221,7 @@ class PubSubWorker:
         self,
         subscriber: Any,
         subscription: str,
-        ledger: BaseLedger,
+        ledger: Ledger,
         emit: Callable[[PollOutcome], None],
         policy: Policy | None = None,
         settle_s: float = DEFAULT_SETTLE_S,
@@ -238,12 +235,13 @@ class PubSubWorker:
     ) -> None:
         self.subscriber = subscriber
         self.subscription = subscription
-        self.ledger = ledger
+        self.decisions: DecisionStore = ledger.decisions
+        self.assembly: AssemblyStore = ledger.assembly
         self.emit = emit
         self.policy = policy or Policy()
         self.settle_s = settle_s
         self.clock = clock
-        self.pins: PinStore = pins or ledger
+        self.pins: PinStore = pins or ledger.pins
         self.pull_max = pull_max
         self.identity = identity
         self.log = log
@@ -311,7 +309,7 @@ class PubSubWorker:
             pub = rm.message.publish_time
             published = pub.timestamp() if pub is not None else None
             self._classify(ln, pins.get(ln.instance_id), now, published, lines, raw)
-        touched, dropped = self.ledger.assembly_store(lines, raw)
+        touched, dropped = self.assembly.store(lines, raw)
         self.stats.unverified += len(raw) - dropped
         self.stats.dropped += dropped
         # A raw line stored just now, or a key pinned just now: either this worker sees the
@@ -327,14 +325,14 @@ class PubSubWorker:
             self._look(iid, boot, now)
         if now - self._last_housekeeping >= HOUSEKEEPING_S:
             self._last_housekeeping = now
-            for iid, boot in self.ledger.assembly_gaps_due(now - self.settle_s):
+            for iid, boot in self.assembly.gaps_due(now - self.settle_s):
                 self._look(iid, boot, now)
             # raw lines whose pin the poll path (or an operator) has placed since
-            waiting = self.ledger.assembly_raw_instances()
+            waiting = self.assembly.raw_instances()
             for iid, key in self._pinned(waiting, {}).items():
                 for ib in sorted(self._verify_raw(iid, key, now)):
                     self._look(*ib, now)
-            self.ledger.assembly_prune(now - TOMBSTONE_S)
+            self.assembly.prune(now - TOMBSTONE_S)
         self.ack(to_ack)  # every line is stored and every decision it led to is claimed
         due, self._due = self._due, []
         for out in due:  # after the ack: a slow hook never holds a batch past its deadline
@@ -455,15 +453,15 @@ class PubSubWorker:
 
     def _verify_raw(self, instance_id: str, key: bytes, now: float) -> set[tuple[str, str]]:
         """Verify the raw lines any worker stored for an instance now pinned."""
-        stored = self.ledger.assembly_unverified(instance_id)
+        stored = self.assembly.unverified(instance_id)
         if not stored:
             return set()
         lines: list[StoredLine] = []
         for r in stored:
             ln = SerialLine(r.project, r.zone, instance_id, r.name, r.text)
             self._classify(ln, key, r.received_at, r.published, lines, [])
-        touched, _ = self.ledger.assembly_store(lines, [])
-        self.ledger.assembly_drop_unverified(instance_id, [r.text for r in stored])
+        touched, _ = self.assembly.store(lines, [])
+        self.assembly.drop_unverified(instance_id, [r.text for r in stored])
         return touched
 
     def _look(self, iid: str, boot: str, now: float) -> None:
@@ -485,7 +483,7 @@ class PubSubWorker:
             drop, floor = compact(a)
             return BootUpdate(OPEN, a.held_since, tuple(drop), floor)
 
-        res = self.ledger.assembly_update(iid, boot, judge)
+        res = self.assembly.update(iid, boot, judge)
         if res is None:
             return
         seen, upd = res
@@ -499,10 +497,10 @@ class PubSubWorker:
         who = self._identify(seen, verdict)
         if who is None:
             return
-        decision = self.ledger.claim(
+        decision = self.decisions.claim(
             iid, boot, verdict.kind.value, verdict.reason, who.target, now
         )  # durable when it returns: only now may the lines that led here be acked
-        self.ledger.assembly_set_state(iid, boot, DECIDED)
+        self.assembly.set_state(iid, boot, DECIDED)
         self.stats.decisions += decision.won
         pub = next((p for r, p in seen.lines if r.event.event in ("shutdown", "preempted")), None)
         if pub is not None and decision.won:
@@ -510,7 +508,7 @@ class PubSubWorker:
             self.stats.ready_latencies.append(self.clock() - _needed_by(seen, pub))
         announce = decision.won or (
             decision.announced_at is None
-            and self.ledger.take_announcement(decision.instance_id, decision.boot, now)
+            and self.decisions.take_announcement(decision.instance_id, decision.boot, now)
         )
         line = SerialLine(who.project, who.zone, iid, who.name, "")  # the API's names
         self._announce(line, verdict, decision, announce)
@@ -538,7 +536,7 @@ class PubSubWorker:
                 f"the configured projects (deleted, or another project); its LogEntry said "
                 f"{logged}. Left to the Compute API sweep"
             )
-            self.ledger.assembly_set_state(iid, seen.boot, GAPPED)
+            self.assembly.set_state(iid, seen.boot, GAPPED)
             self.stats.gapped += 1
             return None
         if (seen.project, seen.zone) != (who.project, who.zone) or seen.name not in ("", who.name):
@@ -552,16 +550,16 @@ class PubSubWorker:
     def heard(self, instance_id: str) -> tuple[float | None, bool]:
         """(when any worker last received a line of the instance, whether a boot of it lost a
         line): the Compute API sweep polls it if silent past the drain timeout, or gapped."""
-        return self.ledger.assembly_heard(instance_id)
+        return self.assembly.heard(instance_id)
 
     def fleet_size(self) -> int:
         """Instances heard from on the stream, by any worker (the brake's share is of these)."""
-        return self.ledger.assembly_instances()
+        return self.assembly.instances()
 
     @property
     def gapped(self) -> set[str]:
         """Instance ids with a boot left to the Compute API sweep (any worker's doing)."""
-        return {iid for iid, _, _ in self.ledger.assembly_boots(GAPPED)}
+        return {iid for iid, _, _ in self.assembly.boots(GAPPED)}
 
     def ack(self, ack_ids: list[str]) -> None:
         for i in range(0, len(ack_ids), 1000):
@@ -603,23 +601,23 @@ class PubSubWorker:
         d = out.decision
         assert d is not None
         if self.deliver is not None:
-            if not self.ledger.hold_announcement(d.instance_id, d.boot, self.clock()):
+            if not self.decisions.hold_announcement(d.instance_id, d.boot, self.clock()):
                 return  # another worker holds it now, or it was announced meanwhile
             if not self.deliver(d.token):
                 return
         with self._lock:
-            if announced_outcome(self.ledger, out, self.clock()):
+            if announced_outcome(self.decisions, out, self.clock()):
                 self.stats.announced += 1
 
     def announce_pending(self, now: float) -> None:
         """Announce (and deliver) decisions whose claimer died before that, or whose delivery
         failed: their announcement lease has lapsed."""
-        for out in lapsed_announcements(self.ledger, now):
+        for out in lapsed_announcements(self.decisions, now):
             with self._lock:
                 self.emit(out)
             self._done(out)
 
     def next_gap(self) -> float | None:
         """When the oldest open gap (any worker's) is due to be declared lost, or None."""
-        since = self.ledger.assembly_next_gap()
+        since = self.assembly.next_gap()
         return None if since is None else since + self.settle_s

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from gce_watchdog.lib.compute import ComputeClient
 from gce_watchdog.lib.files import atomic_write
-from gce_watchdog.poller.ledger import PinStore
+from gce_watchdog.poller.pin_store import PinStore
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.wire.protocol import pk_fingerprint
 

@@ -9,14 +9,48 @@ command line again: :mod:`gce_watchdog.poller.app` builds everything from this v
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from gce_watchdog.lib.compute import validate_target
+from gce_watchdog.lib.compute import label_filter as label_filter_of
+from gce_watchdog.lib.compute import parse_label, validate_target
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.poller.brake import BrakeRule, parse_share
 from gce_watchdog.poller.verdict import Policy
+
+# The values of the options, parsed here and nowhere else: the modules they configure import
+# them from this one, never the other way round.
+
+# A topic's resource name (Pub/Sub resource names: a topic id starts with a letter, 3-255 of
+# letters, digits and - _ . ~ + %).
+TOPIC_RE = re.compile(r"projects/[^/\s]+/topics/[A-Za-z][-A-Za-z0-9._~%+]{2,254}\Z")
+SUBSCRIPTION_RE = re.compile(
+    r"projects/[a-z][-a-z0-9:.]{4,61}[a-z0-9]/subscriptions/[A-Za-z][-\w.~+%]{2,254}\Z"
+)
+# The URI schemes libpq accepts (PostgreSQL docs, "Connection URIs": postgresql:// or
+# postgres://). Any other scheme://... is refused, never taken for a SQLite file name.
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def ledger_backend(spec: str | Path) -> str:
+    """``"postgresql"`` or ``"sqlite"`` for a ``--ledger`` value; ValueError for a URL of any other
+    scheme (``mysql://``, ``postgresql+psycopg://``, ``sqlite:///``). A SQLite path there would
+    give each host a private ledger, and exactly-once across hosts would be lost without a word.
+    The message names only the scheme: the URL may carry a password."""
+    if isinstance(spec, Path):
+        return "sqlite"
+    m = _SCHEME_RE.match(spec)
+    if m is None:
+        return "sqlite"
+    if m.group(1) in POSTGRES_SCHEMES:
+        return "postgresql"
+    raise ValueError(
+        f"unknown URL scheme {m.group(1)!r}: want a postgresql:// URL or a SQLite file path"
+    )
 
 
 class Mode(enum.Enum):
@@ -119,13 +153,10 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         pubsub = _pubsub(v, errs)
     label_filter: str | None = None
     if v["label"] is not None:
-        from gce_watchdog.poller.fleet import label_filter as make_filter
-        from gce_watchdog.poller.fleet import parse_label
-
         if instances or zone:
             errs.append("--label polls every zone: give neither INSTANCE names nor --zone")
         try:
-            label_filter = make_filter(*parse_label(v["label"]))
+            label_filter = label_filter_of(*parse_label(v["label"]))
         except ValueError as exc:
             errs.append(f"--label: {exc}")
         if not projects:  # (it would list nothing and poll nothing, every round)
@@ -166,8 +197,6 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         errs.append(f"--announce-lease: {exc}")
     backend = "sqlite"
     if v["ledger"] is not None:
-        from gce_watchdog.poller.ledgers import ledger_backend
-
         try:
             backend = ledger_backend(v["ledger"])
         except ValueError as exc:
@@ -190,11 +219,8 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
     on_failover, hook_timeout_s = _on_failover(v, errs)
     brake = _brake(v.get("brake") or "on", errs)
     publish: str | None = v.get("publish")
-    if publish is not None:
-        from gce_watchdog.poller.hooks import TOPIC_RE
-
-        if not TOPIC_RE.match(publish):
-            errs.append(f"--publish {publish!r}: want projects/PROJECT/topics/NAME")
+    if publish is not None and not TOPIC_RE.match(publish):
+        errs.append(f"--publish {publish!r}: want projects/PROJECT/topics/NAME")
     evidence = _evidence(v, errs)
     if errs or policy is None:
         raise InvalidSettings(errs)
@@ -297,8 +323,6 @@ def _brake(raw: str, errs: list[str]) -> BrakeRule | None:
 
 
 def _pubsub(v: Mapping[str, Any], errs: list[str]) -> PubSubSettings | None:
-    from gce_watchdog.poller.pubsub import SUBSCRIPTION_RE
-
     subscription: str = v["pubsub"]
     if not SUBSCRIPTION_RE.match(subscription):
         errs.append(f"--pubsub {subscription!r}: want projects/PROJECT/subscriptions/NAME")

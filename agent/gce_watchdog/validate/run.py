@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 from gce_watchdog.lib.compute import ComputeAPIError
 from gce_watchdog.lib.files import atomic_write
-from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import Poller
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.verdict import Policy
@@ -149,7 +149,7 @@ class Run:
         p = self.plan
         work = Path(tempfile.mkdtemp(prefix=f"gcewd-validate-{p.run}-"))
         interrupted: str | None = None
-        ledger = Ledger(work / "ledger.sqlite", owner=f"validate-{p.run}")
+        ledger = open_ledger(work / "ledger.sqlite", owner=f"validate-{p.run}")
         try:
             with _sigterm_raises():
                 try:
@@ -213,7 +213,7 @@ class Run:
             o.left_running_at = now
         if status:
             o.final_status = status
-        mine = [d for d in ledger.all() if d.instance == poller.path(vm.plan.name)]
+        mine = [d for d in ledger.decisions.all() if d.instance == poller.path(vm.plan.name)]
         o.failovers = len(mine)
         if mine and o.decided_at is None:
             o.decided_at = mine[0].decided_at
