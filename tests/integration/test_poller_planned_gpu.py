@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from gce_watchdog.cli import main
 from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
-from gce_watchdog.poller.ledger import Ledger
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import Poller
 from gce_watchdog.poller.reader import CursorStore
@@ -69,7 +68,7 @@ def test_host_maintenance_fails_over_once_and_is_reaped(
     again = poll(api, tmp_path, capsys, "--reap", "gpu-1")["gpu-1"]
     assert again["action"] == "already_decided" and len(api.calls_to("delete")) == 1
     with open_ledger(str(tmp_path / "ledger.sqlite"), "t") as led:
-        assert [d.verdict for d in led.all()] == ["host_maintenance"]
+        assert [d.verdict for d in led.decisions.all()] == ["host_maintenance"]
 
 
 def test_host_error_fails_over(
@@ -100,7 +99,7 @@ def test_waiting_for_the_restart_then_the_new_boot_is_judged_afresh(
     back = poll(api, tmp_path, capsys, *wait)["gpu-1"]
     assert back["verdict"] == "healthy" and back["boot"] == "bbbb0002"
     with open_ledger(str(tmp_path / "ledger.sqlite"), "t") as led:
-        assert led.all() == []  # nothing was decided
+        assert led.decisions.all() == []  # nothing was decided
 
 
 def test_planned_stops_are_held_by_the_fleet_wide_brake(
@@ -191,7 +190,7 @@ def test_a_vm_back_from_maintenance_waits_one_drain_timeout_for_its_new_boot(
     now = [1_800_000_000.0]
     with (
         FakeComputeAPI(token="tok", clock=lambda: now[0]) as api,
-        Ledger(tmp_path / "ledger.sqlite", "t") as ledger,
+        open_ledger(tmp_path / "ledger.sqlite", "t") as ledger,
     ):
         from google.oauth2.credentials import Credentials
 
