@@ -182,7 +182,7 @@ def test_a_delivery_renews_its_own_lease_and_never_anothers(spec: str) -> None:
 def test_default_owners_differ_between_ledgers_of_one_process(spec: str) -> None:
     """Leases go by owner: two replicas with one hostname and pid 1 must not share one."""
     with open_ledger(spec) as a, open_ledger(spec) as b:
-        assert a.owner != b.owner
+        assert a.db.owner != b.db.owner
 
 
 def _take(spec: str, barrier: Any, results: Any) -> None:
