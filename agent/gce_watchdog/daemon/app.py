@@ -282,6 +282,8 @@ def gpu_line(sampler: GpuSampler | None = None) -> tuple[bool, str]:
         sampler.close()
 
 
+# check --json's version (docs/json.md, schemas/check.schema.json)
+CHECK_JSON_VERSION = 1
 NPD_OK, NPD_NONOK, NPD_UNKNOWN = 0, 1, 2  # node-problem-detector's custom plugin statuses
 
 
@@ -437,6 +439,7 @@ def _check(config_path: str | None, as_json: bool) -> int:
     key_line, key_problems = _key_status(cfg)
     if as_json:
         out = {
+            "v": CHECK_JSON_VERSION,
             "line_key": {"status": key_line, "problems": key_problems},
             "verdict": verdict,
             "exit": rc,
