@@ -1,0 +1,839 @@
+"""The stream decoder: console bytes in arbitrary chunks in, authenticated events out, with
+lazy, bounded signature checks (docs/serial-protocol.md, "Verifying what decides").
+"""
+
+from __future__ import annotations
+
+import binascii
+import gc
+import hmac
+import operator
+import re
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from gce_watchdog.wire.console import (
+    _MARKER_RE,
+    _TRAILER_V3,
+    decode_line,
+)
+from gce_watchdog.wire.keys import (
+    MAX_RETIRED,
+    Retired,
+    Retirees,
+    _pk_text,
+    _retirees,
+    _signer_of,
+    parse_rekey,
+    shown_rekey,
+)
+from gce_watchdog.wire.line import (
+    _PK_RE,
+    KEY_EVENT,
+    MARKER_PREFIX,
+    MAX_LINE,
+    PIN_MAX_SEQ,
+    REKEY_EVENT,
+    ROUTINE_EVENTS,
+    Event,
+    Forged,
+    Forgery,
+    KeyAnnounce,
+    Reject,
+    Rejected,
+    _new_event,
+    _parse_body,
+    _parse_parts,
+    pk_fingerprint,
+    unb64,
+    verify,
+)
+
+# A whole plain line (from its marker, one marker, nothing after the trailer, no ``#`` before it):
+# its boot, seq, event name, signature and CRC without parsing the rest (_Cand.ev does that).
+_PLAIN_V3 = re.compile(
+    rb"GCEWD3 ([0-9a-f]{8}) (0|[1-9][0-9]{0,18}) [^ #]+ ([a-z][a-z0-9_]{0,23})(?: [^#]*)?"
+    rb" #([A-Za-z0-9_-]{86})([0-9a-f]{8})\Z"
+)
+# One match per console line that carries a marker: from its first marker to the line's end.
+_MARKER_LINE_RE = re.compile(rb"GCEWD[123][^\n]*")
+# Of those (joined by LF), the ones with " #" after the marker: only these can be intact.
+_TRAILER_LINE_RE = re.compile(rb"^GCEWD[123][^\n]* #[^\n]*", re.MULTILINE)
+
+
+class _Unchecked(Exception):
+    """The block's verification budget is spent (StreamDecoder._check)."""
+
+
+class _Cand:
+    """A plain v3 line under the pin whose signature is not checked yet (StreamDecoder).
+
+    ``boot``, ``seq`` and ``kind`` come from the line's head; the whole line is parsed
+    (:attr:`ev`) only when it is accepted or shown as forged: a line the budget never reaches
+    costs one regex match and a CRC. ``sig`` is the signature's base64url text."""
+
+    NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
+    __slots__ = (
+        "_ev", "_owned", "body", "boot", "carried", "kind", "late", "ln", "pin", "rx", "seq", "sig",
+        "simple", "state",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        ln: bytes,
+        boot: str,
+        seq: int,
+        kind: str,
+        ev: Event | None,
+        body: bytes,
+        sig: bytes,
+        pin: bytes,
+        simple: bool,
+        carried: bool,
+        rx: float | None,
+    ) -> None:
+        self.ln, self._ev, self.body, self.sig, self.pin = ln, ev, body, sig, pin
+        self.boot, self.seq, self.kind = boot, seq, kind
+        self.simple, self.carried, self.rx = simple, carried, rx
+        self.late = not carried  # carried-over lines are checked first (the sort key)
+        self.state = _Cand.NEW
+        self._owned = False
+
+    @property
+    def owned(self) -> bool:
+        """Whether :attr:`ev` was parsed here (no other reference to it exists yet)."""
+        return self._owned
+
+    @property
+    def ev(self) -> Event | None:
+        """The parsed line (None: it does not parse, a syntax reject like decode_line's)."""
+        if self._ev is None:
+            self._owned = True
+            try:
+                self._ev = _parse_body(self.body.decode("ascii"))
+            except UnicodeDecodeError:
+                return None
+        return self._ev
+
+
+# Phase B's sort keys, C-level (StreamDecoder._decode_lines): carried first, then by boot and seq.
+_SORT_KEY = operator.attrgetter("late", "boot", "seq")
+_SEQ = operator.attrgetter("seq")
+
+
+def _text_of(cache: dict[bytes, str], raw: bytes) -> str:
+    text = cache[raw] = raw.decode()
+    return text
+
+
+_B64_STD = bytes.maketrans(b"-_", b"+/")
+
+
+def _unb64_sig(text: bytes) -> bytes:
+    """A signature's base64url text (86 characters, checked by the trailer regex) as bytes."""
+    return binascii.a2b_base64(text.translate(_B64_STD) + b"==")
+
+
+def _digest(ev: Event) -> int:
+    """A line's content apart from its (boot, seq): what tells a copy from a conflict."""
+    return hash((ev.event, ev.ts_ms, ev.fields, ev.text))
+
+
+@dataclass
+class DecodeStats:
+    lines: int = 0
+    events: int = 0
+    rejected: int = 0
+    duplicates: int = 0
+    forged: int = 0  # intact lines that did not authenticate (never events)
+    retired: int = 0  # lines of a key rotated away from, after its rotation (not forged)
+    conflicts: int = 0  # authenticated lines whose (boot, seq) was seen with other content
+    verified: int = 0  # signatures checked (Ed25519), within the blocks' budgets
+    covered: int = 0  # routine lines accepted unchecked below a verified line of their boot
+    unchecked: int = 0  # lines the budget never reached (and the carry-over could not hold)
+    reject_reasons: dict[str, int] = field(default_factory=dict)
+    forged_reasons: dict[str, int] = field(default_factory=dict)
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """Split console bytes at LF, CRLF and a bare CR (a line ending some programs use alone)."""
+    if b"\r" not in data:
+        return data.split(b"\n")
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+
+
+class StreamDecoder:
+    """Incremental decoder: feed arbitrary byte chunks, get authenticated events in order.
+
+    ``pin``: the instance's pinned v3 public key (the ledger's), or None. ``pin_fp``: a
+    fingerprint pinned by hand (``gce-watchdog pin``): the announced key with that fingerprint
+    becomes the pin. ``from_start``: the stream is the port's output from byte 0 (or the export
+    from the instance's creation): only then may the stream's first intact line, an announcement
+    of seq 0 or 1, be pinned (:attr:`pinned_here`; the caller stores it in the ledger). Any other
+    announced key is **unplaced** (:attr:`unplaced`, an alarm): its lines never decide.
+    ``key``: a v2 HMAC key held from before the upgrade (v2 lines verify under it while no v3
+    pin is held). ``instance_id``: the instance the stream is read for (announcements naming
+    another instance are never pinned nor accepted).
+
+    A line split across two chunks is joined before decoding; a partial last line is held until
+    its line ending arrives (or :meth:`flush`). The same line seen twice (boot, seq and content:
+    our line and its journald copy) is reported once; another line with a (boot, seq) already
+    seen is a **conflict**, kept and counted.
+    """
+
+    # A console line longer than this is not ours (ours are <= 280 bytes): keep only its tail so
+    # a reader fed a newline-free stream cannot grow without bound.
+    MAX_PENDING = 64 * 1024
+    # Copies of a line (journald forwarding) arrive within seconds of it: the last 4096 distinct
+    # lines (hours of agent output) are remembered, by arrival, whatever their seq.
+    DEDUP_WINDOW = 4096
+    MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports
+    MAX_UNPLACED = 16  # fingerprints of unplaced keys kept for the alarm
+    # Signatures checked per block: a fixed share plus one per BUDGET_BYTES of the block (a
+    # MiB: 96 + 128 = 224 checks, ~13 ms at ~59 us each); ours need about one per 32 lines
+    # (the announcements) plus the decisive lines plus one per boot.
+    BUDGET_LINES = 96
+    BUDGET_BYTES = 8192
+    # Decisive lines the budget did not reach, carried to the next block (checked first there).
+    MAX_CARRY = 256
+    MAX_BOOTS = 64  # boots with a verified line, remembered to order the checks (known first)
+
+    def __init__(
+        self,
+        key: bytes | None = None,
+        *,
+        pin: bytes | None = None,
+        pin_fp: str | None = None,
+        from_start: bool = True,
+        instance_id: str = "",
+        retired: Retired | Retirees | None = None,
+    ) -> None:
+        self.stats = DecodeStats()
+        self.key = key
+        self.pin = pin
+        self.pin_fp = pin_fp
+        self.instance_id = instance_id
+        self.pinned_here = False  # the pin was taken from this stream (store it)
+        self.ephemeral = False  # the pinned key was announced eph=1 (not kept across boots)
+        self.unplaced: list[str] = []  # fingerprints of announced keys that are not the pin
+        self.key_conflict = False  # v2: a second, different v2 key was announced
+        self.retired: Retirees = _retirees(retired)  # keys the pin replaced, oldest first
+        # Rotations decoded here, in order, not yet stored: (old key, new key, boot, seq).
+        self.rekeys: list[tuple[bytes, bytes, str, int]] = []
+        self.inst_seen = ""  # the instance id the pinned key's announcements name (not "-")
+        # Only the stream's first intact line may be pinned, and only from byte 0.
+        self.placeable = from_start and pin is None and pin_fp is None
+        self._pending = b""
+        # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
+        self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
+        self.rejects: list[Rejected] = []
+        self.forgeries: list[Forged] = []
+        self._budget = 0
+        self._block_bytes = 0
+        self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
+        self._ok_bodies: set[bytes] = set()  # and their bodies
+        # Decisive lines waiting for a budget (raw, stream order), with their block's receive time.
+        self.carry: list[tuple[bytes, float | None]] = []
+        self._rx: float | None = None
+        self.lazy = True  # False: every line verified, no budget (a reference; tests, tools)
+        # Lines never checked, not yet taken by the caller: (boot, seq, decisive); boot "" when
+        # the line was not parsed (an announcement, a rotation, a line off the plain path).
+        self.unchecked_new: list[tuple[str, int, bool]] = []
+        self._boots: OrderedDict[str, None] = OrderedDict()
+
+    def lost_before(self) -> None:
+        """Bytes were lost (the API's window moved on): nothing later can be placed."""
+        self.placeable = False
+
+    def feed(self, chunk: bytes, rx: float | None = None) -> list[Event]:
+        """``rx``: when the chunk was received (the reader's clock), kept with the lines that
+        wait in the carry-over (their events carry it, :attr:`Event.rx`)."""
+        self._rx = rx
+        data = self._pending + chunk if self._pending else chunk
+        if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines): each CR becomes
+            # LF in one pass (a one-byte replace: memchr-fast where CRs are sparse, unlike a
+            # translate); a CRLF leaves an empty line, and empty lines count for nothing
+            data = data.replace(b"\r", b"\n")
+        cut = data.rfind(b"\n") + 1
+        self._pending = data[cut:] if cut < len(data) else b""
+        if len(self._pending) > self.MAX_PENDING:
+            self._pending = self._pending[-self.MAX_PENDING :]
+        return self._decode_block(data, cut)  # its whole lines, data[:cut], without a copy
+
+    def flush(self, rx: float | None = None) -> list[Event]:
+        """Decode the held partial line (end of a dump): a truncated last line is rejected."""
+        self._rx = rx
+        rest, self._pending = self._pending, b""
+        if not rest and not self.carry:
+            return []
+        return self._decode_block(rest + b"\n" if rest else b"")
+
+    def _decode_block(self, body: bytes, end: int = -1) -> list[Event]:
+        """Whole lines (each ended by LF): ``body[:end]`` (``end`` -1: all of it, which then
+        ends with LF or is empty; else ``body[end:]`` is the held partial line, not empty and
+        without LF, left out of every count and scan). The scan is C-level: the lines with a
+        marker, from their first marker on (``_MARKER_LINE_RE``), and of those the ones with a
+        trailer candidate after it (a substring test, or ``_TRAILER_LINE_RE`` for many short
+        ones); only those are decoded one by one. A marker line without one cannot be intact:
+        rejected, counted in bulk (nothing about it depends on its place in the stream). So a
+        MiB of short hostile lines costs a few regex scans."""
+        st = self.stats
+        lines = body.split(b"\n")
+        tail = 0 if end < 0 or end == len(body) else 1  # the partial line: one non-empty piece
+        if end < 0:
+            end = len(body)
+        st.lines += len(lines) - lines.count(b"") - tail
+        self._block_bytes = end
+        if body.find(MARKER_PREFIX, 0, end) < 0 and not self.carry:
+            return []
+        full = _MARKER_LINE_RE.findall(body, 0, end)
+        if len(full) < end >> 6:  # few (ours: ~200 bytes apart): a test per line is
+            cands = [x for x in full if b" #" in x]  # cheaper (" #" cannot overlap "GCEWDn")
+        else:  # many short ones (a flood of bare markers): one scan, C-level
+            cands = _TRAILER_LINE_RE.findall(b"\n".join(full))
+        bare = len(full) - len(cands)
+        if bare:
+            st.rejected += bare
+            st.reject_reasons[Reject.CHECKSUM] = st.reject_reasons.get(Reject.CHECKSUM, 0) + bare
+            room = self.MAX_SAMPLES - len(self.rejects)
+            if room > 0:
+                samples = (x for x in full[: 2 * self.MAX_SAMPLES] if b" #" not in x)
+                self.rejects.extend(
+                    Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
+                )
+        # The block allocates a few small objects per line and no reference cycles: the cyclic
+        # collector is paused meanwhile (in a process holding many objects, its passes over
+        # them cost a flood's MiB some 20-30 ms), and resumed as it was.
+        paused = gc.isenabled()
+        if paused:
+            gc.disable()
+        try:
+            return list(self._decode_lines(cands))
+        finally:
+            if paused:
+                gc.enable()
+
+    def _note_unplaced(self, ann: KeyAnnounce) -> None:
+        if len(self.unplaced) < self.MAX_UNPLACED:
+            fp = ann.fingerprint
+            if fp not in self.unplaced:
+                self.unplaced.append(fp)
+
+    def _announce(self, ln: bytes, ann: KeyAnnounce) -> Event | None:
+        """Pin or accept a v3 announcement; None when it was counted as forged."""
+        placeable, self.placeable = self.placeable, False
+        other_vm = bool(self.instance_id) and ann.inst not in ("-", self.instance_id)
+        checked = False
+        if self.pin is None and not other_vm:
+            if self.pin_fp is not None:  # pinned by hand: the key of that fingerprint, anywhere
+                candidate = hmac.compare_digest(ann.fingerprint, self.pin_fp)
+            else:  # the stream's first intact line, from byte 0, among a boot's first lines
+                candidate = placeable and ann.event.seq <= PIN_MAX_SEQ
+            try:
+                # the stream's first line is checked whatever the budget (once per stream);
+                # a hand pin's announcements spend it (a flood may repeat its public key)
+                candidate = candidate and ann.valid(None if placeable else self._check)
+            except _Unchecked:
+                self.placeable = placeable
+                raise
+            if candidate:
+                checked = True
+                self.pin = ann.key
+                self.pinned_here = True
+        if self.pin is None or not hmac.compare_digest(self.pin, ann.key):
+            self._note_unplaced(ann)  # no signature check: it decides nothing
+            self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
+            return None
+        if other_vm:
+            self._forged(Forged(Forgery.RELABELLED, ln, ann.event))
+            return None
+        if not checked and not ann.valid(self._check):
+            self._forged(Forged(Forgery.BAD_SIG, ln, ann.event))
+            return None
+        self.ephemeral = self.ephemeral or ann.ephemeral
+        if ann.inst != "-":
+            self.inst_seen = ann.inst
+        return ann.event
+
+    MAX_REKEYS = 16  # rotations queued for the caller between two stores (one is the rule)
+
+    def _rekey(self, ln: bytes, ev: Event) -> Event | None:
+        """A ``rekey`` line decode_line accepted (under the pin, or the retired key's own rekey
+        into the pin); None when it was counted as forged."""
+        parsed = parse_rekey(ev)
+        if parsed is None or self.pin is None:
+            self._forged(Forged(Forgery.BAD_REKEY, ln, ev))
+            return None
+        new, inst = parsed
+        if new == self.pin or any(new == r.public for r in self.retired):
+            # a rotation already followed (a copy, a replay): signed by the key of then
+            prior = self.retired[-1].public if self.retired else None
+            return shown_rekey(ev, prior)
+        expected = self.instance_id or self.inst_seen
+        if not expected or inst != expected:
+            # a real rekey line of another VM (the same key: a restored disk) replayed here
+            self._forged(Forged(Forgery.RELABELLED, ln, ev))
+            return None
+        if len(self.rekeys) >= self.MAX_REKEYS:  # the caller never stores: refuse, loudly
+            self._forged(Forged(Forgery.BAD_REKEY, ln, ev))
+            return None
+        old = self.pin
+        self.retired = (*self.retired, Retired(old, ev.boot, ev.seq))[-MAX_RETIRED:]
+        self.pin, self.pin_fp, self.ephemeral = new, None, False
+        self.rekeys.append((old, new, ev.boot, ev.seq))
+        return shown_rekey(ev, old)
+
+    def _decode_lines(self, lines: list[bytes]) -> Iterator[Event]:
+        """Lines that start with a marker and carry a trailer candidate after it, in order.
+
+        Verification is lazy and bounded (docs/serial-protocol.md, "Verifying what decides"):
+        phase A decodes every line in stream order, running announcements, rotations and any
+        line off the plain path through :meth:`_full` at once (they spend the budget first)
+        and keeping the plain v3 lines under the pin as candidates; phase B verifies the
+        decisive candidates by (known boot first, boot, seq), then walks each boot's routine
+        candidates down from the highest seq until one verifies: the routine candidates below
+        the highest verified seq of their boot are **covered** (accepted unchecked, flagged);
+        phase C yields in stream order. A candidate the budget does not reach is no event:
+        decisive ones wait in :attr:`carry` for the next block, and so do routine ones (they
+        are above their boot's newest verified line: its liveness), in at most half of it; the
+        rest are counted (:attr:`DecodeStats.unchecked`, :attr:`unchecked_boots`)."""
+        self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
+        if not self.lazy:
+            self._budget = 1 << 62
+        self._ok = set()
+        self._ok_bodies = set()
+        carried, self.carry = self.carry, []
+        out: list[Event | _Cand | None] = []
+        top: dict[str, int] = {}  # boot -> the highest seq verified in this block
+        ncarried, block_rx = len(carried), self._rx
+        plain, crc32, prefix = _PLAIN_V3.match, zlib.crc32, MARKER_PREFIX
+        boots_s: dict[bytes, str] = {}  # a block's boot ids, decoded once each
+        kinds_s: dict[bytes, str] = {}  # and its event names
+        # The candidates, in stream order: decisive ones, and routine ones by boot.
+        decisive: list[_Cand] = []
+        routine: dict[str, list[_Cand]] = {}
+        other_path = False  # a candidate from _lazy (its boot is not in ``boots_s``)
+        pin = self.pin
+        fast = pin is not None and self.lazy and not self.retired
+        for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
+            was_carried = i < ncarried
+            rx = carried[i][1] if was_carried else block_rx
+            # _lazy's plain path, inline (the flood's per-line cost): one line, one marker
+            n = len(ln)
+            m = plain(ln) if fast and n <= MAX_LINE else None
+            if m is not None:  # anchored at the end: crc = ln[n-8:], sig = ln[n-94:n-8]
+                boot, seq, kind_b, sig, crc = m.groups()
+                if kind_b != b"key" and kind_b != b"rekey" and ln.count(prefix) == 1:
+                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
+                        self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
+                        continue
+                    boot_s = boots_s.get(boot) or _text_of(boots_s, boot)
+                    kind = kinds_s.get(kind_b) or _text_of(kinds_s, kind_b)
+                    c = _Cand(
+                        ln, boot_s, int(seq), kind, None, ln[: n - 96], sig, pin, True,  # type: ignore[arg-type]
+                        was_carried, rx,
+                    )  # fmt: skip
+                    out.append(c)
+                    if kind in ROUTINE_EVENTS:
+                        group = routine.get(boot_s)
+                        if group is None:
+                            routine[boot_s] = [c]
+                        else:
+                            group.append(c)
+                    else:
+                        decisive.append(c)
+                    continue
+                if kind_b == b"key" and ln.count(prefix) == 1:  # another key's announcement?
+                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
+                        self._reject(Rejected(Reject.CHECKSUM, ln))
+                        continue
+                    try:
+                        ev = _parse_body(ln[: n - 96].decode("ascii"))
+                    except UnicodeDecodeError:
+                        ev = None
+                    if ev is not None and ev.get("pk") != _pk_text(pin):
+                        self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))  # never checked
+                        continue
+            cand = self._lazy(ln, was_carried, rx)
+            if cand is True:
+                continue
+            if isinstance(cand, _Cand):
+                out.append(cand)
+                other_path = True
+                if cand.kind in ROUTINE_EVENTS:
+                    routine.setdefault(cand.boot, []).append(cand)
+                else:
+                    decisive.append(cand)
+                continue
+            try:
+                ev = self._full(ln)
+            except _Unchecked:
+                self._defer(ln, None, rx)
+                continue
+            finally:  # a pin placed or moved by this line
+                pin = self.pin
+                fast = pin is not None and self.lazy and not self.retired
+            if ev is not None and was_carried:
+                ev = replace(ev, rx=rx)
+            if ev is not None and ev.event != REKEY_EVENT:
+                top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
+            out.append(ev)
+        if decisive or routine:  # intact lines: the stream's first line is behind us
+            self.placeable = False
+        known = self._boots
+        # (known first, boot, seq) is (boot, seq) when the boots are all known or all not (of
+        # the block's plain lines: a superset of the decisive lines' boots)
+        boots = {c.boot for c in decisive} if other_path else boots_s.values()
+        if len({b in known for b in boots}) <= 1:
+            decisive.sort(key=_SORT_KEY)
+        else:
+            decisive.sort(key=lambda c: (c.late, c.boot not in known, c.boot, c.seq))
+        unchecked = _Cand.UNCHECKED
+        ok_bodies = self._ok_bodies
+        for c in decisive:
+            if self._budget <= 0 and c.body not in ok_bodies:  # spent (a flood): fast
+                c.state = unchecked
+                continue
+            self._resolve(c)
+            if c.state == _Cand.OK:
+                top[c.boot] = max(top.get(c.boot, -1), c.seq)
+        for boot, group in routine.items():
+            group.sort(key=_SEQ, reverse=True)  # highest seq first (stable, like -seq)
+            for c in group:
+                if c.seq < top.get(boot, -1):
+                    break
+                self._resolve(c)
+                if c.state == _Cand.OK:
+                    top[boot] = max(top.get(boot, -1), c.seq)
+                    break
+                if c.state == _Cand.UNCHECKED:
+                    break
+        # The routine lines left at or below their boot's highest verified seq would be covered:
+        # a (boot, seq) among them claimed with two contents in this block has each claimant
+        # verified (or unchecked), never covered (seqs claimed in advance must not pass).
+        keys = {
+            (c.boot, c.seq)
+            for group in routine.values()
+            for c in group
+            if c.state == _Cand.NEW and c.seq <= top.get(c.boot, -1)
+        }
+        claims: dict[tuple[str, int], set[int]] = {}
+        if keys:
+            for item in out:
+                if isinstance(item, _Cand):
+                    k, h = (item.boot, item.seq), hash(item.body)
+                elif item is not None:
+                    k, h = (item.boot, item.seq), _digest(item)
+                else:
+                    continue
+                if k in keys:
+                    claims.setdefault(k, set()).add(h)
+        for boot, group in routine.items():
+            high = top.get(boot, -1)
+            for c in group:
+                if c.state != _Cand.NEW:
+                    continue
+                if c.seq > high:
+                    c.state = unchecked
+                    continue
+                if c.seq == high or len(claims[(boot, c.seq)]) > 1:
+                    self._resolve(c)  # a copy of a verified line (free) or a conflict
+                if c.state == _Cand.NEW:
+                    c.state = _Cand.COVERED if c.seq < high else unchecked
+        st = self.stats
+        last_boot = ""
+        carry, max_carry, unchecked_new = self.carry, self.MAX_CARRY, self.unchecked_new
+        seen_map, window, covered = self._seen, self.DEDUP_WINDOW, _Cand.COVERED
+        for item in out:
+            if item is None:
+                continue
+            if isinstance(item, _Cand):
+                state = item.state
+                if state == unchecked:  # _defer, inline (a flood's per-line cost)
+                    decisive_line = item.kind not in ROUTINE_EVENTS
+                    # routine lines (above their boot's newest verified one: its liveness)
+                    # take at most half the carry-over: decisive lines keep the rest
+                    if len(carry) < (max_carry if decisive_line else max_carry // 2):
+                        carry.append((item.ln, item.rx))
+                    else:
+                        st.unchecked += 1
+                        unchecked_new.append((item.boot, item.seq, decisive_line))
+                    continue
+                if state == covered and item._ev is None:  # _settle + _is_duplicate, inline
+                    try:  # (the common case: a routine line parsed once, flagged as it is made)
+                        p = _parse_parts(item.body.decode("ascii"))
+                    except UnicodeDecodeError:
+                        p = None
+                    if p is not None:
+                        k = (item.boot, item.seq)
+                        digest = hash((p[0], p[3], p[4], p[5]))  # _digest's
+                        seen = seen_map.get(k)
+                        if seen is None:
+                            st.covered += 1
+                            seen_map[k] = {digest}
+                            while len(seen_map) > window:
+                                seen_map.popitem(last=False)
+                            st.events += 1
+                            yield _new_event(*p, True, item.rx if item.carried else None)
+                            continue
+                        if digest in seen:  # a copy of a line seen (journald's)
+                            st.covered += 1
+                            st.duplicates += 1
+                            continue
+                        item._ev, item._owned = _new_event(*p), True  # a conflict: _settle
+                got = self._settle(item)
+                if got is None:
+                    continue
+                ev = got
+            else:
+                ev = item
+            if self._is_duplicate(ev):
+                st.duplicates += 1
+                continue
+            st.events += 1
+            if not ev.covered and ev.boot != last_boot:
+                last_boot = ev.boot
+                self._boots[ev.boot] = None
+                self._boots.move_to_end(ev.boot)
+                while len(self._boots) > self.MAX_BOOTS:
+                    self._boots.popitem(last=False)
+            yield ev
+
+    def _settle(self, c: _Cand) -> Event | None:
+        """A candidate's outcome after phase B: its event, or None (forged, unchecked, a
+        covered line that conflicts with an earlier one and could not be verified)."""
+        if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) and c.ev is None:
+            c.state = _Cand.SYNTAX  # intact but not a line: decode_line's syntax reject
+        if c.state == _Cand.SYNTAX:
+            self._reject(Rejected(Reject.SYNTAX, c.ln))
+            return None
+        ev = c.ev if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) else None
+        if c.state == _Cand.COVERED and ev is not None:
+            seen = self._seen.get((c.boot, c.seq))
+            if seen is not None and _digest(ev) not in seen:  # a conflict: verify or drop
+                c.state = _Cand.NEW
+                self._resolve(c)
+            else:
+                self.stats.covered += 1
+                if c.owned:  # parsed for this candidate alone: flag it in place (fast)
+                    object.__setattr__(ev, "covered", True)
+                    object.__setattr__(ev, "rx", c.rx if c.carried else None)
+                    return ev
+                return replace(ev, covered=True, rx=c.rx if c.carried else None)
+        if c.state == _Cand.OK and ev is not None:
+            return replace(ev, rx=c.rx) if c.carried else ev
+        if c.state == _Cand.FORGED:
+            self._forged(Forged(Forgery.BAD_SIG, c.ln, ev))
+            return None
+        if c.state == _Cand.FULL:  # off the plain path after all: the whole rule set
+            try:
+                ev = self._full(c.ln)
+            except _Unchecked:
+                c.state = _Cand.UNCHECKED
+            else:
+                return replace(ev, rx=c.rx) if ev is not None and c.carried else ev
+        self._defer(c.ln, (c.boot, c.seq, c.kind), c.rx)
+        return None
+
+    def _resolve(self, c: _Cand) -> None:
+        """Verify one candidate within the budget: OK, FORGED (its Forged kept), FULL (the
+        line needs the whole rule set: several markers, a retired key) or UNCHECKED."""
+        if self._budget <= 0 and c.body not in self._ok_bodies:  # spent, and no copy of a
+            c.state = _Cand.UNCHECKED  # verified line (a copy is free)
+            return
+        try:
+            ok = self._check(c.pin, c.body, _unb64_sig(c.sig))
+        except _Unchecked:
+            c.state = _Cand.UNCHECKED
+            return
+        if ok:
+            c.state = _Cand.OK
+        elif c.simple:
+            c.state = _Cand.FORGED
+        else:
+            c.state = _Cand.FULL
+
+    def _check(self, public: bytes, body: bytes, sig: bytes) -> bool:
+        """:func:`verify` within the block's budget: raises :class:`_Unchecked` when it is
+        spent. A line identical to one verified in this block (a journald copy) is free."""
+        signed = body + sig
+        if signed in self._ok:
+            return True
+        if self._budget <= 0:
+            raise _Unchecked
+        self._budget -= 1
+        self.stats.verified += 1
+        if verify(public, body, sig):
+            self._ok.add(signed)
+            self._ok_bodies.add(body)
+            return True
+        return False
+
+    def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | bool | None:
+        """The plain path: the line's first marker is v3 and its first intact trailer holds a
+        line of an event other than ``key``/``rekey``, under a pin, signed by the pin (not a
+        line from before a rotation). True: the line was an announcement of a key that is not
+        the pin (counted as :meth:`_full` counts it). Anything else is None (:meth:`_full`
+        decides it)."""
+        pin = self.pin
+        if pin is None or not self.lazy:
+            return None
+        chain = self.retired
+        if not chain and len(ln) <= MAX_LINE:
+            m = _PLAIN_V3.match(ln)
+            if m is not None:  # one line, nothing around it: parsed only if it is accepted
+                boot, seq, kind_b, sig, crc = m.groups()
+                kind = kind_b.decode()
+                if kind == REKEY_EVENT or ln.count(MARKER_PREFIX) != 1:
+                    return None
+                if (zlib.crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
+                    return None  # decode_line: a checksum reject
+                if kind == KEY_EVENT:  # another key's announcement: unplaced, never checked
+                    try:
+                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
+                    except UnicodeDecodeError:
+                        return None
+                    if ev is None or ev.get("pk") == _pk_text(pin):
+                        return None
+                    self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))
+                    return True
+                body = ln[: m.start(4) - 2]
+                return _Cand(
+                    ln, boot.decode(), int(seq), kind, None, body, sig, pin, True, carried, rx
+                )
+        m = _MARKER_RE.search(ln)
+        if m is None or m.group(1) != b"3":
+            return None
+        start = m.start()
+        intact = False
+        for t in _TRAILER_V3.finditer(ln, start, min(len(ln), start + MAX_LINE)):
+            if (zlib.crc32(ln[start : t.end(1)]) & 0xFFFFFFFF) != int(t.group(2), 16):
+                continue
+            intact = True
+            body = ln[start : t.start()]
+            try:
+                ev = _parse_body(body.decode("ascii"))
+            except UnicodeDecodeError:
+                return None
+            if ev is None or ev.event in (KEY_EVENT, REKEY_EVENT):
+                return None
+            if chain and _signer_of(ev, chain, pin) is not None:
+                return None
+            simple = not chain and ln.count(MARKER_PREFIX) == 1
+            return _Cand(
+                ln, ev.boot, ev.seq, ev.event, ev, body, t.group(1), pin, simple, carried, rx
+            )
+        if not intact and ln.count(MARKER_PREFIX) == 1:  # decode_line's answer, without it
+            self._reject(Rejected(Reject.CHECKSUM, ln))
+            return True
+        return None
+
+    def _defer(self, ln: bytes, ev: tuple[str, int, str] | None, rx: float | None) -> None:
+        """A line the budget did not reach: a decisive one (or one not parsed yet) waits in
+        the carry-over for the next block (bounded), a routine one too in at most half of it;
+        one past the bound is counted as unchecked, by boot (an alarm: Timeline.flood_alarm)."""
+        routine = ev is not None and ev[2] in ROUTINE_EVENTS
+        if len(self.carry) < (self.MAX_CARRY // 2 if routine else self.MAX_CARRY):
+            self.carry.append((ln, rx))
+            return
+        self.stats.unchecked += 1
+        if ev is not None:
+            self.unchecked_new.append((ev[0], ev[1], not routine))
+        else:
+            self.unchecked_new.append(("", 0, True))
+
+    def _full(self, ln: bytes) -> Event | None:
+        """One line by the whole of :func:`decode_line` (announcements, rotations, v2, lines of
+        a retired key, anything the lazy path does not take), in stream order; its signature
+        checks go through the block's budget (:meth:`_check` may raise :class:`_Unchecked`)."""
+        res = decode_line(ln, self.key, self.pin, self.retired, self._check)
+        if isinstance(res, Event) and res.event == REKEY_EVENT:
+            self.placeable = False
+            got = self._rekey(ln, res)
+            if got is None:
+                return None
+            ev = got
+        elif isinstance(res, KeyAnnounce) and res.version == 3:
+            got = self._announce(ln, res)
+            if got is None:
+                return None
+            ev = got
+        elif isinstance(res, KeyAnnounce):
+            self.placeable = False
+            if self.key is None or not hmac.compare_digest(self.key, res.key):
+                # v2 keys are never pinned from the console any more (anyone can read them
+                # back): only a v2 key held from before the upgrade verifies v2 lines.
+                self.key_conflict = self.key is not None
+                reason = Forgery.KEY_CONFLICT if self.key is not None else Forgery.V2
+                self._forged(Forged(reason, ln, res.event))
+                return None
+            ev = res.event
+        elif isinstance(res, Event):
+            self.placeable = False
+            ev = res
+        elif isinstance(res, Forged):
+            self._unplaced_line(res)
+            return None
+        elif isinstance(res, Rejected):
+            self._reject(res)
+            return None
+        else:
+            return None
+        return ev
+
+    def _unplaced_line(self, res: Forged) -> None:
+        """A forged line (decode_line's answer); an unplaced key's fingerprint is noted."""
+        self.placeable = False
+        if res.reason == Forgery.UNPLACED and res.event is not None:
+            pk = res.event.get("pk") or ""
+            if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
+                fp = pk_fingerprint(unb64(pk))
+                if fp not in self.unplaced:
+                    self.unplaced.append(fp)
+        self._forged(res)
+
+    def _reject(self, res: Rejected) -> None:
+        st = self.stats
+        st.rejected += 1
+        st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
+        if len(self.rejects) < self.MAX_SAMPLES:
+            self.rejects.append(res)
+
+    def _forged(self, f: Forged) -> None:
+        st = self.stats
+        if f.reason == Forgery.RETIRED:  # the rotated-away key's older lines: not an alarm
+            st.retired += 1
+            return
+        st.forged += 1
+        st.forged_reasons[f.reason] = st.forged_reasons.get(f.reason, 0) + 1
+        if len(self.forgeries) < self.MAX_SAMPLES:
+            self.forgeries.append(f)
+
+    def _is_duplicate(self, ev: Event) -> bool:
+        digest = _digest(ev)  # the content (boot, seq: k)
+        k = (ev.boot, ev.seq)
+        seen = self._seen.get(k)
+        if seen is not None and digest in seen:
+            return True
+        if seen is None:
+            self._seen[k] = {digest}
+        else:  # a different line with a seq already seen: kept, and reported as a conflict
+            self.stats.conflicts += 1
+            seen.add(digest)
+            self._seen.move_to_end(k)
+        while len(self._seen) > self.DEDUP_WINDOW:
+            self._seen.popitem(last=False)
+        return False
+
+
+def decode_all(
+    data: bytes, key: bytes | None = None, pin: bytes | None = None
+) -> tuple[list[Event], DecodeStats]:
+    """Decode a whole dump at once, read from byte 0 (its first announcement is pinned when
+    ``pin`` is None)."""
+    d = StreamDecoder(key, pin=pin)
+    events = d.feed(data)
+    events += d.flush()
+    return events, d.stats
