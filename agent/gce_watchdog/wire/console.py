@@ -4,7 +4,6 @@ authenticates (:func:`decode_line`).
 
 from __future__ import annotations
 
-import hmac
 import re
 from collections.abc import Callable
 
@@ -17,11 +16,7 @@ from gce_watchdog.wire.keys import (
     _v3_announce,
 )
 from gce_watchdog.wire.legacy import (
-    _HEXKEY_RE,
-    _TRAILER_V1,
-    _TRAILER_V2,
-    V2_MAX_LINE,
-    mac,
+    read_legacy,
 )
 from gce_watchdog.wire.line import (
     KEY_EVENT,
@@ -32,11 +27,11 @@ from gce_watchdog.wire.line import (
     Forged,
     Forgery,
     KeyAnnounce,
+    MarkerRead,
     Reject,
     Rejected,
     _crc,
     _parse_body,
-    fingerprint,
     unb64,
     verify,
 )
@@ -86,93 +81,70 @@ def decode_line(
         tried += 1
         if tried > MAX_MARKERS_PER_LINE:
             return forged or Rejected(Reject.MARKERS, raw)
-        start = m.start()
         version = int(m.group(1))
         if version == 3:
-            end = min(len(raw), start + MAX_LINE)
-            for t in _TRAILER_V3.finditer(raw, start, end):
-                signed_end = t.end(1)
-                if _crc(raw[start:signed_end]) != t.group(2).decode():
-                    continue
-                body = raw[start : t.start()]
-                try:
-                    ev = _parse_body(body.decode("ascii"))
-                except UnicodeDecodeError:
-                    ev = None
-                if ev is None or not body.startswith(MARKER_BYTES):
-                    syntax = True
-                    continue
-                sig = unb64(t.group(1).decode())
-                if ev.event == KEY_EVENT and pin is not None and ev.get("pk") != _pk_text(pin):
-                    old = next((r for r in chain if ev.get("pk") == _pk_text(r.public)), None)
-                    if old is not None:
-                        # a key rotated away from: its announcements before its rekey only
-                        if not old.covers(ev, None):
-                            return Forged(Forgery.RETIRED, raw, ev)
-                        ann = _v3_announce(ev, body, sig)
-                        if ann is not None and ann.valid(verifier):
-                            return ann.event
-                        return Forged(Forgery.BAD_SIG, raw, ev)
-                    # another key than the pin: unplaced, whatever its signature (not checked)
-                    return Forged(Forgery.UNPLACED, raw, ev)
-                if ev.event == KEY_EVENT:
-                    ann = _v3_announce(ev, body, sig)
-                    if ann is not None:
-                        return ann
-                if pin is None:
-                    forged = forged or Forged(Forgery.NO_KEY, raw, ev)
-                    break
-                if verifier(pin, body, sig):
-                    return ev
-                signer = _signer_of(ev, chain, pin) if chain else None
-                if signer is not None:  # a line from before a rotation: the key of then
-                    if verifier(signer[0].public, body, sig):
-                        return ev
-                elif chain and verifier(chain[-1].public, body, sig):
-                    forged = forged or Forged(Forgery.RETIRED, raw, ev)
-                    break
-                bad = Forgery.BAD_REKEY if ev.event == REKEY_EVENT else Forgery.BAD_SIG
-                forged = forged or Forged(bad, raw, ev)
-                break
-            continue
-        end = min(len(raw), start + V2_MAX_LINE)
-        v2 = version == 2
-        for t in (_TRAILER_V2 if v2 else _TRAILER_V1).finditer(raw, start, end):
-            body = raw[start : t.start()]
-            if _crc(body) != t.group(1).decode():
-                continue
-            try:
-                ev = _parse_body(body.decode("ascii"))
-            except UnicodeDecodeError:
-                ev = None
-            if ev is None:
-                syntax = True
-                continue
-            if not v2:
-                forged = forged or Forged(Forgery.LEGACY, raw, ev)
-                break
-            if pin is not None:  # this instance speaks v3: its v2 lines never decide again
-                forged = forged or Forged(Forgery.V2, raw, ev)
-                break
-            got = t.group(2).decode()
-            if ev.event == KEY_EVENT:
-                announced = ev.get("k") or ""
-                if _HEXKEY_RE.match(announced) and len(ev.fields) == 1:
-                    k = bytes.fromhex(announced)
-                    if hmac.compare_digest(mac(k, body), got):
-                        shown = Event(
-                            KEY_EVENT, ev.boot, ev.seq, ev.ts_ms, (("kid", fingerprint(k)),)
-                        )
-                        return KeyAnnounce(shown, k)
-            if key is None:
-                forged = forged or Forged(Forgery.V2, raw, ev)
-                break
-            if hmac.compare_digest(mac(key, body), got):
-                return ev
-            forged = forged or Forged(Forgery.BAD_MAC, raw, ev)
-            break
+            done, bad, unparsed = _read_v3(raw, m.start(), pin, chain, verifier)
+        else:
+            done, bad, unparsed = read_legacy(raw, m.start(), version == 2, key, pin)
+        if done is not None:
+            return done
+        forged = forged or bad
+        syntax = syntax or unparsed
     if forged is not None:
         return forged
     if tried == 0:
         return None
     return Rejected(Reject.SYNTAX if syntax else Reject.CHECKSUM, raw)
+
+
+def _read_v3(
+    raw: bytes,
+    start: int,
+    pin: bytes | None,
+    chain: Retirees,
+    verifier: Callable[[bytes, bytes, bytes], bool],
+) -> MarkerRead:
+    """The v3 line at the marker at ``start`` (:data:`MarkerRead`): its first intact trailer
+    within MAX_LINE bytes decides, a trailer whose body does not parse is a syntax reject."""
+    syntax = False
+    for t in _TRAILER_V3.finditer(raw, start, min(len(raw), start + MAX_LINE)):
+        if _crc(raw[start : t.end(1)]) != t.group(2).decode():
+            continue
+        body = raw[start : t.start()]
+        try:
+            ev = _parse_body(body.decode("ascii"))
+        except UnicodeDecodeError:
+            ev = None
+        if ev is None or not body.startswith(MARKER_BYTES):
+            syntax = True
+            continue
+        sig = unb64(t.group(1).decode())
+        if ev.event == KEY_EVENT and pin is not None and ev.get("pk") != _pk_text(pin):
+            old = next((r for r in chain if ev.get("pk") == _pk_text(r.public)), None)
+            if old is not None:
+                # a key rotated away from: its announcements before its rekey only
+                if not old.covers(ev, None):
+                    return Forged(Forgery.RETIRED, raw, ev), None, syntax
+                ann = _v3_announce(ev, body, sig)
+                if ann is not None and ann.valid(verifier):
+                    return ann.event, None, syntax
+                return Forged(Forgery.BAD_SIG, raw, ev), None, syntax
+            # another key than the pin: unplaced, whatever its signature (not checked)
+            return Forged(Forgery.UNPLACED, raw, ev), None, syntax
+        if ev.event == KEY_EVENT:
+            ann = _v3_announce(ev, body, sig)
+            if ann is not None:
+                return ann, None, syntax
+        if pin is None:
+            return None, Forged(Forgery.NO_KEY, raw, ev), syntax
+        if verifier(pin, body, sig):
+            return ev, None, syntax
+        signer = _signer_of(ev, chain, pin) if chain else None
+        if signer is not None:  # a line from before a rotation: the key of then
+            if verifier(signer[0].public, body, sig):
+                return ev, None, syntax
+        elif chain and verifier(chain[-1].public, body, sig):
+            return None, Forged(Forgery.RETIRED, raw, ev), syntax
+        bad = Forgery.BAD_REKEY if ev.event == REKEY_EVENT else Forgery.BAD_SIG
+        return None, Forged(bad, raw, ev), syntax
+    return None, None, syntax

@@ -14,9 +14,15 @@ import re
 from gce_watchdog.wire.line import (
     KEY_EVENT,
     Event,
+    Forged,
+    Forgery,
+    KeyAnnounce,
+    MarkerRead,
     ProtocolError,
     _body,
     _crc,
+    _parse_body,
+    fingerprint,
 )
 
 V2_MARKER = "GCEWD2"  # protocol v2: HMAC lines (see "Upgrade" in docs/serial-protocol.md)
@@ -56,3 +62,43 @@ def _encode_any_length(ev: Event, key: bytes) -> str:
 def key_line_v2(boot: str, seq: int, ts_ms: int, key: bytes) -> str:
     """The v2 key announcement (a boot's seq 0): signed with the key it announces."""
     return encode_v2(Event(KEY_EVENT, boot, seq, ts_ms, (("k", key.hex()),)), key)
+
+
+def read_legacy(
+    raw: bytes, start: int, v2: bool, key: bytes | None, pin: bytes | None
+) -> MarkerRead:
+    """The v2 (``v2``) or v1 line at the marker at ``start`` (:data:`MarkerRead`): ``key`` the
+    instance's v2 key held from before the upgrade, ``pin`` its v3 pin (v2 lines never decide
+    once one is held); a v1 line is always forged."""
+    syntax = False
+    for t in (_TRAILER_V2 if v2 else _TRAILER_V1).finditer(
+        raw, start, min(len(raw), start + V2_MAX_LINE)
+    ):
+        body = raw[start : t.start()]
+        if _crc(body) != t.group(1).decode():
+            continue
+        try:
+            ev = _parse_body(body.decode("ascii"))
+        except UnicodeDecodeError:
+            ev = None
+        if ev is None:
+            syntax = True
+            continue
+        if not v2:
+            return None, Forged(Forgery.LEGACY, raw, ev), syntax
+        if pin is not None:  # this instance speaks v3: its v2 lines never decide again
+            return None, Forged(Forgery.V2, raw, ev), syntax
+        got = t.group(2).decode()
+        if ev.event == KEY_EVENT:
+            announced = ev.get("k") or ""
+            if _HEXKEY_RE.match(announced) and len(ev.fields) == 1:
+                k = bytes.fromhex(announced)
+                if hmac.compare_digest(mac(k, body), got):
+                    shown = Event(KEY_EVENT, ev.boot, ev.seq, ev.ts_ms, (("kid", fingerprint(k)),))
+                    return KeyAnnounce(shown, k), None, syntax
+        if key is None:
+            return None, Forged(Forgery.V2, raw, ev), syntax
+        if hmac.compare_digest(mac(key, body), got):
+            return ev, None, syntax
+        return None, Forged(Forgery.BAD_MAC, raw, ev), syntax
+    return None, None, syntax

@@ -477,6 +477,12 @@ class KeyAnnounce:
         return pk_fingerprint(self.key) if self.version == 3 else fingerprint(self.key)
 
 
+# What a reader makes of one marker of a console line: (the line's answer when this marker ends
+# it, else None; a forgery to report when no later marker ends the line; whether a trailer was
+# intact but its body not a line: a syntax reject).
+MarkerRead = tuple[Event | KeyAnnounce | Forged | None, Forged | None, bool]
+
+
 def _new_event(
     event: str,
     boot: str,
