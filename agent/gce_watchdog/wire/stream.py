@@ -11,7 +11,6 @@ import operator
 import re
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from gce_watchdog.wire.console import (
@@ -76,8 +75,8 @@ class _Cand:
 
     NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
     __slots__ = (
-        "_ev", "_owned", "body", "boot", "carried", "kind", "late", "ln", "pin", "rx", "seq", "sig",
-        "simple", "state",
+        "_ev", "body", "boot", "carried", "kind", "late", "ln", "pin", "rx", "seq", "sig", "simple",
+        "state",
     )  # fmt: skip
 
     def __init__(
@@ -99,33 +98,34 @@ class _Cand:
         self.simple, self.carried, self.rx = simple, carried, rx
         self.late = not carried  # carried-over lines are checked first (the sort key)
         self.state = _Cand.NEW
-        self._owned = False
-
-    @property
-    def owned(self) -> bool:
-        """Whether :attr:`ev` was parsed here (no other reference to it exists yet)."""
-        return self._owned
 
     @property
     def ev(self) -> Event | None:
         """The parsed line (None: it does not parse, a syntax reject like decode_line's)."""
         if self._ev is None:
-            self._owned = True
             try:
                 self._ev = _parse_body(self.body.decode("ascii"))
             except UnicodeDecodeError:
                 return None
         return self._ev
 
+    def covered_event(self) -> Event | None:
+        """The line as a covered event (flagged; its receive time when it was carried over),
+        built from the parse in one step; None when it does not parse."""
+        rx = self.rx if self.carried else None
+        e = self._ev
+        if e is not None:
+            return _new_event(e.event, e.boot, e.seq, e.ts_ms, e.fields, e.text, True, rx)
+        try:
+            p = _parse_parts(self.body.decode("ascii"))
+        except UnicodeDecodeError:
+            return None
+        return None if p is None else _new_event(*p, True, rx)
+
 
 # Phase B's sort keys, C-level (StreamDecoder._decode_lines): carried first, then by boot and seq.
 _SORT_KEY = operator.attrgetter("late", "boot", "seq")
 _SEQ = operator.attrgetter("seq")
-
-
-def _text_of(cache: dict[bytes, str], raw: bytes) -> str:
-    text = cache[raw] = raw.decode()
-    return text
 
 
 _B64_STD = bytes.maketrans(b"-_", b"+/")
@@ -310,7 +310,7 @@ class StreamDecoder:
         if paused:
             gc.disable()
         try:
-            return list(self._decode_lines(cands))
+            return self._decode_lines(cands)
         finally:
             if paused:
                 gc.enable()
@@ -385,117 +385,86 @@ class StreamDecoder:
         self.rekeys.append((old, new, ev.boot, ev.seq))
         return shown_rekey(ev, old)
 
-    def _decode_lines(self, lines: list[bytes]) -> Iterator[Event]:
+    def _decode_lines(self, lines: list[bytes]) -> list[Event]:
         """Lines that start with a marker and carry a trailer candidate after it, in order.
 
         Verification is lazy and bounded (docs/serial-protocol.md, "Verifying what decides"):
-        phase A decodes every line in stream order, running announcements, rotations and any
-        line off the plain path through :meth:`_full` at once (they spend the budget first)
-        and keeping the plain v3 lines under the pin as candidates; phase B verifies the
-        decisive candidates by (known boot first, boot, seq), then walks each boot's routine
-        candidates down from the highest seq until one verifies: the routine candidates below
-        the highest verified seq of their boot are **covered** (accepted unchecked, flagged);
-        phase C yields in stream order. A candidate the budget does not reach is no event:
-        decisive ones wait in :attr:`carry` for the next block, and so do routine ones (they
-        are above their boot's newest verified line: its liveness), in at most half of it; the
-        rest are counted (:attr:`DecodeStats.unchecked`, :attr:`unchecked_boots`)."""
+        phase A (:meth:`_read_lines`) decodes every line in stream order, running
+        announcements, rotations and any line off the plain path through :meth:`_full` at once
+        (they spend the budget first) and keeping the plain v3 lines under the pin as
+        candidates; phase B (:meth:`_verify`) verifies the decisive candidates by (known boot
+        first, boot, seq), then walks each boot's routine candidates down from the highest seq
+        until one verifies: the routine candidates below the highest verified seq of their boot
+        are **covered** (:meth:`_cover`: accepted unchecked, flagged); phase C
+        (:meth:`_settle_all`) gives the events in stream order. A candidate the budget does not
+        reach is no event: decisive ones wait in :attr:`carry` for the next block, and so do
+        routine ones (they are above their boot's newest verified line: its liveness), in at
+        most half of it; the rest are counted (:attr:`DecodeStats.unchecked`,
+        :attr:`unchecked_new`)."""
         self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
         if not self.lazy:
             self._budget = 1 << 62
         self._ok = set()
         self._ok_bodies = set()
+        out, decisive, routine, top = self._read_lines(lines)
+        if decisive or routine:  # intact lines: the stream's first line is behind us
+            self.placeable = False
+        self._verify(decisive, routine, top)
+        self._cover(out, routine, top)
+        return self._settle_all(out)
+
+    def _read_lines(
+        self, lines: list[bytes]
+    ) -> tuple[list[Event | _Cand | None], list[_Cand], dict[str, list[_Cand]], dict[str, int]]:
+        """Phase A: the carried-over lines, then ``lines``: each line's event or candidate (None:
+        nothing, or counted), the decisive candidates and the routine ones by boot, in stream
+        order, and per boot the highest seq verified here."""
         carried, self.carry = self.carry, []
         out: list[Event | _Cand | None] = []
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
-        ncarried, block_rx = len(carried), self._rx
-        plain, crc32, prefix = _PLAIN_V3.match, zlib.crc32, MARKER_PREFIX
-        boots_s: dict[bytes, str] = {}  # a block's boot ids, decoded once each
-        kinds_s: dict[bytes, str] = {}  # and its event names
-        # The candidates, in stream order: decisive ones, and routine ones by boot.
         decisive: list[_Cand] = []
         routine: dict[str, list[_Cand]] = {}
-        other_path = False  # a candidate from _lazy (its boot is not in ``boots_s``)
-        pin = self.pin
-        fast = pin is not None and self.lazy and not self.retired
+        ncarried, block_rx = len(carried), self._rx
         for i, ln in enumerate([x for x, _ in carried] + lines if carried else lines):
             was_carried = i < ncarried
             rx = carried[i][1] if was_carried else block_rx
-            # _lazy's plain path, inline (the flood's per-line cost): one line, one marker
-            n = len(ln)
-            m = plain(ln) if fast and n <= MAX_LINE else None
-            if m is not None:  # anchored at the end: crc = ln[n-8:], sig = ln[n-94:n-8]
-                boot, seq, kind_b, sig, crc = m.groups()
-                if kind_b != b"key" and kind_b != b"rekey" and ln.count(prefix) == 1:
-                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
-                        self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
-                        continue
-                    boot_s = boots_s.get(boot) or _text_of(boots_s, boot)
-                    kind = kinds_s.get(kind_b) or _text_of(kinds_s, kind_b)
-                    c = _Cand(
-                        ln, boot_s, int(seq), kind, None, ln[: n - 96], sig, pin, True,  # type: ignore[arg-type]
-                        was_carried, rx,
-                    )  # fmt: skip
-                    out.append(c)
-                    if kind in ROUTINE_EVENTS:
-                        group = routine.get(boot_s)
-                        if group is None:
-                            routine[boot_s] = [c]
-                        else:
-                            group.append(c)
-                    else:
-                        decisive.append(c)
-                    continue
-                if kind_b == b"key" and ln.count(prefix) == 1:  # another key's announcement?
-                    if (crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
-                        self._reject(Rejected(Reject.CHECKSUM, ln))
-                        continue
-                    try:
-                        ev = _parse_body(ln[: n - 96].decode("ascii"))
-                    except UnicodeDecodeError:
-                        ev = None
-                    if ev is not None and ev.get("pk") != _pk_text(pin):
-                        self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))  # never checked
-                        continue
             cand = self._lazy(ln, was_carried, rx)
             if cand is True:
                 continue
             if isinstance(cand, _Cand):
                 out.append(cand)
-                other_path = True
-                if cand.kind in ROUTINE_EVENTS:
-                    routine.setdefault(cand.boot, []).append(cand)
-                else:
+                if cand.kind not in ROUTINE_EVENTS:
                     decisive.append(cand)
+                elif (group := routine.get(cand.boot)) is None:
+                    routine[cand.boot] = [cand]
+                else:
+                    group.append(cand)
                 continue
             try:
                 ev = self._full(ln)
             except _Unchecked:
                 self._defer(ln, None, rx)
                 continue
-            finally:  # a pin placed or moved by this line
-                pin = self.pin
-                fast = pin is not None and self.lazy and not self.retired
             if ev is not None and was_carried:
                 ev = replace(ev, rx=rx)
             if ev is not None and ev.event != REKEY_EVENT:
                 top[ev.boot] = max(top.get(ev.boot, -1), ev.seq)
             out.append(ev)
-        if decisive or routine:  # intact lines: the stream's first line is behind us
-            self.placeable = False
+        return out, decisive, routine, top
+
+    def _verify(
+        self, decisive: list[_Cand], routine: dict[str, list[_Cand]], top: dict[str, int]
+    ) -> None:
+        """Phase B: the decisive candidates by (carried first, known boot first, boot, seq),
+        then each boot's routine ones down from the highest seq until one verifies (or the
+        budget is spent); ``top`` gets each boot's highest verified seq."""
         known = self._boots
-        # (known first, boot, seq) is (boot, seq) when the boots are all known or all not (of
-        # the block's plain lines: a superset of the decisive lines' boots)
-        boots = {c.boot for c in decisive} if other_path else boots_s.values()
-        if len({b in known for b in boots}) <= 1:
+        # (known first, boot, seq) is (boot, seq) when the boots are all known or all not
+        if len({c.boot in known for c in decisive}) <= 1:
             decisive.sort(key=_SORT_KEY)
         else:
             decisive.sort(key=lambda c: (c.late, c.boot not in known, c.boot, c.seq))
-        unchecked = _Cand.UNCHECKED
-        ok_bodies = self._ok_bodies
         for c in decisive:
-            if self._budget <= 0 and c.body not in ok_bodies:  # spent (a flood): fast
-                c.state = unchecked
-                continue
             self._resolve(c)
             if c.state == _Cand.OK:
                 top[c.boot] = max(top.get(c.boot, -1), c.seq)
@@ -510,9 +479,14 @@ class StreamDecoder:
                     break
                 if c.state == _Cand.UNCHECKED:
                     break
-        # The routine lines left at or below their boot's highest verified seq would be covered:
-        # a (boot, seq) among them claimed with two contents in this block has each claimant
-        # verified (or unchecked), never covered (seqs claimed in advance must not pass).
+
+    def _cover(
+        self, out: list[Event | _Cand | None], routine: dict[str, list[_Cand]], top: dict[str, int]
+    ) -> None:
+        """The routine candidates left unchecked: covered at or below their boot's highest
+        verified seq, unchecked above it. A (boot, seq) among them claimed with two contents in
+        this block has each claimant verified (or unchecked), never covered (seqs claimed in
+        advance must not pass); one at the verified seq is a copy of that line (free)."""
         keys = {
             (c.boot, c.seq)
             for group in routine.values()
@@ -536,55 +510,27 @@ class StreamDecoder:
                 if c.state != _Cand.NEW:
                     continue
                 if c.seq > high:
-                    c.state = unchecked
+                    c.state = _Cand.UNCHECKED
                     continue
                 if c.seq == high or len(claims[(boot, c.seq)]) > 1:
                     self._resolve(c)  # a copy of a verified line (free) or a conflict
                 if c.state == _Cand.NEW:
-                    c.state = _Cand.COVERED if c.seq < high else unchecked
-        st = self.stats
-        last_boot = ""
-        carry, max_carry, unchecked_new = self.carry, self.MAX_CARRY, self.unchecked_new
-        seen_map, window, covered = self._seen, self.DEDUP_WINDOW, _Cand.COVERED
+                    c.state = _Cand.COVERED if c.seq < high else _Cand.UNCHECKED
+
+    def _settle_all(self, out: list[Event | _Cand | None]) -> list[Event]:
+        """Phase C: the block's events in stream order, copies dropped (:meth:`_is_duplicate`;
+        a covered one's in :meth:`_covered`), each verified line's boot noted as known."""
+        events: list[Event] = []
+        st, last_boot, covered = self.stats, "", _Cand.COVERED
         for item in out:
             if item is None:
                 continue
             if isinstance(item, _Cand):
-                state = item.state
-                if state == unchecked:  # _defer, inline (a flood's per-line cost)
-                    decisive_line = item.kind not in ROUTINE_EVENTS
-                    # routine lines (above their boot's newest verified one: its liveness)
-                    # take at most half the carry-over: decisive lines keep the rest
-                    if len(carry) < (max_carry if decisive_line else max_carry // 2):
-                        carry.append((item.ln, item.rx))
-                    else:
-                        st.unchecked += 1
-                        unchecked_new.append((item.boot, item.seq, decisive_line))
-                    continue
-                if state == covered and item._ev is None:  # _settle + _is_duplicate, inline
-                    try:  # (the common case: a routine line parsed once, flagged as it is made)
-                        p = _parse_parts(item.body.decode("ascii"))
-                    except UnicodeDecodeError:
-                        p = None
-                    if p is not None:
-                        k = (item.boot, item.seq)
-                        digest = hash((p[0], p[3], p[4], p[5]))  # _digest's
-                        seen = seen_map.get(k)
-                        if seen is None:
-                            st.covered += 1
-                            seen_map[k] = {digest}
-                            while len(seen_map) > window:
-                                seen_map.popitem(last=False)
-                            st.events += 1
-                            yield _new_event(*p, True, item.rx if item.carried else None)
-                            continue
-                        if digest in seen:  # a copy of a line seen (journald's)
-                            st.covered += 1
-                            st.duplicates += 1
-                            continue
-                        item._ev, item._owned = _new_event(*p), True  # a conflict: _settle
-                got = self._settle(item)
+                got = self._covered(item) if item.state == covered else self._settle(item)
                 if got is None:
+                    continue
+                if got.covered:  # counted and deduplicated by _covered
+                    events.append(got)
                     continue
                 ev = got
             else:
@@ -593,35 +539,47 @@ class StreamDecoder:
                 st.duplicates += 1
                 continue
             st.events += 1
-            if not ev.covered and ev.boot != last_boot:
+            if ev.boot != last_boot:
                 last_boot = ev.boot
                 self._boots[ev.boot] = None
                 self._boots.move_to_end(ev.boot)
                 while len(self._boots) > self.MAX_BOOTS:
                     self._boots.popitem(last=False)
-            yield ev
+            events.append(ev)
+        return events
+
+    def _covered(self, c: _Cand) -> Event | None:
+        """A covered candidate's event (flagged), or None: a syntax reject, or a copy of a line
+        seen (counted). One whose (boot, seq) was seen with other content is a conflict:
+        verified within the budget, or dropped (:meth:`_settle`)."""
+        ev = c.covered_event()
+        if ev is None:
+            self._reject(Rejected(Reject.SYNTAX, c.ln))  # intact but not a line
+            return None
+        k = (c.boot, c.seq)
+        seen = self._seen.get(k)
+        digest = _digest(ev)
+        if seen is not None and digest not in seen:
+            c.state = _Cand.NEW
+            self._resolve(c)
+            return self._settle(c)
+        self.stats.covered += 1
+        if seen is not None:  # a copy of a line seen (journald's)
+            self.stats.duplicates += 1
+            return None
+        self._remember(k, digest)
+        self.stats.events += 1
+        return ev
 
     def _settle(self, c: _Cand) -> Event | None:
-        """A candidate's outcome after phase B: its event, or None (forged, unchecked, a
-        covered line that conflicts with an earlier one and could not be verified)."""
-        if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) and c.ev is None:
+        """A candidate's outcome after phase B, but for a covered one (:meth:`_covered`): its
+        event, or None (forged, unchecked: deferred, not a line)."""
+        ev = c.ev if c.state in (_Cand.OK, _Cand.FORGED) else None
+        if c.state in (_Cand.OK, _Cand.FORGED) and ev is None:
             c.state = _Cand.SYNTAX  # intact but not a line: decode_line's syntax reject
         if c.state == _Cand.SYNTAX:
             self._reject(Rejected(Reject.SYNTAX, c.ln))
             return None
-        ev = c.ev if c.state in (_Cand.COVERED, _Cand.OK, _Cand.FORGED) else None
-        if c.state == _Cand.COVERED and ev is not None:
-            seen = self._seen.get((c.boot, c.seq))
-            if seen is not None and _digest(ev) not in seen:  # a conflict: verify or drop
-                c.state = _Cand.NEW
-                self._resolve(c)
-            else:
-                self.stats.covered += 1
-                if c.owned:  # parsed for this candidate alone: flag it in place (fast)
-                    object.__setattr__(ev, "covered", True)
-                    object.__setattr__(ev, "rx", c.rx if c.carried else None)
-                    return ev
-                return replace(ev, covered=True, rx=c.rx if c.carried else None)
         if c.state == _Cand.OK and ev is not None:
             return replace(ev, rx=c.rx) if c.carried else ev
         if c.state == _Cand.FORGED:
@@ -629,11 +587,11 @@ class StreamDecoder:
             return None
         if c.state == _Cand.FULL:  # off the plain path after all: the whole rule set
             try:
-                ev = self._full(c.ln)
+                full = self._full(c.ln)
             except _Unchecked:
                 c.state = _Cand.UNCHECKED
             else:
-                return replace(ev, rx=c.rx) if ev is not None and c.carried else ev
+                return replace(full, rx=c.rx) if full is not None and c.carried else full
         self._defer(c.ln, (c.boot, c.seq, c.kind), c.rx)
         return None
 
@@ -674,35 +632,36 @@ class StreamDecoder:
     def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | bool | None:
         """The plain path: the line's first marker is v3 and its first intact trailer holds a
         line of an event other than ``key``/``rekey``, under a pin, signed by the pin (not a
-        line from before a rotation). True: the line was an announcement of a key that is not
-        the pin (counted as :meth:`_full` counts it). Anything else is None (:meth:`_full`
-        decides it)."""
+        line from before a rotation). True: the line was counted here, as :meth:`_full` would
+        count it (a checksum reject; an announcement of a key that is not the pin). Anything
+        else is None (:meth:`_full` decides it). The flood's per-line cost: one regex match
+        and a CRC for a plain line (one marker, nothing around it)."""
         pin = self.pin
         if pin is None or not self.lazy:
             return None
         chain = self.retired
-        if not chain and len(ln) <= MAX_LINE:
-            m = _PLAIN_V3.match(ln)
-            if m is not None:  # one line, nothing around it: parsed only if it is accepted
-                boot, seq, kind_b, sig, crc = m.groups()
-                kind = kind_b.decode()
-                if kind == REKEY_EVENT or ln.count(MARKER_PREFIX) != 1:
-                    return None
-                if (zlib.crc32(ln[: m.end(4)]) & 0xFFFFFFFF) != int(crc, 16):
-                    return None  # decode_line: a checksum reject
-                if kind == KEY_EVENT:  # another key's announcement: unplaced, never checked
-                    try:
-                        ev = _parse_body(ln[: m.start(4) - 2].decode("ascii"))
-                    except UnicodeDecodeError:
-                        return None
-                    if ev is None or ev.get("pk") == _pk_text(pin):
-                        return None
-                    self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))
-                    return True
-                body = ln[: m.start(4) - 2]
+        n = len(ln)
+        if not chain and n <= MAX_LINE and (m := _PLAIN_V3.match(ln)) is not None:
+            boot, seq, kind_b, sig, crc = m.groups()
+            if kind_b == b"rekey" or ln.count(MARKER_PREFIX) != 1:
+                return None
+            # anchored at the end: crc = ln[n-8:], sig = ln[n-94:n-8], body = ln[:n-96]
+            if (zlib.crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
+                self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
+                return True
+            if kind_b != b"key":
                 return _Cand(
-                    ln, boot.decode(), int(seq), kind, None, body, sig, pin, True, carried, rx
-                )
+                    ln, boot.decode(), int(seq), kind_b.decode(), None, ln[: n - 96], sig, pin,
+                    True, carried, rx,
+                )  # fmt: skip
+            try:  # another key's announcement: unplaced, never checked
+                ev = _parse_body(ln[: n - 96].decode("ascii"))
+            except UnicodeDecodeError:
+                return None
+            if ev is None or ev.get("pk") == _pk_text(pin):
+                return None
+            self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))
+            return True
         m = _MARKER_RE.search(ln)
         if m is None or m.group(1) != b"3":
             return None
@@ -812,20 +771,25 @@ class StreamDecoder:
             self.forgeries.append(f)
 
     def _is_duplicate(self, ev: Event) -> bool:
-        digest = _digest(ev)  # the content (boot, seq: k)
-        k = (ev.boot, ev.seq)
+        """Whether ``ev`` is a copy of a line seen (boot, seq and content); a different line
+        with a (boot, seq) already seen is kept, and counted as a conflict."""
+        k, digest = (ev.boot, ev.seq), _digest(ev)
         seen = self._seen.get(k)
-        if seen is not None and digest in seen:
-            return True
         if seen is None:
-            self._seen[k] = {digest}
-        else:  # a different line with a seq already seen: kept, and reported as a conflict
-            self.stats.conflicts += 1
-            seen.add(digest)
-            self._seen.move_to_end(k)
+            self._remember(k, digest)
+            return False
+        if digest in seen:
+            return True
+        self.stats.conflicts += 1
+        seen.add(digest)
+        self._seen.move_to_end(k)
+        return False
+
+    def _remember(self, k: tuple[str, int], digest: int) -> None:
+        """A (boot, seq) first seen, with its content, in the bounded window."""
+        self._seen[k] = {digest}
         while len(self._seen) > self.DEDUP_WINDOW:
             self._seen.popitem(last=False)
-        return False
 
 
 def decode_all(
