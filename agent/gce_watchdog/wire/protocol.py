@@ -80,6 +80,7 @@ from gce_watchdog.wire.line import (
     verify,
 )
 from gce_watchdog.wire.stream import (
+    Decoded,
     DecodeStats,
     StreamDecoder,
     decode_all,
@@ -114,6 +115,7 @@ __all__ = [
     "V2_TRAILER_LEN",
     "VERSION",
     "DecodeStats",
+    "Decoded",
     "Event",
     "Forged",
     "Forgery",

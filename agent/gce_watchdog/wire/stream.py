@@ -11,7 +11,7 @@ import operator
 import re
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from gce_watchdog.wire.console import (
     _MARKER_RE,
@@ -156,6 +156,31 @@ class DecodeStats:
     reject_reasons: dict[str, int] = field(default_factory=dict)
     forged_reasons: dict[str, int] = field(default_factory=dict)
 
+    def add(self, other: DecodeStats) -> None:
+        """Add ``other``'s counts (a block's) to these."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
+            else:
+                setattr(self, f.name, mine + theirs)
+
+
+@dataclass
+class Decoded:
+    """What one block of the stream held (:meth:`StreamDecoder.decode`): its authenticated
+    events in stream order, its counts, samples of its rejected and forged lines (at most
+    ``StreamDecoder.MAX_SAMPLES`` each) and the lines the signature budget never reached and
+    the carry-over could not hold: (boot, seq, decisive), boot "" when the line was not parsed
+    (an announcement, a rotation, a line off the plain path)."""
+
+    events: list[Event] = field(default_factory=list)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    rejects: list[Rejected] = field(default_factory=list)
+    forgeries: list[Forged] = field(default_factory=list)
+    unchecked: list[tuple[str, int, bool]] = field(default_factory=list)
+
 
 def split_lines(data: bytes) -> list[bytes]:
     """Split console bytes at LF, CRLF and a bare CR (a line ending some programs use alone)."""
@@ -210,7 +235,7 @@ class StreamDecoder:
         instance_id: str = "",
         retired: Retired | Retirees | None = None,
     ) -> None:
-        self.stats = DecodeStats()
+        self.stats = DecodeStats()  # every block's counts, added up
         self.key = key
         self.pin = pin
         self.pin_fp = pin_fp
@@ -228,8 +253,12 @@ class StreamDecoder:
         self._pending = b""
         # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
+        # What feed() and flush() found, kept for a caller that reads a whole stream (decode()
+        # and finish() return it instead): rejected and forged samples (bounded), lines never
+        # checked (see Decoded.unchecked).
         self.rejects: list[Rejected] = []
         self.forgeries: list[Forged] = []
+        self._now = Decoded()  # the block being decoded
         self._budget = 0
         self._block_bytes = 0
         self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
@@ -238,8 +267,6 @@ class StreamDecoder:
         self.carry: list[tuple[bytes, float | None]] = []
         self._rx: float | None = None
         self.lazy = True  # False: every line verified, no budget (a reference; tests, tools)
-        # Lines never checked, not yet taken by the caller: (boot, seq, decisive); boot "" when
-        # the line was not parsed (an announcement, a rotation, a line off the plain path).
         self.unchecked_new: list[tuple[str, int, bool]] = []
         self._boots: OrderedDict[str, None] = OrderedDict()
 
@@ -247,9 +274,11 @@ class StreamDecoder:
         """Bytes were lost (the API's window moved on): nothing later can be placed."""
         self.placeable = False
 
-    def feed(self, chunk: bytes, rx: float | None = None) -> list[Event]:
-        """``rx``: when the chunk was received (the reader's clock), kept with the lines that
-        wait in the carry-over (their events carry it, :attr:`Event.rx`)."""
+    def decode(self, chunk: bytes, rx: float | None = None) -> Decoded:
+        """Decode a chunk of the stream (any boundary): what its whole lines held (a partial
+        last line is held for the next chunk). ``rx``: when the chunk was received (the
+        reader's clock), kept with the lines that wait in the carry-over (their events carry
+        it, :attr:`Event.rx`). The block's counts are added to :attr:`stats` too."""
         self._rx = rx
         data = self._pending + chunk if self._pending else chunk
         if b"\r" in data:  # CRLF and a bare CR end a line too (split_lines): each CR becomes
@@ -262,15 +291,37 @@ class StreamDecoder:
             self._pending = self._pending[-self.MAX_PENDING :]
         return self._decode_block(data, cut)  # its whole lines, data[:cut], without a copy
 
-    def flush(self, rx: float | None = None) -> list[Event]:
+    def finish(self, rx: float | None = None) -> Decoded:
         """Decode the held partial line (end of a dump): a truncated last line is rejected."""
         self._rx = rx
         rest, self._pending = self._pending, b""
         if not rest and not self.carry:
-            return []
+            return Decoded()
         return self._decode_block(rest + b"\n" if rest else b"")
 
-    def _decode_block(self, body: bytes, end: int = -1) -> list[Event]:
+    def feed(self, chunk: bytes, rx: float | None = None) -> list[Event]:
+        """:meth:`decode`'s events; its samples and unchecked lines are kept on the decoder
+        (:attr:`rejects`, :attr:`forgeries`, :attr:`unchecked_new`)."""
+        return self._keep(self.decode(chunk, rx))
+
+    def flush(self, rx: float | None = None) -> list[Event]:
+        """:meth:`finish`'s events, what else it found kept as :meth:`feed` keeps it."""
+        return self._keep(self.finish(rx))
+
+    def _keep(self, found: Decoded) -> list[Event]:
+        self.rejects += found.rejects[: max(0, self.MAX_SAMPLES - len(self.rejects))]
+        self.forgeries += found.forgeries[: max(0, self.MAX_SAMPLES - len(self.forgeries))]
+        self.unchecked_new += found.unchecked
+        return found.events
+
+    def _decode_block(self, body: bytes, end: int = -1) -> Decoded:
+        """:meth:`_scan_block`'s events and counts, the counts added to :attr:`stats`."""
+        found = self._now = Decoded()
+        found.events = self._scan_block(body, end)
+        self.stats.add(found.stats)
+        return found
+
+    def _scan_block(self, body: bytes, end: int = -1) -> list[Event]:
         """Whole lines (each ended by LF): ``body[:end]`` (``end`` -1: all of it, which then
         ends with LF or is empty; else ``body[end:]`` is the held partial line, not empty and
         without LF, left out of every count and scan). The scan is C-level: the lines with a
@@ -279,7 +330,7 @@ class StreamDecoder:
         ones); only those are decoded one by one. A marker line without one cannot be intact:
         rejected, counted in bulk (nothing about it depends on its place in the stream). So a
         MiB of short hostile lines costs a few regex scans."""
-        st = self.stats
+        st = self._now.stats
         lines = body.split(b"\n")
         tail = 0 if end < 0 or end == len(body) else 1  # the partial line: one non-empty piece
         if end < 0:
@@ -297,10 +348,10 @@ class StreamDecoder:
         if bare:
             st.rejected += bare
             st.reject_reasons[Reject.CHECKSUM] = st.reject_reasons.get(Reject.CHECKSUM, 0) + bare
-            room = self.MAX_SAMPLES - len(self.rejects)
+            room = self.MAX_SAMPLES - len(self._now.rejects)
             if room > 0:
                 samples = (x for x in full[: 2 * self.MAX_SAMPLES] if b" #" not in x)
-                self.rejects.extend(
+                self._now.rejects.extend(
                     Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
                 )
         # The block allocates a few small objects per line and no reference cycles: the cyclic
@@ -400,7 +451,7 @@ class StreamDecoder:
         reach is no event: decisive ones wait in :attr:`carry` for the next block, and so do
         routine ones (they are above their boot's newest verified line: its liveness), in at
         most half of it; the rest are counted (:attr:`DecodeStats.unchecked`,
-        :attr:`unchecked_new`)."""
+        :attr:`Decoded.unchecked`)."""
         self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
         if not self.lazy:
             self._budget = 1 << 62
@@ -521,7 +572,7 @@ class StreamDecoder:
         """Phase C: the block's events in stream order, copies dropped (:meth:`_is_duplicate`;
         a covered one's in :meth:`_covered`), each verified line's boot noted as known."""
         events: list[Event] = []
-        st, last_boot, covered = self.stats, "", _Cand.COVERED
+        st, last_boot, covered = self._now.stats, "", _Cand.COVERED
         for item in out:
             if item is None:
                 continue
@@ -563,12 +614,12 @@ class StreamDecoder:
             c.state = _Cand.NEW
             self._resolve(c)
             return self._settle(c)
-        self.stats.covered += 1
+        self._now.stats.covered += 1
         if seen is not None:  # a copy of a line seen (journald's)
-            self.stats.duplicates += 1
+            self._now.stats.duplicates += 1
             return None
         self._remember(k, digest)
-        self.stats.events += 1
+        self._now.stats.events += 1
         return ev
 
     def _settle(self, c: _Cand) -> Event | None:
@@ -622,7 +673,7 @@ class StreamDecoder:
         if self._budget <= 0:
             raise _Unchecked
         self._budget -= 1
-        self.stats.verified += 1
+        self._now.stats.verified += 1
         if verify(public, body, sig):
             self._ok.add(signed)
             self._ok_bodies.add(body)
@@ -697,11 +748,11 @@ class StreamDecoder:
         if len(self.carry) < (self.MAX_CARRY // 2 if routine else self.MAX_CARRY):
             self.carry.append((ln, rx))
             return
-        self.stats.unchecked += 1
+        self._now.stats.unchecked += 1
         if ev is not None:
-            self.unchecked_new.append((ev[0], ev[1], not routine))
+            self._now.unchecked.append((ev[0], ev[1], not routine))
         else:
-            self.unchecked_new.append(("", 0, True))
+            self._now.unchecked.append(("", 0, True))
 
     def _full(self, ln: bytes) -> Event | None:
         """One line by the whole of :func:`decode_line` (announcements, rotations, v2, lines of
@@ -754,21 +805,22 @@ class StreamDecoder:
         self._forged(res)
 
     def _reject(self, res: Rejected) -> None:
-        st = self.stats
-        st.rejected += 1
-        st.reject_reasons[res.reason] = st.reject_reasons.get(res.reason, 0) + 1
-        if len(self.rejects) < self.MAX_SAMPLES:
-            self.rejects.append(res)
+        found = self._now
+        found.stats.rejected += 1
+        found.stats.reject_reasons[res.reason] = found.stats.reject_reasons.get(res.reason, 0) + 1
+        if len(found.rejects) < self.MAX_SAMPLES:
+            found.rejects.append(res)
 
     def _forged(self, f: Forged) -> None:
-        st = self.stats
+        found = self._now
+        st = found.stats
         if f.reason == Forgery.RETIRED:  # the rotated-away key's older lines: not an alarm
             st.retired += 1
             return
         st.forged += 1
         st.forged_reasons[f.reason] = st.forged_reasons.get(f.reason, 0) + 1
-        if len(self.forgeries) < self.MAX_SAMPLES:
-            self.forgeries.append(f)
+        if len(found.forgeries) < self.MAX_SAMPLES:
+            found.forgeries.append(f)
 
     def _is_duplicate(self, ev: Event) -> bool:
         """Whether ``ev`` is a copy of a line seen (boot, seq and content); a different line
@@ -780,7 +832,7 @@ class StreamDecoder:
             return False
         if digest in seen:
             return True
-        self.stats.conflicts += 1
+        self._now.stats.conflicts += 1
         seen.add(digest)
         self._seen.move_to_end(k)
         return False
@@ -798,6 +850,6 @@ def decode_all(
     """Decode a whole dump at once, read from byte 0 (its first announcement is pinned when
     ``pin`` is None)."""
     d = StreamDecoder(key, pin=pin)
-    events = d.feed(data)
-    events += d.flush()
+    events = d.decode(data).events
+    events += d.finish().events
     return events, d.stats
