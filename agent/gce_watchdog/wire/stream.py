@@ -5,7 +5,6 @@ lazy, bounded signature checks (docs/serial-protocol.md, "Verifying what decides
 from __future__ import annotations
 
 import binascii
-import gc
 import hmac
 import operator
 import re
@@ -354,17 +353,7 @@ class StreamDecoder:
                 self._now.rejects.extend(
                     Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
                 )
-        # The block allocates a few small objects per line and no reference cycles: the cyclic
-        # collector is paused meanwhile (in a process holding many objects, its passes over
-        # them cost a flood's MiB some 20-30 ms), and resumed as it was.
-        paused = gc.isenabled()
-        if paused:
-            gc.disable()
-        try:
-            return self._decode_lines(cands)
-        finally:
-            if paused:
-                gc.enable()
+        return self._decode_lines(cands)
 
     def _note_unplaced(self, ann: KeyAnnounce) -> None:
         if len(self.unplaced) < self.MAX_UNPLACED:
