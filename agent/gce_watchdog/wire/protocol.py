@@ -25,6 +25,7 @@ from gce_watchdog.wire.keys import (
     rekey_line,
     shown_rekey,
 )
+from gce_watchdog.wire.lazy import Decoded, DecodeStats
 from gce_watchdog.wire.legacy import (
     KEY_BYTES,
     LEGACY_MARKER,
@@ -80,8 +81,6 @@ from gce_watchdog.wire.line import (
     verify,
 )
 from gce_watchdog.wire.stream import (
-    Decoded,
-    DecodeStats,
     StreamDecoder,
     decode_all,
     split_lines,
