@@ -112,6 +112,11 @@ _SEQ = operator.attrgetter("seq")
 _B64_STD = bytes.maketrans(b"-_", b"+/")
 
 
+def _name(names: dict[bytes, str], raw: bytes) -> str:
+    text = names[raw] = raw.decode()
+    return text
+
+
 def _unb64_sig(text: bytes) -> bytes:
     """A signature's base64url text (86 characters, checked by the trailer regex) as bytes."""
     return binascii.a2b_base64(text.translate(_B64_STD) + b"==")
@@ -192,6 +197,7 @@ class LazyBlocks:
     _budget: int  # signature checks left in this block
     _ok: set[bytes]  # lines verified in this block (signed bytes)
     _ok_bodies: set[bytes]  # and their bodies
+    _names: dict[bytes, str]  # the block's boot ids and event names, decoded once each
     _seen: OrderedDict[tuple[str, int], set[int]]
     _boots: OrderedDict[str, None]
 
@@ -224,6 +230,7 @@ class LazyBlocks:
             self._budget = 1 << 62
         self._ok = set()
         self._ok_bodies = set()
+        self._names = {}
         out, decisive, routine, top = self._read_lines(lines)
         if decisive or routine:  # intact lines: the stream's first line is behind us
             self.placeable = False
@@ -261,7 +268,7 @@ class LazyBlocks:
             try:
                 ev = self._full(ln)
             except _Unchecked:
-                self._defer(ln, None, rx)
+                self._defer(ln, rx)
                 continue
             if ev is not None and was_carried:
                 ev = replace(ev, rx=rx)
@@ -278,7 +285,7 @@ class LazyBlocks:
         budget is spent); ``top`` gets each boot's highest verified seq."""
         known = self._boots
         # (known first, boot, seq) is (boot, seq) when the boots are all known or all not
-        if len({c.boot in known for c in decisive}) <= 1:
+        if len({b in known for b in {c.boot for c in decisive}}) <= 1:
             decisive.sort(key=_SORT_KEY)
         else:
             decisive.sort(key=lambda c: (c.late, c.boot not in known, c.boot, c.seq))
@@ -339,12 +346,17 @@ class LazyBlocks:
         """Phase C: the block's events in stream order, copies dropped (:meth:`_is_duplicate`;
         a covered one's in :meth:`_covered`), each verified line's boot noted as known."""
         events: list[Event] = []
-        st, last_boot, covered = self._now.stats, "", _Cand.COVERED
+        st, last_boot = self._now.stats, ""
+        covered, unchecked = _Cand.COVERED, _Cand.UNCHECKED
         for item in out:
             if item is None:
                 continue
             if isinstance(item, _Cand):
-                got = self._covered(item) if item.state == covered else self._settle(item)
+                state = item.state
+                if state == unchecked:  # the budget did not reach it (a flood's many lines)
+                    self._defer(item.ln, item.rx, item.boot, item.seq, item.kind)
+                    continue
+                got = self._covered(item) if state == covered else self._settle(item)
                 if got is None:
                     continue
                 if got.covered:  # counted and deduplicated by _covered
@@ -390,7 +402,7 @@ class LazyBlocks:
         return ev
 
     def _settle(self, c: _Cand) -> Event | None:
-        """A candidate's outcome after phase B, but for a covered one (:meth:`_covered`): its
+        """A candidate's outcome after phase B (a covered one's is :meth:`_covered`'s): its
         event, or None (forged, unchecked: deferred, not a line)."""
         ev = c.ev if c.state in (_Cand.OK, _Cand.FORGED) else None
         if c.state in (_Cand.OK, _Cand.FORGED) and ev is None:
@@ -410,7 +422,7 @@ class LazyBlocks:
                 c.state = _Cand.UNCHECKED
             else:
                 return replace(full, rx=c.rx) if full is not None and c.carried else full
-        self._defer(c.ln, (c.boot, c.seq, c.kind), c.rx)
+        self._defer(c.ln, c.rx, c.boot, c.seq, c.kind)
         return None
 
     def _resolve(self, c: _Cand) -> None:
@@ -468,9 +480,11 @@ class LazyBlocks:
                 self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
                 return True
             if kind_b != b"key":
+                names = self._names
                 return _Cand(
-                    ln, boot.decode(), int(seq), kind_b.decode(), None, ln[: n - 96], sig, pin,
-                    True, carried, rx,
+                    ln, names.get(boot) or _name(names, boot), int(seq),
+                    names.get(kind_b) or _name(names, kind_b), None, ln[: n - 96], sig, pin, True,
+                    carried, rx,
                 )  # fmt: skip
             try:  # another key's announcement: unplaced, never checked
                 ev = _parse_body(ln[: n - 96].decode("ascii"))
@@ -507,19 +521,20 @@ class LazyBlocks:
             return True
         return None
 
-    def _defer(self, ln: bytes, ev: tuple[str, int, str] | None, rx: float | None) -> None:
-        """A line the budget did not reach: a decisive one (or one not parsed yet) waits in
-        the carry-over for the next block (bounded), a routine one too in at most half of it;
-        one past the bound is counted as unchecked, by boot (an alarm: Timeline.flood_alarm)."""
-        routine = ev is not None and ev[2] in ROUTINE_EVENTS
+    def _defer(
+        self, ln: bytes, rx: float | None, boot: str = "", seq: int = 0, kind: str = ""
+    ) -> None:
+        """A line the budget did not reach: a decisive one (or one not parsed yet: no ``kind``)
+        waits in the carry-over for the next block (bounded), a routine one too in at most half
+        of it; one past the bound is counted as unchecked, by boot (an alarm:
+        Timeline.flood_alarm)."""
+        routine = kind in ROUTINE_EVENTS
         if len(self.carry) < (self.MAX_CARRY // 2 if routine else self.MAX_CARRY):
             self.carry.append((ln, rx))
             return
-        self._now.stats.unchecked += 1
-        if ev is not None:
-            self._now.unchecked.append((ev[0], ev[1], not routine))
-        else:
-            self._now.unchecked.append(("", 0, True))
+        found = self._now
+        found.stats.unchecked += 1
+        found.unchecked.append((boot, seq, not routine))
 
     def _reject(self, res: Rejected) -> None:
         found = self._now

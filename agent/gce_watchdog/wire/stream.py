@@ -119,6 +119,7 @@ class StreamDecoder(LazyBlocks):
         self._block_bytes = 0
         self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
         self._ok_bodies: set[bytes] = set()  # and their bodies
+        self._names: dict[bytes, str] = {}
         # Decisive lines waiting for a budget (raw, stream order), with their block's receive time.
         self.carry: list[tuple[bytes, float | None]] = []
         self._rx: float | None = None
