@@ -15,6 +15,7 @@ import re
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields, replace
+from typing import Literal
 
 from gce_watchdog.wire.console import _MARKER_RE, _TRAILER_V3
 from gce_watchdog.wire.keys import Retirees, _pk_text, _signer_of
@@ -44,7 +45,7 @@ _PLAIN_V3 = re.compile(
 
 
 class _Unchecked(Exception):
-    """The block's verification budget is spent (StreamDecoder._check)."""
+    """The block's verification budget is spent (LazyBlocks._check)."""
 
 
 class _Cand:
@@ -104,7 +105,7 @@ class _Cand:
         return None if p is None else _new_event(*p, True, rx)
 
 
-# Phase B's sort keys, C-level (StreamDecoder._decode_lines): carried first, then by boot and seq.
+# Phase B's sort keys, C-level (LazyBlocks._verify): carried first, then by boot and seq.
 _SORT_KEY = operator.attrgetter("late", "boot", "seq")
 
 _SEQ = operator.attrgetter("seq")
@@ -256,7 +257,7 @@ class LazyBlocks:
             cand = self._lazy(ln, was_carried, rx)
             if cand is True:
                 continue
-            if isinstance(cand, _Cand):
+            if cand is not None:
                 out.append(cand)
                 if cand.kind not in ROUTINE_EVENTS:
                     decisive.append(cand)
@@ -459,7 +460,7 @@ class LazyBlocks:
             return True
         return False
 
-    def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | bool | None:
+    def _lazy(self, ln: bytes, carried: bool, rx: float | None) -> _Cand | Literal[True] | None:
         """The plain path: the line's first marker is v3 and its first intact trailer holds a
         line of an event other than ``key``/``rekey``, under a pin, signed by the pin (not a
         line from before a rotation). True: the line was counted here, as :meth:`_full` would
