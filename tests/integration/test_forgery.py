@@ -19,6 +19,7 @@ from pathlib import Path
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
+from gce_watchdog.wire import line as wire_line
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, Rejected
 from hypothesis import HealthCheck, given, settings
@@ -39,7 +40,7 @@ def forge(ev: Event, key: protocol.LineKey | None = None) -> bytes:
 
 def forge_v1(ev: Event) -> bytes:
     """A protocol v1 line (CRC only): what anyone could write before v2."""
-    body = protocol._body(ev).replace(protocol.MARKER, protocol.LEGACY_MARKER, 1)
+    body = wire_line._body(ev).replace(protocol.MARKER, protocol.LEGACY_MARKER, 1)
     return f"{body} #{zlib.crc32(body.encode()):08x}\n".encode()
 
 
@@ -291,7 +292,7 @@ def unauthenticated(draw: st.DrawFn) -> bytes:
         return protocol.encode_v2(ev, draw(st.binary(min_size=32, max_size=32))).encode()
     if kind == "v1":
         return forge_v1(ev)
-    return protocol._body(ev).encode() + b" #" + draw(st.binary(max_size=30)) + b"\n"
+    return wire_line._body(ev).encode() + b" #" + draw(st.binary(max_size=30)) + b"\n"
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.testing.synth import SYNTH_KEY as K
+from gce_watchdog.wire import line as wire_line
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import (
     Event,
@@ -250,13 +251,13 @@ def test_parse_ts_is_the_reference_rule(s: str) -> None:
 
 
 def test_the_decoders_event_constructor_is_the_dataclass_constructor() -> None:
-    """protocol._new_event skips the frozen dataclass's setattr calls: the same object, field
+    """wire_line._new_event skips the frozen dataclass's setattr calls: the same object, field
     for field (a field added to Event and not to _new_event fails here)."""
     import dataclasses
 
     args = ("tick", "3f2a9c1e", 5, 1_000, (("rung", "3/10"),), "a text")
     for extra in ((), (True, 2.5)):
-        fast = protocol._new_event(*args, *extra)  # type: ignore[arg-type]
+        fast = wire_line._new_event(*args, *extra)  # type: ignore[arg-type]
         slow = Event(*args, *extra)  # type: ignore[arg-type]
         assert vars(fast) == vars(slow)
         assert set(vars(fast)) == {f.name for f in dataclasses.fields(Event)}
@@ -311,7 +312,7 @@ def test_parse_body_is_the_token_rule(
     """The cached parse (fields and text checks memoized, the event built without the
     dataclass's setattr) gives what the rule token by token gives, on real bodies and on
     bodies with a few characters inserted, replaced or deleted; asked twice (cache hits)."""
-    body = protocol._body(e, marker)
+    body = wire_line._body(e, marker)
     for at, op, ch in edits:
         at = at % (len(body) + 1)
         if op == 0:
@@ -322,7 +323,7 @@ def test_parse_body_is_the_token_rule(
             body = body[:at] + body[at + 1 :]
     want = _parse_body_reference(body)
     for _ in range(2):
-        got = protocol._parse_body(body)
+        got = wire_line._parse_body(body)
         assert got == want
         if got is not None:
             assert vars(got) == vars(want)  # type: ignore[arg-type]

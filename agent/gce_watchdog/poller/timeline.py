@@ -31,6 +31,8 @@ from gce_watchdog.poller.verdict import (
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import (
     MAX_RETIRED,
+    Decoded,
+    DecodeStats,
     Event,
     Forgery,
     Retired,
@@ -143,28 +145,23 @@ class Timeline:
             instance_id=instance_id,
             retired=retired,
         )
-        self._forged_base = 0
-        self._retired_base = 0
-        self._conflicts_base = 0
-        self._forged_reasons_base: dict[str, int] = {}
+        # What the decoder counted, added up block by block (kept across restarts but
+        # ``lines``, ``events``, ``verified`` and ``covered``: this process's only).
+        self.counts = DecodeStats()
         self.forged_samples: list[str] = []
-        self._rejected_base = 0
-        self._duplicates_base = 0
-        self._reject_reasons_base: dict[str, int] = {}
         self.reject_samples: list[str] = []
         self.flood: dict[str, Flood] = {}
-        self._unchecked_base = 0
 
     # -- feeding ----------------------------------------------------------------------------
 
     def feed(self, data: bytes, rx: float | None = None) -> list[Event]:
         """Feed a chunk of the stream (any boundary) received at ``rx`` (the reader's clock);
         returns the new authenticated events in stream order."""
-        return self._add(self._decoder.feed(data, rx), rx)
+        return self._add(self._decoder.decode(data, rx), rx)
 
     def finish(self, rx: float | None = None) -> list[Event]:
         """End of a dump: decode the unterminated last line (a truncated line is rejected)."""
-        return self._add(self._decoder.flush(rx), rx)
+        return self._add(self._decoder.finish(rx), rx)
 
     def settle(self, rx: float | None = None) -> list[Event]:
         """Verify the decisive lines waiting in the carry-over (a flood's block could not reach
@@ -176,7 +173,7 @@ class Timeline:
         for _ in range(-(-d.MAX_CARRY // max(1, d.BUDGET_LINES)) + 1):
             if not d.carry:
                 break
-            new += self._add(d.feed(b"", rx), rx)  # a held partial line stays held
+            new += self._add(d.decode(b"", rx), rx)  # a held partial line stays held
         return new
 
     def note_byte_gap(self, requested: int, start: int) -> None:
@@ -187,13 +184,13 @@ class Timeline:
         if len(self.byte_gaps) < MAX_GAPS:
             self.byte_gaps.append(ByteGap(requested, start))
 
-    def _add(self, new: list[Event], rx: float | None) -> list[Event]:
+    def _add(self, found: Decoded, rx: float | None) -> list[Event]:
         # Only verified lines create a boot (and its place in the stream order), move its
         # liveness or its signed times. A covered line (below a verified line of its boot in the
         # same block, so it never raises the boot's max_seq past what that line does) counts in
         # its boot's seq range and gaps, in stream order; one whose boot is not there yet waits
         # for the end of the block, and is dropped from the accounting when it is still not.
-        later = []
+        new, later = found.events, []
         for ev in new:
             if not ev.covered:  # a carried-over line: the receive time of its own block
                 self._account(ev, ev.rx if ev.rx is not None else rx)
@@ -205,23 +202,19 @@ class Timeline:
             if ev.boot in self.boots:
                 self._account(ev, None, covered=True)
         self.events.extend(new)
-        self._note_unchecked()
-        for r in self._decoder.rejects:
-            if len(self.reject_samples) < MAX_REJECT_SAMPLES:
-                self.reject_samples.append(r.raw[:240].decode("latin-1"))
-        self._decoder.rejects.clear()
-        for f in self._decoder.forgeries:
-            if len(self.forged_samples) < MAX_FORGED_SAMPLES:
-                self.forged_samples.append(f"{f.reason}: " + f.raw[:240].decode("latin-1"))
-        self._decoder.forgeries.clear()
+        self.counts.add(found.stats)
+        self._note_unchecked(found.unchecked)
+        for r in found.rejects[: max(0, MAX_REJECT_SAMPLES - len(self.reject_samples))]:
+            self.reject_samples.append(r.raw[:240].decode("latin-1"))
+        for f in found.forgeries[: max(0, MAX_FORGED_SAMPLES - len(self.forged_samples))]:
+            self.forged_samples.append(f"{f.reason}: " + f.raw[:240].decode("latin-1"))
         if len(self.events) > MAX_EVENTS:
             self.compact()
         return new
 
-    def _note_unchecked(self) -> None:
-        """Take the decoder's never-verified lines into the flood records."""
-        d = self._decoder
-        for boot, seq, decisive in d.unchecked_new:
+    def _note_unchecked(self, unchecked: list[tuple[str, int, bool]]) -> None:
+        """Take a block's never-verified lines into the flood records."""
+        for boot, seq, decisive in unchecked:
             if boot not in self.flood and len(self.flood) >= MAX_FLOOD_BOOTS:
                 boot = ANY_BOOT
             f = self.flood.setdefault(boot, Flood())
@@ -231,12 +224,11 @@ class Timeline:
                 f.min_decisive = seq if f.min_decisive < 0 else min(f.min_decisive, seq)
             else:
                 f.max_routine = max(f.max_routine, seq)
-        d.unchecked_new.clear()
 
     @property
     def unchecked(self) -> int:
         """Lines the signature budget never reached (a forgery flood): never evidence."""
-        return self._unchecked_base + self._decoder.stats.unchecked
+        return self.counts.unchecked
 
     @property
     def flood_alarm(self) -> str:
@@ -304,39 +296,33 @@ class Timeline:
     @property
     def lines(self) -> int:
         """Console lines decoded by this process (not persisted across restarts)."""
-        return self._decoder.stats.lines
+        return self.counts.lines
 
     @property
     def rejected(self) -> int:
-        return self._rejected_base + self._decoder.stats.rejected
+        return self.counts.rejected
 
     @property
     def duplicates(self) -> int:
-        return self._duplicates_base + self._decoder.stats.duplicates
+        return self.counts.duplicates
 
     @property
     def reject_reasons(self) -> dict[str, int]:
-        out = dict(self._reject_reasons_base)
-        for k, v in self._decoder.stats.reject_reasons.items():
-            out[k] = out.get(k, 0) + v
-        return out
+        return dict(self.counts.reject_reasons)
 
     @property
     def forged(self) -> int:
         """Intact lines that did not authenticate: an alarm, never evidence."""
-        return self._forged_base + self._decoder.stats.forged
+        return self.counts.forged
 
     @property
     def forged_reasons(self) -> dict[str, int]:
-        out = dict(self._forged_reasons_base)
-        for k, v in self._decoder.stats.forged_reasons.items():
-            out[k] = out.get(k, 0) + v
-        return out
+        return dict(self.counts.forged_reasons)
 
     @property
     def conflicts(self) -> int:
         """Authenticated lines whose (boot, seq) came with other content before."""
-        return self._conflicts_base + self._decoder.stats.conflicts
+        return self.counts.conflicts
 
     @property
     def key(self) -> bytes | None:
@@ -390,7 +376,7 @@ class Timeline:
     @property
     def retired_lines(self) -> int:
         """Lines of the rotated-away key after its rotation (counted, not forged)."""
-        return self._retired_base + self._decoder.stats.retired
+        return self.counts.retired
 
     def set_instance(self, instance_id: str) -> None:
         """The instance id the stream is read for (not kept in :meth:`to_json`: the reader's
@@ -593,7 +579,8 @@ class Timeline:
             (unb64(str(o)), unb64(str(n)), str(b), int(q))
             for o, n, b, q in (obj.get("rekeys") or [])[: d.MAX_REKEYS]
         ]
-        t._retired_base = int(obj.get("retired_lines", 0))
+        c = t.counts
+        c.retired = int(obj.get("retired_lines", 0))
         t.events = [Event.from_json(e) for e in obj["events"]]
         for i in obj.get("covered") or []:
             if 0 <= int(i) < len(t.events):
@@ -606,10 +593,10 @@ class Timeline:
             str(b): Flood(**f)
             for b, f in list(dict(obj.get("flood") or {}).items())[:MAX_FLOOD_BOOTS]
         }
-        t._unchecked_base = int(obj.get("unchecked", 0))
-        t._forged_base = int(obj.get("forged", 0))
-        t._conflicts_base = int(obj.get("conflicts", 0))
-        t._forged_reasons_base = {
+        c.unchecked = int(obj.get("unchecked", 0))
+        c.forged = int(obj.get("forged", 0))
+        c.conflicts = int(obj.get("conflicts", 0))
+        c.forged_reasons = {
             str(k): int(v) for k, v in dict(obj.get("forged_reasons") or {}).items()
         }
         t.forged_samples = [str(x) for x in obj.get("forged_samples") or []][:MAX_FORGED_SAMPLES]
@@ -619,9 +606,9 @@ class Timeline:
         t.byte_gaps = [ByteGap(**g) for g in obj["byte_gaps"]]
         t.lost_bytes = int(obj["lost_bytes"])
         t.resets = int(obj["resets"])
-        t._rejected_base = int(obj["rejected"])
-        t._duplicates_base = int(obj["duplicates"])
-        t._reject_reasons_base = {str(k): int(v) for k, v in obj["reject_reasons"].items()}
+        c.rejected = int(obj["rejected"])
+        c.duplicates = int(obj["duplicates"])
+        c.reject_reasons = {str(k): int(v) for k, v in obj["reject_reasons"].items()}
         t.reject_samples = [str(s) for s in obj["reject_samples"]][:MAX_REJECT_SAMPLES]
         return t
 
