@@ -176,6 +176,7 @@ def decoded(sink: TimelineSink) -> list[protocol.Event]:
 # -- the chain for an ending ----------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("reason", vocab.END_REASONS)
 def test_an_ending_lingers_after_its_line_is_drained_and_before_any_action(
     tmp_path: Path, reason: str
@@ -206,6 +207,7 @@ def test_an_ending_lingers_after_its_line_is_drained_and_before_any_action(
     assert chain.last_result is not None and chain.last_result.status("delete") == "ok"
 
 
+@pytest.mark.pure
 def test_power_off_escalates_when_a_step_does_not_power_off(tmp_path: Path) -> None:
     chain, tl, sink = make_chain(tmp_path, "poweroff")
     chain.end_of_life("done")
@@ -219,6 +221,7 @@ def test_power_off_escalates_when_a_step_does_not_power_off(tmp_path: Path) -> N
     assert waited == pytest.approx(120.0 + 30.0)
 
 
+@pytest.mark.pure
 def test_a_refused_poweroff_goes_on_to_the_force_at_once(tmp_path: Path) -> None:
     chain, tl, _sink = make_chain(tmp_path, "poweroff", fail={"poweroff"})
     chain.end_of_life("failed")
@@ -227,6 +230,7 @@ def test_a_refused_poweroff_goes_on_to_the_force_at_once(tmp_path: Path) -> None
     assert [k for k, _ in tl.log[i_power:i_force] if k == "sleep"] == []
 
 
+@pytest.mark.pure
 def test_an_ending_under_a_dry_run_powers_off_for_real(tmp_path: Path) -> None:
     assert end_action("dry-run") == "poweroff"
     assert [end_action(a) for a in ("poweroff", "stop", "delete")] == ["poweroff", "stop", "delete"]
@@ -238,6 +242,7 @@ def test_an_ending_under_a_dry_run_powers_off_for_real(tmp_path: Path) -> None:
     assert chain.dry_run and chain.plan()[1] == "delete"
 
 
+@pytest.mark.pure
 def test_the_linger_of_a_request_overrides_the_config(tmp_path: Path) -> None:
     chain, tl, _sink = make_chain(tmp_path, "poweroff")
     chain.end_of_life("done", linger=10.0)
@@ -246,6 +251,7 @@ def test_the_linger_of_a_request_overrides_the_config(tmp_path: Path) -> None:
     assert chain.actions.linger == 75.0
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("raw", ["inf", "-1s", "nan", "2h", "soon", ""])
 def test_a_bad_linger_is_refused(raw: str) -> None:
     with pytest.raises(ValueError):
@@ -253,6 +259,7 @@ def test_a_bad_linger_is_refused(raw: str) -> None:
     assert parse_linger("90s") == 90.0 and parse_linger("2m") == 120.0 and parse_linger("0") == 0
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("raw", ["inf", "-5s"])
 def test_config_refuses_an_infinite_or_negative_linger(tmp_path: Path, raw: str) -> None:
     with pytest.raises(cfgmod.InvalidConfig, match=r"actions\.linger"):
@@ -292,6 +299,7 @@ class Recorded:
                 progress(step)
 
 
+@pytest.mark.pure
 def test_the_agent_takes_the_ending_at_its_tick_and_the_command_returns(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     chain = Recorded()
@@ -315,6 +323,7 @@ def test_the_agent_takes_the_ending_at_its_tick_and_the_command_returns(tmp_path
     watch.stop()
 
 
+@pytest.mark.pure
 def test_with_no_agent_the_command_takes_the_ending_after_its_wait(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("setup_failed", None)
@@ -328,6 +337,7 @@ def test_with_no_agent_the_command_takes_the_ending_after_its_wait(tmp_path: Pat
     taken.release()
 
 
+@pytest.mark.pure
 def test_with_no_agent_running_the_command_does_not_wait(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", None)
@@ -337,6 +347,7 @@ def test_with_no_agent_running_the_command_does_not_wait(tmp_path: Path) -> None
     taken.release()
 
 
+@pytest.mark.pure
 def test_flock_held_reads_the_kernel_lock_table_without_taking_the_lock(tmp_path: Path) -> None:
     import fcntl
 
@@ -353,6 +364,7 @@ def test_flock_held_reads_the_kernel_lock_table_without_taking_the_lock(tmp_path
     assert flock_held(path) is False
 
 
+@pytest.mark.pure
 def test_a_dead_runner_s_chain_is_resumed_at_its_step_with_the_linger_left(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", 60.0)
@@ -368,6 +380,7 @@ def test_a_dead_runner_s_chain_is_resumed_at_its_step_with_the_linger_left(tmp_p
     watch.stop()
 
 
+@pytest.mark.pure
 def test_an_end_after_a_dead_runner_s_chain_ran_through_powers_off_again(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", None)
@@ -383,6 +396,7 @@ def test_an_end_after_a_dead_runner_s_chain_ran_through_powers_off_again(tmp_pat
     taken.release()
 
 
+@pytest.mark.pure
 def test_a_chain_that_ran_through_is_tried_again_from_the_power_off(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", None)
@@ -396,6 +410,7 @@ def test_a_chain_that_ran_through_is_tried_again_from_the_power_off(tmp_path: Pa
     watch.stop()
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "content",
     [
@@ -414,6 +429,7 @@ def test_a_bad_request_file_runs_nothing(tmp_path: Path, content: bytes) -> None
     assert box.load() is None and box.take() is None
 
 
+@pytest.mark.pure
 def test_a_symlink_at_the_lock_is_never_followed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
@@ -426,6 +442,7 @@ def test_a_symlink_at_the_lock_is_never_followed(tmp_path: Path) -> None:
     assert target.read_text() == "keep"
 
 
+@pytest.mark.pure
 def test_request_round_trip() -> None:
     r = EndRequest("failed", "b", 12.5, "taken", "force", 99.0, 7)
     assert EndRequest.from_json(json.loads(json.dumps(r.to_json()))) == r
@@ -495,6 +512,7 @@ def _cli(
     )
 
 
+@pytest.mark.process
 def test_a_running_agent_takes_the_ending_of_a_finished_job(tmp_path: Path) -> None:
     from gce_watchdog.testing.simgce import SimGCE
 
@@ -547,6 +565,7 @@ def _boot_id() -> str:
     return read_boot_id(cfgmod.AgentSection().boot_id_path)
 
 
+@pytest.mark.process
 def test_with_no_agent_end_runs_the_chain_and_deletes_the_spot_vm(tmp_path: Path) -> None:
     from gce_watchdog.testing.simcompute import FakeComputeAPI
     from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
@@ -626,6 +645,7 @@ def _names(sink: object) -> list[protocol.Event]:
     return [e for e in evs if isinstance(e, protocol.Event)]
 
 
+@pytest.mark.pure
 def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_not_stop_it(
     tmp_path: Path,
 ) -> None:
@@ -656,6 +676,7 @@ def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_n
     assert req is not None and req.step == "end"
 
 
+@pytest.mark.pure
 def test_no_ending_is_run_once_the_ladder_decided(tmp_path: Path) -> None:
     from kit.fakes import result
 

@@ -18,6 +18,7 @@ from kit.wait import wait_for
 PREFIXED = re.compile(r"<([0-7])>timestamp='[^']+' level='(\w+)' event='(\w+)'")
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("event", "fields", "want"),
     [
@@ -49,6 +50,7 @@ def test_priority_of_each_event(event: str, fields: dict[str, object], want: int
     assert logs.priority_of(event, fields) == want
 
 
+@pytest.mark.pure
 def test_render_prefixes_only_when_asked() -> None:
     ed = {"event": "shutdown", "timestamp": "t", "priority": logs.ALERT, "rung": "3/3"}
     line = logs.render(True)(None, "critical", dict(ed))
@@ -58,6 +60,7 @@ def test_render_prefixes_only_when_asked() -> None:
     assert logs.render(True)(None, "warning", {"event": "x"}).startswith("<4>level='warning'")
 
 
+@pytest.mark.pure
 def test_journal_stream_is_recognised_by_device_and_inode(tmp_path: Path) -> None:
     with (tmp_path / "err").open("w") as f:
         st = os.fstat(f.fileno())
@@ -97,6 +100,7 @@ def _run_agent(tmp_path: Path, journal: bool) -> tuple[list[tuple[int, str, str]
     return found, text
 
 
+@pytest.mark.process
 def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None:
     found, text = _run_agent(tmp_path, journal=True)
     lines = text.splitlines()
@@ -121,6 +125,7 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
     assert {"dry_run_shutdown", "tick"} <= shown <= most, text[-3000:]
 
 
+@pytest.mark.process
 def test_no_prefix_when_stderr_is_not_the_journal(tmp_path: Path) -> None:
     found, text = _run_agent(tmp_path, journal=False)
     assert found == []

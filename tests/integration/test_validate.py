@@ -21,6 +21,8 @@ from gce_watchdog.validate.plan import LABEL
 from kit.paths import REPO
 from kit.procs import sigint_default
 
+pytestmark = pytest.mark.process
+
 P, Z = "val-project", "us-central1-a"
 FAST = ["--poll-every", "0.05", "--agent-interval", "0.2", "--deadline", "90", "--op-poll", "0.05"]
 SOURCE = ["--deb-url", "https://example.invalid/gce-watchdog.deb", "--deb-sha256", "0" * 64]
