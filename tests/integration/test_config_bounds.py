@@ -17,7 +17,7 @@ import pytest
 from gce_watchdog.daemon.actions import ActionChain, ApiResult, RunResult
 from gce_watchdog.daemon.ladder import LadderState
 from gce_watchdog.daemon.metawatch import InstanceInfo
-from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.daemon.service import Agent, Deps
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kit.cli import gcewd
 from kit.clocks import ChainClock
-from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
+from kit.fakes import FakeClock, FakeNotifier, MemoryLadderStore, ScriptedProber, result
 
 INF = float("inf")
 
@@ -269,7 +269,9 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
             prober=ScriptedProber([result("fail", "fail")], fc),
             clock=fc,
             notifier=FakeNotifier(),
-            store=LadderStore(tmp / "ladder.json", "b1"),
+            # in memory: the property is about the loop and the chain, and the real store's
+            # fsyncs were most of its time (about 10 per example; seconds on a loaded disk)
+            store=MemoryLadderStore("b1"),
             on_shutdown=chain.execute,
         )
         agent = Agent.from_config(cfg, deps)
