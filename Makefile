@@ -86,10 +86,11 @@ test: $(STAMP) apt-test
 	erc=$$(cat build/e2e-stage.rc 2>/dev/null || echo 1); \
 	echo "make test: pytest rc=$$rc, VM scenarios rc=$$erc"; [ "$$rc" = 0 ] && [ "$$erc" = 0 ]
 
-# The fast loop (docs/architecture.md, "Tests"): the unit tier only, pure tests with no processes
-# or servers, under a minute. `make test` runs every tier (pytest over tests/).
+# The fast loop (docs/development.md, "Tiers"): every test marked pure, wherever its file is (no
+# process, server, socket, blocking clock or namespace; tests/conftest.py checks the first two
+# while they run). `make test` runs every tier (pytest over tests/).
 test-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m pure tests
 
 # The formatter check is here, not in `make test`: ruff is not pinned, and a newer release's
 # style must not fail CI on code that did not change.

@@ -11,6 +11,8 @@ import pytest
 from gce_watchdog.poller.ledgers import open_ledger
 from kit.procs import gather
 
+pytestmark = pytest.mark.process
+
 RACERS = 8
 WAIT_S = 60  # every process/barrier wait is bounded
 

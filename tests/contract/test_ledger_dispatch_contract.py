@@ -10,6 +10,8 @@ from gce_watchdog.poller.brake import BrakeRule
 from gce_watchdog.poller.decisions import decision_doc
 from gce_watchdog.poller.ledgers import open_ledger
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:

@@ -21,6 +21,8 @@ from gce_watchdog.testing import simcompute
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 from kit.paths import REPO
 
+pytestmark = pytest.mark.process
+
 DOC_PATH = REPO / "tests" / "data" / "discovery" / "compute.v1.subset.json"
 P, Z = "test-project", "us-central1-a"
 AUTH = {"Authorization": "Bearer tok"}

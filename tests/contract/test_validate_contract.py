@@ -16,6 +16,8 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.validate import plan as P
 from gce_watchdog.validate.scenarios import SCENARIOS
 
+pytestmark = pytest.mark.process
+
 Z = "us-central1-a"
 
 

@@ -1,8 +1,8 @@
 """Fixtures for the VM end-to-end scenarios (docs/e2e.md).
 
 They boot a real VM under qemu, about 2 minutes each under TCG, so they run only when asked:
-``make e2e`` (sets GCEWD_E2E=1), ``GCEWD_E2E=1 pytest tests/e2e`` or ``pytest -m e2e tests/e2e``.
-A plain ``pytest`` (what ``make test`` runs before its own ``make e2e`` step) skips them.
+``make e2e`` (sets GCEWD_E2E=1), ``GCEWD_E2E=1 pytest tests/e2e`` or ``pytest -m vm tests/e2e``.
+A plain ``pytest`` (what ``make test`` runs beside its own ``make e2e`` step) skips them.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kit.paths import REPO
@@ -23,15 +24,16 @@ from e2e import vm
 
 
 def _requested(config: pytest.Config) -> bool:
-    return os.environ.get("GCEWD_E2E") == "1" or "e2e" in (config.option.markexpr or "")
+    return os.environ.get("GCEWD_E2E") == "1" or "vm" in (config.option.markexpr or "")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _requested(config):
         return
-    skip = pytest.mark.skip(reason="VM scenarios run by `make e2e` (or GCEWD_E2E=1, or -m e2e)")
+    skip = pytest.mark.skip(reason="VM scenarios run by `make e2e` (or GCEWD_E2E=1, or -m vm)")
+    here = Path(__file__).parent
     for item in items:
-        if "e2e" in item.keywords:
+        if item.path.is_relative_to(here):
             item.add_marker(skip)
 
 

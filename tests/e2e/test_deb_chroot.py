@@ -20,7 +20,7 @@ from kit.paths import REPO
 
 from e2e import vm
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vm, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 BAKE = REPO / "startup" / "bake-image.sh"
 # What dpkg and apt keep about packages, and scratch space: not part of "the system as it was".

@@ -26,7 +26,7 @@ from kit.paths import REPO
 
 from e2e import observe, vm
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vm, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 STARTUP_SCRIPT = (REPO / "startup" / "startup-script.sh").read_text()
 AGENT = "/opt/gce-watchdog/bin/gce-watchdog"

@@ -28,7 +28,7 @@ from kit.paths import REPO
 
 from e2e import guests, vm
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.vm, pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 P, Z = "test-project", "us-central1-a"
 RUN = "ve2e"

@@ -193,6 +193,7 @@ def rig(
 # -- plan ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("action", "extra", "plan"),
     [
@@ -213,6 +214,7 @@ def test_plan(tmp_path: Path, action: str, extra: dict[str, object], plan: list[
 # -- the chain in order (fakes) -----------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_poweroff_chain_in_order_and_every_step_announced_before_its_outcome(
     tmp_path: Path,
 ) -> None:
@@ -241,6 +243,7 @@ def test_poweroff_chain_in_order_and_every_step_announced_before_its_outcome(
     assert r.chain.last_result.status("delete") == "ok"
 
 
+@pytest.mark.pure
 def test_keepalive_is_pinged_at_least_every_repeat_interval(tmp_path: Path) -> None:
     r = rig(tmp_path, "poweroff", linger=75.0, poweroff_wait=120.0, force_wait=30.0)
     start = r.clock.monotonic()
@@ -251,6 +254,7 @@ def test_keepalive_is_pinged_at_least_every_repeat_interval(tmp_path: Path) -> N
     assert max(gaps) <= 5.0 + 1e-9, gaps  # systemd's WatchdogSec is far above 5 s
 
 
+@pytest.mark.pure
 def test_poweroff_command_failing_escalates_at_once(tmp_path: Path) -> None:
     runner = FakeRunner({"poweroff": RunResult(1, "Access denied")})
     r = rig(tmp_path, "poweroff", runner=runner, linger=0)
@@ -265,6 +269,7 @@ def test_poweroff_command_failing_escalates_at_once(tmp_path: Path) -> None:
     assert r.runner.calls[1] == ["systemctl", "poweroff", "--force"]
 
 
+@pytest.mark.pure
 def test_command_that_cannot_run_counts_as_failed(tmp_path: Path) -> None:
     runner = FakeRunner({"poweroff": RunResult(None, "not found: systemctl")})
     r = rig(tmp_path, runner=runner, linger=0, kernel=[])
@@ -274,6 +279,7 @@ def test_command_that_cannot_run_counts_as_failed(tmp_path: Path) -> None:
     assert r.chain.plan()[-1] == "force"
 
 
+@pytest.mark.pure
 def test_kernel_success_ends_the_chain(tmp_path: Path) -> None:
     r = rig(tmp_path, linger=0, fake_kernel=FakeKernel(fail={"reboot"}))
     r.chain.execute("ladder", 10, 10)
@@ -281,6 +287,7 @@ def test_kernel_success_ends_the_chain(tmp_path: Path) -> None:
     assert r.steps()[-1] == ("action", "kernel", "ok")
 
 
+@pytest.mark.pure
 def test_api_retries_keep_one_request_id(tmp_path: Path) -> None:
     api = FakeApi(
         script=[
@@ -300,6 +307,7 @@ def test_api_retries_keep_one_request_id(tmp_path: Path) -> None:
     assert start.get("rid") == api.calls[0][2]
 
 
+@pytest.mark.pure
 def test_api_refusal_is_final_and_reported(tmp_path: Path) -> None:
     api = FakeApi(script=[ApiResult(False, 403, "Required permission denied.")])
     r = rig(tmp_path, "delete", api=api, linger=0)
@@ -311,6 +319,7 @@ def test_api_refusal_is_final_and_reported(tmp_path: Path) -> None:
     assert ("action", "poweroff", "start") in r.steps()  # the chain goes on
 
 
+@pytest.mark.pure
 def test_api_that_never_answers_is_abandoned_at_the_deadline(tmp_path: Path) -> None:
     release = threading.Event()
     api = FakeApi(hang=release)
@@ -325,6 +334,7 @@ def test_api_that_never_answers_is_abandoned_at_the_deadline(tmp_path: Path) -> 
     assert ("action", "poweroff", "start") in r.steps()
 
 
+@pytest.mark.pure
 def test_no_cached_identity_skips_the_api_but_not_the_chain(tmp_path: Path) -> None:
     r = rig(tmp_path, "delete", instance=None, linger=0)
     r.chain.execute("ladder", 10, 10)
@@ -333,6 +343,7 @@ def test_no_cached_identity_skips_the_api_but_not_the_chain(tmp_path: Path) -> N
     assert ("action", "poweroff", "start") in r.steps()
 
 
+@pytest.mark.pure
 def test_dry_run_reports_the_chain_the_default_action_would_run(tmp_path: Path) -> None:
     cfg = cfgmod.Config()
     real = rig(tmp_path / "real", cfg.agent.action)
@@ -340,6 +351,7 @@ def test_dry_run_reports_the_chain_the_default_action_would_run(tmp_path: Path) 
     assert dry.chain.plan() == real.chain.plan()  # the default config, switched to dry-run
 
 
+@pytest.mark.pure
 def test_dry_run_never_runs_a_real_action(tmp_path: Path) -> None:
     r = rig(tmp_path, "dry-run", linger=10.0, dry_run_op="delete")
     r.chain.execute("ladder", 10, 10)
@@ -362,6 +374,7 @@ def test_dry_run_never_runs_a_real_action(tmp_path: Path) -> None:
     assert "shutdown" not in names and names[0] == "dry_run_shutdown"
 
 
+@pytest.mark.pure
 def test_default_cache_reader_uses_the_state_dir(tmp_path: Path) -> None:
     save_instance_cache(tmp_path, INST)
     cfg = make_cfg(tmp_path, "dry-run", linger=0, dry_run_op="delete")
@@ -373,6 +386,7 @@ def test_default_cache_reader_uses_the_state_dir(tmp_path: Path) -> None:
     assert any(isinstance(e, protocol.Event) and e.get("inst") == "sim-vm-1" for e in dry)
 
 
+@pytest.mark.pure
 def test_very_long_names_never_break_the_chain(tmp_path: Path) -> None:
     long = InstanceInfo("p" * 30, "z" * 60, "n" * 63, "1")
     r = rig(tmp_path, "delete", instance=long, linger=0)
@@ -381,6 +395,7 @@ def test_very_long_names_never_break_the_chain(tmp_path: Path) -> None:
     assert ("action", "delete", "ok") in r.steps()
 
 
+@pytest.mark.pure
 def test_a_failing_keepalive_does_not_stop_the_chain(tmp_path: Path) -> None:
     r = rig(tmp_path, linger=10)
 
@@ -392,6 +407,7 @@ def test_a_failing_keepalive_does_not_stop_the_chain(tmp_path: Path) -> None:
     assert r.steps()[-1][1] == "kernel"
 
 
+@pytest.mark.pure
 @given(
     attempts=st.integers(1, 10),
     deadline=st.floats(0.5, 120),
@@ -429,6 +445,7 @@ class TimedApi(FakeApi):
 RATE_LIMITED = "Rate Limit Exceeded"
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("asked", "waited"), [(20.0, 20.0), (1e6, 25.0), (float("inf"), 25.0)])
 def test_a_rate_limited_delete_waits_what_the_api_asked_within_the_deadline(
     tmp_path: Path, asked: float, waited: float
@@ -460,6 +477,7 @@ def test_a_rate_limited_delete_waits_what_the_api_asked_within_the_deadline(
     assert ok.get("tries") == "2"
 
 
+@pytest.mark.pure
 @given(
     attempts=st.integers(1, 10),
     deadline=st.floats(0.5, 120),
@@ -619,6 +637,7 @@ def _actions(events: list[protocol.Event]) -> list[tuple[str | None, str | None]
     return [(e.get("step"), e.get("status")) for e in events if e.event == "action"]
 
 
+@pytest.mark.process
 def test_e2e_api_succeeds(e2e: E2E) -> None:
     summary, events = e2e.run(e2e.config("delete"))
     assert events[0].event == "shutdown"
@@ -639,6 +658,7 @@ def test_e2e_api_succeeds(e2e: E2E) -> None:
     assert e2e.md.count("/service-accounts/default/token") >= 1  # type: ignore[attr-defined]
 
 
+@pytest.mark.process
 def test_e2e_api_hangs_and_the_chain_moves_on_within_its_deadline(e2e: E2E) -> None:
     from gce_watchdog.testing.simcompute import Fault
 
@@ -660,6 +680,7 @@ def test_e2e_api_hangs_and_the_chain_moves_on_within_its_deadline(e2e: E2E) -> N
     assert len({c.query["requestId"] for c in calls}) == 1
 
 
+@pytest.mark.process
 def test_e2e_api_refuses_403(e2e: E2E) -> None:
     from gce_watchdog.testing.simcompute import Fault
 
@@ -672,6 +693,7 @@ def test_e2e_api_refuses_403(e2e: E2E) -> None:
     assert ("poweroff", "start") in _actions(events)
 
 
+@pytest.mark.process
 def test_e2e_delete_rate_limited_403_is_retried_and_deletes(e2e: E2E) -> None:
     """GCE answers a rate limit with 403 rateLimitExceeded (its API rate-limit docs): a mass
     recovery where many VMs delete at once. The chain waits the Retry-After and deletes."""
@@ -690,6 +712,7 @@ def test_e2e_delete_rate_limited_403_is_retried_and_deletes(e2e: E2E) -> None:
     assert ("poweroff", "start") in _actions(events)  # the chain goes on to the power-off
 
 
+@pytest.mark.process
 def test_e2e_poweroff_fails_and_the_chain_escalates(e2e: E2E) -> None:
     cfg = e2e.config("poweroff", poweroff_cmd=["/bin/false"], kernel=["reboot"])
     _summary, events = e2e.run(cfg)
@@ -701,6 +724,7 @@ def test_e2e_poweroff_fails_and_the_chain_escalates(e2e: E2E) -> None:
     assert ("kernel", "fail") in acts
 
 
+@pytest.mark.process
 def test_e2e_dry_run_touches_nothing(e2e: E2E) -> None:
     _, events = e2e.run(e2e.config("dry-run", dry_run_op="delete"))  # rehearse a delete
     decisions = [e for e in events if e.event == "dry_run_shutdown" and not e.get("rep")]
@@ -727,6 +751,7 @@ def test_e2e_dry_run_touches_nothing(e2e: E2E) -> None:
 # -- restart continuity against a real daemon process -------------------------------------------
 
 
+@pytest.mark.process
 def test_sigkill_at_rung_5_then_restart_shuts_down_at_10_not_15(tmp_path: Path) -> None:
     import signal
 

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from kit.paths import REPO
+
+pytestmark = pytest.mark.process
 
 
 def test_bench_fleet_tiny_runs_and_decides_exactly_once(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ something else on stderr
 """
 
 
+@pytest.mark.pure
 def test_summarize_reports_median_and_quartiles() -> None:
     s = analysis.summarize([5, 1, 3, 2, 4])
     assert (s["n"], s["median"], s["p25"], s["p75"], s["min"], s["max"]) == (5, 3, 2, 4, 1, 5)
@@ -37,6 +38,7 @@ def test_summarize_reports_median_and_quartiles() -> None:
     assert analysis.summarize([7])["p75"] == 7
 
 
+@pytest.mark.pure
 def test_policy_bounds_and_window_rates() -> None:
     assert analysis.policy_bounds(0.5, 10, 0.25) == (4.5, 5.25)
     assert analysis.per_window_rates([(10, 100.0), (20, 130.0), (20, 131.0), (30, 150.0)]) == [
@@ -45,6 +47,7 @@ def test_policy_bounds_and_window_rates() -> None:
     ]
 
 
+@pytest.mark.pure
 def test_importtime_parse_depths_and_packages() -> None:
     rows = analysis.parse_importtime(IMPORTTIME)
     assert [(r.module, r.depth) for r in rows] == [
@@ -58,6 +61,7 @@ def test_importtime_parse_depths_and_packages() -> None:
     assert {p["package"]: p["self_ms"] for p in b["packages"]}["json"] == pytest.approx(0.546)
 
 
+@pytest.mark.pure
 def test_tables_are_replaced_between_markers_only() -> None:
     doc = "intro\n<!-- bench:decode -->\nold\n<!-- /bench:decode -->\nhand-written\n"
     res = {"decode": {"skipped": "no corpus"}}
@@ -66,6 +70,7 @@ def test_tables_are_replaced_between_markers_only() -> None:
     assert out.startswith("intro\n") and out.endswith("hand-written\n")
 
 
+@pytest.mark.pure
 def test_targets_flag_a_miss() -> None:
     res = {"overhead": {"default": {"fast": {"rss_mib": 40.0, "cpu_ms_per_tick": {"median": 1.0}}}}}
     t = {x["target"]: x for x in report.targets(res)}
@@ -76,6 +81,7 @@ def test_targets_flag_a_miss() -> None:
     assert t[shipped]["met"] is None  # no .bench-venv: not measured, not a pass
 
 
+@pytest.mark.pure
 def test_soak_growth_is_a_target_row() -> None:
     t = {x["target"]: x for x in report.targets({"soak": {"ticks": 20000, "growth_mib": 1.2}})}
     row = t["RSS growth over a 20000-tick soak (healthy, then outage)"]
@@ -84,6 +90,7 @@ def test_soak_growth_is_a_target_row() -> None:
     assert t["RSS growth over a 20000-tick soak (healthy, then outage)"]["met"] is True
 
 
+@pytest.mark.pure
 def test_deps_floor_is_its_own_target_row() -> None:
     """The floor row comes from the import table (the shipped interpreter first); above the
     target it says the RSS target is out of reach whatever the agent's own code does."""
@@ -104,6 +111,7 @@ def test_deps_floor_is_its_own_target_row() -> None:
     assert row["met"] is True
 
 
+@pytest.mark.pure
 def test_peer_files_never_name_system_paths(tmp_path: Path) -> None:
     for w in peers.peer_watchers(10, 0.5):
         ln = peers.launch(w, tmp_path / w.name, PY, "192.0.2.10")
@@ -151,6 +159,7 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
     assert "| target |" in doc.read_text()
 
 
+@pytest.mark.process
 def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     import importlib.util
 
@@ -166,6 +175,7 @@ def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0
 
 
+@pytest.mark.pure
 def test_every_hostile_shape_is_a_row_and_the_slowest_a_target() -> None:
     dec = {"hostile_cr_ms_per_mib": 23.0, "hostile_walkdown_ms_per_mib": 51.0,
            "hostile_walkdown_verified": 224, "ratio_decode_to_grep": 3.0}  # fmt: skip
@@ -177,6 +187,7 @@ def test_every_hostile_shape_is_a_row_and_the_slowest_a_target() -> None:
     assert row["met"] is True and row["measured"] == 49.0
 
 
+@pytest.mark.process
 def test_only_decode_reruns_that_section_and_keeps_the_others(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     doc = tmp_path / "perf.md"

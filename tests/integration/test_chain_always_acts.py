@@ -206,6 +206,7 @@ STEPS = ["shutdown", "linger", "delete", "poweroff", "force", "kernel"]
 # -- an exception in any step ----------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("step", STEPS)
 def test_an_exception_in_any_step_is_written_and_the_chain_goes_on(
     tmp_path: Path, step: str
@@ -223,6 +224,7 @@ def test_an_exception_in_any_step_is_written_and_the_chain_goes_on(
     assert r.actions()[-1] == ("kernel", "fail")
 
 
+@pytest.mark.pure
 def test_infinite_linger_does_not_stop_the_power_off(tmp_path: Path) -> None:
     """The reported crash: actions.linger = inf raised OverflowError before the power-off. (The
     config now refuses inf; the chain must survive such a value anyway.)"""
@@ -236,6 +238,7 @@ def test_infinite_linger_does_not_stop_the_power_off(tmp_path: Path) -> None:
 # -- persisted progress and restarts -----------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_the_state_says_chain_started_at_step_x_before_each_step(tmp_path: Path) -> None:
     r = make_rig(tmp_path)
     seen: list[tuple[bool, str]] = []
@@ -253,6 +256,7 @@ def test_the_state_says_chain_started_at_step_x_before_each_step(tmp_path: Path)
     assert raw["chain"]["step"] == "end"  # ran through, the VM (this test) still up
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("step", STEPS)
 def test_a_restart_in_the_middle_of_any_step_resumes_the_chain_there(
     tmp_path: Path, step: str
@@ -280,6 +284,7 @@ def test_a_restart_in_the_middle_of_any_step_resumes_the_chain_there(
     assert r2.kernel.calls == ["reboot", "sysrq"]
 
 
+@pytest.mark.pure
 def test_a_restart_during_the_linger_only_waits_what_is_left(tmp_path: Path) -> None:
     r1 = make_rig(tmp_path, linger=40.0)
     r1.agent.run(threading.Event(), max_ticks=1)  # rung 1/2, nothing decided yet
@@ -298,6 +303,7 @@ def test_a_restart_during_the_linger_only_waits_what_is_left(tmp_path: Path) -> 
     assert start.get("ms") == "10000"
 
 
+@pytest.mark.pure
 def test_an_old_state_file_with_fired_but_no_step_powers_off(tmp_path: Path) -> None:
     """What the agent wrote before: fired=true and nothing else. It used to hold forever."""
     (tmp_path / "ladder.json").write_text(
@@ -308,6 +314,7 @@ def test_an_old_state_file_with_fired_but_no_step_powers_off(tmp_path: Path) -> 
     assert r.runner.calls == ["poweroff", "force"]
 
 
+@pytest.mark.pure
 def test_a_chain_that_ran_through_is_tried_again_not_held_forever(tmp_path: Path) -> None:
     r = make_rig(tmp_path, linger=0)
     ticks = 2 + int(CHAIN_RETRY_S / 30) + 2
@@ -321,6 +328,7 @@ def test_a_chain_that_ran_through_is_tried_again_not_held_forever(tmp_path: Path
     assert r.api.calls == 1  # the Compute API step is not repeated by a power-off retry
 
 
+@pytest.mark.pure
 def test_a_chain_hook_that_always_raises_still_moves_on(tmp_path: Path) -> None:
     r = make_rig(tmp_path)
     calls: list[str | None] = []
@@ -377,6 +385,7 @@ def real_file_agent(tmp: Path) -> tuple[Agent, MemorySink, list[object]]:
     return Agent.from_config(cfg, deps), sink, decided
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("content", NASTY, ids=range(len(NASTY)))
 @pytest.mark.parametrize("name", FILES)
 def test_no_state_file_content_crashes_a_tick(tmp_path: Path, name: str, content: bytes) -> None:
@@ -389,9 +398,8 @@ def test_no_state_file_content_crashes_a_tick(tmp_path: Path, name: str, content
     assert not any(isinstance(e, protocol.Event) and e.event == "error" for e in decoded)
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@pytest.mark.pure
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(FILES), content=st.binary(max_size=300))
 def test_no_state_file_content_crashes_a_tick_property(
     tmp_path_factory: pytest.TempPathFactory, name: str, content: bytes
@@ -403,6 +411,7 @@ def test_no_state_file_content_crashes_a_tick_property(
     assert agent.tick_errors == 0 and decided
 
 
+@pytest.mark.pure
 def test_an_unexpected_tick_exception_is_written_and_the_watch_goes_on(tmp_path: Path) -> None:
     r = make_rig(tmp_path, script=[result("ok", "ok")])
     n = [0]
@@ -425,6 +434,7 @@ def test_an_unexpected_tick_exception_is_written_and_the_watch_goes_on(tmp_path:
 # -- SIGTERM during the chain -------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_sigterm_during_the_chain_writes_that_the_chain_goes_on(tmp_path: Path) -> None:
     r = make_rig(tmp_path, linger=0)
     stop = threading.Event()
@@ -455,6 +465,7 @@ def test_sigterm_during_the_chain_writes_that_the_chain_goes_on(tmp_path: Path) 
     assert evs[-1].event == "stop" and evs[-1].get("reason") == "sigterm"
 
 
+@pytest.mark.process
 def test_real_sigterm_during_the_linger_of_a_real_agent_stops_it_there(tmp_path: Path) -> None:
     serial = tmp_path / "ttyS0"
 

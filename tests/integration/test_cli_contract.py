@@ -16,7 +16,7 @@ from gce_watchdog import cli
 from gce_watchdog.lib.cli import EX_CONFIG, EX_USAGE, all_parsers
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.vm import config as cfgmod
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.cli import gcewd
 from kit.paths import REPO
@@ -29,6 +29,7 @@ def _gw(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     return gcewd(*args, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.pure
 def test_every_command_has_its_exit_codes_and_help_ends_with_them() -> None:
     paths = {path for path, _ in PARSERS}
     assert paths == set(cli.EXIT_CODES), "a command without exit codes, or codes without one"
@@ -43,6 +44,7 @@ def test_every_command_has_its_exit_codes_and_help_ends_with_them() -> None:
             assert "64" in rows, path  # usage errors are 64 everywhere
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("path", LEAVES, ids=" ".join)
 def test_every_command_exits_64_on_a_usage_error(
     path: tuple[str, ...], capsys: pytest.CaptureFixture[str]
@@ -53,6 +55,7 @@ def test_every_command_exits_64_on_a_usage_error(
     assert ": error: " in capsys.readouterr().err  # argparse's message, then exit 64
 
 
+@pytest.mark.pure
 def test_no_command_and_an_unknown_one_are_usage_errors(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -62,6 +65,7 @@ def test_no_command_and_an_unknown_one_are_usage_errors(
     assert e.value.code == EX_USAGE
 
 
+@pytest.mark.process
 def test_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     r, w = os.pipe()
     os.close(r)  # the reader is gone before the first byte (`| head -0`)
@@ -106,6 +110,7 @@ def _cfg(tmp: Path, text: str = "") -> Path:
     return p
 
 
+@pytest.mark.process
 def test_config_show_prints_toml_that_check_accepts_and_that_round_trips(tmp_path: Path) -> None:
     src = _cfg(
         tmp_path,
@@ -133,7 +138,7 @@ def test_config_show_prints_toml_that_check_accepts_and_that_round_trips(tmp_pat
     assert both.returncode == EX_USAGE
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.pure
 @given(
     interval=st.integers(min_value=100, max_value=3_600_000),
     threshold=st.integers(min_value=1, max_value=10_000),
@@ -165,6 +170,7 @@ def test_to_toml_round_trips_any_valid_config(
     assert cfgmod.from_dict(tomllib.loads(cfgmod.to_toml(cfg))) == cfg
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("toml", "want"),
     [
@@ -189,6 +195,7 @@ def _agent_cfg(tmp: Path, sim: SimGCE) -> Path:
     )
 
 
+@pytest.mark.process
 def test_check_json_and_npd_against_a_real_fake_gce(tmp_path: Path) -> None:
     (tmp_path / "boot_id").write_text("0" * 32 + "\n")
     with SimGCE() as sim:
@@ -211,6 +218,7 @@ def test_check_json_and_npd_against_a_real_fake_gce(tmp_path: Path) -> None:
     assert _gw("check", "--json", "--npd").returncode == EX_USAGE
 
 
+@pytest.mark.process
 def test_disarm_status_is_plain(tmp_path: Path) -> None:
     (tmp_path / "serial.log").touch()
     cfg = _cfg(
@@ -227,6 +235,7 @@ def test_disarm_status_is_plain(tmp_path: Path) -> None:
     assert re.match(r"disarmed locally until \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ; ", r.stdout)
 
 
+@pytest.mark.pure
 def test_poller_lines_carry_an_iso_timestamp() -> None:
     from gce_watchdog.poller import app as pcli
     from gce_watchdog.poller.verdict import Verdict, VerdictKind

@@ -13,6 +13,8 @@ import pytest
 from gce_watchdog import cli
 from kit.paths import REPO
 
+pytestmark = pytest.mark.process
+
 BIN = Path(sys.executable).parent
 
 

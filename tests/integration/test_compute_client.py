@@ -29,6 +29,7 @@ def _chain_api(api: FakeComputeAPI, token: str = "tok") -> GoogleComputeApi:
     return GoogleComputeApi(api.base_url, 2.0, client=client, wall=lambda: WALL)
 
 
+@pytest.mark.process
 def test_chain_deletes_and_stops_through_the_shared_client() -> None:
     with FakeComputeAPI(token="tok") as api:
         api.add_instance("vm-1")
@@ -41,6 +42,7 @@ def test_chain_deletes_and_stops_through_the_shared_client() -> None:
         assert [c.query.get("requestId") for c in api.calls_to("delete")] == [RID1]
 
 
+@pytest.mark.process
 def test_chain_results_say_what_to_retry() -> None:
     with FakeComputeAPI(token="tok") as api:
         api.add_instance("vm-1")
@@ -56,6 +58,7 @@ def test_chain_results_say_what_to_retry() -> None:
         assert (r.ok, r.http, r.retryable) == (False, None, True) and r.detail.startswith("token")
 
 
+@pytest.mark.process
 def test_chain_results_take_a_rate_limit_as_gce_answers_it() -> None:
     with FakeComputeAPI(token="tok") as api:
         api.add_instance("vm-1")
@@ -72,6 +75,7 @@ def test_chain_results_take_a_rate_limit_as_gce_answers_it() -> None:
         assert r.ok and api.instance("vm-1").deleted
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("status", "reason", "transient"),
     [
@@ -101,6 +105,7 @@ def test_one_classifier_for_the_poller_and_the_chain(
     assert classify(status, reason, None, WALL).transient is transient
 
 
+@pytest.mark.pure
 @given(now=st.floats(0, 4e9), after=st.none() | st.floats(0, 3600))
 def test_a_rate_limit_waits_its_retry_after_else_the_next_minute(
     now: float, after: float | None
@@ -116,6 +121,7 @@ def test_a_rate_limit_waits_its_retry_after_else_the_next_minute(
             assert math.isclose(end / 60, round(end / 60), abs_tol=1e-6)
 
 
+@pytest.mark.pure
 def test_a_server_error_honours_a_retry_after_and_has_no_wait_without_one() -> None:
     assert classify(503, "", 5.0, WALL).wait_at_least == 5.0
     assert classify(503, "", None, WALL).wait_at_least is None

@@ -17,6 +17,7 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
+@pytest.mark.pure
 def test_defaults_without_a_file(tmp_path: Path) -> None:
     cfg = cfgmod.Config()
     assert cfg.agent.interval == 30.0 and cfg.agent.threshold == 10
@@ -25,11 +26,13 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert cfgmod.from_dict({}) == cfg
 
 
+@pytest.mark.pure
 def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(cfgmod.InvalidConfig, match="file not found"):
         cfgmod.load(tmp_path / "nope.toml")
 
 
+@pytest.mark.pure
 def test_three_mistakes_get_three_errors(tmp_path: Path) -> None:
     p = write(
         tmp_path,
@@ -49,6 +52,7 @@ probe_timeout = "fast"  # wrong type
     assert len(ei.value.errors) == 3
 
 
+@pytest.mark.pure
 def test_cross_field_checks(tmp_path: Path) -> None:
     text = '[agent]\ninterval = "5s"\nprobe_timeout = "5s"\n[egress]\ndns_timeout = 6\n'
     p = write(tmp_path, text)
@@ -58,6 +62,7 @@ def test_cross_field_checks(tmp_path: Path) -> None:
     assert paths == ["agent.probe_timeout", "egress.dns_timeout"]
 
 
+@pytest.mark.pure
 def test_more_bad_values(tmp_path: Path) -> None:
     p = write(
         tmp_path,
@@ -83,11 +88,13 @@ state_dir = "relative/dir"
     assert any(m.startswith("agent.state_dir: must be an absolute path") for m in msgs)
 
 
+@pytest.mark.pure
 def test_bad_toml_is_reported(tmp_path: Path) -> None:
     with pytest.raises(cfgmod.InvalidConfig, match="not valid TOML"):
         cfgmod.load(write(tmp_path, "[agent\n"))
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("raw", "want"), [(30, 30.0), ("500ms", 0.5), ("10m", 600.0), ("2h", 7200.0), (1.5, 1.5)]
 )
@@ -95,12 +102,14 @@ def test_durations(raw: object, want: float) -> None:
     assert parse_duration(raw) == want
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("raw", [True, "ten", "-1s", None])
 def test_bad_durations(raw: object) -> None:
     with pytest.raises(ValueError):
         parse_duration(raw)
 
 
+@pytest.mark.process
 def test_config_check_cli_exit_codes(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = 0\ninterval = 1\nprobe_timeout = 2\n")
     r = gcewd("config", "check", str(bad))
@@ -113,12 +122,14 @@ def test_config_check_cli_exit_codes(tmp_path: Path) -> None:
     assert r.returncode == 0 and "OK" in r.stdout
 
 
+@pytest.mark.process
 def test_run_refuses_invalid_config(tmp_path: Path) -> None:
     bad = write(tmp_path, "[agent]\nthreshold = -3\n")
     r = gcewd("run", "--config", str(bad))
     assert r.returncode == 78 and "agent.threshold" in r.stderr
 
 
+@pytest.mark.pure
 def test_every_key_is_documented() -> None:
     import dataclasses
 

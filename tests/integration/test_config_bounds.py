@@ -17,17 +17,17 @@ import pytest
 from gce_watchdog.daemon.actions import ActionChain, ApiResult, RunResult
 from gce_watchdog.daemon.ladder import LadderState
 from gce_watchdog.daemon.metawatch import InstanceInfo
-from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.daemon.service import Agent, Deps
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.cli import gcewd
 from kit.clocks import ChainClock
-from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
+from kit.fakes import FakeClock, FakeNotifier, MemoryLadderStore, ScriptedProber, result
 
 INF = float("inf")
 
@@ -66,6 +66,7 @@ REFUSED = [
 ]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("section", "key", "value", "why"), REFUSED)
 def test_each_disabling_value_is_refused_with_its_reason(
     section: str, key: str, value: object, why: str
@@ -77,6 +78,7 @@ def test_each_disabling_value_is_refused_with_its_reason(
     assert why in msgs[f"{section}.{key}"]
 
 
+@pytest.mark.pure
 def test_the_bounds_themselves_are_accepted() -> None:
     cfg = cfgmod.from_dict(
         {
@@ -94,6 +96,7 @@ def _check(path: Path | str, timeout: float = 60) -> subprocess.CompletedProcess
     return gcewd("config", "check", str(path), timeout=timeout)
 
 
+@pytest.mark.process
 def test_config_check_cli_refuses_every_value_at_once_with_exit_78(tmp_path: Path) -> None:
     p = tmp_path / "config.toml"
     p.write_text(
@@ -121,6 +124,7 @@ def test_config_check_cli_refuses_every_value_at_once_with_exit_78(tmp_path: Pat
 # -- file kinds ----------------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_fifo_with_no_writer_is_refused_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "config.toml"
     os.mkfifo(fifo)
@@ -129,6 +133,7 @@ def test_a_fifo_with_no_writer_is_refused_at_once(tmp_path: Path) -> None:
     assert "is a FIFO (named pipe), not a regular file" in r.stderr
 
 
+@pytest.mark.process
 def test_a_link_to_dev_zero_is_refused_without_reading_it(tmp_path: Path) -> None:
     link = tmp_path / "config.toml"
     link.symlink_to("/dev/zero")
@@ -137,11 +142,13 @@ def test_a_link_to_dev_zero_is_refused_without_reading_it(tmp_path: Path) -> Non
     assert "is a character device, not a regular file" in r.stderr
 
 
+@pytest.mark.process
 def test_a_directory_is_refused(tmp_path: Path) -> None:
     r = _check(tmp_path)
     assert r.returncode == 78 and "is a directory" in r.stderr
 
 
+@pytest.mark.process
 def test_a_link_to_a_regular_file_is_read(tmp_path: Path) -> None:
     real = tmp_path / "real.toml"
     real.write_text("[agent]\ninterval = 10\n")
@@ -150,6 +157,7 @@ def test_a_link_to_a_regular_file_is_read(tmp_path: Path) -> None:
     assert r.returncode == 0 and "OK" in r.stdout
 
 
+@pytest.mark.process
 def test_an_oversized_file_is_refused(tmp_path: Path) -> None:
     p = tmp_path / "config.toml"
     p.write_text("# padding\n" * 200_000)  # 2 MB of comments: valid TOML, not a config
@@ -157,6 +165,7 @@ def test_an_oversized_file_is_refused(tmp_path: Path) -> None:
     assert r.returncode == 78 and "larger than 1024 KiB" in r.stderr
 
 
+@pytest.mark.process
 def test_deep_nesting_is_refused_without_a_traceback(tmp_path: Path) -> None:
     p = tmp_path / "config.toml"
     p.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
@@ -227,7 +236,7 @@ def raw_configs(draw: st.DrawFn) -> dict[str, dict[str, object]]:
     return raw
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.pure
 @given(raw=raw_configs())
 def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
     raw: dict[str, dict[str, object]],
@@ -260,7 +269,9 @@ def test_any_accepted_config_runs_a_tick_and_the_whole_chain(
             prober=ScriptedProber([result("fail", "fail")], fc),
             clock=fc,
             notifier=FakeNotifier(),
-            store=LadderStore(tmp / "ladder.json", "b1"),
+            # in memory: the property is about the loop and the chain, and the real store's
+            # fsyncs were most of its time (about 10 per example; seconds on a loaded disk)
+            store=MemoryLadderStore("b1"),
             on_shutdown=chain.execute,
         )
         agent = Agent.from_config(cfg, deps)

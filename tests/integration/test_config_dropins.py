@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.vm import config as cfgmod
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.nobody import Nobody
 
@@ -35,6 +35,7 @@ def _gw(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.pure
 def test_later_files_replace_single_keys_and_keep_the_rest(tmp_path: Path) -> None:
     cfg = _tree(
         tmp_path,
@@ -59,6 +60,7 @@ def test_later_files_replace_single_keys_and_keep_the_rest(tmp_path: Path) -> No
     assert cfgmod.load(cfg) == c
 
 
+@pytest.mark.pure
 def test_order_is_byte_order_of_the_names(tmp_path: Path) -> None:
     d = tmp_path / "config.d"
     d.mkdir()
@@ -71,7 +73,7 @@ def test_order_is_byte_order_of_the_names(tmp_path: Path) -> None:
     assert got.config.agent.threshold == 65
 
 
-@settings(max_examples=60, deadline=None)
+@pytest.mark.pure
 @given(layers=st.lists(st.one_of(st.none(), st.integers(1, 10_000)), min_size=1, max_size=6))
 def test_the_last_file_that_sets_a_key_wins(
     tmp_path_factory: pytest.TempPathFactory, layers: list[int | None]
@@ -92,6 +94,7 @@ def test_the_last_file_that_sets_a_key_wins(
     assert got.source_of("agent.threshold") == src
 
 
+@pytest.mark.pure
 def test_errors_of_every_file_at_once_each_named_with_its_file(tmp_path: Path) -> None:
     cfg = _tree(
         tmp_path,
@@ -116,6 +119,7 @@ def test_errors_of_every_file_at_once_each_named_with_its_file(tmp_path: Path) -
     )
 
 
+@pytest.mark.pure
 def test_cross_field_rules_run_on_the_merged_result(tmp_path: Path) -> None:
     # Alone each file is fine; together the probe timeout is longer than the interval.
     cfg = _tree(tmp_path, '[agent]\ninterval = "10s"\n', x__toml='[agent]\nprobe_timeout = "20s"\n')
@@ -129,6 +133,7 @@ def test_cross_field_rules_run_on_the_merged_result(tmp_path: Path) -> None:
     assert cfgmod.load(cfg).agent.probe_timeout == 20.0
 
 
+@pytest.mark.process
 def test_what_is_not_read_is_said_never_silently_half_read(tmp_path: Path) -> None:
     cfg = _tree(
         tmp_path,
@@ -153,6 +158,7 @@ def test_what_is_not_read_is_said_never_silently_half_read(tmp_path: Path) -> No
     assert ".50-metadata" not in chk.stderr
 
 
+@pytest.mark.process
 def test_a_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
     cfg = _tree(tmp_path, "")
     os.mkfifo(tmp_path / "config.d/50-pipe.toml")  # no writer: a blocking open would hang
@@ -161,6 +167,7 @@ def test_a_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
     assert "50-pipe.toml: is a FIFO (named pipe), not a regular file: refused" in chk.stderr
 
 
+@pytest.mark.pure
 def test_symlinks_are_followed_to_regular_files_only(tmp_path: Path) -> None:
     cfg = _tree(tmp_path, "")
     d = tmp_path / "config.d"
@@ -180,6 +187,7 @@ def test_symlinks_are_followed_to_regular_files_only(tmp_path: Path) -> None:
     assert len(msgs) == 2
 
 
+@pytest.mark.pure
 def test_world_writable_drop_ins_and_directory_are_refused(tmp_path: Path) -> None:
     cfg = _tree(tmp_path, "", a__toml="[agent]\nthreshold = 4\n")
     f = tmp_path / "config.d/a.toml"
@@ -196,6 +204,7 @@ def test_world_writable_drop_ins_and_directory_are_refused(tmp_path: Path) -> No
         (tmp_path / "config.d").chmod(0o755)
 
 
+@pytest.mark.pure
 def test_a_directory_or_a_file_in_the_wrong_place_is_refused(tmp_path: Path) -> None:
     cfg = _tree(tmp_path, "")
     (tmp_path / "config.d/50-dir.toml").mkdir()
@@ -208,6 +217,7 @@ def test_a_directory_or_a_file_in_the_wrong_place_is_refused(tmp_path: Path) -> 
         cfgmod.load(cfg)
 
 
+@pytest.mark.process
 def test_an_unreadable_drop_in_is_an_error(nobody: Nobody, nobody_dir: Path) -> None:
     # As root every file is readable: read as nobody (setpriv) to get EACCES. The tree is a 0755
     # directory of its own under /tmp (pytest's tmp dirs are 0700), and nobody imports the agent
@@ -226,6 +236,7 @@ def test_an_unreadable_drop_in_is_an_error(nobody: Nobody, nobody_dir: Path) -> 
     assert "a.toml: cannot read: Permission denied" in r.stdout
 
 
+@pytest.mark.process
 def test_config_show_names_the_source_of_every_key_and_still_parses(tmp_path: Path) -> None:
     cfg = _tree(tmp_path, '[agent]\ninterval = "10s"\n', a50_md__toml="[agent]\nthreshold = 5\n")
     (tmp_path / "config.d/a50-md.toml").rename(tmp_path / "config.d/50-md.toml")
@@ -242,6 +253,7 @@ def test_config_show_names_the_source_of_every_key_and_still_parses(tmp_path: Pa
     assert "#" not in bare.stdout and tomllib.loads(bare.stdout) == tomllib.loads(shown.stdout)
 
 
+@pytest.mark.process
 def test_config_check_drop_in_checks_the_merge_as_if_it_were_installed(tmp_path: Path) -> None:
     cfg = _tree(tmp_path, '[agent]\ninterval = "10s"\n', a__toml="[agent]\nthreshold = 0\n")
     (tmp_path / "config.d/a.toml").rename(tmp_path / "config.d/50-metadata.toml")
@@ -259,6 +271,7 @@ def test_config_check_drop_in_checks_the_merge_as_if_it_were_installed(tmp_path:
     assert _gw("config", "check", "--config", str(cfg)).returncode == 78  # threshold 0
 
 
+@pytest.mark.pure
 def test_without_drop_ins_messages_are_as_before(tmp_path: Path) -> None:
     cfg = tmp_path / "config.toml"
     cfg.write_text("[agent]\nthreshold = 0\n")

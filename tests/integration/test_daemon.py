@@ -67,6 +67,7 @@ def events(sink: MemorySink) -> list[Event]:
     return sink_events(sink)
 
 
+@pytest.mark.pure
 def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
     script = [result("ok", "ok")] * 3 + [result("fail", "fail")] * 15
     agent, sink, shutdowns, _ = make(tmp_path, script)
@@ -82,6 +83,7 @@ def test_outage_climbs_to_shutdown_exactly_once(tmp_path: Path) -> None:
     assert [e.seq for e in evs] == free[: len(evs)]
 
 
+@pytest.mark.pure
 def test_nine_tick_outage_recovers_without_shutdown(tmp_path: Path) -> None:
     script = [result("fail", "fail")] * 9 + [result("fail", "ok")] + [result("ok", "ok")] * 5
     agent, sink, shutdowns, _ = make(tmp_path, script)
@@ -91,6 +93,7 @@ def test_nine_tick_outage_recovers_without_shutdown(tmp_path: Path) -> None:
     assert len(rec) == 1 and rec[0].get("from") == "9"
 
 
+@pytest.mark.pure
 def test_heartbeat_every_k_healthy_ticks_and_no_tick_noise(tmp_path: Path) -> None:
     agent, sink, _, _ = make(tmp_path, [result("ok", "ok")])
     agent.run(threading.Event(), max_ticks=9)
@@ -98,6 +101,7 @@ def test_heartbeat_every_k_healthy_ticks_and_no_tick_noise(tmp_path: Path) -> No
     assert names == ["start", "heartbeat", "heartbeat", "heartbeat", "stop"]
 
 
+@pytest.mark.pure
 def test_schedule_is_a_fixed_grid_and_a_slow_tick_is_followed_at_once(tmp_path: Path) -> None:
     notifier = FakeNotifier()
     agent, _, _, clock = make(tmp_path, [result("ok", "ok")], latency=2.0, notifier=notifier)
@@ -116,6 +120,7 @@ def test_schedule_is_a_fixed_grid_and_a_slow_tick_is_followed_at_once(tmp_path: 
     assert slow.d.clock.monotonic() - t1 == pytest.approx(135.0)
 
 
+@pytest.mark.pure
 def test_watchdog_pinged_between_long_ticks(tmp_path: Path) -> None:
     notifier = FakeNotifier(watchdog_interval=20.0)  # WatchdogSec=20s < interval 30 s
     agent, _, _, _ = make(tmp_path, [result("ok", "ok")], notifier=notifier)
@@ -124,6 +129,7 @@ def test_watchdog_pinged_between_long_ticks(tmp_path: Path) -> None:
     assert pings >= 3 + 2 * 2  # one per tick plus at least two in each 30 s wait
 
 
+@pytest.mark.pure
 def test_restart_continues_the_ladder_within_a_boot(tmp_path: Path) -> None:
     fail = [result("fail", "fail")]
     a1, _, s1, _ = make(tmp_path, fail)
@@ -138,6 +144,7 @@ def test_restart_continues_the_ladder_within_a_boot(tmp_path: Path) -> None:
     assert s3 == [] and a3.state.rung == 5
 
 
+@pytest.mark.pure
 def test_corrupt_state_file_starts_at_zero(tmp_path: Path) -> None:
     (tmp_path / "ladder.json").write_text("{not json")
     assert LadderStore(tmp_path / "ladder.json", "b1").load(10).rung == 0
@@ -147,6 +154,7 @@ def test_corrupt_state_file_starts_at_zero(tmp_path: Path) -> None:
         assert LadderStore(tmp_path / "ladder.json", "b1").load(10).rung == 0
 
 
+@pytest.mark.pure
 def test_boot_grace_reports_but_does_not_climb(tmp_path: Path) -> None:
     agent, sink, shutdowns, _ = make(tmp_path, [result("fail", "fail")], boot_grace=300.0)
     agent.d.uptime = lambda: 10.0
@@ -158,6 +166,7 @@ def test_boot_grace_reports_but_does_not_climb(tmp_path: Path) -> None:
 # -- a real process ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
     with SimGCE() as sim:
         cfg = agent_config(tmp_path, sim)
@@ -184,6 +193,7 @@ def test_real_process_sigterm_lock_and_outage(tmp_path: Path) -> None:
     assert os.path.exists(tmp_path / "state" / "ladder.json")
 
 
+@pytest.mark.pure
 def test_long_phase_and_exception_names_never_crash_the_tick(tmp_path: Path) -> None:
     # The phase comes from a file anyone with root may write; a probe's reason can carry an
     # exception class name. Together they can exceed the 280-byte line: the tick must still
@@ -199,12 +209,14 @@ def test_long_phase_and_exception_names_never_crash_the_tick(tmp_path: Path) -> 
     assert evs[1].get("rung") == "0/10"
 
 
+@pytest.mark.pure
 def test_a_failed_state_write_leaves_no_temporary_file(tmp_path: Path) -> None:
     (tmp_path / "ladder.json").mkdir()  # os.replace onto a directory fails
     assert LadderStore(tmp_path / "ladder.json", "b1").save(LadderState(rung=3)) is False
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ladder.json"]
 
 
+@pytest.mark.process
 def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
     """Neither the serial device nor the fallback can be opened: the agent keeps ticking (and
     deciding) with its lines in the journal only, instead of crash-looping."""
@@ -219,6 +231,7 @@ def test_no_console_at_all_still_watches(tmp_path: Path) -> None:
     assert "event='heartbeat'" in r.stderr and "event='stop'" in r.stderr
 
 
+@pytest.mark.pure
 def test_a_dry_run_decision_latches_nothing_and_recovery_is_reported(tmp_path: Path) -> None:
     """Issue 15: a dry run used to latch at 10/10 for the rest of the boot."""
     fail, ok = result("fail", "fail"), result("ok", "ok")

@@ -17,10 +17,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from gce_watchdog.testing.simgce import SimGCE
 from kit.agent import agent_config
 from kit.cli import agent_env
 from kit.paths import REPO
+
+pytestmark = pytest.mark.process
 
 # What the agent must not load at steady state, and why.
 OTHER_COMMANDS = (  # cli.COMMAND_MODULES: `run` registers the daemon's commands only

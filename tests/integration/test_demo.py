@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from kit.paths import REPO
 
+pytestmark = pytest.mark.process
+
 
 @pytest.mark.slow
 def test_demo_shows_the_shutdown_and_the_recovery(tmp_path: Path) -> None:

@@ -38,10 +38,12 @@ def write_local(cfg: cfgmod.Config, set_at: float, until: float) -> None:
     )
 
 
+@pytest.mark.pure
 def test_no_file_is_armed(tmp_path: Path) -> None:
     assert disarm_status(cfg_for(tmp_path).agent.state_dir, T0, False) == (True, "armed")
 
 
+@pytest.mark.pure
 def test_local_disarm_until_expiry_then_rearms_by_itself(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path)
     write_local(cfg, T0, T0 + 7200)
@@ -51,10 +53,12 @@ def test_local_disarm_until_expiry_then_rearms_by_itself(tmp_path: Path) -> None
     assert disarm_status(cfg.agent.state_dir, T0 + 7200, False) == (True, "expired")
 
 
+@pytest.mark.pure
 def test_metadata_disarm_is_honoured(tmp_path: Path) -> None:
     assert disarm_status(cfg_for(tmp_path).agent.state_dir, T0, True) == (False, "metadata")
 
 
+@pytest.mark.pure
 def test_a_file_claiming_more_than_the_cap_is_capped(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path)
     write_local(cfg, T0, T0 + 10 * 86400)
@@ -62,12 +66,14 @@ def test_a_file_claiming_more_than_the_cap_is_capped(tmp_path: Path) -> None:
     assert disarm_status(cfg.agent.state_dir, T0 + MAX_DISARM_S, False) == (True, "expired")
 
 
+@pytest.mark.pure
 def test_a_disarm_from_the_future_is_not_trusted(tmp_path: Path) -> None:
     cfg = cfg_for(tmp_path)
     write_local(cfg, T0 + 3600, T0 + 7200)  # the clock went back an hour since it was set
     assert disarm_status(cfg.agent.state_dir, T0, False) == (True, "expired")
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "content",
     [
@@ -85,6 +91,7 @@ def test_a_bad_file_never_disarms(tmp_path: Path, content: str) -> None:
     assert disarm_status(cfg.agent.state_dir, T0, False) == (True, "bad-disarm-file")
 
 
+@pytest.mark.pure
 @given(
     set_off=st.floats(-1e6, 1e6),
     length=st.floats(-1e6, 1e7),
@@ -112,6 +119,7 @@ def _events(sink: MemorySink) -> list[tuple[str, str | None, str | None]]:
     return [(ev.event, ev.get("src"), ev.get("why")) for ev in sink_events(sink)]
 
 
+@pytest.mark.pure
 def test_gate_reports_metadata_transitions_and_expiry(tmp_path: Path) -> None:
     md, wall = [False], [T0]
     gate, sink = _gate(tmp_path, md, wall)
@@ -132,6 +140,7 @@ def test_gate_reports_metadata_transitions_and_expiry(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.pure
 def test_gate_reports_a_disarm_found_at_start(tmp_path: Path) -> None:
     md, wall = [False], [T0]
     gate, sink = _gate(tmp_path, md, wall)
@@ -140,6 +149,7 @@ def test_gate_reports_a_disarm_found_at_start(tmp_path: Path) -> None:
     assert _events(sink)[0][:2] == ("disarm", "local")
 
 
+@pytest.mark.pure
 def test_gate_survives_a_broken_metadata_source(tmp_path: Path) -> None:
     sink = MemorySink()
     em = Emitter(sink, SeqAllocator(tmp_path, "0badc0de"), "0badc0de", key=SYNTH_KEY)
@@ -164,6 +174,7 @@ def _cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return gcewd(*args, "--config", str(cfg), env=agent_env())
 
 
+@pytest.mark.process
 def test_cli_disarm_then_arm(tmp_path: Path) -> None:
     t = time.time()
     p = _cli(tmp_path, "disarm", "--for", "2h", "--reason", "debugging the loader")
@@ -187,6 +198,7 @@ def test_cli_disarm_then_arm(tmp_path: Path) -> None:
     assert events[1].get("was") == "disarmed"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("dur", ["25h", "0s", "soon", "-1h"])
 def test_cli_refuses_bad_or_too_long_durations(tmp_path: Path, dur: str) -> None:
     p = _cli(tmp_path, "disarm", f"--for={dur}")
@@ -195,6 +207,7 @@ def test_cli_refuses_bad_or_too_long_durations(tmp_path: Path, dur: str) -> None
     assert not (tmp_path / "state" / "disarm.json").exists()
 
 
+@pytest.mark.process
 def test_cli_disarm_needs_a_duration(tmp_path: Path) -> None:
     p = _cli(tmp_path, "disarm")
     assert p.returncode == 64 and "--for DURATION is required" in p.stderr

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kit.paths import REPO
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -20,6 +21,7 @@ def _local_links(doc: Path) -> list[str]:
     return [t for t in LINK.findall(doc.read_text()) if not re.match(r"[a-z]+:", t)]
 
 
+@pytest.mark.pure
 def test_every_local_link_resolves_inside_the_repository() -> None:
     seen = 0
     for doc in DOCS:
@@ -31,6 +33,7 @@ def test_every_local_link_resolves_inside_the_repository() -> None:
     assert seen >= 30  # the README alone links every doc: a broken regex would find none
 
 
+@pytest.mark.pure
 def test_the_link_check_catches_an_outside_link(tmp_path: Path) -> None:
     doc = tmp_path / "x.md"
     doc.write_text("see [ctx](../shared/CONTEXT.md) and [web](https://example.com/a)\n")
@@ -90,6 +93,7 @@ def _resolve(tokens: list[str]) -> tuple[tuple[str, ...], Any, list[str]]:
     return tuple(path), parser, flags
 
 
+@pytest.mark.process
 def test_every_command_in_the_docs_exists_with_every_flag_it_shows() -> None:
     shown = shown_commands()
     assert len(shown) >= 40  # the README's tour alone has a dozen
@@ -116,6 +120,7 @@ def test_every_command_in_the_docs_exists_with_every_flag_it_shows() -> None:
         assert "\nexit status:\n" in r.stdout, path
 
 
+@pytest.mark.pure
 def test_the_docs_check_finds_a_renamed_flag() -> None:
     path, parser, flags = _resolve(["disarm", "--for", "2h", "--reason", "x"])
     assert path == ("disarm",) and flags == ["--for", "--reason"]

@@ -27,6 +27,7 @@ def _argv(tmp_path: Path) -> list[str]:
     return vm.qemu_argv(spec, image, tmp_path / "console.sock", {}, {})
 
 
+@pytest.mark.pure
 def test_serial_port_is_a_socket_client_without_qemus_logfile(tmp_path: Path) -> None:
     argv = _argv(tmp_path)
     chardev = argv[argv.index("-chardev") + 1]
@@ -36,6 +37,7 @@ def test_serial_port_is_a_socket_client_without_qemus_logfile(tmp_path: Path) ->
     assert argv.count("-chardev") == 1, "one chardev: ttyS0's"
 
 
+@pytest.mark.pure
 def test_build_image_creates_the_console_user_the_harness_logs_in_as() -> None:
     script = (REPO / "e2e" / "build-image.sh").read_text()
     assert f"console_user={vm.CONSOLE_USER}\n" in script
@@ -109,6 +111,7 @@ def pair() -> Iterator[tuple[vm.SerialConsole, socket.socket]]:
     con.close()
 
 
+@pytest.mark.process
 def test_login_session_logs_in_runs_the_command_and_logs_out(
     pair: tuple[vm.SerialConsole, socket.socket],
 ) -> None:
@@ -132,6 +135,7 @@ def test_login_session_logs_in_runs_the_command_and_logs_out(
     assert vm.CONSOLE_PASSWORD not in log and "<password>" in log
 
 
+@pytest.mark.process
 def test_a_wrong_password_is_an_error_not_a_hang(
     pair: tuple[vm.SerialConsole, socket.socket],
 ) -> None:
@@ -143,6 +147,7 @@ def test_a_wrong_password_is_an_error_not_a_hang(
     assert time.monotonic() - t0 < 10
 
 
+@pytest.mark.process
 def test_expect_ends_at_eof_at_once(pair: tuple[vm.SerialConsole, socket.socket]) -> None:
     con, guest = pair
     guest.sendall(b"some output\r\n")
@@ -154,6 +159,7 @@ def test_expect_ends_at_eof_at_once(pair: tuple[vm.SerialConsole, socket.socket]
     assert time.monotonic() - t0 < 10, "EOF wakes the wait, not its 60 s bound"
 
 
+@pytest.mark.process
 def test_expect_looks_only_after_since(pair: tuple[vm.SerialConsole, socket.socket]) -> None:
     con, guest = pair
     guest.sendall(b"login: old\r\n")
@@ -162,6 +168,7 @@ def test_expect_looks_only_after_since(pair: tuple[vm.SerialConsole, socket.sock
         con.expect(b"login: ", first, 0.2)
 
 
+@pytest.mark.process
 def test_the_log_gets_every_byte_once_in_order(tmp_path: Path) -> None:
     """serial.log is the socket stream as read: a writer far ahead of the reader (a full socket
     buffer, what made qemu's logfile double a byte) loses and repeats nothing."""

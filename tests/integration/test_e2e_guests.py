@@ -22,6 +22,8 @@ if str(REPO) not in sys.path:
 
 from e2e import guests, vm
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 WAIT = 10.0
 

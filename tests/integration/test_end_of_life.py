@@ -179,6 +179,7 @@ def decoded(sink: TimelineSink) -> list[protocol.Event]:
 # -- the chain for an ending ----------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("reason", vocab.END_REASONS)
 def test_an_ending_lingers_after_its_line_is_drained_and_before_any_action(
     tmp_path: Path, reason: str
@@ -209,6 +210,7 @@ def test_an_ending_lingers_after_its_line_is_drained_and_before_any_action(
     assert chain.last_result is not None and chain.last_result.status("delete") == "ok"
 
 
+@pytest.mark.pure
 def test_power_off_escalates_when_a_step_does_not_power_off(tmp_path: Path) -> None:
     chain, tl, sink = make_chain(tmp_path, "poweroff")
     chain.end_of_life("done")
@@ -222,6 +224,7 @@ def test_power_off_escalates_when_a_step_does_not_power_off(tmp_path: Path) -> N
     assert waited == pytest.approx(120.0 + 30.0)
 
 
+@pytest.mark.pure
 def test_a_refused_poweroff_goes_on_to_the_force_at_once(tmp_path: Path) -> None:
     chain, tl, _sink = make_chain(tmp_path, "poweroff", fail={"poweroff"})
     chain.end_of_life("failed")
@@ -230,6 +233,7 @@ def test_a_refused_poweroff_goes_on_to_the_force_at_once(tmp_path: Path) -> None
     assert [k for k, _ in tl.log[i_power:i_force] if k == "sleep"] == []
 
 
+@pytest.mark.pure
 def test_an_ending_under_a_dry_run_powers_off_for_real(tmp_path: Path) -> None:
     assert end_action("dry-run") == "poweroff"
     assert [end_action(a) for a in ("poweroff", "stop", "delete")] == ["poweroff", "stop", "delete"]
@@ -241,6 +245,7 @@ def test_an_ending_under_a_dry_run_powers_off_for_real(tmp_path: Path) -> None:
     assert chain.dry_run and chain.plan()[1] == "delete"
 
 
+@pytest.mark.pure
 def test_the_linger_of_a_request_overrides_the_config(tmp_path: Path) -> None:
     chain, tl, _sink = make_chain(tmp_path, "poweroff")
     chain.end_of_life("done", linger=10.0)
@@ -249,6 +254,7 @@ def test_the_linger_of_a_request_overrides_the_config(tmp_path: Path) -> None:
     assert chain.actions.linger == 75.0
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("raw", ["inf", "-1s", "nan", "2h", "soon", ""])
 def test_a_bad_linger_is_refused(raw: str) -> None:
     with pytest.raises(ValueError):
@@ -256,6 +262,7 @@ def test_a_bad_linger_is_refused(raw: str) -> None:
     assert parse_linger("90s") == 90.0 and parse_linger("2m") == 120.0 and parse_linger("0") == 0
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("raw", ["inf", "-5s"])
 def test_config_refuses_an_infinite_or_negative_linger(tmp_path: Path, raw: str) -> None:
     with pytest.raises(cfgmod.InvalidConfig, match=r"actions\.linger"):
@@ -295,6 +302,7 @@ class Recorded:
                 progress(step)
 
 
+@pytest.mark.pure
 def test_the_agent_takes_the_ending_at_its_tick_and_the_command_returns(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     chain = Recorded()
@@ -318,6 +326,7 @@ def test_the_agent_takes_the_ending_at_its_tick_and_the_command_returns(tmp_path
     watch.stop()
 
 
+@pytest.mark.pure
 def test_with_no_agent_the_command_takes_the_ending_after_its_wait(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("setup_failed", None)
@@ -331,6 +340,7 @@ def test_with_no_agent_the_command_takes_the_ending_after_its_wait(tmp_path: Pat
     taken.release()
 
 
+@pytest.mark.pure
 def test_with_no_agent_running_the_command_does_not_wait(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", None)
@@ -340,6 +350,7 @@ def test_with_no_agent_running_the_command_does_not_wait(tmp_path: Path) -> None
     taken.release()
 
 
+@pytest.mark.pure
 def test_flock_held_reads_the_kernel_lock_table_without_taking_the_lock(tmp_path: Path) -> None:
     import fcntl
 
@@ -356,6 +367,7 @@ def test_flock_held_reads_the_kernel_lock_table_without_taking_the_lock(tmp_path
     assert flock_held(path) is False
 
 
+@pytest.mark.pure
 def test_a_dead_runner_s_chain_is_resumed_at_its_step_with_the_linger_left(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", 60.0)
@@ -371,6 +383,7 @@ def test_a_dead_runner_s_chain_is_resumed_at_its_step_with_the_linger_left(tmp_p
     watch.stop()
 
 
+@pytest.mark.pure
 def test_an_end_after_a_dead_runner_s_chain_ran_through_powers_off_again(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", None)
@@ -386,6 +399,7 @@ def test_an_end_after_a_dead_runner_s_chain_ran_through_powers_off_again(tmp_pat
     taken.release()
 
 
+@pytest.mark.pure
 def test_a_chain_that_ran_through_is_tried_again_from_the_power_off(tmp_path: Path) -> None:
     box = EndBox(tmp_path / "run", "boot-1")
     box.request("done", None)
@@ -399,6 +413,7 @@ def test_a_chain_that_ran_through_is_tried_again_from_the_power_off(tmp_path: Pa
     watch.stop()
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "content",
     [
@@ -417,6 +432,7 @@ def test_a_bad_request_file_runs_nothing(tmp_path: Path, content: bytes) -> None
     assert box.load() is None and box.take() is None
 
 
+@pytest.mark.pure
 def test_a_symlink_at_the_lock_is_never_followed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
@@ -429,6 +445,7 @@ def test_a_symlink_at_the_lock_is_never_followed(tmp_path: Path) -> None:
     assert target.read_text() == "keep"
 
 
+@pytest.mark.pure
 def test_request_round_trip() -> None:
     r = EndRequest("failed", "b", 12.5, "taken", "force", 99.0, 7)
     assert EndRequest.from_json(json.loads(json.dumps(r.to_json()))) == r
@@ -498,6 +515,7 @@ def _cli(
     )
 
 
+@pytest.mark.process
 def test_a_running_agent_takes_the_ending_of_a_finished_job(tmp_path: Path) -> None:
     from gce_watchdog.testing.simgce import SimGCE
 
@@ -550,6 +568,7 @@ def _boot_id() -> str:
     return read_boot_id(cfgmod.AgentSection().boot_id_path)
 
 
+@pytest.mark.process
 def test_with_no_agent_end_runs_the_chain_and_deletes_the_spot_vm(tmp_path: Path) -> None:
     from gce_watchdog.testing.simcompute import FakeComputeAPI
     from gce_watchdog.testing.simgce import TOKEN, FakeMetadataServer
@@ -629,6 +648,7 @@ def _names(sink: object) -> list[protocol.Event]:
     return [e for e in evs if isinstance(e, protocol.Event)]
 
 
+@pytest.mark.pure
 def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_not_stop_it(
     tmp_path: Path,
 ) -> None:
@@ -661,6 +681,7 @@ def test_the_agent_runs_a_requested_ending_at_its_next_tick_and_a_sigterm_does_n
     assert req is not None and req.step == "end"
 
 
+@pytest.mark.pure
 def test_no_ending_is_run_once_the_ladder_decided(tmp_path: Path) -> None:
     from kit.fakes import result
 

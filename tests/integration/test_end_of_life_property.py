@@ -45,6 +45,8 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.synth import Writer
 from gce_watchdog.vm import config as cfgmod
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 INTERVAL = 30.0
 LINGER = float(cfgmod.ActionsSection().linger)  # the chain's own default: 2 intervals + a read

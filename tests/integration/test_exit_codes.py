@@ -48,6 +48,7 @@ PORTS = {
 }
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("port", sorted(PORTS))
 def test_phase_exits_74_when_its_line_was_not_written(tmp_path: Path, port: str) -> None:
     cfg = _config(tmp_path, *PORTS[port])
@@ -57,6 +58,7 @@ def test_phase_exits_74_when_its_line_was_not_written(tmp_path: Path, port: str)
     assert read_phase(tmp_path / "state") == "bootstrap"  # the state file still says it
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("port", sorted(PORTS))
 def test_setup_failed_exits_74_when_its_line_was_not_written(tmp_path: Path, port: str) -> None:
     cfg = _config(tmp_path, *PORTS[port])
@@ -65,6 +67,7 @@ def test_setup_failed_exits_74_when_its_line_was_not_written(tmp_path: Path, por
     assert "the setup_failed line was not confirmed written" in r.stderr
 
 
+@pytest.mark.process
 def test_a_written_line_still_exits_0(tmp_path: Path) -> None:
     """The counterpart: the same commands with a usable port (the device missing, the fallback
     file used) exit 0 and the lines are there."""

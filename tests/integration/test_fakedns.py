@@ -9,8 +9,11 @@ import dns.exception
 import dns.message
 import dns.query
 import dns.rdatatype
+import pytest
 from gce_watchdog.testing.simgce import FakeDNS
 from kit.clocks import ManualClock
+
+pytestmark = pytest.mark.process
 
 # How long one query waits for an answer that must come (loopback) or must not (silence). The
 # silent case is also confirmed by the server's own record of the query (on_query), so a short

@@ -150,6 +150,7 @@ def req(url: str, out: Path, **kw: Any) -> FetchRequest:
 # The pure core.
 
 
+@pytest.mark.pure
 @given(
     attempt=st.integers(1, 200),
     elapsed=st.floats(0, 700, allow_nan=False),
@@ -171,6 +172,7 @@ def test_policy_never_overshoots_the_deadline(
         assert w >= retry_after  # honoured whenever we do not give up
 
 
+@pytest.mark.pure
 @given(attempt=st.integers(1, 100), u=st.floats(0, 1, exclude_max=True))
 def test_backoff_is_jittered_exponential_and_capped(attempt: int, u: float) -> None:
     p = FetchRetry(deadline=600)
@@ -179,6 +181,7 @@ def test_backoff_is_jittered_exponential_and_capped(attempt: int, u: float) -> N
     assert base * (1 - p.jitter) <= b <= base
 
 
+@pytest.mark.pure
 def test_policy_table() -> None:
     p = FetchRetry(deadline=10, initial=1, max_wait=8, jitter=0, min_attempt=1)
     assert [p.next_wait(a, 0, None, 0) for a in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 8]
@@ -188,6 +191,7 @@ def test_policy_table() -> None:
     assert p.next_wait(1, 0, 60, 0) is None  # ... unless it points past the deadline
 
 
+@pytest.mark.pure
 def test_rate_limit_first_then_one_per_interval() -> None:
     r = RateLimit(every=60)
     got = [r.allow(t) for t in (0, 1, 2, 59, 60, 61, 130)]
@@ -195,6 +199,7 @@ def test_rate_limit_first_then_one_per_interval() -> None:
     assert r.take_suppressed() == 4 and r.take_suppressed() == 0
 
 
+@pytest.mark.pure
 def test_parse_retry_after() -> None:
     now = 1_700_000_000.0
     assert parse_retry_after("7", now) == 7
@@ -203,6 +208,7 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after("Tue, 14 Nov 2023 22:13:30 GMT", now) == pytest.approx(10, abs=1)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "bad",
     [
@@ -219,6 +225,7 @@ def test_parse_url_rejects(bad: str) -> None:
         parse_url(bad)
 
 
+@pytest.mark.pure
 def test_parse_url_and_dns_server() -> None:
     u = parse_url("https://Files.Example:8443/a/b?c=1")
     assert (u.scheme, u.host, u.port, u.target) == ("https", "files.example", 8443, "/a/b?c=1")
@@ -230,6 +237,7 @@ def test_parse_url_and_dns_server() -> None:
             parse_dns_server(bad)
 
 
+@pytest.mark.pure
 def test_hosts_file_lookup(tmp_path: Path) -> None:
     h = tmp_path / "hosts"
     h.write_text("# c\n127.0.0.1 localhost\n10.1.2.3 files.internal files # x\nbogus line\n")
@@ -238,6 +246,7 @@ def test_hosts_file_lookup(tmp_path: Path) -> None:
     assert hosts_file_lookup(tmp_path / "missing", "localhost") == []
 
 
+@pytest.mark.pure
 def test_progress_only_draws_on_the_given_stream() -> None:
     import io
 
@@ -256,6 +265,7 @@ def test_progress_only_draws_on_the_given_stream() -> None:
 # Real downloads.
 
 
+@pytest.mark.process
 def test_dns_broken_then_fixed_downloads_with_retries_recorded(tmp_path: Path) -> None:
     with (
         Scripted() as http,
@@ -293,6 +303,7 @@ def _serial_events(tmp_path: Path) -> list[protocol.Event]:
     return read_events(tmp_path / "serial.log", forged_ok=False, rejected_ok=False)
 
 
+@pytest.mark.process
 def test_dns_never_fixed_exits_75_close_to_the_deadline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -321,6 +332,7 @@ def test_dns_never_fixed_exits_75_close_to_the_deadline(
     assert final.get("supp") == str(attempts - 2)  # every unreported attempt is counted
 
 
+@pytest.mark.process
 def test_serial_rate_limit_caps_lines_but_stderr_has_every_attempt(tmp_path: Path) -> None:
     import io
 
@@ -340,6 +352,7 @@ def test_serial_rate_limit_caps_lines_but_stderr_has_every_attempt(tmp_path: Pat
     assert reported + supp == res.attempts - 1  # the last attempt is the outcome line
 
 
+@pytest.mark.process
 def test_503_503_200_succeeds_on_the_third_attempt(tmp_path: Path) -> None:
     script = [Reply(503, b"busy"), Reply(503, b"busy"), Reply()]
     with Scripted(*script) as http:
@@ -351,6 +364,7 @@ def test_503_503_200_succeeds_on_the_third_attempt(tmp_path: Path) -> None:
     assert [e.get("out") for e in fetch_events(sink)] == ["retry", "ok"]  # rate-limited
 
 
+@pytest.mark.process
 def test_retry_after_is_honoured(tmp_path: Path) -> None:
     waits: list[float] = []
     script = [Reply(429, b"slow down", {"Retry-After": "2"}), Reply()]
@@ -363,6 +377,7 @@ def test_retry_after_is_honoured(tmp_path: Path) -> None:
     assert waits == [2.0]
 
 
+@pytest.mark.process
 def test_retry_after_past_the_deadline_gives_up_at_once(tmp_path: Path) -> None:
     with Scripted(Reply(503, b"", {"Retry-After": "3600"})) as http:
         res = run_fetch(req(http.url(), tmp_path / "f"), FetchDeps(policy=fast_policy(5)))
@@ -370,6 +385,7 @@ def test_retry_after_past_the_deadline_gives_up_at_once(tmp_path: Path) -> None:
     assert "retry after 3600s" in res.message
 
 
+@pytest.mark.process
 def test_404_is_refused_after_one_attempt(tmp_path: Path) -> None:
     with Scripted(Reply(404, b"no")) as http:
         em, sink = mem_emitter(tmp_path)
@@ -381,6 +397,7 @@ def test_404_is_refused_after_one_attempt(tmp_path: Path) -> None:
     assert final.get("out") == "refused" and final.get("err") == "http404"
 
 
+@pytest.mark.process
 def test_checksum_mismatch_leaves_nothing(tmp_path: Path) -> None:
     out = tmp_path / "f"
     with Scripted() as http:
@@ -393,6 +410,7 @@ def test_checksum_mismatch_leaves_nothing(tmp_path: Path) -> None:
     assert out.stat().st_mode & 0o7777 == 0o600
 
 
+@pytest.mark.process
 def test_closed_mid_body_is_retried_without_partial_file(tmp_path: Path) -> None:
     out = tmp_path / "f"
     with Scripted(Reply(cut_after=100_000), Reply()) as http:
@@ -401,6 +419,7 @@ def test_closed_mid_body_is_retried_without_partial_file(tmp_path: Path) -> None
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.process
 def test_always_cut_short_gives_up_and_keeps_the_old_file(tmp_path: Path) -> None:
     out = tmp_path / "f"
     out.write_bytes(b"previous version")
@@ -412,6 +431,7 @@ def test_always_cut_short_gives_up_and_keeps_the_old_file(tmp_path: Path) -> Non
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.process
 def test_redirects_are_followed(tmp_path: Path) -> None:
     with Scripted() as target, Scripted(Reply(302, b"", {"Location": target.url()})) as first:
         res = run_fetch(req(first.url("/moved"), tmp_path / "f"), FetchDeps())
@@ -419,6 +439,7 @@ def test_redirects_are_followed(tmp_path: Path) -> None:
     assert len(first.seen) == 1 and len(target.seen) == 1
 
 
+@pytest.mark.process
 def test_connection_refused_is_retried_until_the_deadline(tmp_path: Path) -> None:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -430,6 +451,7 @@ def test_connection_refused_is_retried_until_the_deadline(tmp_path: Path) -> Non
     assert res.rc == EX_TEMPFAIL and res.attempts >= 2 and "connection refused" in res.message
 
 
+@pytest.mark.process
 def test_unwritable_target_is_a_local_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -438,6 +460,7 @@ def test_unwritable_target_is_a_local_error(tmp_path: Path) -> None:
     assert res.rc == EX_CANTCREAT and res.attempts == 1
 
 
+@pytest.mark.process
 def test_hosts_file_is_used_without_dns_servers(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 files.gcewd.test\n")
@@ -469,6 +492,7 @@ def tls_cert(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     yield key, crt
 
 
+@pytest.mark.process
 def test_https_connects_to_the_resolved_address_with_sni(
     tmp_path: Path, tls_cert: tuple[Path, Path]
 ) -> None:
@@ -494,6 +518,7 @@ def test_https_connects_to_the_resolved_address_with_sni(
     assert res.rc == EX_UNAVAILABLE and res.attempts == 1 and "certificate" in res.message
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "args",
     [
@@ -516,6 +541,7 @@ def test_bad_arguments_exit_64(tmp_path: Path, args: list[str]) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.process
 def test_cli_success_writes_serial_outcome_and_no_progress_off_tty(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -529,6 +555,7 @@ def test_cli_success_writes_serial_outcome_and_no_progress_off_tty(
     assert final.get("out") == "ok" and final.get("dst") == "f"
 
 
+@pytest.mark.pure
 def test_ten_minute_dns_outage_on_a_fake_clock(tmp_path: Path) -> None:
     """The incident's case, in virtual time: bounded lines, deadline met to the millisecond."""
     import random

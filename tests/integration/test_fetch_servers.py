@@ -37,6 +37,8 @@ from gce_watchdog.testing.simgce import FakeDNS
 from gce_watchdog.wire import protocol
 from kit.ports import free_port, free_ports
 
+pytestmark = pytest.mark.process
+
 BODY = os.urandom(200_000)
 TEXT = b"".join(b"line %06d of a text file served through SSI\n" % i for i in range(5000))
 STARTUP_WAIT = 20.0  # bound on a server or child process getting ready (a loaded 2-core machine)

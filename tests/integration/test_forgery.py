@@ -16,13 +16,14 @@ import zlib
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire import line as wire_line
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event, Forged, Forgery, KeyAnnounce, Rejected
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.nobody import Nobody
 from kit.paths import REPO
@@ -65,6 +66,7 @@ def judge(data: bytes, status: InstanceState = OFF, now: float = 1e9) -> tuple[T
 # -- the wire: what a line without the key is ------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_line_signed_with_another_key_is_forged_never_an_event() -> None:
     ev = protocol.make_event("exit", "aaaa0001", 5, 0, {"rc": 0})
     res = protocol.decode_line(forge(ev), pin=SYNTH_KEY.public)
@@ -77,6 +79,7 @@ def test_a_line_signed_with_another_key_is_forged_never_an_event() -> None:
     assert isinstance(protocol.decode_line(forge(ev)[:60], pin=SYNTH_KEY.public), Rejected)
 
 
+@pytest.mark.pure
 def test_the_key_is_pinned_once_and_a_second_key_is_a_conflict() -> None:
     w = Writer(boot="aaaa0001")
     data = w.line("start", {"v": "1"}) + w.line("heartbeat", {"rung": "0/10", "ph": "workload"})
@@ -91,6 +94,7 @@ def test_the_key_is_pinned_once_and_a_second_key_is_a_conflict() -> None:
     assert d.stats.forged_reasons == {Forgery.UNPLACED: 1}
 
 
+@pytest.mark.pure
 def test_key_announcement_must_verify_under_the_key_it_announces() -> None:
     line = protocol.key_line("aaaa0001", 0, 0, SYNTH_KEY)
     body, _, _ = line.rpartition(" #")
@@ -105,6 +109,7 @@ def test_key_announcement_must_verify_under_the_key_it_announces() -> None:
     assert d.stats.forged_reasons == {Forgery.UNPLACED: 1}
 
 
+@pytest.mark.pure
 def test_whole_line_dedup_reports_conflicts_and_a_wild_seq_spoils_nothing() -> None:
     w = Writer(boot="aaaa0001")
     a = w.line("start", {"v": "1"})
@@ -120,6 +125,7 @@ def test_whole_line_dedup_reports_conflicts_and_a_wild_seq_spoils_nothing() -> N
     assert d.stats.duplicates == 3
 
 
+@pytest.mark.pure
 def test_cr_only_endings_are_split() -> None:
     w = Writer(boot="aaaa0001", step_ms=1000)
     lines = [w.line("tick", {"rung": f"{i % 10}/10"}).rstrip(b"\n") for i in range(50)]
@@ -128,6 +134,7 @@ def test_cr_only_endings_are_split() -> None:
     assert len([e for e in tl.events if e.event == "tick"]) == 50 and tl.rejected == 0
 
 
+@pytest.mark.pure
 def test_hostile_lines_decode_in_linear_time() -> None:
     # A 1 MiB line of markers took over a minute with v1's decoder (quadratic). The cap on
     # markers per line and the 280-byte window after each keep it linear: far under a second.
@@ -144,6 +151,7 @@ def test_hostile_lines_decode_in_linear_time() -> None:
     assert one < 1.0 and time.process_time() - t0 < 1.0
 
 
+@pytest.mark.pure
 def test_exec_neutralizes_markers_in_what_it_passes_through() -> None:
     ev = protocol.make_event("exit", "aaaa0001", 5, 0, {"rc": 0})
     defused = protocol.neutralize(forge(ev, SYNTH_KEY))
@@ -153,6 +161,7 @@ def test_exec_neutralizes_markers_in_what_it_passes_through() -> None:
 # -- verdicts: each attack of the issue against a real run ----------------------------------
 
 
+@pytest.mark.pure
 def test_forged_exit_rc0_after_a_real_shutdown_still_fails_over() -> None:
     lines, w = real_run_with_shutdown()
     fake = protocol.make_event("exit", w.boot, w.seq, w.ts_ms, {"rc": 0, "sig": "-"})
@@ -162,6 +171,7 @@ def test_forged_exit_rc0_after_a_real_shutdown_still_fails_over() -> None:
     assert tl.forged == 2 and tl.forged_reasons == {Forgery.BAD_SIG: 2}
 
 
+@pytest.mark.pure
 def test_forged_shutdown_on_a_healthy_vm_is_no_failover() -> None:
     w = Writer(boot="aaaa0001")
     data = w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"})
@@ -171,6 +181,7 @@ def test_forged_shutdown_on_a_healthy_vm_is_no_failover() -> None:
     assert tl.forged == 2
 
 
+@pytest.mark.pure
 def test_a_forged_heartbeat_from_the_future_does_not_hide_a_silent_vm() -> None:
     w = Writer(boot="aaaa0001")
     tl = Timeline()
@@ -183,6 +194,7 @@ def test_a_forged_heartbeat_from_the_future_does_not_hide_a_silent_vm() -> None:
     assert v.kind is VerdictKind.SUSPECTED_WEDGE and tl.forged == 1
 
 
+@pytest.mark.pure
 def test_seqs_claimed_in_advance_do_not_hide_the_real_lines() -> None:
     lines, w = real_run_with_shutdown()
     claims = b"".join(
@@ -195,6 +207,7 @@ def test_seqs_claimed_in_advance_do_not_hide_the_real_lines() -> None:
     assert [e.event for e in tl.events].count("tick") == 10
 
 
+@pytest.mark.pure
 def test_a_line_replayed_from_an_earlier_boot_does_not_switch_the_boot() -> None:
     old = Writer(boot="aaaa0001")
     old_lines = [old.line("phase", {"ph": "workload"}), old.line("exit", {"rc": 0, "sig": "-"})]
@@ -217,6 +230,7 @@ def test_a_line_replayed_from_an_earlier_boot_does_not_switch_the_boot() -> None
     assert v == want and tl.latest_boot == "bbbb0002"
 
 
+@pytest.mark.pure
 def test_a_new_boot_whose_clock_is_an_hour_behind_is_current() -> None:
     """Issue 25: boots were ordered by their earliest signed time, so a reboot with a clock an
     hour behind was never current and a healthy (or shut down) new boot was a wedge."""
@@ -233,6 +247,7 @@ def test_a_new_boot_whose_clock_is_an_hour_behind_is_current() -> None:
     assert tl.latest_boot == "cccc0003" and v.kind is VerdictKind.HEALTHY and not v.failover
 
 
+@pytest.mark.pure
 def test_invented_boot_ids_create_no_boot_and_a_second_key_is_an_alarm() -> None:
     lines, _ = real_run_with_shutdown()
     data = b"".join(lines)
@@ -254,6 +269,7 @@ def test_invented_boot_ids_create_no_boot_and_a_second_key_is_an_alarm() -> None
     assert v.kind is VerdictKind.SELF_SHUTDOWN  # type: ignore[attr-defined]
 
 
+@pytest.mark.pure
 def test_the_pin_survives_a_poller_restart() -> None:
     lines, w = real_run_with_shutdown()
     tl = Timeline()
@@ -295,7 +311,7 @@ def unauthenticated(draw: st.DrawFn) -> bytes:
     return wire_line._body(ev).encode() + b" #" + draw(st.binary(max_size=30)) + b"\n"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.pure
 @given(
     st.lists(st.tuples(st.integers(0, len(_REAL)), unauthenticated()), max_size=12),
     st.sampled_from([RUN, OFF, InstanceState(None)]),
@@ -351,6 +367,7 @@ print("wrote", len(out))
 """
 
 
+@pytest.mark.process
 def test_forged_lines_written_by_nobody_change_nothing(nobody: Nobody, nobody_dir: Path) -> None:
     # nobody_dir: a 0755 dir nobody can reach; nobody's interpreter imports the agent from the
     # world-readable copy (kit/nobody.py), as a checkout under a 0700 dir (`mktemp -d`, as CI
@@ -391,6 +408,7 @@ def test_forged_lines_written_by_nobody_change_nothing(nobody: Nobody, nobody_di
     assert [e.event for e in tl.events] == ["key", "key", "phase", "setup_failed"]
 
 
+@pytest.mark.pure
 def test_upgrade_pollers_first_v2_lines_then_the_v3_agent() -> None:
     """docs/serial-protocol.md, "Upgrade from v2": a v3 reader keeps verifying a v2 instance's
     lines under the v2 key it held before the upgrade (the cursor's), takes no new v2 key from

@@ -35,6 +35,7 @@ def dmi(tmp: Path, product: str | None) -> Path:
     return p
 
 
+@pytest.mark.pure
 def test_detect_reads_the_product_name(tmp_path: Path) -> None:
     assert detect(str(dmi(tmp_path, GCE_PRODUCT))) == Platform(
         True, GCE_PRODUCT, "DMI product name is 'Google Compute Engine'"
@@ -45,6 +46,7 @@ def test_detect_reads_the_product_name(tmp_path: Path) -> None:
     assert not missing.gce and "cannot read the DMI product name" in missing.why
 
 
+@pytest.mark.pure
 def test_arming_matrix() -> None:
     gce, other = Platform(True, GCE_PRODUCT, ""), Platform(False, QEMU, "x")
     assert arming(gce, False) == (True, "")
@@ -84,6 +86,7 @@ def _run(tmp: Path, product: str | None, **agent: object) -> list[protocol.Event
     return read_events(tmp / "ttyS0")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("product", [QEMU, None], ids=["other-product", "no-dmi"])
 def test_off_gce_the_agent_watches_and_reports_but_never_acts(
     tmp_path: Path, product: str | None
@@ -99,6 +102,7 @@ def test_off_gce_the_agent_watches_and_reports_but_never_acts(
     assert not (tmp_path / "actions.log").exists()  # nothing was run
 
 
+@pytest.mark.process
 def test_on_gce_the_same_outage_runs_the_chain(tmp_path: Path) -> None:
     evs = _run(tmp_path, GCE_PRODUCT)
     names = [e.event for e in evs]
@@ -107,6 +111,7 @@ def test_on_gce_the_same_outage_runs_the_chain(tmp_path: Path) -> None:
     assert (tmp_path / "actions.log").read_text().split() == ["poweroff", "force"]
 
 
+@pytest.mark.process
 def test_off_gce_the_config_can_allow_acting(tmp_path: Path) -> None:
     evs = _run(tmp_path, QEMU, allow_non_gce=True)
     assert [e.event for e in evs].count("shutdown") == 1
@@ -120,6 +125,7 @@ def _check(tmp: Path, product: str | None, outage: bool) -> subprocess.Completed
         return gcewd("check", "--config", str(cfg))
 
 
+@pytest.mark.process
 def test_check_says_not_gce_and_no_metadata_server(tmp_path: Path) -> None:
     r = _check(tmp_path, QEMU, outage=True)
     assert r.returncode == 2
@@ -130,6 +136,7 @@ def test_check_says_not_gce_and_no_metadata_server(tmp_path: Path) -> None:
     assert "metadata: no metadata server answered at" in r.stdout
 
 
+@pytest.mark.process
 def test_check_on_gce_with_a_healthy_metadata_server_says_neither(tmp_path: Path) -> None:
     r = _check(tmp_path, GCE_PRODUCT, outage=False)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -156,17 +163,20 @@ def _install(tmp: Path, plat: Platform | None, config: str = "") -> list[str]:
     return lines
 
 
+@pytest.mark.process
 def test_install_off_gce_warns_that_it_installs_disarmed(tmp_path: Path) -> None:
     lines = _install(tmp_path, Platform(False, QEMU, f"DMI product name is {QEMU!r}"))
     warn = [ln for ln in lines if ln.startswith("warning: not a GCE VM")]
     assert len(warn) == 1 and "installed disarmed" in warn[0] and "never acts" in warn[0]
 
 
+@pytest.mark.process
 def test_install_on_gce_does_not_warn(tmp_path: Path) -> None:
     lines = _install(tmp_path, Platform(True, GCE_PRODUCT, "x"))
     assert not [ln for ln in lines if ln.startswith("warning")]
 
 
+@pytest.mark.process
 def test_install_off_gce_with_allow_says_it_will_act(tmp_path: Path) -> None:
     lines = _install(tmp_path, Platform(False, QEMU, "x"), config="[agent]\nallow_non_gce = true\n")
     assert any("it WILL act" in ln for ln in lines)

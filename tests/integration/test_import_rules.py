@@ -14,7 +14,10 @@ from kit.paths import REPO
 ROOT = REPO
 LINT = Path(sys.executable).with_name("lint-imports")
 
-pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed")
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed"),
+]
 
 
 def _lint(package_parent: Path) -> subprocess.CompletedProcess[str]:

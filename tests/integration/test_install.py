@@ -65,6 +65,7 @@ def tree(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
+@pytest.mark.process
 def test_image_tree_without_a_runnable_agent_is_refused_before_writing(tmp_path: Path) -> None:
     # No agent in the tree at all.
     with pytest.raises(InstallError, match="no agent at"):
@@ -88,6 +89,7 @@ def test_image_tree_without_a_runnable_agent_is_refused_before_writing(tmp_path:
     assert tree(tmp_path) == before
 
 
+@pytest.mark.pure
 def test_run_from_a_hidden_venv_refuses_before_writing_the_config(tmp_path: Path) -> None:
     # The case: run from a venv in /tmp (or a home directory), without --exec.
     with pytest.raises(InstallError, match="sandbox hides"):
@@ -99,6 +101,7 @@ def test_run_from_a_hidden_venv_refuses_before_writing_the_config(tmp_path: Path
     assert tree(tmp_path) == [], "no config written before the refusal"
 
 
+@pytest.mark.process
 def test_install_into_a_root_then_again_changes_nothing(tmp_path: Path) -> None:
     lines: list[str] = []
     assert install(opts(tmp_path), out=lines.append) == 0
@@ -126,6 +129,7 @@ def write_config(root: Path, text: str) -> Path:
     return cfg
 
 
+@pytest.mark.process
 def test_an_existing_config_is_kept_and_shapes_the_unit(tmp_path: Path) -> None:
     text = '[agent]\nstate_dir = "/srv/wd"\naction = "delete"\n[serial]\ndevice = "/dev/ttyS1"\n'
     cfg = write_config(tmp_path, text)
@@ -137,6 +141,7 @@ def test_an_existing_config_is_kept_and_shapes_the_unit(tmp_path: Path) -> None:
     assert "ReadWritePaths=-/srv/wd\n" in unit
 
 
+@pytest.mark.process
 def test_an_invalid_config_stops_the_install(tmp_path: Path) -> None:
     write_config(tmp_path, '[agent]\ninterval = "soon"\n')
     with pytest.raises(InstallError) as e:
@@ -146,6 +151,7 @@ def test_an_invalid_config_stops_the_install(tmp_path: Path) -> None:
     assert not (tmp_path / UNIT_PATH).exists()
 
 
+@pytest.mark.process
 def test_a_non_default_config_path_goes_into_exec_start(tmp_path: Path) -> None:
     install(opts(tmp_path, config_path="/etc/gce-watchdog/other.toml"), out=quiet)
     unit = (tmp_path / UNIT_PATH).read_text()
@@ -153,6 +159,7 @@ def test_a_non_default_config_path_goes_into_exec_start(tmp_path: Path) -> None:
     assert (tmp_path / "etc/gce-watchdog/other.toml").exists()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "path", ["/home/me/.venv/bin/gce-watchdog", "/tmp/x/gce-watchdog", "relative/gce", "/a b/c"]
 )
@@ -162,12 +169,14 @@ def test_agent_paths_the_sandbox_hides_are_refused(tmp_path: Path, path: str) ->
     assert not (tmp_path / UNIT_PATH).exists()
 
 
+@pytest.mark.process
 def test_exec_inside_the_root_is_written_as_seen_from_it(tmp_path: Path) -> None:
     agent = tmp_path / "opt/gce-watchdog/bin/gce-watchdog"
     install(opts(tmp_path, exec_path=str(agent)), out=quiet)
     assert f"ExecStart={AGENT} run\n" in (tmp_path / UNIT_PATH).read_text()
 
 
+@pytest.mark.process
 def test_live_systemd_first_install_then_update_then_no_start(tmp_path: Path) -> None:
     sc = Systemctl()
     install(opts(tmp_path, live=True), runner=sc, out=quiet)
@@ -188,12 +197,14 @@ def test_live_systemd_first_install_then_update_then_no_start(tmp_path: Path) ->
     assert sc.calls == [["systemctl", "daemon-reload"], ["systemctl", "enable", UNIT]]
 
 
+@pytest.mark.process
 def test_live_systemd_failure_is_reported(tmp_path: Path) -> None:
     with pytest.raises(InstallError) as e:
         install(opts(tmp_path, live=True), runner=Systemctl(fail={"restart"}), out=quiet)
     assert "systemctl restart" in str(e.value) and "refused" in str(e.value)
 
 
+@pytest.mark.process
 def test_offline_without_a_usable_systemctl_links_by_hand(tmp_path: Path) -> None:
     sc = Systemctl(fail={"enable"})
     lines: list[str] = []
@@ -203,6 +214,7 @@ def test_offline_without_a_usable_systemctl_links_by_hand(tmp_path: Path) -> Non
     assert "enabled (wants symlink)" in lines
 
 
+@pytest.mark.process
 def test_uninstall_keeps_config_unless_purged_and_is_idempotent(tmp_path: Path) -> None:
     install(opts(tmp_path), out=quiet)
     (tmp_path / "var/lib/gce-watchdog").mkdir(parents=True)
@@ -216,6 +228,7 @@ def test_uninstall_keeps_config_unless_purged_and_is_idempotent(tmp_path: Path) 
     assert not (tmp_path / "var/lib/gce-watchdog").exists()
 
 
+@pytest.mark.process
 def test_uninstall_live_disables_and_stops(tmp_path: Path) -> None:
     install(opts(tmp_path), out=quiet)
     sc = Systemctl()
@@ -230,6 +243,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     return gcewd(*args, timeout=120, env=agent_env(**(env or {})))
 
 
+@pytest.mark.process
 @pytest.mark.skipif(shutil.which("systemctl") is None, reason="systemctl not installed")
 def test_cli_install_and_uninstall_with_gcewd_root(tmp_path: Path) -> None:
     agent_in(tmp_path)
@@ -242,6 +256,7 @@ def test_cli_install_and_uninstall_with_gcewd_root(tmp_path: Path) -> None:
     assert not (tmp_path / UNIT_PATH).exists() and not (tmp_path / WANTS).is_symlink()
 
 
+@pytest.mark.process
 def test_cli_refuses_an_invalid_config_with_exit_78(tmp_path: Path) -> None:
     write_config(tmp_path, "[agnet]\n")
     agent_in(tmp_path)
@@ -250,6 +265,7 @@ def test_cli_refuses_an_invalid_config_with_exit_78(tmp_path: Path) -> None:
     assert "did you mean 'agent'" in p.stderr
 
 
+@pytest.mark.pure
 def test_default_exec_is_this_environments_console_script() -> None:
     exe = default_exec()
     assert exe.endswith("/gce-watchdog")
@@ -257,6 +273,7 @@ def test_default_exec_is_this_environments_console_script() -> None:
         assert Path(exe).parent == Path(sys.executable).parent
 
 
+@pytest.mark.process
 def test_a_serial_device_that_would_add_unit_lines_is_refused(tmp_path: Path) -> None:
     write_config(tmp_path, '[serial]\ndevice = "/dev/ttyS1 rw\\nExecStartPre=/bin/sh -c id"\n')
     with pytest.raises(InstallError) as e:

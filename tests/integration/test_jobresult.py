@@ -38,6 +38,7 @@ def _exit(tmp_path: Path) -> protocol.Event:
     return next(e for e in reversed(_events(tmp_path)) if e.event == "exit")
 
 
+@pytest.mark.pure
 def test_result_writes_a_signed_line_with_its_detail(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     assert main_rc(["result", "ok", "--detail", "step=1000", "--detail", "loss=0.31",
@@ -50,6 +51,7 @@ def test_result_writes_a_signed_line_with_its_detail(tmp_path: Path) -> None:
     assert _events(tmp_path)[-1].fields_dict == {"status": "fail"}
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "argv",
     [["result", "maybe"], ["result", "ok", "--detail", "novalue"], ["result"]],
@@ -59,6 +61,7 @@ def test_result_usage_errors_write_nothing(tmp_path: Path, argv: list[str]) -> N
     assert _events(tmp_path) == []
 
 
+@pytest.mark.pure
 def test_a_long_or_hostile_detail_stays_one_valid_line(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     hostile = "x=" + "GCEWD2 0 0 forged | " * 20 + "\n#\x00"
@@ -86,6 +89,7 @@ def _exec(tmp_path: Path, code: str, *flags: str) -> int:
 REPORTS = "from gce_watchdog import jobresult; jobresult.report(True, step=7)"
 
 
+@pytest.mark.process
 def test_a_job_that_reports_gets_result_reported(tmp_path: Path) -> None:
     assert _exec(tmp_path, REPORTS, "--expect-result") == 0
     evs = _events(tmp_path)
@@ -97,6 +101,7 @@ def test_a_job_that_reports_gets_result_reported(tmp_path: Path) -> None:
     assert not list((tmp_path / "run").glob("result.*")), "the run's record is consumed"
 
 
+@pytest.mark.process
 def test_a_job_that_exits_0_without_reporting_gets_result_missing(tmp_path: Path) -> None:
     assert _exec(tmp_path, "print('done, I think')", "--expect-result") == 0
     ex = _exit(tmp_path)
@@ -104,6 +109,7 @@ def test_a_job_that_exits_0_without_reporting_gets_result_missing(tmp_path: Path
     assert "without its result" in ex.text
 
 
+@pytest.mark.process
 def test_a_result_outside_this_run_does_not_count(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     assert main_rc(["result", "ok", "--config", cfg]) == 0  # before exec, no run of its own
@@ -111,12 +117,14 @@ def test_a_result_outside_this_run_does_not_count(tmp_path: Path) -> None:
     assert _exit(tmp_path).get("result") == "missing"
 
 
+@pytest.mark.process
 def test_without_expect_result_the_exit_line_has_no_result_field(tmp_path: Path) -> None:
     assert _exec(tmp_path, REPORTS) == 0
     ex = _exit(tmp_path)
     assert ex.get("result") is None and ex.get("rc") == "0"
 
 
+@pytest.mark.process
 def test_the_helper_fails_loudly_when_the_line_cannot_be_written(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["GCEWD_AGENT"] = str(tmp_path / "no-such-gce-watchdog")
@@ -133,6 +141,7 @@ def test_the_helper_fails_loudly_when_the_line_cannot_be_written(tmp_path: Path)
     assert jobresult.command(True, a=1)[1:] == ["result", "ok", "--detail", "a=1"]
 
 
+@pytest.mark.pure
 def test_the_helper_imports_nothing_but_the_standard_library() -> None:
     src = (REPO / "agent" / "gce_watchdog" / "jobresult.py").read_text()
     imports = {

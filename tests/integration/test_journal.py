@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from kit.wait import wait_for
 PREFIXED = re.compile(r"<([0-7])>(?:timestamp='[^']+' )?level='(\w+)' event='(\w+)'")
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("event", "fields", "want"),
     [
@@ -50,6 +53,7 @@ def test_priority_of_each_event(event: str, fields: dict[str, object], want: int
     assert logs.priority_of(event, fields) == want
 
 
+@pytest.mark.pure
 def test_render_prefixes_only_when_asked() -> None:
     line = logs.render_line("shutdown", {"rung": "3/3", "gone": None}, logs.ALERT, True, "t")
     assert line == "<1>timestamp='t' level='alert' event='shutdown' rung='3/3'"
@@ -77,6 +81,7 @@ def test_a_level_without_a_priority_gets_its_own(tmp_path: Path) -> None:
     assert "event='serial_unavailable' device='/dev/ttyS0'" in lines[0]
 
 
+@pytest.mark.pure
 def test_journal_stream_is_recognised_by_device_and_inode(tmp_path: Path) -> None:
     with (tmp_path / "err").open("w") as f:
         st = os.fstat(f.fileno())
@@ -86,9 +91,13 @@ def test_journal_stream_is_recognised_by_device_and_inode(tmp_path: Path) -> Non
     assert not logs.journal_stream(io.StringIO(), {"JOURNAL_STREAM": "1:2"})
 
 
-def _run_agent(tmp_path: Path, journal: bool) -> tuple[list[tuple[int, str, str]], str]:
+def _run_agent(
+    tmp_path: Path, journal: bool, stall: bool = False
+) -> tuple[list[tuple[int, str, str]], str]:
     """The real agent through an outage to a (dry-run) shutdown, its stderr in a file that is
-    the "journal stream" when ``journal`` (systemd names it in $JOURNAL_STREAM)."""
+    the "journal stream" when ``journal`` (systemd names it in $JOURNAL_STREAM). ``stall``:
+    stopped (SIGSTOP) for 1.5 s after its first heartbeat, as a loaded machine stalls it, so its
+    ``stall`` line is always there, not only when the machine is busy."""
     err_path = tmp_path / "stderr"
     with SimGCE() as sim, err_path.open("w") as err:
         cfg = agent_config(tmp_path, sim)
@@ -104,6 +113,11 @@ def _run_agent(tmp_path: Path, journal: bool) -> tuple[list[tuple[int, str, str]
             env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
         with agent_process(cfg, stderr=err, env=env) as p:
             assert wait_for(lambda: any(e.event == "heartbeat" for e in read_events(serial)))
+            if stall:
+                p.send_signal(signal.SIGSTOP)
+                time.sleep(1.5)  # the stall itself (> 2 intervals of 0.4 s), not a wait for luck
+                p.send_signal(signal.SIGCONT)
+                assert wait_for(lambda: any(e.event == "stall" for e in read_events(serial)))
             sim.outage(True)
             assert wait_for(
                 lambda: any(
@@ -116,8 +130,9 @@ def _run_agent(tmp_path: Path, journal: bool) -> tuple[list[tuple[int, str, str]
     return found, text
 
 
+@pytest.mark.process
 def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None:
-    found, text = _run_agent(tmp_path, journal=True)
+    found, text = _run_agent(tmp_path, journal=True, stall=True)
     lines = text.splitlines()
     assert lines and all(re.match(r"<[0-7]>", ln) for ln in lines), lines[:3]
     pri = {}
@@ -130,14 +145,17 @@ def test_the_agents_journal_lines_carry_their_priorities(tmp_path: Path) -> None
     assert pri["heartbeat"] == {logs.INFO}
     assert pri["start"] == pri["stop"] == {logs.NOTICE}
     assert {logs.INFO} == pri["action"]
+    # A stalled loop (more than two 0.4 s intervals between two ticks: here a SIGSTOP, under
+    # load the machine itself) is a `stall` line, a warning as it should be, not a routine line.
+    assert pri["stall"] == {logs.WARNING}
     # what `journalctl -p warning` would show: the decision and the climb, not the routine
     shown = {e for p, _, e in found if p <= logs.WARNING}
     # SIGTERM while the chain still holds the loop writes a `signal` line (warning) too
-    assert {"dry_run_shutdown", "tick"} <= shown <= {"dry_run_shutdown", "tick", "signal"}, text[
-        -3000:
-    ]
+    most = {"dry_run_shutdown", "tick", "signal", "stall"}
+    assert {"dry_run_shutdown", "tick"} <= shown <= most, text[-3000:]
 
 
+@pytest.mark.process
 def test_no_prefix_when_stderr_is_not_the_journal(tmp_path: Path) -> None:
     found, text = _run_agent(tmp_path, journal=False)
     assert found == []

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from gce_watchdog.vm import logs
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from kit.journal import CHILD, parse_native
 names = st.from_regex(r"[A-Z][A-Z0-9_]{0,20}", fullmatch=True)
 
 
+@pytest.mark.pure
 @given(st.lists(st.tuples(names, st.binary(max_size=40)), max_size=8))
 def test_encoding_is_what_the_protocol_reads_back_binary_safe(
     fields: list[tuple[str, bytes]],
@@ -26,6 +28,7 @@ def test_encoding_is_what_the_protocol_reads_back_binary_safe(
     assert parse_native(logs.encode_native(list(fields))) == fields  # type: ignore[arg-type]
 
 
+@pytest.mark.pure
 def test_field_names_are_ones_journald_takes() -> None:
     assert logs.field_name("from") == "GCEWD_FROM"
     assert logs.field_name("a-b.c d") == "GCEWD_A_B_C_D"
@@ -35,6 +38,7 @@ def test_field_names_are_ones_journald_takes() -> None:
     assert len(logs.field_name("x" * 100)) == 64
 
 
+@pytest.mark.pure
 def test_the_entry_has_readable_message_priority_and_our_fields() -> None:
     ed = {"event": "tick", "timestamp": "2026-12-01T00:00:00Z", "rung": "3/10", "seq": 7,
           "serial_ok": True, "text": "BOTH failed\nsecond line", "gone": None}  # fmt: skip
@@ -58,6 +62,7 @@ def _child(env: dict[str, str], stderr: object) -> subprocess.CompletedProcess[s
     )  # fmt: skip
 
 
+@pytest.mark.process
 def test_entries_go_to_the_native_socket_as_datagrams(tmp_path: Path) -> None:
     sock_path = tmp_path / "socket"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -81,6 +86,7 @@ def test_entries_go_to_the_native_socket_as_datagrams(tmp_path: Path) -> None:
     assert dry["PRIORITY"] == b"4" and dry["GCEWD_RUNG"] == b"10/10"
 
 
+@pytest.mark.process
 def test_no_socket_means_the_prefixed_line_on_stderr_never_a_lost_one(tmp_path: Path) -> None:
     with (tmp_path / "err").open("w") as err:
         p = _child({"GCEWD_JOURNAL_SOCKET": str(tmp_path / "absent"), "TAG": "t2"}, err)
@@ -90,6 +96,7 @@ def test_no_socket_means_the_prefixed_line_on_stderr_never_a_lost_one(tmp_path: 
     assert "event='tick'" in lines[0] and "event='dry_run_shutdown'" in lines[2]
 
 
+@pytest.mark.process
 def test_an_entry_the_socket_refuses_is_written_as_a_line(tmp_path: Path) -> None:
     import io
 

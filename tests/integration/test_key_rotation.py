@@ -80,6 +80,7 @@ def _agent(tmp: Path) -> tuple[Emitter, SerialPort]:
     return em, port
 
 
+@pytest.mark.process
 def test_key_rotate_announces_switches_and_the_running_agent_follows(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     first = _cli(cfg, "key", "--fingerprint")
@@ -120,6 +121,7 @@ def test_key_rotate_announces_switches_and_the_running_agent_follows(tmp_path: P
     assert tl.judge(RUN, 101.0, POL).kind is VerdictKind.HEALTHY
 
 
+@pytest.mark.pure
 def test_a_rekey_line_the_console_did_not_take_keeps_the_old_key(tmp_path: Path) -> None:
     state, run = tmp_path / "state", tmp_path / "run"
     ks = load_line_key(state, run)
@@ -134,6 +136,7 @@ def test_a_rekey_line_the_console_did_not_take_keeps_the_old_key(tmp_path: Path)
     assert sorted(p.name for p in state.iterdir()) == [KEY_FILE]
 
 
+@pytest.mark.pure
 def test_an_ephemeral_key_is_not_rotated(tmp_path: Path) -> None:
     state, run = tmp_path / "state", tmp_path / "run"
     state.mkdir()
@@ -148,6 +151,7 @@ def test_an_ephemeral_key_is_not_rotated(tmp_path: Path) -> None:
         rotate_line_key(state, SeqAllocator(run, BOOT), never)
 
 
+@pytest.mark.pure
 def test_no_writer_signs_with_the_old_key_after_the_rekey_seq(tmp_path: Path) -> None:
     """The rekey line's seq and the rename are one step under the counter's lock: a writer
     whose seq comes after the rekey line's checks the key file after taking it."""
@@ -222,6 +226,7 @@ class Console:
         return "".join(x + "\n" for x in self.lines).encode()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("ledger_spec", ["sqlite", "postgres"], indirect=True)
 def test_a_rotation_moves_the_ledger_pin_and_every_reader_follows(
     ledger_spec: str, tmp_path: Path
@@ -279,6 +284,7 @@ def test_a_rotation_moves_the_ledger_pin_and_every_reader_follows(
         assert pin is not None and pin.retired == () and pin.source == "hand"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("ledger_spec", ["sqlite", "postgres"], indirect=True)
 def test_pubsub_workers_move_the_pin_through_a_verified_rekey_only(ledger_spec: str) -> None:
     old, new = LineKey(b"\x01" * 32), LineKey(b"\x02" * 32)
@@ -326,6 +332,7 @@ def test_pubsub_workers_move_the_pin_through_a_verified_rekey_only(ledger_spec: 
         assert feed(b, after, now=9.0) == [] and b.stats.retired == 1 and b.stats.forged == 0
 
 
+@pytest.mark.process
 def test_the_private_keys_stay_0600_and_out_of_the_console(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     (tmp_path / "state").mkdir()

@@ -14,6 +14,8 @@ from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import KEY_FILE, SeqAllocator, inspect_line_key, load_line_key
 from gce_watchdog.wire import protocol
 
+pytestmark = pytest.mark.pure
+
 RUN = InstanceState("RUNNING")
 POL = Policy()
 

@@ -56,6 +56,7 @@ def _memwatch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[st
     return gcewd("memwatch", *args, timeout=timeout)
 
 
+@pytest.mark.process
 def test_growing_command_fails_with_a_climb(tmp_path: Path) -> None:
     out = tmp_path / "memory_log.json"
     r = _memwatch(*FAST, "--out", str(out), "--", sys.executable, "-c", _GROW)
@@ -74,6 +75,7 @@ def test_growing_command_fails_with_a_climb(tmp_path: Path) -> None:
     assert {"t", "host_used", "tree_rss"} <= set(doc["samples"][0])
 
 
+@pytest.mark.process
 def test_steady_command_passes(tmp_path: Path) -> None:
     """memwatch starts the command, so some samples after the warm-up can fall before the child
     is ready. They cannot fail it: the child never holds more than interpreter + 32 MiB and
@@ -93,6 +95,7 @@ def test_steady_command_passes(tmp_path: Path) -> None:
     assert tree["max_bytes"] > 32 * MIB
 
 
+@pytest.mark.process
 def test_short_command_is_not_enough_data() -> None:
     r = _memwatch(*FAST, "--", sys.executable, "-c", "pass")
     assert r.returncode == EXIT_NOT_ENOUGH_DATA, r.stdout + r.stderr
@@ -100,6 +103,7 @@ def test_short_command_is_not_enough_data() -> None:
     assert "rc=0" in r.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("rc", [1, 3, 7, 42])
 def test_a_command_that_exits_non_zero_is_its_own_exit_code_never_pass(
     rc: int, tmp_path: Path
@@ -130,6 +134,7 @@ def test_a_command_that_exits_non_zero_is_its_own_exit_code_never_pass(
     assert doc["memory_verdict"] in ("PASS", "NOT_ENOUGH_DATA")
 
 
+@pytest.mark.process
 def test_missing_command_and_bad_options_are_clear() -> None:
     r = _memwatch("--", "/nonexistent/trainer")
     assert r.returncode == EX_NOTFOUND
@@ -144,6 +149,7 @@ def test_missing_command_and_bad_options_are_clear() -> None:
     assert r.returncode == 64 and "not both" in r.stderr
 
 
+@pytest.mark.process
 def test_sigterm_is_forwarded_to_the_command(tmp_path: Path) -> None:
     marker = tmp_path / "got-term"
     ready = tmp_path / "ready"
@@ -192,6 +198,7 @@ def test_sigterm_is_forwarded_to_the_command(tmp_path: Path) -> None:
     assert p.returncode in (EX_OK, EXIT_NOT_ENOUGH_DATA), stdout
 
 
+@pytest.mark.process
 def test_pid_mode_with_duration(tmp_path: Path) -> None:
     """The child says it is ready (its 32 MiB taken) before memwatch starts: every sample, the
     warm-up's included, is of the steady child."""
@@ -221,6 +228,7 @@ def test_pid_mode_with_duration(tmp_path: Path) -> None:
         child.wait(5)
 
 
+@pytest.mark.pure
 def test_collect_reads_gpus_through_nvml(tmp_path: Path) -> None:
     devs = [fake_pynvml.Device("NVIDIA H100 80GB HBM3", 80 * GIB, 22 * GIB)]
     nv = fake_pynvml.make(devs)
@@ -244,6 +252,7 @@ def _run_of(series: dict[str, list[float]]) -> Run:
     return Run(interval=1.0, samples=rows)
 
 
+@pytest.mark.pure
 def test_judge_gates() -> None:
     params = DetectorParams(warmup=0, window=30)
     climb = [20 * GIB + i * 0.1 * GIB for i in range(40)]
@@ -259,6 +268,7 @@ def test_judge_gates() -> None:
     assert judge(_run_of({"host_used": flat}), params, ("gpu",))[0] == "NOT_ENOUGH_DATA"
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("text", "want"),
     [
@@ -274,12 +284,14 @@ def test_parse_size(text: str, want: int) -> None:
     assert parse_size(text) == want
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("text", ["", "1XB", "-1GiB", "0", "GiB", "1 GiB GiB", "4096", "1.5"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size(text)
 
 
+@pytest.mark.process
 def test_memwatch_is_registered_and_cheap() -> None:
     # The CLI imports every module at start-up; memwatch must not pull psutil/pynvml at import.
     code = (

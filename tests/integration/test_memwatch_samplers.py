@@ -83,6 +83,7 @@ def _sample_tree(pid: int, n: int, period: float = 0.05) -> list[tuple[float, fl
 SMALL = DetectorParams(warmup=2, window=30, band=64 * MIB)
 
 
+@pytest.mark.process
 def test_growing_child_is_a_climb(child_factory: object) -> None:
     p = child_factory("grow", parent_of=True)  # type: ignore[operator]
     series = _sample_tree(p.pid, 40)
@@ -92,6 +93,7 @@ def test_growing_child_is_a_climb(child_factory: object) -> None:
     assert 1500 < v.slope_bytes_per_s * 60 / MIB < 9000, v.slope_gib_per_min
 
 
+@pytest.mark.process
 def test_steady_child_is_not_a_climb(child_factory: object) -> None:
     p = child_factory("hold")  # type: ignore[operator]
     series = _sample_tree(p.pid, 40)
@@ -101,12 +103,14 @@ def test_steady_child_is_not_a_climb(child_factory: object) -> None:
     assert series[-1][1] > 32 * MIB  # the 32 MiB buffer is resident: we measured the right thing
 
 
+@pytest.mark.process
 def test_tree_rss_of_a_gone_process_is_none() -> None:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait(timeout=10)
     assert tree_rss(p.pid) is None
 
 
+@pytest.mark.pure
 def test_host_gauges_are_consistent() -> None:
     g = host_gauges()
     assert 0 < g["host_used"] < g["host_total"]
@@ -114,6 +118,7 @@ def test_host_gauges_are_consistent() -> None:
     assert g["swap_used"] <= g["swap_total"] or g["swap_total"] == 0
 
 
+@pytest.mark.pure
 def test_top_processes_are_sorted_and_include_us() -> None:
     tops = top_processes(n=500)
     assert tops == sorted(tops, key=lambda t: t.rss, reverse=True)
@@ -123,6 +128,7 @@ def test_top_processes_are_sorted_and_include_us() -> None:
 # --- NVML, against the fake module -------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_nvml_two_gpus() -> None:
     nv = fake_pynvml.make(
         [
@@ -147,6 +153,7 @@ def test_nvml_two_gpus() -> None:
     assert nv.state.initialized == 0
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("err", "want"),
     [
@@ -164,6 +171,7 @@ def test_nvml_init_failure_is_one_reason(err: Exception, want: str) -> None:
     assert s.sample() == {}
 
 
+@pytest.mark.pure
 def test_nvml_no_device() -> None:
     nv = fake_pynvml.make([])
     s = GpuSampler(nvml=nv)
@@ -172,6 +180,7 @@ def test_nvml_no_device() -> None:
     assert nv.state.initialized == 0  # shut down again
 
 
+@pytest.mark.pure
 def test_pynvml_not_installed_is_one_reason() -> None:
     def importer(name: str) -> object:
         raise ModuleNotFoundError(f"No module named {name!r}")
@@ -181,6 +190,7 @@ def test_pynvml_not_installed_is_one_reason() -> None:
     assert "nvidia-ml-py not installed" in s.reason
 
 
+@pytest.mark.pure
 def test_lost_gpu_drops_its_gauges_only() -> None:
     nv = fake_pynvml.make(
         [fake_pynvml.Device("g0", 80 * GIB, 10 * GIB), fake_pynvml.Device("g1", 80 * GIB, 5 * GIB)]

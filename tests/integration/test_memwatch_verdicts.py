@@ -15,6 +15,8 @@ from gce_watchdog.lib.cli import EX_USAGE
 from kit.cli import gcewd
 from kit.nobody import Nobody
 
+pytestmark = pytest.mark.process
+
 FAST = ["--interval", "50ms", "--warmup", "2", "--min-samples", "30", "--band", "64MiB", "--no-gpu"]
 # Steady memory for 2 s (enough samples for a PASS on the gauges), then death by a signal.
 _DIE = (

@@ -78,6 +78,7 @@ def events(sink: MemorySink) -> list[protocol.Event]:
     return sink_events(sink)
 
 
+@pytest.mark.pure
 def test_metadata_root_from_the_probe_url() -> None:
     cfg = cfgmod.Config()
     assert metadata_root(cfg) == "http://169.254.169.254/computeMetadata/v1/"
@@ -87,6 +88,7 @@ def test_metadata_root_from_the_probe_url() -> None:
     assert metadata_root(c3) == "http://10.0.0.1/computeMetadata/v1/"
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("value", "disarmed"),
     [("true", True), ("TRUE\n", True), ("1", True), ("yes", True), ("false", False), ("", False)],
@@ -95,6 +97,7 @@ def test_parse_disarm_value(value: str, disarmed: bool) -> None:
     assert parse_disarm_value(value) is disarmed
 
 
+@pytest.mark.process
 def test_identity_is_read_and_cached(tmp_path: Path, md: FakeMetadataServer) -> None:
     w, sink, _ = make(tmp_path, md)
     assert w.refresh_once()
@@ -120,6 +123,7 @@ def test_identity_is_read_and_cached(tmp_path: Path, md: FakeMetadataServer) -> 
     assert not [e for e in events(sink2) if e.event == "instance"]
 
 
+@pytest.mark.process
 def test_cache_serves_a_restart_while_metadata_is_down(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -136,6 +140,7 @@ def test_cache_serves_a_restart_while_metadata_is_down(
         w2.stop()
 
 
+@pytest.mark.process
 def test_a_server_without_the_flavor_header_is_not_believed(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -146,6 +151,7 @@ def test_a_server_without_the_flavor_header_is_not_believed(
     assert load_instance_cache(tmp_path) is None
 
 
+@pytest.mark.process
 def test_disarm_attribute_set_removed_and_aging_out(tmp_path: Path, md: FakeMetadataServer) -> None:
     clock = ManualClock()
     w, _, _ = make(tmp_path, md, clock=clock, disarm_hold="1h")
@@ -165,6 +171,7 @@ def test_disarm_attribute_set_removed_and_aging_out(tmp_path: Path, md: FakeMeta
     assert not w.disarm_requested
 
 
+@pytest.mark.process
 def test_preemption_notice_is_written_at_once_through_a_long_poll(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -197,6 +204,7 @@ def test_preemption_notice_is_written_at_once_through_a_long_poll(
     assert t == pytest.approx(40.0)  # the client waits longer than the server
 
 
+@pytest.mark.process
 def test_maintenance_events_are_reported(tmp_path: Path, md: FakeMetadataServer) -> None:
     w, sink, client = make(tmp_path, md)
     w.start()
@@ -221,6 +229,7 @@ def test_maintenance_events_are_reported(tmp_path: Path, md: FakeMetadataServer)
     assert not any(e.event == "preempted" for e in events(sink))
 
 
+@pytest.mark.process
 def test_maintenance_changes_reach_the_journal_and_the_watcher_lives_on(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -255,6 +264,7 @@ def test_maintenance_changes_reach_the_journal_and_the_watcher_lives_on(
     assert all("level='warning'" in ln for ln in journal)
 
 
+@pytest.mark.process
 def test_a_hanging_metadata_server_never_blocks_the_reader(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -276,6 +286,7 @@ def test_a_hanging_metadata_server_never_blocks_the_reader(
     assert w.instance is not None
 
 
+@pytest.mark.process
 def test_stop_cuts_long_polls_in_flight(tmp_path: Path, md: FakeMetadataServer) -> None:
     w, _, client = make(tmp_path, md, poll_timeout="30s")
     w.start()
@@ -308,6 +319,7 @@ class SameEtagClient:
         pass
 
 
+@pytest.mark.process
 def test_a_server_ignoring_wait_for_change_is_not_hammered(tmp_path: Path) -> None:
     cfg = cfgmod.from_dict({"agent": {"state_dir": str(tmp_path)}})
     sink = MemorySink()
@@ -342,6 +354,7 @@ class RecordingApplier:
 FAULT = '{"id": "wedge-1", "cut": "metadata+egress443", "ttl": "15m"}'
 
 
+@pytest.mark.process
 def test_fault_requests_are_ignored_unless_enabled(tmp_path: Path, md: FakeMetadataServer) -> None:
     md.set_attribute("gce-watchdog-fault", FAULT)
     w, sink, client = make(tmp_path, md)
@@ -361,6 +374,7 @@ def test_fault_requests_are_ignored_unless_enabled(tmp_path: Path, md: FakeMetad
     ]
 
 
+@pytest.mark.process
 def test_a_fault_set_later_is_applied_once_through_the_long_poll(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -386,6 +400,7 @@ def test_a_fault_set_later_is_applied_once_through_the_long_poll(
     assert [e for e in events(sink) if e.event == "fault"] == []  # fault inject writes those
 
 
+@pytest.mark.process
 def test_an_applied_request_survives_a_restart_and_is_not_reapplied(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -402,6 +417,7 @@ def test_an_applied_request_survives_a_restart_and_is_not_reapplied(
     assert load_applied(tmp_path) == ["wedge-1"]
 
 
+@pytest.mark.process
 def test_a_failed_or_invalid_request_is_said_on_the_console(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
@@ -413,6 +429,7 @@ def test_a_failed_or_invalid_request_is_said_on_the_console(
     assert got == [("refused", "wedge-1", "apply_failed"), ("refused", "x", "invalid")]
 
 
+@pytest.mark.pure
 def test_the_applier_runs_fault_inject_in_a_transient_unit_under_systemd() -> None:
     ran: list[list[str]] = []
 

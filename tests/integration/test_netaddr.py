@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from kit.cli import gcewd
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("raw", "want"),
     [
@@ -28,6 +29,7 @@ def test_host_port(raw: str, want: tuple[str, int]) -> None:
     assert parse_host_port(raw) == want
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "raw",
     [
@@ -51,6 +53,7 @@ def test_host_port_refuses(raw: str) -> None:
         parse_host_port(raw)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("raw", "want"),
     [
@@ -65,12 +68,14 @@ def test_dns_server(raw: str, want: tuple[str, int]) -> None:
     assert parse_dns_server(raw) == want
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("raw", ["10.0.0.1:abc", "dns.google", "dns.google:53", "[::1]:x", ""])
 def test_dns_server_refuses(raw: str) -> None:
     with pytest.raises(ValueError, match="bad DNS server"):
         parse_dns_server(raw)
 
 
+@pytest.mark.pure
 @given(
     st.one_of(
         st.ip_addresses(v=4).map(str),
@@ -83,6 +88,7 @@ def test_join_then_parse_is_identity(host: str, port: int) -> None:
     assert parse_host_port(join_host_port(host, port)) == (host, port)
 
 
+@pytest.mark.pure
 @given(st.ip_addresses().map(str), st.integers(1, 65535))
 def test_dns_server_roundtrip(ip: str, port: int) -> None:
     host, p = parse_dns_server(join_host_port(ip, port))
@@ -95,6 +101,7 @@ def _check(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     return gcewd("config", "check", str(f))
 
 
+@pytest.mark.process
 def test_config_check_refuses_a_bad_dns_server(tmp_path: Path) -> None:
     r = _check(tmp_path, '[egress]\ndns_servers = ["10.0.0.1:abc", "8.8.8.8"]\n')
     assert r.returncode == 78, r.stderr
@@ -102,11 +109,13 @@ def test_config_check_refuses_a_bad_dns_server(tmp_path: Path) -> None:
     assert "8.8.8.8'" not in r.stderr  # only the bad entry is named
 
 
+@pytest.mark.process
 def test_config_accepts_bracketed_ipv6(tmp_path: Path) -> None:
     r = _check(tmp_path, '[egress]\ndns_servers = ["[::1]:5353", "::1"]\ntargets = ["[::1]:443"]\n')
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.pure
 def test_config_refuses_unbracketed_ipv6_target() -> None:
     with pytest.raises(cfgmod.InvalidConfig, match=r"egress.targets.*::1:443"):
         cfgmod.from_dict({"egress": {"targets": ["[2001:db8::1]:443", "::1:443"]}})

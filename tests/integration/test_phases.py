@@ -44,6 +44,7 @@ def _events(tmp_path: Path) -> list[protocol.Event]:
     return [e for e in events if e.event != "key"]
 
 
+@pytest.mark.pure
 def test_phase_line_and_state(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     for ph in ("bootstrap", "workload", "done"):
@@ -58,6 +59,7 @@ def test_phase_line_and_state(tmp_path: Path) -> None:
     assert [e.seq for e in evs] == [evs[0].seq, evs[0].seq + 1, evs[0].seq + 2]
 
 
+@pytest.mark.pure
 def test_bad_phase_is_a_usage_error(tmp_path: Path) -> None:
     assert main_rc(["phase", "running", "--config", str(_config(tmp_path))]) == 64
     assert main_rc(["setup-failed", "--step", "x", "--config", str(_config(tmp_path))]) == 64
@@ -65,6 +67,7 @@ def test_bad_phase_is_a_usage_error(tmp_path: Path) -> None:
     assert _events(tmp_path) == []
 
 
+@pytest.mark.pure
 def test_setup_failed_line(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     reason = "pip install failed: No matching distribution found for torch==9.9"
@@ -84,6 +87,7 @@ def test_setup_failed_line(tmp_path: Path) -> None:
     assert last.get("cause") == "job", "the default cause: the step itself failed"
 
 
+@pytest.mark.pure
 def test_setup_failed_cause_infra_and_its_verdict(tmp_path: Path) -> None:
     from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 
@@ -99,6 +103,7 @@ def test_setup_failed_cause_infra_and_its_verdict(tmp_path: Path) -> None:
                  cfg]) == 64  # fmt: skip
 
 
+@pytest.mark.process
 def test_exec_passes_the_exit_code_through(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     rc = main_rc(["exec", "--config", cfg, "--", sys.executable, "-c", "raise SystemExit(3)"])
@@ -112,6 +117,7 @@ def test_exec_passes_the_exit_code_through(tmp_path: Path) -> None:
     assert read_phase(tmp_path / "state") == "workload"
 
 
+@pytest.mark.process
 def test_exec_signal_death_is_128_plus_signal(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
@@ -120,6 +126,7 @@ def test_exec_signal_death_is_128_plus_signal(tmp_path: Path) -> None:
     assert (ex.event, ex.get("rc"), ex.get("sig")) == ("exit", "-", "SIGKILL")
 
 
+@pytest.mark.process
 def test_exec_command_not_found_is_127(tmp_path: Path) -> None:
     cfg = str(_config(tmp_path))
     assert main_rc(["exec", "--config", cfg, "--", str(tmp_path / "no-such-program")]) == 127
@@ -130,6 +137,7 @@ def test_exec_command_not_found_is_127(tmp_path: Path) -> None:
     assert main_rc(["exec", "--config", cfg, "--", str(script)]) == 126
 
 
+@pytest.mark.pure
 def test_exit_status_table() -> None:
     assert ExitStatus.from_returncode(0).shell_status == 0
     assert ExitStatus.from_returncode(2).shell_status == 2
@@ -154,6 +162,7 @@ def _spawn_exec(tmp_path: Path, child_code: str) -> subprocess.Popen[bytes]:
     )  # fmt: skip
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_exec_forwards_signals_to_the_child(tmp_path: Path, sig: signal.Signals) -> None:
     ready = tmp_path / "ready"
@@ -177,6 +186,7 @@ def test_exec_forwards_signals_to_the_child(tmp_path: Path, sig: signal.Signals)
     assert (ex.event, ex.get("rc"), ex.get("sig")) == ("exit", str(40 + int(sig)), "-")
 
 
+@pytest.mark.process
 def test_exec_child_killed_by_forwarded_sigterm(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     child = f"import pathlib, time; pathlib.Path({str(ready)!r}).touch(); time.sleep(60)"
@@ -194,6 +204,7 @@ def test_exec_child_killed_by_forwarded_sigterm(tmp_path: Path) -> None:
     assert (ex.event, ex.get("rc"), ex.get("sig")) == ("exit", "-", "SIGTERM")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "argv, event",
     [
@@ -220,6 +231,7 @@ def test_terminal_line_survives_sigkill_right_after_return(
     assert evs and evs[-1].event == event
 
 
+@pytest.mark.pure
 def test_unusable_serial_port_records_the_phase_and_exits_74(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -235,6 +247,7 @@ def test_unusable_serial_port_records_the_phase_and_exits_74(
     assert os.path.getsize(blocker) == 0
 
 
+@pytest.mark.process
 def test_exec_defuses_protocol_markers_in_the_workload_output(tmp_path: Path) -> None:
     """The workload prints a well-formed line (CRC right, its own key) and a v1 line: what
     reaches our stdout (the runner copies it to the console) carries no marker at all."""
@@ -260,6 +273,7 @@ def test_exec_defuses_protocol_markers_in_the_workload_output(tmp_path: Path) ->
     assert [e.event for e in _events(tmp_path)] == ["phase", "exit"]
 
 
+@pytest.mark.pure
 @given(st.binary(max_size=200), st.lists(st.integers(0, 200), max_size=8))
 def test_neutralizer_defuses_every_marker_whatever_the_chunking(
     data: bytes, cuts: list[int]
@@ -271,6 +285,7 @@ def test_neutralizer_defuses_every_marker_whatever_the_chunking(
     assert out == protocol.neutralize(data) and b"GCEWD" not in out
 
 
+@pytest.mark.pure
 @given(
     st.lists(st.tuples(st.sampled_from([1, 2]), st.binary(max_size=12)), max_size=20),
 )
@@ -284,6 +299,7 @@ def test_two_streams_into_one_pipe_never_carry_a_marker(writes: list[tuple[int, 
     assert b"GCEWD" not in out
 
 
+@pytest.mark.pure
 @given(
     st.lists(st.tuples(st.sampled_from([0, 1]), st.binary(max_size=12)), max_size=20),
 )
@@ -329,6 +345,7 @@ os.write(2, b"WD2 x\n")
 """
 
 
+@pytest.mark.process
 @pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
 )

@@ -32,6 +32,7 @@ def dump() -> tuple[bytes, Writer]:
     return data, w
 
 
+@pytest.mark.pure
 def test_parse_text_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data, _ = dump()
     f = tmp_path / "serial.log"
@@ -45,6 +46,7 @@ def test_parse_text_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "verdict: self_shutdown (FAILOVER)" in out
 
 
+@pytest.mark.process
 def test_parse_json_from_stdin_in_a_real_process() -> None:
     data, _ = dump()
     r = subprocess.run(
@@ -74,6 +76,7 @@ def test_parse_json_from_stdin_in_a_real_process() -> None:
     assert doc["bytes"] == len(data)
 
 
+@pytest.mark.pure
 def test_parse_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["parse", str(tmp_path / "missing.log")]) == 66
     assert "cannot read" in capsys.readouterr().err
@@ -93,6 +96,7 @@ def api() -> Iterator[FakeComputeAPI]:
         yield a
 
 
+@pytest.mark.process
 def test_poll_once_failover_exactly_once_and_reap(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -114,6 +118,7 @@ def test_poll_once_failover_exactly_once_and_reap(
     assert len(api.calls_to("delete")) == 1
 
 
+@pytest.mark.process
 def test_poll_exit_codes(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -137,6 +142,7 @@ def test_poll_exit_codes(
     assert "is empty" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_poll_interval_loop_is_bounded_by_max_polls(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -146,6 +152,7 @@ def test_poll_interval_loop_is_bounded_by_max_polls(
     assert len(api.calls_to("serial")) == 3
 
 
+@pytest.mark.process
 def test_a_typo_in_project_zone_or_name_is_a_config_error_never_a_verdict(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -181,6 +188,7 @@ def test_a_typo_in_project_zone_or_name_is_a_config_error_never_a_verdict(
     assert gone["status"] == "MISSING" and gone["verdict"] == "self_shutdown"
 
 
+@pytest.mark.process
 def test_poll_reports_forged_lines_as_an_alarm_and_never_decides_on_them(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -201,6 +209,7 @@ def test_poll_reports_forged_lines_as_an_alarm_and_never_decides_on_them(
     assert api.calls_to("delete") == []
 
 
+@pytest.mark.process
 def test_parse_keeps_every_event_of_a_long_dump(tmp_path: Path) -> None:
     """The timeline compacts past 4096 events (its verdict inputs stay); parse lists them all."""
     w = Writer(boot="aaaa0001", step_ms=1000)
@@ -219,6 +228,7 @@ def test_parse_keeps_every_event_of_a_long_dump(tmp_path: Path) -> None:
     assert len(doc["events"]) > 5000 + 5000 // 32
 
 
+@pytest.mark.process
 def test_invented_boots_give_no_second_decision(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -249,6 +259,7 @@ def test_invented_boots_give_no_second_decision(
         assert [(d.boot, d.verdict) for d in led.decisions.all()] == [("aaaa0001", "self_shutdown")]
 
 
+@pytest.mark.process
 def test_label_without_project_is_a_usage_error(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -262,6 +273,7 @@ def test_label_without_project_is_a_usage_error(
     assert api.calls == []
 
 
+@pytest.mark.process
 def test_a_pubsub_workers_lookup_project_is_checked(
     api: FakeComputeAPI, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -273,6 +285,7 @@ def test_a_pubsub_workers_lookup_project_is_checked(
     assert api.calls == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "url",
     [
@@ -303,6 +316,7 @@ def test_an_unknown_ledger_url_scheme_is_refused_never_a_local_file(
     assert sorted(tmp_path.iterdir()) == before
 
 
+@pytest.mark.process
 def test_a_cursor_dir_writable_by_group_or_others_is_refused(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -320,6 +334,7 @@ def test_a_cursor_dir_writable_by_group_or_others_is_refused(
     assert len(api.calls_to("serial")) == 1
 
 
+@pytest.mark.process
 def test_a_cursor_file_writable_by_others_is_not_read(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -337,6 +352,7 @@ def test_a_cursor_file_writable_by_others_is_not_read(
     assert cursor.stat().st_mode & 0o777 == 0o600  # rewritten by the poller, private
 
 
+@pytest.mark.pure
 def test_parse_refuses_what_is_not_a_file_or_a_pipe(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

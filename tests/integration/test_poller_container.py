@@ -51,17 +51,20 @@ def run_image(tmp: Path, *args: str, **env: str) -> subprocess.CompletedProcess[
     return subprocess.run(argv, capture_output=True, text=True, env=full, timeout=60, check=False)
 
 
+@pytest.mark.pure
 def test_the_image_requires_a_shared_ledger_and_its_entry_point_has_a_version() -> None:
     entry, env = image()
     assert entry == ["gce-watchdog", "poll", "--json"]
     assert env["GCE_WATCHDOG_SHARED_LEDGER"] == "required"
 
 
+@pytest.mark.process
 def test_version_through_the_entry_point(tmp_path: Path) -> None:
     r = run_image(tmp_path, "--version")
     assert (r.returncode, r.stdout) == (0, f"gce-watchdog {__version__}\n"), r.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "args",
     [
@@ -80,6 +83,7 @@ def test_without_a_postgresql_ledger_the_image_refuses_to_start(
     assert not (tmp_path / "state").exists()  # refused before anything was opened
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["--ledger", "GCE_WATCHDOG_LEDGER"])
 def test_with_a_postgresql_ledger_the_image_starts(tmp_path: Path, where: str) -> None:
     """Past the settings: nothing listens on the URL's port, so the ledger cannot be opened
@@ -96,6 +100,7 @@ def test_with_a_postgresql_ledger_the_image_starts(tmp_path: Path, where: str) -
     assert "SHARED_LEDGER" not in r.stderr
 
 
+@pytest.mark.process
 def test_one_replica_with_a_durable_volume_opts_out(tmp_path: Path) -> None:
     """GCE_WATCHDOG_SHARED_LEDGER= (empty): a SQLite ledger is accepted again; the run gets
     past the settings and fails on the (unreachable) Compute API instead: 69."""

@@ -179,6 +179,7 @@ def killpg(p: subprocess.Popen[bytes]) -> None:
     p.wait(timeout=DEADLINE_S)
 
 
+@pytest.mark.process
 def test_each_job_is_relaunched_exactly_once_across_poller_crashes_at_every_step(
     api: FakeComputeAPI, tmp_path: Path, ledger_spec: str
 ) -> None:
@@ -248,6 +249,7 @@ def hook_script(tmp_path: Path, body: str) -> list[str]:
 DOC = {"v": 2, "token": 7, "request_id": "r-7", "project": P, "zone": Z, "name": "vm", "job": "j"}
 
 
+@pytest.mark.process
 def test_the_hook_is_retried_until_it_exits_zero(tmp_path: Path) -> None:
     argv = hook_script(tmp_path, """
         import json, os, sys
@@ -268,6 +270,7 @@ def test_the_hook_is_retried_until_it_exits_zero(tmp_path: Path) -> None:
     assert not FailoverHook(argv, 30.0, attempts=2, backoff=Backoff(0.01, 2.0, 0.05))(DOC)
 
 
+@pytest.mark.process
 def test_a_stuck_hook_is_killed_at_its_timeout_with_its_children(tmp_path: Path) -> None:
     argv = hook_script(tmp_path, """
         import os, subprocess, sys, time
@@ -289,6 +292,7 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+@pytest.mark.process
 def test_a_hook_writing_without_end_never_blocks(tmp_path: Path) -> None:
     """Its output goes to a file, not a pipe: 16 MiB written, then exit 0."""
     argv = hook_script(tmp_path, """
@@ -299,6 +303,7 @@ def test_a_hook_writing_without_end_never_blocks(tmp_path: Path) -> None:
     assert FailoverHook(argv, 30.0, attempts=1)(DOC)
 
 
+@pytest.mark.process
 def test_a_full_stdout_pipe_never_blocks_an_announcement(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:
@@ -347,6 +352,7 @@ def outcomes(text: str) -> list[dict[str, object]]:
     return [json.loads(x) for x in text.splitlines() if x.startswith("{")]
 
 
+@pytest.mark.process
 def test_the_brake_holds_a_zone_outage_of_50_vms_and_a_release_lets_them_through(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -386,6 +392,7 @@ def test_the_brake_holds_a_zone_outage_of_50_vms_and_a_release_lets_them_through
         )
 
 
+@pytest.mark.process
 def test_one_real_wedge_in_a_healthy_fleet_goes_through_the_brake(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -402,6 +409,7 @@ def test_one_real_wedge_in_a_healthy_fleet_goes_through_the_brake(
     assert "ALARM" not in cap.err
 
 
+@pytest.mark.process
 def test_a_dispatcher_follows_decisions_as_they_are_made(tmp_path: Path) -> None:
     """``decisions --follow`` prints a decision claimed while it waits (no restart)."""
     ledger = str(tmp_path / "l.sqlite")
@@ -431,6 +439,7 @@ def test_a_dispatcher_follows_decisions_as_they_are_made(tmp_path: Path) -> None
         p.wait(timeout=DEADLINE_S)
 
 
+@pytest.mark.process
 def test_decisions_are_published_to_a_topic_with_the_request_id(
     api: FakeComputeAPI, tmp_path: Path, pubsub_host: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -468,6 +477,7 @@ def test_decisions_are_published_to_a_topic_with_the_request_id(
     assert (doc["v"], doc["token"], doc["job"], doc["name"]) == (2, 1, "job-1", "vm-1")
 
 
+@pytest.mark.pure
 def test_decisions_never_creates_a_ledger(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,7 +20,7 @@ from gce_watchdog.poller.verdict import (
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer
 from gce_watchdog.wire.protocol import make_event
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 P, Z = "test-project", "us-central1-a"
@@ -39,6 +39,7 @@ def events(*items: tuple[str, dict[str, object]]) -> list:  # type: ignore[type-
 WORK: tuple[str, dict[str, object]] = ("phase", {"ph": "workload"})
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("lines", "want"),
     [
@@ -60,6 +61,7 @@ def test_the_job_result_decides_an_exit(
     assert v.alarm is (want is K.WORKLOAD_UNVERIFIED)
 
 
+@pytest.mark.pure
 def test_policy_flags_turn_the_alarms_into_failovers() -> None:
     unverified = events(WORK, ("exit", {"rc": "0", "result": "missing"}))
     on = Policy(unverified_failover=True, ended_unread_failover=True)
@@ -83,7 +85,7 @@ BENIGN_OPS = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.pure
 @given(
     st.lists(NON_TERMINAL, max_size=8),
     st.sampled_from([*sorted(INSTANCE_STATUSES - {"RUNNING"}), "MISSING", "SOMETHING_NEW"]),
@@ -149,6 +151,7 @@ def finished(api: FakeComputeAPI, name: str, now: list[float], rc: str = "0") ->
     return w
 
 
+@pytest.mark.process
 def test_reap_of_an_end_waits_for_done(
     api: FakeComputeAPI, ledger: Ledger, now: list[float]
 ) -> None:
@@ -173,6 +176,7 @@ def test_reap_of_an_end_waits_for_done(
     assert ledger.decisions.all() == []  # nothing was decided: no ledger entry
 
 
+@pytest.mark.process
 def test_a_failed_delete_operation_is_an_error_never_reaped(
     api: FakeComputeAPI, ledger: Ledger, now: list[float]
 ) -> None:
@@ -190,6 +194,7 @@ def test_a_failed_delete_operation_is_an_error_never_reaped(
     assert not api.instance("vm-1").deleted
 
 
+@pytest.mark.process
 def test_without_reap_an_end_is_left_alone(
     api: FakeComputeAPI, ledger: Ledger, now: list[float]
 ) -> None:
@@ -202,6 +207,7 @@ def test_without_reap_an_end_is_left_alone(
     assert not api.calls_to("delete")
 
 
+@pytest.mark.process
 def test_failover_reap_is_recorded_only_once_done(
     api: FakeComputeAPI, ledger: Ledger, now: list[float]
 ) -> None:
@@ -221,6 +227,7 @@ def test_failover_reap_is_recorded_only_once_done(
     assert again.reaped and ledger.decisions.all()[0].reaped_at is not None
 
 
+@pytest.mark.process
 def test_operations_of_an_earlier_boot_are_not_evidence(
     api: FakeComputeAPI, ledger: Ledger, now: list[float]
 ) -> None:
@@ -238,6 +245,7 @@ def test_operations_of_an_earlier_boot_are_not_evidence(
     assert out.action == "none" and "compute.instances.preempted" not in out.verdict.reason
 
 
+@pytest.mark.process
 def test_blind_to_the_operations_means_no_verdict(
     api: FakeComputeAPI, ledger: Ledger, now: list[float]
 ) -> None:
@@ -254,6 +262,7 @@ def test_blind_to_the_operations_means_no_verdict(
     assert p.poll("vm-1").verdict is not None
 
 
+@pytest.mark.process
 def test_a_peer_cursor_that_read_the_last_line_decides(
     api: FakeComputeAPI, ledger: Ledger, now: list[float], tmp_path: Path
 ) -> None:

@@ -13,6 +13,8 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.simlogging import FakeLoggingAPI
 from gce_watchdog.testing.synth import Writer
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 
 

@@ -22,6 +22,8 @@ from gce_watchdog.testing.synth import Writer
 from kit.paths import REPO
 from kit.pipes import blocked_pipe
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 DEADLINE_S = 60.0  # every wait for an event is bounded by this
 

@@ -31,7 +31,7 @@ from gce_watchdog.poller.verdict import Policy
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 from gce_watchdog.testing.synth import Writer
 from google.oauth2.credentials import Credentials
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 LABEL = {"gce-watchdog": "on"}
@@ -66,6 +66,7 @@ def wedged(api: FakeComputeAPI, name: str, boot: str) -> None:
     )
 
 
+@pytest.mark.process
 def test_aggregated_list_has_the_real_shape_pages_and_filter(api: FakeComputeAPI) -> None:
     for i in range(7):
         api.add_instance(f"vm-{i}", zone="us-central1-a" if i % 2 else "europe-west1-b",
@@ -99,6 +100,7 @@ def test_aggregated_list_has_the_real_shape_pages_and_filter(api: FakeComputeAPI
     assert bad.status_code == 400
 
 
+@pytest.mark.process
 def test_discover_walks_every_page_zone_and_project(api: FakeComputeAPI) -> None:
     zones = ["us-central1-a", "us-central1-b", "europe-west4-a"]
     want = set()
@@ -132,6 +134,7 @@ def _outcomes(
     return outs, rep
 
 
+@pytest.mark.process
 def test_new_vms_are_picked_up_and_gone_ones_finalized_once(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:
@@ -174,6 +177,7 @@ def test_new_vms_are_picked_up_and_gone_ones_finalized_once(
     assert "unwatched" not in {c.path.rsplit("/", 2)[-2] for c in api.calls_to("serial")}
 
 
+@pytest.mark.process
 def test_one_hanging_vm_never_stalls_the_round(api: FakeComputeAPI, tmp_path: Path) -> None:
     names = [f"vm-{i:02d}" for i in range(20)]
     for i, n in enumerate(names):
@@ -209,6 +213,7 @@ class FakeTime:
         self.now += s
 
 
+@pytest.mark.pure
 def test_budget_spends_its_rate_per_project_and_pauses_one_project() -> None:
     t = FakeTime()
     b = ProjectBudget(1200, clock=t.clock, sleep=t.sleep)  # 20/s, a burst of 200
@@ -226,6 +231,7 @@ def test_budget_spends_its_rate_per_project_and_pauses_one_project() -> None:
     assert b.acquire("p1") == pytest.approx(60.0, abs=0.1)
 
 
+@pytest.mark.process
 def test_a_429_with_retry_after_pauses_that_project_only(api: FakeComputeAPI) -> None:
     for p in ("proj-slow", "proj-fine"):
         api.add_instance("vm-1", project=p, labels=LABEL)
@@ -243,6 +249,7 @@ def test_a_429_with_retry_after_pauses_that_project_only(api: FakeComputeAPI) ->
     assert statuses == [429, 200, 200]
 
 
+@pytest.mark.pure
 def test_plan_interval_stretches_and_says_why() -> None:
     fits = plan_interval({"p": 500}, 30.0, 1200)
     assert fits.interval_s == 30.0 and fits.note is None and fits.calls_per_round == 501
@@ -251,6 +258,7 @@ def test_plan_interval_stretches_and_says_why() -> None:
     assert big.note is not None and "project p" in big.note and "every 251s" in big.note
 
 
+@pytest.mark.pure
 def test_parse_label() -> None:
     assert parse_label("gce-watchdog=on") == ("gce-watchdog", "on")
     assert parse_label("gce-watchdog") == ("gce-watchdog", None)
@@ -260,6 +268,7 @@ def test_parse_label() -> None:
             parse_label(bad)
 
 
+@pytest.mark.process
 def test_cli_label_mode_polls_two_projects_and_warns_when_over_budget(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -288,6 +297,7 @@ def test_cli_label_mode_polls_two_projects_and_warns_when_over_budget(
     assert main([*argv[:1], "--label", "x", "--project", "proj-one", "vm-1"]) == EX_USAGE
 
 
+@pytest.mark.pure
 def test_concurrent_budget_callers_queue_in_order() -> None:
     t = FakeTime()
     lock = threading.Lock()
@@ -305,6 +315,7 @@ def test_concurrent_budget_callers_queue_in_order() -> None:
     assert sorted(t.slept) == [float(i) for i in range(1, 11)]  # each waits its own turn
 
 
+@pytest.mark.process
 def test_a_round_announces_a_lapsed_decision_of_a_vm_no_longer_listed(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:
@@ -331,6 +342,7 @@ def test_a_round_announces_a_lapsed_decision_of_a_vm_no_longer_listed(
         assert got is not None and got.announced_by == "next"
 
 
+@pytest.mark.process
 def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:
@@ -373,7 +385,7 @@ def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
     ]
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.pure
 @given(
     st.dictionaries(st.sampled_from(["p", "q", "r"]), st.integers(0, 100_000), min_size=1),
     st.floats(1, 3600),
@@ -390,7 +402,7 @@ def test_plan_interval_always_leaves_the_busiest_project_within_budget(
     assert (plan.note is None) == (plan.interval_s == interval)
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.pure
 @given(st.floats(6, 20_000), st.lists(st.floats(0, 5), min_size=1, max_size=300))
 def test_the_budget_never_grants_more_than_burst_plus_rate(
     per_minute: float, gaps: list[float]
@@ -405,6 +417,7 @@ def test_the_budget_never_grants_more_than_burst_plus_rate(
         assert b.used["p"] <= b.burst + b.rate * t.now + 1e-6
 
 
+@pytest.mark.process
 def test_a_list_that_gives_up_keeps_that_projects_vms_and_lists_again_next_round(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:
@@ -448,6 +461,7 @@ def test_a_list_that_gives_up_keeps_that_projects_vms_and_lists_again_next_round
         again.close()
 
 
+@pytest.mark.process
 def test_cli_a_list_that_gives_up_is_an_error_line_and_a_retry_next_round(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -476,6 +490,7 @@ def test_cli_a_list_that_gives_up_is_an_error_line_and_a_retry_next_round(
     assert sorted(json.loads(x)["instance"] for x in cap.out.splitlines()) == ["vm-0", "vm-1"]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("via", ["warning", "unreachables"])
 def test_an_unreachable_zone_keeps_its_vms_never_takes_them_for_deleted(
     api: FakeComputeAPI, tmp_path: Path, via: str
@@ -508,6 +523,7 @@ def test_an_unreachable_zone_keeps_its_vms_never_takes_them_for_deleted(
     assert api.calls_to("delete") == []
 
 
+@pytest.mark.process
 def test_cli_an_unreachable_zone_is_an_error_line(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -527,6 +543,7 @@ def test_cli_an_unreachable_zone_is_an_error_line(
     assert [json.loads(x)["instance"] for x in cap.out.splitlines()] == ["vm-0"]
 
 
+@pytest.mark.process
 def test_a_restarted_poller_keeps_the_cursors_of_an_unreachable_zone_until_it_is_listed(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:

@@ -40,6 +40,7 @@ def get(port: int, path: str = "/healthz") -> tuple[int, dict[str, object]]:
         return e.code, json.loads(body) if body.startswith(b"{") else {}
 
 
+@pytest.mark.process
 def test_the_server_answers_from_the_liveness_and_only_on_its_paths() -> None:
     now = [1000.0]
     live = Liveness(30.0, clock=lambda: now[0])
@@ -74,6 +75,7 @@ def topic(pubsub_host: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[s
         yield ts.topic, ts.subscription
 
 
+@pytest.mark.process
 def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
     topic: tuple[str, str], pubsub_host: str, tmp_path: Path
 ) -> None:
@@ -143,6 +145,7 @@ def test_a_pubsub_worker_serves_healthz_on_port_and_says_when_its_loop_is_stuck(
     assert f"health: GET /healthz on 127.0.0.1:{port}".encode() in err
 
 
+@pytest.mark.process
 def test_a_bad_health_port_or_stall_is_a_usage_error(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "agent"), "PORT": "70000"}
     argv = [sys.executable, "-m", "gce_watchdog", "poll", "--pubsub",

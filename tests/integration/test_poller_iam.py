@@ -44,6 +44,7 @@ READ = documented_role("poll by name")
 REAP = documented_role("poll by name", "`--reap`", "evidence for an ended VM (rows 6/7)")
 
 
+@pytest.mark.pure
 def test_the_documented_roles_name_real_permissions() -> None:
     known = set(PERMISSIONS.values())
     assert known >= READ and known >= REAP
@@ -51,6 +52,7 @@ def test_the_documented_roles_name_real_permissions() -> None:
     assert "compute.projects.get" not in REAP and "compute.zones.get" not in REAP
 
 
+@pytest.mark.process
 def test_a_call_the_role_lacks_is_a_403_forbidden() -> None:
     with FakeComputeAPI(token=["ro", "all"], roles={"ro": READ}) as api:
         api.add_instance("vm-1", project=P, zone=Z)
@@ -75,6 +77,7 @@ def test_a_call_the_role_lacks_is_a_403_forbidden() -> None:
         assert call("GET", f"{api.base_url}/projects/{P}", "all").status_code == 200
 
 
+@pytest.mark.process
 def test_a_scope_fault_is_applied() -> None:
     with FakeComputeAPI(token="t") as api:
         api.add_instance("vm-1", project=P, zone=Z)
@@ -93,6 +96,7 @@ def api() -> Iterator[FakeComputeAPI]:
         yield a
 
 
+@pytest.mark.process
 def test_the_least_privilege_role_polls_decides_and_reaps(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -110,6 +114,7 @@ def test_the_least_privilege_role_polls_decides_and_reaps(
     assert all(c.status != 403 for c in api.calls)
 
 
+@pytest.mark.process
 def test_a_typo_under_the_least_privilege_role_stops_only_that_name(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -126,6 +131,7 @@ def test_a_typo_under_the_least_privilege_role_stops_only_that_name(
     assert api.calls_to("delete") == []
 
 
+@pytest.mark.process
 def test_the_least_privilege_fleet_role_lists_polls_and_reaps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -149,6 +155,7 @@ def test_the_least_privilege_fleet_role_lists_polls_and_reaps(
         assert all(c.status != 403 for c in api.calls)
 
 
+@pytest.mark.process
 def test_the_least_privilege_pubsub_role_names_a_decision_by_its_id(tmp_path: Path) -> None:
     """A Pub/Sub worker looks a deciding instance id up (instances.aggregatedList, ``id = ID``)
     under exactly the `--pubsub` row's Compute permissions; without them it claims nothing."""

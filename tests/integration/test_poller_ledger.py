@@ -17,6 +17,7 @@ WAIT_S = 60  # every process/barrier wait is bounded
 # tests/contract/test_ledger_contract.py, run on SQLite and PostgreSQL. Here: what only SQLite has.
 
 
+@pytest.mark.pure
 def test_sqlite_ledger_is_wal_and_upgrades_an_older_file(tmp_path: Path) -> None:
     db = tmp_path / "sub" / "ledger.sqlite"
     db.parent.mkdir()
@@ -42,6 +43,7 @@ def test_sqlite_ledger_is_wal_and_upgrades_an_older_file(tmp_path: Path) -> None
     assert mode == "wal"
 
 
+@pytest.mark.pure
 def test_open_waits_out_a_writer_that_sqlite_would_not_wait_for(tmp_path: Path) -> None:
     """A fresh (rollback-journal) file with another connection holding its write lock: switching
     to WAL needs our shared lock promoted, and SQLite answers "database is locked" at once instead
@@ -68,6 +70,7 @@ def test_open_waits_out_a_writer_that_sqlite_would_not_wait_for(tmp_path: Path) 
     assert mode == "wal"
 
 
+@pytest.mark.pure
 def test_open_gives_up_after_the_busy_timeout_with_a_clear_error(tmp_path: Path) -> None:
     db = tmp_path / "ledger.sqlite"
     holder = sqlite3.connect(db, isolation_level=None)
@@ -97,6 +100,7 @@ def _open_many(path: str, barrier: Any, results: Any) -> None:
         results.put(("error", repr(e)))
 
 
+@pytest.mark.process
 def test_many_processes_opening_a_fresh_ledger_at_once(tmp_path: Path) -> None:
     """The CI failure: pollers started together on a new ledger. 16 processes behind a barrier,
     three fresh files: every open succeeds and every claim gets its own token."""

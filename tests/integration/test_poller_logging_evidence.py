@@ -86,6 +86,7 @@ def log_line(line: bytes, how: str) -> str:
     return text
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["plain", "crlf", "journald"])
 def test_a_finished_job_whose_last_line_is_only_in_the_log_is_workload_ok(
     api: FakeComputeAPI, logs: FakeLoggingAPI, now: list[float], how: str
@@ -112,6 +113,7 @@ def test_a_finished_job_whose_last_line_is_only_in_the_log_is_workload_ok(
     lc.close()
 
 
+@pytest.mark.process
 def test_a_log_with_nothing_after_the_last_read_is_ended_unread(
     api: FakeComputeAPI, logs: FakeLoggingAPI, now: list[float]
 ) -> None:
@@ -127,6 +129,7 @@ def test_a_log_with_nothing_after_the_last_read_is_ended_unread(
     assert len(logs.calls) == LOG_TRIES  # bounded: the request budget, then no more reads
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("status", [403, 404, 500])
 def test_a_refusal_from_logging_is_no_guess_never_a_failover(
     api: FakeComputeAPI, logs: FakeLoggingAPI, now: list[float], status: int
@@ -143,6 +146,7 @@ def test_a_refusal_from_logging_is_no_guess_never_a_failover(
     assert p.poll("vm-1").verdict.kind is K.WORKLOAD_OK  # type: ignore[union-attr]
 
 
+@pytest.mark.process
 def test_without_the_flag_logging_is_never_called(
     api: FakeComputeAPI, logs: FakeLoggingAPI, now: list[float]
 ) -> None:
@@ -153,6 +157,7 @@ def test_without_the_flag_logging_is_never_called(
     assert not logs.calls
 
 
+@pytest.mark.process
 def test_a_forged_line_in_the_log_decides_nothing(
     api: FakeComputeAPI, logs: FakeLoggingAPI, now: list[float]
 ) -> None:
@@ -165,6 +170,7 @@ def test_a_forged_line_in_the_log_decides_nothing(
     assert out.verdict is not None and out.verdict.kind is K.ENDED_UNREAD, out.verdict
 
 
+@pytest.mark.pure
 def test_decode_payload_undoes_the_exports_escapes() -> None:
     assert decode_payload("abc\\r\\n") == b"abc\n"
     assert decode_payload("a\\x1b[0mb") == b"a\x1b[0mb\n"
@@ -172,12 +178,14 @@ def test_decode_payload_undoes_the_exports_escapes() -> None:
     assert decode_payload("plain") == b"plain\n"
 
 
+@pytest.mark.pure
 def test_the_filter_names_the_serial_log_and_the_instance() -> None:
     f = serial_filter("p-1", "123", T0)
     assert 'logName="projects/p-1/logs/serialconsole.googleapis.com%2Fserial_port_1_output"' in f
     assert 'resource.labels.instance_id="123"' in f and 'timestamp>="2027-' in f
 
 
+@pytest.mark.process
 def test_paging_is_followed_within_the_budget(logs: FakeLoggingAPI) -> None:
     from google.oauth2.credentials import Credentials
 
@@ -191,6 +199,7 @@ def test_paging_is_followed_within_the_budget(logs: FakeLoggingAPI) -> None:
     lc.close()
 
 
+@pytest.mark.process
 def test_a_long_log_is_read_from_its_end(logs: FakeLoggingAPI) -> None:
     """More entries than the pages allowed: the newest are read (the final line is there)."""
     from google.oauth2.credentials import Credentials

@@ -28,7 +28,7 @@ from gce_watchdog.poller.pubsub import PubSubWorker, parse_log_entry
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, decide
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire.protocol import Event, decode_line
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.identities import TableIdentities
 from kit.paths import REPO
@@ -68,6 +68,7 @@ def lines_of(w: Writer, *events: tuple[str, dict[str, str]]) -> list[str]:
 # -- pure parts ----------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_parse_log_entry_takes_serial_port_1_only() -> None:
     line = parse_log_entry(log_entry("123", "vm-1", "hello"))
     assert line is not None and (line.instance_id, line.instance, line.text) == (
@@ -86,6 +87,7 @@ def test_parse_log_entry_takes_serial_port_1_only() -> None:
     assert got is not None and got.instance == ""
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("journald", [False, True])
 def test_real_exported_payloads_decode_to_the_agents_line(journald: bool) -> None:
     """textPayload as Cloud Logging exports it: a literal \\r\\n at the end, and (forwarded
@@ -100,6 +102,7 @@ def test_real_exported_payloads_decode_to_the_agents_line(journald: bool) -> Non
     assert isinstance(decode_line(line.text, pin=SYNTH_KEY.public), Event)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("noise", NOISE)
 def test_exported_console_noise_is_not_ours(noise: str) -> None:
     line = parse_log_entry(exported_entry(PROJECT, "9", "vm-9", noise))
@@ -112,7 +115,7 @@ def _events(n: int) -> list[Event]:
     return [e for e in (decode_line(b, pin=SYNTH_KEY.public) for b in evs) if isinstance(e, Event)]
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.pure
 @given(st.integers(1, 40), st.randoms(use_true_random=False), st.integers(0, 20))
 def test_any_order_with_duplicates_gives_the_prefix_once_in_order(
     n: int, rnd: random.Random, dups: int
@@ -125,7 +128,7 @@ def test_any_order_with_duplicates_gives_the_prefix_once_in_order(
     assert a.held == 0 and not a.settled(1e9, 2.0)  # nothing held: nothing to give up on
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.pure
 @given(st.integers(2, 40), st.data())
 def test_a_lost_line_holds_the_rest_until_the_settle_timeout(n: int, data: st.DataObject) -> None:
     evs = _events(n)
@@ -141,7 +144,7 @@ def test_a_lost_line_holds_the_rest_until_the_settle_timeout(n: int, data: st.Da
     assert a.settled(3.0, 2.0)
 
 
-@settings(max_examples=100, deadline=None)
+@pytest.mark.pure
 @given(st.integers(2, 40), st.data())
 def test_the_union_of_any_split_over_workers_is_the_whole_prefix(
     n: int, data: st.DataObject
@@ -158,12 +161,14 @@ def test_the_union_of_any_split_over_workers_is_the_whole_prefix(
         assert len(mine.prefix) <= n and (len(mine.prefix) < n or all(o == w for o in owner))
 
 
+@pytest.mark.pure
 def test_a_floor_lets_compacted_lines_be_missing() -> None:
     evs = _events(10)
     a = assemble([Received(e, 0.0) for e in evs if e.seq >= 6], floor=6)
     assert a.next_seq == 10 and a.held == 0
 
 
+@pytest.mark.pure
 def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives() -> None:
     """The job finished (exit rc=0), then the network died and the agent shut down. If the
     shutdown line arrives first, the prefix stops before it: no failover for a finished job."""
@@ -182,6 +187,7 @@ def test_a_shutdown_ahead_of_its_exit_line_is_not_decided_until_the_exit_arrives
     assert v.kind is VerdictKind.WORKLOAD_OK
 
 
+@pytest.mark.pure
 def test_a_decision_is_ready_when_the_last_line_it_needed_was_published() -> None:
     """The pipeline's share of a decision's latency starts at the latest first copy of a line up
     to the deciding one: a tick published after its shutdown line (displaced in transit) is
@@ -226,6 +232,7 @@ def _drive(workers: list[PubSubWorker], done: Any, what: Any) -> None:
             w.step(timeout=0.5)
 
 
+@pytest.mark.process
 def test_one_worker_decides_once_per_vm_from_a_service_like_stream(
     topic: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -266,6 +273,7 @@ def test_one_worker_decides_once_per_vm_from_a_service_like_stream(
     sub.close()
 
 
+@pytest.mark.process
 def test_a_boot_that_lost_a_line_is_left_to_the_sweep_never_decided_from_the_stream(
     topic: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -357,6 +365,7 @@ def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("pg_database"))
 
 
+@pytest.mark.process
 def test_two_workers_each_with_half_a_boot_decide_it_once_from_the_union(
     ledger_url: str,
 ) -> None:
@@ -393,6 +402,7 @@ def test_two_workers_each_with_half_a_boot_decide_it_once_from_the_union(
     assert [o.action for o in outs] == ["failover"]
 
 
+@pytest.mark.pure
 def test_a_restarted_worker_loses_nothing_and_needs_nothing_again(tmp_path: Path) -> None:
     """A worker stores lines and acks them, then dies; its successor gets only the rest of the
     stream (what was acked is gone) and still decides: the state was in the store."""
@@ -424,6 +434,7 @@ def test_a_restarted_worker_loses_nothing_and_needs_nothing_again(tmp_path: Path
     assert [o.instance_id for o in outs if o.action == "failover"] == ["88"]
 
 
+@pytest.mark.pure
 def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> None:
     real = _boot_entries("66", "aaaa6666", finished=True)
     import secrets
@@ -463,6 +474,7 @@ def _worker(
 
 # Its own deadlines (DEADLINE_S, then 2 x DEADLINE_S after the kill) say what was decided when
 # they run out; pytest-timeout's default (300 s) came first on a loaded machine and said nothing.
+@pytest.mark.process
 @pytest.mark.timeout(3 * DEADLINE_S + 120)
 def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
     topic: tuple[str, str], pubsub_host: str, ledger_url: str, tmp_path: Path
@@ -612,6 +624,7 @@ def _pairs(path: Path) -> list[tuple[str, str]]:
     return list(zip(words[0::2], words[1::2], strict=True))
 
 
+@pytest.mark.process
 def test_on_failover_runs_once_per_decision_across_workers_and_a_worker_killed_in_its_hook(
     topic: tuple[str, str], pubsub_host: str, ledger_url: str, tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -673,6 +686,7 @@ def _cli_worker(
     return argv, env
 
 
+@pytest.mark.process
 def test_poll_pubsub_runs_on_failover_with_the_decision_and_retries_it(
     topic: tuple[str, str], pubsub_host: str, tmp_path: Path, compute: Any
 ) -> None:
@@ -755,6 +769,7 @@ def _check_messages(msgs: list[Any], decisions: list[Any]) -> None:
         assert doc["verdict"] == m.attributes["verdict"] == "self_shutdown"
 
 
+@pytest.mark.process
 def test_publish_sends_each_decision_once_across_workers_and_a_worker_killed_before_it(
     topic: tuple[str, str],
     decisions_topic: tuple[str, str],
@@ -801,6 +816,7 @@ def test_publish_sends_each_decision_once_across_workers_and_a_worker_killed_bef
     assert "(attempt 1/3)" in err  # retried in the same delivery, after the back-off
 
 
+@pytest.mark.process
 def test_poll_pubsub_publishes_each_decision_to_the_topic(
     topic: tuple[str, str],
     decisions_topic: tuple[str, str],
@@ -854,6 +870,7 @@ def compute() -> Iterator[Any]:
         yield api
 
 
+@pytest.mark.process
 def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     topic: tuple[str, str], pubsub_host: str, pg_database: str, tmp_path: Path, compute: Any
 ) -> None:
@@ -919,6 +936,7 @@ def test_a_worker_killed_between_claim_and_ack_is_finished_by_the_next(
     assert acked is not None and int(acked.group(1)) >= 2  # the redelivered lines, after the claim
 
 
+@pytest.mark.process
 def test_the_compute_sweep_catches_a_vm_stopped_without_a_word(
     topic: tuple[str, str], pubsub_host: str, tmp_path: Path
 ) -> None:
@@ -974,6 +992,7 @@ def _decided(path: Path) -> bool:
         return any(d.announced_at is not None for d in led.decisions.all())
 
 
+@pytest.mark.process
 def test_no_pin_no_decision_and_a_relabelled_line_decides_nothing(
     topic: tuple[str, str], tmp_path: Path
 ) -> None:

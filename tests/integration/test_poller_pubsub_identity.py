@@ -35,6 +35,8 @@ from kit.procs import running, terminate, wait_alive
 from kit.pubsub_emulator import publish_all, topic_and_subscription
 from kit.pubsub_service import ServiceLikeSubscriber, exported_entry, exported_text
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 # VM B: another team's VM, a real one, in a project the worker also watches
 P_B, Z_B = "victim-project", "europe-west4-b"

@@ -70,6 +70,7 @@ def console_bytes(rng: random.Random, w: Writer, n_lines: int) -> bytes:
     return bytes(out)
 
 
+@pytest.mark.process
 def test_steady_state_fetches_every_byte_exactly_once(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -98,6 +99,7 @@ def test_steady_state_fetches_every_byte_exactly_once(
     assert cur.timeline.lost_lines == 0 and cur.timeline.rejected == 0
 
 
+@pytest.mark.process
 def test_line_split_across_reads_and_a_restart_is_decoded_once(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -119,6 +121,7 @@ def test_line_split_across_reads_and_a_restart_is_decoded_once(
     assert tl.duplicates == 3
 
 
+@pytest.mark.process
 def test_restart_resumes_from_next_with_the_same_accounting(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -137,6 +140,7 @@ def test_restart_resumes_from_next_with_the_same_accounting(
     assert tl.lost_lines == 1 and tl.boots["3f2a9c1e"].count == 6
 
 
+@pytest.mark.process
 def test_a_read_that_brings_nothing_does_not_rewrite_the_cursor_file(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -158,6 +162,7 @@ def test_a_read_that_brings_nothing_does_not_rewrite_the_cursor_file(
     assert saved["offset"] == r.cursor(P, Z, "vm-1").offset
 
 
+@pytest.mark.process
 def test_byte_gap_is_counted_and_a_cut_line_is_rejected_not_misread(
     sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -182,6 +187,7 @@ def test_byte_gap_is_counted_and_a_cut_line_is_rejected_not_misread(
         assert tl.rejected == 1  # the held half line, decoded alone
 
 
+@pytest.mark.process
 def test_buffer_reset_and_new_instance_under_the_same_name(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -203,6 +209,7 @@ def test_buffer_reset_and_new_instance_under_the_same_name(
     assert cur.instance_id != first_id and cur.offset == 13 and cur.timeline.events == []
 
 
+@pytest.mark.process
 def test_rate_limit_backs_off_then_succeeds(api: FakeComputeAPI, sleeps: Sleeps) -> None:
     api.append_serial("vm-1", b"hello\n")
     api.set_fault("serial", Fault.RATE_LIMIT, count=2)
@@ -214,6 +221,7 @@ def test_rate_limit_backs_off_then_succeeds(api: FakeComputeAPI, sleeps: Sleeps)
 
 
 # No header: the start of the next minute, when GCE refills the quota (WALL is 50 s into one).
+@pytest.mark.process
 @pytest.mark.parametrize(("header", "want"), [("7", 7.0), ("600", 30.0), (None, 10.0)])
 def test_rate_limit_honours_retry_after_capped_at_one_poll(
     api: FakeComputeAPI, sleeps: Sleeps, header: str | None, want: float
@@ -227,6 +235,7 @@ def test_rate_limit_honours_retry_after_capped_at_one_poll(
     assert sleeps.waits == [want, want]
 
 
+@pytest.mark.process
 def test_gives_up_after_n_attempts_with_the_last_error(api: FakeComputeAPI, sleeps: Sleeps) -> None:
     api.set_fault("serial", Fault.RATE_LIMIT)
     client = make_client(api, sleeps, attempts=3)
@@ -238,6 +247,7 @@ def test_gives_up_after_n_attempts_with_the_last_error(api: FakeComputeAPI, slee
     assert len(api.calls_to("serial")) == 3
 
 
+@pytest.mark.process
 def test_hanging_api_times_out_within_bounds(api: FakeComputeAPI, sleeps: Sleeps) -> None:
     api.set_fault("get", Fault.HANG)
     client = make_client(api, sleeps, attempts=2)
@@ -247,6 +257,7 @@ def test_hanging_api_times_out_within_bounds(api: FakeComputeAPI, sleeps: Sleeps
     assert time.monotonic() - t0 < 4  # 2 attempts x 0.5 s read timeout, no real sleeps
 
 
+@pytest.mark.process
 def test_bad_token_and_refusal_are_auth_errors_not_retried(
     api: FakeComputeAPI, sleeps: Sleeps
 ) -> None:
@@ -259,6 +270,7 @@ def test_bad_token_and_refusal_are_auth_errors_not_retried(
     assert make_client(api, sleeps).get_instance(P, Z, "nope") is None
 
 
+@pytest.mark.process
 def test_corrupt_cursor_starts_fresh_and_is_reported(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -289,6 +301,7 @@ def make_poller(
     )
 
 
+@pytest.mark.process
 def test_failover_once_then_already_decided_and_reaped_once(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -325,6 +338,7 @@ def test_failover_once_then_already_decided_and_reaped_once(
     assert len(api.calls_to("delete")) == 2
 
 
+@pytest.mark.process
 def test_api_outage_gives_no_verdict_and_no_decision(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -342,6 +356,7 @@ def test_api_outage_gives_no_verdict_and_no_decision(
     assert p.poll("vm-1").verdict.kind is VerdictKind.SUSPECTED_WEDGE  # type: ignore[union-attr]
 
 
+@pytest.mark.process
 def test_spot_vm_terminated_without_a_line_is_preempted_only_on_evidence(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -364,6 +379,7 @@ def test_spot_vm_terminated_without_a_line_is_preempted_only_on_evidence(
     assert other.action == "none" and other.to_json()["alarm"] is True
 
 
+@pytest.mark.process
 def test_an_off_vm_whose_serial_port_cannot_be_read_still_gets_its_verdict(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path
 ) -> None:
@@ -381,6 +397,7 @@ def test_an_off_vm_whose_serial_port_cannot_be_read_still_gets_its_verdict(
     assert out.action == "failover" and out.error is None
 
 
+@pytest.mark.process
 def test_poll_parse_and_report_give_one_verdict_for_the_same_bytes_and_times(
     api: FakeComputeAPI, sleeps: Sleeps, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -413,6 +430,7 @@ def test_poll_parse_and_report_give_one_verdict_for_the_same_bytes_and_times(
     assert polled.kind is VerdictKind.SUSPECTED_WEDGE
 
 
+@pytest.mark.pure
 def test_a_cursor_dir_of_another_user_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "cursors"
     d.mkdir(mode=0o700)
@@ -426,6 +444,7 @@ def test_a_cursor_dir_of_another_user_is_refused(tmp_path: Path) -> None:
         CursorStore(d, euid=euid)
 
 
+@pytest.mark.pure
 def test_the_cursor_dir_is_created_private(tmp_path: Path) -> None:
     d = tmp_path / "state" / "cursors"
     CursorStore(d)

@@ -35,6 +35,7 @@ def rendered(d: Path) -> Path:
     return p
 
 
+@pytest.mark.process
 @needs_analyze
 def test_the_poller_unit_verifies_and_is_hardened() -> None:
     try:
@@ -56,6 +57,7 @@ def test_the_poller_unit_verifies_and_is_hardened() -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.process
 def test_the_unit_and_the_image_run_the_poller_with_a_real_command_line() -> None:
     exec_start = next(x for x in UNIT.read_text().splitlines() if x.startswith("ExecStart="))
     assert exec_start.split("=", 1)[1].split()[1:3] == ["poll", "--json"]
@@ -81,6 +83,7 @@ def settings(text: str) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.pure
 def test_the_unit_is_notify_with_a_watchdog_and_takes_its_secrets_as_credentials() -> None:
     """Issue 26: Type=notify with WatchdogSec=, the token and the PostgreSQL password file
     through LoadCredential= (each with a SetCredential= default of "-", so a host using
@@ -98,6 +101,7 @@ def test_the_unit_is_notify_with_a_watchdog_and_takes_its_secrets_as_credentials
     assert s["DynamicUser"] == ["yes"]
 
 
+@pytest.mark.process
 def test_under_systemd_the_poller_notifies_and_reads_its_credentials(tmp_path: Path) -> None:
     """What the unit gives the process, without systemd: $NOTIFY_SOCKET (a datagram socket we
     bind), $WATCHDOG_USEC, and $CREDENTIALS_DIRECTORY holding the token (the fake API accepts
@@ -154,6 +158,7 @@ def test_under_systemd_the_poller_notifies_and_reads_its_credentials(tmp_path: P
     assert got[0] == "READY=1" and "WATCHDOG=1" in got and got[-1] == "STOPPING=1"
 
 
+@pytest.mark.pure
 def test_a_credential_left_at_the_units_default_is_not_configured(tmp_path: Path) -> None:
     from gce_watchdog.poller.app import service_credentials
 

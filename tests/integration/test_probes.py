@@ -27,12 +27,14 @@ def mds() -> FakeMetadataServer:
         yield s
 
 
+@pytest.mark.process
 def test_metadata_ok_returns_instance_id(mds: FakeMetadataServer) -> None:
     r = probe_metadata(mds.url, 2.0)
     assert (r.verdict, r.reason, r.detail) == (ProbeVerdict.OK, "ok", mds.info.id)
     assert mds.count("/instance/id") == 1
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("mode", "reason"), [("http_503", "http_503"), ("bad_flavor", "bad_flavor")]
 )
@@ -42,6 +44,7 @@ def test_metadata_bad_answers(mds: FakeMetadataServer, mode: str, reason: str) -
     assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, reason)
 
 
+@pytest.mark.process
 def test_metadata_slow_server_times_out_within_deadline(mds: FakeMetadataServer) -> None:
     mds.set_mode("slow", delay=30.0)
     t0 = time.monotonic()
@@ -53,6 +56,7 @@ def test_metadata_slow_server_times_out_within_deadline(mds: FakeMetadataServer)
     assert took < 10
 
 
+@pytest.mark.process
 def test_a_counted_outage_fails_exactly_n_probes_then_ends_itself(mds: FakeMetadataServer) -> None:
     ended = threading.Event()
     mds.set_outage_for(3, on_end=ended.set)
@@ -66,12 +70,14 @@ def test_a_counted_outage_fails_exactly_n_probes_then_ends_itself(mds: FakeMetad
         mds.set_outage_for(-1)
 
 
+@pytest.mark.process
 def test_metadata_refused_and_bad_url() -> None:
     r = probe_metadata(f"http://127.0.0.1:{free_port()}/computeMetadata/v1/instance/id", 1.0)
     assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "refused")
     assert probe_metadata("https://x/", 1.0).verdict is ProbeVerdict.UNKNOWN
 
 
+@pytest.mark.process
 def test_metadata_requires_google_flavor_header(mds: FakeMetadataServer) -> None:
     # The server answers 403 to requests without the header; ours sends it, so this is the
     # server's side of the contract checked with a plain client.
@@ -83,6 +89,7 @@ def test_metadata_requires_google_flavor_header(mds: FakeMetadataServer) -> None
     assert ei.value.code == 403
 
 
+@pytest.mark.process
 def test_egress_connects_to_any_target(tmp_path: Path) -> None:
     with TcpListener() as up:
         dead = free_port()
@@ -110,6 +117,7 @@ class OffsetClock:
         return time.monotonic() + self.offset
 
 
+@pytest.mark.process
 def test_egress_uses_cached_addresses_when_dns_fails(tmp_path: Path) -> None:
     cache_file = tmp_path / "dns-cache.json"
     clock = OffsetClock()
@@ -131,6 +139,7 @@ def test_egress_uses_cached_addresses_when_dns_fails(tmp_path: Path) -> None:
         assert (r.verdict, d) == (ProbeVerdict.OK, "fail")
 
 
+@pytest.mark.process
 def test_egress_reuses_an_answer_within_its_ttl_while_the_probe_succeeds() -> None:
     clock = OffsetClock()
     with TcpListener() as up, FakeDNS(records={"egress.test": ["127.0.0.1"]}) as dns:
@@ -162,6 +171,7 @@ def test_egress_reuses_an_answer_within_its_ttl_while_the_probe_succeeds() -> No
         assert (r.verdict, d) == (ProbeVerdict.FAIL, "fail") and dns.queries > asked
 
 
+@pytest.mark.process
 def test_egress_without_any_address_fails_with_reason(tmp_path: Path) -> None:
     with FakeDNS(records={}) as dns:
         dns.mode = "servfail"
@@ -171,6 +181,7 @@ def test_egress_without_any_address_fails_with_reason(tmp_path: Path) -> None:
     assert (r.verdict, r.reason, d) == (ProbeVerdict.FAIL, "no_address", "fail")
 
 
+@pytest.mark.pure
 def test_tick_runs_probes_concurrently() -> None:
     """Both probes wait for each other at a barrier: they pass it only if they run at the same
     time (one after the other, the first would wait alone until the barrier broke)."""
@@ -200,6 +211,7 @@ def test_tick_runs_probes_concurrently() -> None:
     assert r.metadata.verdict is ProbeVerdict.FAIL and r.egress.verdict is ProbeVerdict.FAIL
 
 
+@pytest.mark.pure
 def test_probe_exceptions_become_unknown_not_raise() -> None:
     class Boom:
         def resolve(self, host: str, lifetime: float) -> list[str]:
@@ -210,6 +222,7 @@ def test_probe_exceptions_become_unknown_not_raise() -> None:
     assert r.verdict is ProbeVerdict.FAIL and r.reason == "no_address" and d == "fail"
 
 
+@pytest.mark.process
 def test_resolver_hard_deadline_and_rcodes(tmp_path: Path) -> None:
     with FakeDNS(records={"a.test": ["192.0.2.7", "192.0.2.8"]}) as dns:
         r = DnsResolver.from_strings([f"127.0.0.1:{dns.port}"])
@@ -228,6 +241,7 @@ def test_resolver_hard_deadline_and_rcodes(tmp_path: Path) -> None:
         assert 1.99 <= took < 3.5
 
 
+@pytest.mark.pure
 def test_resolver_reads_resolv_conf(tmp_path: Path) -> None:
     conf = tmp_path / "resolv.conf"
     conf.write_text(
@@ -240,6 +254,7 @@ def test_resolver_reads_resolv_conf(tmp_path: Path) -> None:
         DnsResolver(resolv_conf=str(tmp_path / "missing")).resolve("a.test", 0.1)
 
 
+@pytest.mark.process
 def test_metadata_absurd_status_line_is_a_failure_not_an_exception() -> None:
     # int() refuses more than 4300 digits: a status line like this must not escape the probe.
     import threading
@@ -264,6 +279,7 @@ def test_metadata_absurd_status_line_is_a_failure_not_an_exception() -> None:
     assert (r.verdict, r.reason) == (ProbeVerdict.FAIL, "bad_response")
 
 
+@pytest.mark.pure
 def test_tick_turns_a_raising_probe_into_unknown() -> None:
     from gce_watchdog.daemon.tick import ProbeResult
 
@@ -282,6 +298,7 @@ def test_tick_turns_a_raising_probe_into_unknown() -> None:
     assert r.egress.verdict is ProbeVerdict.OK
 
 
+@pytest.mark.process
 def test_resolver_reaches_a_bracketed_ipv6_server_with_a_port() -> None:
     # "[::1]:5353" used to be split into host "::1]:5353", port 53: dns=fail forever, silently.
     with FakeDNS(host="::1", records={"v6.test": ["192.0.2.9"]}) as dns:

@@ -167,6 +167,7 @@ def wedge_and_reboot(tmp: Path) -> tuple[bytes, list[str], list[str]]:
     return data, b1, b2
 
 
+@pytest.mark.pure
 def test_agent_log_timeline_faults_memory_and_verdict(tmp_path: Path) -> None:
     data, b1, b2 = wedge_and_reboot(tmp_path)
     r = build_report(data, source="vm.log")
@@ -216,6 +217,7 @@ def test_agent_log_timeline_faults_memory_and_verdict(tmp_path: Path) -> None:
     assert out.rstrip().splitlines()[-1].startswith("verdict: healthy (no failover)")
 
 
+@pytest.mark.pure
 def test_poller_damage_scenario_reports_rejects_gaps_and_shutdown() -> None:
     data, expected, _ = scenario_one_boot_with_damage()
     r = build_report(data, source="damaged.log", instance=InstanceState("TERMINATED"))
@@ -228,6 +230,7 @@ def test_poller_damage_scenario_reports_rejects_gaps_and_shutdown() -> None:
     assert lines[-1].startswith("verdict: self_shutdown (FAILOVER)")
 
 
+@pytest.mark.pure
 def test_routine_lines_in_a_row_collapse_into_one_row() -> None:
     from gce_watchdog.testing.synth import Writer
 
@@ -251,6 +254,7 @@ def test_routine_lines_in_a_row_collapse_into_one_row() -> None:
     assert text.probe_cell(rows[0].first, "eg") == "ok 9ms"
 
 
+@pytest.mark.pure
 def test_no_line_of_ours_and_empty_input() -> None:
     for data in (b"", b"[    0.000000] Linux version 6.1\r\nplain console\n"):
         r = build_report(data)
@@ -263,6 +267,7 @@ def test_no_line_of_ours_and_empty_input() -> None:
 # -- PNG and HTML ----------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @needs_mpl
 def test_png_is_a_valid_image_of_the_expected_size_with_four_axes(tmp_path: Path) -> None:
     import io
@@ -338,6 +343,7 @@ def _log(lines: list[tuple[int, str, dict[str, object], str]], boot: str = "aaaa
     )
 
 
+@pytest.mark.pure
 @needs_mpl
 def test_png_labels_never_overlap_and_every_marker_is_labelled(tmp_path: Path) -> None:
     from gce_watchdog.report import plot
@@ -367,6 +373,7 @@ def test_png_labels_never_overlap_and_every_marker_is_labelled(tmp_path: Path) -
     assert ("AAAA", "BBBB") in _overlaps(fig2)
 
 
+@pytest.mark.pure
 @needs_mpl
 def test_png_setup_failed_without_ladder_data_is_labelled() -> None:
     from gce_watchdog.report import plot
@@ -385,6 +392,7 @@ def test_png_setup_failed_without_ladder_data_is_labelled() -> None:
     assert _overlaps(fig) == []
 
 
+@pytest.mark.pure
 @needs_mpl
 def test_png_time_axis_fits_the_data_and_reads_as_clock_time() -> None:
     import matplotlib.dates as mdates
@@ -404,6 +412,7 @@ def test_png_time_axis_fits_the_data_and_reads_as_clock_time() -> None:
     assert mdates.num2date(lo).timestamp() * 1000 < T0_MS
 
 
+@pytest.mark.pure
 @needs_mpl
 def test_png_dry_run_shutdown_is_not_drawn_as_a_real_one() -> None:
     from gce_watchdog.report import plot
@@ -419,6 +428,7 @@ def test_png_dry_run_shutdown_is_not_drawn_as_a_real_one() -> None:
     assert any(t.startswith("SHUTDOWN 10/10") for t in _marker_labels(fig_real))
 
 
+@pytest.mark.pure
 def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> None:
     data, _, _ = wedge_and_reboot(tmp_path)
     r = build_report(data, source="vm<1>.log")
@@ -445,6 +455,7 @@ def test_html_is_self_contained_and_has_every_event_escaped(tmp_path: Path) -> N
 # -- the command -----------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @needs_mpl
 def test_cli_writes_png_html_and_prints_the_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -461,6 +472,7 @@ def test_cli_writes_png_html_and_prints_the_table(
     assert "verdict: healthy (no failover)" in out and f"plot written to {png}" in out
 
 
+@pytest.mark.pure
 def test_cli_json_and_silence_is_judged_from_when_the_dump_was_received(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -492,6 +504,7 @@ def test_cli_json_and_silence_is_judged_from_when_the_dump_was_received(
     assert json.loads(capsys.readouterr().out)["verdict"]["reason"].startswith("no line for 108")
 
 
+@pytest.mark.pure
 def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path / "missing.log")]) == 66
     assert "cannot read" in capsys.readouterr().err
@@ -515,6 +528,7 @@ def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     )
 
 
+@pytest.mark.process
 def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     """A fresh interpreter where importing matplotlib fails, as on a VM without the extra."""
     log = tmp_path / "x.log"
@@ -537,6 +551,7 @@ def test_png_without_matplotlib_says_how_to_install_it(tmp_path: Path) -> None:
     assert "no plot" in page and "gce-watchdog[report]" in page
 
 
+@pytest.mark.pure
 def test_render_time_of_a_1mib_log() -> None:
     data, expected = realistic_dump(1024 * 1024, directory=CORPUS)
     t0 = time.perf_counter()
@@ -557,6 +572,7 @@ def test_render_time_of_a_1mib_log() -> None:
     assert t_text < 10 and t_png < 30  # generous: 2 shared CI cores
 
 
+@pytest.mark.pure
 def test_html_event_tables_have_the_terminal_tables_columns(tmp_path: Path) -> None:
     data, _, _ = wedge_and_reboot(tmp_path)
     r = build_report(data, source="vm.log")
@@ -574,6 +590,7 @@ def test_html_event_tables_have_the_terminal_tables_columns(tmp_path: Path) -> N
     assert "<td>fail timeout 5001ms</td>" in row and "<td>fail connect_timeout 5002ms</td>" in row
 
 
+@pytest.mark.pure
 def test_human_output_shows_units_and_the_wire_keeps_its_compact_fields() -> None:
     from gce_watchdog.wire.protocol import encode, make_event
     from gce_watchdog.wire.vocab import human_fields, human_value

@@ -10,6 +10,8 @@ import pytest
 import requests
 from gce_watchdog.testing.simcompute import FakeComputeAPI, Fault
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 AUTH = {"Authorization": "Bearer tok"}
 

@@ -31,6 +31,8 @@ from gce_watchdog.vm.state import (
 from gce_watchdog.wire import protocol
 from kit.paths import REPO
 
+pytestmark = pytest.mark.process
+
 SCRIPT = REPO / "startup" / "startup-script.sh"
 BAKE = REPO / "startup" / "bake-image.sh"
 BOOT_ID = "5f1e2d3c-0000-4000-8000-0123456789ab"

@@ -40,6 +40,7 @@ def nobody() -> int:
 # -- the check itself ----------------------------------------------------------------------------
 
 
+@pytest.mark.process
 @root_only
 def test_untrusted_dir_reasons(tmp_path: Path) -> None:
     good = tmp_path / "good"
@@ -63,6 +64,7 @@ def test_untrusted_dir_reasons(tmp_path: Path) -> None:
 # -- O_NOFOLLOW ------------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_planted_links_are_never_written_through(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -86,6 +88,7 @@ def test_planted_links_are_never_written_through(tmp_path: Path) -> None:
 # -- the missing serial device ---------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_missing_device_is_unusable_and_its_directory_never_created(tmp_path: Path) -> None:
     device = tmp_path / "no-such-dir" / "ttyS0"
     fallback = tmp_path / "logs" / "serial.log"
@@ -96,6 +99,7 @@ def test_a_missing_device_is_unusable_and_its_directory_never_created(tmp_path: 
     assert fallback.read_text() == "hello\n"
 
 
+@pytest.mark.pure
 def test_a_missing_device_in_an_existing_directory_is_not_created_either(tmp_path: Path) -> None:
     device = tmp_path / "ttyS0"
     with SerialPort(str(device), str(tmp_path / "fb.log")) as port:
@@ -130,6 +134,7 @@ def _plant_disarm(state: Path) -> None:
     (state / "disarm.json").write_text(json.dumps(rec))
 
 
+@pytest.mark.process
 @root_only
 @pytest.mark.parametrize("kind", ["foreign", "symlink", "world-writable"])
 def test_an_untrusted_state_dir_is_not_used_and_a_planted_disarm_does_nothing(
@@ -164,6 +169,7 @@ def test_an_untrusted_state_dir_is_not_used_and_a_planted_disarm_does_nothing(
     assert not Path(private).exists()  # the run's private state dir is removed at exit
 
 
+@pytest.mark.process
 @root_only
 def test_a_trusted_state_dir_still_honours_its_disarm(tmp_path: Path) -> None:
     """The counterpart: the same planted file in a root-owned 0755 dir disarms (so the test
@@ -180,6 +186,7 @@ def test_a_trusted_state_dir_still_honours_its_disarm(tmp_path: Path) -> None:
     assert "would_shutdown" in names and "dry_run_shutdown" not in names
 
 
+@pytest.mark.process
 @root_only
 def test_a_foreign_run_dir_runs_without_the_lock_and_says_why(tmp_path: Path) -> None:
     run = tmp_path / "run"
@@ -196,6 +203,7 @@ def test_a_foreign_run_dir_runs_without_the_lock_and_says_why(tmp_path: Path) ->
     assert any(e.event == "warn" and e.get("what") == "run_dir" for e in _events(tmp_path))
 
 
+@pytest.mark.process
 def test_an_unusable_run_dir_runs_without_the_lock_not_exit_75(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("not a directory\n")
     with SimGCE() as sim:
@@ -205,6 +213,7 @@ def test_an_unusable_run_dir_runs_without_the_lock_not_exit_75(tmp_path: Path) -
     assert "running without the agent lock" in r.stderr and "second ladder" not in r.stderr
 
 
+@pytest.mark.process
 def test_a_planted_lock_link_is_not_truncated_and_the_agent_still_runs(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -224,6 +233,7 @@ def test_a_planted_lock_link_is_not_truncated_and_the_agent_still_runs(tmp_path:
     assert evs[0].event == "start" and evs[-1].event == "stop"
 
 
+@pytest.mark.process
 def test_a_real_second_agent_is_still_refused_with_75(tmp_path: Path) -> None:
     """The lock still does its job where it can be used."""
     with SimGCE() as sim:

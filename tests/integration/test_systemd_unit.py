@@ -73,11 +73,13 @@ def rendered(tmp_path: Path) -> Iterator[Path]:
             shutil.rmtree(link_dir, ignore_errors=True)
 
 
+@pytest.mark.pure
 def test_the_repository_unit_is_the_packaged_one() -> None:
     assert (REPO / "systemd" / "gce-watchdog.service").resolve() == UNIT_SRC.resolve()
     assert template("gce-watchdog.service") == UNIT_SRC.read_text()
 
 
+@pytest.mark.pure
 def test_required_settings() -> None:
     s = settings(UNIT_SRC.read_text())
     assert s["Type"] == ["notify"]
@@ -103,6 +105,7 @@ def test_required_settings() -> None:
     assert "NoNewPrivileges" in s and s["NoNewPrivileges"] == ["yes"]
 
 
+@pytest.mark.pure
 def test_exec_start_default_matches_the_bootstrap_prefix() -> None:
     # startup/startup-script.sh installs the agent into $PREFIX=/opt/gce-watchdog (a venv).
     script = (REPO / "startup" / "startup-script.sh").read_text()
@@ -110,6 +113,7 @@ def test_exec_start_default_matches_the_bootstrap_prefix() -> None:
     assert 'AGENT="$PREFIX/bin/gce-watchdog"' in script
 
 
+@pytest.mark.process
 @needs_analyze
 def test_systemd_analyze_verify(rendered: Path) -> None:
     p = subprocess.run(
@@ -139,6 +143,7 @@ def _security(unit: Path) -> tuple[float, list[dict[str, str]]]:
     return float(m.group(1)), items
 
 
+@pytest.mark.process
 @needs_analyze
 def test_security_exposure_within_target_and_every_exposed_item_documented(
     rendered: Path,
@@ -152,6 +157,7 @@ def test_security_exposure_within_target_and_every_exposed_item_documented(
     assert missing == [], f"exposed items not explained in docs/systemd.md: {missing}"
 
 
+@pytest.mark.process
 @needs_analyze
 def test_threshold_rc_agrees(rendered: Path) -> None:
     p = subprocess.run(
@@ -163,6 +169,7 @@ def test_threshold_rc_agrees(rendered: Path) -> None:
     assert p.returncode == 0, p.stdout[-2000:]
 
 
+@pytest.mark.process
 @needs_analyze
 def test_the_score_notices_a_weakened_unit(tmp_path: Path, rendered: Path) -> None:
     # The measurement is live: dropping the capability bound must cost exposure.

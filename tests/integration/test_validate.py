@@ -20,6 +20,9 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI, FakeInstance
 from gce_watchdog.testing.simguest import SimGuest
 from gce_watchdog.validate.plan import LABEL
 from kit.paths import REPO
+from kit.procs import sigint_default
+
+pytestmark = pytest.mark.process
 
 P, Z = "val-project", "us-central1-a"
 FAST = ["--poll-every", "0.05", "--agent-interval", "0.2", "--deadline", "90", "--op-poll", "0.05"]
@@ -178,8 +181,10 @@ def spawn(api: FakeComputeAPI, tmp: Path, run: str) -> subprocess.Popen[bytes]:
     args = argv(api, tmp, "--yes", "--run-id", run, "--out", str(tmp / "out"),
                 "--scenario", "wedge", "--scenario", "done", *FAST)  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
-    return subprocess.Popen([sys.executable, "-m", "gce_watchdog", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    # SIGINT at its default, as in a terminal: the Ctrl-C test must not inherit the SIG_IGN
+    # of a `make test &` (kit/procs.py, sigint_default)
+    return subprocess.Popen(sigint_default([sys.executable, "-m", "gce_watchdog", *args]),
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
 
 
 def wait_until(pred: Callable[[], bool], proc: subprocess.Popen[bytes], within: float) -> None:

@@ -25,7 +25,7 @@ from kit.paths import REPO
 PYENV = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
 SUPPORTED = ("3.11", "3.12", "3.13")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _python(minor: str) -> Path:

@@ -6,7 +6,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gce_watchdog.daemon.ladder import ProbeVerdict
+from gce_watchdog.daemon.ladder import LadderState, ProbeVerdict
+from gce_watchdog.daemon.service import ChainMark, LadderStore
 from gce_watchdog.daemon.tick import ProbeResult, TickResult
 
 
@@ -82,3 +83,27 @@ class ScriptedProber:
         if self.clock is not None and self.latency:
             self.clock.advance(self.latency)
         return r
+
+
+class MemoryLadderStore(LadderStore):
+    """The daemon's ``LadderStore`` (daemon/service.py) kept in memory: ``save`` then
+    ``load_full`` give back what was saved, for a boot, with no file and no fsync. For tests
+    about the loop and the chain, not about the state file (those use the real store): a real
+    save is an atomic write with two fsyncs, which a loaded disk makes cost tens of ms each."""
+
+    def __init__(self, boot_id: str = "b1") -> None:
+        super().__init__("/nonexistent/ladder.json", boot_id)
+        self.saved: tuple[LadderState, ChainMark | None] | None = None
+        self.saves = 0
+
+    def load_full(self, threshold: int) -> tuple[LadderState, ChainMark | None]:
+        if self.saved is None:
+            return LadderState(), None
+        st, mark = self.saved  # as the real load: clamped to the threshold, a decision at it
+        return LadderState(
+            threshold if st.fired else min(st.rung, threshold), st.fired, st.warned
+        ), mark
+
+    def save(self, st: LadderState, mark: ChainMark | None = None) -> bool:
+        self.saved, self.saves = (st, mark), self.saves + 1
+        return True

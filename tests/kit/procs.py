@@ -1,10 +1,12 @@
 """Racing processes: start them, gather their results, reap them all (bounded). A command run
-until an event: ``running``, ``wait_alive``, ``terminate``."""
+until an event: ``running``, ``wait_alive``, ``terminate``. ``sigint_default``: a command whose
+Ctrl-C (SIGINT) does what it does in a terminal's foreground job, whatever this process got."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -59,3 +61,20 @@ def terminate(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> tuple[byt
     """SIGTERM, then its stdout and stderr once it exited (within ``timeout_s``)."""
     proc.send_signal(signal.SIGTERM)
     return proc.communicate(timeout=timeout_s)
+
+
+# Run by a fresh interpreter before the command: SIGINT back to its default disposition, then exec
+# (an exec keeps SIG_DFL and SIG_IGN, and resets only caught signals, POSIX execve(2)).
+_SIGINT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
+
+
+def sigint_default(argv: list[str]) -> list[str]:
+    """``argv`` started with SIGINT at its default disposition, as an interactive shell starts a
+    foreground job. A non-interactive shell starts a background job (``make test &``, CI
+    runners) with SIGINT ignored (POSIX 2.11, "Signals and Error Handling"), every child
+    inherits that, and Python then installs no KeyboardInterrupt handler: a test that plays
+    the operator's Ctrl-C must not depend on how pytest itself was started."""
+    return [sys.executable, "-c", _SIGINT_DEFAULT, *argv]

@@ -35,7 +35,10 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import decode_all
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="vhangup(2) needs CAP_SYS_TTY_CONFIG")
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="vhangup(2) needs CAP_SYS_TTY_CONFIG"),
+]
 
 BOOT = "cafecafe"
 

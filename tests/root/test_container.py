@@ -32,7 +32,7 @@ from kit.pubsub_emulator import topic_and_subscription
 from kit.pubsub_service import exported_entry, exported_text
 from kit.wait import wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TAG = "localhost/gce-watchdog-poller:test"
 LABEL = {"gce-watchdog": "on"}

@@ -19,7 +19,7 @@ BUILD = REPO / "packaging" / "build-deb.sh"
 UPSTREAM = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 VERSION = f"{UPSTREAM}-1~deb12u1"  # the bookworm build (build-deb.sh's default release)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _usable() -> str | None:

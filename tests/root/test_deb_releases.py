@@ -42,7 +42,7 @@ RELEASES = {"bookworm": ("12", "3.11"), "trixie": ("13", "3.13")}
 VOLATILE = ("tmp/", "var/lib/dpkg/", "var/cache/", "var/log/", "var/lib/apt/", "run/", "proc/")
 TIMINGS: dict[str, dict[str, float]] = {}
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def _unusable() -> str | None:

@@ -41,6 +41,7 @@ NOW = 1_800_000_000.0
 # -- the plan (pure) -------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @given(st.sampled_from(ALL_CUTS), st.sampled_from(["4", "6"]))
 def test_plan_ssh_and_loopback_come_first_and_every_drop_is_port_scoped(cut: Cut, fam: str) -> None:
     rules = fplan.plan(cut, fam, "abcd1234", NOW)
@@ -60,6 +61,7 @@ def test_plan_ssh_and_loopback_come_first_and_every_drop_is_port_scoped(cut: Cut
     assert {r.chain for r in rules} == {CHAIN_OUT, CHAIN_IN}
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("cut", ALL_CUTS, ids=lambda c: c.label)
 def test_plan_cuts_exactly_what_was_asked(cut: Cut) -> None:
     drops = [r.args for r in fplan.plan(cut, "4", "abcd1234", NOW) if r.args[-1] == "DROP"]
@@ -80,6 +82,7 @@ def test_plan_cuts_exactly_what_was_asked(cut: Cut) -> None:
     assert len(ids) <= 1
 
 
+@pytest.mark.pure
 def test_plan_v6_uses_the_v6_metadata_address_and_link_local() -> None:
     cut = Cut(metadata=True, egress443=True)
     args = [r.args for r in fplan.plan(cut, "6", "abcd1234", NOW)]
@@ -88,6 +91,7 @@ def test_plan_v6_uses_the_v6_metadata_address_and_link_local() -> None:
     assert not any(METADATA_IP in a for a in args)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("cut", ALL_CUTS, ids=lambda c: c.label)
 def test_cut_label_round_trips(cut: Cut) -> None:
     back = Cut.parse(cut.label)
@@ -95,11 +99,13 @@ def test_cut_label_round_trips(cut: Cut) -> None:
     assert bool(back) == bool(cut)
 
 
+@pytest.mark.pure
 def test_cut_parse_rejects_unknown_parts() -> None:
     with pytest.raises(ValueError, match="unknown cut part"):
         Cut.parse("metadata+ssh")
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("text", "ok"),
     [("10m", 600.0), ("90s", 90.0), ("1", 1.0), ("24h", 86400.0)],
@@ -108,12 +114,14 @@ def test_parse_ttl_accepts(text: str, ok: float) -> None:
     assert fplan.parse_ttl(text) == ok
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("text", ["0", "0.5s", "25h", "soon", "-1m", ""])
 def test_parse_ttl_rejects(text: str) -> None:
     with pytest.raises(ValueError):
         fplan.parse_ttl(text)
 
 
+@pytest.mark.pure
 def test_parse_listing_reads_id_until_and_cut_back() -> None:
     cut = Cut(metadata=True, dns=True)
     c = fplan.comment("0badcafe", NOW, cut)
@@ -261,6 +269,7 @@ def make_world(tmp_path: Path, systemd: bool = False, **fake: object) -> World:
     return World(fw, deps, Paths(tmp_path / "run", "/etc/x.toml"), sink, spawned, clock)
 
 
+@pytest.mark.process
 def test_inject_installs_both_families_and_records_the_expiry(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     inj = firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 600)
@@ -283,6 +292,7 @@ def test_inject_installs_both_families_and_records_the_expiry(tmp_path: Path) ->
     }
 
 
+@pytest.mark.process
 def test_reverter_is_scheduled_before_any_rule_goes_in(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     inj = firewall.inject(w.deps, w.paths, Cut(dns=True), 60)
@@ -294,6 +304,7 @@ def test_reverter_is_scheduled_before_any_rule_goes_in(tmp_path: Path) -> None:
     assert argv[argv.index("--config") + 1] == "/etc/x.toml"
 
 
+@pytest.mark.process
 def test_injecting_twice_replaces_never_stacks(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     a = firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True), 60)
@@ -326,6 +337,7 @@ def test_injecting_twice_replaces_never_stacks(tmp_path: Path) -> None:
     assert not any("53" in r for r in w.fw.chains["4"][CHAIN_IN])
 
 
+@pytest.mark.process
 def test_old_reverter_cannot_clear_the_replacement(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     a = firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
@@ -340,6 +352,7 @@ def test_old_reverter_cannot_clear_the_replacement(tmp_path: Path) -> None:
     assert ops == ["inject", "clear", "inject", "expire"]  # the clear: a replaced
 
 
+@pytest.mark.process
 def test_clear_removes_everything_and_says_so(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     inj = firewall.inject(w.deps, w.paths, Cut(metadata=True, egress443=True, dns=True), 60)
@@ -351,6 +364,7 @@ def test_clear_removes_everything_and_says_so(tmp_path: Path) -> None:
     assert inj.fault_id in msg
 
 
+@pytest.mark.process
 def test_clear_with_nothing_installed_writes_no_line(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     removed, msg = firewall.clear(w.deps, w.paths)
@@ -358,6 +372,7 @@ def test_clear_with_nothing_installed_writes_no_line(tmp_path: Path) -> None:
     assert w.sink.lines == []
 
 
+@pytest.mark.process
 def test_systemd_timer_when_systemd_runs(tmp_path: Path) -> None:
     w = make_world(tmp_path, systemd=True)
     inj = firewall.inject(w.deps, w.paths, Cut(metadata=True), 90.2)
@@ -372,12 +387,14 @@ def test_systemd_timer_when_systemd_runs(tmp_path: Path) -> None:
     assert ["systemctl", "stop", f"gcewd-fault-revert-{inj.fault_id}.timer"] in w.fw.calls
 
 
+@pytest.mark.process
 def test_auto_falls_back_to_a_process_when_systemd_run_fails(tmp_path: Path) -> None:
     w = make_world(tmp_path, systemd=True, fail=("systemd-run",))
     inj = firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
     assert inj.revert["kind"] == "process" and len(w.spawned) == 1
 
 
+@pytest.mark.process
 def test_forced_systemd_that_fails_installs_nothing(tmp_path: Path) -> None:
     w = make_world(tmp_path, fail=("systemd-run",))
     with pytest.raises(FaultError, match="systemd-run failed"):
@@ -385,6 +402,7 @@ def test_forced_systemd_that_fails_installs_nothing(tmp_path: Path) -> None:
     assert w.fw.clean() and w.sink.lines == []
 
 
+@pytest.mark.process
 def test_failed_install_rolls_back(tmp_path: Path) -> None:
     w = make_world(tmp_path, fail=("443", "DROP"))
     with pytest.raises(FaultError, match="443"):
@@ -398,6 +416,7 @@ def test_failed_install_rolls_back(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.process
 def test_ipv4_only_where_ip6tables_does_not_work(tmp_path: Path) -> None:
     w = make_world(tmp_path, no_v6=True)
     inj = firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
@@ -407,12 +426,14 @@ def test_ipv4_only_where_ip6tables_does_not_work(tmp_path: Path) -> None:
     assert w.fw.clean()
 
 
+@pytest.mark.process
 def test_missing_iptables_is_a_clear_error(tmp_path: Path) -> None:
     w = make_world(tmp_path, missing=True)
     with pytest.raises(firewall.ToolMissing, match="apt-get install iptables"):
         firewall.inject(w.deps, w.paths, Cut(metadata=True), 60)
 
 
+@pytest.mark.process
 def test_nothing_to_cut_is_refused(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     with pytest.raises(FaultError, match="nothing to cut"):
@@ -420,6 +441,7 @@ def test_nothing_to_cut_is_refused(tmp_path: Path) -> None:
     assert w.fw.calls == []
 
 
+@pytest.mark.process
 def test_status_shows_expiry_and_overdue(tmp_path: Path) -> None:
     w = make_world(tmp_path)
     assert firewall.status(w.deps, w.paths) == {"active": False}
@@ -436,6 +458,7 @@ def test_status_shows_expiry_and_overdue(tmp_path: Path) -> None:
     assert firewall.status(w.deps, w.paths)["until"] == fplan.iso(NOW + 300)
 
 
+@pytest.mark.pure
 def test_cli_usage_errors_exit_2_before_touching_anything(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -639,6 +662,7 @@ def test_real_systemd_path_timer_command_clears(topo: Topology, tmp_path: Path) 
     assert [e.get("op") for e in fault_events(tmp_path)] == ["expire"]
 
 
+@pytest.mark.pure
 def test_without_root_nothing_runs() -> None:
     import argparse
 

@@ -14,6 +14,8 @@ import textwrap
 import pytest
 from kit.journal import CHILD
 
+pytestmark = pytest.mark.netns
+
 JOURNALD = next(
     (
         p

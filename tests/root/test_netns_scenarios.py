@@ -26,7 +26,7 @@ from gce_watchdog.wire.protocol import Event, needs_announcement
 from kit.events import read_events
 from kit.netns import PY, VM_ADDR, SimHandle, Topology
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
+pytestmark = [pytest.mark.netns, pytest.mark.netns, pytest.mark.slow]
 
 # The scenes run the agent with action = "dry-run": its decision line is its own event (issue 15).
 DECISION = "dry_run_shutdown"

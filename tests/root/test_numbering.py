@@ -15,6 +15,8 @@ from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from kit.paths import REPO
 
+pytestmark = pytest.mark.netns
+
 needs_unshare = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare"),
     reason="needs root and unshare (a private mount namespace for the small tmpfs)",

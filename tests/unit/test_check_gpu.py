@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import types
 
+import pytest
 from gce_watchdog.daemon.app import gpu_line
 from gce_watchdog.memory.samplers import GpuSampler
 from kit import fake_pynvml
+
+pytestmark = pytest.mark.pure
 
 GIB = 1 << 30
 

@@ -9,6 +9,8 @@ import importlib
 import pytest
 from gce_watchdog import cli
 
+pytestmark = pytest.mark.pure
+
 
 def test_each_command_maps_to_the_module_that_registers_it() -> None:
     registered: dict[str, str] = {}

@@ -10,6 +10,8 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.runtime import open_console
 from gce_watchdog.wire import protocol, vocab
 
+pytestmark = pytest.mark.pure
+
 
 def _cfg(tmp_path: Path, device: str, fallback: str) -> cfgmod.Config:
     return cfgmod.from_dict(

@@ -6,6 +6,8 @@ import pytest
 import requests
 from gce_watchdog.lib.compute import env_cached_session_class
 
+pytestmark = pytest.mark.pure
+
 URLS = (
     "https://compute.googleapis.com/compute/v1/projects/p/zones/z/instances/a/serialPort",
     "https://compute.googleapis.com/compute/v1/projects/p/aggregated/instances",

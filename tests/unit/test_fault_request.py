@@ -21,6 +21,8 @@ from gce_watchdog.faults.request import (
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 CUTS = [Cut(*bits) for bits in itertools.product([False, True], repeat=4) if any(bits)]
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", fullmatch=True)
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from gce_watchdog.lib.health import health_answer
 from hypothesis import given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 
 def test_the_answer_is_200_until_the_last_progress_is_older_than_the_stall() -> None:

@@ -19,8 +19,10 @@ from gce_watchdog.daemon.ladder import (
     classify,
     step,
 )
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 OK, FAIL, UNK = ProbeVerdict.OK, ProbeVerdict.FAIL, ProbeVerdict.UNKNOWN
 # One representative observation per tick class (classify is tested on all 9 pairs below).
@@ -143,7 +145,6 @@ verdicts = st.sampled_from([OK, FAIL, UNK])
 observations = st.builds(Observation, verdicts, verdicts, st.booleans(), st.booleans())
 
 
-@settings(max_examples=400, deadline=None)
 @given(st.lists(observations, max_size=60), st.integers(1, 12))
 def test_properties(obs: list[Observation], threshold: int) -> None:
     s = LadderState()

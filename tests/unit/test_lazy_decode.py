@@ -10,13 +10,16 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 
+import pytest
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event, LineKey, StreamDecoder
-from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import event, example, given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 EVIL = LineKey(bytes(range(1, 33)))
 OTHER = LineKey(bytes(range(2, 34)))
@@ -101,7 +104,6 @@ def feed(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Timeli
     return tl
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     plan=steps,
     cuts=st.lists(st.integers(0, 20_000), max_size=4),
@@ -345,7 +347,6 @@ def _decode(data: bytes, cuts: list[int], lazy: bool, budget: int | None) -> Str
     return d
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     plan=steps,
     cuts=st.lists(st.integers(0, 20_000), max_size=4),

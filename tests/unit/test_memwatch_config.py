@@ -7,6 +7,8 @@ import tomllib
 import pytest
 from gce_watchdog.vm import config as cfgmod
 
+pytestmark = pytest.mark.pure
+
 
 def test_defaults_report_only() -> None:
     m = cfgmod.Config().memory

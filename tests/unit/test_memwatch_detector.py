@@ -15,8 +15,10 @@ from gce_watchdog.memory.detector import (
     mann_kendall,
     theil_sen,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 P = DetectorParams()  # warm-up 10, window 30, band 1 GiB, alpha 0.01
 PERIOD = 30.0  # the agent's default sampling period
@@ -166,11 +168,9 @@ def test_statistics_against_known_values() -> None:
 
 # --- properties ---------------------------------------------------------------------------------
 
-_FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _n = st.integers(min_value=P.warmup + P.window, max_value=160)
 
 
-@_FAST
 @given(
     n=_n,
     base=st.integers(min_value=0, max_value=2**40),
@@ -192,7 +192,6 @@ def test_steady_strictly_increasing_out_of_band_is_climb(
     assert detect(_series(values), P).status is Status.CLIMB
 
 
-@_FAST
 @given(n=st.integers(0, 200), level=st.integers(0, 2**44))
 def test_constant_series_passes_or_needs_data(n: int, level: int) -> None:
     v = detect(_series([float(level)] * n), P)
@@ -201,7 +200,6 @@ def test_constant_series_passes_or_needs_data(n: int, level: int) -> None:
     assert v.range_bytes == 0
 
 
-@_FAST
 @given(
     values=st.lists(
         st.integers(min_value=0, max_value=64 * GIB).map(float), min_size=0, max_size=120
@@ -216,7 +214,6 @@ def test_constant_offset_does_not_change_the_verdict(values: list[float], offset
     assert a.range_bytes == b.range_bytes
 
 
-@_FAST
 @given(
     values=st.lists(st.floats(min_value=0, max_value=1e12), min_size=0, max_size=120),
     period=st.floats(min_value=0.01, max_value=3600),
@@ -235,7 +232,6 @@ def test_any_finite_series_gets_a_verdict_with_consistent_numbers(
         assert 0.0 <= v.p_value <= 1.0
 
 
-@_FAST
 @given(seed=st.integers(0, 10_000), sd=st.floats(0.0, 0.12))
 def test_noise_within_band_never_alarms(seed: int, sd: float) -> None:
     v = detect(_series(_flat_noise(80, seed, sd=sd * GIB)), P)

@@ -7,6 +7,8 @@ import pytest
 from gce_watchdog.memory.detector import DetectorParams
 from gce_watchdog.memory.memwatch import Run, exit_code, judge, memory_verdict
 
+pytestmark = pytest.mark.pure
+
 
 def _flat_run(rc: int | None, signal_name: str | None = None) -> Run:
     rows = [

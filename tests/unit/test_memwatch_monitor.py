@@ -88,6 +88,7 @@ def _run(mon: MemoryMonitor, clock: ManualClock, n: int, each: object = None) ->
         clock.advance(30.0)
 
 
+@pytest.mark.pure
 def test_no_gpu_one_line_saying_why_then_flat_host_is_quiet(tmp_path: Path) -> None:
     clock, host = ManualClock(), Host()
     mon, sink, _ = _monitor(tmp_path, clock, host, None)
@@ -107,6 +108,7 @@ def test_no_gpu_one_line_saying_why_then_flat_host_is_quiet(tmp_path: Path) -> N
     assert mon.verdicts["host"].status == "pass"
 
 
+@pytest.mark.pure
 def test_gpu_climb_then_ok(tmp_path: Path) -> None:
     clock, host = ManualClock(), Host()
     devs = [
@@ -144,6 +146,7 @@ def test_gpu_climb_then_ok(tmp_path: Path) -> None:
     assert oks[0].get("st") in {"unstable", "step", "pass"}
 
 
+@pytest.mark.pure
 def test_warmup_samples_are_not_judged(tmp_path: Path) -> None:
     clock, host = ManualClock(), Host()
     mon, _, _ = _monitor(tmp_path, clock, host, None, warmup=600.0)
@@ -154,6 +157,7 @@ def test_warmup_samples_are_not_judged(tmp_path: Path) -> None:
     assert v.samples == 0
 
 
+@pytest.mark.pure
 def test_host_climb_names_top_process_and_runs_opt_in_command(tmp_path: Path) -> None:
     clock, host = ManualClock(), Host()
     mon, sink, calls = _monitor(
@@ -175,6 +179,7 @@ def test_host_climb_names_top_process_and_runs_opt_in_command(tmp_path: Path) ->
     assert act.get("rc") == "0"
 
 
+@pytest.mark.pure
 def test_lost_gpu_is_one_line_and_recovery_another(tmp_path: Path) -> None:
     clock, host = ManualClock(), Host()
     devs = [fake_pynvml.Device("NVIDIA A100-SXM4-80GB", 80 * GIB, 10 * GIB)]
@@ -190,6 +195,7 @@ def test_lost_gpu_is_one_line_and_recovery_another(tmp_path: Path) -> None:
     assert "GPU is lost" in gpu[1].text
 
 
+@pytest.mark.pure
 def test_mem_lines_split_for_sixteen_gpus(tmp_path: Path) -> None:
     clock, host = ManualClock(), Host()
     devs = [fake_pynvml.Device("NVIDIA A100-SXM4-40GB", 40 * GIB, 39 * GIB) for _ in range(16)]
@@ -202,12 +208,14 @@ def test_mem_lines_split_for_sixteen_gpus(tmp_path: Path) -> None:
     assert keys == [f"g{i}" for i in range(16)]
 
 
+@pytest.mark.pure
 def test_pack_never_exceeds_line_budget() -> None:
     fields = [(f"g{i}", "123.45") for i in range(64)]
     for line in _pack([("hu", "1.00")], fields):
         assert sum(len(k) + len(str(v)) + 2 for k, v in line) <= MAX_LINE - 60
 
 
+@pytest.mark.pure
 def test_disabled_monitor_does_not_start(tmp_path: Path) -> None:
     clock, host = ManualClock(), Host()
     mon, sink, _ = _monitor(tmp_path, clock, host, None, enabled=False)
@@ -216,6 +224,7 @@ def test_disabled_monitor_does_not_start(tmp_path: Path) -> None:
     assert sink.lines == []
 
 
+@pytest.mark.process
 def test_thread_start_stop_is_bounded(tmp_path: Path) -> None:
     # Real thread, real time, tiny period: poll for the first sample with a deadline.
     host = Host()
@@ -237,6 +246,7 @@ def test_thread_start_stop_is_bounded(tmp_path: Path) -> None:
     assert mon.ticks == ticks  # really stopped
 
 
+@pytest.mark.process
 def test_a_failing_reader_does_not_kill_the_thread(tmp_path: Path) -> None:
     n = {"calls": 0}
 
@@ -260,6 +270,7 @@ def test_a_failing_reader_does_not_kill_the_thread(tmp_path: Path) -> None:
         assert mon.stop(2.0)
 
 
+@pytest.mark.pure
 def test_climb_that_wobbles_is_one_climb_line(tmp_path: Path) -> None:
     from gce_watchdog.memory.detector import ClimbVerdict, Status
     from gce_watchdog.memory.monitor import OK_AFTER

@@ -21,10 +21,12 @@ from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
 from kit.prom import Series, parse_prom
+
+pytestmark = pytest.mark.pure
 
 # -- a strict parser for the text exposition format (0.0.4) ---------------------------------------
 
@@ -309,7 +311,6 @@ def test_metrics_config_defaults_and_errors() -> None:
 # -- the format, for any values --------------------------------------------------------------------
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     rung=st.integers(0, 1000),
     lat=st.integers(0, 10**7),
@@ -407,7 +408,6 @@ def test_the_reference_parser_reads_what_the_agent_writes(tmp_path: Path) -> Non
     assert types["gce_watchdog_dry_run_decisions_total"] == "counter"
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     mem=st.dictionaries(
         st.text(min_size=1, max_size=20), st.floats(allow_nan=True, allow_infinity=True), max_size=5

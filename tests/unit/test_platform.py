@@ -20,6 +20,8 @@ from gce_watchdog.vm.platform import (
     detect_in,
 )
 
+pytestmark = pytest.mark.pure
+
 QEMU = "Standard PC (Q35 + ICH9, 2009)"
 
 # (id, product_name or None for absent, product_serial or None for absent, taken for GCE)

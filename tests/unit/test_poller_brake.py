@@ -14,6 +14,8 @@ from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 shares = st.floats(min_value=1e-6, max_value=1.0, allow_nan=False)
 fleets = st.integers(min_value=0, max_value=1_000_000)
 floors = st.integers(min_value=1, max_value=1000)

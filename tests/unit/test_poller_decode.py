@@ -22,10 +22,12 @@ from gce_watchdog.testing.synth import (
     splice,
 )
 from gce_watchdog.wire.protocol import Event, decode_all, decode_line, encode
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.corpus import file_lines, scenario_one_boot_with_damage, weave
 from kit.paths import CORPUS
+
+pytestmark = pytest.mark.pure
 
 
 def test_the_corpus_is_vendored_with_its_sources() -> None:
@@ -166,7 +168,6 @@ def _small_realistic() -> tuple[bytes, list[Event]]:
 _SMALL = _small_realistic()
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(min_value=0, max_value=len(_SMALL[0])), max_size=60))
 def test_events_identical_whatever_the_chunk_boundaries(cuts: list[int]) -> None:
     data, expected = _SMALL

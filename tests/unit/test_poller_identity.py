@@ -16,6 +16,8 @@ from gce_watchdog.poller.identity import (
     subscription_project,
 )
 
+pytestmark = pytest.mark.pure
+
 
 def _inst(iid: str, name: str) -> dict[str, Any]:
     return {"id": iid, "name": name, "status": "RUNNING"}

@@ -16,8 +16,10 @@ from gce_watchdog.poller.verdict import (
     latest_boot_events,
 )
 from gce_watchdog.wire.protocol import Event, make_event
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 T0 = 1_764_475_094_000
 B1, B2 = "aaaa0001", "bbbb0002"
@@ -355,7 +357,6 @@ an_event = st.builds(
 )
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     st.lists(an_event, max_size=30), st.sampled_from(STATUSES), st.booleans(), st.floats(0, 20_000)
 )
@@ -369,7 +370,6 @@ def test_decide_is_total_and_consistent(
         assert v.boot in (None, current_boot(events))
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     st.lists(an_event, min_size=1, max_size=20),
     st.lists(an_event, max_size=20),

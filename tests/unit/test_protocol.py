@@ -18,9 +18,11 @@ from gce_watchdog.wire.protocol import (
     decode_line,
     encode,
 )
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.paths import CORPUS
+
+pytestmark = pytest.mark.pure
 
 P = K.public
 
@@ -54,7 +56,6 @@ def ev(**kw: object) -> Event:
     return Event(**base)  # type: ignore[arg-type]
 
 
-@settings(max_examples=500, deadline=None)
 @given(events)
 def test_round_trip(e: Event) -> None:
     try:
@@ -226,7 +227,6 @@ def _parse_ts_reference(s: str) -> int | None:
 _TS_CHARS = st.sampled_from("0123456789-T:.Z 9\u0663x")  # \u0663: a non-ASCII decimal digit
 
 
-@settings(max_examples=3000, deadline=None)
 @given(
     st.one_of(
         st.datetimes(min_value=__import__("datetime").datetime(1970, 1, 2)).map(
@@ -300,7 +300,6 @@ def _parse_body_reference(body: str) -> Event | None:
 _MUTANT_CHARS = st.sampled_from(" =|#-_aZ09:.\t\u0663")
 
 
-@settings(max_examples=1500, deadline=None)
 @given(
     events,
     st.lists(st.tuples(st.integers(0, 300), st.integers(0, 2), _MUTANT_CHARS), max_size=3),

@@ -4,6 +4,7 @@ readers' decoder, as attacks: a forged rekey, a replayed rekey of another instan
 
 from __future__ import annotations
 
+import pytest
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
 from gce_watchdog.poller.verdict import InstanceState, Policy, VerdictKind, terminal_kind
 from gce_watchdog.wire import protocol
@@ -21,8 +22,10 @@ from gce_watchdog.wire.protocol import (
     parse_rekey,
     rekey_line,
 )
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 BOOT = "b007b007"
 INST = "4242424242424242424"
@@ -101,7 +104,6 @@ def test_a_rekey_line_must_name_the_instance() -> None:
         raise AssertionError(f"rekey line with inst={inst!r} was encoded")
 
 
-@settings(max_examples=60, deadline=None)
 @given(
     boot=st.from_regex(r"[0-9a-f]{8}", fullmatch=True),
     seq=st.integers(min_value=0, max_value=10**20 - 1),

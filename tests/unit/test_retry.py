@@ -8,6 +8,8 @@ from gce_watchdog.lib.retry import Backoff, retry_call
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 
 @given(
     n=st.integers(1, 500),

@@ -20,10 +20,12 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.fakes import FakeClock, FakeNotifier, result
 from kit.prom import parse_prom
+
+pytestmark = pytest.mark.pure
 
 
 class TimedProber:
@@ -135,7 +137,6 @@ def test_a_stall_in_the_wait_is_written_too(tmp_path: Path) -> None:
     assert int((stall.get("gap") or "0ms")[:-2]) >= 5000
 
 
-@settings(max_examples=200, deadline=None)
 @given(
     interval=st.floats(0.1, 3600.0),
     thr=st.integers(1, 30),

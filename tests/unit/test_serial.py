@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from gce_watchdog.daemon.service import Agent, Deps, LadderStore
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
@@ -16,6 +17,7 @@ from gce_watchdog.wire.protocol import decode_all
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
 
 
+@pytest.mark.pure
 def test_lines_reach_a_file_in_order_and_decode(tmp_path: Path) -> None:
     f = tmp_path / "ttyS0"
     f.touch()  # a device that exists (a missing one is unusable)
@@ -31,6 +33,7 @@ def test_lines_reach_a_file_in_order_and_decode(tmp_path: Path) -> None:
         assert [e.seq for e in evs if e.event == "key"] == [0, 1, 32] and stats.forged == 0
 
 
+@pytest.mark.pure
 def test_missing_device_falls_back_to_file(tmp_path: Path) -> None:
     port = SerialPort(str(tmp_path / "no" / "such" / "dir" / "tty"), str(tmp_path / "fb.log"))
     port.device = "/proc/nonexistent/ttyS9"  # a path that cannot be created
@@ -40,6 +43,7 @@ def test_missing_device_falls_back_to_file(tmp_path: Path) -> None:
     assert (tmp_path / "fb.log").read_text() == "x\n"
 
 
+@pytest.mark.pure
 def test_seq_is_shared_between_writers_and_restarts_per_boot(tmp_path: Path) -> None:
     a, b = SeqAllocator(tmp_path, "aaaaaaaa"), SeqAllocator(tmp_path, "aaaaaaaa")
     got = [a.next(), b.next(), a.next()]
@@ -68,6 +72,7 @@ def _stalled_pty() -> tuple[int, int, str]:
     return master, slave, path
 
 
+@pytest.mark.process
 def test_stalled_pty_never_stalls_the_ladder(tmp_path: Path) -> None:
     master, slave, path = _stalled_pty()
     port = SerialPort(path, queue_size=4, sync_timeout=0.2).open()
@@ -107,6 +112,7 @@ def test_stalled_pty_never_stalls_the_ladder(tmp_path: Path) -> None:
         os.close(slave)
 
 
+@pytest.mark.process
 def test_dropped_count_is_reported_in_later_lines(tmp_path: Path) -> None:
     master, slave, path = _stalled_pty()
     port = SerialPort(path, queue_size=1, sync_timeout=0.1).open()
@@ -121,6 +127,7 @@ def test_dropped_count_is_reported_in_later_lines(tmp_path: Path) -> None:
         os.close(slave)
 
 
+@pytest.mark.pure
 def test_a_failed_write_answers_a_sync_caller_at_once() -> None:
     # /dev/full refuses every write (ENOSPC): the caller learns it now, not after sync_timeout.
     with SerialPort("/dev/full", sync_timeout=30.0) as port:
@@ -130,6 +137,7 @@ def test_a_failed_write_answers_a_sync_caller_at_once() -> None:
         assert port.dropped == 1
 
 
+@pytest.mark.pure
 def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> None:
     f = tmp_path / "ttyS0"
     f.touch()
@@ -153,6 +161,7 @@ def test_threads_of_one_process_reach_the_port_in_seq_order(tmp_path: Path) -> N
     assert raw == list(range(801 + len(announcements)))  # on the port itself, not decoded
 
 
+@pytest.mark.pure
 def test_without_the_key_nothing_is_written_and_seq_0_stays_for_the_announcement(
     tmp_path: Path,
 ) -> None:

@@ -9,9 +9,12 @@ import subprocess
 import sys
 import textwrap
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 from kit.paths import REPO
+
+pytestmark = pytest.mark.process
 
 RELAY = REPO / "e2e" / "guest" / "usr" / "local" / "sbin" / "gce-startup-relay"
 MAX = 64 * 1024
@@ -67,7 +70,6 @@ def test_after_a_long_line_the_scripts_next_write_fails() -> None:
     assert r.returncode == 1 and b"more" not in r.stdout
 
 
-@settings(max_examples=30, deadline=None)
 @given(st.lists(st.binary(max_size=200).filter(lambda b: b"\n" not in b), max_size=20))
 def test_short_lines_are_relayed_one_for_one(lines: list[bytes]) -> None:
     rc, out = relay(b"".join(x + b"\n" for x in lines))

@@ -9,6 +9,8 @@ from gce_watchdog.lib.sizes import GIB, format_size, parse_size
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize(
     ("raw", "want"),

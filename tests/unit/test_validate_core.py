@@ -15,6 +15,8 @@ from gce_watchdog.validate.scenarios import SCENARIOS, Observation, judge, selec
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 SRC = P.AgentSource(deb_url="https://example.com/a.deb", deb_sha256="a" * 64)
 SCRIPT = "#!/bin/bash\necho hi\n"
 

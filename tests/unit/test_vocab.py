@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.wire import protocol, vocab
 from hypothesis import given
 from hypothesis import strategies as st
 from kit.paths import REPO
+
+pytestmark = pytest.mark.pure
 
 SPEC = REPO / "docs" / "serial-protocol.md"
 _REASON = st.from_regex(r"[a-z_0-9]{1,20}", fullmatch=True)
