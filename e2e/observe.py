@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gce_watchdog.lib.compute import ComputeClient
-from gce_watchdog.poller.ledger import Ledger
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.poller.poller import Poller, PollOutcome
 from gce_watchdog.poller.reader import CursorStore
 from gce_watchdog.poller.timeline import Timeline, parse_bytes
@@ -115,7 +115,7 @@ class LivePoller:
         )
         self.api.add_instance(NAME, project=PROJECT, zone=ZONE, spot=self.spot)
         self._feed = SerialFeed(self.api, NAME)
-        self.ledger = self._stack.enter_context(Ledger(self.workdir / "ledger.sqlite", "e2e"))
+        self.ledger = self._stack.enter_context(open_ledger(self.workdir / "ledger.sqlite", "e2e"))
         creds = Credentials(TOKEN)  # type: ignore[no-untyped-call]
         self.client = ComputeClient.create(creds, api_base=self.api.base_url)
         self._stack.callback(self.client.close)

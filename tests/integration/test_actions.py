@@ -833,6 +833,7 @@ class StopAfter(FakeClock):
         return got or event.is_set()
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("action", ["poweroff", "delete", "dry-run"])
 def test_a_stop_during_the_linger_ends_the_chain_there(tmp_path: Path, action: str) -> None:
     stop = threading.Event()
@@ -847,6 +848,7 @@ def test_a_stop_during_the_linger_ends_the_chain_there(tmp_path: Path, action: s
     assert 7.0 <= r.clock.monotonic() - 1000.0 < 20.0, "stopped at the stop, not at the end"
 
 
+@pytest.mark.pure
 def test_a_stop_before_the_linger_ends_it_at_once_and_past_it_the_chain_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -864,6 +866,7 @@ def test_a_stop_before_the_linger_ends_it_at_once_and_past_it_the_chain_goes_on(
     assert r2.runner.calls[0] == ["systemctl", "poweroff"]
 
 
+@pytest.mark.pure
 def test_a_dry_run_says_its_decision_once_through_the_linger(tmp_path: Path) -> None:
     r = rig(tmp_path, "dry-run", clock=FakeClock(real_slice=0.0))
     r.chain.execute("ladder", 10, 10)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from gce_watchdog import cli
 from gce_watchdog.daemon import app
 from gce_watchdog.lib.cli import all_parsers
@@ -39,6 +40,7 @@ def _npd_rows(rows: list[tuple[str, str]]) -> dict[str, str]:
     return out
 
 
+@pytest.mark.pure
 def test_the_npd_codes_agree_in_the_table_help_man_page_docs_and_code(tmp_path: Path) -> None:
     rows = list(cli.EXIT_CODES[("check",)])
     said = _npd_rows(rows)
@@ -104,6 +106,7 @@ def blackholed() -> Iterator[int]:
         lsn.close()
 
 
+@pytest.mark.process
 def test_an_outage_answers_nonok_within_4s_with_the_default_timeouts(tmp_path: Path) -> None:
     (tmp_path / "boot_id").write_text("0" * 32 + "\n")
     # The defaults (probe_timeout 5 s, dns_timeout 2 s): alone they would take 5 s and more.
@@ -125,6 +128,7 @@ def test_an_outage_answers_nonok_within_4s_with_the_default_timeouts(tmp_path: P
     assert took < app.NPD_DEADLINE_S == 4.0, f"{took:.2f}s"
 
 
+@pytest.mark.pure
 @given(
     probe=st.floats(0.01, 300),
     ratio=st.floats(0.001, 0.999),
@@ -142,6 +146,7 @@ def test_npd_timeouts_fit_the_deadline_and_keep_their_order(
         assert timeout == probe, "what fits is not shortened"
 
 
+@pytest.mark.pure
 def test_process_age_reads_the_start_time_after_the_command_name(tmp_path: Path) -> None:
     import os
 

@@ -266,6 +266,7 @@ def _sigterm_within(p: subprocess.Popen[str], limit: float) -> tuple[int, float]
     return rc, time.monotonic() - t0
 
 
+@pytest.mark.process
 def test_sigterm_during_a_rehearsed_linger_stops_a_dry_run_within_5s(tmp_path: Path) -> None:
     with SimGCE() as sim:
         cfg = agent_config(tmp_path, sim, actions={"linger": 120, "repeat_every": 0.2})
@@ -293,6 +294,7 @@ def test_sigterm_during_a_rehearsed_linger_stops_a_dry_run_within_5s(tmp_path: P
     assert len(journal) == 1 and "level='warning'" in journal[0], err[-2000:]
 
 
+@pytest.mark.process
 def test_sigterm_during_a_real_linger_stops_within_5s_and_a_restart_resumes_it(
     tmp_path: Path,
 ) -> None:

@@ -695,6 +695,7 @@ def test_no_ending_is_run_once_the_ladder_decided(tmp_path: Path) -> None:
     assert chain.calls == [], "the ladder's chain ends this VM already"
 
 
+@pytest.mark.process
 def test_a_sigterm_in_the_linger_of_an_ending_stops_the_agent_and_keeps_the_step(
     tmp_path: Path,
 ) -> None:

@@ -191,6 +191,7 @@ def _datagrams(sock: socket.socket) -> list[bytes]:
     return out
 
 
+@pytest.mark.process
 def test_off_gce_the_journal_gets_the_whole_reason_and_systemctl_status_says_watch_only(
     tmp_path: Path,
 ) -> None:

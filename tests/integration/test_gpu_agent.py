@@ -11,10 +11,13 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from gce_watchdog.testing.simgce import SimGCE
 from kit.agent import agent_config, agent_process, stop_agent
 from kit.events import read_events
 from kit.wait import wait_for
+
+pytestmark = pytest.mark.process
 
 FAKE_DIR = Path(__file__).resolve().parents[1] / "kit" / "nvml_child"
 GPU = {"used": 1 << 30, "total": 24 << 30, "remap": [0, 0, 0, 0], "ecc_uncorrected": 0,

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from gce_watchdog.gpu.probe import GpuProbe, ProbeResult
 
+pytestmark = pytest.mark.process
+
 FAKE_DIR = Path(__file__).resolve().parents[1] / "kit" / "nvml_child"
 GPU = {
     "bus": "00000000:00:04.0",

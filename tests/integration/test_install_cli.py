@@ -32,6 +32,7 @@ def install_cli(link: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.process
 def test_install_cli_links_the_venv_script_and_it_runs_as_typed(tmp_path: Path) -> None:
     link = tmp_path / "bin" / "gce-watchdog"
     link.parent.mkdir()
@@ -46,6 +47,7 @@ def test_install_cli_links_the_venv_script_and_it_runs_as_typed(tmp_path: Path) 
     assert install_cli(link).returncode == 0  # again: idempotent
 
 
+@pytest.mark.process
 def test_install_cli_leaves_a_file_that_is_not_a_link(tmp_path: Path) -> None:
     other = tmp_path / "gce-watchdog"
     other.write_text("#!/bin/sh\necho a packaged one\n")

@@ -84,6 +84,7 @@ def _finish(tmp: Path, p: subprocess.Popen[bytes]) -> int:
             p.wait()
 
 
+@pytest.mark.process
 def test_a_maintenance_notice_signals_the_job_once(tmp_path: Path) -> None:
     p = _exec(tmp_path)
     try:
@@ -101,6 +102,7 @@ def test_a_maintenance_notice_signals_the_job_once(tmp_path: Path) -> None:
     assert got[0]["at"] == "2001-09-09T01:46:40Z" and got[0]["by"] == "2001-09-09T02:46:40Z"
 
 
+@pytest.mark.process
 def test_each_new_notice_is_a_new_signal_and_none_is_not(tmp_path: Path) -> None:
     p = _exec(tmp_path)
     run = str(tmp_path / "run")
@@ -116,6 +118,7 @@ def test_each_new_notice_is_a_new_signal_and_none_is_not(tmp_path: Path) -> None
     assert rc == 2
 
 
+@pytest.mark.process
 def test_a_notice_from_before_the_job_is_not_news(tmp_path: Path) -> None:
     nt.write_notice(
         str(tmp_path / "run"), nt.maintenance_notice("TERMINATE_ON_HOST_MAINTENANCE", 1e9)
@@ -146,6 +149,7 @@ class FakeChild:
         self.sent.append(signum)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(("name", "sent"), [("SIGUSR1", [10]), ("SIGUSR2", [12]), ("off", [])])
 def test_the_wait_signals_per_notice_signal(tmp_path: Path, name: str, sent: list[int]) -> None:
     from gce_watchdog.bootstrap.phases import NOTICE_POLL_S, _wait_with_notices
@@ -167,6 +171,7 @@ def test_the_wait_signals_per_notice_signal(tmp_path: Path, name: str, sent: lis
         ("SOMETHING_NEW", "maintenance", 3600.0),
     ],
 )
+@pytest.mark.pure
 def test_maintenance_notice_table(value: str, kind: str, ahead: float) -> None:
     n = nt.maintenance_notice(value, 100.0)
     assert (n.kind, n.by - n.at) == (kind, ahead)
@@ -180,6 +185,7 @@ def md() -> Iterator[FakeMetadataServer]:
         yield srv
 
 
+@pytest.mark.process
 def test_the_watcher_writes_every_change_of_the_maintenance_event(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:

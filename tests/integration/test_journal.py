@@ -65,6 +65,7 @@ def test_render_prefixes_only_when_asked() -> None:
     assert line == "level='warning' event='maintenance' event_='TERMINATE'"
 
 
+@pytest.mark.pure
 def test_a_level_without_a_priority_gets_its_own(tmp_path: Path) -> None:
     import logging
 

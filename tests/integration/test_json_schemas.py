@@ -30,6 +30,9 @@ from kit.poll import poll_args
 from kit.schemas import SCHEMAS, schema
 from kit.schemas import validate as _validate
 
+# Most tests read the real commands' outputs (the `outputs` fixture runs them).
+pytestmark = pytest.mark.process
+
 # The outputs this file makes in-process; fault inject/status need root and network namespaces:
 # tests/root/test_faults.py validates those against theirs.
 NAMES = ("poll", "check", "parse", "report", "decisions", "decisions-held", "validate-plan")

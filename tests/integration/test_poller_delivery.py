@@ -27,6 +27,8 @@ from gce_watchdog.testing.synth import Writer
 from kit.paths import REPO
 from prometheus_client.parser import text_string_to_metric_families
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 TIMEOUT_S = 120  # one poll: 3 failing attempts and their back-off (1 s, 2 s) take about 3 s
 ENV = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
@@ -34,6 +36,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO / "agent")}
 # The dispatcher: counts its runs, then exits with the status the test put in its state dir.
 HOOK = """
 import json, os, sys
+
 state = sys.argv[1]
 doc = json.load(sys.stdin)
 with open(os.path.join(state, "calls"), "a") as f:

@@ -24,6 +24,8 @@ from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.synth import Writer
 from kit.poll import outputs, poll_args
 
+pytestmark = pytest.mark.process
+
 P, Z = "test-project", "us-central1-a"
 NOTICE = {"event": "TERMINATE_ON_HOST_MAINTENANCE", "was": "NONE"}
 FAULT = {"xid": 79, "pci": "0000:00:04.0", "gpu": 3, "sig": "lost"}

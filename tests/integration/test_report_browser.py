@@ -24,6 +24,7 @@ BROWSER = next(
 )
 pytestmark = [
     pytest.mark.skipif(BROWSER is None, reason="no Chromium (Debian: apt-get install -y chromium)"),
+    pytest.mark.process,
     pytest.mark.slow,  # a browser per page: about 5 s each on two loaded cores
 ]
 TOLERANCE = 3  # per channel: colour management may round a value by one or two

@@ -40,6 +40,7 @@ def _drain_until(reader: KmsgReader, marker: str) -> list[tuple[int, str]]:
     raise AssertionError(f"{marker} never came back from {KMSG}")
 
 
+@pytest.mark.process
 @needs_kmsg
 @pytest.mark.parametrize("prefix", ["<0>", "<4>", ""])
 def test_a_user_space_write_comes_back_as_facility_1(prefix: str) -> None:
@@ -66,6 +67,7 @@ def test_a_user_space_write_comes_back_as_facility_1(prefix: str) -> None:
     assert xid.parse_xid(message) is not None  # it parses as an Xid: only the facility rejects it
 
 
+@pytest.mark.process
 @needs_kmsg
 def test_nobody_cannot_write_kmsg(nobody: Nobody) -> None:
     code = (
@@ -76,6 +78,7 @@ def test_nobody_cannot_write_kmsg(nobody: Nobody) -> None:
     assert r.stdout.strip() == "EACCES", r.stderr
 
 
+@pytest.mark.process
 @needs_kmsg
 def test_replay_from_start_reads_the_buffer() -> None:
     reader = KmsgReader(KMSG, max_records=100_000)
@@ -90,6 +93,7 @@ def test_replay_from_start_reads_the_buffer() -> None:
     assert any(r.from_kernel for r in batch.records)
 
 
+@pytest.mark.pure
 def test_a_fixture_file_and_a_fifo_give_the_same_records(tmp_path: Path) -> None:
     reader = KmsgReader(str(FIXTURE))
     reader.open(from_start=True)
@@ -116,6 +120,7 @@ def test_a_fixture_file_and_a_fifo_give_the_same_records(tmp_path: Path) -> None
     assert first + rest == from_file
 
 
+@pytest.mark.pure
 def test_gaps_in_seq_count_as_lost(tmp_path: Path) -> None:
     p = tmp_path / "kmsg"
     p.write_bytes(b"6,10,1,-;a\n6,11,2,-;b\n6,15,3,-;c\n")
@@ -129,6 +134,7 @@ def test_gaps_in_seq_count_as_lost(tmp_path: Path) -> None:
     assert batch.lost == 3
 
 
+@pytest.mark.pure
 def test_drain_is_bounded(tmp_path: Path) -> None:
     p = tmp_path / "kmsg"
     p.write_bytes(b"".join(b"6,%d,1,-;x\n" % i for i in range(1000)))

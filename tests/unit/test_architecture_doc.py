@@ -13,7 +13,10 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
 from kit.paths import AGENT_SRC, DOCS, REPO
+
+pytestmark = pytest.mark.pure
 
 PKG = AGENT_SRC / "gce_watchdog"
 ARCH = DOCS / "architecture.md"

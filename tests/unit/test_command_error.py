@@ -8,6 +8,8 @@ import pytest
 from gce_watchdog.lib.cli import EX_USAGE, CommandError
 from kit.cli import main_rc
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize(
     ("argv", "status", "stderr"),

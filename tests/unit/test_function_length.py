@@ -7,7 +7,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
 from kit.paths import REPO
+
+pytestmark = pytest.mark.pure
 
 PACKAGE = REPO / "agent" / "gce_watchdog"
 MAX_LINES = 100

@@ -16,6 +16,8 @@ from gce_watchdog.gpu.health import GpuFinding
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 FAKE = Path(__file__).resolve().parents[1] / "kit" / "nvml_child" / "pynvml.py"
 
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import pytest
 from gce_watchdog.gpu.kmsg import KmsgRecord, ReadBatch
 from gce_watchdog.gpu.probe import ProbeResult
 from gce_watchdog.gpu.watch import GpuWatch, GpuWatchConfig
 from hypothesis import given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 BUS = ["00000000:00:04.0", "00000000:00:05.0"]
 XID_BUS = ["0000:00:04", "0000:00:05"]

@@ -13,6 +13,8 @@ from gce_watchdog.gpu.xid import XidClass, XidRecord
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 FIXTURE = Path(__file__).resolve().parents[1] / "data" / "kmsg" / "xid-records.txt"
 
 # The references, as published (see gpu/xid.py's docstring): a change to the table that is not

@@ -5,10 +5,13 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
+import pytest
 from gce_watchdog.lib import jsontime
 from gce_watchdog.wire.protocol import format_ts, parse_ts
 from hypothesis import given
 from hypothesis import strategies as st
+
+pytestmark = pytest.mark.pure
 
 # 1970 .. 9999: what an RFC 3339 four-digit year holds
 MS = st.integers(min_value=0, max_value=253_402_300_799_999)

@@ -9,6 +9,8 @@ import inspect
 import pytest
 from gce_watchdog.poller import assembly_store, ledger, ledger_db, ledger_pg, ledgers, pin_store
 
+pytestmark = pytest.mark.pure
+
 MODULES = (ledger, pin_store, assembly_store, ledger_db, ledger_pg, ledgers)
 MAX_PUBLIC = 20  # issue 34: "no ledger class with more than 20 public methods"
 CLASSES = [

@@ -576,7 +576,6 @@ def test_every_gpu_sequence_up_to_four_lines() -> None:
 gpu_line = st.sampled_from([*GPU_ALPHABET, APP, STALL, BEAT, NOTICE])
 
 
-@settings(max_examples=300, deadline=None)
 @given(
     st.lists(gpu_line, max_size=12),
     st.lists(st.sampled_from([APP, STALL]), max_size=6),

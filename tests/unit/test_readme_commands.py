@@ -19,6 +19,8 @@ import pytest
 from gce_watchdog.cli import build_parser
 from kit.paths import REPO
 
+pytestmark = pytest.mark.pure
+
 README = REPO / "README.md"
 
 

@@ -8,6 +8,8 @@ from gce_watchdog.report import html
 from gce_watchdog.report.model import VERDICT_WORDS, verdict_class
 from kit.reports import report_of
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("cls", sorted(VERDICT_WORDS))
 def test_each_class_is_told_by_its_word_and_colour(cls: str) -> None:

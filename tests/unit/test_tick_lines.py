@@ -18,6 +18,8 @@ from gce_watchdog.daemon.ladder import LadderState, Observation, ProbeVerdict
 from gce_watchdog.daemon.tick import Line, ProbeResult, TickResult, tick_lines, tick_text
 from gce_watchdog.wire import vocab
 
+pytestmark = pytest.mark.pure
+
 V = list(ProbeVerdict)
 
 

@@ -14,6 +14,8 @@ from gce_watchdog.validate.scenarios import SCENARIOS
 from hypothesis import given
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.pure
+
 
 class Tty(io.StringIO):
     def isatty(self) -> bool:
