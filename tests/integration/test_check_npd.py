@@ -40,7 +40,7 @@ def _npd_rows(rows: list[tuple[str, str]]) -> dict[str, str]:
     return out
 
 
-@pytest.mark.pure
+@pytest.mark.process
 def test_the_npd_codes_agree_in_the_table_help_man_page_docs_and_code(tmp_path: Path) -> None:
     rows = list(cli.EXIT_CODES[("check",)])
     said = _npd_rows(rows)
