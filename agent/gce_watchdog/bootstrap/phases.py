@@ -40,6 +40,7 @@ from gce_watchdog.job.progress import (
     socket_path,
     write_job,
 )
+from gce_watchdog.job.release import released
 from gce_watchdog.job.stuck import Windows
 from gce_watchdog.lib.cli import EX_NOEXEC, EX_NOTFOUND
 from gce_watchdog.vm.runtime import CommandConsole, open_console
@@ -298,6 +299,22 @@ def _record_job(cfg: Config, pid: int, windows: Windows) -> None:
         print(f"gce-watchdog exec: cannot record the job for the agent: {e}", file=sys.stderr)
 
 
+def _gpu_on(cfg: Config) -> bool:
+    from gce_watchdog.gpu.service import gpu_enabled
+
+    return gpu_enabled(cfg.gpu)
+
+
+def _gpu_sample(cfg: Config) -> dict[str, Any] | None:
+    """One NVML sample through the probe child, where the GPU watch is on (no GPU library is
+    imported here either way); None elsewhere or when none came within the probe timeout."""
+    if not _gpu_on(cfg):
+        return None
+    from gce_watchdog.gpu.probe import sample_once
+
+    return sample_once(cfg.gpu.probe_timeout)
+
+
 def run_exec(
     cfg: Config,
     argv: Sequence[str],
@@ -317,6 +334,7 @@ def run_exec(
     import threading
 
     emit_terminal(cfg, vocab.PHASE, {"ph": "workload"}, phase="workload")
+    gpu_before = _gpu_sample(cfg)
     opened = open_console(cfg)  # opened before the child runs: no surprise at the end
     fwd = _Forwarder()
     old = {s: signal.signal(s, fwd.handler) for s in FORWARDED}
@@ -374,6 +392,11 @@ def run_exec(
         fields["result"] = vocab.EXIT_RESULT_REPORTED if reported else vocab.EXIT_RESULT_MISSING
         if not reported:
             text += ", without its result"
+    if gpu_before is not None or _gpu_on(cfg):
+        rel = released(gpu_before, _gpu_sample(cfg))
+        fields["idle"] = rel.state
+        if rel.state != "ok":
+            text += f"; GPUs {rel.state}: {rel.why}"
     emit_terminal(cfg, vocab.EXIT, fields, text, opened=opened)
     return status.shell_status
 
