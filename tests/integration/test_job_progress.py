@@ -137,6 +137,19 @@ def test_steps_count_from_the_job_and_outsiders_are_refused(tmp_path: Path) -> N
         assert latest is not None and latest.step == 3  # counted for nothing
 
 
+def test_an_outsider_is_answered_before_it_says_anything(tmp_path: Path) -> None:
+    """A caller outside the tree that connects and sends nothing gets its refusal at once: it
+    cannot hold the server's one thread (and the job's reports) by staying silent."""
+    import socket
+
+    with served(tmp_path / "run") as s, job(s, "wait", Windows()):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(10.0)
+            c.connect(s.sock)
+            assert c.recv(512).startswith(b"refused pid ")
+        assert s.server.refused == 1
+
+
 def test_the_cli_outside_the_tree_exits_77_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

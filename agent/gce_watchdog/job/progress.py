@@ -11,7 +11,9 @@ connect, the kernel tells who did). A request is one line, ``progress <step>`` o
 (no step: each call is a step); the answer one line: ``ok <step>``, ``same <step> <last>`` (not
 progress: steps strictly increase) or ``refused <why>``. The caller is taken from ``SO_PEERCRED``
 (what the kernel recorded at ``connect``, never what the caller says) and accepted only when its
-pid is the job's or a descendant of it, or its uid is ``[job] progress_uid``.
+pid is the job's or a descendant of it, or its uid is ``[job] progress_uid``; anyone else is
+refused before a byte of its request is read. One thread serves the socket: an allowed caller's
+request is one short line, read within ``CLIENT_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -307,6 +309,16 @@ class ProgressServer:
         pid, uid, _ = _PEERCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
+        # Who before what: a caller that may not report is answered without a byte read, so
+        # no one outside the job can hold this (single) thread by saying nothing.
+        rec = self.job()
+        if rec is None:
+            self.refused += 1
+            return "refused no job: gce-watchdog exec is not running a job here"
+        why = self.authorize(rec, pid, uid)
+        if why:
+            self.refused += 1
+            return f"refused {why}"
         conn.settimeout(CLIENT_TIMEOUT_S)
         data = b""
         with contextlib.suppress(OSError):
@@ -318,14 +330,6 @@ class ProgressServer:
         ok, step = parse_request(data[:REQUEST_MAX])
         if not ok:
             return "refused bad request: expected 'progress <step>' or 'progress -'"
-        rec = self.job()
-        if rec is None:
-            self.refused += 1
-            return "refused no job: gce-watchdog exec is not running a job here"
-        why = self.authorize(rec, pid, uid)
-        if why:
-            self.refused += 1
-            return f"refused {why}"
         counted, latest = self.tracker.report(rec, step, self.monotonic())
         return f"ok {latest}" if counted else f"same {step} {latest}"
 
