@@ -18,6 +18,7 @@ is the next one. As a command: ``python3 jobprogress.py [STEP]``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -50,13 +51,19 @@ def progress(step: int | None = None, path: str | None = None) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(TIMEOUT_S)
             s.connect(target)
-            s.sendall(request)
+            # the agent refuses a caller before reading: its answer is already here
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(request)
             answer = b""
-            while not answer.endswith(b"\n") and len(answer) < 1024:
-                chunk = s.recv(1024)
-                if not chunk:
-                    break
-                answer += chunk
+            try:
+                while not answer.endswith(b"\n") and len(answer) < 1024:
+                    chunk = s.recv(1024)
+                    if not chunk:
+                        break
+                    answer += chunk
+            except ConnectionResetError:
+                if not answer:
+                    raise
     except OSError as e:
         raise ProgressUnavailable(f"no agent on {target}: {e.strerror or e}") from e
     word, _, rest = answer.decode("utf-8", "replace").strip().partition(" ")

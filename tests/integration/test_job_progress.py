@@ -300,6 +300,21 @@ def test_a_job_with_no_window_is_never_stuck(tmp_path: Path) -> None:
         assert len(_events(sink, vocab.PROGRESS)) == 1  # one line per new step, not per period
 
 
+def test_progress_lines_come_at_most_once_per_heartbeat_period(tmp_path: Path) -> None:
+    with served(tmp_path / "run") as s, job(s, "wait", Windows()) as p:
+        w, sink, _ = _watch(s, tmp_path)
+        w.line_every = 6 * PERIOD
+        rec = read_job(str(s.run_dir), os.geteuid())
+        assert rec is not None and rec.pid == p.pid
+        for n in range(60):  # a new step every period, reported as the job would
+            s.tracker.report(rec, 100 + n, s.clock.monotonic())
+            w.step(s.clock.monotonic())
+            s.clock.advance(PERIOD)
+        lines = _events(sink, vocab.PROGRESS)
+        assert len(lines) == 10  # 60 periods / 6
+        assert [int(e.get("step") or 0) for e in lines] == [100 + 6 * k for k in range(10)]
+
+
 def test_exec_records_the_job_and_its_windows_then_removes_the_record(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cfg = cfgmod.from_dict(

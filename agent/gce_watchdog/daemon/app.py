@@ -238,7 +238,14 @@ def _job_service(cfg: cfgmod.Config, emitter: Emitter, boot_id: str, gpu: GpuSer
         return watch.latest_sample if watch is not None else None
 
     watch = JobWatch(
-        cfg.job, a.run_dir, emitter, tracker, proc, end=end, gpu_util=gpu_util_of(latest_gpu)
+        cfg.job,
+        a.run_dir,
+        emitter,
+        tracker,
+        proc,
+        end=end,
+        gpu_util=gpu_util_of(latest_gpu),
+        line_every=a.interval * a.heartbeat_every,  # one heartbeat period
     )
     server = ProgressServer(
         a.run_dir, tracker, watch.job, proc, cfg.job.progress_uid, time.monotonic

@@ -4,7 +4,8 @@ stuck rule (job/stuck.py) applied once per heartbeat period.
 Every ``period`` (the agent's ``interval``) the watch reads the job record ``exec`` wrote
 (job/progress.py), samples the CPU seconds of the job's process tree (and the GPUs' utilisation
 where the GPU watch has a sample), writes a ``progress`` line when a new step came since the last
-one (so at most one per period: the latest step and its age), and asks the rule. A stuck job gets
+one, at most one per heartbeat period (``line_every``: the latest step and its age), and asks
+the rule. A stuck job gets
 one signed, drained ``job_stuck`` line; then, unless ``[job] on_stuck = "alert"``, the end-of-life
 chain is requested as ``gce-watchdog end --reason stuck`` would (daemon/endoflife.py: the agent's
 loop takes it at its next tick, lingers so the poller reads the line while the VM runs, and
@@ -48,6 +49,7 @@ class JobWatch:
         end: Callable[[str], object],
         gpu_util: Callable[[], float | None] = lambda: None,
         owner: int | None = None,
+        line_every: float = 0.0,
     ) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
@@ -57,6 +59,8 @@ class JobWatch:
         self.end = end
         self.gpu_util = gpu_util
         self.owner = os.geteuid() if owner is None else owner
+        self.line_every = line_every  # the heartbeat period: at most one `progress` line per
+        self._line_at: float | None = None
         self._job: JobRecord | None = None
         self._started = 0.0
         self._cpu: deque[tuple[float, float]] = deque()
@@ -94,8 +98,9 @@ class JobWatch:
             while len(q) > 2 and q[1][0] < now - keep:  # one sample before the window stays
                 q.popleft()
         latest = self.tracker.latest(rec)
-        if latest is not None and latest.step != self._said_step:
-            self._said_step = latest.step
+        due = self._line_at is None or now - self._line_at >= self.line_every
+        if latest is not None and latest.step != self._said_step and due:
+            self._said_step, self._line_at = latest.step, now
             age = max(0.0, now - latest.at)
             self.emitter.emit(
                 vocab.PROGRESS,
