@@ -30,6 +30,7 @@ from pathlib import Path
 
 from gce_watchdog.job.stuck import Windows, advance
 from gce_watchdog.lib.files import read_json, write_json
+from gce_watchdog.vm.state import untrusted_dir
 
 JOB_FILE = "job.json"
 SOCKET_FILE = "progress.sock"
@@ -263,6 +264,10 @@ class ProgressServer:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        why = untrusted_dir(os.path.dirname(self.path))
+        if why:  # another user could swap the socket for a link before the chmod below
+            self.reason = f"not listening: the run dir {why}"
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a socket left by an earlier agent (the run dir is ours)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
