@@ -40,7 +40,7 @@ COMMAND_MODULES: dict[str, str] = {
     **dict.fromkeys(("run", "check", "disarm", "arm", "end"), "gce_watchdog.daemon.cli"),
     "fault": "gce_watchdog.faults.cli",
     **dict.fromkeys(
-        ("fetch", "phase", "setup-failed", "exec", "result", "install", "uninstall"),
+        ("fetch", "phase", "setup-failed", "exec", "result", "progress", "install", "uninstall"),
         "gce_watchdog.bootstrap.cli",
     ),
     **dict.fromkeys(("poll", "parse"), "gce_watchdog.poller.cli"),

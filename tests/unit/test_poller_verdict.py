@@ -328,6 +328,8 @@ NAMES = [
     "gpu_fault",
     "gpu_event",
     "gpu_stall",
+    "job_stuck",
+    "progress",
     "maintenance",
     "x_other",
 ]
@@ -407,7 +409,7 @@ OPS = [OP_PRE, OP_ERR, OP_MAINT, "compute.instances.guestTerminate", "stop", "de
 
 
 def test_policy_kinds_fail_over_by_default_and_only_by_policy() -> None:
-    assert {K.HOST_MAINTENANCE, K.HOST_ERROR, K.GPU_FAULT} == POLICY_KINDS
+    assert {K.HOST_MAINTENANCE, K.HOST_ERROR, K.GPU_FAULT, K.JOB_STUCK} == POLICY_KINDS
     assert not any(k.failover for k in POLICY_KINDS)  # the policy decides, default: fail over
 
 
@@ -606,3 +608,81 @@ def test_gpu_events_and_stalls_never_decide(
     assert rep.failover <= fo.failover
     if rep.failover != fo.failover:
         assert fo.kind is rep.kind is K.GPU_FAULT and rep.alarm
+
+
+# -- a stuck job (issue 37) ------------------------------------------------------------------
+
+STUCK: Line = ("job_stuck", {"rule": "idle", "step": 41, "quiet": 600, "act": "end"})
+PROG: Line = ("progress", {"step": 41, "age": 3})
+SIG_EXIT: Line = ("exit", {"rc": "-", "sig": "SIGTERM"})  # the end of life kills the job
+STUCK_ALPHABET: list[Line] = [STUCK, PROG, FAULT, OK_EXIT, SIG_EXIT, SHUT, BEAT]
+
+
+def test_job_stuck_fails_over_or_reports_and_says_why() -> None:
+    events = seq_of(*WORKLOAD, PROG, STUCK, SIG_EXIT)
+    v = decide(events, InstanceState("TERMINATED", end_ops=()), NOW, Policy())
+    assert v.kind is K.JOB_STUCK and v.failover and not v.alarm
+    assert "600s" in v.reason and "rule idle" in v.reason and "step 41" in v.reason
+    assert v.evidence[0] == events[3].render()
+    r = decide(events, RUN, NOW, Policy(job_stuck_report=True))
+    assert r.kind is K.JOB_STUCK and not r.failover and r.alarm and "ALARM" in r.reason
+
+
+def _stuck_rule(lines: list[Line], stuck_report: bool, gpu_report: bool) -> tuple[K, bool]:
+    """docs/poller.md's rows S and G restated over STUCK_ALPHABET lines (RUNNING, no silence)."""
+    term = next((i for i, (n, _) in enumerate(lines) if n in ("exit", "shutdown")), None)
+    base = K.HEALTHY
+    if term is not None:
+        n, f = lines[term]
+        base = (
+            K.SELF_SHUTDOWN
+            if n == "shutdown"
+            else (K.WORKLOAD_OK if f["rc"] == "0" else K.WORKLOAD_FAILED)
+        )
+    kind, failover = base, base.failover
+    stuck = next((i for i, (n, _) in enumerate(lines) if n == "job_stuck"), None)
+    before = stuck is not None and (term is None or stuck < term)
+    if before and base is not K.WORKLOAD_OK and not (stuck_report and base.failover):
+        kind, failover = K.JOB_STUCK, not stuck_report
+    fault = next((i for i, (n, _) in enumerate(lines) if n == "gpu_fault"), None)
+    if fault is None or (term is not None and term < fault) or base is K.WORKLOAD_OK:
+        return kind, failover
+    if gpu_report and failover:
+        return kind, failover
+    return K.GPU_FAULT, not gpu_report
+
+
+def test_every_stuck_sequence_up_to_four_lines() -> None:
+    """Exhaustive: every sequence of up to 4 lines over the stuck alphabet, all four policies."""
+    import itertools
+
+    n = 0
+    for size in range(5):
+        for combo in itertools.product(STUCK_ALPHABET, repeat=size):
+            lines = list(combo)
+            events = seq_of(*WORKLOAD, *lines)
+            for sr, gr in itertools.product((False, True), repeat=2):
+                policy = Policy(job_stuck_report=sr, gpu_fault_report=gr)
+                v = decide(events, RUN, NOW, policy)
+                assert (v.kind, v.failover) == _stuck_rule(lines, sr, gr), (lines, sr, gr)
+                n += 1
+    assert n == 4 * sum(len(STUCK_ALPHABET) ** k for k in range(5))
+
+
+@given(
+    st.lists(st.sampled_from(STUCK_ALPHABET), max_size=10),
+    st.lists(st.just(PROG), max_size=6),
+    st.randoms(use_true_random=False),
+    st.sampled_from(STATUSES),
+)
+def test_progress_lines_never_decide(
+    lines: list[Line], extra: list[Line], rnd: random.Random, status: str | None
+) -> None:
+    mixed = list(lines)
+    for x in extra:
+        mixed.insert(rnd.randint(0, len(mixed)), x)
+    state = InstanceState(status, end_ops=())
+    rx = NOW - 5
+    plain = decide(seq_of(*WORKLOAD, *lines), state, NOW, Policy(), received_s=rx)
+    more = decide(seq_of(*WORKLOAD, *mixed), state, NOW, Policy(), received_s=rx)
+    assert (more.kind, more.failover) == (plain.kind, plain.failover)

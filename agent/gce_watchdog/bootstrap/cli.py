@@ -25,10 +25,22 @@ from gce_watchdog.bootstrap.phases import (
     PHASES,
     SETUP_FAILED,
     emit_terminal,
+    job_windows,
     report_result,
     run_exec,
 )
-from gce_watchdog.lib.cli import EX_FAIL, EX_IOERR, EX_OK, EX_USAGE, CommandError
+from gce_watchdog.job.progress import socket_path
+from gce_watchdog.job.stuck import Windows
+from gce_watchdog.lib.cli import (
+    EX_FAIL,
+    EX_IOERR,
+    EX_NOPERM,
+    EX_OK,
+    EX_UNAVAILABLE,
+    EX_USAGE,
+    CommandError,
+    duration_arg,
+)
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.lib.netaddr import parse_dns_server
 from gce_watchdog.vm import config as cfgmod
@@ -101,6 +113,18 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "result=reported or result=missing"
         ),
     )
+    for flag, key, what in (
+        ("--stuck-after", "stuck_after", "no progress this long while the job is idle"),
+        ("--stuck-max", "stuck_max", "no progress this long whatever the job does"),
+        ("--stuck-first", "stuck_first", "no first step this long after the start"),
+    ):
+        e.add_argument(
+            flag,
+            type=duration_arg(0.0, open_min=False),
+            default=None,
+            metavar="DURATION",
+            help=f"{what} is job_stuck (docs/job-progress.md; default [job] {key}; 0: off)",
+        )
     e.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
     usage_errors_exit_64(e)
     e.set_defaults(func=cmd_exec)
@@ -126,6 +150,21 @@ def register_phases(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_config_arg(r)
     usage_errors_exit_64(r)
     r.set_defaults(func=cmd_result)
+
+    g = sub.add_parser(
+        "progress",
+        help="the job's progress: a step for the agent's stuck watch (docs/job-progress.md)",
+        description=(
+            "Tell the agent the job advanced (to STEP: steps strictly increase; without --step "
+            "each call is the next step). Only the process tree of the job `gce-watchdog exec` "
+            "started, or [job] progress_uid, may report; anyone else is refused (exit 77). "
+            "From Python: gce_watchdog.jobprogress.progress(step)."
+        ),
+    )
+    g.add_argument("--step", type=int, default=None, metavar="N", help="the step reached")
+    add_config_arg(g)
+    usage_errors_exit_64(g)
+    g.set_defaults(func=cmd_progress)
 
 
 def cmd_phase(args: argparse.Namespace) -> int:
@@ -164,7 +203,19 @@ def cmd_exec(args: argparse.Namespace) -> int:
             EX_USAGE, "gce-watchdog exec: usage: gce-watchdog exec [--config PATH] -- CMD [ARGS...]"
         )
     cfg = load_config_or_exit(args.config)
-    return run_exec(cfg, argv, expect_result=args.expect_result, config_path=args.config)
+    base = job_windows(cfg)
+
+    def pick(flag: float | None, default: float | None) -> float | None:
+        return default if flag is None else (flag or None)
+
+    windows = Windows(
+        pick(args.stuck_after, base.after),
+        pick(args.stuck_max, base.max),
+        pick(args.stuck_first, base.first),
+    )
+    return run_exec(
+        cfg, argv, expect_result=args.expect_result, config_path=args.config, windows=windows
+    )
 
 
 def cmd_result(args: argparse.Namespace) -> int:
@@ -175,6 +226,24 @@ def cmd_result(args: argparse.Namespace) -> int:
     ok = report_result(cfg, args.status, args.detail)
     if not ok:  # not confirmed written: emit_terminal said so
         raise CommandError(EX_IOERR)
+    return EX_OK
+
+
+def cmd_progress(args: argparse.Namespace) -> int:
+    from gce_watchdog import jobprogress
+
+    path = socket_path(load_config_or_exit(args.config).agent.run_dir) if args.config else None
+    try:
+        counted = jobprogress.progress(args.step, path)
+    except jobprogress.ProgressRefused as e:
+        raise CommandError(EX_NOPERM, f"gce-watchdog progress: {e}") from None
+    except jobprogress.ProgressUnavailable as e:
+        raise CommandError(EX_UNAVAILABLE, f"gce-watchdog progress: {e}") from None
+    if not counted:
+        print(
+            f"gce-watchdog progress: step {args.step} is not after the latest one: not progress",
+            file=sys.stderr,
+        )
     return EX_OK
 
 

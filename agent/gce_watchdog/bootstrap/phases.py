@@ -32,6 +32,16 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from gce_watchdog.job.notice import NOTICE_ENV, NoticeFollower, notice_path
+from gce_watchdog.job.progress import (
+    PROGRESS_ENV,
+    JobRecord,
+    Proc,
+    clear_job,
+    socket_path,
+    write_job,
+)
+from gce_watchdog.job.release import released
+from gce_watchdog.job.stuck import Windows
 from gce_watchdog.lib.cli import EX_NOEXEC, EX_NOTFOUND
 from gce_watchdog.vm.runtime import CommandConsole, open_console
 from gce_watchdog.vm.state import write_phase
@@ -271,22 +281,60 @@ def _wait_with_notices(child: Any, follower: NoticeFollower, cfg: Config) -> int
                 child.send_signal(signum)
 
 
+def job_windows(cfg: Config) -> Windows:
+    """``[job]``'s stuck windows (0: off)."""
+    j = cfg.job
+    return Windows(j.stuck_after or None, j.stuck_max or None, j.stuck_first or None)
+
+
+def _record_job(cfg: Config, pid: int, windows: Windows) -> None:
+    """Tell the agent which tree may report progress, and the windows (best effort: without the
+    record the job runs as before, its progress refused and never stuck)."""
+    st = Proc().stat(pid)
+    if st is None:
+        return  # already gone
+    try:
+        write_job(cfg.agent.run_dir, JobRecord(pid, st.start_ticks, windows))
+    except OSError as e:
+        print(f"gce-watchdog exec: cannot record the job for the agent: {e}", file=sys.stderr)
+
+
+def _gpu_on(cfg: Config) -> bool:
+    from gce_watchdog.gpu.service import gpu_enabled
+
+    return gpu_enabled(cfg.gpu)
+
+
+def _gpu_sample(cfg: Config) -> dict[str, Any] | None:
+    """One NVML sample through the probe child, where the GPU watch is on (no GPU library is
+    imported here either way); None elsewhere or when none came within the probe timeout."""
+    if not _gpu_on(cfg):
+        return None
+    from gce_watchdog.gpu.probe import sample_once
+
+    return sample_once(cfg.gpu.probe_timeout)
+
+
 def run_exec(
     cfg: Config,
     argv: Sequence[str],
     clock: Callable[[], float] = time.monotonic,
     expect_result: bool = False,
     config_path: str | None = None,
+    windows: Windows | None = None,
 ) -> int:
     """Phase workload, run argv, forward signals, write the `exit` line drained; child's status.
 
     ``expect_result``: the job is configured to report (``gce-watchdog result``); the ``exit`` line
     then says ``result=reported`` or ``result=missing``. ``config_path`` goes to the job as
-    ``$GCEWD_CONFIG``, so its ``result`` writes where this exec does."""
+    ``$GCEWD_CONFIG``, so its ``result`` writes where this exec does. ``windows``: the stuck
+    windows (default: ``[job]``'s); exec records them with the job's pid in ``<run_dir>/job.json``
+    for the agent (job/progress.py) and removes the record when the job ends."""
     import subprocess
     import threading
 
     emit_terminal(cfg, vocab.PHASE, {"ph": "workload"}, phase="workload")
+    gpu_before = _gpu_sample(cfg)
     opened = open_console(cfg)  # opened before the child runs: no surprise at the end
     fwd = _Forwarder()
     old = {s: signal.signal(s, fwd.handler) for s in FORWARDED}
@@ -298,6 +346,7 @@ def run_exec(
     if config_path:
         env[CONFIG_ENV] = os.path.abspath(config_path)
     env[NOTICE_ENV] = notice_path(cfg.agent.run_dir)
+    env[PROGRESS_ENV] = socket_path(cfg.agent.run_dir)
     follower = NoticeFollower(env[NOTICE_ENV])
     exe = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     if os.path.basename(exe) == "gce-watchdog" and os.access(exe, os.X_OK):
@@ -322,10 +371,12 @@ def run_exec(
             for t in pumps:
                 t.start()
             fwd.attach(child)
+            _record_job(cfg, child.pid, windows if windows is not None else job_windows(cfg))
             status = ExitStatus.from_returncode(_wait_with_notices(child, follower, cfg))
             for t in pumps:
                 t.join(5.0)  # output of a grandchild that outlives the workload is not awaited
     finally:
+        clear_job(cfg.agent.run_dir)
         for s, h in old.items():
             signal.signal(s, h)
     dur = clock() - t0
@@ -341,6 +392,11 @@ def run_exec(
         fields["result"] = vocab.EXIT_RESULT_REPORTED if reported else vocab.EXIT_RESULT_MISSING
         if not reported:
             text += ", without its result"
+    if gpu_before is not None or _gpu_on(cfg):
+        rel = released(gpu_before, _gpu_sample(cfg))
+        fields["idle"] = rel.state
+        if rel.state != "ok":
+            text += f"; GPUs {rel.state}: {rel.why}"
     emit_terminal(cfg, vocab.EXIT, fields, text, opened=opened)
     return status.shell_status
 

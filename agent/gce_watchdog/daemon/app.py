@@ -50,6 +50,8 @@ from gce_watchdog.daemon.service import (
 from gce_watchdog.daemon.tick import TickResult
 from gce_watchdog.gpu.service import GpuService, ProbeGauges
 from gce_watchdog.job.notice import write_notice
+from gce_watchdog.job.progress import Proc, ProgressServer, Tracker
+from gce_watchdog.job.service import JobService, JobWatch, gpu_util_of
 from gce_watchdog.lib.cli import EX_FAIL, EX_OK, EX_TEMPFAIL, EX_USAGE, CommandError
 from gce_watchdog.lib.clock import RealClock
 from gce_watchdog.lib.durations import parse_duration
@@ -173,7 +175,12 @@ def build_agent(
     )
     # The GPU watch (docs/gpu.md): off, with no GPU library imported, where there is no driver.
     gpu_service = GpuService(cfg.gpu, emitter)
-    services: list[Service] = [watcher, end_watch, gpu_service]
+    services: list[Service] = [
+        watcher,
+        end_watch,
+        gpu_service,
+        _job_service(cfg, emitter, boot_id, gpu_service),
+    ]
     monitor = (
         MemoryMonitor(cfg.memory, emitter, gpu=ProbeGauges(gpu_service))
         if cfg.memory.enabled
@@ -230,6 +237,41 @@ class WatchOnlyStatus:
         return self.inner.notify(
             *(a + self.suffix if a.startswith("STATUS=") else a for a in assignments)
         )
+
+
+def _job_service(cfg: cfgmod.Config, emitter: Emitter, boot_id: str, gpu: GpuService) -> JobService:
+    """The job watch (docs/job-progress.md): the progress socket, `progress` lines, and the stuck
+    rule; a stuck job's end is requested as `gce-watchdog end --reason stuck` would."""
+    a = cfg.agent
+    tracker, proc = Tracker(), Proc()
+    box = EndBox(a.run_dir, boot_id)
+
+    def end(reason: str) -> None:
+        try:
+            box.request(reason, None)
+        except OSError as e:
+            emitter.emit(
+                vocab.ERROR, {"where": "end_request", "err": type(e).__name__}, str(e)[:100]
+            )
+
+    def latest_gpu() -> dict[str, object] | None:
+        watch = gpu._watch
+        return watch.latest_sample if watch is not None else None
+
+    watch = JobWatch(
+        cfg.job,
+        a.run_dir,
+        emitter,
+        tracker,
+        proc,
+        end=end,
+        gpu_util=gpu_util_of(latest_gpu),
+        line_every=a.interval * a.heartbeat_every,  # one heartbeat period
+    )
+    server = ProgressServer(
+        a.run_dir, tracker, watch.job, proc, cfg.job.progress_uid, time.monotonic
+    )
+    return JobService(watch, server, a.interval)
 
 
 def _prober(cfg: cfgmod.Config) -> Prober:

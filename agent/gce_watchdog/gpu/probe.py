@@ -17,6 +17,7 @@ import os
 import select
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,3 +161,32 @@ class GpuProbe:
         self._since = None
         self._stall_said = False
         self._buf = b""
+
+
+# How often sample_once looks for the child's answer: NVML answers in milliseconds, a child's
+# start (Python, pynvml, nvmlInit) takes a few hundred.
+SAMPLE_POLL_S = 0.02
+
+
+def sample_once(
+    timeout: float,
+    argv: Sequence[str] = CHILD_ARGV,
+    monotonic: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any] | None:
+    """One sample from a fresh probe child within ``timeout`` (None: no answer, the child
+    ended, or it stalled; it is killed either way). For ``exec``'s check that the job released
+    the GPUs (job/release.py)."""
+    probe = GpuProbe(timeout, argv=argv)
+    deadline = monotonic() + timeout
+    try:
+        while monotonic() < deadline:
+            r = probe.poll(monotonic())
+            if r.sample is not None:
+                return r.sample
+            if r.ended or r.stalled_for is not None:
+                return None
+            sleep(SAMPLE_POLL_S)
+        return None
+    finally:
+        probe.close()

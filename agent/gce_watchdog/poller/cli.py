@@ -165,6 +165,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="a gpu_fault verdict fails over (default) or is only reported as an alarm",
     )
     p.add_argument(
+        "--on-job-stuck",
+        choices=("failover", "report"),
+        default="failover",
+        help="a job_stuck verdict fails over (default) or is only reported as an alarm",
+    )
+    p.add_argument(
         "--peer-cursor-dir",
         action="append",
         default=[],
@@ -337,6 +343,7 @@ def _policy(args: argparse.Namespace) -> Policy:
         unverified_failover=getattr(args, "on_unverified", "alarm") == "failover",
         planned_stop_wait=getattr(args, "on_planned_stop", "failover") == "wait",
         gpu_fault_report=getattr(args, "on_gpu_fault", "failover") == "report",
+        job_stuck_report=getattr(args, "on_job_stuck", "failover") == "report",
     )
 
 

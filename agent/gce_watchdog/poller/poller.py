@@ -55,7 +55,7 @@ _LINE_VERDICTS = frozenset(
     {
         VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_FAILED, VerdictKind.WORKLOAD_UNVERIFIED,
         VerdictKind.SETUP_FAILED, VerdictKind.SETUP_FAILED_INFRA, VerdictKind.SELF_SHUTDOWN,
-        VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT,
+        VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK,
     }
 )  # fmt: skip
 # A zone operation counts for the current boot from this long before the boot's first line
@@ -69,8 +69,10 @@ _END_NS = uuid.UUID("6f1d5b52-43c5-4c1e-9a40-5d0f3f1f2a7e")
 
 
 def reported_gpu_fault(verdict: Verdict) -> bool:
-    """A GPU fault the policy only reports (``--on-gpu-fault report``)."""
-    return verdict.kind is VerdictKind.GPU_FAULT and not verdict.failover
+    """A GPU fault or a stuck job the policy only reports (``--on-gpu-fault report``,
+    ``--on-job-stuck report``): a stop of the VM after it still decides."""
+    reported = verdict.kind in (VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK)
+    return reported and not verdict.failover
 
 
 def end_request_id(instance_id: str, boot: str) -> str:

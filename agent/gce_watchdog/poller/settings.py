@@ -185,6 +185,7 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
             unverified_failover=v.get("on_unverified", "alarm") == "failover",
             planned_stop_wait=v.get("on_planned_stop", "failover") == "wait",
             gpu_fault_report=v.get("on_gpu_fault", "failover") == "report",
+            job_stuck_report=v.get("on_job_stuck", "failover") == "report",
         )
     except ValueError as exc:
         errs.append(str(exc))

@@ -16,6 +16,11 @@ rules below are in the same order. In short:
    the first terminal event, or without one, decides ``gpu_fault`` unless the job's own success
    follows it (the job finished: never run it twice); the policy fails it over or only reports
    it. ``gpu_event`` and ``gpu_stall`` never decide: they are shown in the evidence.
+   A stuck job (a signed ``job_stuck`` line: no progress for its window) before the first
+   terminal event, or without one, decides ``job_stuck`` the same way (the terminal ``exit``
+   that follows, a signal death during the agent's end of life, is its consequence); a GPU
+   fault before the terminal event explains it and decides instead, unless the policy only
+   reports GPU faults.
 3. Without a terminal event, the instance status decides. Off (TERMINATED, STOPPED, SUSPENDED,
    or gone): the poller never guesses; the zone operations of the instance decide (a
    ``compute.instances.preempted`` one: preempted; ``compute.instances.hostError``: host_error;
@@ -102,6 +107,8 @@ class VerdictKind(enum.Enum):
     HOST_ERROR = "host_error"  # its host failed (compute.instances.hostError)
     # a signed gpu_fault line (or memory_gpu st=lost): a GPU is gone, the job cannot go on
     GPU_FAULT = "gpu_fault"
+    # a signed job_stuck line: the job made no progress for its window (docs/job-progress.md)
+    JOB_STUCK = "job_stuck"
     UNKNOWN = "unknown"
 
     @property
@@ -128,7 +135,12 @@ _FAILOVER = frozenset(
 # Kinds that fail over under the default policy through ``Verdict.policy_failover`` (their
 # ``kind.failover`` is False: a policy may wait or only report instead).
 POLICY_KINDS = frozenset(
-    {VerdictKind.HOST_MAINTENANCE, VerdictKind.HOST_ERROR, VerdictKind.GPU_FAULT}
+    {
+        VerdictKind.HOST_MAINTENANCE,
+        VerdictKind.HOST_ERROR,
+        VerdictKind.GPU_FAULT,
+        VerdictKind.JOB_STUCK,
+    }
 )
 # Planned stops by operation type, host error first. These kinds, and GPU_FAULT, fail over
 # through ``Verdict.policy_failover``: by default, unless the policy waits for GCE's restart
@@ -165,6 +177,8 @@ class Policy:
     planned_stop_wait: bool = False
     # gpu_fault: an alarm only ("report"), no failover; default: fail over.
     gpu_fault_report: bool = False
+    # job_stuck: an alarm only ("report"), no failover; default: fail over.
+    job_stuck_report: bool = False
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s > 0:
@@ -186,8 +200,8 @@ class Verdict:
     @property
     def alarm(self) -> bool:
         # a GPU fault the policy only reports is an alarm: a human decides
-        gpu_report = self.kind is VerdictKind.GPU_FAULT and not self.failover
-        return self.kind.alarm or gpu_report
+        reported = self.kind in (VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK)
+        return self.kind.alarm or (reported and not self.failover)
 
 
 def current_boot(events: Sequence[Event]) -> str | None:
@@ -299,6 +313,7 @@ def decide(
     status = instance.status
     status_ev = f"status={status or 'unknown'}" + (" spot" if instance.spot else "")
     term, v = _decide(mine, instance, now, policy, received_s, boot, status_ev)
+    v = _stuck(mine, term, v, policy, boot, status_ev)
     gpu = tuple(e.render() for e in mine if e.event in _GPU_SHOWN)[-GPU_EVIDENCE_LINES:]
     fault = gpu_fault_event(mine)
     if fault is not None and (term is None or fault.seq < term.seq):
@@ -313,6 +328,40 @@ def decide(
         evidence = (*shown, status_ev)
         return Verdict(VerdictKind.GPU_FAULT, reason, boot, evidence, not policy.gpu_fault_report)
     return replace(v, evidence=(*v.evidence, *gpu)) if gpu else v
+
+
+def _stuck(
+    mine: Sequence[Event],
+    term: Event | None,
+    v: Verdict,
+    policy: Policy,
+    boot: str | None,
+    status_ev: str,
+) -> Verdict:
+    """The verdict with the boot's first ``job_stuck`` line applied (the GPU rule after it)."""
+    stuck = next((e for e in mine if e.event == vocab.JOB_STUCK), None)
+    if stuck is None or (term is not None and term.seq < stuck.seq):
+        return v  # none, or after the job's end: the end decides
+    shown = stuck.render()
+    if v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED):
+        return replace(v, evidence=(*v.evidence, shown))  # it finished: never run it twice
+    if policy.job_stuck_report and v.failover:
+        return replace(v, evidence=(*v.evidence, shown))  # another cause's failover stands
+    f = stuck.fields_dict
+    action = (
+        "ALARM, reported only (--on-job-stuck report)"
+        if policy.job_stuck_report
+        else "the agent ends it, the job runs elsewhere"
+        if f.get("act") == "end"
+        else "the job runs elsewhere"
+    )
+    reason = (
+        f"the job is stuck: no progress for {f.get('quiet', '?')}s (rule {f.get('rule', '?')}, "
+        f"last step {f.get('step', '-')}): {action}"
+    )
+    return Verdict(
+        VerdictKind.JOB_STUCK, reason, boot, (shown, status_ev), not policy.job_stuck_report
+    )
 
 
 def gpu_fault_event(events: Sequence[Event]) -> Event | None:

@@ -266,6 +266,23 @@ class JobSection:
         default="SIGUSR1",
         metadata=_check(_one_of("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "off")),
     )
+    # The stuck windows (docs/job-progress.md; `exec --stuck-after` and friends override them).
+    # 0: off. No progress for stuck_after while the job's process tree is idle; for stuck_max
+    # whatever it does; stuck_first: the one window before the first step. Up to a week: a
+    # window longer than any run is "off" said differently.
+    stuck_after: Duration = field(
+        default=Duration(0.0), metadata=_check(_within(10.0, 7 * 86400.0, zero_ok=True))
+    )
+    stuck_max: Duration = field(
+        default=Duration(0.0), metadata=_check(_within(10.0, 7 * 86400.0, zero_ok=True))
+    )
+    stuck_first: Duration = field(
+        default=Duration(0.0), metadata=_check(_within(10.0, 7 * 86400.0, zero_ok=True))
+    )
+    # A stuck job: "end" runs the end-of-life chain as for a wedge; "alert": the line only.
+    on_stuck: str = field(default="end", metadata=_check(_one_of("end", "alert")))
+    # A uid whose processes may report progress from outside the job's tree (a sidecar); -1: none.
+    progress_uid: int = field(default=-1, metadata=_check(_count(-1, 2**31 - 2)))
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,10 @@ SETUP_FAILED = "setup_failed"
 EXIT = "exit"
 # the job's own result, written by `gce-watchdog result ok|fail` (field `status`, optional `detail`)
 RESULT = "result"
+# the job watch (in the agent; docs/job-progress.md): the job's latest step and its age, at most
+# one line per heartbeat period; a job with no progress for its window: decides
+PROGRESS = "progress"
+JOB_STUCK = "job_stuck"
 # the end-of-life chain's announcement after a job's terminal line (`gce-watchdog end`)
 END = "end"
 FETCH = "fetch"
@@ -67,7 +71,8 @@ ALL_EVENTS = frozenset(
         START, TICK, HEARTBEAT, RECOVERED, SHUTDOWN, WOULD_SHUTDOWN, ACTION, STOP, SIGNAL, ERROR,
         WARN, STALL, PREEMPTED, INSTANCE, MAINTENANCE, DISARM, ARM, MEM, MEMORY_GPU, MEMORY_CLIMB,
         MEMORY_OK, MEMORY_ACTION, PHASE, SETUP_FAILED, EXIT, FETCH, BOOTSTRAP_STEP, FAULT,
-        DRY_RUN_SHUTDOWN, KEY, REKEY, RESULT, END, GPU_FAULT, GPU_EVENT, GPU_STALL,
+        DRY_RUN_SHUTDOWN, KEY, REKEY, RESULT, END, GPU_FAULT, GPU_EVENT, GPU_STALL, PROGRESS,
+        JOB_STUCK,
     }
 )  # fmt: skip
 
@@ -77,7 +82,7 @@ ALL_EVENTS = frozenset(
 VERDICT_EVENTS = frozenset(
     {
         START, STOP, PHASE, SETUP_FAILED, EXIT, SHUTDOWN, PREEMPTED, RECOVERED, MAINTENANCE,
-        GPU_FAULT, MEMORY_GPU,
+        GPU_FAULT, MEMORY_GPU, JOB_STUCK,
     }
 )  # fmt: skip
 # What a person wants to see as a point in time on the report's plot and in its table: the verdict
@@ -96,8 +101,10 @@ RESULT_STATUSES = (RESULT_OK, RESULT_FAIL)
 # (`exec --expect-result`): whether a `result` line came from this run before the job exited.
 EXIT_RESULT_REPORTED = "reported"
 EXIT_RESULT_MISSING = "missing"
-# Why the VM ends (`end reason=...`): the job's own ending, never a wedge.
-END_REASONS = ("done", "failed", "setup_failed")
+# Why the VM ends (`end reason=...`): the job's own ending, never a wedge; `stuck`: the agent
+# ended a stuck job (after its `job_stuck` line, [job] on_stuck = "end").
+END_STUCK = "stuck"
+END_REASONS = ("done", "failed", "setup_failed", END_STUCK)
 
 # -- the GPU state on `memory_gpu` lines (`st`): `lost` is a GPU fault for the poller (every GPU
 # stopped answering NVML) until a later `ok` of the same boot takes it back.
