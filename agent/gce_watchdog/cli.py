@@ -142,6 +142,13 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("74", "the line could not be written"),
         _CONFIG,
     ),
+    ("progress",): (
+        ("0", "reported (a step not after the latest one is not progress: a note on stderr)"),
+        _USAGE,
+        ("69", "no agent is listening on the progress socket"),
+        ("77", "refused: the caller is not in the job's process tree nor [job] progress_uid"),
+        _CONFIG,
+    ),
     ("exec",): (
         ("N", "the command's own exit status"),
         ("128+N", "the command was killed by signal N"),
