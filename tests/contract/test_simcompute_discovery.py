@@ -190,6 +190,10 @@ def served_responses(api: FakeComputeAPI) -> list[tuple[str, dict[str, Any]]]:
     call("compute.instances.insert", "POST", f"{base}/instances",
          params={"requestId": str(uuid.uuid4())}, json=body)  # fmt: skip
     call("compute.instances.get", "GET", f"{base}/instances/vm-3")  # RUNNING, with its metadata
+    api.add_instance("vm-sim", project=P, zone=Z, on_host_maintenance="TERMINATE")
+    call("compute.instances.simulateMaintenanceEvent", "POST",
+         f"{base}/instances/vm-sim/simulateMaintenanceEvent",
+         params={"requestId": str(uuid.uuid4()), "withExtendedNotifications": "false"})  # fmt: skip
     return out
 
 
@@ -378,3 +382,40 @@ def test_host_maintenance_follows_the_maintenance_policy_and_restart_rule(
     assert api.instance("err-1").status == "RUNNING"
     with pytest.raises(ValueError, match="cannot be automatically restarted"):
         api.add_instance("spot-2", project=P, zone=Z, spot=True, automatic_restart=True)
+
+
+def test_simulate_maintenance_event_stops_a_terminate_vm_after_its_notice() -> None:
+    """``instances.simulateMaintenanceEvent`` (discovery document; Compute Engine docs "Simulate
+    a host maintenance event": a VM that does not live-migrate is terminated or restarted by its
+    maintenance policy): the caller's operation, then ``terminateOnHostMaintenance``; the guest
+    sees TERMINATE_ON_HOST_MAINTENANCE during the notice; a MIGRATE VM stays RUNNING; a repeated
+    requestId is one event; a VM that is not RUNNING is refused."""
+    now = [1000.0]
+    with FakeComputeAPI(token="tok", clock=lambda: now[0], maintenance_notice_s=60.0) as api:
+        gpu = api.add_instance("gpu-1", project=P, zone=Z, on_host_maintenance="TERMINATE")
+        api.add_instance("std-1", project=P, zone=Z)
+        base = f"projects/{P}/zones/{Z}/instances"
+        rid = str(uuid.uuid4())
+
+        def simulate(name: str, request_id: str) -> requests.Response:
+            url = _url(api, f"{base}/{name}/simulateMaintenanceEvent")
+            return requests.post(url, params={"requestId": request_id}, headers=AUTH, timeout=5)
+
+        r = simulate("gpu-1", rid)
+        assert r.status_code == 200 and r.json()["operationType"] == "simulateMaintenanceEvent"
+        assert simulate("gpu-1", rid).json()["name"] == r.json()["name"]  # the same request
+        assert gpu.maintenance_event == "TERMINATE_ON_HOST_MAINTENANCE"
+        now[0] += 59.0
+        assert api.instance("gpu-1").status == "RUNNING"  # the notice
+        types = [o.type for o in api.zone_operations("gpu-1")]
+        assert types == ["simulateMaintenanceEvent", simcompute.OP_TERMINATE_ON_MAINTENANCE]
+        now[0] += 2.0
+        assert [o.status(now[0]) for o in api.zone_operations("gpu-1")] == ["DONE", "DONE"]
+        assert api.instance("gpu-1").status == "TERMINATED"
+        assert simulate("gpu-1", str(uuid.uuid4())).status_code == 400  # not RUNNING
+        assert simulate("std-1", str(uuid.uuid4())).status_code == 200
+        now[0] += 61.0
+        assert api.instance("std-1").status == "RUNNING"  # live migration
+        assert api.instance("std-1").maintenance_event == "NONE"
+        api.restart("gpu-1")
+        assert gpu.maintenance_event == "NONE"

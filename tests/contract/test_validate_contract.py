@@ -11,10 +11,13 @@ from collections.abc import Iterator
 import pytest
 import requests
 from contract.test_simcompute_discovery import AUTH, load_doc, schema_errors
+from gce_watchdog.lib.compute import ComputeClient, ComputeRetry
 from gce_watchdog.testing import simcompute
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.validate import plan as P
+from gce_watchdog.validate.gce import ValidateApi
 from gce_watchdog.validate.scenarios import SCENARIOS
+from google.oauth2.credentials import Credentials
 
 pytestmark = pytest.mark.process
 
@@ -97,3 +100,27 @@ def test_set_metadata_lands_when_its_operation_is_done(api: FakeComputeAPI) -> N
                       headers=AUTH, timeout=5)  # fmt: skip
     assert r.status_code == 200 and r.json()["status"] == "DONE"
     assert api.instance(name).metadata == {"k": "v"}
+
+
+def test_the_maintenance_call_is_the_documented_method_and_stops_a_vm(api: FakeComputeAPI) -> None:
+    """validate's instances.simulateMaintenanceEvent: the document's verb and path, only its
+    declared parameters (the fake refuses others with 400), one requestId per call; on a
+    TERMINATE VM the stop's operation follows."""
+    doc = load_doc()
+    m = doc["resources"]["instances"]["methods"]["simulateMaintenanceEvent"]
+    fake = simcompute.METHODS[m["id"]]
+    assert (m["httpMethod"], m["path"]) == (fake.http, fake.path) == (
+        "POST", "projects/{project}/zones/{zone}/instances/{instance}/simulateMaintenanceEvent"
+    )  # fmt: skip
+    assert set(m["parameters"]) == set(simcompute.METHODS[m["id"]].parameters)
+    api.add_instance("vm-m", project="p", zone=Z, on_host_maintenance="TERMINATE")
+    client = ComputeClient.create(Credentials("tok"), api_base=api.base_url,
+                                  retry=ComputeRetry(attempts=1))  # fmt: skip
+    op = ValidateApi(client).simulate_maintenance("p", Z, "vm-m")
+    assert op["operationType"] == "simulateMaintenanceEvent" and op["status"] == "DONE"
+    (call,) = api.calls_to("simulate_maintenance")
+    assert call.method == "POST" and set(call.query) == {"requestId"}
+    assert uuid.UUID(call.query["requestId"]).version == 4
+    types = [o.type for o in api.zone_operations("vm-m")]
+    assert types == ["simulateMaintenanceEvent", simcompute.OP_TERMINATE_ON_MAINTENANCE]
+    assert api.instance("vm-m").status == "TERMINATED"

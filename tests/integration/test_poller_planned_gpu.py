@@ -225,3 +225,48 @@ def test_a_vm_back_from_maintenance_waits_one_drain_timeout_for_its_new_boot(
 def _kind(p: Poller) -> VerdictKind | None:
     v = p.poll("gpu-1").verdict
     return v.kind if v is not None else None
+
+
+KILLED = {"rc": "-", "sig": "SIGTERM", "dur": "3600.000"}
+
+
+def test_a_job_killed_by_the_maintenance_shutdown_fails_over_not_workload_failed(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36.1: GCE shuts the guest down for maintenance, systemd stops the job with SIGTERM
+    and `exec` writes `exit rc=- sig=SIGTERM`, read while the VM is still RUNNING. Once the
+    operation is recorded the planned stop decides (one failover, reaped), never
+    workload_failed; before that the exit decides and nothing is reaped."""
+    gpu_vm(api, "gpu-1", ("maintenance", NOTICE), ("exit", KILLED))
+    first = poll(api, tmp_path, capsys, "--reap", "gpu-1")["gpu-1"]
+    assert first["verdict"] == "workload_failed" and first["reaped"] is None
+    assert len(api.calls_to("operations")) == 1  # looked up, nothing recorded yet
+    api.host_maintenance("gpu-1")
+    out = poll(api, tmp_path, capsys, "--reap", "gpu-1")["gpu-1"]
+    assert out["verdict"] == "host_maintenance" and out["action"] == "failover", out["reason"]
+    assert "killed by SIGTERM" in out["reason"]
+    assert "operations=compute.instances.terminateOnHostMaintenance" in out["evidence"]
+    assert out["reaped"] and api.instance("gpu-1").deleted
+    again = poll(api, tmp_path, capsys, "--reap", "gpu-1")["gpu-1"]
+    assert again["action"] == "already_decided" and len(api.calls_to("delete")) == 1
+    with open_ledger(str(tmp_path / "ledger.sqlite"), "t") as led:
+        assert [d.verdict for d in led.all()] == ["host_maintenance"]
+
+
+@pytest.mark.parametrize(
+    ("exit_fields", "want"),
+    [(KILLED, "preempted"), ({"rc": "0", "sig": "-", "dur": "3600.000"}, "workload_ok")],
+)
+def test_a_killed_job_of_a_preempted_vm_and_a_finished_one(
+    api: FakeComputeAPI,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    exit_fields: dict[str, object],
+    want: str,
+) -> None:
+    gpu_vm(api, "gpu-1", ("exit", exit_fields))
+    poll(api, tmp_path, capsys, "gpu-1")
+    api.preempt("gpu-1")
+    out = poll(api, tmp_path, capsys, "gpu-1")["gpu-1"]
+    assert out["verdict"] == want, out["reason"]
+    assert out["action"] == ("failover" if want == "preempted" else "none")

@@ -201,9 +201,10 @@ def test_a_decision_is_ready_when_the_last_line_it_needed_was_published() -> Non
     lines = [(rx(1, "start"), 1.0), (rx(2, "tick"), 20.0), (rx(2, "tick"), 30.0),
              (rx(3, "shutdown"), 10.0), (rx(4, "heartbeat"), 50.0)]  # fmt: skip
     seen = BootLines("1", "b", PROJECT, "z", "vm", 0, lines)
-    assert _needed_by(seen, 10.0) == 20.0
+    assert _needed_by(seen, 10.0, 3) == 20.0
     in_order = BootLines("1", "b", PROJECT, "z", "vm", 0, [lines[0], lines[3]])
-    assert _needed_by(in_order, 10.0) == 10.0
+    assert _needed_by(in_order, 10.0, 3) == 10.0
+    assert _needed_by(seen, 1.0, 1) == 1.0  # decided at seq 1 (a gpu_fault): the tick is later
 
 
 # -- against the real emulator ------------------------------------------------------------------
@@ -432,6 +433,106 @@ def test_a_restarted_worker_loses_nothing_and_needs_nothing_again(tmp_path: Path
         ]
         assert led.db.exec("SELECT COUNT(*) FROM assembly_lines") == [(0,)]  # pruned
     assert [o.instance_id for o in outs if o.action == "failover"] == ["88"]
+
+
+GPU_FAULT = ("gpu_fault", {"xid": "79", "pci": "0000:00:04.0", "gpu": "3", "sig": "lost"})
+BEAT = ("heartbeat", {"rung": "0/10", "ph": "workload"})
+
+
+def _gpu_boot(iid: str, boot: str, *evs: tuple[str, dict[str, str]]) -> list[bytes]:
+    start = [("start", {"v": "1"}), ("phase", {"ph": "workload"})]
+    return [log_entry(iid, f"vm-{iid}", x) for x in lines_of(Writer(boot=boot), *start, *evs)]
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("evs", "want"),
+    [
+        # the agent keeps beating after the fault: no terminal line ever comes
+        ([GPU_FAULT, BEAT, BEAT], "gpu_fault"),
+        # every GPU stopped answering NVML (the memory watch)
+        ([("memory_gpu", {"st": "lost", "n": "0"}), BEAT], "gpu_fault"),
+        # taken back in the same batch, before a look: nothing (split over two batches, the
+        # first look decides, as a poll that read up to the loss would)
+        (
+            [
+                ("memory_gpu", {"st": "lost", "n": "0"}),
+                ("memory_gpu", {"st": "ok", "n": "8"}),
+                BEAT,
+            ],
+            None,
+        ),
+        # the job finished first: never run a finished job twice
+        ([("exit", {"rc": "0", "sig": "-"}), GPU_FAULT], None),
+        # the fault, then the ladder's shutdown: the fault decides (the first cause)
+        ([GPU_FAULT, ("shutdown", {"reason": "ladder", "rung": "10/10"})], "gpu_fault"),
+        # application Xids and stalls never decide
+        ([("gpu_event", {"xid": "13", "cls": "app"}), ("gpu_stall", {"ms": "12000"})], None),
+    ],
+)
+def test_a_gpu_fault_decides_in_the_stream_as_in_the_polling_reader(
+    tmp_path: Path, evs: list[tuple[str, dict[str, str]]], want: str | None
+) -> None:
+    """Issue 36: the worker decides gpu_fault at the fault line (same pure rule as poll), one
+    claim, while the agent beats on; the policy's report mode decides nothing in the stream."""
+    entries = _gpu_boot("66", "abcd0066", *evs)
+    outs: list[PollOutcome] = []
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([entries[:-1], entries[-1:]]), "s", led, outs.append,
+                         settle_s=SETTLE_S, identity=IDS)  # fmt: skip
+        w.step()
+        w.step()
+        assert [d.verdict for d in led.decisions.all()] == ([want] if want else []), (
+            w.stats,
+            led.assembly.boots(),
+        )
+        assert [o.action for o in outs] == (["failover"] if want else [])
+        if want:
+            assert led.assembly.boots() == [("66", "abcd0066", "decided")]
+            assert "GPU" in outs[0].verdict.reason  # type: ignore[union-attr]
+            assert w.stats.decisions == 1
+    # the same boot under --on-gpu-fault report: an alarm for the Compute API sweep, no claim
+    with open_ledger(str(tmp_path / "report.sqlite"), owner="w2") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        r = PubSubWorker(_Batches([entries]), "s", led, outs.append, settle_s=SETTLE_S,
+                         identity=IDS, policy=Policy(gpu_fault_report=True))  # fmt: skip
+        r.step()
+        # report mode holds back only the GPU's own failover: a later ladder shutdown decides
+        shut = ["self_shutdown"] if any(name == "shutdown" for name, _ in evs) else []
+        assert [d.verdict for d in led.decisions.all()] == shut
+
+
+@pytest.mark.pure
+def test_a_gpu_fault_past_a_gap_another_worker_fills_is_decided_once_the_hint_is_due(
+    tmp_path: Path,
+) -> None:
+    """The fault goes to worker 1, the line before it to worker 2 (which has no reason to look:
+    neither a terminal line nor a fault). Worker 1's look left a hint; when it comes due
+    (settle_s after the held line's receipt) the housekeeping look finds the gap filled and
+    decides gpu_fault once; before that nothing is decided."""
+    entries = _gpu_boot("77", "abcd0077", GPU_FAULT, BEAT)  # key, key, start, phase, fault, beat
+    t = [1000.0]
+    outs: list[PollOutcome] = []
+    url = str(tmp_path / "ledger.sqlite")
+    with open_ledger(url, owner="w1") as l1, open_ledger(url, owner="w2") as l2:
+        l1.pins.place_pin("77", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w1 = PubSubWorker(_Batches([entries[:3] + entries[4:]]), "s", l1, outs.append,
+                          settle_s=2.0, clock=lambda: t[0], identity=IDS)  # fmt: skip
+        w2 = PubSubWorker(_Batches([entries[3:4]]), "s", l2, outs.append, settle_s=2.0,
+                          clock=lambda: t[0], identity=IDS)  # fmt: skip
+        w1.step()
+        t[0] += 0.5
+        w2.step()  # fills the gap, does not look
+        assert l1.decisions.all() == [] and l1.assembly.boots() == [("77", "abcd0077", "open")]
+        t[0] += 1.0
+        w1.step()  # housekeeping, the hint not due yet
+        assert l1.decisions.all() == []
+        t[0] += 1.0
+        w1.step()
+        assert [d.verdict for d in l1.decisions.all()] == ["gpu_fault"]
+        assert l1.assembly.boots() == [("77", "abcd0077", "decided")]
+    assert [o.action for o in outs] == ["failover"]
 
 
 @pytest.mark.pure

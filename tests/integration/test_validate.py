@@ -31,7 +31,8 @@ SOURCE = ["--deb-url", "https://example.invalid/gce-watchdog.deb", "--deb-sha256
 
 @pytest.fixture
 def api() -> Iterator[FakeComputeAPI]:
-    with FakeComputeAPI(token="tok", serial_needs_running=True) as a:
+    # a simulated maintenance event announces the stop 2 s ahead: 10 guest ticks, 40 polls
+    with FakeComputeAPI(token="tok", serial_needs_running=True, maintenance_notice_s=2.0) as a:
         a.add_zone(P, Z)
         yield a
 
@@ -63,14 +64,15 @@ def test_plan_lists_vms_cost_and_permissions_and_touches_nothing(
 ) -> None:
     assert main(argv(api, tmp_path, "--plan", "--run-id", "vplan1")) == 0
     out = capsys.readouterr().out
-    for scenario in ("wedge", "done", "setup-failed", "flap"):
+    for scenario in ("wedge", "done", "setup-failed", "setup-failed-infra", "maintenance", "flap"):
         assert f"gcewd-vplan1-{scenario}" in out
     assert "e2-small" in out and "estimated cost: $" in out
     assert "compute.instances.create" in out and "roles/compute.instanceAdmin.v1" in out
     assert api.calls == []  # not one request: nothing read, nothing created
     assert main(argv(api, tmp_path, "--plan", "--json", "--run-id", "vplan1")) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["estimated_cost_usd"] > 0 and len(doc["instances"]) == 4
+    assert doc["estimated_cost_usd"] > 0 and len(doc["instances"]) == 6
+    assert "compute.instances.simulateMaintenanceEvent" in doc["permissions"]
     assert api.calls == []
 
 
@@ -103,7 +105,10 @@ def test_the_whole_run_wedge_fails_over_once_the_rest_never_and_nothing_is_left(
     api: FakeComputeAPI, guest: SimGuest, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
-    rc = main(argv(api, tmp_path, "--yes", "--run-id", "vfull1", "--out", str(out), *FAST))
+    # The scenarios of issue 28 (those of issue 36 below): a VM that goes off costs a poll's
+    # retries of its serial read (503, up to ~7 s), which may pass a simulated linger of 3 s
+    four = [a for n in ("wedge", "done", "setup-failed", "flap") for a in ("--scenario", n)]
+    rc = main(argv(api, tmp_path, "--yes", "--run-id", "vfull1", "--out", str(out), *four, *FAST))
     err = capsys.readouterr().err
     _check_progress(err)
     doc = json.loads((out / "validate.json").read_text())
@@ -152,6 +157,40 @@ def _check_progress(err: str) -> None:
              "no longer RUNNING", "scenario finished"]  # fmt: skip
     at = [next(i for i, ln in enumerate(wedge) if what in ln) for what in order]
     assert at == sorted(at), list(zip(order, at, strict=True))
+
+
+def test_a_dns_failure_in_bootstrap_and_host_maintenance_fail_over_once_each(
+    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path
+) -> None:
+    """Issue 36: `setup-failed-infra` (a bootstrap curl of an .invalid host: exit 6, cause=infra)
+    and `maintenance` (validate calls instances.simulateMaintenanceEvent; the agent's notice,
+    then terminateOnHostMaintenance stops the VM), each exactly one failover, nothing left."""
+    out = tmp_path / "out"
+    two = ["--scenario", "setup-failed-infra", "--scenario", "maintenance"]
+    rc = main(argv(api, tmp_path, "--yes", "--run-id", "vmaint1", "--out", str(out), *two, *FAST))
+    doc = json.loads((out / "validate.json").read_text())
+    by = {s["scenario"]: s for s in doc["scenarios"]}
+    assert rc == 0, [(s["scenario"], s["evidence"], s["notes"]) for s in doc["scenarios"]]
+    infra = by["setup-failed-infra"]
+    assert infra["failovers"] == 1 and infra["verdict"] == "setup_failed_infra", infra
+    maint = by["maintenance"]
+    assert maint["failovers"] == 1 and maint["verdict"] == "host_maintenance", maint
+    assert "info: the agent's maintenance notice was read" in maint["evidence"]
+    assert maint["timings"]["maintenance_to_decision_s"] is not None
+    sims = api.calls_to("simulate_maintenance")
+    assert [c.path.rsplit("/", 2)[1] for c in sims] == ["gcewd-vmaint1-maintenance"]
+    assert [o.type for o in api.zone_operations("gcewd-vmaint1-maintenance")][:3] == [
+        "insert", "simulateMaintenanceEvent", "compute.instances.terminateOnHostMaintenance"
+    ]  # fmt: skip
+    bootstrap = json.loads(api.instance("gcewd-vmaint1-setup-failed-infra").metadata[
+        "gce-watchdog-bootstrap"])  # fmt: skip
+    assert bootstrap == [["curl", "-fsS", "--max-time", "20", "-o", "/dev/null",
+                          "https://gcewd-validate.invalid/"]]  # fmt: skip
+    assert all(s["deleted"] for s in doc["scenarios"]) and alive(api) == []
+    maint_log = (out / maint["files"]["serial"]).read_text()
+    assert "maintenance event=TERMINATE_ON_HOST_MAINTENANCE" in maint_log
+    infra_log = (out / infra["files"]["serial"]).read_text()
+    assert "setup_failed step=bootstrap:md0" in infra_log and "cause=infra" in infra_log
 
 
 def test_a_vm_that_does_not_enable_faults_fails_its_scenario(

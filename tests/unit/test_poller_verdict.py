@@ -686,3 +686,81 @@ def test_progress_lines_never_decide(
     plain = decide(seq_of(*WORKLOAD, *lines), state, NOW, Policy(), received_s=rx)
     more = decide(seq_of(*WORKLOAD, *mixed), state, NOW, Policy(), received_s=rx)
     assert (more.kind, more.failover) == (plain.kind, plain.failover)
+
+
+# -- a workload killed as GCE stops the VM (issue 36.1, row 5b) -----------------------------
+
+KILLED_TERM: Line = ("exit", {"rc": "-", "sig": "SIGTERM", "dur": "3600.000"})
+KILLED_KILL: Line = ("exit", {"rc": "-", "sig": "SIGKILL", "dur": "3690.000"})
+KILLED_INT: Line = ("exit", {"rc": "-", "sig": "SIGINT", "dur": "10.000"})
+RC1: Line = ("exit", {"rc": "1", "sig": "-", "dur": "10.000"})
+RC0: Line = ("exit", {"rc": "0", "sig": "-", "dur": "10.000"})
+RESULT_FAIL: Line = ("result", {"status": "fail"})
+DONE: Line = ("phase", {"ph": "done"})
+EXITS = [KILLED_TERM, KILLED_KILL, KILLED_INT, RC1, RC0]
+KILL_STATUSES: list[str | None] = ["TERMINATED", "STOPPED", "MISSING", "STOPPING", "RUNNING", None]
+
+
+def _want_killed(
+    exit_line: Line, ops: tuple[str, ...], status: str | None, wait: bool, result_fail: bool
+) -> K:
+    """The rule, restated: rc 0 is the job's success; a job that reported its own failure
+    failed; a SIGTERM/SIGKILL exit in a boot GCE stopped takes the stop's verdict (preempted,
+    then host error, then host maintenance; waiting for the restart once it runs again)."""
+    if exit_line is RC0 and not result_fail:
+        return K.WORKLOAD_OK
+    killed = exit_line in (KILLED_TERM, KILLED_KILL) and not result_fail
+    if killed and OP_PRE in ops:
+        return K.PREEMPTED
+    stop = K.HOST_ERROR if OP_ERR in ops else K.HOST_MAINTENANCE if OP_MAINT in ops else None
+    if not killed or stop is None:
+        return K.WORKLOAD_FAILED
+    return K.UNKNOWN if status == "RUNNING" and wait else stop
+
+
+def test_every_killed_exit_with_every_set_of_end_operations() -> None:
+    """Exhaustive over the exit (SIGTERM, SIGKILL, another signal, rc 1, rc 0), the end
+    operations (all subsets of six), the status, the wait policy, the agent's notice, the job's
+    own `result fail` before it and a `phase done` after it (the start-up script's)."""
+    import itertools
+
+    for exit_line, mask, status, wait, notice, rfail, done in itertools.product(
+        EXITS, range(2 ** len(OPS)), KILL_STATUSES, *[(False, True)] * 4
+    ):
+        ops = tuple(op for i, op in enumerate(OPS) if mask >> i & 1)
+        lines = [*WORKLOAD, *([NOTICE] if notice else []), *([RESULT_FAIL] if rfail else [])]
+        lines += [exit_line, *([DONE] if done else [])]
+        events = seq_of(*lines)
+        state = InstanceState(status, end_ops=ops)
+        v = decide(events, state, NOW, Policy(planned_stop_wait=wait))
+        want = _want_killed(exit_line, ops, status, wait, rfail)
+        assert v.kind is want, (exit_line, ops, status, wait, notice, rfail, done, v.reason)
+        if want in (K.PREEMPTED, K.HOST_ERROR, K.HOST_MAINTENANCE):
+            assert v.evidence[0] == events[len(lines) - 1 - done].render()  # the exit line
+            assert v.failover is (want is K.PREEMPTED or not wait)
+            assert str(exit_line[1]["sig"]) in v.reason or status == "RUNNING"
+            assert not v.alarm
+        # without the operations (not looked up) the exit decides as before
+        v0 = decide(events, InstanceState(status), NOW, Policy(planned_stop_wait=wait))
+        assert v0.kind is _want_killed(exit_line, (), status, wait, rfail)
+
+
+def test_killed_exit_running_again_after_maintenance_waits_then_suspects_a_wedge() -> None:
+    events = seq_of(*WORKLOAD, KILLED_TERM)
+    rx = events[-1].ts_ms / 1000
+    back = InstanceState("RUNNING", end_ops=(OP_MAINT,), back_s=rx + 3600)
+    v = decide(events, back, rx + 3600 + 60, WAIT, received_s=rx)
+    assert v.kind is K.UNKNOWN and "waiting for the new boot" in v.reason
+    late = rx + 3600 + WAIT.drain_timeout_s + 1
+    assert decide(events, back, late, WAIT, received_s=rx).kind is K.SUSPECTED_WEDGE
+    v = decide(events, back, late, Policy(), received_s=rx)
+    assert v.kind is K.HOST_MAINTENANCE and v.failover
+
+
+def test_a_gpu_fault_before_a_killed_exit_still_decides() -> None:
+    events = seq_of(*WORKLOAD, FAULT, KILLED_TERM)
+    state = InstanceState("TERMINATED", end_ops=(OP_MAINT,))
+    assert decide(events, state, NOW, Policy()).kind is K.GPU_FAULT
+    # report mode holds back only the GPU's failover: the planned stop's fails over
+    v = decide(events, state, NOW, REPORT)
+    assert v.kind is K.HOST_MAINTENANCE and v.failover

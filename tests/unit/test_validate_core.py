@@ -75,9 +75,10 @@ def test_the_price_table_holds_the_cited_values() -> None:
     assert P.MACHINE_PRICES["e2-small"] == (0.016753, 0.010053)
     assert P.MACHINE_PRICES["g2-standard-4"] == (0.706832, 0.397336)
     assert P.DISK_PRICE_GB_MONTH == 0.10
-    # docs/validate.md quotes these two estimates for the four scenarios (43 VM-minutes)
-    assert f"{make().cost_usd:.4f}" == "0.0130"
-    assert f"{make(spot=True).cost_usd:.4f}" == "0.0082"
+    # docs/validate.md quotes these two estimates for the six scenarios (59 VM-minutes)
+    assert make().minutes == 59
+    assert f"{make().cost_usd:.4f}" == "0.0178"
+    assert f"{make(spot=True).cost_usd:.4f}" == "0.0112"
     assert "your bill may differ" in "\n".join(make().render())
     assert "Spot prices can change once a day" in "\n".join(make(spot=True).render())
 
@@ -189,3 +190,82 @@ def test_select_keeps_order_and_refuses_unknown() -> None:
     assert [s.name for s in select(["flap", "wedge", "flap"])] == ["flap", "wedge"]
     with pytest.raises(ValueError, match="unknown scenario"):
         select(["preempt"])
+
+
+# -- issue 36: setup-failed-infra and maintenance ---------------------------------------------
+
+
+def test_the_infra_scenario_downloads_from_a_name_that_never_resolves() -> None:
+    vm = next(v for v in make().vms if v.scenario == "setup-failed-infra")
+    steps = json.loads(md(vm.body)["gce-watchdog-bootstrap"])
+    assert steps[0][0] == "curl" and steps[0][-1].startswith("https://")
+    assert steps[0][-1].split("/")[2].endswith(".invalid")  # RFC 6761: never resolves
+    # the maintenance scenario's VM is stopped, not migrated, and not restarted by GCE
+    maint = next(v for v in make().vms if v.scenario == "maintenance")
+    sched = maint.body["scheduling"]
+    assert sched["onHostMaintenance"] == "TERMINATE"  # type: ignore[index]
+    assert sched["automaticRestart"] is False  # type: ignore[index]
+    assert "compute.instances.simulateMaintenanceEvent" in [p for p, _ in P.PERMISSIONS]
+
+
+def maintenance_seen() -> Observation:
+    return Observation(
+        "maintenance", "vm", maintenance_at=100.0, notice_at=101.0, left_running_at=130.0,
+        decided_at=131.0, failovers=1, verdict="host_maintenance", final_status="gone",
+        deleted=True,
+    )  # fmt: skip
+
+
+def test_maintenance_passes_with_one_failover_and_its_timings() -> None:
+    o = maintenance_seen()
+    j = judge(SCENARIOS["maintenance"], o)
+    assert j.passed, j.evidence
+    assert "info: the agent's maintenance notice was read" in j.evidence
+    t = o.timings()
+    assert t["maintenance_to_left_running_s"] == 30.0 and t["maintenance_to_decision_s"] == 31.0
+    # no notice read: shown, not a failure (none is documented for a simulated stop)
+    quiet = judge(SCENARIOS["maintenance"], replace(o, notice_at=None))
+    assert quiet.passed and any("no maintenance notice" in e for e in quiet.evidence)
+
+
+@given(
+    st.sampled_from(["maintenance_at", "left_running_at", "decided_at"]),
+    st.sampled_from(["host_maintenance", "ended_unread", "workload_failed", None]),
+    st.integers(0, 3),
+)
+def test_maintenance_fails_without_the_event_the_stop_the_verdict_or_one_failover(
+    missing: str, verdict: str | None, n: int
+) -> None:
+    o = replace(maintenance_seen(), verdict=verdict, failovers=n)
+    assert judge(SCENARIOS["maintenance"], o).passed == (verdict == "host_maintenance" and n == 1)
+    setattr(o, missing, None)
+    assert not judge(SCENARIOS["maintenance"], o).passed
+
+
+@given(st.sampled_from(["setup_failed_infra", "setup_failed", "self_shutdown"]), st.integers(0, 3))
+def test_setup_failed_infra_needs_its_verdict_and_exactly_one_failover(
+    verdict: str, n: int
+) -> None:
+    o = Observation("setup-failed-infra", "vm", left_running_at=5.0, decided_at=4.0,
+                    failovers=n, verdict=verdict, deleted=True)  # fmt: skip
+    want = verdict == "setup_failed_infra" and n == 1
+    assert judge(SCENARIOS["setup-failed-infra"], o).passed == want
+
+
+def test_the_agents_maintenance_line_is_observed() -> None:
+    from gce_watchdog.wire.protocol import make_event
+
+    o = Observation("maintenance", "vm")
+    migrate = make_event(
+        "maintenance", "aaaa0001", 3, 5_000, {"event": "MIGRATE_ON_HOST_MAINTENANCE"}
+    )
+    o.observe_line(migrate)
+    assert o.notice_at is None
+    stop = make_event(
+        "maintenance", "aaaa0001", 4, 7_000, {"event": "TERMINATE_ON_HOST_MAINTENANCE"}
+    )
+    o.observe_line(stop)
+    o.observe_line(
+        make_event("maintenance", "aaaa0001", 5, 9_000, {"event": "TERMINATE_ON_HOST_MAINTENANCE"})
+    )
+    assert o.notice_at == 7.0

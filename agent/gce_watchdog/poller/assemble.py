@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gce_watchdog.poller.verdict import terminal_kind
+from gce_watchdog.poller.verdict import gpu_fault_event, terminal_kind
 from gce_watchdog.wire.protocol import Event
 
 MAX_PREFIX = 1024
@@ -58,6 +58,12 @@ class Assembly:
     def terminal(self) -> Event | None:
         """The prefix's first terminal event: the boot's verdict is final once there is one."""
         return next((e for e in self.prefix if terminal_kind(e) is not None), None)
+
+    @property
+    def fault(self) -> Event | None:
+        """The prefix's first GPU fault (``verdict.gpu_fault_event``: a ``gpu_fault`` line, or a
+        ``memory_gpu st=lost`` no later ``st=ok`` took back), or None."""
+        return gpu_fault_event(self.prefix)
 
     def settled(self, now: float, settle_s: float) -> bool:
         """True when a gap has been waited for ``settle_s``: its missing lines are lost."""

@@ -41,6 +41,10 @@ from gce_watchdog.poller.verdict import (
     Policy,
     Verdict,
     VerdictKind,
+    first_terminal,
+    gce_stop,
+    killed_by_signal,
+    latest_boot_events,
 )
 
 # The label that names an instance's job for the dispatcher (docs/poller.md, "Decisions as an
@@ -66,6 +70,13 @@ SELF_LINK_BASE = "https://www.googleapis.com/compute/v1"  # how GCE writes targe
 # seconds to minutes (ingestion), so a read that finds nothing is tried on the next polls too.
 LOG_TRIES = 3
 _END_NS = uuid.UUID("6f1d5b52-43c5-4c1e-9a40-5d0f3f1f2a7e")
+
+
+def _killed(tl: Timeline) -> bool:
+    """The current boot's first terminal line is the workload killed by a stop signal."""
+    verified = [e for e in tl.events if not e.covered]
+    term = first_terminal(latest_boot_events(verified, tl.latest_boot))
+    return term is not None and killed_by_signal(term)
 
 
 def reported_gpu_fault(verdict: Verdict) -> bool:
@@ -344,6 +355,8 @@ class Poller:
             return self._evidence(name, instance_id, tl, state, verdict)
         if verdict.kind is VerdictKind.SUSPECTED_WEDGE and self.policy.planned_stop_wait:
             return self._back_evidence(name, instance_id, tl, state, verdict)
+        if verdict.kind is VerdictKind.WORKLOAD_FAILED and instance_id and _killed(tl):
+            return self._killed_evidence(name, instance_id, tl, state, verdict)
         if reported_gpu_fault(verdict) and state.status in OFF_STATES and instance_id:
             # --on-gpu-fault report holds back only the GPU's own failover: a preemption or a
             # planned stop of the VM still decides, so its operations are read too
@@ -438,6 +451,27 @@ class Poller:
             self._end_ops.pop((instance_id, tl.latest_boot), None)
             return verdict
         back_s = self._back.setdefault((instance_id, tl.latest_boot), self.clock())
+        state = dataclasses.replace(state, end_ops=ops, back_s=back_s)
+        return tl.judge(state, self.clock(), self.policy)
+
+    def _killed_evidence(
+        self, name: str, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict
+    ) -> Verdict:
+        """The workload was killed by SIGTERM or SIGKILL: if GCE stopped the VM (a preemption,
+        a host error, host maintenance: the same one lookup per boot), that stop decides. An
+        answer without such a stop is remembered only once the VM is off: read while it runs,
+        the stop may not be recorded yet (one lookup per poll until it is off, which the
+        end-of-life chain does within its linger)."""
+        if tl.latest_boot is None:
+            return verdict
+        ops = self._boot_ops(name, instance_id, tl)
+        if gce_stop(ops) is None:
+            if state.status not in OFF_STATES:
+                self._end_ops.pop((instance_id, tl.latest_boot), None)
+            return verdict
+        back_s = None
+        if state.status == "RUNNING" and self.policy.planned_stop_wait:
+            back_s = self._back.setdefault((instance_id, tl.latest_boot), self.clock())
         state = dataclasses.replace(state, end_ops=ops, back_s=back_s)
         return tl.judge(state, self.clock(), self.policy)
 

@@ -40,8 +40,11 @@ A decided, ended or gapped boot's lines are deleted; its row stays as a tombston
 redelivery is acked without a second look) until ``TOMBSTONE_S`` after its last line. A worker's
 memory is a bounded cache of pins plus one batch: it does not grow with the fleet's history.
 
-Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``). Silence and
-stopped instances are not visible in a stream of lines: the slow Compute API sweep
+Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``, and
+``gpu_fault``: a GPU fault in the prefix is looked at like a terminal event, with the same pure
+rule as the polling reader, ``verdict.decide``, so a job whose ``exit rc=0`` precedes it in the
+prefix is never failed over; with ``--on-gpu-fault report`` it decides nothing here). Silence
+and stopped instances are not visible in a stream of lines: the slow Compute API sweep
 (``FleetPoller`` over ``--label``) catches those, and polls VMs whose console is not exported.
 """
 
@@ -73,7 +76,14 @@ from gce_watchdog.poller.ledger import Decision, DecisionStore
 from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.pin_store import PinStore
 from gce_watchdog.poller.poller import PollOutcome, announced_outcome, lapsed_announcements
-from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind, decide
+from gce_watchdog.poller.verdict import (
+    InstanceState,
+    Policy,
+    Verdict,
+    VerdictKind,
+    decide,
+    gpu_fault_event,
+)
 from gce_watchdog.wire.protocol import (
     REKEY_EVENT,
     Event,
@@ -107,7 +117,7 @@ HOUSEKEEPING_S = 1.0
 # A decision whose instance the Compute API could not identify is looked at again after this.
 IDENTITY_RETRY_S = 30.0
 # Only these verdicts are proven by a line; the others need the instance's status or silence.
-LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED})
+LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT})
 
 
 @dataclass(frozen=True)
@@ -195,11 +205,10 @@ class WorkerStats:
     )
 
 
-def _needed_by(seen: BootLines, pub: float) -> float:
+def _needed_by(seen: BootLines, pub: float, last: int) -> float:
     """When the last line a decision needed was published: the latest of the first copies of
-    each seq up to the deciding line's (a line displaced in transit, or its first copy lost,
-    can be published after the deciding line: the boot waited for it, not the pipeline)."""
-    last = next(r.event.seq for r, _ in seen.lines if r.event.event in ("shutdown", "preempted"))
+    each seq up to the deciding line's (``last``; a line displaced in transit, or its first copy
+    lost, can be published after the deciding line: the boot waited for it, not the pipeline)."""
     first: dict[int, float] = {}
     for r, p in seen.lines:
         if p is not None and r.event.seq <= last:
@@ -310,6 +319,7 @@ class PubSubWorker:
             published = pub.timestamp() if pub is not None else None
             self._classify(ln, pins.get(ln.instance_id), now, published, lines, raw)
         touched, dropped = self.assembly.store(lines, raw)
+        touched |= self._faulted(lines)
         self.stats.unverified += len(raw) - dropped
         self.stats.dropped += dropped
         # A raw line stored just now, or a key pinned just now: either this worker sees the
@@ -461,23 +471,38 @@ class PubSubWorker:
             ln = SerialLine(r.project, r.zone, instance_id, r.name, r.text)
             self._classify(ln, key, r.received_at, r.published, lines, [])
         touched, _ = self.assembly.store(lines, [])
+        touched |= self._faulted(lines)
         self.assembly.drop_unverified(instance_id, [r.text for r in stored])
         return touched
 
+    def _faulted(self, lines: list[StoredLine]) -> set[tuple[str, str]]:
+        """The boots of the GPU faults among the lines (none with --on-gpu-fault report): looked
+        at like those ``assembly_store`` returns (its terminal lines'). A fault stored past a
+        gap another worker fills is looked at again when the look's hint comes due
+        (``assembly_gaps_due``: ``settle_s`` after the held line's receipt), then decided."""
+        if self.policy.gpu_fault_report:
+            return set()
+        return {(ln.instance_id, ln.event.boot) for ln in lines if gpu_fault_event([ln.event])}
+
     def _look(self, iid: str, boot: str, now: float) -> None:
         """Look at one boot's stored lines; claim, end, gap, or wait."""
-        verdicts: list[Verdict] = []
+        verdicts: list[tuple[Verdict, int]] = []  # (the verdict, its deciding line's seq)
 
         def judge(seen: BootLines) -> BootUpdate:
             a = assemble([r for r, _ in seen.lines], seen.floor)
-            if a.terminal is not None:
+            # a GPU fault decides like a terminal event, unless the policy only reports it
+            fault = None if self.policy.gpu_fault_report else a.fault
+            if a.terminal is not None or fault is not None:
                 v = decide(list(a.prefix), InstanceState("RUNNING"), now, self.policy)
-                if v.kind in LINE_VERDICTS:
-                    verdicts.append(v)
+                if v.kind in LINE_VERDICTS and v.failover:
+                    by = fault if v.kind is VerdictKind.GPU_FAULT else a.terminal
+                    assert by is not None
+                    verdicts.append((v, by.seq))
                     # closed once the claim is durable; until then, a hint to look again (the
                     # instance's identity unavailable, or this worker dead before its claim)
                     return BootUpdate(OPEN, now + IDENTITY_RETRY_S - self.settle_s)
-                return BootUpdate(ENDED, None)
+                if a.terminal is not None:
+                    return BootUpdate(ENDED, None)
             if a.settled(now, self.settle_s):
                 return BootUpdate(GAPPED, None)
             drop, floor = compact(a)
@@ -493,7 +518,7 @@ class PubSubWorker:
             self.stats.ended += 1
         if not verdicts:
             return
-        (verdict,) = verdicts
+        ((verdict, by),) = verdicts
         who = self._identify(seen, verdict)
         if who is None:
             return
@@ -502,10 +527,10 @@ class PubSubWorker:
         )  # durable when it returns: only now may the lines that led here be acked
         self.assembly.set_state(iid, boot, DECIDED)
         self.stats.decisions += decision.won
-        pub = next((p for r, p in seen.lines if r.event.event in ("shutdown", "preempted")), None)
+        pub = next((p for r, p in seen.lines if r.event.seq == by), None)
         if pub is not None and decision.won:
             self.stats.latencies.append(self.clock() - pub)
-            self.stats.ready_latencies.append(self.clock() - _needed_by(seen, pub))
+            self.stats.ready_latencies.append(self.clock() - _needed_by(seen, pub, by))
         announce = decision.won or (
             decision.announced_at is None
             and self.decisions.take_announcement(decision.instance_id, decision.boot, now)

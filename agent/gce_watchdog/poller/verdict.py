@@ -11,7 +11,9 @@ rules below are in the same order. In short:
 2. The first terminal event of that boot (by ``seq``) decides: ``setup_failed``, ``shutdown``,
    ``preempted``, ``exit`` (rc 0 or not) and ``phase ph=done``. First, because what follows a
    terminal event is its consequence (a ladder shutdown kills the workload, which then logs a
-   signal exit), never new information about the job.
+   signal exit), never new information about the job. An ``exit`` killed by SIGTERM or SIGKILL
+   in a boot that GCE ended (a preemption, a host error or host maintenance among the zone
+   operations) is the guest shutdown's consequence too: that stop decides, as in rule 3.
    A GPU fault (a signed ``gpu_fault`` line, or ``memory_gpu st=lost``: every GPU lost) before
    the first terminal event, or without one, decides ``gpu_fault`` unless the job's own success
    follows it (the job finished: never run it twice); the policy fails it over or only reports
@@ -75,6 +77,10 @@ OP_GUEST_TERMINATE = "compute.instances.guestTerminate"
 # the end-of-life chain does after the final line), or a user stopped or deleted it.
 BENIGN_END_OPS = frozenset({OP_GUEST_TERMINATE, "stop", "delete", "suspend"})
 TERMINAL_PHASES = frozenset({"done"})
+# The signals a guest shutdown kills the job with: systemd stops the start-up script's unit with
+# SIGTERM (KillSignal=, the default) and SIGKILL once TimeoutStopSec has passed (systemd.kill(5));
+# ``exec`` writes the signal's name (``exit rc=- sig=SIGTERM``, docs/bootstrap.md).
+STOP_SIGNALS = frozenset({"SIGTERM", "SIGKILL"})
 # The agent's `maintenance` line that announces a planned stop (instance/maintenance-event,
 # Compute Engine docs "Get notice of host maintenance"): corroboration, never a verdict alone (the
 # job may finish within the hour of notice, and its final line may be the one never read).
@@ -247,6 +253,30 @@ def terminal_kind(ev: Event, reported_fail: bool = False) -> VerdictKind | None:
     return None
 
 
+def killed_by_signal(ev: Event) -> bool:
+    """An ``exit`` line of a workload killed by a signal of a guest shutdown (``STOP_SIGNALS``)."""
+    return ev.event == vocab.EXIT and ev.get("sig") in STOP_SIGNALS
+
+
+def first_terminal(events: Sequence[Event]) -> Event | None:
+    """The first terminal event of one boot's events (sorted by ``seq``), or None."""
+    reported_fail = False
+    for ev in events:
+        if ev.event == vocab.RESULT:
+            reported_fail = ev.get("status") == vocab.RESULT_FAIL
+        if terminal_kind(ev, reported_fail) is not None:
+            return ev
+    return None
+
+
+def gce_stop(ops: tuple[str, ...] | None) -> tuple[str, VerdictKind] | None:
+    """The stop by Compute Engine among the operations: (operation type, verdict); a
+    preemption first, then a host error, then host maintenance."""
+    if ops is not None and OP_PREEMPTED in ops:
+        return OP_PREEMPTED, VerdictKind.PREEMPTED
+    return _planned_stop(ops)
+
+
 def _describe(kind: VerdictKind, ev: Event) -> str:
     f = ev.fields_dict
     if kind is VerdictKind.SETUP_FAILED_INFRA:
@@ -413,6 +443,12 @@ def _decide(
         if ev.event == vocab.RESULT:
             reported_fail = ev.get("status") == vocab.RESULT_FAIL
         kind = terminal_kind(ev, reported_fail)
+        if kind is VerdictKind.WORKLOAD_FAILED and killed_by_signal(ev) and not reported_fail:
+            # Row 5b: killed as GCE stopped the VM: the stop decides (unless the job had
+            # reported its own failure: its word stands, failing over would repeat it)
+            stopped = _killed_by_gce_stop(ev, mine, instance, now, policy, boot, status_ev)
+            if stopped is not None:
+                return ev, stopped
         if kind is not None:
             pf = kind is VerdictKind.WORKLOAD_UNVERIFIED and policy.unverified_failover
             return ev, Verdict(kind, _describe(kind, ev), boot, (ev.render(), status_ev), pf)
@@ -483,6 +519,48 @@ def _decide(
         boot,
         evidence,
     )
+
+
+def _killed_by_gce_stop(
+    ev: Event,
+    mine: Sequence[Event],
+    instance: InstanceState,
+    now: float,
+    policy: Policy,
+    boot: str | None,
+    status_ev: str,
+) -> Verdict | None:
+    """Row 5b: the first terminal line is the workload killed by SIGTERM or SIGKILL and GCE
+    recorded a stop of this boot (a preemption, a host error, host maintenance): the signal is
+    the guest shutdown's (systemd stops the job as GCE shuts the guest down), so the stop's
+    verdict, as for an off VM without a terminal line (row 6b). None: no such stop."""
+    stop = gce_stop(instance.end_ops)
+    if stop is None:
+        return None
+    op, kind = stop
+    sig = ev.get("sig")
+    evidence: tuple[str, ...] = (ev.render(), status_ev)
+    if kind is VerdictKind.PREEMPTED:
+        reason = f"the workload was killed by {sig} as GCE preempted the VM ({op})"
+        return Verdict(kind, reason, boot, (*evidence, _ops_evidence(instance.end_ops)))
+    if instance.status == "RUNNING":  # back from the stop (GCE's automatic restart): row 10b
+        return _back_from_planned_stop(mine, instance, now, policy, boot, evidence)
+    what = "host maintenance" if kind is VerdictKind.HOST_MAINTENANCE else "a host error"
+    evidence = (*evidence, _ops_evidence(instance.end_ops))
+    notice = _maintenance_notice(mine)
+    if notice is not None:  # the agent's signed notice corroborates the operation
+        evidence = (*evidence, notice.render())
+    action = (
+        "waiting for GCE's automatic restart (--on-planned-stop wait)"
+        if policy.planned_stop_wait
+        else "the job was killed"
+    )
+    reason = f"the workload was killed by {sig} as GCE stopped the VM for {what} ({op}); {action}"
+    return Verdict(kind, reason, boot, evidence, not policy.planned_stop_wait)
+
+
+def _ops_evidence(ops: tuple[str, ...] | None) -> str:
+    return f"operations={','.join(ops) or 'none'}" if ops is not None else "operations=unknown"
 
 
 def _maintenance_notice(mine: Sequence[Event]) -> Event | None:

@@ -50,6 +50,15 @@ with its reference.
   comes is not documented ("may be restarted outside the window of maintenance events"), so
   the test says; whether GCE records an operation for it and whether the serial port keeps its
   bytes are not documented either: the fake records none and keeps them.
+- ``instances.simulateMaintenanceEvent`` (discovery document: POST
+  ``.../instances/{instance}/simulateMaintenanceEvent``, an Operation; Compute Engine docs
+  "Simulate a host maintenance event": an instance that does not live-migrate "is either
+  terminated or restarted, depending on the configured host maintenance policy"): the caller's
+  operation ``simulateMaintenanceEvent`` (DONE), then the maintenance event above. The guest's
+  ``maintenance-event`` value (``FakeInstance.maintenance_event``) says
+  TERMINATE_ON_HOST_MAINTENANCE for ``maintenance_notice_s`` before the stop (the stop's
+  operation is PENDING meanwhile); how much notice a simulated event gives is not documented
+  (the fake's choice, 0 by default). A VM that is not RUNNING: 400 (not documented either).
 - **requestId** ("a valid UUID with the exception that zero UUID is not supported",
   ``instances.delete.parameters.requestId``): the zero UUID and a non-UUID are 400; a repeated id
   returns the first request's operation and does not act twice; ids are kept per instance and
@@ -202,6 +211,9 @@ OP_TERMINATE_ON_MAINTENANCE = "compute.instances.terminateOnHostMaintenance"
 OP_MIGRATE_ON_MAINTENANCE = "compute.instances.migrateOnHostMaintenance"
 # Scheduling.onHostMaintenance.enum (the discovery document; the contract test compares them)
 ON_HOST_MAINTENANCE = ("MIGRATE", "TERMINATE")
+# The maintenance-event value of a stop that is coming (Compute Engine docs, "Get notice of host
+# maintenance": NONE, MIGRATE_ON_HOST_MAINTENANCE or TERMINATE_ON_HOST_MAINTENANCE)
+MAINTENANCE_TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
 # The system events after which Scheduling.automaticRestart brings the VM back ("terminated by
 # Compute Engine (not terminated by a user)"): not a preemption (preemptible VMs "cannot be
 # automatically restarted"), not a guest's own power-off.
@@ -241,6 +253,12 @@ METHODS: dict[str, Method] = {
     ),
     "compute.instances.setMetadata": _m(
         "set_metadata", "POST", _I + "/setMetadata", "instance project requestId zone"
+    ),
+    "compute.instances.simulateMaintenanceEvent": _m(
+        "simulate_maintenance",
+        "POST",
+        _I + "/simulateMaintenanceEvent",
+        "instance project requestId withExtendedNotifications zone",
     ),
     "compute.instances.list": _m("zone_list", "GET", _Z + "/instances", _LIST + " zone"),
     "compute.instances.insert": _m(
@@ -337,6 +355,9 @@ class FakeInstance:
     machine_type: str = ""  # set by instances.insert (its machineType, as sent)
     on_host_maintenance: str = "MIGRATE"  # Scheduling.onHostMaintenance (default MIGRATE)
     automatic_restart: bool = True  # Scheduling.automaticRestart (never for a Spot VM)
+    # The value the metadata server gives the guest at instance/maintenance-event ("NONE", or
+    # "TERMINATE_ON_HOST_MAINTENANCE" once a maintenance event that stops it was announced)
+    maintenance_event: str = "NONE"
     inserted: dict[str, Any] = field(default_factory=dict)  # the insert body, as sent
 
 
@@ -397,6 +418,7 @@ class FakeComputeAPI:
         op_pending_s: float = 0.0,
         serial_needs_running: bool = True,
         roles: dict[str, Iterable[str]] | None = None,
+        maintenance_notice_s: float = 0.0,
     ) -> None:
         self.tokens = {token} if isinstance(token, str) else set(token)
         # token -> the permissions its principal's role grants (a role is a permission set,
@@ -410,6 +432,9 @@ class FakeComputeAPI:
         self.stop_delay_s = stop_delay_s
         self.op_pending_s = op_pending_s
         self.serial_needs_running = serial_needs_running
+        # simulateMaintenanceEvent on a TERMINATE VM: how long the guest sees the notice before
+        # the stop (GCE documents no notice for a simulated event; the fake's choice)
+        self.maintenance_notice_s = maintenance_notice_s
         self.calls: list[Call] = []
         # requests per endpoint as they arrive, before any fault (a hung call is in ``calls``
         # only once it is answered): a test waits on this to act while a call hangs
@@ -586,9 +611,17 @@ class FakeComputeAPI:
         the VM goes STOPPING, then TERMINATED; with MIGRATE, a live migration
         (``compute.instances.migrateOnHostMaintenance``), the VM stays RUNNING."""
         inst = self.instance(name)
+        with self._lock:
+            return self._maintenance_locked(inst, 0.0)
+
+    def _maintenance_locked(self, inst: FakeInstance, notice_s: float) -> FakeOperation:
+        """The maintenance event's operation; a stop waits ``notice_s`` (PENDING) while the
+        guest's ``maintenance-event`` says TERMINATE_ON_HOST_MAINTENANCE."""
         if inst.on_host_maintenance == "TERMINATE":
-            return self._system_event(inst, OP_TERMINATE_ON_MAINTENANCE, "terminate")
-        return self._system_event(inst, OP_MIGRATE_ON_MAINTENANCE, "")
+            inst.maintenance_event = MAINTENANCE_TERMINATE
+            return self._new_op(inst, OP_TERMINATE_ON_MAINTENANCE, "terminate", "system",
+                                self.stop_delay_s, notice_s=notice_s)  # fmt: skip
+        return self._new_op(inst, OP_MIGRATE_ON_MAINTENANCE, "", "system", self.stop_delay_s)
 
     def restart(self, name: str) -> None:
         """GCE's automatic restart of a VM that Compute Engine stopped (host error, host
@@ -602,6 +635,7 @@ class FakeComputeAPI:
             if not last or last[-1].type not in _RESTARTABLE:
                 raise ValueError(f"{name}: not stopped by Compute Engine")
             inst.status = "RUNNING"
+            inst.maintenance_event = "NONE"
 
     def fail_next_operation(
         self, http_status: int = 403, code: str = "PERMISSION_DENIED", message: str = "denied"
@@ -675,6 +709,7 @@ class FakeComputeAPI:
         user: str,
         running_s: float,
         meta: dict[str, str] | None = None,
+        notice_s: float = 0.0,
     ) -> FakeOperation:
         n = next(self._op_ids)
         prefix = "systemevent" if user == "system" else "operation"
@@ -685,7 +720,7 @@ class FakeComputeAPI:
             type=kind,
             inst=inst,
             insert_s=now,
-            pending_s=self.op_pending_s,
+            pending_s=self.op_pending_s + notice_s,
             running_s=running_s,
             user=user,
             effect=effect,
@@ -861,12 +896,32 @@ class FakeComputeAPI:
                 return 200, _instance_json(inst), {}
             if m.endpoint == "serial":
                 return self._serial(inst, query)
+            if m.endpoint == "simulate_maintenance":
+                return self._simulate_maintenance(inst, mid, query, rid)
             op = self._mutate(inst, m.endpoint, body)
             if isinstance(op, tuple):
                 return op
             if rid:
                 self.operations[(project, zone, name, mid, str(uuid.UUID(rid)))] = op
             return 200, self._op_json(op), {}
+
+    def _simulate_maintenance(
+        self, inst: FakeInstance, mid: str, query: dict[str, str], rid: str
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """instances.simulateMaintenanceEvent (caller holds the lock): the caller's operation
+        (``simulateMaintenanceEvent``, DONE) and the event itself as ``host_maintenance`` does
+        it, the stop after ``maintenance_notice_s``. Only a RUNNING VM: a 400 otherwise (what
+        GCE answers is not documented; the fake's choice)."""
+        if inst.status != "RUNNING":
+            msg = f"The instance is not running (status {inst.status})."
+            return 400, _error(400, msg, "invalid"), {}
+        op = self._new_op(inst, "simulateMaintenanceEvent", "", "user", 0.0)
+        if rid:
+            key = (inst.project, inst.zone, inst.name, mid, str(uuid.UUID(rid)))
+            self.operations[key] = op
+        if op.error is None:
+            self._maintenance_locked(inst, self.maintenance_notice_s)
+        return 200, self._op_json(op), {}
 
     def _mutate(
         self, inst: FakeInstance, endpoint: str, body: bytes

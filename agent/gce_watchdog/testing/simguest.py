@@ -4,7 +4,9 @@ metadata, so ``gce-watchdog validate`` can run its scenarios offline.
 
 It plays, on the fake's serial port, signed protocol lines in the documented formats
 (docs/serial-protocol.md): ``phase bootstrap``; a failing ``gce-watchdog-bootstrap`` step (an argv
-``["false"]``) as ``setup_failed cause=job`` then ``end reason=setup_failed``; else ``start``,
+``["false"]``) as ``setup_failed cause=job`` then ``end reason=setup_failed``; a ``curl`` step
+for an ``.invalid`` host (RFC 6761: never resolves, curl exits 6) as the start-up script reports
+it, ``setup_failed cause=infra rc=6``, then ``end``; else ``start``,
 ``phase workload``, and per agent tick: nothing while healthy (the agent writes no line for a
 healthy tick), a ``tick rung=k/N`` line per failed tick of a fault, ``shutdown`` at ``N/N``, or
 ``fault op=expire`` and ``recovered`` when the fault's TTL ends first. A fault is taken from the
@@ -12,7 +14,11 @@ healthy tick), a ``tick rung=k/N`` line per failed tick of a fault, ``shutdown``
 ``faults_from_metadata`` (else ``fault op=refused why=disabled``, as the agent does). A finite
 workload (``sleep N``) ends with ``exit rc=0``, ``phase done`` and ``end reason=done``. Every end
 lingers (``gce-watchdog-linger``) repeating its line, then the guest powers off
-(``guest_shutdown``: ``compute.instances.guestTerminate``, TERMINATED).
+(``guest_shutdown``: ``compute.instances.guestTerminate``, TERMINATED). A maintenance event
+announced to the guest (``FakeInstance.maintenance_event``, what the metadata server serves at
+``instance/maintenance-event``) is the agent's ``maintenance event=TERMINATE_ON_HOST_MAINTENANCE
+was=NONE`` line at the next tick; when Compute Engine then stops the VM (it leaves RUNNING) the
+job is killed as systemd stops it, ``exit rc=- sig=SIGTERM``, and the guest ends.
 
 Time runs ``scale`` times faster than on a VM: the drop-in's ``agent.interval`` is the real tick
 here, and seconds of the workload and the linger are multiplied by ``interval / 30``.
@@ -117,6 +123,13 @@ class _Guest:
                 self.line("setup_failed", fields, "a bootstrap step failed")
                 self.end("setup_failed")
                 return
+            if argv and argv[0] == "curl" and any(".invalid/" in a for a in argv):
+                # startup-script.sh run_steps: curl's 6 after the network checks is infra
+                why = "curl exited with 6 (curl: network)"
+                fields = {"step": f"bootstrap:md{i}", "reason": why, "rc": 6, "cause": "infra"}
+                self.line("setup_failed", fields, why)
+                self.end("setup_failed")
+                return
         self.line(
             "start",
             {"v": "sim", "inst": self.inst.id, "name": self.inst.name, "bootid": "-",
@@ -131,7 +144,17 @@ class _Guest:
         rung = 0
         fault_until: float | None = None
         seen: str | None = None
+        maintenance = "NONE"
         while self.wait(self.interval):
+            if self.api.instance(self.inst.name).status != "RUNNING":
+                # Compute Engine stopped it: systemd kills the job at the guest's shutdown
+                dur = int((time.monotonic() - started) / self.scale)
+                self.line("exit", {"rc": "-", "sig": "SIGTERM", "dur": dur})
+                return
+            if self.inst.maintenance_event != maintenance:
+                was, maintenance = maintenance, self.inst.maintenance_event
+                self.line("maintenance", {"event": maintenance, "was": was},
+                          f"host maintenance event: {maintenance}")  # fmt: skip
             value = self.inst.metadata.get("gce-watchdog-fault")
             if value and value != seen:
                 seen = value

@@ -116,6 +116,12 @@ class ValidateApi:
         op = self.call("POST", url, {"requestId": request_id()}, body)
         self.wait(project, zone, op)
 
+    def simulate_maintenance(self, project: str, zone: str, name: str) -> dict[str, Any]:
+        """instances.simulateMaintenanceEvent: its operation, not waited for (the VM's stop is
+        what validate watches); its retries are one request (one requestId)."""
+        url = self.client.instance_url(project, zone, name, "/simulateMaintenanceEvent")
+        return self.call("POST", url, {"requestId": request_id()})
+
     def delete(self, project: str, zone: str, name: str) -> dict[str, Any] | None:
         """Delete (None: already gone); its retries are one delete (one requestId)."""
         try:

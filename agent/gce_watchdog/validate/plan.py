@@ -90,11 +90,15 @@ PERMISSIONS: tuple[tuple[str, str], ...] = (
     ("compute.instances.delete", "deleting the VMs"),
     ("compute.zoneOperations.get", "waiting for operations"),
     ("compute.zoneOperations.list", "the poller's end-of-life evidence"),
+    ("compute.instances.simulateMaintenanceEvent", "the maintenance scenario"),
     ("iam.serviceAccounts.actAs", "the VMs run as the default Compute service account"),
 )
 ROLES = ("roles/compute.instanceAdmin.v1", "roles/iam.serviceAccountUser")
 # Minutes each scenario's VM is expected to exist (boot and install ~3, the scenario, the end).
-MINUTES = {"wedge": 15, "done": 8, "setup-failed": 7, "flap": 13}
+MINUTES = {
+    "wedge": 15, "done": 8, "setup-failed": 7, "setup-failed-infra": 7, "maintenance": 9,
+    "flap": 13,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,12 @@ class Run:
             self.say(f"{vm.plan.name}: requesting the fault {req}")
             self.api.set_metadata(p.project, p.zone, vm.plan.name, FAULT_KEY, req)
             vm.fault_sent = True
+        # The maintenance event, after the same healthy intervals.
+        started = vm.workload_at is not None and now - vm.workload_at >= healthy_for
+        if s.maintenance and o.maintenance_at is None and started:
+            self.say(f"{vm.plan.name}: simulating a host maintenance event")
+            self.api.simulate_maintenance(p.project, p.zone, vm.plan.name)
+            o.maintenance_at = now
         vm.finished = self._finished(vm, now)
 
     def _finished(self, vm: VMState, now: float) -> bool:

@@ -19,6 +19,15 @@ from gce_watchdog.wire.protocol import Event
 
 # The fault a wedge cuts: both of the agent's paths (docs/fault-injection.md).
 WEDGE_CUT = "metadata+egress443"
+# A bootstrap step whose download fails on DNS: ``.invalid`` never resolves (RFC 6761 6.4:
+# resolvers "SHOULD generate immediate negative responses"), so curl exits 6 ("Couldn't resolve
+# host", curl(1) EXIT CODES), which the start-up script calls cause=infra after its network
+# checks passed (docs/bootstrap.md). --max-time bounds a resolver that does not answer (rc 28,
+# infra too).
+DNS_FAILING_STEP = ("curl", "-fsS", "--max-time", "20", "-o", "/dev/null",
+                    "https://gcewd-validate.invalid/")  # fmt: skip
+# The agent's maintenance line of a stop that is coming (instance/maintenance-event)
+MAINTENANCE_TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,8 @@ class Scenario:
     expect_off: bool = False  # the VM must leave RUNNING by itself
     expect_reaped: bool = False  # the poller (reap) must delete the ended VM
     expect_verdicts: tuple[str, ...] = ()  # acceptable poller verdict kinds (empty: any)
+    # validate calls instances.simulateMaintenanceEvent once the job ran healthy
+    maintenance: bool = False
 
     def fault_request(self, run: str, interval_s: float, threshold: int) -> str | None:
         """The ``gce-watchdog-fault`` metadata value for this scenario (None: no fault)."""
@@ -78,6 +89,24 @@ SCENARIOS: dict[str, Scenario] = {
             expect_verdicts=("setup_failed",),
         ),
         Scenario(
+            "setup-failed-infra",
+            "a bootstrap download fails on DNS (curl exit 6, cause=infra): one failover",
+            workload=("sleep", "30"),
+            bootstrap=(DNS_FAILING_STEP,),
+            expect_failover=1,
+            expect_off=True,
+            expect_verdicts=("setup_failed_infra",),
+        ),
+        Scenario(
+            "maintenance",
+            "GCE stops the VM for host maintenance (simulateMaintenanceEvent): one failover",
+            workload=("sleep", "infinity"),
+            maintenance=True,
+            expect_failover=1,
+            expect_off=True,
+            expect_verdicts=("host_maintenance",),
+        ),
+        Scenario(
             "flap",
             "a 9-tick outage that recovers: no shutdown, no failover",
             workload=("sleep", "infinity"),
@@ -105,6 +134,8 @@ class Observation:
     recovered_at: float | None = None
     left_running_at: float | None = None  # validate's clock
     decided_at: float | None = None  # the ledger (validate's clock)
+    maintenance_at: float | None = None  # validate asked for the maintenance event (its clock)
+    notice_at: float | None = None  # the agent's maintenance TERMINATE line (VM clock)
     failovers: int = 0  # FAILOVER decisions in the ledger for this VM
     verdict: str | None = None  # the poller's last verdict kind
     final_status: str | None = None  # the API's last answer ("gone": 404)
@@ -127,6 +158,8 @@ class Observation:
                 self.shutdown_read_at = read_at
         elif ev.event == vocab.RECOVERED and self.recovered_at is None and self.fault_at:
             self.recovered_at = ts
+        elif ev.event == vocab.MAINTENANCE and f.get("event") == MAINTENANCE_TERMINATE:
+            self.notice_at = self.notice_at or ts
         rung = _rung(f.get("rung"))
         if rung is not None and self.fault_at is not None and ts >= self.fault_at:
             k, n = rung
@@ -149,7 +182,14 @@ class Observation:
             "fault_to_left_running_s": since(self.left_running_at),
             "fault_to_decision_s": since(self.decided_at),
             "fault_to_recovered_s": since(self.recovered_at),
+            # validate's clock both: from its simulateMaintenanceEvent call
+            "maintenance_to_left_running_s": _between(self.maintenance_at, self.left_running_at),
+            "maintenance_to_decision_s": _between(self.maintenance_at, self.decided_at),
         }
+
+
+def _between(t0: float | None, t: float | None) -> float | None:
+    return None if t0 is None or t is None else round(t - t0, 3)
 
 
 def _rung(value: str | None) -> tuple[int, int] | None:
@@ -195,6 +235,14 @@ def judge(s: Scenario, o: Observation) -> Judgement:
         check(o.shutdown_at is None, "no shutdown line")
     if s.expect_recovered:
         check(o.recovered_at is not None, "the recovered line was read")
+    if s.maintenance:
+        check(o.maintenance_at is not None, "the maintenance event was simulated")
+        # shown, never required: GCE documents no notice before a simulated stop
+        ev.append(
+            "info: the agent's maintenance notice was read"
+            if o.notice_at is not None
+            else "info: no maintenance notice was read (none is documented for a simulated stop)"
+        )
     if s.expect_off:
         check(o.left_running_at is not None, "the VM left RUNNING by itself")
     if s.expect_reaped:
@@ -226,7 +274,7 @@ def report_entry(s: Scenario, o: Observation, j: Judgement) -> dict[str, Any]:
         "timings": o.timings(),
         "clocks": {
             "fault, rungs, shutdown line, recovered": "the VM (console lines)",
-            "left RUNNING, decision": "the machine running validate (API reads, ledger)",
+            "left RUNNING, decision, maintenance": "the machine running validate (API, ledger)",
         },
         "notes": list(o.notes),
     }
