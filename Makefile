@@ -183,18 +183,21 @@ e2e-if-possible:
 # /usr/share/man/man5/gce-watchdog.toml.5.gz, /usr/share/bash-completion/completions/gce-watchdog
 # and /usr/share/zsh/vendor-completions/_gce-watchdog.
 CLI_DOCS := build/cli-docs
+# The pages' date is SOURCE_DATE_EPOCH, by default the newest entry of the package's changelog
+# (packaging/debian/changes.toml), never the build day: the output is the same on any day.
 cli-docs: $(STAMP)
 	@mkdir -p $(CLI_DOCS)/man1 $(CLI_DOCS)/man5 $(CLI_DOCS)/bash-completion $(CLI_DOCS)/zsh
 	$(VPY) tools/cli_docs.py exit-status $(CLI_DOCS)/exit-status.include
 	$(VPY) tools/cli_docs.py config-man $(CLI_DOCS)/man5/gce-watchdog.toml.5
+	SOURCE_DATE_EPOCH="$${SOURCE_DATE_EPOCH:-$$($(VPY) packaging/changelog.py --epoch packaging/debian/changes.toml)}" \
 	$(VENV)/bin/argparse-manpage --module gce_watchdog.cli --function build_parser \
 	  --project-name gce-watchdog --prog gce-watchdog \
 	  --version "$$($(VPY) -c 'import gce_watchdog; print(gce_watchdog.__version__)')" \
 	  --description "in-VM watchdog agent and bootstrap toolkit for Google Compute Engine" \
 	  --manual-title "gce-watchdog manual" --format single-commands-section \
 	  --include $(CLI_DOCS)/exit-status.include --output $(CLI_DOCS)/man1/gce-watchdog.1
-	$(VENV)/bin/shtab --shell=bash gce_watchdog.cli.build_parser > $(CLI_DOCS)/bash-completion/gce-watchdog
-	$(VENV)/bin/shtab --shell=zsh gce_watchdog.cli.build_parser > $(CLI_DOCS)/zsh/_gce-watchdog
+	$(VPY) tools/cli_docs.py bash-completion $(CLI_DOCS)/bash-completion/gce-watchdog
+	$(VPY) tools/cli_docs.py zsh-completion $(CLI_DOCS)/zsh/_gce-watchdog
 	@echo "written: $(CLI_DOCS)/man1/gce-watchdog.1 $(CLI_DOCS)/man5/gce-watchdog.toml.5 $(CLI_DOCS)/bash-completion/gce-watchdog $(CLI_DOCS)/zsh/_gce-watchdog"
 
 clean:
