@@ -246,3 +246,19 @@ def test_man_page_date_is_the_changelogs_and_the_same_on_another_day(
     _make_cli_docs(other, faketime, "2031-06-15 12:00:00")
     for f in sorted(p.relative_to(generated) for p in generated.rglob("*") if p.is_file()):
         assert (other / f).read_bytes() == (generated / f).read_bytes(), f
+
+
+def test_every_page_a_unit_documents_is_generated(generated: Path) -> None:
+    """Documentation= of both shipped units names man pages that make cli-docs generates (and
+    the .deb installs): systemd-analyze verify --man=no leaves that to this test."""
+    units = [
+        REPO / "systemd" / "gce-watchdog.service",
+        REPO / "systemd" / "gce-watchdog-poller.service",
+    ]
+    for unit in units:
+        docs = [ln.split("=", 1)[1] for ln in unit.read_text().splitlines()
+                if ln.startswith("Documentation=")]  # fmt: skip
+        pages = re.findall(r"man:([\w.-]+)\((\d)\)", " ".join(docs))
+        assert ("gce-watchdog", "1") in pages, unit
+        for name, section in pages:
+            assert (generated / f"man{section}" / f"{name}.{section}").is_file(), (unit, name)

@@ -45,7 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from gce_watchdog.lib.cli import EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE
+from gce_watchdog.lib.cli import EX_CONFIG, EX_IOERR, EX_NOPERM, EX_OK, EX_UNAVAILABLE
 from gce_watchdog.lib.compute import (
     DEFAULT_API_BASE,
     AuthError,
@@ -53,6 +53,7 @@ from gce_watchdog.lib.compute import (
     ComputeRetry,
     InstanceStatus,
 )
+from gce_watchdog.lib.extras import EXTRAS, importable, install_hint, this_install
 from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
@@ -67,7 +68,7 @@ from gce_watchdog.poller.fleet import (
 from gce_watchdog.poller.hooks import Delivery, FailoverHook, TopicPublisher
 from gce_watchdog.poller.identity import ComputeIdentities, subscription_project
 from gce_watchdog.poller.ledger import BaseLedger
-from gce_watchdog.poller.ledgers import open_ledger
+from gce_watchdog.poller.ledgers import ledger_backend, open_ledger
 from gce_watchdog.poller.poller import (
     Poller,
     PollOutcome,
@@ -221,9 +222,34 @@ class Parts:
         mark(out)
 
 
+_NEEDS = {"postgres": "a postgresql:// ledger needs", "pubsub": "--pubsub and --publish need"}
+
+
+def needed_extras(s: PollSettings) -> list[str]:
+    """The optional libraries (extras) these settings need: ``postgres`` for a postgresql://
+    ledger, ``pubsub`` for --pubsub or --publish."""
+    need = []
+    try:
+        if s.ledger is not None and ledger_backend(s.ledger) == "postgresql":
+            need.append("postgres")
+    except ValueError:
+        pass  # not a ledger at all: open_ledger refuses it with its reason
+    if s.pubsub is not None or s.publish:
+        need.append("pubsub")
+    return need
+
+
 def run_poll(s: PollSettings) -> int:
     """Build the parts, run the mode's loop, close everything; the command's exit status."""
     global _write_line
+    # A library the settings need and this installation lacks is a configuration error (78:
+    # the units' RestartPreventExitStatus=), found before anything is opened.
+    missing = [x for x in needed_extras(s) if not importable(EXTRAS[x].module)]
+    if missing:
+        how = this_install()
+        for x in missing:
+            _log(f"{_NEEDS[x]} {EXTRAS[x].library}, not installed: {install_hint(x, how)}")
+        return EX_CONFIG
     state = _state_home() / "gce-watchdog"
     creds = service_credentials(os.environ)
     token_file = s.api.token_file or creds.get(CREDENTIAL_TOKEN)
@@ -247,9 +273,9 @@ def run_poll(s: PollSettings) -> int:
         ledger = open_ledger(
             s.ledger or state / "ledger.sqlite", announce_lease_s=s.announce_lease_s
         )
-    except ImportError as e:
-        _log(f"a postgresql ledger needs psycopg: {e}")
-        return EX_IOERR
+    except ImportError as e:  # installed but unusable (psycopg without a libpq)
+        _log(f"a postgresql ledger needs psycopg: {e}: {install_hint('postgres', this_install())}")
+        return EX_CONFIG
     except Exception as e:  # the driver's own errors (sqlite3.Error, psycopg.Error)
         _log(f"cannot open the ledger: {_redact(e)}")
         return EX_IOERR
@@ -275,8 +301,9 @@ def run_poll(s: PollSettings) -> int:
         except ImportError as e:
             ledger.close()
             client.close()
-            _log(f"--publish needs the [pubsub] extra: {e}")
-            return EX_UNAVAILABLE
+            hint = install_hint("pubsub", this_install())
+            _log(f"--publish needs google-cloud-pubsub: {e}: {hint}")
+            return EX_CONFIG
         # every mode, --pubsub workers too: one step of the same Delivery (poller/hooks.py)
         publisher = TopicPublisher(pubsub_v1.PublisherClient(), s.publish, stop=stop, log=_log)
         deliveries.append(publisher)
