@@ -208,5 +208,5 @@ def test_a_missing_library_is_a_configuration_error_that_stops_the_unit(
     assert not (tmp_path / "l.sqlite").exists()
     s = settings(UNIT.read_text())
     assert s["RestartPreventExitStatus"] == ["78"] and s["Restart"] == ["always"]
-    assert s["StartLimitIntervalSec"] == ["30min"] and s["StartLimitBurst"] == ["30"]
+    assert s["StartLimitIntervalSec"] == ["1h"] and s["StartLimitBurst"] == ["120"]
     assert s["Documentation"] == ["man:gce-watchdog(1)"]
