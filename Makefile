@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed-dev
 # nginx and openssl: fetch against a real web server (HTTP and HTTPS with a CA made by the test);
 # lintian: make deb's package has no lintian errors (tests/root/test_deb.py);
 # debootstrap: the Debian 12 and 13 trees the packages are built and installed in
+# faketime: a second build of the man pages and .debs on another day gives the same bytes
 # (tests/root/test_deb_releases.py; cached under build/cache/debroot);
 # postgresql: the ledger's contract suite (tests/kit/pgserver.py runs its own initdb and pg_ctl in a
 # temp dir on a loopback port);
@@ -16,7 +17,7 @@ STAMP := $(VENV)/.installed-dev
 # The tests start their own servers from temp configs; the packages' own services are never
 # started (policy-rc.d during the install) and disabled afterwards.
 APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql lintian debootstrap \
-  podman runc chromium
+  podman runc chromium faketime
 
 .PHONY: demo test test-fast lint venv apt-test install install-cli bench e2e e2e-if-possible clean \
   cli-docs deb
@@ -136,7 +137,8 @@ bench: $(STAMP) apt-test
 
 # The Debian packages (docs/packaging.md), one per release in DEB_RELEASES:
 # build/deb/gce-watchdog_<version>-1~deb12u1_amd64.deb (bookworm) and ~deb13u1 (trixie), each a
-# self-contained venv under /opt/gce-watchdog made in a debootstrap tree of that release with its
+# self-contained venv (and gce-watchdog-poller_*: the poller's unit and its PostgreSQL and Pub/Sub
+# libraries, added to that venv) under /opt/gce-watchdog made in a debootstrap tree of that release with its
 # own python3 (packaging/debroot.sh, cached under build/: ~1.5 min per release the first time),
 # from the wheels pinned by hash in packaging/requirements.lock (downloaded once into
 # build/cache), reproducible; then lintian must report no errors (installed as root when missing).
@@ -151,7 +153,8 @@ deb: $(STAMP) cli-docs
 	@command -v lintian >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian; } || \
 	  echo "deb: lintian missing and not root: not checked"
-	! command -v lintian >/dev/null || lintian --fail-on error build/deb/gce-watchdog_*_amd64.deb
+	! command -v lintian >/dev/null || lintian --fail-on error build/deb/gce-watchdog_*_amd64.deb \
+	  build/deb/gce-watchdog-poller_*_amd64.deb
 
 # Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
 # lays down the systemd unit and a default config, enables and starts it (idempotent; run as root).
@@ -201,18 +204,21 @@ e2e-if-possible:
 # /usr/share/man/man5/gce-watchdog.toml.5.gz, /usr/share/bash-completion/completions/gce-watchdog
 # and /usr/share/zsh/vendor-completions/_gce-watchdog.
 CLI_DOCS := build/cli-docs
+# The pages' date is SOURCE_DATE_EPOCH, by default the newest entry of the package's changelog
+# (packaging/debian/changes.toml), never the build day: the output is the same on any day.
 cli-docs: $(STAMP)
 	@mkdir -p $(CLI_DOCS)/man1 $(CLI_DOCS)/man5 $(CLI_DOCS)/bash-completion $(CLI_DOCS)/zsh
 	$(VPY) tools/cli_docs.py exit-status $(CLI_DOCS)/exit-status.include
 	$(VPY) tools/cli_docs.py config-man $(CLI_DOCS)/man5/gce-watchdog.toml.5
+	SOURCE_DATE_EPOCH="$${SOURCE_DATE_EPOCH:-$$($(VPY) packaging/changelog.py --epoch packaging/debian/changes.toml)}" \
 	$(VENV)/bin/argparse-manpage --module gce_watchdog.cli --function build_parser \
 	  --project-name gce-watchdog --prog gce-watchdog \
 	  --version "$$($(VPY) -c 'import gce_watchdog; print(gce_watchdog.__version__)')" \
 	  --description "in-VM watchdog agent and bootstrap toolkit for Google Compute Engine" \
 	  --manual-title "gce-watchdog manual" --format single-commands-section \
 	  --include $(CLI_DOCS)/exit-status.include --output $(CLI_DOCS)/man1/gce-watchdog.1
-	$(VENV)/bin/shtab --shell=bash gce_watchdog.cli.build_parser > $(CLI_DOCS)/bash-completion/gce-watchdog
-	$(VENV)/bin/shtab --shell=zsh gce_watchdog.cli.build_parser > $(CLI_DOCS)/zsh/_gce-watchdog
+	$(VPY) tools/cli_docs.py bash-completion $(CLI_DOCS)/bash-completion/gce-watchdog
+	$(VPY) tools/cli_docs.py zsh-completion $(CLI_DOCS)/zsh/_gce-watchdog
 	@echo "written: $(CLI_DOCS)/man1/gce-watchdog.1 $(CLI_DOCS)/man5/gce-watchdog.toml.5 $(CLI_DOCS)/bash-completion/gce-watchdog $(CLI_DOCS)/zsh/_gce-watchdog"
 
 clean:

@@ -6,7 +6,8 @@
 #
 #   e2e/build-wheelhouse.sh OUTDIR GUEST_PY_VERSION     e.g. build/e2e/www 3.11
 #
-# Writes OUTDIR/wheelhouse.tar(+.sha256) and OUTDIR/gce-watchdog.deb(+.sha256).
+# Writes OUTDIR/wheelhouse.tar(+.sha256), OUTDIR/gce-watchdog.deb(+.sha256) and
+# OUTDIR/gce-watchdog-poller.deb.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(dirname "$here")"
@@ -22,5 +23,7 @@ debdir="$(mktemp -d)"
 trap 'rm -rf "$debdir"' EXIT
 "$repo/packaging/build-deb.sh" "$debdir"
 mv "$debdir"/gce-watchdog_*_amd64.deb "$out/gce-watchdog.deb"
+# The poller's package (its unit and libraries): the poller-unit scenario installs it beside.
+mv "$debdir"/gce-watchdog-poller_*_amd64.deb "$out/gce-watchdog-poller.deb"
 sha256sum "$out/gce-watchdog.deb" | cut -d' ' -f1 >"$out/gce-watchdog.deb.sha256"
 echo "build-wheelhouse: wheelhouse and .deb in $(($(date +%s) - t0))s -> $out" >&2

@@ -10,9 +10,13 @@
 #
 #   packaging/build-deb.sh OUTDIR [RELEASE]   RELEASE: bookworm (default, Debian 12) or trixie
 #       -> OUTDIR/gce-watchdog_<version>_amd64.deb, e.g. gce-watchdog_0.1.0-1~deb12u1_amd64.deb
+#          OUTDIR/gce-watchdog-poller_<version>_amd64.deb: the poller's unit and the libraries
+#          its PostgreSQL ledger and Pub/Sub need (packaging/requirements-deb-poller.lock), added
+#          to the agent's venv (docs/packaging.md, "Two packages")
 #
-# Reproducible: every file's mtime is SOURCE_DATE_EPOCH (default: the last commit's time), owners
-# are root; two builds of one tree give the same bytes. Needs root (chroot), dpkg-deb, and
+# Reproducible: every file's mtime is SOURCE_DATE_EPOCH (default: the date of the newest
+# changelog entry, as dpkg-buildpackage takes it), owners are root; two builds of one tree give
+# the same bytes, on any day. Needs root (chroot), dpkg-deb, and
 # debootstrap plus Debian's archive the first time a release's build root is made.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -30,7 +34,7 @@ upstream="$("$py" -c 'import tomllib,sys; print(tomllib.load(open(sys.argv[1],"r
 # Debian revision 1, then the release: ~deb12u1 sorts before ~deb13u1, and both before a plain
 # -1, so a dist-upgrade from 12 to 13 with both in one repository takes the Debian 13 build.
 version="$upstream-1~deb${debver}u1"
-export SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-$(git -C "$repo" log -1 --format=%ct 2>/dev/null || echo 0)}"
+export SOURCE_DATE_EPOCH="${SOURCE_DATE_EPOCH:-$("$py" "$here/changelog.py" --epoch "$here/debian/changes.toml")}"
 prefix=/opt/gce-watchdog
 broot="$("$here/debroot.sh" build "$release")"
 work="$(mktemp -d)"
@@ -41,6 +45,27 @@ mkdir -p "$out"
 # 1. The wheelhouse: pinned dependencies + the agent's wheel from this tree.
 "$here/wheelhouse.sh" "$work/wh" 2>&1 | sed 's/^/  /' >&2
 wh="$work/wh/wheelhouse"
+# ...and the poller package's: what requirements-deb-poller.lock adds (downloaded once, checked
+# against the lock's hashes, cached by the lock's own hash).
+plock="$here/requirements-deb-poller.lock"
+pcache="${GCEWD_POLLER_WHEEL_CACHE:-$repo/build/cache/wheels-poller-$(sha256sum "$plock" | cut -c1-16)}"
+mkdir -p "$(dirname "$pcache")"
+exec 6>"$pcache.lock"
+flock 6
+if [ ! -s "$pcache/.complete" ]; then
+  rm -rf "$pcache" && mkdir -p "$pcache"
+  read -ra ppy <<<"$(sed -n 's/^# python: //p' "$plock")"
+  for v in "${ppy[@]}"; do
+    "$py" -m pip download -q --disable-pip-version-check --dest "$pcache" --no-deps --require-hashes \
+      --only-binary=:all: --implementation cp --python-version "$v" --abi "cp${v//./}" --abi abi3 \
+      --abi none --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux_2_28_x86_64 --platform any -r "$plock" >"$pcache.log" 2>&1 || {
+        cat "$pcache.log" >&2; exit 1; }
+  done
+  cp "$plock" "$pcache/.complete"
+fi
+flock -u 6
+cp "$pcache"/*.whl "$wh/" && cp "$plock" "$wh/"
 
 # 2. The venv, made at its final path inside the build root with the release's own python3 (its
 #    pip installs into it with --python; the installed venv has no pip). One build at a time per
@@ -62,27 +87,70 @@ agent_whl="$(basename "$(compgen -G "$wh/gce_watchdog-*.whl")")"
 venv="$stage$prefix"
 mkdir -p "$stage/opt"
 cp -a "$broot$prefix" "$venv"
+# The poller package: the same venv plus requirements-deb-poller.lock (installed together with
+# requirements.lock, whose distributions are there already); it ships only the files that adds.
+"${inch[@]}" "${pip[@]}" --require-hashes --only-binary=:all: -r /tmp/gcewd-wh/requirements.lock \
+  -r /tmp/gcewd-wh/requirements-deb-poller.lock
+pstage="$work/poller"
+mkdir -p "$pstage/opt"
+cp -a "$broot$prefix" "$pstage$prefix"
 rm -rf "$broot$prefix" "$broot/tmp/gcewd-wh"
 flock -u 9
 site="$(cd "$venv" && echo lib/python3.*/site-packages)"
-rm -f "$venv/$site"/*.dist-info/direct_url.json
-find "$venv" -name __pycache__ -prune -exec rm -rf {} +
-# Python 3.13's venv writes a .gitignore: not part of an installed system.
-rm -f "$venv/.gitignore"
+for v in "$venv" "$pstage$prefix"; do
+  rm -f "$v/$site"/*.dist-info/direct_url.json
+  find "$v" -name __pycache__ -prune -exec rm -rf {} +
+  # Python 3.13's venv writes a .gitignore: not part of an installed system.
+  rm -f "$v/.gitignore"
+done
+# The poller package keeps what the agent's has not; a file of the agent's that the second
+# install changed would be two packages' file: refused.
+"$py" - "$venv" "$pstage$prefix" <<'PY'
+import filecmp, os, sys
+from pathlib import Path
+agent, poller = Path(sys.argv[1]), Path(sys.argv[2])
+for dirpath, dirnames, filenames in os.walk(poller, topdown=False):
+    d = Path(dirpath)
+    for name in filenames:
+        f = d / name
+        twin = agent / f.relative_to(poller)
+        if not os.path.lexists(twin):
+            continue
+        if f.is_symlink() or twin.is_symlink():
+            same = f.is_symlink() and twin.is_symlink() and os.readlink(f) == os.readlink(twin)
+        else:
+            same = filecmp.cmp(f, twin, shallow=False)
+        if not same:
+            sys.exit(f"build-deb.sh: the poller's install changed the agent's {twin}")
+        f.unlink()
+    for name in dirnames:
+        sub = d / name
+        twin = agent / sub.relative_to(poller)
+        if sub.is_symlink():  # lib64 -> lib: the agent's
+            if not (twin.is_symlink() and os.readlink(sub) == os.readlink(twin)):
+                sys.exit(f"build-deb.sh: the poller's install changed the agent's {twin}")
+            sub.unlink()
+        elif not any(sub.iterdir()):
+            sub.rmdir()
+PY
 # The dist-infos' RECORD files drop what was removed above (direct_url.json names a temp path).
-"$py" - "$venv" <<'PY'
+"$py" - "$venv" "$pstage$prefix" <<'PY'
 import csv, io, sys
 from pathlib import Path
-site = next(Path(sys.argv[1]).glob("lib/python3.*/site-packages"))
-for record in site.glob("*.dist-info/RECORD"):
-    rows = [r for r in csv.reader(record.read_text().splitlines())
-            if r and (site / r[0]).resolve().exists()]
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(rows)
-    record.write_text(buf.getvalue())
+for root in sys.argv[1:]:
+    site = next(Path(root).glob("lib/python3.*/site-packages"), None)
+    if site is None:
+        continue
+    for record in site.glob("*.dist-info/RECORD"):
+        rows = [r for r in csv.reader(record.read_text().splitlines())
+                if r and (site / r[0]).resolve().exists()]
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerows(rows)
+        record.write_text(buf.getvalue())
 PY
-if grep -rqI -e "$work" -e /tmp/gcewd-wh "$venv"; then
-  echo "build-deb.sh: a build path is still in:" >&2; grep -rlI -e "$work" -e /tmp/gcewd-wh "$venv" >&2; exit 1
+if grep -rqI -e "$work" -e /tmp/gcewd-wh "$venv" "$pstage$prefix"; then
+  echo "build-deb.sh: a build path is still in:" >&2
+  grep -rlI -e "$work" -e /tmp/gcewd-wh "$venv" "$pstage$prefix" >&2; exit 1
 fi
 
 # 3. The unit (ExecStart= the venv's agent), the default config, the start-up script, docs.
@@ -96,12 +164,14 @@ stage = Path(sys.argv[1])
 conf = stage / str(cfgmod.DEFAULT_PATH).lstrip("/")
 conf.parent.mkdir(parents=True)
 conf.write_text(template("config.toml"))
-unit = stage / "lib/systemd/system" / UNIT
+unit = stage / "usr/lib/systemd/system" / UNIT
 unit.parent.mkdir(parents=True)
 cfg = cfgmod.load(conf)
 unit.write_text(render_unit(template(UNIT), DEFAULT_EXEC, str(cfgmod.DEFAULT_PATH), cfg))
 PY
-install -D -m 0644 "$repo/systemd/gce-watchdog-poller.service" "$stage/lib/systemd/system/gce-watchdog-poller.service"
+# Units under /usr/lib/systemd/system (not the aliased /lib: dpkg does not know the two are one
+# directory on a merged-/usr system, Debian 12 and 13 alike).
+install -D -m 0644 "$repo/systemd/gce-watchdog-poller.service" "$pstage/usr/lib/systemd/system/gce-watchdog-poller.service"
 install -D -m 0755 "$repo/startup/startup-script.sh" "$stage/usr/share/gce-watchdog/startup-script.sh"
 install -d "$stage/usr/bin"
 ln -s "$prefix/bin/gce-watchdog" "$stage/usr/bin/gce-watchdog"
@@ -111,6 +181,11 @@ install -D -m 0644 "$here/debian/copyright" "$doc/copyright"
 "$py" "$here/changelog.py" "$here/debian/changes.toml" "$upstream" "$release" "$debver" |
   gzip -9n >"$doc/changelog.Debian.gz"
 install -D -m 0644 "$here/debian/lintian-overrides" "$stage/usr/share/lintian/overrides/gce-watchdog"
+pdoc="$pstage/usr/share/doc/gce-watchdog-poller"
+install -D -m 0644 "$here/debian/copyright" "$pdoc/copyright"
+"$py" "$here/changelog.py" "$here/debian/changes.toml" "$upstream" "$release" "$debver" |
+  sed '/^gce-watchdog (/s/^gce-watchdog /gce-watchdog-poller /' | gzip -9n >"$pdoc/changelog.Debian.gz"
+install -D -m 0644 "$here/debian/poller.lintian-overrides" "$pstage/usr/share/lintian/overrides/gce-watchdog-poller"
 # The man pages and shell completions `make cli-docs` generates (GCEWD_CLI_DOCS, default
 # build/cli-docs; `make deb` runs it first). Absent: the package goes without them.
 docs="${GCEWD_CLI_DOCS:-$repo/build/cli-docs}"
@@ -125,21 +200,32 @@ done
   "$docs/zsh/_gce-watchdog" "$stage/usr/share/zsh/vendor-completions/_gce-watchdog"
 
 # 4. Control files.
-install -d "$stage/DEBIAN"
-for s in postinst prerm postrm; do install -m 0755 "$here/debian/$s" "$stage/DEBIAN/$s"; done
+install -d "$stage/DEBIAN" "$pstage/DEBIAN"
+for s in postinst prerm postrm; do
+  install -m 0755 "$here/debian/$s" "$stage/DEBIAN/$s"
+  install -m 0755 "$here/debian/poller.$s" "$pstage/DEBIAN/$s"
+done
 echo "/etc/gce-watchdog/config.toml" >"$stage/DEBIAN/conffiles"
-size=$(du -sk --exclude=DEBIAN "$stage" | cut -f1)
 # The venv's interpreter is this release's python3 X.Y: the package needs that minor version.
 next="${pyver%.*}.$((${pyver#*.} + 1))"
-sed "s/@VERSION@/$version/; s/@SIZE@/$size/; s/@PYMIN@/$pyver/; s/@PYNEXT@/$next/" \
-  "$here/debian/control" >"$stage/DEBIAN/control"
-(cd "$stage" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | LC_ALL=C sort -z |
-  xargs -0 md5sum) >"$stage/DEBIAN/md5sums"
+for pair in "$stage:control" "$pstage:poller.control"; do
+  st="${pair%%:*}"
+  size=$(du -sk --exclude=DEBIAN "$st" | cut -f1)
+  sed "s/@VERSION@/$version/g; s/@SIZE@/$size/; s/@PYMIN@/$pyver/; s/@PYNEXT@/$next/" \
+    "$here/debian/${pair#*:}" >"$st/DEBIAN/control"
+  (cd "$st" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | LC_ALL=C sort -z |
+    xargs -0 md5sum) >"$st/DEBIAN/md5sums"
+done
 
 # 5. Normalize and build.
-find "$stage" -type d -exec chmod 0755 {} +
-chmod -R go-w "$stage"
-find "$stage" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
-deb="$out/gce-watchdog_${version}_amd64.deb"
-dpkg-deb --root-owner-group -Zxz --build "$stage" "$deb" >/dev/null
-echo "build-deb.sh: $deb ($(du -k "$deb" | cut -f1) KiB, sha256 $(sha256sum "$deb" | cut -c1-16)...)" >&2
+for pair in "$stage:gce-watchdog" "$pstage:gce-watchdog-poller"; do
+  st="${pair%%:*}"
+  find "$st" -type d -exec chmod 0755 {} +
+  chmod -R go-w "$st"
+  # Shared libraries the wheels bundle (psycopg_binary.libs/*.so.N) come 0755: not executables.
+  find "$st" -type f -name '*.so*' -exec chmod 0644 {} +
+  find "$st" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
+  deb="$out/${pair#*:}_${version}_amd64.deb"
+  dpkg-deb --root-owner-group -Zxz --build "$st" "$deb" >/dev/null
+  echo "build-deb.sh: $deb ($(du -k "$deb" | cut -f1) KiB, sha256 $(sha256sum "$deb" | cut -c1-16)...)" >&2
+done

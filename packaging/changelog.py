@@ -1,6 +1,11 @@
 """Render debian/changelog for one Debian release from packaging/debian/changes.toml.
 
     python packaging/changelog.py CHANGES.toml UPSTREAM_VERSION RELEASE DEBIAN_MAJOR
+    python packaging/changelog.py --epoch CHANGES.toml
+
+The second form prints the newest entry's date as seconds since the epoch: the build's
+SOURCE_DATE_EPOCH (as dpkg-buildpackage takes it from debian/changelog), so the man pages' date
+and the files' mtimes are the release's, not the build day's.
 
 Every entry becomes ``gce-watchdog (<version>-1~deb<N>u1) <release>; urgency=medium`` with its
 changes as bullets and its own date; the maintainer is debian/control's. The first entry must be
@@ -48,7 +53,20 @@ def render(changes: dict[str, object], upstream: str, release: str, major: str, 
     return "\n".join(out)
 
 
+def newest_epoch(changes: dict[str, object]) -> int:
+    entries = changes.get("release")
+    if not isinstance(entries, list) or not entries:
+        raise SystemExit("changelog.py: changes.toml has no [[release]] entry")
+    when = entries[0]["date"]
+    if not isinstance(when, dt.datetime) or when.tzinfo is None:
+        raise SystemExit(f"changelog.py: {entries[0]['version']}: date must be a UTC date-time")
+    return int(when.timestamp())
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[1] == "--epoch":
+        print(newest_epoch(tomllib.loads(Path(argv[2]).read_text())))
+        return 0
     if len(argv) != 5:
         print(__doc__, file=sys.stderr)
         return 64

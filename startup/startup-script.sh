@@ -820,7 +820,9 @@ install_unit() {
 		step_done unit skip "$t0" "systemd is not running"
 		return 0
 	fi
-	if [[ -f $ROOT/lib/systemd/system/gce-watchdog.service && ! -f $ROOT/etc/systemd/system/gce-watchdog.service ]]; then
+	# The .deb's unit: /usr/lib/systemd/system (/lib on a system without merged /usr, older builds).
+	if [[ (-f $ROOT/usr/lib/systemd/system/gce-watchdog.service || -f $ROOT/lib/systemd/system/gce-watchdog.service) &&
+		! -f $ROOT/etc/systemd/system/gce-watchdog.service ]]; then
 		# The .deb's unit: its postinst enabled and started it; make sure it runs.
 		systemctl enable --now gce-watchdog.service >&2 9>&- ||
 			fail unit "systemctl enable --now gce-watchdog.service failed" $?

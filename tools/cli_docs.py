@@ -11,10 +11,16 @@ tables (a key without one fails the build).
 
     python tools/cli_docs.py exit-status OUT.include
     python tools/cli_docs.py config-man OUT.5
+    python tools/cli_docs.py bash-completion|zsh-completion OUT
+
+The man pages' date is $SOURCE_DATE_EPOCH (argparse-manpage reads it; `make cli-docs` sets it
+from the newest entry of packaging/debian/changes.toml, the package's debian/changelog), so a
+build on another day gives the same bytes.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import sys
@@ -45,25 +51,77 @@ def exit_status_include() -> str:
     return "\n".join(out) + "\n"
 
 
+UNIT_DIR = "/usr/lib/systemd/system"
 FILES = [
     (str(cfgmod.DEFAULT_PATH), "the agent's config (gce-watchdog.toml(5)); a conffile"),
+    (
+        f"{cfgmod.DEFAULT_PATH.parent}/{cfgmod.DROPIN_DIR}/*{cfgmod.DROPIN_SUFFIX}",
+        "drop-ins, read after the config file in byte order and merged into it (the start-up "
+        "script writes 50-metadata.toml from the instance's metadata); `config show` says "
+        "where each value came from",
+    ),
     ("/opt/gce-watchdog", "the agent's private venv (the .deb, the wheelhouse, bake-image.sh)"),
-    ("/lib/systemd/system/gce-watchdog.service", "the agent's systemd unit"),
-    ("/var/lib/gce-watchdog", "state: ladder, DNS cache, line counter, phase (agent.state_dir)"),
-    ("/run/gce-watchdog", "the single-agent lock (agent.run_dir)"),
+    (f"{UNIT_DIR}/gce-watchdog.service", "the agent's systemd unit"),
+    ("/var/lib/gce-watchdog", "state: ladder, DNS cache, line key, phase (agent.state_dir)"),
+    ("/run/gce-watchdog", "the single-agent lock and the boot's line counter (agent.run_dir)"),
+    ("/var/log/gce-watchdog", "the serial fallback file"),
     ("/usr/share/gce-watchdog/startup-script.sh", "the GCE start-up script the package ships"),
+    (
+        f"{UNIT_DIR}/gce-watchdog-poller.service",
+        "the poller's unit (the gce-watchdog-poller package): runs `poll --json $POLLER_ARGS`",
+    ),
+    ("/etc/gce-watchdog/poller.env", "the poller unit's POLLER_ARGS (the administrator's)"),
+    (
+        "/etc/gce-watchdog/poller.token, /etc/gce-watchdog/poller.pgpass",
+        "the poller unit's credentials (root, 0600): a Compute API bearer token and a libpq "
+        "password file; systemd passes them in $CREDENTIALS_DIRECTORY",
+    ),
+    (
+        "/var/lib/gce-watchdog-poller/gce-watchdog/ledger.sqlite, .../cursors/",
+        "the poller unit's SQLite ledger and per-instance cursors ($XDG_STATE_HOME/gce-watchdog; "
+        "/var/lib/private/gce-watchdog-poller under DynamicUser=); outside the unit "
+        "~/.local/state/gce-watchdog/",
+    ),
 ]
+# Every variable the code reads (tests/integration/test_cli_docs.py fails on one missing here).
 ENVIRONMENT = [
     (
         "GCEWD_CONFIG",
         f"the config file when --config is not given (default {cfgmod.DEFAULT_PATH}); "
         "the start-up script exports it to bootstrap steps",
     ),
+    ("GCEWD_ROOT", "install, uninstall: the target root when --root is not given (default /)"),
+    ("GCEWD_RESULT_RUN", "result: the run token `exec` gives the job it starts (set by exec)"),
+    ("GCEWD_AGENT", "the job's `result`: the gce-watchdog executable to run (set by exec)"),
+    ("GCEWD_JOURNAL_SOCKET", "run: journald's native socket (default /run/systemd/journal/socket)"),
+    ("JOURNAL_STREAM", "run: set by systemd; the log then carries journal priorities and fields"),
+    (
+        "NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID",
+        "run, poll: set by systemd (Type=notify, WatchdogSec=): READY=1 and watchdog pings",
+    ),
     (
         "XDG_STATE_HOME",
-        "poll: where the default ledger and cursors live ($XDG_STATE_HOME/gce-watchdog)",
+        "poll, decisions, pin: where the default ledger and cursors live "
+        "($XDG_STATE_HOME/gce-watchdog, default ~/.local/state)",
     ),
+    ("GCE_WATCHDOG_LEDGER", "poll: the ledger when --ledger is not given"),
     ("GCE_WATCHDOG_COMPUTE_API", "poll: the Compute API base URL (default Google's)"),
+    (
+        "GCE_WATCHDOG_SHARED_LEDGER",
+        "poll: `required` refuses a ledger that is not postgresql:// (exit 64; the container)",
+    ),
+    ("PORT", "poll: the --health-port default (Cloud Run sets it)"),
+    (
+        "CREDENTIALS_DIRECTORY",
+        "poll: set by systemd (LoadCredential=): its `token` is the Compute API token, its "
+        "`pgpass` the PostgreSQL password file",
+    ),
+    ("PGPASSFILE", "poll: libpq's password file (default the `pgpass` credential)"),
+    (
+        "REQUESTS_CA_BUNDLE, CURL_CA_BUNDLE",
+        "poll, validate: CA certificates for the Compute API (as requests reads them)",
+    ),
+    ("GCE_WATCHDOG_SERIAL_CORPUS", "tests and the demo: a directory of recorded serial logs"),
     ("NO_COLOR", "demo: no colour"),
 ]
 SEE_ALSO = "gce-watchdog.toml(5), systemctl(1), journalctl(1), apt-get(8)"
@@ -160,14 +218,79 @@ def config_man() -> str:
     return "\n".join(out) + "\n"
 
 
-USAGE = "usage: python tools/cli_docs.py exit-status|config-man OUT"
+# Shell completion. shtab completes an option's value from the files only when the action says
+# so (its `complete` attribute, shtab.FILE / shtab.DIRECTORY): without it a path gets nothing
+# (issue 39). Which arguments are paths: their metavar, else their dest.
+PATH_METAVARS = {"PATH", "FILE", "FILE|-", "OUT.png", "OUT.html", "SERIAL_LOG"}
+DIR_METAVARS = {"DIR"}
+PATH_DESTS = {"ledger", "access_token_file", "startup_script", "iptables", "ip6tables", "config"}
+DIR_DESTS = {"cursor_dir", "peer_cursor_dir", "out_dir", "root"}
+# shtab.FILE and shtab.DIRECTORY, spelt out (shtab is imported only to generate).
+FILES_COMPLETE = {"bash": "_shtab_compgen_files", "zsh": "_files", "tcsh": "f"}
+DIRS_COMPLETE = {"bash": "_shtab_compgen_dirs", "zsh": "_files -/", "tcsh": "d"}
+
+
+def path_kind(action: argparse.Action, command: tuple[str, ...]) -> str | None:
+    """The kind, "file", "dir" or None: what an argument's value completes from."""
+    if action.nargs == 0 or action.help == argparse.SUPPRESS:
+        return None
+    if action.metavar in DIR_METAVARS or action.dest in DIR_DESTS:
+        return "dir"
+    if command == ("validate",) and action.dest == "out":
+        return "dir"  # the output folder
+    if action.metavar in PATH_METAVARS or action.dest in PATH_DESTS:
+        return "file"
+    return None
+
+
+def mark_paths(parser: argparse.ArgumentParser, command: tuple[str, ...] = ()) -> list[str]:
+    """Set shtab's ``complete`` on every path argument of ``parser`` and its subcommands; the
+    arguments marked, as ``"COMMAND --option: kind"``."""
+    marked = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                marked += mark_paths(sub, (*command, name))
+            continue
+        kind = path_kind(action, command)
+        if kind is not None:
+            action.complete = FILES_COMPLETE if kind == "file" else DIRS_COMPLETE  # type: ignore[attr-defined]
+            what = "/".join(action.option_strings) or action.dest
+            marked.append(f"{' '.join(command)} {what}: {kind}")
+    return marked
+
+
+def completion(shell: str) -> str:
+    import shtab  # the dev extra: a build-time tool
+
+    parser = cli.build_parser()
+    mark_paths(parser)
+    script: str = shtab.complete(parser, shell=shell)
+    if shell == "bash":
+        # -o default: where the function offers nothing (a path typed before its option is
+        # known, a value after --), readline's file-name completion, not bash's "bashdefault"
+        # words alone.
+        script = script.replace(
+            "complete -o bashdefault -F _shtab_gce_watchdog gce-watchdog",
+            "complete -o bashdefault -o default -F _shtab_gce_watchdog gce-watchdog",
+        )
+    return script
+
+
+COMMANDS: dict[str, typing.Callable[[], str]] = {
+    "exit-status": man_include,
+    "config-man": config_man,
+    "bash-completion": lambda: completion("bash"),
+    "zsh-completion": lambda: completion("zsh"),
+}
+USAGE = f"usage: python tools/cli_docs.py {'|'.join(COMMANDS)} OUT"
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[1] not in ("exit-status", "config-man"):
+    if len(argv) != 3 or argv[1] not in COMMANDS:
         print(USAGE, file=sys.stderr)
         return 64
-    Path(argv[2]).write_text(man_include() if argv[1] == "exit-status" else config_man())
+    Path(argv[2]).write_text(COMMANDS[argv[1]]())
     return 0
 
 

@@ -164,6 +164,11 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("74", "the ledger or cursor directory cannot be opened or written"),
         ("75", "a decision's --on-failover/--publish delivery failed; the next poll retries it"),
         ("77", "no credentials, or the API rejected them"),
+        (
+            "78",
+            "a library the options need is not installed: psycopg (a postgresql:// ledger), "
+            "google-cloud-pubsub (--pubsub, --publish)",
+        ),
     ),
     ("decisions",): (
         ("0", "listed (or followed until SIGTERM), or released"),
@@ -202,7 +207,7 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         ("0", "the report was written, whatever the verdict"),
         ("64", "usage error: bad --now, --drain-timeout or --band"),
         ("66", "the input cannot be read"),
-        ("69", "--png without matplotlib (pip install 'gce-watchdog[report]')"),
+        ("69", "--png without matplotlib (the message says what to install)"),
         ("73", "an output file cannot be written"),
     ),
     ("install",): (

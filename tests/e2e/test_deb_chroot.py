@@ -81,7 +81,7 @@ def test_deb_installs_runs_and_removes_clean(tree: Path) -> None:
         chroot(tree, "systemctl", "is-enabled", "gce-watchdog.service").stdout.strip() == "enabled"
     )
     assert (tree / "etc/gce-watchdog/config.toml").is_file()
-    unit = (tree / "lib/systemd/system/gce-watchdog.service").read_text()
+    unit = (tree / "usr/lib/systemd/system/gce-watchdog.service").read_text()
     assert "ExecStart=/opt/gce-watchdog/bin/gce-watchdog run" in unit
     assert not (tree / "run/gce-watchdog").exists(), "the agent was not started"
 

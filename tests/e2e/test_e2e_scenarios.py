@@ -464,7 +464,8 @@ def test_a_bad_config_attribute_is_setup_failed_job_with_the_error(e2e: vm.Harne
 
 
 # The packaged poller unit under the guest's own systemd 252 (issue 26): the workload configures
-# /lib/systemd/system/gce-watchdog-poller.service from the .deb (poller.env, a root-only token
+# /usr/lib/systemd/system/gce-watchdog-poller.service from the gce-watchdog-poller .deb, which it
+# installs beside the agent's (poller.env, a root-only token
 # file for LoadCredential=), starts it and reports what systemd says (e2e-poller-unit). The
 # poller polls this very VM through the same fake Compute API the harness's poller uses, reached
 # at observe.GUEST_API_BASE; the token is the guest's own (a fw_cfg file), accepted by the fake.

@@ -44,8 +44,9 @@ def test_the_poller_unit_verifies_and_is_hardened() -> None:
         pytest.skip(f"/run is not writable: {e}")
     try:
         unit = rendered(d)
-        v = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                           text=True, timeout=60, check=False)  # fmt: skip
+        # --man=no: Documentation='s page is the package's (test_cli_docs.py)
+        v = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
+                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
         problems = [x for x in v.stderr.splitlines() if "gce-watchdog-poller" in x]
         assert problems == [], v.stderr
         s = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)],
@@ -172,3 +173,45 @@ def test_a_credential_left_at_the_units_default_is_not_configured(tmp_path: Path
         "pgpass": str(tmp_path / "pgpass")
     }
     assert service_credentials({}) == {}
+
+
+def _poll_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``gce-watchdog poll ARGS`` in a fresh interpreter where ``module`` cannot be imported, as
+    in the gce-watchdog package without gce-watchdog-poller."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        "from gce_watchdog.cli import main\n"
+        f"sys.exit(main(['poll', *{list(args)!r}]))\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("module", "args", "want"),
+    [
+        ("psycopg", ("--ledger", "postgresql://poller@127.0.0.1:9/watchdog"),
+         "a postgresql:// ledger needs psycopg, not installed: "
+         "pip install 'gce-watchdog[postgres]'"),
+        ("google.cloud.pubsub_v1", ("--publish", "projects/my-project/topics/failovers"),
+         "--pubsub and --publish need google-cloud-pubsub, not installed: "
+         "pip install 'gce-watchdog[pubsub]'"),
+    ],
+)  # fmt: skip
+def test_a_missing_library_is_a_configuration_error_that_stops_the_unit(
+    tmp_path: Path, module: str, args: tuple[str, ...], want: str
+) -> None:
+    """Issue 39: exit 78 (EX_CONFIG) with what to install, before anything is opened (the
+    ledger file is not made, the API port is closed); the unit does not restart on 78, and a
+    crash loop of other exits ends in a failed unit (a start limit)."""
+    common = ("--once", "--project", "my-project", "--zone", "us-central1-a", "vm-1",
+              "--api-base", "http://127.0.0.1:9")  # fmt: skip
+    ledger = ("--ledger", str(tmp_path / "l.sqlite")) if "--ledger" not in args else ()
+    r = _poll_without(module, *args, *ledger, *common)
+    assert r.returncode == 78, r.stderr
+    assert want in r.stderr, r.stderr
+    assert not (tmp_path / "l.sqlite").exists()
+    s = settings(UNIT.read_text())
+    assert s["RestartPreventExitStatus"] == ["78"] and s["Restart"] == ["always"]
+    assert s["StartLimitIntervalSec"] == ["1h"] and s["StartLimitBurst"] == ["120"]
+    assert s["Documentation"] == ["man:gce-watchdog(1)"]

@@ -10,9 +10,14 @@ copy of that release's minbase tree, as an operator would:
   imported and NVML's library is not there (no driver in a chroot);
 - ``gce-watchdog memwatch`` with the project's NVML fake (tests/kit/fake_pynvml.py) found as
   ``pynvml`` on the import path, through the sampler's production import (no injection): PASS;
-- an upgrade to a newer package keeps an administrator's change to the conffile, and the unit
+- without gce-watchdog-poller, ``poll --ledger postgresql://...`` exits 78 naming that package, and
+  ``report --png`` suggests no ``pip install`` (the venv has no pip); with it, psycopg and
+  google-cloud-pubsub import and the poller's unit is in /usr/lib/systemd/system (issue 39);
+- an upgrade to newer packages keeps an administrator's change to the conffile, and the unit
   stays enabled;
-- ``apt-get purge`` leaves the tree exactly as a fresh one with only the dependencies installed.
+- ``apt-get purge`` of both, after the units' state was made as systemd makes it (the poller's
+  SQLite ledger under /var/lib/private), leaves the tree exactly as a fresh one with only the
+  dependencies installed, with no dpkg warning.
 
 Needs root (chroot, mount) and debootstrap or the cached trees under build/cache/debroot (made
 once per release from Debian's archive: about 1.5 min each; then a run takes about 1 min per
@@ -65,6 +70,7 @@ class Built:
     major: str
     python: str
     deb: Path
+    poller: Path
     base: Path
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -96,9 +102,13 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     _run(["bash", str(PKG / "build-deb.sh"), str(out), release])
     t["build_s"] = round(time.monotonic() - t0, 1)
     debs = sorted(out.glob("*.deb"))
-    assert [d.name for d in debs] == [f"gce-watchdog_{UPSTREAM}-1~deb{major}u1_amd64.deb"]
+    version = f"{UPSTREAM}-1~deb{major}u1"
+    assert [d.name for d in debs] == [
+        f"gce-watchdog-poller_{version}_amd64.deb",
+        f"gce-watchdog_{version}_amd64.deb",
+    ]
     TIMINGS[release] = t
-    return Built(release, major, python, debs[0], base, t)
+    return Built(release, major, python, debs[1], debs[0], base, t)
 
 
 class Tree:
@@ -178,18 +188,38 @@ def test_control_version_depends_and_changelog(built: Built, tmp_path: Path) -> 
     ], "one changelog entry per version of changes.toml"
     site = x / f"opt/gce-watchdog/lib/python{built.python}/site-packages"
     assert (site / "pynvml.py").is_file(), "nvidia-ml-py is in the package"
+    assert not (x / "lib").exists(), "units under /usr/lib/systemd/system, not the aliased /lib"
+    y = tmp_path / "y"
+    _run(["dpkg-deb", "-x", str(built.poller), str(y)])
+    assert (y / "usr/lib/systemd/system/gce-watchdog-poller.service").is_file()
+    assert not (y / "lib").exists()
+    cl = y / "usr/share/doc/gce-watchdog-poller/changelog.Debian.gz"
+    text = subprocess.run(["gzip", "-dc", str(cl)], capture_output=True, text=True,
+                          check=True).stdout  # fmt: skip
+    assert text.splitlines()[0] == (
+        f"gce-watchdog-poller ({built.version}) {built.release}; urgency=medium"
+    )
 
 
 def _repack(deb: Path, version: str, out: Path) -> Path:
-    """The same package under a newer version (what the next release's upgrade path sees)."""
-    d = out / "repack"
+    """The same package under a newer version (what the next release's upgrade path sees); an
+    exact dependency on the agent moves with it."""
+    d = out / f"repack-{deb.name}"
     _run(["dpkg-deb", "-R", str(deb), str(d)])
     control = d / "DEBIAN/control"
     lines = control.read_text().splitlines()
+    old = next(ln for ln in lines if ln.startswith("Version:")).split(":", 1)[1].strip()
     control.write_text(
-        "\n".join(f"Version: {version}" if ln.startswith("Version:") else ln for ln in lines) + "\n"
+        "\n".join(
+            f"Version: {version}"
+            if ln.startswith("Version:")
+            else ln.replace(f"(= {old})", f"(= {version})")
+            for ln in lines
+        )
+        + "\n"
     )
-    new = out / f"gce-watchdog_{version}_amd64.deb"
+    name = deb.name.split("_")[0]
+    new = out / f"{name}_{version}_amd64.deb"
     _run(["dpkg-deb", "--root-owner-group", "-Zxz", "-b", str(d), str(new)])
     return new
 
@@ -236,14 +266,58 @@ def test_apt_install_check_memwatch_upgrade_purge(built: Built, tree: Tree, tmp_
     assert mw["verdict"] == "PASS" and mw["gpu"]["names"] == ["NVIDIA L4"], mw["gpu"]
     assert mw["gauges"]["gpu0_used"]["gated"] is True
 
+    # Without gce-watchdog-poller: a postgresql:// ledger is a configuration error (78, which
+    # the unit does not restart) that names the package; the venv has no pip, so no pip advice.
+    pg = ("--ledger", "postgresql://poller@127.0.0.1:9/watchdog")
+    (tree.root / "tmp/token").write_text("t\n")  # not ADC: the ledger is what is tried
+    poll = ("gce-watchdog", "poll", "--once", "--project", "my-project", "--zone",
+            "us-central1-a", "vm-1", "--api-base", "http://127.0.0.1:9",
+            "--access-token-file", "/tmp/token")  # fmt: skip
+    p = tree.run(*poll, *pg, check=False)
+    assert p.returncode == 78, p.stderr
+    assert (
+        "install the gce-watchdog-poller package (apt-get install gce-watchdog-poller)" in p.stderr
+    )
+    (tree.root / "tmp/x.log").write_text("console\n")
+    p = tree.run("gce-watchdog", "report", "/tmp/x.log", "--png", "/tmp/x.png", check=False)
+    assert p.returncode == 69 and "matplotlib" in p.stderr, p.stderr
+    assert "has no pip" in p.stderr and " pip install" not in p.stderr, p.stderr
+
+    # With it: its libraries import in the agent's venv, its unit is where systemd looks.
+    shutil.copy(built.poller, tree.root / "tmp" / built.poller.name)
+    tree.run("apt-get", "install", "-y", "-q", f"/tmp/{built.poller.name}")
+    tree.run("/opt/gce-watchdog/bin/python", "-c",
+             "import psycopg, grpc; from google.cloud import pubsub_v1; "
+             "assert psycopg.pq.__impl__ == 'binary'")  # fmt: skip
+    assert (tree.root / "usr/lib/systemd/system/gce-watchdog-poller.service").is_file()
+    p = tree.run(*poll, *pg, check=False)
+    assert p.returncode == 74 and "cannot open the ledger" in p.stderr, p.stderr  # psycopg ran
+
+    # What the units make at run time, as systemd makes it: the poller's state directory under
+    # DynamicUser= (its SQLite ledger), the agent's state, metrics and metadata drop-in.
+    private = tree.root / "var/lib/private/gce-watchdog-poller/gce-watchdog"
+    private.mkdir(parents=True)
+    (tree.root / "var/lib/private").chmod(0o700)
+    (private / "ledger.sqlite").write_bytes(b"SQLite format 3\0")
+    (private / "cursors").mkdir()
+    (tree.root / "var/lib/gce-watchdog-poller").symlink_to("private/gce-watchdog-poller")
+    for made in ("var/lib/gce-watchdog/ladder.json", "var/log/gce-watchdog/serial.log",
+                 "var/lib/prometheus/node-exporter/gce_watchdog.prom",
+                 "etc/gce-watchdog/config.d/50-metadata.toml"):  # fmt: skip
+        (tree.root / made).parent.mkdir(parents=True, exist_ok=True)
+        (tree.root / made).write_text("# made at run time\n")
+
     # Upgrade: the administrator's change to the conffile stays, the unit stays enabled.
     conf = tree.root / "etc/gce-watchdog/config.toml"
     conf.write_text(conf.read_text() + "# changed by the administrator\n")
-    newer = _repack(built.deb, f"{UPSTREAM}-2~deb{built.major}u1", tmp_path)
-    shutil.copy(newer, tree.root / "tmp" / newer.name)
-    tree.run("apt-get", "install", "-y", "-q", f"/tmp/{newer.name}")
-    got = tree.run("dpkg-query", "-W", "-f", "${Version} ${db:Status-Status}", "gce-watchdog")
-    assert got.stdout == f"{UPSTREAM}-2~deb{built.major}u1 installed"
+    v2 = f"{UPSTREAM}-2~deb{built.major}u1"
+    newer = [_repack(d, v2, tmp_path) for d in (built.deb, built.poller)]
+    for n in newer:
+        shutil.copy(n, tree.root / "tmp" / n.name)
+    tree.run("apt-get", "install", "-y", "-q", *(f"/tmp/{n.name}" for n in newer))
+    for pkg in ("gce-watchdog", "gce-watchdog-poller"):
+        got = tree.run("dpkg-query", "-W", "-f", "${Version} ${db:Status-Status}", pkg)
+        assert got.stdout == f"{v2} installed", pkg
     assert conf.read_text().endswith("# changed by the administrator\n")
     assert wants.is_symlink()
     assert tree.run("gce-watchdog", "--version").returncode == 0
@@ -251,10 +325,16 @@ def test_apt_install_check_memwatch_upgrade_purge(built: Built, tree: Tree, tmp_
     # Purge: the tree is exactly as a fresh tree in which only the dependencies apt brought
     # are installed (the same packages, installed by name: their own files, e.g. the
     # certificates ca-certificates generates, are theirs and not ours to judge).
-    tree.run("apt-get", "purge", "-y", "-q", "gce-watchdog")
+    p = tree.run("apt-get", "purge", "-y", "-q", "gce-watchdog-poller", "gce-watchdog")
+    assert "dpkg: warning" not in p.stdout + p.stderr, p.stdout + p.stderr
     assert not (tree.root / "opt/gce-watchdog").exists() and not conf.exists()
+    assert not (tree.root / "var/lib/private/gce-watchdog-poller").exists()
+    assert not (tree.root / "var/lib/prometheus/node-exporter/gce_watchdog.prom").exists()
+    # its directory is node_exporter's package's (made above to stand for it), not ours
+    (tree.root / "var/lib/prometheus/node-exporter").rmdir()
+    (tree.root / "var/lib/prometheus").rmdir()
     deps = sorted(_packages(tree) - base_pkgs)
-    assert "python3" in deps and "gce-watchdog" not in deps, deps
+    assert "python3" in deps and not {"gce-watchdog", "gce-watchdog-poller"} & set(deps), deps
     after = tree.snapshot()
     ref = Tree(built.base, tmp_path / "reference")
     try:

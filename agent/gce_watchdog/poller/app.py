@@ -46,6 +46,7 @@ from typing import Any
 
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import (
+    EX_CONFIG,
     EX_IOERR,
     EX_NOPERM,
     EX_OK,
@@ -60,6 +61,7 @@ from gce_watchdog.lib.compute import (
     ComputeRetry,
     InstanceStatus,
 )
+from gce_watchdog.lib.extras import EXTRAS, importable, install_hint, this_install
 from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
@@ -84,7 +86,7 @@ from gce_watchdog.poller.poller import (
 )
 from gce_watchdog.poller.pubsub import PubSubWorker
 from gce_watchdog.poller.reader import CursorStore
-from gce_watchdog.poller.settings import Mode, PollSettings
+from gce_watchdog.poller.settings import Mode, PollSettings, ledger_backend
 
 PULL_TIMEOUT_S = 1.0  # a pull waits at most this long, so gaps settle and SIGTERM is seen
 HEALTH_WAIT_STEP_S = 1.0  # while waiting between rounds, the health endpoint is fed this often
@@ -251,6 +253,23 @@ class Parts:
         mark(out)
 
 
+_NEEDS = {"postgres": "a postgresql:// ledger needs", "pubsub": "--pubsub and --publish need"}
+
+
+def needed_extras(s: PollSettings) -> list[str]:
+    """The optional libraries (extras) these settings need: ``postgres`` for a postgresql://
+    ledger, ``pubsub`` for --pubsub or --publish."""
+    need = []
+    try:
+        if s.ledger is not None and ledger_backend(s.ledger) == "postgresql":
+            need.append("postgres")
+    except ValueError:
+        pass  # not a ledger at all: open_ledger refuses it with its reason
+    if s.pubsub is not None or s.publish:
+        need.append("pubsub")
+    return need
+
+
 def _open_client(s: PollSettings) -> tuple[ComputeClient, str | None]:
     """The Compute API client from the token file or systemd's credentials, and that file."""
     creds = service_credentials(os.environ)
@@ -275,14 +294,23 @@ def _open_client(s: PollSettings) -> tuple[ComputeClient, str | None]:
 def run_poll(s: PollSettings) -> int:
     """Build the parts, run the mode's loop, close everything; the command's exit status."""
     global _write_line
+    # A library the settings need and this installation lacks is a configuration error (78:
+    # the units' RestartPreventExitStatus=), found before anything is opened.
+    missing = [x for x in needed_extras(s) if not importable(EXTRAS[x].module)]
+    if missing:
+        how = this_install()
+        for x in missing:
+            _log(f"{_NEEDS[x]} {EXTRAS[x].library}, not installed: {install_hint(x, how)}")
+        raise CommandError(EX_CONFIG)
     state = _state_home() / "gce-watchdog"
     client, token_file = _open_client(s)
     try:
         ledger = open_ledger(
             s.ledger or state / "ledger.sqlite", announce_lease_s=s.announce_lease_s
         )
-    except ImportError as e:
-        raise _failed(EX_IOERR, f"a postgresql ledger needs psycopg: {e}") from None
+    except ImportError as e:  # installed but unusable (psycopg without a libpq)
+        hint = install_hint("postgres", this_install())
+        raise _failed(EX_CONFIG, f"a postgresql ledger needs psycopg: {e}: {hint}") from None
     except Exception as e:  # the driver's own errors (sqlite3.Error, psycopg.Error)
         raise _failed(EX_IOERR, f"cannot open the ledger: {_redact(e)}") from None
     try:
@@ -306,7 +334,8 @@ def run_poll(s: PollSettings) -> int:
         except ImportError as e:
             ledger.close()
             client.close()
-            raise _failed(EX_UNAVAILABLE, f"--publish needs the [pubsub] extra: {e}") from None
+            hint = install_hint("pubsub", this_install())
+            raise _failed(EX_CONFIG, f"--publish needs google-cloud-pubsub: {e}: {hint}") from None
         # every mode, --pubsub workers too: one step of the same Delivery (poller/hooks.py)
         publisher = TopicPublisher(pubsub_v1.PublisherClient(), s.publish, stop=stop, log=_log)
         deliveries.append(publisher)

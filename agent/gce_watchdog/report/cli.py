@@ -6,7 +6,8 @@ Exit codes (also in docs/report.md):
 0   the report was written (whatever the verdict)
 64  usage error (bad --now, --drain-timeout or --band)
 66  the input cannot be read (EX_NOINPUT)
-69  --png asked for but matplotlib is not installed: pip install 'gce-watchdog[report]'
+69  --png asked for but matplotlib is not installed (the message says what to install: pip,
+    or, in the Debian package's venv that has no pip, a venv of your own)
     (EX_UNAVAILABLE)
 73  an output file cannot be written (EX_CANTCREAT)
 ==  ======================================================================================

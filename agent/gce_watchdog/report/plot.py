@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import IO, Any
 
+from gce_watchdog.lib.extras import install_hint, this_install
 from gce_watchdog.report.model import Marker, Report, is_dry_run
 from gce_watchdog.wire import vocab
 
@@ -94,9 +95,8 @@ def _mpl() -> Any:
     try:
         matplotlib: Any = importlib.import_module("matplotlib")
     except ImportError:
-        raise MatplotlibMissing(
-            "the PNG needs matplotlib: pip install 'gce-watchdog[report]'"
-        ) from None
+        hint = install_hint("report", this_install())
+        raise MatplotlibMissing(f"the PNG needs matplotlib, not installed: {hint}") from None
     matplotlib.use("Agg", force=True)  # headless whatever MPLBACKEND says
     return matplotlib
 
