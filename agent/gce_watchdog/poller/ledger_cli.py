@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE
+from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -52,20 +52,16 @@ def cmd_pin(args: argparse.Namespace) -> int:
     from gce_watchdog.poller.ledgers import open_ledger
 
     if not re.fullmatch(r"[0-9]{1,20}", args.instance_id):
-        print("gce-watchdog pin: INSTANCE_ID is the numeric instance id", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, "gce-watchdog pin: INSTANCE_ID is the numeric instance id")
     if not re.fullmatch(r"[0-9a-f]{32}", args.fingerprint):
-        print("gce-watchdog pin: FINGERPRINT is 32 lowercase hex", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, "gce-watchdog pin: FINGERPRINT is 32 lowercase hex")
     try:
         with open_ledger(args.ledger or default_ledger()) as led:
             old = led.pins.hand_pin(args.instance_id, args.fingerprint)
     except ValueError as e:
-        print(f"gce-watchdog pin: --ledger: {e}", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, f"gce-watchdog pin: --ledger: {e}") from None
     except Exception as e:  # the ledger's own errors: unreachable, unwritable
-        print(f"gce-watchdog pin: ledger: {e}", file=sys.stderr)
-        return EX_IOERR
+        raise CommandError(EX_IOERR, f"gce-watchdog pin: ledger: {e}") from None
     was = f" (was {old.fingerprint}, {old.source})" if old is not None else ""
     print(f"pinned {args.instance_id} {args.fingerprint}{was}")
     return EX_OK
@@ -73,8 +69,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 def cmd_decisions(args: argparse.Namespace) -> int:
     if args.what == "release" and not (args.all or args.ids):
-        print("gce-watchdog decisions: release needs --all or IDs", file=sys.stderr)
-        return EX_USAGE
+        raise CommandError(EX_USAGE, "gce-watchdog decisions: release needs --all or IDs")
     from gce_watchdog.poller.app import run_decisions_cmd
 
     return run_decisions_cmd(args.ledger, args.what, args.after, args.follow, args.json,
