@@ -9,7 +9,6 @@ imported inside the handlers, as in ``poller/cli.py``.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
 
