@@ -10,13 +10,13 @@ and says why in ``reason``. Lines go out through the agent's emitter (signed, nu
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 from gce_watchdog.gpu.kmsg import KmsgReader
 from gce_watchdog.gpu.probe import CHILD_ARGV, GpuProbe
 from gce_watchdog.gpu.watch import GpuWatch, GpuWatchConfig
+from gce_watchdog.lib.loop import Loop
 from gce_watchdog.vm.config import GpuSection
 from gce_watchdog.vm.console import Emitter
 
@@ -48,8 +48,7 @@ class GpuService:
         self.reason = "not started"
         self.steps = 0
         self._watch: GpuWatch | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("gpuwatch")
 
     def start(self) -> None:
         if not gpu_enabled(self.cfg):
@@ -70,24 +69,18 @@ class GpuService:
             episode_quiet=self.cfg.episode_quiet, unanswered_window=self.cfg.unanswered_window
         )
         self._watch = GpuWatch(wcfg, self._say, kmsg, probe)
-        self._thread = threading.Thread(target=self._run, name="gpuwatch", daemon=True)
-        self._thread.start()
+        self._loop.every(self.cfg.period, self._step)
 
     def stop(self, timeout: float = 5.0) -> bool:
-        self._stop.set()
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
+        ended = self._loop.stop(timeout)
         if self._watch is not None:
             self._watch.close()  # kills a probe child even while it is stuck in NVML
-        return t is None or not t.is_alive()
+        return ended
 
-    def _run(self) -> None:
+    def _step(self) -> None:
         assert self._watch is not None
-        while not self._stop.is_set():
-            self._watch.step(self.monotonic(), self.progress_stopped())
-            self.steps += 1
-            self._stop.wait(self.cfg.period)
+        self._watch.step(self.monotonic(), self.progress_stopped())
+        self.steps += 1
 
     def _say(self, event: str, fields: dict[str, str], text: str) -> None:
         self.emitter.emit(event, fields, text, sync=event == GPU_FAULT)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from gce_watchdog.job.stuck import Windows, advance
 from gce_watchdog.lib.files import read_json, write_json
+from gce_watchdog.lib.loop import Loop
 from gce_watchdog.vm.state import untrusted_dir
 
 JOB_FILE = "job.json"
@@ -260,8 +261,7 @@ class ProgressServer:
         self.reason = "not started"
         self.refused = 0
         self._sock: socket.socket | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("progress")
 
     def start(self) -> None:
         why = untrusted_dir(os.path.dirname(self.path))
@@ -282,29 +282,25 @@ class ProgressServer:
             return
         self._sock = s
         self.reason = f"listening on {self.path}"
-        self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
-        self._thread.start()
+        self._loop.start(self._run)
 
     def stop(self, timeout: float = 5.0) -> bool:
-        self._stop.set()
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
+        ended = self._loop.stop(timeout)
         if self._sock is not None:
             self._sock.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-        return t is None or not t.is_alive()
+        return ended
 
     def _run(self) -> None:
         assert self._sock is not None
-        while not self._stop.is_set():
+        while not self._loop.stopping.is_set():
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
-                if self._stop.is_set():
+                if self._loop.stopping.is_set():
                     return
                 continue
             with conn, contextlib.suppress(OSError):

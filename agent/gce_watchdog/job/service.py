@@ -15,7 +15,6 @@ powers off). No job record, or a job with no window: nothing is ever decided.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from gce_watchdog.job.progress import (
     tree_cpu_seconds,
 )
 from gce_watchdog.job.stuck import Observation, Verdict, decide
+from gce_watchdog.lib.loop import Loop
 from gce_watchdog.vm.config import JobSection
 from gce_watchdog.vm.console import Emitter
 from gce_watchdog.wire import vocab
@@ -151,26 +151,16 @@ class JobService:
         self.server = server
         self.period = period
         self.monotonic = monotonic
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._loop = Loop("jobwatch")
 
     def start(self) -> None:
         self.server.start()
-        self._thread = threading.Thread(target=self._run, name="jobwatch", daemon=True)
-        self._thread.start()
+        self._loop.every(self.period, lambda: self.watch.step(self.monotonic()))
 
     def stop(self, timeout: float = 5.0) -> bool:
-        self._stop.set()
-        t = self._thread
-        if t is not None:
-            t.join(timeout)
+        ended = self._loop.stop(timeout)
         served = self.server.stop(timeout)
-        return served and (t is None or not t.is_alive())
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.watch.step(self.monotonic())
-            self._stop.wait(self.period)
+        return served and ended
 
 
 def gpu_util_of(latest: Callable[[], dict[str, object] | None]) -> Callable[[], float | None]:
