@@ -187,6 +187,7 @@ def _poll_without(module: str, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=60, check=False)  # fmt: skip
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("module", "args", "want"),
     [

@@ -8,6 +8,8 @@ import itertools
 import pytest
 from gce_watchdog.lib.extras import EXTRAS, Install, importable, install_hint
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize(
     ("extra", "debian", "has_pip"),
