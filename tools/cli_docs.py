@@ -93,6 +93,11 @@ ENVIRONMENT = [
     ("GCEWD_ROOT", "install, uninstall: the target root when --root is not given (default /)"),
     ("GCEWD_RESULT_RUN", "result: the run token `exec` gives the job it starts (set by exec)"),
     ("GCEWD_AGENT", "the job's `result`: the gce-watchdog executable to run (set by exec)"),
+    ("GCEWD_PROGRESS", "progress: the agent's progress socket (set by exec for the job it starts)"),
+    (
+        "GCE_WATCHDOG_NOTICE",
+        "set by exec for the job: the planned-stop notice file (docs/bootstrap.md, Notices)",
+    ),
     ("GCEWD_JOURNAL_SOCKET", "run: journald's native socket (default /run/systemd/journal/socket)"),
     ("JOURNAL_STREAM", "run: set by systemd; the log then carries journal priorities and fields"),
     (
