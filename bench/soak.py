@@ -52,9 +52,13 @@ class FastClock:
     def wall(self) -> float:
         return time.time() + self.offset
 
-    def wait(self, seconds: float, stop: threading.Event) -> bool:
+    def sleep(self, seconds: float) -> None:
         self.offset += max(0.0, seconds)
-        return stop.is_set()
+
+    def wait(self, event: threading.Event, seconds: float) -> bool:
+        """lib/clock.Clock's order: the event, then the seconds."""
+        self.offset += max(0.0, seconds)
+        return event.is_set()
 
 
 def start_sim(work: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any], str]:
