@@ -250,7 +250,7 @@ def test_a_job_killed_by_the_maintenance_shutdown_fails_over_not_workload_failed
     again = poll(api, tmp_path, capsys, "--reap", "gpu-1")["gpu-1"]
     assert again["action"] == "already_decided" and len(api.calls_to("delete")) == 1
     with open_ledger(str(tmp_path / "ledger.sqlite"), "t") as led:
-        assert [d.verdict for d in led.all()] == ["host_maintenance"]
+        assert [d.verdict for d in led.decisions.all()] == ["host_maintenance"]
 
 
 @pytest.mark.parametrize(
