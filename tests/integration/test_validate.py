@@ -19,6 +19,7 @@ from gce_watchdog.cli import main
 from gce_watchdog.testing.simcompute import FakeComputeAPI, FakeInstance
 from gce_watchdog.testing.simguest import SimGuest
 from gce_watchdog.validate.plan import LABEL
+from gce_watchdog.validate.scenarios import DEFAULT_SCENARIOS
 from kit.paths import REPO
 from kit.procs import sigint_default
 
@@ -89,7 +90,7 @@ def test_a_plan_needs_no_source_and_a_run_does(
     out = capsys.readouterr().out
     assert "gcewd-vnosrc-wedge" in out and "agent source: none given yet" in out
     assert main([*bare, "--plan", "--json", "--run-id", "vnosrc"]) == 0
-    assert len(json.loads(capsys.readouterr().out)["instances"]) == 4
+    assert len(json.loads(capsys.readouterr().out)["instances"]) == len(DEFAULT_SCENARIOS)
     assert main([*bare, "--yes", "--run-id", "vnosrc"]) == 64
     assert "give exactly one agent source" in capsys.readouterr().err
     two = [*bare, "--image", "img", "--wheel-url", "https://x.invalid/w.tgz"]
