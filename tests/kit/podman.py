@@ -42,17 +42,23 @@ def unavailable() -> str | None:
 
 
 class Podman:
-    """podman with a private storage root under ``root``; :meth:`close` removes all of it."""
+    """podman with a private storage root under ``root``; :meth:`close` removes all of it.
+
+    Its state is private too: ``--runroot`` and ``--tmpdir`` (libpod's default tmpdir is the
+    machine-wide ``/run/libpod``, which another run's ``system reset`` empties: two ``make test``
+    at once failed with "creating runtime status file: open /run/libpod/alive")."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         (root / "run").mkdir(parents=True, exist_ok=True)
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
         self.conf = root / "containers.conf"
         self.conf.write_text(CONF)
 
     def argv(self, *args: str) -> list[str]:
         return ["podman", "--root", str(self.root / "storage"), "--runroot",
-                str(self.root / "run"), "--runtime", "runc", *args]  # fmt: skip
+                str(self.root / "run"), "--tmpdir", str(self.root / "tmp"),
+                "--runtime", "runc", *args]  # fmt: skip
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "CONTAINERS_CONF": str(self.conf)}
