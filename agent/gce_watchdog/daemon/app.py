@@ -254,10 +254,6 @@ def _job_service(cfg: cfgmod.Config, emitter: Emitter, boot_id: str, gpu: GpuSer
                 vocab.ERROR, {"where": "end_request", "err": type(e).__name__}, str(e)[:100]
             )
 
-    def latest_gpu() -> dict[str, object] | None:
-        watch = gpu._watch
-        return watch.latest_sample if watch is not None else None
-
     watch = JobWatch(
         cfg.job,
         a.run_dir,
@@ -265,7 +261,7 @@ def _job_service(cfg: cfgmod.Config, emitter: Emitter, boot_id: str, gpu: GpuSer
         tracker,
         proc,
         end=end,
-        gpu_util=gpu_util_of(latest_gpu),
+        gpu_util=gpu_util_of(gpu.latest_sample),
         line_every=a.interval * a.heartbeat_every,  # one heartbeat period
     )
     server = ProgressServer(

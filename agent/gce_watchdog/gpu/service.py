@@ -77,6 +77,10 @@ class GpuService:
             self._watch.close()  # kills a probe child even while it is stuck in NVML
         return ended
 
+    def latest_sample(self) -> dict[str, object] | None:
+        """The watch's last good NVML answer (None: not started, or no answer yet)."""
+        return self._watch.latest_sample if self._watch is not None else None
+
     def _step(self) -> None:
         assert self._watch is not None
         self._watch.step(self.monotonic(), self.progress_stopped())
@@ -106,16 +110,12 @@ class ProbeGauges:
 
     @property
     def count(self) -> int:
-        latest = self._latest()
+        latest = self._svc.latest_sample()
         gpus = latest.get("gpus") if latest is not None else None
         return len(gpus) if isinstance(gpus, list) else 0
 
-    def _latest(self) -> dict[str, object] | None:
-        watch = self._svc._watch
-        return watch.latest_sample if watch is not None else None
-
     def sample(self) -> dict[str, int] | None:
-        latest = self._latest()
+        latest = self._svc.latest_sample()
         if latest is None:
             return None  # the child has not answered yet: no news, not a lost GPU
         out: dict[str, int] = {}
