@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gce_watchdog import jobprogress
 from gce_watchdog.job.stuck import Windows, advance
 from gce_watchdog.lib.files import read_json, write_json
 from gce_watchdog.lib.loop import Loop
@@ -35,7 +36,7 @@ from gce_watchdog.vm.state import untrusted_dir
 
 JOB_FILE = "job.json"
 SOCKET_FILE = "progress.sock"
-PROGRESS_ENV = "GCEWD_PROGRESS"  # the socket's path, in the job's environment under exec
+PROGRESS_ENV = jobprogress.ENV  # the socket's path, in the job's environment under exec
 VERSION = 1
 # A request is one short line; a caller that says nothing is cut off after this long, so one
 # silent client never holds the (single) server thread.
