@@ -46,7 +46,6 @@ class GpuService:
         self.probe_argv = tuple(probe_argv)
         self.monotonic = monotonic
         self.reason = "not started"
-        self.steps = 0
         self._watch: GpuWatch | None = None
         self._loop = Loop("gpuwatch")
 
@@ -84,7 +83,6 @@ class GpuService:
     def _step(self) -> None:
         assert self._watch is not None
         self._watch.step(self.monotonic(), self.progress_stopped())
-        self.steps += 1
 
     def _say(self, event: str, fields: dict[str, str], text: str) -> None:
         self.emitter.emit(event, fields, text, sync=event == GPU_FAULT)

@@ -48,7 +48,6 @@ MAX_PENDING = episode.MAX_EPISODES
 class GpuWatchConfig:
     episode_quiet: float = 600.0  # an Xid flood is one episode until this long without a record
     unanswered_window: float = 300.0  # NVML unable to answer this long counts as a fault
-    progress_counts: bool = True  # the job's progress stopping confirms a hardware Xid
 
 
 class GpuWatch:
@@ -69,7 +68,6 @@ class GpuWatch:
         self._prev_ecc: dict[int, int] = {}
         self._unanswered_since: float | None = None
         self.forged = 0
-        self.lost_records = 0
         self.latest_sample: dict[str, object] | None = None  # the last good NVML answer
 
     def step(self, now: float, progress_stopped: bool = False) -> None:
@@ -89,7 +87,6 @@ class GpuWatch:
     def _read_kmsg(self, now: float, progress_stopped: bool) -> None:
         assert self._kmsg is not None
         batch = self._kmsg.drain()
-        self.lost_records += batch.lost
         for rec in batch.records:
             xr = parse_xid(rec.message)
             if xr is None:
@@ -183,7 +180,7 @@ class GpuWatch:
         sig = self._signals.get(pci, SecondSignal.NONE)
         if sig is SecondSignal.NONE and self._unanswered_since is not None:
             return SecondSignal.NVML_UNANSWERED
-        if sig is SecondSignal.NONE and progress_stopped and self.cfg.progress_counts:
+        if sig is SecondSignal.NONE and progress_stopped:
             return SecondSignal.PROGRESS_STOPPED
         return sig
 
