@@ -94,10 +94,11 @@ class KmsgReader:
     def open(self, *, from_start: bool = False) -> None:
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            self._device = stat.S_ISCHR(os.fstat(fd).st_mode)
+            mode = os.fstat(fd).st_mode
+            self._device = stat.S_ISCHR(mode)
             if self._device:
                 os.lseek(fd, 0, os.SEEK_DATA if from_start else os.SEEK_END)
-            elif stat.S_ISREG(os.fstat(fd).st_mode) and not from_start:
+            elif stat.S_ISREG(mode) and not from_start:
                 os.lseek(fd, 0, os.SEEK_END)
         except OSError:
             os.close(fd)
