@@ -99,20 +99,11 @@ class GpuWatch:
                 continue
             pci = health.pci_key(xr.pci) or xr.pci
             cls = xr.xid_class
-            decision = episode.decide(
-                cls,
-                self._signal(pci, progress_stopped),
-                self._unanswered(now),
-                self.cfg.unanswered_window,
-            )
+            sig = self._signal(pci, progress_stopped)
+            decision = episode.decide(cls, sig, self._unanswered(now), self.cfg.unanswered_window)
             fields = {"xid": str(xr.xid), "pci": pci, "gpu": self._gpu(pci)}
             if decision is GpuDecision.FAULT:
-                self._fault(
-                    pci,
-                    f"xid{xr.xid}",
-                    {**fields, "sig": self._signal(pci, progress_stopped).value},
-                    xr.text,
-                )
+                self._fault(pci, f"xid{xr.xid}", {**fields, "sig": sig.value}, xr.text)
                 continue
             self._say("gpu_event", {**fields, "cls": cls.value}, xr.text)
             if cls is XidClass.HARDWARE and len(self._pending) < MAX_PENDING:
