@@ -7,10 +7,11 @@ Shape (deciding is separated from doing):
   lets a wait carry the run past the deadline.
 - :class:`RateLimit` decides which failed attempts get a serial line (a 10-minute DNS outage must
   not flood the console).
-- :func:`run_fetch` performs attempts with tenacity (stop and wait rules both ask the policy),
-  through two narrow interfaces: a :class:`Resolver` (dnspython by default) and the HTTP attempt,
-  which connects to the address that resolver returned (never re-resolving through the system
-  resolver) while sending the URL's host in the ``Host`` header and in TLS SNI.
+- :func:`run_fetch` performs attempts through :func:`gce_watchdog.lib.retry.retry_call` (its
+  ``next_wait`` asks the policy), through two narrow interfaces: a :class:`Resolver` (dnspython
+  by default) and the HTTP attempt, which connects to the address that resolver returned (never
+  re-resolving through the system resolver) while sending the URL's host in the ``Host`` header
+  and in TLS SNI.
 
 Exit codes (``docs/bootstrap.md``): 0 ok, 64 bad arguments, 65 checksum mismatch, 69 refused by
 the server, 73 cannot write the target, 75 gave up at the deadline.

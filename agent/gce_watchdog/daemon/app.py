@@ -412,7 +412,7 @@ def _check_npd(config_path: str | None) -> int:
     finally:
         prober.close()
     verdict, _rc, npd, _say = _classify(res)
-    rung = _rung(cfg)
+    rung = _ladder(cfg).load(cfg.agent.threshold).rung
     md, eg = res.metadata, res.egress
     print(
         f"{verdict}: metadata {md.verdict.value} {md.reason}, egress {eg.verdict.value} "
@@ -427,11 +427,11 @@ def _check_npd(config_path: str | None) -> int:
     return npd
 
 
-def _rung(cfg: cfgmod.Config) -> int:
-    st = LadderStore(
+def _ladder(cfg: cfgmod.Config) -> LadderStore:
+    """The agent's ladder file, as this boot reads it (check's `rung`)."""
+    return LadderStore(
         Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
     )
-    return st.load(cfg.agent.threshold).rung
 
 
 def _classify(res: TickResult) -> tuple[str, int, int, str]:
@@ -456,9 +456,7 @@ def _check(config_path: str | None, as_json: bool) -> int:
         res = prober.tick()
     finally:
         prober.close()
-    st = LadderStore(
-        Path(cfg.agent.state_dir) / "ladder.json", read_boot_id(cfg.agent.boot_id_path)
-    )
+    st = _ladder(cfg)
     rung = st.load(cfg.agent.threshold).rung
     gpu = gpu_line()
     verdict, rc, _npd, say = _classify(res)

@@ -173,7 +173,7 @@ class Observation:
         t0 = self.fault_at
 
         def since(t: float | None) -> float | None:
-            return None if t0 is None or t is None else round(t - t0, 3)
+            return _between(t0, t)
 
         return {
             "fault_to_first_rung_s": since(self.first_rung_at),
@@ -189,6 +189,7 @@ class Observation:
 
 
 def _between(t0: float | None, t: float | None) -> float | None:
+    """Seconds from ``t0`` to ``t``, to the millisecond (None: either not seen)."""
     return None if t0 is None or t is None else round(t - t0, 3)
 
 

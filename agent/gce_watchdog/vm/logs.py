@@ -243,7 +243,6 @@ class EventHandler(logging.Handler):
         self.stream = stream
         self.sender = sender
         self.prefix = prefix
-        self._write = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -262,12 +261,13 @@ class EventHandler(logging.Handler):
             self.handleError(record)
 
     def write(self, line: str) -> None:
-        with self._write:
-            try:
-                self.stream.write(line + "\n")
-                self.stream.flush()
-            except (OSError, ValueError):  # stderr gone: nothing else is left to tell
-                pass
+        """One line on the stream: called from emit only, under the lock ``Handler.handle``
+        holds around it (no lock of its own)."""
+        try:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # stderr gone: nothing else is left to tell
+            pass
 
 
 class EventLog:
