@@ -109,11 +109,6 @@ class StreamDecoder(LazyBlocks):
         self._pending = b""
         # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
-        # What feed() and flush() found, kept for a caller that reads a whole stream (decode()
-        # and finish() return it instead): rejected and forged samples (bounded), lines never
-        # checked (see Decoded.unchecked).
-        self.rejects: list[Rejected] = []
-        self.forgeries: list[Forged] = []
         self._now = Decoded()  # the block being decoded
         self._budget = 0
         self._block_bytes = 0
@@ -124,6 +119,8 @@ class StreamDecoder(LazyBlocks):
         self.carry: list[tuple[bytes, float | None]] = []
         self._rx: float | None = None
         self.lazy = True  # False: every line verified, no budget (a reference; tests, tools)
+        # The lines feed() and flush() found never checked (decode() and finish() return them
+        # instead, see Decoded.unchecked).
         self.unchecked_new: list[tuple[str, int, bool]] = []
         self._boots: OrderedDict[str, None] = OrderedDict()
 
@@ -157,17 +154,15 @@ class StreamDecoder(LazyBlocks):
         return self._decode_block(rest + b"\n" if rest else b"")
 
     def feed(self, chunk: bytes, rx: float | None = None) -> list[Event]:
-        """:meth:`decode`'s events; its samples and unchecked lines are kept on the decoder
-        (:attr:`rejects`, :attr:`forgeries`, :attr:`unchecked_new`)."""
+        """:meth:`decode`'s events; its unchecked lines are kept on the decoder
+        (:attr:`unchecked_new`)."""
         return self._keep(self.decode(chunk, rx))
 
     def flush(self, rx: float | None = None) -> list[Event]:
-        """:meth:`finish`'s events, what else it found kept as :meth:`feed` keeps it."""
+        """:meth:`finish`'s events, its unchecked lines kept as :meth:`feed` keeps them."""
         return self._keep(self.finish(rx))
 
     def _keep(self, found: Decoded) -> list[Event]:
-        self.rejects += found.rejects[: max(0, self.MAX_SAMPLES - len(self.rejects))]
-        self.forgeries += found.forgeries[: max(0, self.MAX_SAMPLES - len(self.forgeries))]
         self.unchecked_new += found.unchecked
         return found.events
 
