@@ -208,9 +208,10 @@ class StreamDecoder(LazyBlocks):
                 )
         return self._decode_lines(cands)
 
-    def _note_unplaced(self, ann: KeyAnnounce) -> None:
+    def _note_unplaced(self, public: bytes) -> None:
+        """An unplaced v3 key's fingerprint, kept for the alarm (at most MAX_UNPLACED)."""
         if len(self.unplaced) < self.MAX_UNPLACED:
-            fp = ann.fingerprint
+            fp = pk_fingerprint(public)
             if fp not in self.unplaced:
                 self.unplaced.append(fp)
 
@@ -236,7 +237,7 @@ class StreamDecoder(LazyBlocks):
                 self.pin = ann.key
                 self.pinned_here = True
         if self.pin is None or not hmac.compare_digest(self.pin, ann.key):
-            self._note_unplaced(ann)  # no signature check: it decides nothing
+            self._note_unplaced(ann.key)  # no signature check: it decides nothing
             self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
             return None
         if other_vm:
@@ -323,9 +324,7 @@ class StreamDecoder(LazyBlocks):
         if res.reason == Forgery.UNPLACED and res.event is not None:
             pk = res.event.get("pk") or ""
             if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
-                fp = pk_fingerprint(unb64(pk))
-                if fp not in self.unplaced:
-                    self.unplaced.append(fp)
+                self._note_unplaced(unb64(pk))
         self._forged(res)
 
 
