@@ -109,11 +109,6 @@ class StreamDecoder(LazyBlocks):
         self._pending = b""
         # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
-        # What feed() and flush() found, kept for a caller that reads a whole stream (decode()
-        # and finish() return it instead): rejected and forged samples (bounded), lines never
-        # checked (see Decoded.unchecked).
-        self.rejects: list[Rejected] = []
-        self.forgeries: list[Forged] = []
         self._now = Decoded()  # the block being decoded
         self._budget = 0
         self._block_bytes = 0
@@ -124,6 +119,8 @@ class StreamDecoder(LazyBlocks):
         self.carry: list[tuple[bytes, float | None]] = []
         self._rx: float | None = None
         self.lazy = True  # False: every line verified, no budget (a reference; tests, tools)
+        # The lines feed() and flush() found never checked (decode() and finish() return them
+        # instead, see Decoded.unchecked).
         self.unchecked_new: list[tuple[str, int, bool]] = []
         self._boots: OrderedDict[str, None] = OrderedDict()
 
@@ -157,17 +154,15 @@ class StreamDecoder(LazyBlocks):
         return self._decode_block(rest + b"\n" if rest else b"")
 
     def feed(self, chunk: bytes, rx: float | None = None) -> list[Event]:
-        """:meth:`decode`'s events; its samples and unchecked lines are kept on the decoder
-        (:attr:`rejects`, :attr:`forgeries`, :attr:`unchecked_new`)."""
+        """:meth:`decode`'s events; its unchecked lines are kept on the decoder
+        (:attr:`unchecked_new`)."""
         return self._keep(self.decode(chunk, rx))
 
     def flush(self, rx: float | None = None) -> list[Event]:
-        """:meth:`finish`'s events, what else it found kept as :meth:`feed` keeps it."""
+        """:meth:`finish`'s events, its unchecked lines kept as :meth:`feed` keeps them."""
         return self._keep(self.finish(rx))
 
     def _keep(self, found: Decoded) -> list[Event]:
-        self.rejects += found.rejects[: max(0, self.MAX_SAMPLES - len(self.rejects))]
-        self.forgeries += found.forgeries[: max(0, self.MAX_SAMPLES - len(self.forgeries))]
         self.unchecked_new += found.unchecked
         return found.events
 
@@ -213,9 +208,10 @@ class StreamDecoder(LazyBlocks):
                 )
         return self._decode_lines(cands)
 
-    def _note_unplaced(self, ann: KeyAnnounce) -> None:
+    def _note_unplaced(self, public: bytes) -> None:
+        """An unplaced v3 key's fingerprint, kept for the alarm (at most MAX_UNPLACED)."""
         if len(self.unplaced) < self.MAX_UNPLACED:
-            fp = ann.fingerprint
+            fp = pk_fingerprint(public)
             if fp not in self.unplaced:
                 self.unplaced.append(fp)
 
@@ -241,7 +237,7 @@ class StreamDecoder(LazyBlocks):
                 self.pin = ann.key
                 self.pinned_here = True
         if self.pin is None or not hmac.compare_digest(self.pin, ann.key):
-            self._note_unplaced(ann)  # no signature check: it decides nothing
+            self._note_unplaced(ann.key)  # no signature check: it decides nothing
             self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
             return None
         if other_vm:
@@ -328,9 +324,7 @@ class StreamDecoder(LazyBlocks):
         if res.reason == Forgery.UNPLACED and res.event is not None:
             pk = res.event.get("pk") or ""
             if len(self.unplaced) < self.MAX_UNPLACED and _PK_RE.match(pk):
-                fp = pk_fingerprint(unb64(pk))
-                if fp not in self.unplaced:
-                    self.unplaced.append(fp)
+                self._note_unplaced(unb64(pk))
         self._forged(res)
 
 
