@@ -358,3 +358,22 @@ def test_exec_records_the_job_and_its_windows_then_removes_the_record(tmp_path: 
     assert rec["windows"] == {"after": 600.0, "max": None, "first": 3600.0}
     assert rec["version"] == 1 and rec["pid"] > 0
     assert not (run / "job.json").exists()
+
+
+def test_progress_stopped_is_the_gpu_watchs_second_signal_after_the_window(tmp_path: Path) -> None:
+    """Issue 36: the job's progress stopping confirms a hardware Xid (gpu/watch.py); it holds
+    once the job reported nothing new for `stuck_after`, busy or not, and never without one."""
+    after = 60.0
+    with served(tmp_path / "run") as s, job(s, "stop", Windows(after=after)) as p:
+        assert wait_for(lambda: _stopped(p.pid))
+        w, _, _ = _watch(s, tmp_path)
+        w.step(s.clock.monotonic())
+        latest = s.tracker.latest(w._job) if w._job is not None else None
+        assert latest is not None  # the job reported steps before it stopped
+        assert not w.progress_stopped(latest.at + after - 1.0)
+        assert w.progress_stopped(latest.at + after)
+    with served(tmp_path / "run2") as s, job(s, "stop", Windows(max=300.0)) as p:
+        assert wait_for(lambda: _stopped(p.pid))
+        w, _, _ = _watch(s, tmp_path)
+        w.step(s.clock.monotonic())
+        assert w._job is not None and not w.progress_stopped(s.clock.monotonic() + 86400.0)

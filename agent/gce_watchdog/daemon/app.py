@@ -174,13 +174,15 @@ def build_agent(
         default_linger=cfg.actions.linger,
     )
     # The GPU watch (docs/gpu.md): off, with no GPU library imported, where there is no driver.
-    gpu_service = GpuService(cfg.gpu, emitter)
-    services: list[Service] = [
-        watcher,
-        end_watch,
-        gpu_service,
-        _job_service(cfg, emitter, boot_id, gpu_service),
-    ]
+    # The two confirm each other: the job watch reads the GPUs' utilisation, and the GPU watch
+    # takes the job's progress stopping as a second signal for a hardware Xid.
+    job_service = _job_service(cfg, emitter, boot_id, lambda: gpu_service.latest_sample())
+    gpu_service = GpuService(
+        cfg.gpu,
+        emitter,
+        progress_stopped=lambda: job_service.watch.progress_stopped(time.monotonic()),
+    )
+    services: list[Service] = [watcher, end_watch, gpu_service, job_service]
     monitor = (
         MemoryMonitor(cfg.memory, emitter, gpu=ProbeGauges(gpu_service))
         if cfg.memory.enabled
@@ -239,7 +241,12 @@ class WatchOnlyStatus:
         )
 
 
-def _job_service(cfg: cfgmod.Config, emitter: Emitter, boot_id: str, gpu: GpuService) -> JobService:
+def _job_service(
+    cfg: cfgmod.Config,
+    emitter: Emitter,
+    boot_id: str,
+    latest_gpu: Callable[[], dict[str, object] | None],
+) -> JobService:
     """The job watch (docs/job-progress.md): the progress socket, `progress` lines, and the stuck
     rule; a stuck job's end is requested as `gce-watchdog end --reason stuck` would."""
     a = cfg.agent
@@ -261,7 +268,7 @@ def _job_service(cfg: cfgmod.Config, emitter: Emitter, boot_id: str, gpu: GpuSer
         tracker,
         proc,
         end=end,
-        gpu_util=gpu_util_of(gpu.latest_sample),
+        gpu_util=gpu_util_of(latest_gpu),
         line_every=a.interval * a.heartbeat_every,  # one heartbeat period
     )
     server = ProgressServer(

@@ -71,6 +71,18 @@ class JobWatch:
     def job(self) -> JobRecord | None:
         return read_job(self.run_dir, self.owner)
 
+    def progress_stopped(self, now: float) -> bool:
+        """The GPU watch's "progress stopped" signal (docs/gpu.md): the job seen last has a
+        ``stuck_after`` window and reported nothing new (nor started) for that long. Weaker than
+        the stuck rule, which also needs an idle tree: it only confirms a hardware Xid."""
+        rec = self._job
+        after = rec.windows.after if rec is not None else None
+        if rec is None or not after:
+            return False
+        latest = self.tracker.latest(rec)
+        since = latest.at if latest is not None else self._started
+        return now - since >= after
+
     def step(self, now: float) -> Verdict | None:
         rec = self.job()
         if rec is None:
