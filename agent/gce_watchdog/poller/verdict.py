@@ -204,10 +204,16 @@ class Verdict:
         return self.kind.failover or self.policy_failover
 
     @property
+    def reported_only(self) -> bool:
+        """A GPU fault or a stuck job the policy only reports (``--on-gpu-fault report``,
+        ``--on-job-stuck report``): no failover."""
+        reported = self.kind in (VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK)
+        return reported and not self.failover
+
+    @property
     def alarm(self) -> bool:
         # a GPU fault the policy only reports is an alarm: a human decides
-        reported = self.kind in (VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK)
-        return self.kind.alarm or (reported and not self.failover)
+        return self.kind.alarm or self.reported_only
 
 
 def current_boot(events: Sequence[Event]) -> str | None:
