@@ -556,17 +556,22 @@ def _killed_by_gce_stop(
     notice = _maintenance_notice(mine)
     if notice is not None:  # the agent's signed notice corroborates the operation
         evidence = (*evidence, notice.render())
-    action = (
-        "waiting for GCE's automatic restart (--on-planned-stop wait)"
-        if policy.planned_stop_wait
-        else "the job was killed"
+    reason = (
+        f"the workload was killed by {sig} as GCE stopped the VM for {what} ({op}); "
+        f"{_planned_action(policy)}"
     )
-    reason = f"the workload was killed by {sig} as GCE stopped the VM for {what} ({op}); {action}"
     return Verdict(kind, reason, boot, evidence, not policy.planned_stop_wait)
 
 
 def _ops_evidence(ops: tuple[str, ...] | None) -> str:
     return f"operations={','.join(ops) or 'none'}" if ops is not None else "operations=unknown"
+
+
+def _planned_action(policy: Policy) -> str:
+    """What a planned stop's verdict does under the policy (its reason's last words)."""
+    if policy.planned_stop_wait:
+        return "waiting for GCE's automatic restart (--on-planned-stop wait)"
+    return "the job was killed"
 
 
 def _maintenance_notice(mine: Sequence[Event]) -> Event | None:
@@ -601,7 +606,7 @@ def _back_from_planned_stop(
         return None
     op, kind = planned
     what = "host maintenance" if kind is VerdictKind.HOST_MAINTENANCE else "a host error"
-    evidence = (*evidence, f"operations={','.join(instance.end_ops or ())}")
+    evidence = (*evidence, _ops_evidence(instance.end_ops))
     if not policy.planned_stop_wait:
         reason = f"this boot was ended by {what} ({op}): the job was killed"
         return Verdict(kind, reason, boot, evidence, policy_failover=True)
@@ -634,8 +639,7 @@ def _ended(
     """Off without a terminal line read: decide on the zone operations, or raise the alarm."""
     tail: tuple[str, ...] = (mine[-1].render(),) if mine else ()
     ops = instance.end_ops
-    seen = f"operations={','.join(ops) or 'none'}" if ops is not None else "operations=unknown"
-    evidence = (status_ev, seen, *tail)
+    evidence = (status_ev, _ops_evidence(ops), *tail)
     if ops is not None and OP_PREEMPTED in ops:
         reason = f"instance is {status}: GCE preempted it ({OP_PREEMPTED})"
         return Verdict(VerdictKind.PREEMPTED, reason, boot, evidence)
@@ -651,12 +655,7 @@ def _ended(
         if notice is not None:  # the agent's signed notice corroborates the operation
             evidence = (*evidence, notice.render())
             what += " (the agent had the notice)"
-        action = (
-            "waiting for GCE's automatic restart (--on-planned-stop wait)"
-            if policy.planned_stop_wait
-            else "the job was killed"
-        )
-        reason = f"instance is {status}: {what} ({op}); {action}"
+        reason = f"instance is {status}: {what} ({op}); {_planned_action(policy)}"
         return Verdict(kind, reason, boot, evidence, not policy.planned_stop_wait)
     benign = sorted(set(ops or ()) & BENIGN_END_OPS)
     why = (
