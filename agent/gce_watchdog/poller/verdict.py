@@ -354,16 +354,21 @@ def decide(
     fault = gpu_fault_event(mine)
     if fault is not None and (term is None or fault.seq < term.seq):
         shown = (fault.render(), *gpu)
-        if v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED):
-            # the job finished despite the fault: never run a finished job twice
-            return replace(v, evidence=(*v.evidence, *shown))
-        if policy.gpu_fault_report and v.failover:
-            # report mode holds back only the GPU's own failover, not another cause's
+        if _stands(v, policy.gpu_fault_report):
             return replace(v, evidence=(*v.evidence, *shown))
         reason = _gpu_reason(fault, policy)
         evidence = (*shown, status_ev)
         return Verdict(VerdictKind.GPU_FAULT, reason, boot, evidence, not policy.gpu_fault_report)
     return replace(v, evidence=(*v.evidence, *gpu)) if gpu else v
+
+
+def _stands(v: Verdict, report: bool) -> bool:
+    """The verdict stands over a GPU fault or a stuck job before its end, which is only shown:
+    the job finished despite it (never run a finished job twice), or the policy only reports it
+    (``report``) and another cause fails over (report mode holds back only its own failover)."""
+    return v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED) or (
+        report and v.failover
+    )
 
 
 def _stuck(
@@ -379,10 +384,8 @@ def _stuck(
     if stuck is None or (term is not None and term.seq < stuck.seq):
         return v  # none, or after the job's end: the end decides
     shown = stuck.render()
-    if v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED):
-        return replace(v, evidence=(*v.evidence, shown))  # it finished: never run it twice
-    if policy.job_stuck_report and v.failover:
-        return replace(v, evidence=(*v.evidence, shown))  # another cause's failover stands
+    if _stands(v, policy.job_stuck_report):
+        return replace(v, evidence=(*v.evidence, shown))
     f = stuck.fields_dict
     action = (
         "ALARM, reported only (--on-job-stuck report)"
