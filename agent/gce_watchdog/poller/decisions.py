@@ -17,9 +17,9 @@ import json
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
 from gce_watchdog.poller.ledger import DELIVERY_STATES, Decision, DecisionStore, Hold
 
@@ -27,10 +27,6 @@ from gce_watchdog.poller.ledger import DELIVERY_STATES, Decision, DecisionStore,
 # (``delivery``, ``delivery_attempts``, ``delivery_error``); every field of 1 is unchanged.
 VERSION = 2
 FOLLOW_INTERVAL_S = 1.0  # --follow asks the ledger this often for new decisions
-
-
-def _iso(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +49,7 @@ def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
         "evidence": list(details.get("evidence") or []),
         "labels": dict(details.get("labels") or {}),
         "job": details.get("job"),
-        "decided_at": _iso(d.decided_at),
+        "decided_at": jsontime.from_epoch(d.decided_at),
         "delivery": d.delivery,
         "delivery_attempts": d.delivery_attempts,
         "delivery_error": d.delivery_error,
@@ -120,7 +116,7 @@ def hold_doc(h: Hold) -> dict[str, Any]:
         "reason": h.reason,
         "labels": dict(h.details.get("labels") or {}),
         "job": h.details.get("job"),
-        "held_at": _iso(h.held_at),
+        "held_at": jsontime.from_epoch(h.held_at),
     }
 
 

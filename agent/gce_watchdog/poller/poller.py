@@ -79,13 +79,6 @@ def _killed(tl: Timeline) -> bool:
     return term is not None and killed_by_signal(term)
 
 
-def reported_gpu_fault(verdict: Verdict) -> bool:
-    """A GPU fault or a stuck job the policy only reports (``--on-gpu-fault report``,
-    ``--on-job-stuck report``): a stop of the VM after it still decides."""
-    reported = verdict.kind in (VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK)
-    return reported and not verdict.failover
-
-
 def end_request_id(instance_id: str, boot: str) -> str:
     """The requestId of the delete after an end: one per (instance id, boot)."""
     return str(uuid.uuid5(_END_NS, f"end/{instance_id}/{boot}"))
@@ -357,9 +350,10 @@ class Poller:
             return self._back_evidence(name, instance_id, tl, state, verdict)
         if verdict.kind is VerdictKind.WORKLOAD_FAILED and instance_id and _killed(tl):
             return self._killed_evidence(name, instance_id, tl, state, verdict)
-        if reported_gpu_fault(verdict) and state.status in OFF_STATES and instance_id:
-            # --on-gpu-fault report holds back only the GPU's own failover: a preemption or a
-            # planned stop of the VM still decides, so its operations are read too
+        if verdict.reported_only and state.status in OFF_STATES and instance_id:
+            # --on-gpu-fault report (--on-job-stuck report) holds back only the GPU's (the
+            # stuck job's) own failover: a preemption or a planned stop of the VM after it still
+            # decides, so its operations are read too
             state = dataclasses.replace(state, end_ops=self._boot_ops(name, instance_id, tl))
             return tl.judge(state, self.clock(), self.policy)
         return verdict

@@ -318,8 +318,7 @@ class PubSubWorker:
             pub = rm.message.publish_time
             published = pub.timestamp() if pub is not None else None
             self._classify(ln, pins.get(ln.instance_id), now, published, lines, raw)
-        touched, dropped = self.assembly.store(lines, raw)
-        touched |= self._faulted(lines)
+        touched, dropped = self._store(lines, raw)
         self.stats.unverified += len(raw) - dropped
         self.stats.dropped += dropped
         # A raw line stored just now, or a key pinned just now: either this worker sees the
@@ -470,19 +469,24 @@ class PubSubWorker:
         for r in stored:
             ln = SerialLine(r.project, r.zone, instance_id, r.name, r.text)
             self._classify(ln, key, r.received_at, r.published, lines, [])
-        touched, _ = self.assembly.store(lines, [])
-        touched |= self._faulted(lines)
+        touched, _ = self._store(lines, [])
         self.assembly.drop_unverified(instance_id, [r.text for r in stored])
         return touched
 
-    def _faulted(self, lines: list[StoredLine]) -> set[tuple[str, str]]:
-        """The boots of the GPU faults among the lines (none with --on-gpu-fault report): looked
-        at like those ``assembly_store`` returns (its terminal lines'). A fault stored past a
-        gap another worker fills is looked at again when the look's hint comes due
-        (``assembly_gaps_due``: ``settle_s`` after the held line's receipt), then decided."""
-        if self.policy.gpu_fault_report:
-            return set()
-        return {(ln.instance_id, ln.event.boot) for ln in lines if gpu_fault_event([ln.event])}
+    def _store(
+        self, lines: list[StoredLine], raw: list[RawLine]
+    ) -> tuple[set[tuple[str, str]], int]:
+        """``assembly.store``, the boots to look at with those of the GPU faults among the
+        lines (none with --on-gpu-fault report) added: looked at like those the store returns
+        (its terminal lines'). A fault stored past a gap another worker fills is looked at again
+        when the look's hint comes due (``assembly.gaps_due``: ``settle_s`` after the held
+        line's receipt), then decided."""
+        touched, dropped = self.assembly.store(lines, raw)
+        if not self.policy.gpu_fault_report:
+            touched |= {
+                (ln.instance_id, ln.event.boot) for ln in lines if gpu_fault_event([ln.event])
+            }
+        return touched, dropped
 
     def _look(self, iid: str, boot: str, now: float) -> None:
         """Look at one boot's stored lines; claim, end, gap, or wait."""

@@ -204,10 +204,16 @@ class Verdict:
         return self.kind.failover or self.policy_failover
 
     @property
+    def reported_only(self) -> bool:
+        """A GPU fault or a stuck job the policy only reports (``--on-gpu-fault report``,
+        ``--on-job-stuck report``): no failover."""
+        reported = self.kind in (VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK)
+        return reported and not self.failover
+
+    @property
     def alarm(self) -> bool:
         # a GPU fault the policy only reports is an alarm: a human decides
-        reported = self.kind in (VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK)
-        return self.kind.alarm or (reported and not self.failover)
+        return self.kind.alarm or self.reported_only
 
 
 def current_boot(events: Sequence[Event]) -> str | None:
@@ -348,16 +354,21 @@ def decide(
     fault = gpu_fault_event(mine)
     if fault is not None and (term is None or fault.seq < term.seq):
         shown = (fault.render(), *gpu)
-        if v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED):
-            # the job finished despite the fault: never run a finished job twice
-            return replace(v, evidence=(*v.evidence, *shown))
-        if policy.gpu_fault_report and v.failover:
-            # report mode holds back only the GPU's own failover, not another cause's
+        if _stands(v, policy.gpu_fault_report):
             return replace(v, evidence=(*v.evidence, *shown))
         reason = _gpu_reason(fault, policy)
         evidence = (*shown, status_ev)
         return Verdict(VerdictKind.GPU_FAULT, reason, boot, evidence, not policy.gpu_fault_report)
     return replace(v, evidence=(*v.evidence, *gpu)) if gpu else v
+
+
+def _stands(v: Verdict, report: bool) -> bool:
+    """The verdict stands over a GPU fault or a stuck job before its end, which is only shown:
+    the job finished despite it (never run a finished job twice), or the policy only reports it
+    (``report``) and another cause fails over (report mode holds back only its own failover)."""
+    return v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED) or (
+        report and v.failover
+    )
 
 
 def _stuck(
@@ -373,10 +384,8 @@ def _stuck(
     if stuck is None or (term is not None and term.seq < stuck.seq):
         return v  # none, or after the job's end: the end decides
     shown = stuck.render()
-    if v.kind in (VerdictKind.WORKLOAD_OK, VerdictKind.WORKLOAD_UNVERIFIED):
-        return replace(v, evidence=(*v.evidence, shown))  # it finished: never run it twice
-    if policy.job_stuck_report and v.failover:
-        return replace(v, evidence=(*v.evidence, shown))  # another cause's failover stands
+    if _stands(v, policy.job_stuck_report):
+        return replace(v, evidence=(*v.evidence, shown))
     f = stuck.fields_dict
     action = (
         "ALARM, reported only (--on-job-stuck report)"
@@ -550,17 +559,22 @@ def _killed_by_gce_stop(
     notice = _maintenance_notice(mine)
     if notice is not None:  # the agent's signed notice corroborates the operation
         evidence = (*evidence, notice.render())
-    action = (
-        "waiting for GCE's automatic restart (--on-planned-stop wait)"
-        if policy.planned_stop_wait
-        else "the job was killed"
+    reason = (
+        f"the workload was killed by {sig} as GCE stopped the VM for {what} ({op}); "
+        f"{_planned_action(policy)}"
     )
-    reason = f"the workload was killed by {sig} as GCE stopped the VM for {what} ({op}); {action}"
     return Verdict(kind, reason, boot, evidence, not policy.planned_stop_wait)
 
 
 def _ops_evidence(ops: tuple[str, ...] | None) -> str:
     return f"operations={','.join(ops) or 'none'}" if ops is not None else "operations=unknown"
+
+
+def _planned_action(policy: Policy) -> str:
+    """What a planned stop's verdict does under the policy (its reason's last words)."""
+    if policy.planned_stop_wait:
+        return "waiting for GCE's automatic restart (--on-planned-stop wait)"
+    return "the job was killed"
 
 
 def _maintenance_notice(mine: Sequence[Event]) -> Event | None:
@@ -595,7 +609,7 @@ def _back_from_planned_stop(
         return None
     op, kind = planned
     what = "host maintenance" if kind is VerdictKind.HOST_MAINTENANCE else "a host error"
-    evidence = (*evidence, f"operations={','.join(instance.end_ops or ())}")
+    evidence = (*evidence, _ops_evidence(instance.end_ops))
     if not policy.planned_stop_wait:
         reason = f"this boot was ended by {what} ({op}): the job was killed"
         return Verdict(kind, reason, boot, evidence, policy_failover=True)
@@ -628,8 +642,7 @@ def _ended(
     """Off without a terminal line read: decide on the zone operations, or raise the alarm."""
     tail: tuple[str, ...] = (mine[-1].render(),) if mine else ()
     ops = instance.end_ops
-    seen = f"operations={','.join(ops) or 'none'}" if ops is not None else "operations=unknown"
-    evidence = (status_ev, seen, *tail)
+    evidence = (status_ev, _ops_evidence(ops), *tail)
     if ops is not None and OP_PREEMPTED in ops:
         reason = f"instance is {status}: GCE preempted it ({OP_PREEMPTED})"
         return Verdict(VerdictKind.PREEMPTED, reason, boot, evidence)
@@ -645,12 +658,7 @@ def _ended(
         if notice is not None:  # the agent's signed notice corroborates the operation
             evidence = (*evidence, notice.render())
             what += " (the agent had the notice)"
-        action = (
-            "waiting for GCE's automatic restart (--on-planned-stop wait)"
-            if policy.planned_stop_wait
-            else "the job was killed"
-        )
-        reason = f"instance is {status}: {what} ({op}); {action}"
+        reason = f"instance is {status}: {what} ({op}); {_planned_action(policy)}"
         return Verdict(kind, reason, boot, evidence, not policy.planned_stop_wait)
     benign = sorted(set(ops or ()) & BENIGN_END_OPS)
     why = (
