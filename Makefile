@@ -125,9 +125,13 @@ bench: $(STAMP) apt-test
 	  else echo "not root: cannot install$$missing (the peers are skipped)"; fi; \
 	fi
 	@# The agent as shipped: a venv from the system's python3 (what the start-up script uses on a
-	@# Debian VM) with a wheel install of this checkout, rebuilt every run so it is current.
+	@# Debian VM) with the start-up script's install: the dependencies pinned by hash in
+	@# packaging/requirements.lock (the GPU library nvidia-ml-py among them, as on every VM), then a
+	@# wheel install of this checkout, rebuilt every run so it is current.
 	@if [ -x $(BENCH_SYSPY) ]; then rm -rf .bench-venv && $(BENCH_SYSPY) -m venv --without-pip .bench-venv \
-	  && $(VPY) -m pip --python .bench-venv/bin/python install -q --disable-pip-version-check . \
+	  && $(VPY) -m pip --python .bench-venv/bin/python install -q --disable-pip-version-check \
+	       --require-hashes --only-binary=:all: -r packaging/requirements.lock \
+	  && $(VPY) -m pip --python .bench-venv/bin/python install -q --disable-pip-version-check --no-deps . \
 	  || { echo "cannot build .bench-venv (the as-shipped rows are skipped)"; rm -rf .bench-venv; }; \
 	else echo "no $(BENCH_SYSPY): the as-shipped rows are skipped"; fi
 	$(VPY) -m bench.run $(BENCH_ARGS)

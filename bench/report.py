@@ -15,6 +15,7 @@ from typing import Any
 # (27 MiB as shipped, no agent code); the target is the as-shipped agent.
 TARGET_RSS_MIB = 32.0
 TARGET_SOAK_GROWTH_MIB = 1.0
+TARGET_PROCS_RSS_MIB = 0.5  # issue 38: RSS must not grow with the number of processes
 TARGET_CPU_MS_PER_TICK = 5.0
 TARGET_FIRST_TICK_S = 0.5
 TARGET_DECODE_RATIO = 5.0
@@ -129,6 +130,19 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     add(f"RSS growth over a {_get(sk, 'ticks') or 20000}-tick soak (healthy, then outage)",
         f"<= {TARGET_SOAK_GROWTH_MIB:g} MiB", g,
         None if g is None else g <= TARGET_SOAK_GROWTH_MIB, "MiB")  # fmt: skip
+    end, base = _get(sk, "rss_end_mib"), _get(sk, "without_idle", "rss_end_mib")
+    where = "as shipped" if _get(sk, "as_shipped") else "dev venv"
+    add(f"RSS at the end of the soak, {_get(sk, 'idle_procs')} idle processes beside it ({where})",
+        f"<= {TARGET_RSS_MIB:g} MiB", end,
+        None if end is None else end <= TARGET_RSS_MIB, "MiB")  # fmt: skip
+    d = None if end is None or base is None else round(end - base, 3)
+    add("soak's end RSS: with the idle processes minus without",
+        f"<= {TARGET_PROCS_RSS_MIB:g} MiB (no growth with their number)", d,
+        None if d is None else d <= TARGET_PROCS_RSS_MIB, "MiB")  # fmt: skip
+    gpu = _get(sk, "gpu_library_imported")
+    shown = None if gpu is None else ("yes" if gpu else "no")
+    add("GPU library imported by the agent on a machine with no GPU", "no", shown,
+        None if gpu is None else not gpu, "")  # fmt: skip
     dr = _get(res, "decode", "ratio_decode_to_grep")
     add("poller decode vs grep -F -c", f"<= {TARGET_DECODE_RATIO:g}x the time", dr,
         None if dr is None else dr <= TARGET_DECODE_RATIO, "x")  # fmt: skip

@@ -775,21 +775,28 @@ def run_decode(plan: Plan, work: Path) -> dict[str, Any]:
     return res
 
 
+SOAK_IDLE_PROCS = 300  # issue 38: a GPU VM runs many processes; the memory watch scans them all
+
+
 def run_soak(plan: Plan) -> dict[str, Any]:
     """bench/soak.py under the as-shipped interpreter when there is one (else the dev venv): the
-    real agent for plan.soak_ticks ticks, healthy then in an outage, RSS growth."""
+    real agent for plan.soak_ticks ticks, healthy then in an outage, RSS growth; with
+    SOAK_IDLE_PROCS idle processes beside it, then with none (``without_idle``): the end RSS must
+    not depend on their number."""
     py = deploy_py() or PY
-    r = subprocess.run(
-        [py, "-m", "bench.soak", "--ticks", str(plan.soak_ticks)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"soak failed (rc {r.returncode}): {r.stderr[-400:]}")
-    out: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+
+    def one(procs: int) -> dict[str, Any]:
+        argv = [py, "-m", "bench.soak", "--ticks", str(plan.soak_ticks), "--procs", str(procs)]
+        r = subprocess.run(
+            argv, cwd=REPO, capture_output=True, text=True, timeout=3600, check=False
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"soak failed (rc {r.returncode}): {r.stderr[-400:]}")
+        res: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+        return res
+
+    out = one(SOAK_IDLE_PROCS)
+    out["without_idle"] = one(0)
     out["as_shipped"] = py != PY
     return out
 
