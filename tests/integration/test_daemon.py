@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.daemon.ladder import LadderState
-from gce_watchdog.daemon.service import Agent, Deps, LadderStore
+from gce_watchdog.daemon.service import MIN_BUDGET_SHARE, Agent, Deps, LadderStore, probe_budget
+from gce_watchdog.daemon.tick import TickResult
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
@@ -20,6 +21,8 @@ from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
 from gce_watchdog.wire.protocol import Event
+from hypothesis import given
+from hypothesis import strategies as st
 from kit.agent import agent_config, agent_process, run_agent, stop_agent
 from kit.events import read_events, sink_events
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
@@ -118,6 +121,69 @@ def test_schedule_is_a_fixed_grid_and_a_slow_tick_is_followed_at_once(tmp_path: 
     # each 45 s tick overran its 30 s slot: the next one started at once (no slot skipped)
     assert slow.overruns == 2
     assert slow.d.clock.monotonic() - t1 == pytest.approx(135.0)
+
+
+class _BlackHoleAfterOne:
+    """The first tick passes at once; then the fault: every probe waits out its whole budget,
+    and every tick spends ``overhead`` more of its own (a loaded machine's emit and fsync)."""
+
+    def __init__(self, clock: FakeClock, overhead: float) -> None:
+        self.clock, self.overhead = clock, overhead
+        self.calls = 0
+        self.budgets: list[float] = []
+        self.fault_at = 0.0
+        self.fail_ends: list[float] = []
+
+    def __call__(self, budget: float) -> TickResult:
+        self.calls += 1
+        self.budgets.append(budget)
+        if self.calls == 1:
+            self.fault_at = self.clock.monotonic() + 0.001  # just after this tick started
+            self.clock.advance(0.01 + self.overhead)
+            return result("ok", "ok")
+        self.clock.advance(budget + self.overhead)
+        self.fail_ends.append(self.clock.monotonic())
+        return result("fail", "fail")
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("ratio", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("overhead", [0.0, 0.005, 0.02])
+def test_late_ticks_do_not_push_the_decision_out_of_its_window(
+    tmp_path: Path, ratio: float, overhead: float
+) -> None:
+    """Issue 38: at timeout/interval 0.99 every failing tick overran its slot by its own few ms,
+    the grid restarted after each, and the 10th failing tick landed 10 overheads late: past
+    threshold x interval + timeout under load. Now a late tick's probes end by its slot's start +
+    the timeout, so only the deciding tick's own overhead is left past the policy's bound."""
+    agent, _, shutdowns, clock = make(
+        tmp_path, [result("ok", "ok")], interval=1.0, probe_timeout=ratio, threshold=10
+    )
+    hole = _BlackHoleAfterOne(clock, overhead)
+    agent.d.prober = hole
+    agent.run(threading.Event(), max_ticks=11)
+    assert shutdowns == [("ladder", 10, 10)]
+    decided = hole.fail_ends[9] - hole.fault_at
+    assert decided <= 10 * 1.0 + ratio + overhead + 1e-9, (decided, hole.budgets)
+    assert min(hole.budgets) >= ratio / 2  # a late tick keeps half its timeout at least
+
+
+@pytest.mark.pure
+@given(
+    slot=st.floats(0, 1e6),
+    late=st.floats(-10, 100),
+    timeout=st.floats(0.001, 3600),
+)
+def test_probe_budget_ends_by_the_slot_and_keeps_half(
+    slot: float, late: float, timeout: float
+) -> None:
+    start = slot + late
+    b = probe_budget(slot, start, timeout)
+    assert timeout * MIN_BUDGET_SHARE - 1e-9 <= b <= timeout
+    if late <= 0:
+        assert b == timeout  # on time: the whole timeout
+    elif late <= timeout * (1 - MIN_BUDGET_SHARE):
+        assert start + b == pytest.approx(slot + timeout, abs=1e-6)  # ends by slot + timeout
 
 
 @pytest.mark.pure

@@ -194,11 +194,11 @@ def test_tick_runs_probes_concurrently() -> None:
         both.wait(timeout=10)
         met.append(name)
 
-    def slow_md():  # type: ignore[no-untyped-def]
+    def slow_md(budget):  # type: ignore[no-untyped-def]
         meet("md")
         return ProbeResult(ProbeVerdict.FAIL, "timeout", 400)
 
-    def slow_eg():  # type: ignore[no-untyped-def]
+    def slow_eg(budget):  # type: ignore[no-untyped-def]
         meet("eg")
         return ProbeResult(ProbeVerdict.FAIL, "timeout", 400), "-"
 
@@ -283,10 +283,10 @@ def test_metadata_absurd_status_line_is_a_failure_not_an_exception() -> None:
 def test_tick_turns_a_raising_probe_into_unknown() -> None:
     from gce_watchdog.daemon.tick import ProbeResult
 
-    def boom() -> ProbeResult:
+    def boom(budget: float) -> ProbeResult:
         raise KeyError("a bug in a probe")
 
-    def eg() -> tuple[ProbeResult, str]:
+    def eg(budget: float) -> tuple[ProbeResult, str]:
         return ProbeResult(ProbeVerdict.OK, "ok", 1), "ok"
 
     p = Prober(boom, eg, timeout=0.5)

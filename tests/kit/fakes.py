@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,18 +71,27 @@ class ScriptedProber:
     model probe latency."""
 
     def __init__(
-        self, script: list[TickResult], clock: FakeClock | None = None, latency: float = 0.0
+        self,
+        script: list[TickResult],
+        clock: FakeClock | None = None,
+        latency: float = 0.0,
+        obey_budget: bool = False,
     ) -> None:
         self.script = list(script)
+        self.obey_budget = obey_budget
         self.calls = 0
         self.clock = clock
         self.latency = latency
+        self.budgets: list[float] = []  # the budget each call was given
 
-    def __call__(self) -> TickResult:
+    def __call__(self, budget: float = math.inf) -> TickResult:
+        """The next scripted result; the clock advances by the latency (with ``obey_budget``, by
+        the tick's budget when that is shorter: a real probe gives up at its budget)."""
         r = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1
+        self.budgets.append(budget)
         if self.clock is not None and self.latency:
-            self.clock.advance(self.latency)
+            self.clock.advance(min(self.latency, budget) if self.obey_budget else self.latency)
         return r
 
 

@@ -246,11 +246,13 @@ class EgressProbe:
         self._valid: dict[str, tuple[list[str], float]] = {}  # name -> (addresses, valid until)
         self._last_ok = False
 
-    def __call__(self) -> tuple[ProbeResult, str]:
+    def __call__(self, budget: float | None = None) -> tuple[ProbeResult, str]:
+        """One probe, ending within ``timeout`` (or ``budget`` when that is shorter)."""
         t0 = self.clock()
+        timeout = self.timeout if budget is None else min(self.timeout, budget)
         try:
             addrs, dns = self._addresses(t0)
-            left = self.timeout - (self.clock() - t0)
+            left = timeout - (self.clock() - t0)
             reason = connect_any(addrs, max(left, 0.001), self.clock)
         except Exception as e:  # never raise out of a probe
             ms = int((self.clock() - t0) * 1000)
@@ -295,14 +297,15 @@ class EgressProbe:
 
 
 class Prober:
-    """Runs the metadata and egress probes of one tick concurrently. ``cap``: how long a tick
-    waits for a probe at most (default ``timeout`` + 1 s); a probe still running then counts as
-    failed with reason ``deadline``."""
+    """Runs the metadata and egress probes of one tick concurrently. Each probe is given the
+    tick's budget (``tick(budget)``: at most ``timeout``, less for a tick that starts late in its
+    slot, docs/agent.md "Schedule"). ``cap``: how long a tick waits for a probe at most (default
+    ``timeout`` + 1 s); a probe still running then counts as failed with reason ``deadline``."""
 
     def __init__(
         self,
-        metadata: Callable[[], ProbeResult],
-        egress: Callable[[], tuple[ProbeResult, str]],
+        metadata: Callable[[float], ProbeResult],
+        egress: Callable[[float], tuple[ProbeResult, str]],
         timeout: float,
         cap: float | None = None,
     ) -> None:
@@ -313,15 +316,16 @@ class Prober:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="probe")
         self._lock = threading.Lock()
 
-    def tick(self) -> TickResult:
+    def tick(self, budget: float | None = None) -> TickResult:
+        budget = self.timeout if budget is None else min(self.timeout, budget)
         # Hard cap: the probes bound themselves; this only guards against a bug or a stuck
         # thread (or a name the metadata URL holds, resolved by getaddrinfo(3), which has no
         # deadline). A probe past the cap counts as a failure with reason "deadline".
         cap = self.cap
         with self._lock:
             try:
-                fm: Future[ProbeResult] = self._pool.submit(self._metadata)
-                fe: Future[tuple[ProbeResult, str]] = self._pool.submit(self._egress)
+                fm: Future[ProbeResult] = self._pool.submit(self._metadata, budget)
+                fe: Future[tuple[ProbeResult, str]] = self._pool.submit(self._egress, budget)
             except RuntimeError as e:  # cannot start a thread (memory pressure): unknown
                 r = _internal(e)
                 return TickResult(r, r, "-")
@@ -383,7 +387,7 @@ def build_prober(
     probe = EgressProbe(targets, timeout, dns, resolver, cache, clock)
     url = metadata_url
 
-    def metadata() -> ProbeResult:
-        return probe_metadata(url, timeout, clock)
+    def metadata(budget: float) -> ProbeResult:
+        return probe_metadata(url, min(timeout, budget), clock)
 
     return Prober(metadata, probe, timeout, cap)

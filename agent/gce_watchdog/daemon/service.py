@@ -161,7 +161,8 @@ class EndHook(Protocol):
 @dataclass
 class Deps:
     emitter: Emitter
-    prober: Callable[[], TickResult]
+    # One tick's probes, given the tick's budget in seconds (at most agent.probe_timeout)
+    prober: Callable[[float], TickResult]
     clock: Clock
     notifier: Notify
     store: LadderStore
@@ -174,6 +175,21 @@ class Deps:
     tick_hooks: list[Callable[[TickReport], None]] = field(default_factory=list)
     services: list[Service] = field(default_factory=list)
     end_of_life: EndHook | None = None
+
+
+# A late tick's probes keep at least this share of agent.probe_timeout: a stalled machine must not
+# turn its next probes into instant failures (a false rung), docs/agent.md "Schedule".
+MIN_BUDGET_SHARE = 0.5
+
+
+def probe_budget(slot: float, start: float, timeout: float) -> float:
+    """The probe budget of a tick that starts at ``start`` in the slot starting at ``slot``: the
+    probes end by ``slot + timeout``, but never get less than MIN_BUDGET_SHARE of the timeout.
+    Pure."""
+    late = start - slot
+    if late <= 0:
+        return timeout
+    return max(timeout - late, timeout * MIN_BUDGET_SHARE)
 
 
 class Agent:
@@ -193,6 +209,7 @@ class Agent:
         self.ticks = 0
         self.healthy_streak = 0
         self.overruns = 0
+        self._budget = float(agent.probe_timeout)  # the next tick's probe budget (run() sets it)
         self.tick_errors = 0
         self.stalls = 0  # gaps of more than two intervals between tick starts
         self.skipped = 0  # slots that got no tick (within those gaps)
@@ -213,7 +230,7 @@ class Agent:
         d = self.d
         self.end_of_life()
         t0 = d.clock.monotonic()
-        res = d.prober()
+        res = d.prober(self._budget)
         armed, why = d.armed()
         # A dry run decides like an armed agent but latches nothing: to the ladder it is
         # "disarmed" (one decision per outage, reset by a recovery), and the chain is rehearsed.
@@ -381,6 +398,19 @@ class Agent:
             self.chain_running = False
             self._chain_ended = d.clock.monotonic()
 
+    def _wait_until(self, due: float, stop: threading.Event, ping_every: float) -> None:
+        """Wait for the next slot (or ``stop``), pinging systemd every ``ping_every`` s."""
+        d = self.d
+        while not stop.is_set():
+            left = due - d.clock.monotonic()
+            if left <= 0:
+                break
+            chunk = min(left, ping_every) if ping_every else left
+            if d.clock.wait(stop, chunk):
+                break
+            if ping_every and due - d.clock.monotonic() > 0:
+                d.notifier.notify("WATCHDOG=1")
+
     def _check_gap(self, gap: float, interval: float) -> None:
         """A gap of more than two intervals between two tick starts (the process was stopped,
         the machine stalled, a tick hung): a ``stall`` line with the slots that got no tick."""
@@ -472,8 +502,10 @@ class Agent:
         interval = self.settings.interval
         # Ping systemd at least twice per WatchdogSec even when the tick interval is longer.
         ping_every = d.notifier.watchdog_interval / 2 if d.notifier.watchdog_interval else 0.0
+        timeout = float(self.settings.probe_timeout)
         t0 = d.clock.monotonic()
         k = 0
+        slot = t0  # where the coming tick's slot starts on the grid
         last_start: float | None = None
         reason = "sigterm"
         try:
@@ -482,6 +514,7 @@ class Agent:
                 if last_start is not None:
                     self._check_gap(start - last_start, interval)
                 last_start = start
+                self._budget = probe_budget(slot, start, timeout)
                 before = self.ticks
                 try:
                     self.tick_once()
@@ -495,26 +528,23 @@ class Agent:
                     reason = "max_ticks"
                     break
                 # Next slot on the grid t0 + k*interval: a tick that was quicker than the
-                # interval does not shift the schedule. A tick that overran its slot is followed
-                # by the next one at once and the grid starts again from there: no slot is ever
-                # skipped, so detection stays at threshold x interval (+ one timeout) whatever the
-                # timeout/interval ratio (an overrun is counted and exported).
+                # interval does not shift the schedule. A tick that overran into the next slot is
+                # followed by that slot's tick at once, its probes ending by the slot's start +
+                # the timeout (probe_budget): late ticks do not push the grid, so the N-th failing
+                # tick ends within N x interval + one timeout of the fault even when every tick
+                # overruns by a few ms (a loaded machine at timeout/interval 0.99). A tick that
+                # missed a whole slot restarts the grid at once: no slot is ever skipped (an
+                # overrun is counted and exported).
                 k += 1
                 now = d.clock.monotonic()
                 due = t0 + k * interval
+                slot = due
                 if now >= due:
                     self.overruns += 1
-                    t0, k = now, 0
+                    if now >= due + interval:
+                        t0, k, slot = now, 0, now
                     continue
-                while not stop.is_set():
-                    left = due - d.clock.monotonic()
-                    if left <= 0:
-                        break
-                    chunk = min(left, ping_every) if ping_every else left
-                    if d.clock.wait(stop, chunk):
-                        break
-                    if ping_every and due - d.clock.monotonic() > 0:
-                        d.notifier.notify("WATCHDOG=1")
+                self._wait_until(due, stop, ping_every)
             else:
                 reason = getattr(stop, "reason", "sigterm")
         finally:
