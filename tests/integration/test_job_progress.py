@@ -46,7 +46,8 @@ pytestmark = pytest.mark.process
 PERIOD = 5.0  # the heartbeat period the watch steps at
 
 # The job: reports 1, 1 (not progress), 0 (lower: not progress), 2, then no step (3); then
-# `stop` SIGSTOPs itself, `beat` starts a thread that repeats step 3 while the main thread waits.
+# `stop` SIGSTOPs itself, `beat` starts a thread that repeats step 3 while the main thread waits,
+# `spin` keeps a CPU busy without progress (a checkpoint being written).
 JOB = textwrap.dedent("""
     import os, signal, sys, threading, time
     from gce_watchdog import jobprogress as jp
@@ -55,6 +56,10 @@ JOB = textwrap.dedent("""
     print(" ".join(map(str, out)), flush=True)
     if sys.argv[1] == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif sys.argv[1] == "spin":  # a checkpoint: CPU busy, no progress (bounded: 2 minutes)
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            pass
     elif sys.argv[1] == "beat":
         def beat():
             for _ in range(3000):  # bounded: at most a minute
@@ -304,6 +309,37 @@ def test_a_beating_thread_over_a_stuck_loop_is_stuck(tmp_path: Path) -> None:
         w, sink, ended = _watch(s, tmp_path)
         at = _drive(w, s, 1000)
         assert at is not None and mx <= at <= mx + PERIOD
+        (line,) = _events(sink, vocab.JOB_STUCK)
+        assert (line.get("rule"), line.get("step")) == ("max", "3")
+        assert ended == ["stuck"]
+
+
+def _cpu_s(pid: int) -> float:
+    """The process's CPU time (utime + stime, proc(5)), read apart from the watch's own scan."""
+    raw = Path(f"/proc/{pid}/stat").read_bytes()
+    rest = raw[raw.rfind(b")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_checkpoint_busy_for_nine_tenths_of_max_gives_nothing(tmp_path: Path) -> None:
+    """A job that "checkpoints" (no progress, CPU busy) gets no `job_stuck` for 0.9 of
+    `stuck_max`, nor from the idle window (its tree is busy), and `rule=max` once max has
+    passed. Each fake period waits until the job really used 0.1 s of CPU (2 % of a core per
+    5 s, the idle threshold being 1 %): the CPU time the watch reads is real, only time is fake."""
+    after, mx = 20.0, 60.0
+    with served(tmp_path / "run") as s, job(s, "spin", Windows(after=after, max=mx)) as p:
+        w, sink, ended = _watch(s, tmp_path)
+        t0 = s.clock.monotonic()  # the job's last step came now
+        at = None
+        for _ in range(int(mx / PERIOD) + 2):
+            used = _cpu_s(p.pid)
+            assert wait_for(lambda: _cpu_s(p.pid) >= used + 0.1, timeout=60.0)
+            v = w.step(s.clock.monotonic())
+            if v is not None and v.stuck:
+                at = s.clock.monotonic() - t0
+                break
+            s.clock.advance(PERIOD)
+        assert at is not None and mx <= at <= mx + PERIOD  # nothing at 0.9 of max, nor idle
         (line,) = _events(sink, vocab.JOB_STUCK)
         assert (line.get("rule"), line.get("step")) == ("max", "3")
         assert ended == ["stuck"]

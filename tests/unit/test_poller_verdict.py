@@ -764,3 +764,76 @@ def test_a_gpu_fault_before_a_killed_exit_still_decides() -> None:
     # report mode holds back only the GPU's failover: the planned stop's fails over
     v = decide(events, state, NOW, REPORT)
     assert v.kind is K.HOST_MAINTENANCE and v.failover
+
+
+# -- the GPUs not released at the end: an alarm beside the verdict (issue 37, item 3) --------
+
+IDLE_EXITS = [
+    ("exit", {"rc": "0", "sig": "-", "idle": idle}) for idle in ("ok", "busy", "unknown")
+] + [("exit", {"rc": "1", "sig": "-", "idle": "busy"}), SIG_EXIT]
+IDLE_ALPHABET: list[Line] = [*IDLE_EXITS, STUCK, FAULT, SHUT, BEAT, PROG]
+
+
+def _busy_exit(text: str = "workload exited with 0; GPUs busy: gpu0 held by pid 4242") -> Event:
+    return make_event("exit", B1, 2, T0 + 60_000, {"rc": "0", "sig": "-", "idle": "busy"}, text)
+
+
+def test_an_exit_with_idle_busy_is_an_alarm_that_changes_nothing_else() -> None:
+    events = [*seq_of(*WORKLOAD), _busy_exit()]
+    v = decide(events, InstanceState("TERMINATED", end_ops=()), NOW, Policy())
+    assert v.kind is K.WORKLOAD_OK and not v.failover
+    assert v.alarm and v.alarms == ("idle_busy",)
+    assert v.reason.startswith(
+        "ALARM: the GPUs were not released when the job ended (idle=busy: gpu0 held by pid 4242)"
+    )
+    assert v.reason.endswith("the workload exited with rc 0")
+    assert events[2].render() in v.evidence and v.evidence[-1] == "alarm=idle_busy"
+    assert v.evidence.count(events[2].render()) == 1  # the deciding line, shown once
+
+
+@pytest.mark.parametrize("idle", ["ok", "unknown", None])
+def test_idle_ok_unknown_or_absent_is_no_alarm(idle: str | None) -> None:
+    fields: dict[str, object] = {"rc": "0", "sig": "-"}
+    if idle is not None:
+        fields["idle"] = idle
+    v = decide(seq_of(*WORKLOAD, ("exit", fields)), InstanceState("TERMINATED"), NOW, Policy())
+    assert v.kind is K.WORKLOAD_OK and not v.alarm and v.alarms == ()
+    assert not v.reason.startswith("ALARM")
+
+
+def test_a_stuck_job_whose_exit_says_busy_fails_over_with_the_alarm() -> None:
+    busy_kill: Line = ("exit", {"rc": "-", "sig": "SIGTERM", "idle": "busy"})
+    events = seq_of(*WORKLOAD, PROG, STUCK, busy_kill)
+    v = decide(events, InstanceState("TERMINATED", end_ops=()), NOW, Policy())
+    assert v.kind is K.JOB_STUCK and v.failover and v.alarm and v.alarms == ("idle_busy",)
+    assert events[3].render() in v.evidence and events[4].render() in v.evidence
+
+
+def test_an_earlier_boots_busy_exit_is_not_this_boots_alarm() -> None:
+    old = seq_of(*WORKLOAD, ("exit", {"rc": "0", "sig": "-", "idle": "busy"}), boot=B1)
+    new = [make_event(n, B2, i, T0 + 3_600_000 + i, f) for i, (n, f) in enumerate(WORKLOAD)]
+    v = decide([*old, *new], RUN, NOW + 3600, Policy(), received_s=NOW + 3600)
+    assert v.boot == B2 and v.kind is K.HEALTHY and v.alarms == ()
+
+
+@given(
+    st.lists(st.sampled_from(IDLE_ALPHABET), max_size=8),
+    st.sampled_from(STATUSES),
+    st.booleans(),
+    st.booleans(),
+)
+def test_idle_busy_only_adds_the_alarm(
+    lines: list[Line], status: str | None, stuck_report: bool, gpu_report: bool
+) -> None:
+    """Against the same lines with the idle field left out: the same verdict and failover, the
+    alarm exactly when an exit line of the boot says busy."""
+    plain = [(n, {k: v for k, v in f.items() if k != "idle"}) for n, f in lines]
+    state = InstanceState(status, end_ops=())
+    policy = Policy(job_stuck_report=stuck_report, gpu_fault_report=gpu_report)
+    v = decide(seq_of(*WORKLOAD, *lines), state, NOW, policy, received_s=NOW - 5)
+    p = decide(seq_of(*WORKLOAD, *plain), state, NOW, policy, received_s=NOW - 5)
+    assert (v.kind, v.failover, v.boot) == (p.kind, p.failover, p.boot)
+    busy = any(n == "exit" and f.get("idle") == "busy" for n, f in lines)
+    assert v.alarms == (("idle_busy",) if busy else ())
+    assert v.alarm == (p.alarm or busy)
+    assert v.reason.endswith(p.reason)

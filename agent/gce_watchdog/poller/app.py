@@ -720,9 +720,13 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
         line += f" new={out.read.new}B lost={out.read.lost}B"
     forged, conflict = getattr(out, "forged", 0), getattr(out, "key_conflict", False)
     key_alarm = getattr(out, "key_alarm", "")
+    alarm = ""
     if forged or conflict or key_alarm:  # lines that do not authenticate, keys not placed
-        line += f" ALARM forged={forged}" + (" key_conflict" if conflict else "")
-        line += f" key={key_alarm.split(' ', 1)[0]}" if key_alarm else ""
+        alarm += f" forged={forged}" + (" key_conflict" if conflict else "")
+        alarm += f" key={key_alarm.split(' ', 1)[0]}" if key_alarm else ""
+    alarm += "".join(f" {a}" for a in v.alarms)  # beside the verdict: idle_busy
+    if alarm:
+        line += f" ALARM{alarm}"
     line += f" | {v.reason}"
     _write_line(line)
 

@@ -334,17 +334,9 @@ def judging_times(args: argparse.Namespace, path: str) -> tuple[float, float] | 
 
 
 def _policy(args: argparse.Namespace) -> Policy:
-    from gce_watchdog.lib.durations import parse_duration
-    from gce_watchdog.poller.verdict import Policy
+    from gce_watchdog.poller.settings import policy_of
 
-    return Policy(
-        drain_timeout_s=parse_duration(args.drain_timeout),
-        ended_unread_failover=getattr(args, "on_ended_unread", "alarm") == "failover",
-        unverified_failover=getattr(args, "on_unverified", "alarm") == "failover",
-        planned_stop_wait=getattr(args, "on_planned_stop", "failover") == "wait",
-        gpu_fault_report=getattr(args, "on_gpu_fault", "failover") == "report",
-        job_stuck_report=getattr(args, "on_job_stuck", "failover") == "report",
-    )
+    return policy_of(vars(args))
 
 
 # -- parse --------------------------------------------------------------------------------------

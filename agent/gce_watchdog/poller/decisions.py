@@ -22,9 +22,11 @@ from typing import Any, TextIO
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
 from gce_watchdog.poller.ledger import DELIVERY_STATES, Decision, DecisionStore, Hold
+from gce_watchdog.poller.verdict import alarms_of
 
 # The view's version: a field's meaning never changes within a version. 2: the delivery state
 # (``delivery``, ``delivery_attempts``, ``delivery_error``); every field of 1 is unchanged.
+# ``alarms`` (the alarms beside the verdict, read from its evidence) is a field added within 2.
 VERSION = 2
 FOLLOW_INTERVAL_S = 1.0  # --follow asks the ledger this often for new decisions
 
@@ -47,6 +49,7 @@ def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
         "verdict": d.verdict,
         "reason": d.reason,
         "evidence": list(details.get("evidence") or []),
+        "alarms": list(alarms_of(details.get("evidence") or [])),
         "labels": dict(details.get("labels") or {}),
         "job": details.get("job"),
         "decided_at": jsontime.from_epoch(d.decided_at),
@@ -114,6 +117,7 @@ def hold_doc(h: Hold) -> dict[str, Any]:
         "boot": h.boot,
         "verdict": h.verdict,
         "reason": h.reason,
+        "alarms": list(alarms_of(h.details.get("evidence") or [])),
         "labels": dict(h.details.get("labels") or {}),
         "job": h.details.get("job"),
         "held_at": jsontime.from_epoch(h.held_at),
@@ -135,6 +139,8 @@ def _line(doc: dict[str, Any], as_json: bool) -> str:
         return json.dumps(doc, sort_keys=True)
     parts = [f"{k}={doc[k]}" for k in ("token", "project", "zone", "name", "boot") if k in doc]
     parts += [f"verdict={doc['verdict']}", f"job={doc.get('job') or '-'}"]
+    if doc.get("alarms"):
+        parts.append(f"alarms={','.join(doc['alarms'])}")
     if "delivery" in doc:  # a decision (a hold has none)
         parts.append(f"delivery={doc['delivery']}/{doc['delivery_attempts']}")
     return " ".join(parts)

@@ -163,6 +163,7 @@ class PollOutcome:
                 "held": d.held,  # the fleet-wide brake holds it: token 0, nothing decided yet
             },
             "alarm": v.alarm if v else False,
+            "alarms": list(v.alarms) if v else [],
             "reaped": self.reaped,
             "reap_error": self.reap_error,
             "reap_pending": self.reap_pending,

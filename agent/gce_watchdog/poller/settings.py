@@ -36,6 +36,25 @@ POSTGRES_SCHEMES = ("postgresql", "postgres")
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+# The verdict's policy options: (argparse dest, the value that turns the Policy field on, the
+# field). One table for every mode of ``poll`` (instance names, --label, --pubsub: one
+# PollSettings) and for ``parse`` (which has none of these flags: poll's defaults).
+POLICY_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("on_ended_unread", "failover", "ended_unread_failover"),
+    ("on_unverified", "failover", "unverified_failover"),
+    ("on_planned_stop", "wait", "planned_stop_wait"),
+    ("on_gpu_fault", "report", "gpu_fault_report"),
+    ("on_job_stuck", "report", "job_stuck_report"),
+)
+
+
+def policy_of(v: Mapping[str, Any]) -> Policy:
+    """The verdict's policy from parsed options (an option not given: poll's default);
+    ValueError for a bad ``drain_timeout``."""
+    on = {field: v.get(dest) == value for dest, value, field in POLICY_OPTIONS}
+    return Policy(drain_timeout_s=parse_duration(v["drain_timeout"]), **on)
+
+
 def ledger_backend(spec: str | Path) -> str:
     """``"postgresql"`` or ``"sqlite"`` for a ``--ledger`` value; ValueError for a URL of any other
     scheme (``mysql://``, ``postgresql+psycopg://``, ``sqlite:///``). A SQLite path there would
@@ -179,14 +198,7 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         interval_s = parse_duration(v["interval"])
         if interval_s <= 0:
             errs.append("--interval must be > 0")
-        policy = Policy(
-            drain_timeout_s=parse_duration(v["drain_timeout"]),
-            ended_unread_failover=v.get("on_ended_unread", "alarm") == "failover",
-            unverified_failover=v.get("on_unverified", "alarm") == "failover",
-            planned_stop_wait=v.get("on_planned_stop", "failover") == "wait",
-            gpu_fault_report=v.get("on_gpu_fault", "failover") == "report",
-            job_stuck_report=v.get("on_job_stuck", "failover") == "report",
-        )
+        policy = policy_of(v)
     except ValueError as exc:
         errs.append(str(exc))
     lease_s = 0.0

@@ -37,6 +37,9 @@ rules below are in the same order. In short:
    back from a planned stop the policy waits for (silence counted from its return). Otherwise
    healthy. Silence is measured on the reader's clock from when it received the boot's newest
    line.
+5. Beside any verdict, alarms that change neither it nor its failover: an ``exit`` line of the
+   boot that says ``idle=busy`` (the GPUs not released after the job) is ``idle_busy``, said
+   first in the reason and kept in the evidence as ``alarm=idle_busy``.
 """
 
 from __future__ import annotations
@@ -90,6 +93,13 @@ MAINTENANCE_TERMINATE = "TERMINATE_ON_HOST_MAINTENANCE"
 # grow the evidence the ledger records with a decision.
 GPU_EVIDENCE_LINES = 3
 _GPU_SHOWN = frozenset({vocab.GPU_EVENT, vocab.GPU_STALL})
+# Alarms beside a verdict (docs/poller.md, "Alarms beside a verdict"): they change neither the
+# verdict nor its failover, and are kept as observations ``alarm=NAME`` in the evidence, so the
+# ledger records them with a decision's evidence and the decisions view reads them back.
+ALARM_PREFIX = "alarm="
+# The job's ``exit`` line says ``idle=busy``: a process still held a GPU, or its memory was not
+# back, after the job ended (docs/job-progress.md, "The GPUs are released at the end").
+ALARM_IDLE_BUSY = "idle_busy"
 
 
 class VerdictKind(enum.Enum):
@@ -211,9 +221,19 @@ class Verdict:
         return reported and not self.failover
 
     @property
+    def alarms(self) -> tuple[str, ...]:
+        """The alarms beside the verdict (``ALARM_IDLE_BUSY``), from its evidence."""
+        return alarms_of(self.evidence)
+
+    @property
     def alarm(self) -> bool:
         # a GPU fault the policy only reports is an alarm: a human decides
-        return self.kind.alarm or self.reported_only
+        return self.kind.alarm or self.reported_only or bool(self.alarms)
+
+
+def alarms_of(evidence: Sequence[str]) -> tuple[str, ...]:
+    """The alarms recorded in a verdict's (or a decision's) evidence, in order."""
+    return tuple(e[len(ALARM_PREFIX) :] for e in evidence if e.startswith(ALARM_PREFIX))
 
 
 def current_boot(events: Sequence[Event]) -> str | None:
@@ -355,11 +375,35 @@ def decide(
     if fault is not None and (term is None or fault.seq < term.seq):
         shown = (fault.render(), *gpu)
         if _stands(v, policy.gpu_fault_report):
-            return replace(v, evidence=(*v.evidence, *shown))
+            return _released(mine, replace(v, evidence=(*v.evidence, *shown)))
         reason = _gpu_reason(fault, policy)
         evidence = (*shown, status_ev)
-        return Verdict(VerdictKind.GPU_FAULT, reason, boot, evidence, not policy.gpu_fault_report)
-    return replace(v, evidence=(*v.evidence, *gpu)) if gpu else v
+        v = Verdict(VerdictKind.GPU_FAULT, reason, boot, evidence, not policy.gpu_fault_report)
+        return _released(mine, v)
+    return _released(mine, replace(v, evidence=(*v.evidence, *gpu)) if gpu else v)
+
+
+def gpu_busy_exit(events: Sequence[Event]) -> Event | None:
+    """The first ``exit`` line of one boot's events that says ``idle=busy``, or None."""
+    return next(
+        (e for e in events if e.event == vocab.EXIT and e.get("idle") == vocab.EXIT_IDLE_BUSY),
+        None,
+    )
+
+
+def _released(mine: Sequence[Event], v: Verdict) -> Verdict:
+    """The verdict with the alarm ``idle_busy`` where the job's exit line says ``idle=busy``:
+    the reason says it first and the line is in the evidence; the verdict and its failover are
+    unchanged (a GPU held after the job is the next job's and the bill's problem, not the
+    finished job's: never a reason to run it again)."""
+    busy = gpu_busy_exit(mine)
+    if busy is None:
+        return v
+    shown = busy.render()
+    evidence = v.evidence if shown in v.evidence else (*v.evidence, shown)
+    why = busy.text.split("GPUs busy: ", 1)[-1] if busy.text else "no detail"
+    reason = f"ALARM: the GPUs were not released when the job ended (idle=busy: {why}); {v.reason}"
+    return replace(v, reason=reason, evidence=(*evidence, ALARM_PREFIX + ALARM_IDLE_BUSY))
 
 
 def _stands(v: Verdict, report: bool) -> bool:

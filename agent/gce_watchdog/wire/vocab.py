@@ -101,6 +101,9 @@ RESULT_STATUSES = (RESULT_OK, RESULT_FAIL)
 # (`exec --expect-result`): whether a `result` line came from this run before the job exited.
 EXIT_RESULT_REPORTED = "reported"
 EXIT_RESULT_MISSING = "missing"
+# The `exit` line's `idle` field (where the GPU watch is on, job/release.py): `busy` when a
+# process still held a GPU or its memory was not back after the job (the poller's alarm).
+EXIT_IDLE_BUSY = "busy"
 # Why the VM ends (`end reason=...`): the job's own ending, never a wedge; `stuck`: the agent
 # ended a stuck job (after its `job_stuck` line, [job] on_stuck = "end").
 END_STUCK = "stuck"
