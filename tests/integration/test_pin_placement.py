@@ -102,6 +102,15 @@ def test_the_agents_start_is_pinned_and_a_later_announcement_changes_nothing() -
 
 
 @pytest.mark.pure
+def test_a_hand_pin_is_never_withdrawn_by_a_later_announcement() -> None:
+    tl = Timeline(pin_fp=SYNTH_KEY.fingerprint)
+    copies = b"".join(x + b"\n" for x in real_run().split(b"\n")[:2])  # the agent's two copies
+    tl.feed(copies + evil_announcement(0), 10.0)  # then another key, before any other line
+    assert tl.pin == SYNTH_KEY.public and tl.pinned_here  # the operator's key: stored at once
+    assert "no_pin" not in tl.key_alarm
+
+
+@pytest.mark.pure
 @given(
     st.lists(
         st.tuples(

@@ -243,7 +243,9 @@ class StreamDecoder(LazyBlocks):
             if candidate:
                 checked = True
                 self.pin = ann.key
-                self.pinned_here = self.start_open = True
+                self.pinned_here = True
+                # from the stream: open until settled; a hand pin's key is the operator's
+                self.start_open = self.pin_fp is None
         if self.pin is None or not hmac.compare_digest(self.pin, ann.key):
             self._note_unplaced(ann.key)  # no signature check: it decides nothing
             self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
