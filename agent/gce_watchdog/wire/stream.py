@@ -64,7 +64,9 @@ class StreamDecoder(LazyBlocks):
     fingerprint pinned by hand (``gce-watchdog pin``): the announced key with that fingerprint
     becomes the pin. ``from_start``: the stream is the port's output from byte 0 (or the export
     from the instance's creation): only then may the stream's first intact line, an announcement
-    of seq 0 or 1, be pinned (:attr:`pinned_here`; the caller stores it in the ledger). Any other
+    of seq 0 or 1, be pinned (:attr:`pinned_here`; the caller stores it in the ledger once its
+    boot's start is settled, :attr:`start_open` False: another key announced at seq 0 or 1
+    before that withdraws it, :attr:`withdrawn`). Any other
     announced key is **unplaced** (:attr:`unplaced`, an alarm): its lines never decide.
     ``key``: a v2 HMAC key held from before the upgrade (v2 lines verify under it while no v3
     pin is held). ``instance_id``: the instance the stream is read for (announcements naming
