@@ -93,6 +93,18 @@ def test_a_reader_that_read_only_the_forgers_line_stores_no_pin() -> None:
 
 
 @pytest.mark.pure
+def test_a_start_read_in_two_polls_is_stored_once_the_first_event_verifies() -> None:
+    data = real_run()
+    copies = b"".join(x + b"\n" for x in data.split(b"\n")[:2])
+    tl = Timeline()
+    assert tl.feed(copies, 10.0) and tl.pin == SYNTH_KEY.public and not tl.pinned_here
+    tl = Timeline.from_json(tl.to_json())  # the cursor between the two polls
+    tl.feed(data[len(copies) :], 20.0)
+    assert tl.pinned_here and tl.pin == SYNTH_KEY.public and tl.key_alarm == ""
+    assert tl.judge(OFF, 20.0, POL).kind is VerdictKind.SELF_SHUTDOWN
+
+
+@pytest.mark.pure
 def test_the_agents_start_is_pinned_and_a_later_announcement_changes_nothing() -> None:
     evil = protocol.LineKey(secrets.token_bytes(32))
     tl = parse_bytes(real_run() + evil_announcement(0, key=evil), rx=100.0)
