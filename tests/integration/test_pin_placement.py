@@ -152,6 +152,26 @@ def test_no_announcement_before_the_agents_start_is_ever_pinned(
     assert not tl.judge(OFF, 100.0, POL).failover
 
 
+@pytest.mark.process
+def test_parse_takes_back_the_announcements_of_a_start_contested_in_a_later_chunk() -> None:
+    """``parse`` reads 64 KiB at a time and lists every event: the forger's announcement, read
+    a chunk before the agent's start withdraws it, is not listed either."""
+    noise = b"[    1.000000] kernel: a line of someone else's\r\n" * 3000  # ~150 KiB
+    data = evil_announcement(0) + noise + real_run()
+    r = subprocess.run(
+        [sys.executable, "-m", "gce_watchdog", "parse", "-", "--json", "--status", "TERMINATED"],
+        input=data,
+        capture_output=True,
+        cwd=REPO,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["events"] == [] and doc["key_id"] is None
+    assert "no_pin" in doc["verdict"]["reason"] and doc["verdict"]["failover"] is False
+
+
 # -- the real CLI, the attacker an unprivileged process ---------------------------------------
 
 ANNOUNCER = r"""

@@ -151,6 +151,9 @@ class Timeline:
         self.forged_samples: list[str] = []
         self.reject_samples: list[str] = []
         self.flood: dict[str, Flood] = {}
+        # fingerprints of keys placed here and withdrawn (a contested start): their
+        # announcements were taken back (:meth:`accepted` for a caller's own list of events)
+        self.withdrawn: set[str] = set()
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -187,18 +190,22 @@ class Timeline:
     def _drop_withdrawn(self, new: list[Event]) -> list[Event]:
         """A pin placed here was withdrawn (its boot's start was contested): its announcements,
         the only lines accepted under it, go, and so do the boots only they made."""
-        gone = set(self._decoder.withdrawn)
+        self.withdrawn.update(self._decoder.withdrawn)
         self._decoder.withdrawn.clear()
-
-        def kept(e: Event) -> bool:
-            return not (e.event == vocab.KEY and e.get("kid") in gone)
-
-        self.events = [e for e in self.events if kept(e)]
-        new = [e for e in new if kept(e)]
+        self.events = self.accepted(self.events)
+        new = self.accepted(new)
         left = {e.boot for e in self.events}
         boots = [b for b in sorted(self.boots.values(), key=lambda b: b.order) if b.boot in left]
         self.boots = {b.boot: replace(b, order=i) for i, b in enumerate(boots)}
         return new
+
+    def accepted(self, events: list[Event]) -> list[Event]:
+        """``events`` (returned by :meth:`feed` before) less the announcements of a key placed
+        here and withdrawn since: a caller that keeps its own list (``parse``) filters it."""
+        if not self.withdrawn:
+            return events
+        gone = self.withdrawn
+        return [e for e in events if not (e.event == vocab.KEY and e.get("kid") in gone)]
 
     def _add(self, found: Decoded, rx: float | None) -> list[Event]:
         if self._decoder.withdrawn:
