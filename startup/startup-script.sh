@@ -210,7 +210,9 @@ def next_seq(run, boot, last=[-1]):
             os.close(fd)
     except OSError as e:
         sys.stderr.write("emit: seq file unusable (%s), numbering from CLOCK_BOOTTIME\n" % e)
-        n = max(last[0] + 1, time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000)
+        # seq 0 and 1 (always the announcement) from memory: the boot's start stays pinnable
+        floor = last[0] + 1 if last[0] < 1 else time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000
+        n = max(last[0] + 1, floor)
     last[0] = n
     return n
 def b64(b):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from gce_watchdog.poller.timeline import parse_bytes
 from gce_watchdog.testing.simgce import FakeMetadataServer, StaticFileServer
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import (
@@ -407,6 +408,24 @@ def test_script_emitter_creates_the_key_and_announces_it_first(vm: Vm) -> None:
     # the next line of the boot does not announce again
     assert vm.run("emit", "phase", "ph=workload").returncode == 0
     assert len(vm.serial.read_bytes().splitlines()) == 4
+
+
+def test_script_emitter_with_an_unusable_run_dir_still_announces_at_seq_0_and_1(vm: Vm) -> None:
+    """Issue 35.4: a run dir that cannot hold the counter (a FIFO where the dir should be)."""
+    vm.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(vm.run_dir)
+    for ph in ("bootstrap", "workload"):
+        p = vm.run("emit", "phase", f"ph={ph}")
+        assert p.returncode == 0 and "seq file unusable" in p.stderr, p.stderr
+    data = vm.serial.read_bytes()
+    first, second = (protocol.decode_line(ln) for ln in data.splitlines()[:2])
+    assert isinstance(first, protocol.KeyAnnounce) and isinstance(second, protocol.KeyAnnounce)
+    assert (first.event.seq, second.event.seq) == (0, 1)
+    phases = vm.events()
+    assert [e.get("ph") for e in phases] == ["bootstrap", "workload"]
+    assert 1 < phases[0].seq < phases[1].seq  # from CLOCK_BOOTTIME, increasing
+    tl = parse_bytes(data, rx=1.0)
+    assert tl.pinned_here and tl.key_alarm == ""
 
 
 @pytest.mark.parametrize(

@@ -80,9 +80,60 @@ def test_an_unusable_run_dir_never_numbers_from_zero(tmp_path: Path) -> None:
     assert first == [0, 1, 2, 3, 4]
     (tmp_path / "blocker").write_text("a file where the run dir should be\n")
     bad = SeqAllocator(tmp_path / "blocker" / "run", "aaaa0001")  # ENOTDIR: cannot be created
-    later = [bad.next() for _ in range(3)]
-    assert bad.fallbacks == 3
-    assert later == sorted(later) and len(set(later)) == 3
-    assert min(later) > max(first)  # above every seq the counter handed out, never 0
+    later = [bad.next() for _ in range(5)]
+    assert bad.fallbacks == 5
+    assert later == sorted(later) and len(set(later)) == 5
+    # seq 0 and 1 from memory (the emitter fills them with the key announcement: issue 35.4),
+    # every other line above every seq the counter handed out, never back at 2
+    assert later[:2] == [0, 1]
+    later = later[2:]
+    assert min(later) > max(first)
     boottime_us = time.clock_gettime_ns(time.CLOCK_BOOTTIME) // 1000
     assert min(later) <= boottime_us
+
+
+RUN_SCRIPT = r"""
+set -u
+D=$1; PY=$2
+mount -t tmpfs -o size=4k,mode=0755 tmpfs "$D/run"
+dd if=/dev/zero of="$D/run/fill" bs=4k 2>/dev/null  # full before the boot's first line
+gw() { "$PY" -m gce_watchdog "$@" --config "$D/config.toml"; echo "rc=$? $1" >> "$D/rcs"; }
+gw phase bootstrap
+mount -o remount,ro "$D/run"                         # then read-only (EROFS)
+gw phase workload
+df -k "$D/run" >> "$D/df"
+"""
+
+
+@needs_unshare
+def test_a_full_then_read_only_run_dir_still_announces_at_seq_0_and_1(tmp_path: Path) -> None:
+    """Issue 35, item 4: the boot stays pinnable (its first line is the announcement)."""
+    from gce_watchdog.poller.timeline import parse_bytes
+
+    for sub in ("state", "run"):
+        (tmp_path / sub).mkdir()
+    boot = tmp_path / "boot_id"
+    boot.write_text("7b7b7b7b-0000-4000-8000-000000000001\n")
+    serial = tmp_path / "serial.log"
+    serial.touch()
+    (tmp_path / "config.toml").write_text(
+        f'[agent]\nstate_dir = "{tmp_path}/state"\nrun_dir = "{tmp_path}/run"\n'
+        f'boot_id_path = "{boot}"\n[serial]\ndevice = "{serial}"\n'
+        f'fallback_file = "{tmp_path}/fallback.log"\n'
+    )
+    p = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "bash", "-c", RUN_SCRIPT, "x",
+         str(tmp_path), sys.executable],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert " 100% " in (tmp_path / "df").read_text()
+    assert (tmp_path / "rcs").read_text().split().count("rc=0") == 2
+    events, stats = protocol.decode_all(serial.read_bytes())
+    assert stats.forged == 0 and stats.rejected == 0
+    assert [(e.event, e.seq) for e in events[:2]] == [("key", 0), ("key", 1)]
+    phases = [e for e in events if e.event == "phase"]
+    assert [e.get("ph") for e in phases] == ["bootstrap", "workload"]
+    assert phases[0].seq < phases[1].seq and phases[0].seq > 1  # from the floor, increasing
+    tl = parse_bytes(serial.read_bytes(), rx=1.0)
+    assert tl.pinned_here and tl.key_alarm == ""

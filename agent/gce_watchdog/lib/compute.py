@@ -12,6 +12,7 @@ down.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import os
 import random
@@ -194,6 +195,21 @@ class InstanceStatus:
     # The instance's labels (Instance.labels, a map of strings), sorted: hashable, for the
     # decisions the poller records (docs/poller.md, "Decisions as an interface").
     labels: tuple[tuple[str, str], ...] = ()
+    # Instance.lastStartTimestamp (epoch seconds): when the VM was last started, so when the
+    # boot that runs (or that ended last) began; None when not given or not readable.
+    last_start: float | None = None
+
+
+def last_start_of(body: dict[str, Any]) -> float | None:
+    """``Instance.lastStartTimestamp`` (RFC 3339) in epoch seconds, or None."""
+    raw = body.get("lastStartTimestamp")
+    if not isinstance(raw, str) or not raw:
+        return None
+    try:
+        t = dt.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t.timestamp() if t.tzinfo is not None else None
 
 
 def instance_labels(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -432,6 +448,7 @@ class ComputeClient:
             spot=spot,
             termination_action=str(sched.get("instanceTerminationAction", "")),
             labels=instance_labels(body),
+            last_start=last_start_of(body),
         )
 
     def scope_exists(self, project: str, zone: str | None = None) -> bool:

@@ -40,6 +40,7 @@ from gce_watchdog.lib.compute import (
     HTTPSession,
     InstanceStatus,
     instance_labels,
+    last_start_of,
 )
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.poller.cloudlogging import LoggingClient
@@ -102,6 +103,7 @@ def _status(body: dict[str, Any]) -> InstanceStatus:
         spot=sched.get("provisioningModel") == "SPOT" or bool(sched.get("preemptible")),
         termination_action=str(sched.get("instanceTerminationAction", "")),
         labels=instance_labels(body),
+        last_start=last_start_of(body),
     )
 
 

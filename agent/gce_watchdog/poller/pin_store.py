@@ -18,7 +18,8 @@ class Pin:
 
     ``public``: the Ed25519 public key, or None for a hand pin whose key no reader has seen yet
     (an announcement with ``fingerprint`` fills it in). ``source``: ``placed`` (from the first
-    line of the instance's first boot, read from byte 0), ``hand`` (``gce-watchdog pin``) or
+    line of the instance's first boot, read from byte 0, once its start
+    is settled), ``hand`` (``gce-watchdog pin``) or
     ``rekey`` (moved by a rotation line signed with the previous pin; ``retired``: the keys
     rotations replaced and where, oldest first)."""
 

@@ -72,6 +72,24 @@ LOG_TRIES = 3
 _END_NS = uuid.UUID("6f1d5b52-43c5-4c1e-9a40-5d0f3f1f2a7e")
 
 
+def began_after(tl: Timeline, boot: str | None, last_start: float | None) -> bool:
+    """Whether ``boot``, as ``tl`` read it, is the boot GCE's last start began: its first
+    signed line is not older than ``last_start`` (less OP_SLACK_S: the guest's clock is
+    Google's). False when either is not known."""
+    info = tl.boots.get(boot) if boot is not None else None
+    if info is None or last_start is None:
+        return False
+    return info.first_ts_ms / 1000 >= last_start - OP_SLACK_S
+
+
+def _boot_key(instance_id: str, tl: Timeline, last_start: float | None) -> tuple[str, str]:
+    """The (instance id, boot) the end's lookups are remembered by; with no line read, the
+    boot is named by GCE's last start (a later start is another boot)."""
+    if tl.latest_boot is not None:
+        return instance_id, tl.latest_boot
+    return instance_id, "-" if last_start is None else f"-@{last_start:.3f}"
+
+
 def _killed(tl: Timeline) -> bool:
     """The current boot's first terminal line is the workload killed by a stop signal."""
     verified = [e for e in tl.events if not e.covered]
@@ -284,7 +302,7 @@ class Poller:
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
         instance_id = info.id if info else cur.instance_id
         try:
-            verdict = self._judge(name, instance_id, tl, state)
+            verdict = self._judge(name, instance_id, tl, state, info.last_start if info else None)
         except AuthError:
             raise
         except ComputeAPIError as e:  # blind to the evidence: no verdict, retried next poll
@@ -342,11 +360,19 @@ class Poller:
             announce=announce,
         )
 
-    def _judge(self, name: str, instance_id: str, tl: Timeline, state: InstanceState) -> Verdict:
-        """The verdict, with the operations read where it needs them (ComputeAPIError: blind)."""
+    def _judge(
+        self,
+        name: str,
+        instance_id: str,
+        tl: Timeline,
+        state: InstanceState,
+        last_start: float | None = None,
+    ) -> Verdict:
+        """The verdict, with the operations read where it needs them (ComputeAPIError: blind).
+        ``last_start``: GCE's ``lastStartTimestamp`` of the instance (None: not known)."""
         verdict = tl.judge(state, self.clock(), self.policy)
         if verdict.kind is VerdictKind.ENDED_UNREAD:
-            return self._evidence(name, instance_id, tl, state, verdict)
+            return self._evidence(name, instance_id, tl, state, verdict, last_start)
         if verdict.kind is VerdictKind.SUSPECTED_WEDGE and self.policy.planned_stop_wait:
             return self._back_evidence(name, instance_id, tl, state, verdict)
         if verdict.kind is VerdictKind.WORKLOAD_FAILED and instance_id and _killed(tl):
@@ -406,30 +432,51 @@ class Poller:
         return self.decisions.mark_announced(d.instance_id, d.boot, self.clock())
 
     def _evidence(
-        self, name: str, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict
+        self,
+        name: str,
+        instance_id: str,
+        tl: Timeline,
+        state: InstanceState,
+        verdict: Verdict,
+        last_start: float | None = None,
     ) -> Verdict:
         """Off, and the last line read is not terminal: what other pollers read, then what
-        GCE recorded, decides; the verdict stays ``ended_unread`` only when nothing does."""
+        GCE recorded, decides; the verdict stays ``ended_unread`` only when nothing does.
+
+        A reader that read no line of a VM that is still there (a fresh cursor of a stopped
+        VM: GCE serves no output then) does not know which boot ended: a peer's boot, a
+        decision or an operation counts only when it belongs to the boot GCE's last start
+        (``last_start``) began, never an older boot's (docs/poller.md, "A stopped VM")."""
         now = self.clock()
+        unread = verdict.boot is None and state.status != "MISSING"
         for d in self.peers:
             peer = CursorStore(d).load(self.project, self.zone, name)
             if not peer.instance_id or peer.instance_id != instance_id:
                 continue
             pv = peer.timeline.judge(state, now, self.policy)
+            if unread and not began_after(peer.timeline, pv.boot, last_start):
+                continue  # the peer read an older boot: not the one that ended
             if pv.kind in _LINE_VERDICTS and verdict.boot in (None, pv.boot):
                 return dataclasses.replace(pv, evidence=(*pv.evidence, f"peer_cursor={d}"))
         if self.decisions is not None:  # another poller decided this boot (and maybe reaped it)
             prior = self.decisions.find_instance(instance_id or f"name:{name}", self.path(name))
+            if (
+                prior is not None
+                and unread
+                and (last_start is None or prior.decided_at < last_start)
+            ):
+                prior = None  # decided before the VM's last start: an older boot's decision
             if prior is not None and verdict.boot in (None, prior.boot, NO_BOOT):
                 why = f"{prior.reason} (recorded by {prior.owner})"
                 kind = VerdictKind(prior.verdict)
                 return Verdict(kind, why, prior.boot, verdict.evidence, policy_failover=True)
         if not instance_id:
             return verdict
-        state = dataclasses.replace(state, end_ops=self._boot_ops(name, instance_id, tl))
+        start = last_start if unread else None  # the boot that ended: the one GCE last started
+        state = dataclasses.replace(state, end_ops=self._boot_ops(name, instance_id, tl, start))
         verdict = tl.judge(state, now, self.policy)
         if verdict.kind is VerdictKind.ENDED_UNREAD and self.logging is not None:
-            return self._log_evidence(instance_id, tl, state, verdict)
+            return self._log_evidence(instance_id, tl, state, verdict, start, unread)
         return verdict
 
     def _back_evidence(
@@ -470,15 +517,19 @@ class Poller:
         state = dataclasses.replace(state, end_ops=ops, back_s=back_s)
         return tl.judge(state, self.clock(), self.policy)
 
-    def _boot_ops(self, name: str, instance_id: str, tl: Timeline) -> tuple[str, ...]:
+    def _boot_ops(
+        self, name: str, instance_id: str, tl: Timeline, last_start: float | None = None
+    ) -> tuple[str, ...]:
         """The zone operation types of this instance since its current boot began: one
-        ``zoneOperations.list`` per instance and boot, remembered."""
-        boot = tl.latest_boot or "-"
-        key = (instance_id, boot)
+        ``zoneOperations.list`` per instance and boot, remembered. ``last_start``: no line was
+        read, the boot is the one GCE's last start began (its operations only)."""
+        key = _boot_key(instance_id, tl, last_start)
         if key not in self._end_ops:
             since = None
             if tl.latest_boot is not None:
                 since = tl.boots[tl.latest_boot].first_ts_ms / 1000 - OP_SLACK_S
+            elif last_start is not None:
+                since = last_start - OP_SLACK_S
             # Google's sample "List preemption history" filters on targetLink this way
             link = f"{SELF_LINK_BASE}/projects/{self.project}/zones/{self.zone}/instances/{name}"
             flt = f'targetLink = "{link}"'
@@ -495,14 +546,20 @@ class Poller:
         return self._end_ops[key]
 
     def _log_evidence(
-        self, instance_id: str, tl: Timeline, state: InstanceState, verdict: Verdict
+        self,
+        instance_id: str,
+        tl: Timeline,
+        state: InstanceState,
+        verdict: Verdict,
+        last_start: float | None = None,
+        unread: bool = False,
     ) -> Verdict:
         """The lines Cloud Logging kept after the last read: judged on a copy of the timeline
         (the cursor stays the Compute API's). Any refusal (403 without the permission, 404, an
-        outage) is no evidence: the verdict stays ``ended_unread``, never a guess."""
+        outage) is no evidence: the verdict stays ``ended_unread``, never a guess. ``unread``:
+        no line was read; only a boot GCE's last start (``last_start``) began may decide."""
         assert self.logging is not None
-        boot = tl.latest_boot or "-"
-        key = (instance_id, boot)
+        key = _boot_key(instance_id, tl, last_start)
         tries = self._log_tries.get(key, 0)
         if tries >= LOG_TRIES:
             return verdict
@@ -511,6 +568,8 @@ class Poller:
         if tl.latest_boot is not None:
             # the newest line read, on the guest's signed clock (synced to Google's)
             since = tl.boots[tl.latest_boot].last_ts_ms / 1000 - OP_SLACK_S
+        elif last_start is not None:
+            since = last_start - OP_SLACK_S
         try:
             data = self.logging.serial_lines(self.project, instance_id, since)
         except LoggingError as e:
@@ -523,7 +582,8 @@ class Poller:
         copy.finish()
         copy.settle()
         lv = copy.judge(state, self.clock(), self.policy)
-        if lv.kind in _LINE_VERDICTS and verdict.boot in (None, lv.boot):
+        older = unread and not began_after(copy, lv.boot, last_start)
+        if lv.kind in _LINE_VERDICTS and verdict.boot in (None, lv.boot) and not older:
             self._log_tries[key] = LOG_TRIES  # decided: no more reads for this boot
             return dataclasses.replace(lv, evidence=(*lv.evidence, "cloud_logging=line"))
         return dataclasses.replace(verdict, evidence=(*verdict.evidence, "cloud_logging=none"))

@@ -151,6 +151,9 @@ class Timeline:
         self.forged_samples: list[str] = []
         self.reject_samples: list[str] = []
         self.flood: dict[str, Flood] = {}
+        # fingerprints of keys placed here and withdrawn (a contested start): their
+        # announcements were taken back (:meth:`accepted` for a caller's own list of events)
+        self.withdrawn: set[str] = set()
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -184,7 +187,29 @@ class Timeline:
         if len(self.byte_gaps) < MAX_GAPS:
             self.byte_gaps.append(ByteGap(requested, start))
 
+    def _drop_withdrawn(self, new: list[Event]) -> list[Event]:
+        """A pin placed here was withdrawn (its boot's start was contested): its announcements,
+        the only lines accepted under it, go, and so do the boots only they made."""
+        self.withdrawn.update(self._decoder.withdrawn)
+        self._decoder.withdrawn.clear()
+        self.events = self.accepted(self.events)
+        new = self.accepted(new)
+        left = {e.boot for e in self.events}
+        boots = [b for b in sorted(self.boots.values(), key=lambda b: b.order) if b.boot in left]
+        self.boots = {b.boot: replace(b, order=i) for i, b in enumerate(boots)}
+        return new
+
+    def accepted(self, events: list[Event]) -> list[Event]:
+        """``events`` (returned by :meth:`feed` before) less the announcements of a key placed
+        here and withdrawn since: a caller that keeps its own list (``parse``) filters it."""
+        if not self.withdrawn:
+            return events
+        gone = self.withdrawn
+        return [e for e in events if not (e.event == vocab.KEY and e.get("kid") in gone)]
+
     def _add(self, found: Decoded, rx: float | None) -> list[Event]:
+        if self._decoder.withdrawn:
+            found.events = self._drop_withdrawn(found.events)
         # Only verified lines create a boot (and its place in the stream order), move its
         # liveness or its signed times. A covered line (below a verified line of its boot in the
         # same block, so it never raises the boot's max_seq past what that line does) counts in
@@ -347,6 +372,8 @@ class Timeline:
         d = self._decoder
         if pin is not None and retired:
             d.retired = tuple(retired)
+        if pin is not None:
+            d.start_open = False  # the ledger's pin is settled
         if pin is not None and d.pin != pin:
             d.pin, d.pinned_here, d.placeable = pin, False, False
         elif pin is None and pin_fp is not None:  # pinned by hand, its key not seen yet
@@ -390,8 +417,11 @@ class Timeline:
 
     @property
     def pinned_here(self) -> bool:
-        """The pin was placed from this timeline's stream (the caller stores it in the ledger)."""
-        return self._decoder.pinned_here
+        """The pin was placed from this timeline's stream and its boot's start is settled (a
+        line other than an announcement verified under it): the caller stores it in the
+        ledger. An unsettled one is never stored: another key announced at seq 0 or 1 before
+        it settles withdraws it (``no_pin``)."""
+        return self._decoder.pinned_here and not self._decoder.start_open
 
     @property
     def unplaced(self) -> list[str]:
@@ -538,6 +568,7 @@ class Timeline:
             "inst_seen": self._decoder.inst_seen,
             "rekeys": [[_b64(o), _b64(n), b, q] for o, n, b, q in self._decoder.rekeys],
             "placeable": self._decoder.placeable,
+            "start_open": self._decoder.start_open,
             "unplaced": self.unplaced,
             "ephemeral": self.ephemeral,
             "key_conflict": self.key_conflict,
@@ -568,6 +599,8 @@ class Timeline:
         d = t._decoder
         d.key_conflict = bool(obj.get("key_conflict", False))
         d.placeable = bool(obj.get("placeable", False)) and d.pin is None
+        # a pin placed from the stream, not settled (never stored): still open to a contest
+        d.start_open = d.pinned_here = bool(obj.get("start_open", False)) and d.pin is not None
         d.unplaced = [str(x) for x in obj.get("unplaced") or []][: d.MAX_UNPLACED]
         d.ephemeral = bool(obj.get("ephemeral", False))
         d.retired = tuple(

@@ -421,7 +421,7 @@ def build_report(
     keep(tl.finish(received))
     return from_timeline(
         tl,
-        kept,
+        tl.accepted(kept),  # a contested start's announcements are taken back
         source=source,
         size=size,
         dropped_events=dropped,

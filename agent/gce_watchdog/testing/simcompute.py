@@ -359,6 +359,9 @@ class FakeInstance:
     # "TERMINATE_ON_HOST_MAINTENANCE" once a maintenance event that stops it was announced)
     maintenance_event: str = "NONE"
     inserted: dict[str, Any] = field(default_factory=dict)  # the insert body, as sent
+    # Instance.lastStartTimestamp (the fake's clock): set when the VM starts RUNNING (added
+    # running, a status set to RUNNING from another, a restart); None: never started
+    last_start: float | None = None
 
 
 @dataclass
@@ -550,6 +553,7 @@ class FakeComputeAPI:
             labels=dict(labels or {}),
             on_host_maintenance=on_host_maintenance,
             automatic_restart=not spot if automatic_restart is None else automatic_restart,
+            last_start=self.clock() if status == "RUNNING" else None,
         )
         with self._lock:
             self._instances[(project, zone, name)] = inst
@@ -587,6 +591,8 @@ class FakeComputeAPI:
             raise ValueError(f"status {status!r} is not in Instance.status.enum")
         inst = self.instance(name)
         with self._lock:
+            if status == "RUNNING" and inst.status != "RUNNING":
+                inst.last_start = self.clock()  # a start: lastStartTimestamp moves
             inst.status = status
 
     def preempt(self, name: str) -> FakeOperation:
@@ -635,6 +641,7 @@ class FakeComputeAPI:
             if not last or last[-1].type not in _RESTARTABLE:
                 raise ValueError(f"{name}: not stopped by Compute Engine")
             inst.status = "RUNNING"
+            inst.last_start = self.clock()
             inst.maintenance_event = "NONE"
 
     def fail_next_operation(
@@ -756,6 +763,7 @@ class FakeComputeAPI:
                     inst.status = "TERMINATED"
                 elif op.effect == "start" and not inst.deleted:
                     inst.status = "RUNNING"
+                    inst.last_start = now
                 elif op.effect == "metadata":
                     inst.metadata = dict(op.meta)
                     inst.fingerprint = uuid.uuid4().hex[:11] + "="
@@ -1295,6 +1303,8 @@ def _instance_json(inst: FakeInstance) -> dict[str, Any]:
             "items": [{"key": k, "value": v} for k, v in sorted(inst.metadata.items())],
         },
     }
+    if inst.last_start is not None:
+        out["lastStartTimestamp"] = _rfc3339(inst.last_start)
     if inst.labels:
         out["labels"] = dict(inst.labels)
     if inst.machine_type:

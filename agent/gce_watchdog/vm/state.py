@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.wire.protocol import PIN_MAX_SEQ
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 _T = TypeVar("_T")
@@ -76,10 +77,13 @@ class SeqAllocator:
     The record is fixed-width and rewritten in place (``pwrite``, never truncated), so once the
     file exists an update needs no new block: a full tmpfs cannot fail it. If the file cannot be
     used at all (it could not even be created) or its record is corrupt, numbering never falls
-    back to 0: it continues
+    back to 0 for a line other than the announcement: it continues
     from CLOCK_BOOTTIME in microseconds, above every seq the counter can have handed out (the
     console carries far fewer than one line per microsecond), and strictly increasing within
-    this process.
+    this process. The one exception: a process whose first seqs the file cannot give takes
+    seq 0 and 1 from memory (:data:`PIN_MAX_SEQ`), which the emitter always fills with the key
+    announcement, so the boot's start stays placeable for readers (a full or read-only run
+    dir); a copy of an announcement at a seq another writer used is harmless (same key).
     """
 
     WIDTH = 20  # digits of the in-place record: up to 10**20 lines
@@ -101,7 +105,9 @@ class SeqAllocator:
             n = self._next_locked()
         except OSError:
             self.fallbacks += 1
-            n = max(self._last + 1, self.floor())
+            # seq 0 and 1 (the announcement's) from memory, every other one from the floor
+            floor = self._last + 1 if self._last < PIN_MAX_SEQ else self.floor()
+            n = max(self._last + 1, floor)
         self._last = n
         return n
 

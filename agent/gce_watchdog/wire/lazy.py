@@ -191,6 +191,7 @@ class LazyBlocks:
     retired: Retirees
     lazy: bool  # False: every line verified, no budget (a reference; tests, tools)
     placeable: bool
+    start_open: bool  # the pin's boot start is not settled: every line by the whole rule set
     carry: list[tuple[bytes, float | None]]
     _now: Decoded  # the block being decoded
     _rx: float | None  # its receive time
@@ -468,7 +469,7 @@ class LazyBlocks:
         else is None (:meth:`_full` decides it). The flood's per-line cost: one regex match
         and a CRC for a plain line (one marker, nothing around it)."""
         pin = self.pin
-        if pin is None or not self.lazy:
+        if pin is None or not self.lazy or self.start_open:
             return None
         chain = self.retired
         n = len(ln)

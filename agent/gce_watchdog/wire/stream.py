@@ -64,7 +64,9 @@ class StreamDecoder(LazyBlocks):
     fingerprint pinned by hand (``gce-watchdog pin``): the announced key with that fingerprint
     becomes the pin. ``from_start``: the stream is the port's output from byte 0 (or the export
     from the instance's creation): only then may the stream's first intact line, an announcement
-    of seq 0 or 1, be pinned (:attr:`pinned_here`; the caller stores it in the ledger). Any other
+    of seq 0 or 1, be pinned (:attr:`pinned_here`; the caller stores it in the ledger once its
+    boot's start is settled, :attr:`start_open` False: another key announced at seq 0 or 1
+    before that withdraws it, :attr:`withdrawn`). Any other
     announced key is **unplaced** (:attr:`unplaced`, an alarm): its lines never decide.
     ``key``: a v2 HMAC key held from before the upgrade (v2 lines verify under it while no v3
     pin is held). ``instance_id``: the instance the stream is read for (announcements naming
@@ -106,6 +108,11 @@ class StreamDecoder(LazyBlocks):
         self.inst_seen = ""  # the instance id the pinned key's announcements name (not "-")
         # Only the stream's first intact line may be pinned, and only from byte 0.
         self.placeable = from_start and pin is None and pin_fp is None
+        # A pin placed here whose boot's start is not settled yet: until a line other than an
+        # announcement verifies under it, another key announced at seq 0 or 1 withdraws it
+        # (the start is contested: no pin, ``no_pin``). The caller stores only a settled pin.
+        self.start_open = False
+        self.withdrawn: list[str] = []  # fingerprints of pins withdrawn so (the caller's news)
         self._pending = b""
         # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
@@ -217,8 +224,11 @@ class StreamDecoder(LazyBlocks):
 
     def _announce(self, ln: bytes, ann: KeyAnnounce) -> Event | None:
         """Pin or accept a v3 announcement; None when it was counted as forged."""
-        placeable, self.placeable = self.placeable, False
         other_vm = bool(self.instance_id) and ann.inst not in ("-", self.instance_id)
+        if self._contests(ann, other_vm):
+            self._withdraw(ln, ann)
+            return None
+        placeable, self.placeable = self.placeable, False
         checked = False
         if self.pin is None and not other_vm:
             if self.pin_fp is not None:  # pinned by hand: the key of that fingerprint, anywhere
@@ -236,6 +246,8 @@ class StreamDecoder(LazyBlocks):
                 checked = True
                 self.pin = ann.key
                 self.pinned_here = True
+                # from the stream: open until settled; a hand pin's key is the operator's
+                self.start_open = self.pin_fp is None
         if self.pin is None or not hmac.compare_digest(self.pin, ann.key):
             self._note_unplaced(ann.key)  # no signature check: it decides nothing
             self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
@@ -250,6 +262,26 @@ class StreamDecoder(LazyBlocks):
         if ann.inst != "-":
             self.inst_seen = ann.inst
         return ann.event
+
+    def _contests(self, ann: KeyAnnounce, other_vm: bool) -> bool:
+        """Whether ``ann`` contests the start of the boot a pin was just placed from: the pin
+        is not settled (:attr:`start_open`) and another key, signed by itself, claims a boot's
+        first seqs for this instance. Then neither key can be told for the agent's."""
+        if not self.start_open or self.pin is None or other_vm or ann.event.seq > PIN_MAX_SEQ:
+            return False
+        return not hmac.compare_digest(self.pin, ann.key) and ann.valid(self._check)
+
+    def _withdraw(self, ln: bytes, ann: KeyAnnounce) -> None:
+        """The start is contested: the pin placed here is withdrawn (never stored), both keys
+        are unplaced and nothing after this can be placed (``no_pin`` until pinned by hand)."""
+        assert self.pin is not None
+        old = self.pin
+        self.withdrawn.append(pk_fingerprint(old))
+        self.pin, self.pinned_here, self.start_open, self.placeable = None, False, False, False
+        self.ephemeral, self.inst_seen = False, ""
+        self._note_unplaced(old)
+        self._note_unplaced(ann.key)
+        self._forged(Forged(Forgery.UNPLACED, ln, ann.event))
 
     MAX_REKEYS = 16  # rotations queued for the caller between two stores (one is the rule)
 
@@ -289,6 +321,7 @@ class StreamDecoder(LazyBlocks):
             got = self._rekey(ln, res)
             if got is None:
                 return None
+            self.start_open = False  # a line of the pin's other than an announcement
             ev = got
         elif isinstance(res, KeyAnnounce) and res.version == 3:
             got = self._announce(ln, res)
@@ -306,9 +339,14 @@ class StreamDecoder(LazyBlocks):
                 return None
             ev = res.event
         elif isinstance(res, Event):
-            self.placeable = False
+            self.placeable = self.start_open = False  # the pin's start is settled
             ev = res
         elif isinstance(res, Forged):
+            if self.start_open and res.reason == Forgery.UNPLACED:
+                # another key's announcement while the pin's start is open: it may contest it
+                again = decode_line(ln, None, None, (), self._check)
+                if isinstance(again, KeyAnnounce) and again.version == 3:
+                    return self._announce(ln, again)
             self._unplaced_line(res)
             return None
         elif isinstance(res, Rejected):
