@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from gce_watchdog.lib import jsontime
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event
 
@@ -208,6 +209,18 @@ def job_cost(boots: Iterable[BootFacts]) -> Cost:
             totals[cat] += measure(iv for p in per for iv in p[cat])
         gpu += _gpu_seconds(group)
     return Cost(gpu=gpu, **totals)
+
+
+def _time(t: float | None) -> str | None:
+    return None if t is None else jsontime.from_epoch(t, fraction=t != int(t))
+
+
+def cost_doc(f: BootFacts, cost: Cost | None = None) -> dict[str, Any]:
+    """One boot's facts and cost as JSON (``report --json``, the decisions view): the times as
+    RFC 3339, the seconds per category as ``<category>_seconds``."""
+    times = ("start", "end", "useful_end", "ladder_start", "final", "deleted")
+    doc = {k: (_time(v) if k in times else v) for k, v in f.to_json().items()}
+    return {**doc, **(cost or boot_cost(f)).to_json()}
 
 
 def with_deletion(f: BootFacts, deleted: float | None) -> BootFacts:

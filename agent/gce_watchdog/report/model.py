@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from gce_watchdog.poller.cost import BootFacts, Cost, boot_facts, job_cost
 from gce_watchdog.poller.timeline import BootInfo, SeqGap, Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind
 from gce_watchdog.wire import vocab
@@ -114,6 +115,13 @@ class Report:
     threshold: int | None  # from the latest rung field seen
     band_gib: float
     verdict: Verdict
+    # What it cost, per boot (poller/cost.py): times from the lines (capped by their receipt)
+    costs: list[BootFacts] = field(default_factory=list)
+
+    @property
+    def total_cost(self) -> Cost:
+        """The dump's boots together (one instance: its boots as a union, never added twice)."""
+        return job_cost(self.costs)
 
     @property
     def start_ms(self) -> int | None:
@@ -316,6 +324,8 @@ def from_timeline(
     instance: InstanceState | None = None,
     policy: Policy | None = None,
     band_gib: float = 1.0,
+    gpus: int = 0,
+    machine_type: str = "",
 ) -> Report:
     """Build the report from a finished timeline and every event it yielded (stream order).
 
@@ -360,6 +370,20 @@ def from_timeline(
     rx = tl.boots[cur].last_rx if cur is not None else None
     judged_at = now if now is not None else (rx or 0.0)
     verdict = tl.judge(instance or InstanceState(), judged_at, policy or Policy())
+    costs = [
+        f
+        for sec in by_boot.values()
+        if (
+            f := boot_facts(
+                source or "-",
+                sec.events,
+                last_rx=sec.info.last_rx,
+                gpus=gpus,
+                machine_type=machine_type,
+            )
+        )
+        is not None
+    ]
     return Report(
         source=source,
         size=size,
@@ -388,6 +412,7 @@ def from_timeline(
         threshold=threshold,
         band_gib=band_gib,
         verdict=verdict,
+        costs=costs,
     )
 
 
@@ -401,6 +426,8 @@ def build_report(
     instance: InstanceState | None = None,
     policy: Policy | None = None,
     band_gib: float = 1.0,
+    gpus: int = 0,
+    machine_type: str = "",
 ) -> Report:
     """Decode a dump (bytes, or chunks in order) received at ``received`` and build its report
     (``pin``: the instance's v3 public key; default: the dump's first announcement)."""
@@ -429,4 +456,6 @@ def build_report(
         instance=instance,
         policy=policy,
         band_gib=band_gib,
+        gpus=gpus,
+        machine_type=machine_type,
     )
