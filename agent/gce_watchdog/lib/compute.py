@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gce_watchdog.lib.httpdate import parse_retry_after
@@ -194,6 +195,34 @@ class InstanceStatus:
     # The instance's labels (Instance.labels, a map of strings), sorted: hashable, for the
     # decisions the poller records (docs/poller.md, "Decisions as an interface").
     labels: tuple[tuple[str, str], ...] = ()
+    # What it cost (poller/cost.py): the machine type's name (Instance.machineType's last part),
+    # the GPUs attached (Instance.guestAccelerators' acceleratorCount summed; 0: none listed),
+    # and lastStartTimestamp / lastStopTimestamp as Unix seconds (None: absent or unreadable).
+    machine_type: str = ""
+    accelerators: int = 0
+    last_start: float | None = None
+    last_stop: float | None = None
+
+
+def instance_cost_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`InstanceStatus` fields what-it-cost reads from an instance resource."""
+    total = 0
+    for a in body.get("guestAccelerators") or []:
+        n = a.get("acceleratorCount") if isinstance(a, dict) else None
+        total += n if isinstance(n, int) and n > 0 else 0
+
+    def stamp(key: str) -> float | None:
+        try:
+            return datetime.fromisoformat(str(body[key])).timestamp()
+        except (KeyError, ValueError):
+            return None
+
+    return {
+        "machine_type": str(body.get("machineType") or "").rstrip("/").rsplit("/", 1)[-1],
+        "accelerators": total,
+        "last_start": stamp("lastStartTimestamp"),
+        "last_stop": stamp("lastStopTimestamp"),
+    }
 
 
 def instance_labels(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -432,6 +461,7 @@ class ComputeClient:
             spot=spot,
             termination_action=str(sched.get("instanceTerminationAction", "")),
             labels=instance_labels(body),
+            **instance_cost_fields(body),
         )
 
     def scope_exists(self, project: str, zone: str | None = None) -> bool:

@@ -254,6 +254,7 @@ def boot_facts(
     events: Sequence[Event],
     *,
     last_rx: float | None = None,
+    span_ms: tuple[int, int] | None = None,
     started: float | None = None,
     stopped: float | None = None,
     gpus: int = 0,
@@ -263,7 +264,8 @@ def boot_facts(
 
     - the lines' signed times (the guest's clock, NTP-synced to the metadata server), each capped
       by ``last_rx`` (the reader's clock when the boot's newest line was received: no line was
-      written after it was read);
+      written after it was read); ``span_ms``: the boot's first and last line when ``events``
+      is not all of them (the poller's compacted timeline keeps the span in ``BootInfo``);
     - ``started`` (the Compute API's ``lastStartTimestamp``) replaces the first line's time
       when it is earlier (the VM runs, and is billed, before the agent writes its first line);
     - ``stopped`` (``lastStopTimestamp``, when it is this boot's) ends the billed time; else the
@@ -279,8 +281,8 @@ def boot_facts(
     def t(ms: int | None) -> float | None:
         return None if ms is None else at(ms)
 
-    first = at(min(e.ts_ms for e in events))
-    last = at(max(e.ts_ms for e in events))
+    stamps = [e.ts_ms for e in events] + list(span_ms or ())
+    first, last = at(min(stamps)), at(max(stamps))
     start = first if started is None or started > first else started
     end = last if stopped is None or stopped < start else max(stopped, start)
     useful = [e.ts_ms for e in events if e.event in USEFUL_EVENTS]

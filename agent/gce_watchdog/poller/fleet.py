@@ -39,6 +39,7 @@ from gce_watchdog.lib.compute import (
     ComputeClient,
     HTTPSession,
     InstanceStatus,
+    instance_cost_fields,
     instance_labels,
 )
 from gce_watchdog.lib.httpdate import parse_retry_after
@@ -102,6 +103,7 @@ def _status(body: dict[str, Any]) -> InstanceStatus:
         spot=sched.get("provisioningModel") == "SPOT" or bool(sched.get("preemptible")),
         termination_action=str(sched.get("instanceTerminationAction", "")),
         labels=instance_labels(body),
+        **instance_cost_fields(body),
     )
 
 
