@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.poller.cost import BootFacts, Cost
-from gce_watchdog.poller.decisions import all_rows, cost_metrics, follow
+from gce_watchdog.poller.decisions import all_rows, cost_metrics, follow, poller_metrics
 from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.synth import T0_MS, Writer
@@ -124,15 +124,14 @@ def test_poll_records_a_wedges_cost_and_metrics_show_it(tmp_path: Path) -> None:
     assert doc["job_cost"]["billed_seconds"] == 720
     with open_ledger(spec) as led:
         decisions = led.decisions
-        server = HealthServer(
-            Liveness(60.0), "127.0.0.1", 0, lambda: cost_metrics(all_rows(decisions))
-        )
+        server = HealthServer(Liveness(60.0), "127.0.0.1", 0, lambda: poller_metrics(decisions))
         with (
             server as srv,
             urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10) as resp,
         ):
             text = resp.read().decode()
     got = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+    assert "gce_watchdog_poller_decisions" in got  # the delivery gauge is still there
     assert got["gce_watchdog_poller_cost_gpu_seconds"] == 5760
     assert got["gce_watchdog_poller_cost_ladder_seconds"] == 30
 

@@ -152,6 +152,11 @@ def delivery_metrics(counts: dict[str, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def poller_metrics(ledger: DecisionStore) -> str:
+    """``GET /metrics`` of ``poll --health-port``: the delivery states, then what it cost."""
+    return delivery_metrics(ledger.delivery_counts()) + cost_metrics(all_rows(ledger))
+
+
 def doc_for(ledger: DecisionStore, token: int) -> dict[str, Any] | None:
     """The view of the decision with this token, or None."""
     rows = ledger.details_after(token - 1, 1)

@@ -313,6 +313,16 @@ def _fault_windows(events: list[Event], boot_end: dict[str, int]) -> list[FaultW
     return out
 
 
+def _costs(sections: list[BootSection], instance: str, gpus: int, mt: str) -> list[BootFacts]:
+    """Each boot's cost facts, from its lines capped by their receipt (poller/cost.py)."""
+    out = []
+    for sec in sections:
+        f = boot_facts(instance, sec.events, last_rx=sec.info.last_rx, gpus=gpus, machine_type=mt)
+        if f is not None:
+            out.append(f)
+    return out
+
+
 def from_timeline(
     tl: Timeline,
     events: list[Event],
@@ -370,20 +380,6 @@ def from_timeline(
     rx = tl.boots[cur].last_rx if cur is not None else None
     judged_at = now if now is not None else (rx or 0.0)
     verdict = tl.judge(instance or InstanceState(), judged_at, policy or Policy())
-    costs = [
-        f
-        for sec in by_boot.values()
-        if (
-            f := boot_facts(
-                source or "-",
-                sec.events,
-                last_rx=sec.info.last_rx,
-                gpus=gpus,
-                machine_type=machine_type,
-            )
-        )
-        is not None
-    ]
     return Report(
         source=source,
         size=size,
@@ -412,7 +408,7 @@ def from_timeline(
         threshold=threshold,
         band_gib=band_gib,
         verdict=verdict,
-        costs=costs,
+        costs=_costs(list(by_boot.values()), source or "-", gpus, machine_type),
     )
 
 
