@@ -61,6 +61,14 @@ def test_the_model_and_the_text_table_match_the_hand_computation() -> None:
 
 
 @pytest.mark.pure
+def test_the_html_page_has_the_table() -> None:
+    from gce_watchdog.report.html import render as render_html
+
+    page = render_html(build_report(two_boots(), gpus=8, machine_type="a3-highgpu-8g"), None)
+    assert "<h2>What it cost</h2>" in page and "11120" in page and "16000" in page
+
+
+@pytest.mark.pure
 def test_the_plot_draws_the_cost_bands() -> None:
     pytest.importorskip("matplotlib")
     from gce_watchdog.report import plot
