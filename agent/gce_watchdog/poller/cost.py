@@ -79,13 +79,6 @@ def measure(intervals: Iterable[Interval]) -> float:
     return sum(b - a for a, b in union(intervals))
 
 
-def clip(intervals: Iterable[Interval], within: Iterable[Interval]) -> list[Interval]:
-    """The parts of ``intervals`` inside ``within`` (both read as unions)."""
-    w = union(within)
-    out = [(max(a, c), min(b, d)) for a, b in union(intervals) for c, d in w]
-    return union(out)
-
-
 @dataclass(frozen=True)
 class BootFacts:
     """One boot's times (Unix seconds) and its machine: what :func:`boot_intervals` needs.
@@ -143,19 +136,22 @@ def boot_intervals(f: BootFacts) -> dict[str, list[Interval]]:
     - zombie: [end, deleted): off (disks still billed) until the VM is deleted
     """
     end = max(f.end, f.start)
-    billed = union([(f.start, end)])
-    useful = [(f.start, f.useful_end)] if f.useful_end is not None else []
     stop = f.final if f.final is not None else end
-    ladder = [(f.ladder_start, stop)] if f.ladder_start is not None else []
-    linger = [(f.final, end)] if f.final is not None else []
-    zombie = [(end, f.deleted)] if f.deleted is not None else []
     return {
-        "billed": billed,
-        "useful": clip(useful, billed),
-        "ladder": clip(ladder, billed),
-        "linger": clip(linger, billed),
-        "zombie": union(zombie),
+        "billed": _span(f.start, end, f.start, end),
+        "useful": _span(f.start, f.useful_end, f.start, end),
+        "ladder": _span(f.ladder_start, stop, f.start, end),
+        "linger": _span(f.final, end, f.start, end),
+        "zombie": _span(end, f.deleted, end, f.deleted),
     }
+
+
+def _span(a: float | None, b: float | None, lo: float, hi: float | None) -> list[Interval]:
+    """[a, b) clipped to [lo, hi), as a list of at most one interval (None: no interval)."""
+    if a is None or b is None or hi is None:
+        return []
+    a, b = max(a, lo), min(b, hi)
+    return [(a, b)] if b > a else []
 
 
 @dataclass(frozen=True)
@@ -183,10 +179,10 @@ def boot_cost(f: BootFacts) -> Cost:
     return job_cost([f])
 
 
-def _gpu_seconds(boots: Sequence[BootFacts]) -> float:
+def _gpu_seconds(boots: Sequence[BootFacts], billed: Sequence[list[Interval]]) -> float:
     """One instance's GPU-seconds: over the union of its billed intervals, at each moment the
     largest GPU count of the boots billed then (a boot counted twice adds nothing)."""
-    spans = [(iv, b.gpus) for b in boots for iv in boot_intervals(b)["billed"]]
+    spans = [(iv, b.gpus) for b, ivs in zip(boots, billed, strict=True) for iv in ivs]
     points = sorted({p for (a, z), _ in spans for p in (a, z)})
     total = 0.0
     for lo, hi in itertools.pairwise(points):
@@ -207,7 +203,7 @@ def job_cost(boots: Iterable[BootFacts]) -> Cost:
         per = [boot_intervals(b) for b in group]
         for cat in CATEGORIES:
             totals[cat] += measure(iv for p in per for iv in p[cat])
-        gpu += _gpu_seconds(group)
+        gpu += _gpu_seconds(group, [p["billed"] for p in per])
     return Cost(gpu=gpu, **totals)
 
 
