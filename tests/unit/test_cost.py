@@ -219,12 +219,25 @@ def test_each_category_is_within_billed(f: BootFacts) -> None:
 @given(st.lists(facts(), min_size=1, max_size=8))
 def test_a_job_is_the_union_per_instance(boots: list[BootFacts]) -> None:
     c = job_cost(boots)
-    for cat in CATEGORIES:
-        want = sum(
-            measure(iv for b in boots if b.instance == i for iv in boot_intervals(b)[cat])
-            for i in {b.instance for b in boots}
+    instances = {b.instance for b in boots}
+
+    def per_instance(*cats: str) -> float:
+        return sum(
+            measure(
+                iv
+                for b in boots
+                if b.instance == i
+                for cat in cats
+                for iv in boot_intervals(b)[cat]
+            )
+            for i in instances
         )
-        assert getattr(c, cat) == pytest.approx(want)
+
+    for cat in ("billed", "useful", "ladder", "linger"):
+        assert getattr(c, cat) == pytest.approx(per_instance(cat))
+    # billed and zombie never share a second: together, the measure of their union
+    assert c.billed + c.zombie == pytest.approx(per_instance("billed", "zombie"))
+    for cat in CATEGORIES:
         # never more than the boots' own sum (equal when nothing overlaps)
         assert getattr(c, cat) <= sum(getattr(boot_cost(b), cat) for b in boots) + 1e-3
     assert job_cost(boots + boots) == c  # a boot recorded twice adds nothing

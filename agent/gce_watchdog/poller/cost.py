@@ -193,7 +193,8 @@ def _gpu_seconds(boots: Sequence[BootFacts], billed: Sequence[list[Interval]]) -
 
 def job_cost(boots: Iterable[BootFacts]) -> Cost:
     """A job's cost across its boots and instances: per instance, each category is the measure
-    of the union of its boots' intervals; the instances' measures add up."""
+    of the union of its boots' intervals (zombie: less what another boot of that instance was
+    billed for, so billed and zombie never share a second); the instances' measures add up."""
     by_instance: dict[str, list[BootFacts]] = {}
     for b in boots:
         by_instance.setdefault(b.instance, []).append(b)
@@ -203,6 +204,9 @@ def job_cost(boots: Iterable[BootFacts]) -> Cost:
         per = [boot_intervals(b) for b in group]
         for cat in CATEGORIES:
             totals[cat] += measure(iv for p in per for iv in p[cat])
+        billed = [iv for p in per for iv in p["billed"]]
+        zombie = [iv for p in per for iv in p["zombie"]]
+        totals["zombie"] += measure(billed + zombie) - measure(billed) - measure(zombie)
         gpu += _gpu_seconds(group, [p["billed"] for p in per])
     return Cost(gpu=gpu, **totals)
 
