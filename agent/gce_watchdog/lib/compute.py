@@ -198,11 +198,18 @@ class InstanceStatus:
     # Instance.lastStartTimestamp (epoch seconds): when the VM was last started, so when the
     # boot that runs (or that ended last) began; None when not given or not readable.
     last_start: float | None = None
+    # What it cost (poller/cost.py): the machine type's name (Instance.machineType's last part),
+    # the GPUs attached (Instance.guestAccelerators' acceleratorCount summed; 0: none listed),
+    # and lastStopTimestamp as Unix seconds (None: absent or unreadable).
+    machine_type: str = ""
+    accelerators: int = 0
+    last_stop: float | None = None
 
 
-def last_start_of(body: dict[str, Any]) -> float | None:
-    """``Instance.lastStartTimestamp`` (RFC 3339) in epoch seconds, or None."""
-    raw = body.get("lastStartTimestamp")
+def _stamp(body: dict[str, Any], key: str) -> float | None:
+    """An RFC 3339 timestamp field of an instance resource in epoch seconds, or None (absent,
+    unreadable, or without a zone offset)."""
+    raw = body.get(key)
     if not isinstance(raw, str) or not raw:
         return None
     try:
@@ -210,6 +217,25 @@ def last_start_of(body: dict[str, Any]) -> float | None:
     except ValueError:
         return None
     return t.timestamp() if t.tzinfo is not None else None
+
+
+def last_start_of(body: dict[str, Any]) -> float | None:
+    """``Instance.lastStartTimestamp`` (RFC 3339) in epoch seconds, or None."""
+    return _stamp(body, "lastStartTimestamp")
+
+
+def instance_cost_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`InstanceStatus` fields what-it-cost reads from an instance resource (besides
+    ``last_start``, :func:`last_start_of`)."""
+    total = 0
+    for a in body.get("guestAccelerators") or []:
+        n = a.get("acceleratorCount") if isinstance(a, dict) else None
+        total += n if isinstance(n, int) and n > 0 else 0
+    return {
+        "machine_type": str(body.get("machineType") or "").rstrip("/").rsplit("/", 1)[-1],
+        "accelerators": total,
+        "last_stop": _stamp(body, "lastStopTimestamp"),
+    }
 
 
 def instance_labels(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -449,6 +475,7 @@ class ComputeClient:
             termination_action=str(sched.get("instanceTerminationAction", "")),
             labels=instance_labels(body),
             last_start=last_start_of(body),
+            **instance_cost_fields(body),
         )
 
     def scope_exists(self, project: str, zone: str | None = None) -> bool:

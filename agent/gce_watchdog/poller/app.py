@@ -65,7 +65,7 @@ from gce_watchdog.lib.extras import EXTRAS, importable, install_hint, this_insta
 from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
-from gce_watchdog.poller.decisions import delivery_metrics
+from gce_watchdog.poller.decisions import poller_metrics
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
     BudgetedSession,
@@ -357,7 +357,7 @@ def run_poll(s: PollSettings) -> int:
                 live,
                 s.health.address,
                 s.health.port,
-                metrics=lambda: delivery_metrics(decisions.delivery_counts()),
+                metrics=lambda: poller_metrics(decisions),
             ).start()
         except OSError as e:
             ledger.close()

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
+from gce_watchdog.poller.cost import CATEGORIES, BootFacts, Cost, cost_doc, job_cost, with_deletion
 from gce_watchdog.poller.ledger import DELIVERY_STATES, Decision, DecisionStore, Hold
 from gce_watchdog.poller.verdict import alarms_of
 
@@ -31,8 +32,24 @@ VERSION = 2
 FOLLOW_INTERVAL_S = 1.0  # --follow asks the ledger this often for new decisions
 
 
-def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
-    """The versioned view of one decision (docs/poller.md lists every field)."""
+def cost_facts(d: Decision, details: dict[str, Any]) -> BootFacts | None:
+    """The decided boot's cost facts as recorded at the claim, with its reap as its deletion;
+    None when the decision has none (an older poller's, or no line of that boot)."""
+    raw = details.get("cost")
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return with_deletion(BootFacts.from_json(raw), d.reaped_at)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def decision_doc(
+    d: Decision, details: dict[str, Any], job_total: Cost | None = None
+) -> dict[str, Any]:
+    """The versioned view of one decision (docs/poller.md lists every field). ``job_total``:
+    what its job cost so far (``follow`` knows the earlier decisions); None: null."""
+    facts = cost_facts(d, details)
     project, _, rest = d.instance.partition("/")
     zone, sep, name = rest.partition("/")
     if not sep:  # recorded by an older poller: the bare name
@@ -56,7 +73,70 @@ def decision_doc(d: Decision, details: dict[str, Any]) -> dict[str, Any]:
         "delivery": d.delivery,
         "delivery_attempts": d.delivery_attempts,
         "delivery_error": d.delivery_error,
+        "cost": None if facts is None else cost_doc(facts),
+        "job_cost": None if job_total is None else job_total.to_json(),
     }
+
+
+class JobCosts:
+    """The cost facts of each job's decisions, in token order: a job's total so far is the
+    union of its boots' intervals per instance (poller/cost.py), never a boot twice."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, list[BootFacts]] = {}
+
+    def add(self, d: Decision, details: dict[str, Any]) -> Cost | None:
+        """Count this decision in its job; the job's total so far (None: no job label)."""
+        job = details.get("job")
+        if not job:
+            return None
+        boots = self.facts.setdefault(str(job), [])
+        f = cost_facts(d, details)
+        if f is not None:
+            boots.append(f)
+        return job_cost(boots)
+
+
+def all_rows(
+    ledger: DecisionStore, upto: int | None = None
+) -> list[tuple[Decision, dict[str, Any]]]:
+    """Every decision (with a token up to ``upto``), page by page, in token order."""
+    out: list[tuple[Decision, dict[str, Any]]] = []
+    last = 0
+    while rows := ledger.details_after(last):
+        for d, details in rows:
+            if upto is not None and d.token > upto:
+                return out
+            out.append((d, details))
+            last = d.token
+    return out
+
+
+COST_METRIC = "gce_watchdog_poller_cost"
+_COST_HELP = {
+    "billed": "seconds the decided boots' VMs ran (billed)",
+    "useful": "seconds of those up to each boot's last progress or result line",
+    "ladder": "seconds from the first failing rung (or stall) to the shutdown decision",
+    "linger": "seconds from the shutdown decision to the VM off",
+    "zombie": "seconds the VMs were off but not yet deleted (until the reap)",
+    "gpu": "GPU-seconds: billed seconds times the machine's GPUs",
+}
+
+
+def cost_metrics(rows: Iterable[tuple[Decision, dict[str, Any]]]) -> str:
+    """What the ledger's decided boots cost as Prometheus counters (``GET /metrics``; pure):
+    per instance the union of its boots' intervals, summed over instances (docs/poller.md)."""
+    facts = [f for d, details in rows if (f := cost_facts(d, details)) is not None]
+    total = job_cost(facts)
+    lines: list[str] = []
+    for cat in (*CATEGORIES, "gpu"):
+        name = f"{COST_METRIC}_{cat}_seconds_total"
+        lines += [
+            f"# HELP {name} Decided boots in the ledger: {_COST_HELP[cat]}.",
+            f"# TYPE {name} counter",
+            f"{name} {getattr(total, cat):.3f}",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 DELIVERY_METRIC = "gce_watchdog_poller_decisions"
@@ -75,12 +155,28 @@ def delivery_metrics(counts: dict[str, int]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def poller_metrics(ledger: DecisionStore) -> str:
+    """``GET /metrics`` of ``poll --health-port``: the delivery states, then what it cost."""
+    return delivery_metrics(ledger.delivery_counts()) + cost_metrics(all_rows(ledger))
+
+
 def doc_for(ledger: DecisionStore, token: int) -> dict[str, Any] | None:
     """The view of the decision with this token, or None."""
     rows = ledger.details_after(token - 1, 1)
     if not rows or rows[0][0].token != token:
         return None
-    return decision_doc(*rows[0])
+    return decision_doc(*rows[0], job_total(ledger, *rows[0]))
+
+
+def job_total(ledger: DecisionStore, d: Decision, details: dict[str, Any]) -> Cost | None:
+    """What the decision's job cost up to it (its decisions with a lower token read first)."""
+    if not details.get("job"):
+        return None
+    jobs = JobCosts()
+    for earlier, det in all_rows(ledger, d.token - 1) if d.token > 1 else []:
+        if det.get("job") == details.get("job"):
+            jobs.add(earlier, det)
+    return jobs.add(d, details)
 
 
 def follow(
@@ -92,12 +188,16 @@ def follow(
     interval_s: float = FOLLOW_INTERVAL_S,
 ) -> int:
     """Hand every decision above ``after`` to ``out`` in token order; with ``keep_following``,
-    then wait for new ones until ``stop``. The last token handed over."""
+    then wait for new ones until ``stop``. The last token handed over. Each one's ``job_cost``
+    counts every decision of its job up to it, those up to ``after`` included (read first)."""
+    jobs = JobCosts()
+    for d, details in all_rows(ledger, after) if after > 0 else []:
+        jobs.add(d, details)
     last = after
     while True:
         rows = ledger.details_after(last)
         for d, details in rows:
-            out(decision_doc(d, details))
+            out(decision_doc(d, details, jobs.add(d, details)))
             last = d.token
         if rows:
             continue  # maybe more than one page
@@ -178,7 +278,7 @@ def run_decisions(
         for h in picked:
             d = ledger.release(h, by=ledger.owner)
             rows = ledger.details_after(d.token - 1, 1)
-            emit(decision_doc(*rows[0]) if rows else hold_doc(h))
+            emit(decision_doc(*rows[0], job_total(ledger, *rows[0])) if rows else hold_doc(h))
         if unknown:  # each one said above, before the releases' lines
             raise CommandError(EX_USAGE)
         return EX_OK

@@ -39,6 +39,7 @@ from gce_watchdog.lib.compute import (
     ComputeClient,
     HTTPSession,
     InstanceStatus,
+    instance_cost_fields,
     instance_labels,
     last_start_of,
 )
@@ -104,6 +105,7 @@ def _status(body: dict[str, Any]) -> InstanceStatus:
         termination_action=str(sched.get("instanceTerminationAction", "")),
         labels=instance_labels(body),
         last_start=last_start_of(body),
+        **instance_cost_fields(body),
     )
 
 

@@ -239,7 +239,8 @@ class SqlDecisions:
 
         Returns the new decision with ``won=True`` and a fresh fencing token, or the existing one
         with ``won=False`` ("already decided"), whoever and whenever decided it. ``details``
-        (``labels``, ``job``, ``evidence``) go in ``decision_details`` in the same transaction.
+        (``labels``, ``job``, ``evidence``) go in ``decision_details``, and its ``cost`` (the
+        boot's facts, poller/cost.py) in ``decision_costs``, in the same transaction.
         With the brake on and its share of the window taken, nothing is decided: the failover is
         held (``held=True``) until released.
         """
@@ -290,6 +291,11 @@ class SqlDecisions:
                     json.dumps(list(d.get("evidence") or [])),
                 ),
             )
+            if isinstance(d.get("cost"), Mapping):
+                self.db.exec(
+                    "INSERT INTO decision_costs (token, facts) VALUES (?, ?)",
+                    (token, json.dumps(dict(d["cost"]), sort_keys=True)),
+                )
             self.db.commit()
         except BaseException:
             self.db.rollback()
@@ -371,14 +377,15 @@ class SqlDecisions:
     def details_after(self, after: int, limit: int = 500) -> list[tuple[Decision, dict[str, Any]]]:
         """Decisions with a token above ``after``, in token order, with their details."""
         rows = self.db.exec(
-            f"SELECT {_COLUMNS_D}, x.labels, x.job, x.evidence FROM decisions d"  # noqa: S608
-            " LEFT JOIN decision_details x ON x.token = d.token"
+            f"SELECT {_COLUMNS_D}, x.labels, x.job, x.evidence, c.facts"  # noqa: S608
+            " FROM decisions d LEFT JOIN decision_details x ON x.token = d.token"
+            " LEFT JOIN decision_costs c ON c.token = d.token"
             " WHERE d.token > ? ORDER BY d.token LIMIT ?",
             (after, limit),
         )
         out = []
         for r in rows:
-            labels, job, evidence = r[_NCOLS : _NCOLS + 3]
+            labels, job, evidence, cost = r[_NCOLS : _NCOLS + 4]
             out.append(
                 (
                     _row(r[:_NCOLS]),
@@ -386,6 +393,7 @@ class SqlDecisions:
                         "labels": json.loads(str(labels)) if labels is not None else {},
                         "job": None if job is None else str(job),
                         "evidence": json.loads(str(evidence)) if evidence is not None else [],
+                        "cost": json.loads(str(cost)) if cost is not None else None,
                     },
                 )
             )

@@ -83,6 +83,14 @@ PIN_REKEYS_TABLE = """CREATE TABLE IF NOT EXISTS pin_rekeys (
     rekeyed_by  TEXT NOT NULL,
     PRIMARY KEY (instance_id, old_public)
 )"""
+# What a decided boot cost (poller/cost.py): its facts as JSON, one row per token, written in the
+# claim's transaction; the decisions view adds the reap (docs/poller.md, "What it cost"). A table
+# of its own, so a ledger of an older version gains it without touching its other tables.
+COST_TABLE = """CREATE TABLE IF NOT EXISTS decision_costs (
+    token BIGINT PRIMARY KEY,
+    facts TEXT NOT NULL
+)"""
+
 # The Pub/Sub workers' shared assembly state (poller/pubsub.py, poller/assemble.py): the same
 # tables in both backends (ledger_pg has its copy). Kept apart from the decisions so that the
 # ledger's other users never read them.
@@ -321,6 +329,7 @@ class SqliteDb(SqlDb):
                 db.execute(stmt)
             for stmt in ASSEMBLY_SCHEMA:
                 db.execute(stmt)
+            db.execute(COST_TABLE)
             have = {str(r[1]) for r in db.execute("PRAGMA table_info(decisions)")}
             missing = [(n, t) for n, t in _ADDED_COLUMNS if n not in have]
             for name, sqltype in missing:

@@ -27,6 +27,7 @@ from psycopg.pq import TransactionStatus
 
 from gce_watchdog.poller.ledger_db import (
     ASSEMBLY_SCHEMA,
+    COST_TABLE,
     DELIVERY_COLUMNS,
     DISPATCH_TABLES,
     PIN_REKEYS_TABLE,
@@ -128,6 +129,11 @@ class PostgresDb(SqlDb):
                         self._db.execute(
                             f"ALTER TABLE decisions ADD COLUMN IF NOT EXISTS {name} {sqltype}"
                         )
+            if not self._ready("decision_costs"):  # what a decided boot cost (later)
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._ready("decision_costs"):
+                        self._db.execute(COST_TABLE)
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))

@@ -30,6 +30,7 @@ from typing import Any
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
+from gce_watchdog.poller.cost import BootFacts, boot_facts, gpu_count
 from gce_watchdog.poller.ledger import NO_BOOT, Decision, DecisionStore
 from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
@@ -205,10 +206,46 @@ class PollOutcome:
         }
 
 
-def decision_details(info: InstanceStatus | None, verdict: Verdict) -> dict[str, Any]:
-    """What the ledger records beside a decision for the dispatcher: labels, job, evidence."""
+def decision_details(
+    info: InstanceStatus | None, verdict: Verdict, cost: BootFacts | None = None
+) -> dict[str, Any]:
+    """What the ledger records beside a decision for the dispatcher: labels, job, evidence, and
+    the decided boot's cost facts (None: no line of that boot)."""
     labels = dict(info.labels) if info is not None else {}
-    return {"labels": labels, "job": labels.get(JOB_LABEL), "evidence": list(verdict.evidence)}
+    return {
+        "labels": labels,
+        "job": labels.get(JOB_LABEL),
+        "evidence": list(verdict.evidence),
+        "cost": None if cost is None else cost.to_json(),
+    }
+
+
+def decided_boot_facts(
+    instance_id: str, tl: Timeline, info: InstanceStatus | None, boot: str | None, now: float
+) -> BootFacts | None:
+    """The decided boot's facts for what it cost (docs/job-progress.md, "What it cost"): its
+    lines' times capped by their receipt; for the instance's current boot, GCE's
+    ``lastStartTimestamp``, and its ``lastStopTimestamp`` once off (still running: billed as
+    far as its last line, a lower bound; the reap ends the rest); the GPUs from
+    ``guestAccelerators`` or the machine type. ``now``: no later than the decision."""
+    b = tl.boots.get(boot or "")
+    if b is None:
+        return None
+    current = boot == tl.latest_boot and info is not None
+    stopped: float | None = None
+    if current and info is not None and info.status in OFF_STATES and info.last_stop:
+        stopped = min(info.last_stop, now)
+    gpus = 0 if info is None else info.accelerators or gpu_count(info.machine_type)
+    return boot_facts(
+        instance_id,
+        [e for e in tl.events if e.boot == boot],
+        last_rx=b.last_rx,
+        span_ms=(b.first_ts_ms, b.last_ts_ms),
+        started=info.last_start if current and info is not None else None,
+        stopped=stopped,
+        gpus=gpus,
+        machine_type="" if info is None else info.machine_type,
+    )
 
 
 class TargetNotFound(ComputeAPIError):
@@ -320,7 +357,9 @@ class Poller:
                 verdict.reason,
                 self.path(name),
                 now,
-                decision_details(info, verdict),
+                decision_details(
+                    info, verdict, decided_boot_facts(key, tl, info, verdict.boot, now)
+                ),
             )
             # The ledger decides, not the cursor: an existing decision (even one for another key
             # of the same instance) is what this poll reports. Its announcement is ours if we

@@ -4,7 +4,7 @@ Exit codes (also in docs/report.md):
 
 ==  ======================================================================================
 0   the report was written (whatever the verdict)
-64  usage error (bad --now, --drain-timeout or --band)
+64  usage error (bad --now, --drain-timeout, --band or --gpus)
 66  the input cannot be read (EX_NOINPUT)
 69  --png asked for but matplotlib is not installed (the message says what to install: pip,
     or, in the Debian package's venv that has no pip, a venv of your own)
@@ -50,6 +50,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--html", metavar="OUT.html", help="write one self-contained HTML page")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_judging_args(p)
+    p.add_argument(
+        "--machine-type",
+        default="",
+        metavar="TYPE",
+        help="the VM's machine type, for its GPU count in what it cost (a3-highgpu-8g)",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the VM's GPUs, when not the machine type's own (attached N1 GPUs); wins",
+    )
     band = p.add_mutually_exclusive_group()
     band.add_argument(
         "--band",
@@ -85,6 +98,7 @@ def _write(path: str, data: bytes) -> str | None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from gce_watchdog.lib.durations import parse_duration
+    from gce_watchdog.poller.cost import gpu_count
     from gce_watchdog.poller.verdict import InstanceState, Policy
     from gce_watchdog.report.model import build_report
 
@@ -95,6 +109,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         policy = Policy(drain_timeout_s=parse_duration(args.drain_timeout))
     except ValueError as e:
         raise fail(EX_USAGE, f"--drain-timeout: {e}") from None
+    if args.gpus is not None and args.gpus < 0:
+        raise fail(EX_USAGE, f"--gpus must be >= 0, got {args.gpus}")
+    gpus = args.gpus if args.gpus is not None else gpu_count(args.machine_type)
     if args.band_gib is not None and not args.band_gib > 0:
         raise fail(EX_USAGE, f"--band-gib must be > 0, got {args.band_gib}")
     band_gib = args.band / (1 << 30) if args.band else args.band_gib if args.band_gib else 1.0
@@ -121,6 +138,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             instance=InstanceState(args.status, args.spot),
             policy=policy,
             band_gib=band_gib,
+            gpus=gpus,
+            machine_type=args.machine_type,
         )
     except OSError as e:
         raise fail(EX_NOINPUT, f"cannot read {args.file}: {e.strerror or e}") from None
@@ -178,6 +197,7 @@ REPORT_JSON_VERSION = 1
 def to_json(r: Any) -> dict[str, Any]:
     """The report as plain JSON-able data (series included)."""
     from gce_watchdog.lib import jsontime
+    from gce_watchdog.poller.cost import cost_doc
     from gce_watchdog.wire.protocol import format_ts
 
     v = r.verdict
@@ -210,6 +230,10 @@ def to_json(r: Any) -> dict[str, Any]:
             {"ts": format_ts(e.ts_ms), "boot": e.boot, "event": e.event, "fields": dict(e.fields)}
             for e in r.actions
         ],
+        "cost": {
+            "boots": [cost_doc(f) for f in r.costs],
+            "total": r.total_cost.to_json(),
+        },
         "verdict": {
             "kind": v.kind.value,
             "failover": v.failover,

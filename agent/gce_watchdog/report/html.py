@@ -10,7 +10,14 @@ import base64
 from html import escape
 
 from gce_watchdog.report.model import VERDICT_WORDS, Report, verdict_class
-from gce_watchdog.report.text import COLUMNS, cells, duration, fault_line, verdict_line
+from gce_watchdog.report.text import (
+    COLUMNS,
+    cells,
+    cost_table,
+    duration,
+    fault_line,
+    verdict_line,
+)
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import format_ts
 
@@ -120,6 +127,9 @@ def render(r: Report, png: bytes | None, png_note: str = "") -> str:
         out.append("<h2>Injected faults</h2><ul>")
         out.extend(f"<li>{e(fault_line(w).strip())}</li>" for w in r.faults)
         out.append("</ul>")
+    if r.costs:  # the terminal's table, as it is (docs/report.md, "What it cost")
+        lines = list(cost_table(r))[1:]
+        out.append(f"<h2>What it cost</h2><pre>{e(chr(10).join(lines))}</pre>")
     # One table per boot with the terminal table's columns (every event: no collapsing here).
     out.append("<h2>Events</h2>")
     head = "<tr>" + "".join(f"<th>{e(c)}</th>" for c in COLUMNS) + "</tr>"

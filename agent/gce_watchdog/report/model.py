@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from gce_watchdog.poller.cost import BootFacts, Cost, boot_facts, job_cost
 from gce_watchdog.poller.timeline import BootInfo, SeqGap, Timeline
 from gce_watchdog.poller.verdict import InstanceState, Policy, Verdict, VerdictKind
 from gce_watchdog.wire import vocab
@@ -114,6 +115,13 @@ class Report:
     threshold: int | None  # from the latest rung field seen
     band_gib: float
     verdict: Verdict
+    # What it cost, per boot (poller/cost.py): times from the lines (capped by their receipt)
+    costs: list[BootFacts] = field(default_factory=list)
+
+    @property
+    def total_cost(self) -> Cost:
+        """The dump's boots together (one instance: its boots as a union, never added twice)."""
+        return job_cost(self.costs)
 
     @property
     def start_ms(self) -> int | None:
@@ -305,6 +313,16 @@ def _fault_windows(events: list[Event], boot_end: dict[str, int]) -> list[FaultW
     return out
 
 
+def _costs(sections: list[BootSection], instance: str, gpus: int, mt: str) -> list[BootFacts]:
+    """Each boot's cost facts, from its lines capped by their receipt (poller/cost.py)."""
+    out = []
+    for sec in sections:
+        f = boot_facts(instance, sec.events, last_rx=sec.info.last_rx, gpus=gpus, machine_type=mt)
+        if f is not None:
+            out.append(f)
+    return out
+
+
 def from_timeline(
     tl: Timeline,
     events: list[Event],
@@ -316,6 +334,8 @@ def from_timeline(
     instance: InstanceState | None = None,
     policy: Policy | None = None,
     band_gib: float = 1.0,
+    gpus: int = 0,
+    machine_type: str = "",
 ) -> Report:
     """Build the report from a finished timeline and every event it yielded (stream order).
 
@@ -388,6 +408,7 @@ def from_timeline(
         threshold=threshold,
         band_gib=band_gib,
         verdict=verdict,
+        costs=_costs(list(by_boot.values()), source or "-", gpus, machine_type),
     )
 
 
@@ -401,6 +422,8 @@ def build_report(
     instance: InstanceState | None = None,
     policy: Policy | None = None,
     band_gib: float = 1.0,
+    gpus: int = 0,
+    machine_type: str = "",
 ) -> Report:
     """Decode a dump (bytes, or chunks in order) received at ``received`` and build its report
     (``pin``: the instance's v3 public key; default: the dump's first announcement)."""
@@ -429,4 +452,6 @@ def build_report(
         instance=instance,
         policy=policy,
         band_gib=band_gib,
+        gpus=gpus,
+        machine_type=machine_type,
     )

@@ -25,7 +25,9 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from gce_watchdog.lib.extras import install_hint, this_install
+from gce_watchdog.poller.cost import boot_intervals
 from gce_watchdog.report.model import Marker, Report, is_dry_run
+from gce_watchdog.report.text import duration
 from gce_watchdog.wire import vocab
 
 WIDTH_PX = 1400
@@ -267,8 +269,29 @@ def _strip(ax: Any, fig: Any, items: list[tuple[float, str, str]]) -> None:
     probe.remove()
 
 
+# What it cost, as bands along the bottom of the ladder axis (docs/report.md, "What it cost").
+COST_BANDS = (
+    ("useful", "tab:green"),
+    ("ladder", "tab:orange"),
+    ("linger", "tab:red"),
+    ("zombie", "tab:gray"),
+)
+
+
+def _cost_bands(ax: Any, r: Report) -> None:
+    total = r.total_cost
+    for cat, colour in COST_BANDS:
+        spans = [iv for f in r.costs for iv in boot_intervals(f)[cat]]
+        secs = getattr(total, cat)
+        for i, (a, b) in enumerate(spans):
+            label = f"{cat} {duration(int(secs * 1000))}" if i == 0 else None
+            x0, x1 = _x(int(a * 1000)), _x(int(b * 1000))
+            ax.axvspan(x0, x1, ymin=0, ymax=0.07, color=colour, alpha=0.6, lw=0, label=label)
+
+
 def _ladder(ax: Any, r: Report) -> None:
     ax.set_ylabel("ladder rung")
+    _cost_bands(ax, r)
     by_boot: dict[str, list[tuple[float, int]]] = defaultdict(list)
     for p in r.rungs:
         by_boot[p.boot].append((_x(p.ts_ms), p.rung))

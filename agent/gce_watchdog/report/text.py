@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from gce_watchdog.poller.cost import Cost, boot_cost
 from gce_watchdog.report.model import FaultWindow, Report
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event, format_ts
@@ -121,6 +122,35 @@ def fault_line(w: FaultWindow) -> str:
     )
 
 
+COST_COLUMNS = ("boot", "billed", "useful", "ladder", "linger", "zombie", "GPU-seconds")
+
+
+def cost_row(name: str, c: Cost) -> str:
+    cols = (c.billed, c.useful, c.ladder, c.linger, c.zombie)
+    return (
+        f"  {name:<20} "
+        + " ".join(f"{duration(int(x * 1000)):>9}" for x in cols)
+        + (f" {c.gpu:>12.0f}")
+    )
+
+
+def cost_table(r: Report) -> Iterator[str]:
+    """What it cost: one row per boot and the total (docs/report.md, "What it cost")."""
+    if not r.costs:
+        return
+    gpus = sorted({f.gpus for f in r.costs})
+    mt = sorted({f.machine_type for f in r.costs if f.machine_type})
+    what = ", ".join(mt) or "machine type not given"
+    yield ""
+    yield f"what it cost ({what}; GPUs: {', '.join(map(str, gpus))}):"
+    h = COST_COLUMNS
+    yield f"  {h[0]:<20} " + " ".join(f"{x:>9}" for x in h[1:6]) + f" {h[6]:>12}"
+    for f in r.costs:
+        yield cost_row(f.boot, boot_cost(f))
+    if len(r.costs) > 1:
+        yield cost_row("total", r.total_cost)
+
+
 def verdict_line(r: Report) -> str:
     v = r.verdict
     act = "FAILOVER" if v.failover else "no failover"
@@ -173,6 +203,7 @@ def render(r: Report, width: int = 120) -> Iterator[str]:
         yield "action chain:"
         for ev in r.actions:
             yield f"  {clock(ev.ts_ms)} {ev.boot} {ev.event:<9} {detail(ev)}"
+    yield from cost_table(r)
     yield ""
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(r.reject_reasons.items()))
     yield (
