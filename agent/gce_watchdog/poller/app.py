@@ -68,17 +68,19 @@ from gce_watchdog.lib.extras import EXTRAS, importable, install_hint, this_insta
 from gce_watchdog.lib.health import HealthServer, Liveness
 from gce_watchdog.lib.sdnotify import Notifier
 from gce_watchdog.poller.cloudlogging import LoggingClient, create_logging_client
-from gce_watchdog.poller.decisions import delivery_metrics
+from gce_watchdog.poller.decisions import alarm_metrics, delivery_metrics
 from gce_watchdog.poller.fleet import (
     SLOW_POLL_NOTE,
     BudgetedSession,
     FleetPoller,
     ProjectBudget,
+    RoundReport,
     Target,
     plan_interval,
 )
 from gce_watchdog.poller.hooks import Delivery, FailoverHook, Step, TopicPublisher
 from gce_watchdog.poller.identity import ComputeIdentities, subscription_project
+from gce_watchdog.poller.ledger import DecisionStore
 from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import (
     Poller,
@@ -360,7 +362,7 @@ def run_poll(s: PollSettings) -> int:
                 live,
                 s.health.address,
                 s.health.port,
-                metrics=lambda: delivery_metrics(decisions.delivery_counts()),
+                metrics=lambda: _metrics(decisions),
             ).start()
         except OSError as e:
             ledger.close()
@@ -392,6 +394,11 @@ def run_poll(s: PollSettings) -> int:
             if server is not None:
                 server.close()
             _write_line = _print_line
+
+
+def _metrics(decisions: DecisionStore) -> str:
+    """``GET /metrics``: the decisions by delivery state, the raised alarms by kind."""
+    return delivery_metrics(decisions.delivery_counts()) + alarm_metrics(decisions.alarms())
 
 
 @contextmanager
@@ -667,6 +674,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
             for t in rep.slow:
                 rc = EX_UNAVAILABLE
                 _log(f"{t}: {SLOW_POLL_NOTE}")
+            _log_untracked(rep, fleet)
             for project, zone in sorted(rep.unreachable):
                 _log(f"zone {zone} of {project} did not answer the list; its VMs are kept")
             if rep.failed:
@@ -686,6 +694,22 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
     finally:
         fleet.close()
     return rc
+
+
+def _log_untracked(rep: RoundReport, fleet: FleetPoller) -> None:
+    """The vm_untracked alarm in the journal: raised, still held (every round), cleared."""
+    raised = {t for t, _ in rep.raised}
+    for t, status in rep.raised:
+        _log(
+            f"ALARM {t} alarm=vm_untracked status={status}: it left the label selection while "
+            "running (its label was removed); polled by name until it ends"
+        )
+    for t in rep.untracked:
+        st = fleet.untracked.get(t)
+        if t not in raised and st is not None:
+            _log(f"ALARM {t} alarm=vm_untracked status={st.status}: still untracked, polled")
+    for t, why in rep.cleared:
+        _log(f"{t}: vm_untracked cleared: {why}")
 
 
 def _cursor_notes(store: CursorStore) -> None:
@@ -789,6 +813,7 @@ def _sweep(
                 rep = fleet.round(t0 + sweep_s, announce, time.monotonic, select)
                 _log(f"sweep: {rep.discovered} VMs listed, {rep.outcomes} polled")
                 _log_failed_lists(rep.failed)
+                _log_untracked(rep, fleet)
                 _cursor_notes(p.store)
             except Exception as e:  # a failed sweep is retried at the next one, loudly
                 _log(f"sweep failed: {type(e).__name__}: {e}")

@@ -20,9 +20,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the ledger's decisions for a dispatcher; what the fleet-wide brake holds",
         description="list (default): the failover decisions after --after TOKEN, in token order "
         "(gap-free, increasing), optionally following new ones; held: what the brake holds; "
-        "release --all|ID...: let held failovers through.",
+        "release --all|ID...: let held failovers through; alarms: the raised alarms about "
+        "whole instances (vm_untracked: a VM that left the fleet's label selection while "
+        "running).",
     )
-    d.add_argument("what", nargs="?", default="list", choices=("list", "held", "release"))
+    d.add_argument("what", nargs="?", default="list", choices=("list", "held", "release", "alarms"))
     d.add_argument("ids", nargs="*", metavar="ID", help="release: instance ids or P/Z/NAME")
     d.add_argument("--all", action="store_true", help="release: every held failover")
     d.add_argument("--ledger", default=None, help="as for poll (the same default file)")
