@@ -36,9 +36,11 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from google.oauth2.credentials import Credentials
+from kit.agent import agent_config, agent_process, stop_agent
 from kit.cli import agent_env, gcewd
 from kit.clocks import ManualClock
 from kit.events import sink_events
+from kit.wait import wait_for
 
 pytestmark = pytest.mark.process
 
@@ -193,3 +195,35 @@ def test_check_says_why_the_attributes_are_ignored(tmp_path: Path) -> None:
         assert "attributes: obeyed (no_permission)" in text
         doc, _ = check("[watch]\ntrust_metadata = true\n")
         assert (doc["trusted"], doc["why"]) == (True, "trust_metadata")
+
+
+def test_the_agent_stays_armed_and_its_journal_says_why(tmp_path: Path) -> None:
+    """The real agent (``gce-watchdog run``): the disarm attribute set by a process that can
+    write metadata is not obeyed (no ``disarm`` line on the console), and the journal (stderr
+    outside systemd) says why; with ``trust_metadata = true`` the same attribute disarms."""
+    with SimGCE() as sim, compute_api(EDITOR) as api:
+        sim.metadata.set_scopes([CLOUD_PLATFORM])
+        sim.metadata.info.name, sim.metadata.info.zone = "vm-7", "europe-west4-b"
+        sim.metadata.info.project, sim.metadata.info.id = "sim-project", "77"
+        sim.metadata.set_attribute("gce-watchdog-disarm", "true")
+        host = f"127.0.0.1:{sim.metadata.port}"
+        env = agent_env(GCE_METADATA_HOST=host, GCE_METADATA_IP=host)
+        for trust in (False, True):
+            run = tmp_path / f"trust-{trust}"
+            run.mkdir()
+            watch = {"refresh": 10, "request_timeout": 5, "trust_metadata": trust}
+            cfg = agent_config(run, sim, actions={"linger": 0, "api_base": api.base_url},
+                               watch=watch)  # fmt: skip
+            err = run / "stderr"
+            with err.open("w") as f, agent_process(cfg, stderr=f, env=env) as p:
+                serial = run / "ttyS0"
+                if trust:
+                    said = wait_for(lambda: b" disarm " in serial.read_bytes(), timeout=30)
+                    assert said, serial.read_bytes()[-2000:]
+                else:
+                    said = wait_for(lambda: "is set but ignored" in err.read_text(), timeout=30)
+                    assert said, err.read_text()[-2000:]
+                    assert "can_write_metadata" in err.read_text()
+                    assert wait_for(lambda: serial.read_bytes().count(b" heartbeat ") >= 2)
+                    assert b" disarm " not in serial.read_bytes()  # armed all along
+                assert stop_agent(p) == 0

@@ -161,6 +161,7 @@ def build_agent(
         apply_fault=SystemdFaultApplier(config_path),
         on_notice=lambda n: write_notice(a.run_dir, n),
         api_base=cfg.actions.api_base,
+        log=logs.get().warning,  # its notes (metadata trust above all) go to the journal
     )
 
     def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop

@@ -441,7 +441,12 @@ class MetadataWatcher:
             before, self._trust = self._trust, trust
             self._trust_at = self.clock()
         self._trust_ready.set()
-        if (before.trusted, before.why) != (trust.trusted, trust.why):
+        first = before.why == mdtrust.NOT_CHECKED
+        # said when metadata is not obeyed, and when that changes; a first check that trusts
+        # (the usual case) is `check`'s to say, not a journal line at every start
+        if (before.trusted, before.why) != (trust.trusted, trust.why) and not (
+            first and trust.trusted
+        ):
             verb = "obeyed" if trust.trusted else "ignored"
             self._note(
                 f"metadata disarm and fault attributes {verb}: {trust.detail}", why=trust.why

@@ -4,8 +4,8 @@
   ``Metadata-Flavor: Google`` request/response header, instance id/name/zone/hostname, project id,
   attributes, the default service account, its scopes (``compute.readonly`` by default: it cannot
   write the VM's metadata, so the agent obeys the metadata attributes; ``set_scopes``) and its
-  token (the path google-auth's Compute Engine credentials use), ``wait_for_change`` long polls with ETags, and fault modes (slow, hang, 503,
-  missing flavor header, refused).
+  token (the path google-auth's Compute Engine credentials use), ``wait_for_change`` long
+  polls with ETags, and fault modes (slow, hang, 503, missing flavor header, refused).
 - :class:`TcpListener`: accepts and closes TCP connections (stands in for "the internet on 443").
 - :class:`FakeDNS`: a UDP DNS server (dnspython message codec) that can answer only after a delay,
   never, or with SERVFAIL.
