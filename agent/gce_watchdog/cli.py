@@ -185,9 +185,18 @@ EXIT_CODES: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {
         _CONFIG,
     ),
     ("pin",): (
-        ("0", "pinned"),
-        ("64", "usage error: not an instance id or not a fingerprint"),
+        ("0", "pinned (or already pinned with that fingerprint: nothing changed)"),
+        ("1", "refused: the instance has a pin of another fingerprint (both printed); --replace"),
+        (
+            "64",
+            "usage error: not PROJECT/ZONE/NAME or an id (an id needs --project), not a "
+            "fingerprint",
+        ),
+        ("66", "no ledger at that path (--create makes one)"),
+        ("69", "the Compute API has no such instance (in the projects asked)"),
         ("74", "the ledger cannot be opened or written"),
+        ("75", "the Compute API could not say whether the instance exists; nothing changed"),
+        ("77", "no credentials, or the API rejected them"),
     ),
     ("parse",): (
         ("0", "parsed"),

@@ -355,3 +355,21 @@ def test_a_late_poller_and_a_second_host_use_the_ledgers_pin(spec: str, tmp_path
             assert tl.pin == SYNTH_KEY.public and tl.unplaced == [evil.fingerprint]
             v = tl.judge(off, 1e10, Policy())
             assert v.kind is VerdictKind.WORKLOAD_OK and not v.failover  # the forgery: nothing
+
+
+def test_an_instance_alarm_is_raised_once_seen_again_cleared_and_raised_anew(spec: str) -> None:
+    inst = "p/z/vm"
+    with open_ledger(spec, owner="host-a") as a, open_ledger(spec, owner="host-b") as b:
+        assert a.decisions.alarms() == []
+        assert a.decisions.raise_alarm("42", "vm_untracked", inst, "RUNNING", {"k": "v"}, 10.0)
+        # another poller sees it still hold: not raised again, seen later, status updated
+        assert not b.decisions.raise_alarm("42", "vm_untracked", inst, "STOPPING", {}, 20.0)
+        [al] = b.decisions.alarms()
+        assert (al.instance_id, al.instance, al.status, al.labels) == ("42", inst, "STOPPING", {})
+        assert (al.raised_at, al.raised_by, al.seen_at) == (10.0, "host-a", 20.0)
+        assert b.decisions.clear_alarm("42", "vm_untracked", "deleted", 30.0)
+        assert not a.decisions.clear_alarm("42", "vm_untracked", "deleted", 31.0)  # once
+        assert a.decisions.alarms() == []
+        assert b.decisions.raise_alarm("42", "vm_untracked", inst, "RUNNING", {}, 40.0)
+        [al] = a.decisions.alarms()
+        assert (al.raised_at, al.raised_by) == (40.0, "host-b")

@@ -169,6 +169,14 @@ def served_responses(api: FakeComputeAPI) -> list[tuple[str, dict[str, Any]]]:
     call("compute.instances.setMetadata", "POST", f"{base}/instances/vm-2/setMetadata",
          params={"requestId": str(uuid.uuid4())},
          json={"fingerprint": fp, "items": [{"key": "k", "value": "v"}]})  # fmt: skip
+    # the metadata trust check (daemon/mdtrust.py): what the caller holds of what it asks;
+    # the request body is TestPermissionsRequest, the answer TestPermissionsResponse
+    held = call("compute.instances.testIamPermissions", "POST",
+                f"{base}/instances/vm-2/testIamPermissions",
+                json={"permissions": ["compute.instances.setMetadata"]})  # fmt: skip
+    assert held == {"permissions": ["compute.instances.setMetadata"]}
+    request = doc_methods(load_doc())["compute.instances.testIamPermissions"]["request"]
+    assert schema_errors(load_doc(), request, {"permissions": ["a.b.c"]}, "request") == []
     api.fail_next_operation(403, "PERMISSION_DENIED", "no")
     call("compute.instances.stop", "POST", f"{base}/instances/vm-2/stop",
          params={"requestId": str(uuid.uuid4())})  # fmt: skip
@@ -274,7 +282,9 @@ def test_undeclared_parameters_are_refused_and_standard_ones_accepted(
 ) -> None:
     api.add_instance("vm-1", project=P, zone=Z)
     m = simcompute.METHODS[mid]
-    path = m.path.format(project=P, zone=Z, instance="vm-1", operation="operation-1")
+    path = m.path.format(
+        project=P, zone=Z, instance="vm-1", resource="vm-1", operation="operation-1"
+    )
     bad = requests.request(
         m.http, _url(api, path), params={"returnPartialSuccess": "true"}, headers=AUTH, timeout=5
     )
@@ -419,3 +429,31 @@ def test_simulate_maintenance_event_stops_a_terminate_vm_after_its_notice() -> N
         assert api.instance("std-1").maintenance_event == "NONE"
         api.restart("gpu-1")
         assert gpu.maintenance_event == "NONE"
+
+
+def test_test_iam_permissions_answers_the_subset_the_callers_role_grants() -> None:
+    """instances.testIamPermissions per the discovery document: POST with a
+    TestPermissionsRequest, the subset held back (``{}`` when none), 404 for no instance."""
+    roles = {"ro": ["compute.instances.get"], "rw": ["compute.instances.setMetadata"]}
+    with FakeComputeAPI(token=["ro", "rw", "tok"], roles=roles) as a:
+        a.add_instance("vm", project=P, zone=Z)
+        url = _url(a, f"projects/{P}/zones/{Z}/instances/vm/testIamPermissions")
+        ask = {"permissions": ["compute.instances.setMetadata", "compute.instances.get"]}
+
+        def held(token: str, body: object = ask, u: str = url) -> tuple[int, Any]:
+            hdr = {"Authorization": f"Bearer {token}"}
+            r = requests.post(u, json=body, headers=hdr, timeout=5)
+            return r.status_code, r.json()
+
+        assert held("ro") == (200, {"permissions": ["compute.instances.get"]})
+        assert held("rw") == (200, {"permissions": ["compute.instances.setMetadata"]})
+        assert held("tok") == (200, ask)  # no role: every permission
+        assert held("ro", {"permissions": ["compute.instances.delete"]}) == (200, {})
+        assert held("ro", {"permissions": ["compute.*"]})[0] == 400
+        assert held("ro", u=url.replace("/vm/", "/nope/"))[0] == 404
+        by_id = url.replace("/vm/", f"/{a.instance('vm').id}/")  # resource: "Name or id"
+        assert held("rw", u=by_id)[1] == {"permissions": ["compute.instances.setMetadata"]}
+        for code, body in (held("ro"), held("tok", {})):
+            assert (
+                response_errors(load_doc(), [("compute.instances.testIamPermissions", body)]) == []
+            )

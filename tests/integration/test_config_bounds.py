@@ -63,6 +63,9 @@ REFUSED = [
     ("watch", "disarm_hold", "30d", "every disarm expires"),
     ("watch", "refresh", INF, "inf"),
     ("watch", "request_timeout", INF, "inf"),
+    # trusting metadata is a yes/no the operator writes on purpose: no truthy strings
+    ("watch", "trust_metadata", "yes", "expected bool"),
+    ("watch", "trust_metadata", 1, "expected bool"),
 ]
 
 
@@ -212,6 +215,7 @@ _KEYS: dict[tuple[str, str], st.SearchStrategy[object]] = {
     ("actions", "command_timeout"): _dur(0.01, 600),
     ("actions", "kernel"): st.sampled_from([[], ["reboot"], ["reboot", "sysrq"]]),
     ("watch", "disarm_hold"): _dur(0.01, 86400),
+    ("watch", "trust_metadata"): st.booleans(),
     ("memory", "period"): _dur(0.01, 86400),
 }
 

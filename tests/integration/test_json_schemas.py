@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 from gce_watchdog.cli import main
 from gce_watchdog.lib import jsontime
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.testing.synth import Writer
@@ -35,7 +36,10 @@ pytestmark = pytest.mark.process
 
 # The outputs this file makes in-process; fault inject/status need root and network namespaces:
 # tests/root/test_faults.py validates those against theirs.
-NAMES = ("poll", "check", "parse", "report", "decisions", "decisions-held", "validate-plan")
+NAMES = (
+    "poll", "check", "parse", "report", "decisions", "decisions-held", "decisions-alarms",
+    "validate-plan",
+)  # fmt: skip
 ALL = (*NAMES, "fault-inject", "fault-status")
 # A string that starts like a date is a time; it must then be RFC 3339 UTC, the one format.
 LOOKS_LIKE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]\d")
@@ -87,6 +91,12 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list
     ledger = str(tmp / "ledger.sqlite")
     out["decisions"] = run(["decisions", "--ledger", ledger, "--json"])[1]
     out["decisions-held"] = run(["decisions", "held", "--ledger", ledger, "--json"])[1]
+    with open_ledger(ledger) as led:  # a VM that left the fleet's label selection while running
+        led.decisions.raise_alarm(
+            "4000000000000000009", "vm_untracked", "test-project/us-central1-a/vm-9", "RUNNING",
+            {"gce-watchdog-job": "j1"},
+        )  # fmt: skip
+    out["decisions-alarms"] = run(["decisions", "alarms", "--ledger", ledger, "--json"])[1]
     out["parse"] = run(["parse", str(log), "--json", "--now", "last"])[1]
     out["report"] = run(["report", str(log), "--json", "--now", "last"])[1]
     out["check"] = check_outputs(tmp)

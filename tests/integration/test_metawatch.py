@@ -405,11 +405,13 @@ def test_an_applied_request_survives_a_restart_and_is_not_reapplied(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
     w, _, _ = make(tmp_path, md, faults_from_metadata=True)
+    assert w.refresh_once() and w.trust.trusted  # the sim's account cannot write metadata
     rec = RecordingApplier()
     w.apply_fault = rec
     w.on_fault_value(FAULT)
     assert len(rec.applied) == 1
     w2, _, _ = make(tmp_path, md, faults_from_metadata=True)  # the agent restarted (same state)
+    assert w2.refresh_once()
     rec2 = RecordingApplier()
     w2.apply_fault = rec2
     w2.on_fault_value(FAULT)
@@ -422,6 +424,7 @@ def test_a_failed_or_invalid_request_is_said_on_the_console(
     tmp_path: Path, md: FakeMetadataServer
 ) -> None:
     w, sink, _ = make(tmp_path, md, faults_from_metadata=True)
+    assert w.refresh_once() and w.trust.trusted
     w.apply_fault = RecordingApplier(fail="rc=1: iptables: not found")
     w.on_fault_value(FAULT)
     w.on_fault_value('{"id": "x", "cut": "ssh", "ttl": "1m"}')

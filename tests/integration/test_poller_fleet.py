@@ -347,8 +347,8 @@ def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
     api: FakeComputeAPI, tmp_path: Path
 ) -> None:
     """Gone VMs are known from the cursors a previous run left: deleted ones are decided on
-    their cursor through the ledger and their cursor dropped; one whose label was removed (still
-    there) is no longer watched and nothing is decided about it."""
+    their cursor through the ledger and their cursor dropped; one whose label was removed while
+    it runs (still there) is untracked: an alarm, and polled by name (issue 35 item 6)."""
     for n in ("stays", "deleted", "unlabelled"):
         api.add_instance(n, labels=LABEL)
         healthy(api, n, f"{len(n):08x}")
@@ -375,9 +375,14 @@ def test_a_restarted_poller_finalizes_vms_deleted_while_it_was_down_once(
                 assert outs["deleted"].action == "none"
                 assert outs["deleted"].verdict is not None
                 assert outs["deleted"].verdict.kind.value == "ended_unread"
-                assert "unlabelled" not in outs  # still there: not decided, not announced
-            else:
-                assert sorted(outs) == ["stays"]
+                assert outs["unlabelled"].action == "none"  # still running: polled, no decision
+                assert [t.name for t, _ in rep.raised] == ["unlabelled"]  # type: ignore[attr-defined]
+            else:  # the next poller takes the alarm from the ledger and polls it still
+                assert sorted(outs) == ["stays", "unlabelled"]
+                assert rep.raised == [] and [t.name for t in rep.untracked] == ["unlabelled"]  # type: ignore[attr-defined]
+        assert [a.instance for a in led.decisions.alarms()] == [
+            "test-project/us-central1-a/unlabelled"
+        ]
         assert [d.instance for d in led.decisions.all()] == []
     assert sorted(p.name for p in cursors.glob("*.json")) == [
         "test-project.us-central1-a.stays.json",

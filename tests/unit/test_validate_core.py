@@ -45,6 +45,7 @@ def test_one_labelled_small_vm_per_scenario_with_the_real_script_and_the_fault_s
         m = md(b)
         assert m["startup-script"] == SCRIPT
         assert "faults_from_metadata = true" in m["gce-watchdog-config"]
+        assert "trust_metadata = true" in m["gce-watchdog-config"]  # cloud-platform VMs
         assert m["gce-watchdog-deb-url"] == SRC.deb_url
         assert m["gce-watchdog-deb-sha256"] == SRC.deb_sha256
         sched = b["scheduling"]

@@ -1,1 +1,2 @@
-"""The agent itself: the ladder (pure), probes, metadata watcher, action chain, metrics, disarm."""
+"""The agent itself: the ladder (pure), probes, metadata watcher, the metadata trust rule
+(mdtrust, pure), action chain, metrics, disarm."""

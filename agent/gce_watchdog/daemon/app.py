@@ -33,7 +33,15 @@ from gce_watchdog.daemon.endoflife import (
     run_here,
 )
 from gce_watchdog.daemon.ladder import ProbeVerdict
-from gce_watchdog.daemon.metawatch import MetadataWatcher, SystemdFaultApplier, metadata_root
+from gce_watchdog.daemon.mdtrust import Trust
+from gce_watchdog.daemon.metawatch import (
+    MetadataClient,
+    MetadataWatcher,
+    SystemdFaultApplier,
+    TrustProbe,
+    metadata_root,
+    metadata_trust,
+)
 from gce_watchdog.daemon.metrics import MetricsExporter
 from gce_watchdog.daemon.probes import Prober, build_prober
 from gce_watchdog.daemon.sdnotify import Notifier
@@ -152,6 +160,8 @@ def build_agent(
         emitter,
         apply_fault=SystemdFaultApplier(config_path),
         on_notice=lambda n: write_notice(a.run_dir, n),
+        api_base=cfg.actions.api_base,
+        log=logs.get().warning,  # its notes (metadata trust above all) go to the journal
     )
 
     def keepalive() -> None:  # the chain runs on the loop's thread: it pings for the loop
@@ -457,6 +467,17 @@ def _classify(res: TickResult) -> tuple[str, int, int, str]:
     )
 
 
+def _metadata_trust(cfg: cfgmod.Config) -> Trust:
+    """Whether the running agent would obey the metadata disarm and fault attributes."""
+    timeout = float(cfg.watch.request_timeout)
+    client = MetadataClient(metadata_root(cfg))
+    try:
+        probe = TrustProbe(client, cfg.actions.api_base, timeout)
+        return metadata_trust(cfg.watch.trust_metadata, probe, client, timeout)
+    finally:
+        client.abort()
+
+
 def _check(config_path: str | None, as_json: bool) -> int:
     cfg = load_config_or_exit(config_path)
     prober = _prober(cfg)
@@ -481,6 +502,7 @@ def _check(config_path: str | None, as_json: bool) -> int:
         },
     }
     key_line, key_problems = _key_status(cfg)
+    trust = _metadata_trust(cfg)
     if as_json:
         out = {
             "v": CHECK_JSON_VERSION,
@@ -494,6 +516,11 @@ def _check(config_path: str | None, as_json: bool) -> int:
             "ladder_file": str(st.path),
             "platform": platform_line(cfg.agent)[1],
             "gpu": {"present": gpu[0], "reason": gpu[1]},
+            "metadata_trust": {
+                "trusted": trust.trusted,
+                "why": trust.why,
+                "detail": trust.detail,
+            },
         }
         print(json.dumps(out, sort_keys=True))
         return rc
@@ -517,6 +544,8 @@ def _check(config_path: str | None, as_json: bool) -> int:
     gce, line = platform_line(cfg.agent)
     print(line)
     print(f"gpu: {gpu[1]}" if gpu[0] else f"gpu: no GPU ({gpu[1]}): GPU memory gauges absent")
+    verb = "obeyed" if trust.trusted else "IGNORED"
+    print(f"metadata disarm/fault attributes: {verb} ({trust.why}): {trust.detail}")
     if res.metadata.verdict is not ProbeVerdict.OK:
         hint = "" if gce else ": outside GCE there is none"
         print(

@@ -7,6 +7,11 @@ While the metadata server answers, :class:`MetadataWatcher`:
   restart of the agent);
 - reads the disarm attribute (``watch.disarm_attribute``); a disarm stays valid for
   ``watch.disarm_hold`` after it was last confirmed, so it too always expires;
+- decides whether the disarm and fault attributes may be obeyed at all (``daemon/mdtrust.py``:
+  not when the VM's service account can write its own metadata, unless ``watch.trust_metadata``)
+  once its identity is known and again every ``TRUST_RECHECK_S``, failing closed; an attribute
+  it does not obey is said in the journal (and a fault request as ``fault op=refused
+  why=untrusted``);
 - long-polls ``instance/preempted`` and ``instance/maintenance-event`` with wait-for-change (ETag,
   ``timeout_sec``, a client timeout 10 s above the server's), and writes a ``preempted`` line the
   moment GCE announces a preemption (about 30 s before the VM is stopped), or a ``maintenance``
@@ -33,11 +38,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from gce_watchdog.daemon import mdtrust
 from gce_watchdog.faults.request import FaultRequest, decide, inject_argv, remember
 from gce_watchdog.job.notice import Notice, maintenance_notice, preemption_notice
 from gce_watchdog.lib.files import atomic_write, read_json
@@ -59,6 +65,10 @@ BACKOFF_MAX_S = 60.0
 # A long poll that returns at once with an unchanged ETag (a server that ignores wait_for_change)
 # must not turn into a busy loop: at least this long between two such requests.
 MIN_POLL_GAP_S = 1.0
+# The metadata trust check (daemon/mdtrust.py) runs again this often: a service account's
+# scopes change only with the VM stopped, its IAM roles at any time.
+TRUST_RECHECK_S = 600.0
+SCOPES_PATH = "instance/service-accounts/default/scopes"
 # Values must be safe to put in a Compute API URL path.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
 
@@ -177,6 +187,93 @@ BACKOFF = Backoff(BACKOFF_FIRST_S, 2.0, BACKOFF_MAX_S, jitter=0.5)
 MonoClock = Callable[[], float]
 
 
+def read_identity(client: MetadataClient, timeout: float) -> InstanceInfo:
+    """The instance's identity from the metadata server: MetadataError when it cannot be read,
+    ValueError (its values) when they are not what a Compute API URL can take."""
+    got: dict[str, str] = {}
+    for key, path in (
+        ("id", "instance/id"),
+        ("name", "instance/name"),
+        ("zone", "instance/zone"),
+        ("project", "project/project-id"),
+    ):
+        r = client.get(path, None, timeout)
+        if r.status != 200:
+            raise MetadataError(f"{path}: HTTP {r.status}")
+        got[key] = r.body.strip()
+    got["zone"] = got["zone"].rsplit("/", 1)[-1]  # projects/NUM/zones/ZONE -> ZONE
+    info = InstanceInfo.from_json(got)
+    if info is None:
+        raise ValueError(str(got))
+    return info
+
+
+def metadata_trust(
+    trust_local: bool, probe: TrustProbe, client: MetadataClient, timeout: float
+) -> mdtrust.Trust:
+    """One whole trust check, as ``check`` runs it: scopes, then (a write scope) the identity
+    and testIamPermissions; what cannot be read counts as unknown (fail closed)."""
+    if trust_local:
+        return mdtrust.decide(True, None, None)
+    scopes = probe.scopes()
+    held = None
+    if mdtrust.needs_permission_check(False, scopes):
+        with contextlib.suppress(MetadataError, ValueError):
+            held = probe.held(read_identity(client, timeout))
+    return mdtrust.decide(False, scopes, held)
+
+
+class TrustProbe:
+    """The metadata trust check's edges: the service account's scopes from the metadata server,
+    and ``instances.testIamPermissions`` on the VM itself through the Compute API as that
+    account (``actions.api_base``; google-auth is imported only when a scope could write)."""
+
+    def __init__(
+        self,
+        client: MetadataClient,
+        api_base: str,
+        timeout: float,
+        compute: Callable[[], Any] | None = None,
+    ) -> None:
+        self.client = client
+        self.api_base = api_base
+        self.timeout = timeout
+        # makes the Compute API client (a ``lib.compute.ComputeClient``); None: the VM's own
+        # service account through the metadata server (``ComputeClient.on_vm``)
+        self.compute = compute
+
+    def scopes(self) -> list[str] | None:
+        """The default service account's scopes; [] when the VM has none; None: unknown."""
+        try:
+            r = self.client.get(SCOPES_PATH, None, self.timeout)
+        except MetadataError:
+            return None
+        if r.status == 404:
+            return []
+        if r.status != 200:
+            return None
+        return [x.strip() for x in r.body.splitlines() if x.strip()]
+
+    def held(self, info: InstanceInfo) -> list[str] | None:
+        """What ``testIamPermissions`` grants of ``[SET_METADATA]`` on this VM; None: unknown."""
+        try:
+            if self.compute is not None:
+                client = self.compute()
+            else:
+                from gce_watchdog.lib.compute import ComputeClient
+
+                client = ComputeClient.on_vm(self.api_base, self.timeout)
+            try:
+                held: list[str] = client.test_iam_permissions(
+                    info.project, info.zone, info.name, [mdtrust.SET_METADATA]
+                )
+                return held
+            finally:
+                client.close()
+        except Exception:  # an edge: every failure is "cannot tell" (fail closed)
+            return None
+
+
 class MetadataWatcher:
     """Threads that watch the metadata server; see the module docstring.
 
@@ -195,8 +292,21 @@ class MetadataWatcher:
         apply_fault: FaultApplier | None = None,
         on_notice: Callable[[Notice], None] | None = None,
         wall: Callable[[], float] = time.time,
+        trust_probe: TrustProbe | None = None,
+        api_base: str = cfgmod.ActionsSection.api_base,
     ) -> None:
         self.watch = watch
+        # None: a probe on this watcher's metadata client and the Compute API at ``api_base``
+        self.trust_probe = trust_probe
+        self.api_base = api_base
+        self._trust = mdtrust.not_checked(watch.trust_metadata)
+        self._trust_at: float | None = None  # clock() of the last finished check
+        # set once a check has answered (or at once with trust_metadata): the fault watch waits
+        # for it, so a request read at start-up is not refused only because nothing was checked
+        self._trust_ready = threading.Event()
+        if self._trust.trusted:
+            self._trust_ready.set()
+        self._ignored_said: dict[str, str] = {}  # attribute -> the reason last said for it
         self.on_notice = on_notice  # the job's notice (job/notice.py): written by the agent
         self.wall = wall
         self.state_dir = state_dir  # the instance identity cache (instance.json) lives here
@@ -219,6 +329,7 @@ class MetadataWatcher:
     @classmethod
     def from_config(cls, cfg: cfgmod.Config, emitter: Emitter, **kw: Any) -> MetadataWatcher:
         """A watcher for ``cfg.watch`` on the metadata server of ``cfg.metadata``."""
+        kw.setdefault("api_base", cfg.actions.api_base)
         return cls(cfg.watch, metadata_root(cfg), cfg.agent.state_dir, emitter, **kw)
 
     # -- what the daemon reads (cheap, never blocks on the network) ------------------------------
@@ -229,11 +340,20 @@ class MetadataWatcher:
 
     @property
     def disarm_requested(self) -> bool:
-        """True while the disarm attribute is set and was confirmed within ``disarm_hold``."""
+        """True while the disarm attribute is set, was confirmed within ``disarm_hold``, and
+        metadata may be obeyed (:attr:`trust`)."""
         with self._lock:
             if not self._disarm_value or self._disarm_confirmed is None:
                 return False
+            if not self._trust.trusted:
+                return False
             return self.clock() - self._disarm_confirmed < self.watch.disarm_hold
+
+    @property
+    def trust(self) -> mdtrust.Trust:
+        """Whether the disarm and fault attributes may be obeyed, and why (daemon/mdtrust.py)."""
+        with self._lock:
+            return self._trust
 
     @property
     def preempted(self) -> bool:
@@ -275,27 +395,13 @@ class MetadataWatcher:
     # -- identity and the disarm attribute -------------------------------------------------------
     def refresh_once(self) -> bool:
         """Read identity and the disarm attribute once; True when the identity was read."""
-        w = self.watch
-        t = w.request_timeout
-        got: dict[str, str] = {}
         try:
-            for key, path in (
-                ("id", "instance/id"),
-                ("name", "instance/name"),
-                ("zone", "instance/zone"),
-                ("project", "project/project-id"),
-            ):
-                r = self.client.get(path, None, t)
-                if r.status != 200:
-                    raise MetadataError(f"{path}: HTTP {r.status}")
-                got[key] = r.body.strip()
+            info = read_identity(self.client, float(self.watch.request_timeout))
         except MetadataError as e:
             self._note("identity read failed", error=str(e))
             return False
-        got["zone"] = got["zone"].rsplit("/", 1)[-1]  # projects/NUM/zones/ZONE -> ZONE
-        info = InstanceInfo.from_json(got)
-        if info is None:
-            self._note("identity has unexpected values", values=got)
+        except ValueError as e:
+            self._note("identity has unexpected values", values=str(e))
             return False
         with self._lock:
             changed = info != self._instance
@@ -312,9 +418,40 @@ class MetadataWatcher:
                 save_instance_cache(self.state_dir, info)
             except OSError as e:
                 self._note("cannot write the instance cache", error=str(e))
+        if self._trust_at is None or self.clock() - self._trust_at >= TRUST_RECHECK_S:
+            self.check_trust(info)
         self._read_disarm()
         self.refreshes += 1
         return True
+
+    def check_trust(self, info: InstanceInfo) -> mdtrust.Trust:
+        """Decide again whether metadata may be obeyed; say it in the journal when it changed."""
+        local = self.watch.trust_metadata
+        scopes: list[str] | None = None
+        held: list[str] | None = None
+        if not local:
+            probe = self.trust_probe or TrustProbe(
+                self.client, self.api_base, float(self.watch.request_timeout)
+            )
+            scopes = probe.scopes()
+            if mdtrust.needs_permission_check(local, scopes):
+                held = probe.held(info)
+        trust = mdtrust.decide(local, scopes, held)
+        with self._lock:
+            before, self._trust = self._trust, trust
+            self._trust_at = self.clock()
+        self._trust_ready.set()
+        first = before.why == mdtrust.NOT_CHECKED
+        # said when metadata is not obeyed, and when that changes; a first check that trusts
+        # (the usual case) is `check`'s to say, not a journal line at every start
+        if (before.trusted, before.why) != (trust.trusted, trust.why) and not (
+            first and trust.trusted
+        ):
+            verb = "obeyed" if trust.trusted else "ignored"
+            self._note(
+                f"metadata disarm and fault attributes {verb}: {trust.detail}", why=trust.why
+            )
+        return trust
 
     def _read_disarm(self) -> None:
         path = "instance/attributes/" + self.watch.disarm_attribute
@@ -332,6 +469,22 @@ class MetadataWatcher:
         with self._lock:
             self._disarm_value = value
             self._disarm_confirmed = self.clock()
+            trust = self._trust
+        self._say_ignored(self.watch.disarm_attribute, value and not trust.trusted, trust)
+
+    def _say_ignored(self, attribute: str, ignored: bool, trust: mdtrust.Trust) -> None:
+        """The journal says, once per attribute and reason, that a set attribute is ignored."""
+        if not ignored:
+            self._ignored_said.pop(attribute, None)
+            return
+        if self._ignored_said.get(attribute) == trust.why:
+            return
+        self._ignored_said[attribute] = trust.why
+        self._note(
+            f"metadata attribute {attribute} is set but ignored: {trust.detail} "
+            "(docs/actions.md, 'Who may disarm through metadata')",
+            why=trust.why,
+        )
 
     def _info_loop(self) -> None:
         backoff = BACKOFF.counter()
@@ -425,6 +578,9 @@ class MetadataWatcher:
         listing = "instance/attributes/"
         key_etag = ""
         backoff = BACKOFF.counter()
+        while not self._trust_ready.wait(MIN_POLL_GAP_S):  # the first trust check (bounded:
+            if self._stop.is_set():  # by stop)
+                return
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
@@ -484,11 +640,16 @@ class MetadataWatcher:
             return
         self._fault_seen = value
         applied = load_applied(self.state_dir)
-        d = decide(value, self.watch.faults_from_metadata, applied)
+        trust = self.trust
+        d = decide(value, self.watch.faults_from_metadata, applied, trust.trusted)
         if d.request is None:
             if d.why in ("absent", "applied-before"):
                 return
-            self._note("fault request refused", why=d.why)
+            if d.why == "untrusted":
+                self._say_ignored(self.watch.fault_attribute, True, trust)
+                d = replace(d, why=f"untrusted: {trust.why}")
+            else:
+                self._note("fault request refused", why=d.why)
             self.emitter.emit(
                 vocab.FAULT,
                 {"op": "refused", "req": _request_id(value), "why": d.why.split(":")[0]},

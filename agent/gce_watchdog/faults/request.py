@@ -89,12 +89,18 @@ def parse_request(value: str) -> FaultRequest:
     return FaultRequest(rid, cut, ttl)
 
 
-def decide(value: str | None, enabled: bool, applied: Collection[str]) -> Decision:
-    """Whether a value of the attribute (None: the key is absent) is to be applied now."""
+def decide(
+    value: str | None, enabled: bool, applied: Collection[str], trusted: bool = True
+) -> Decision:
+    """Whether a value of the attribute (None: the key is absent) is to be applied now.
+    ``trusted``: whether metadata may be obeyed at all (daemon/mdtrust.py); a request while it
+    may not is refused (``untrusted``), not kept for later."""
     if value is None or not value.strip():
         return Decision(None, "absent")
     if not enabled:
         return Decision(None, "disabled")
+    if not trusted:
+        return Decision(None, "untrusted")
     try:
         req = parse_request(value)
     except BadRequest as e:

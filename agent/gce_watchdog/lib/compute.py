@@ -392,19 +392,26 @@ class ComputeClient:
 
     _url = instance_url
 
-    def send(self, method: str, url: str, params: dict[str, str]) -> requests.Response:
-        """One request, bounded; transport and token errors are raised as they come."""
+    def send(
+        self, method: str, url: str, params: dict[str, str], body: object = None
+    ) -> requests.Response:
+        """One request, bounded; transport and token errors are raised as they come. ``body``:
+        sent as JSON when not None."""
         kw: dict[str, Any] = {"params": params, "timeout": self.timeout}
+        if body is not None:
+            kw["json"] = body
         if self.max_allowed_time is not None:
             kw["max_allowed_time"] = self.max_allowed_time
         return self.session.request(method, url, **kw)
 
-    def _once(self, method: str, url: str, params: dict[str, str]) -> dict[str, Any]:
+    def _once(
+        self, method: str, url: str, params: dict[str, str], body: object = None
+    ) -> dict[str, Any]:
         import google.auth.exceptions
         import requests
 
         try:
-            r = self.send(method, url, params)
+            r = self.send(method, url, params, body)
         except google.auth.exceptions.RefreshError as e:
             raise AuthError(f"credentials could not be refreshed: {e}", 401) from None
         except google.auth.exceptions.TransportError as e:
@@ -439,11 +446,31 @@ class ComputeClient:
         after = parse_retry_after(r.headers.get("Retry-After"), time.time())
         raise ComputeAPIError(text, r.status_code, reason, after)
 
-    def _call(self, method: str, url: str, params: dict[str, str]) -> dict[str, Any]:
+    def _call(
+        self, method: str, url: str, params: dict[str, str], body: object = None
+    ) -> dict[str, Any]:
         result: dict[str, Any] = self.retry.call(
-            f"{method} {url}", lambda: self._once(method, url, params)
+            f"{method} {url}", lambda: self._once(method, url, params, body)
         )
         return result
+
+    def test_iam_permissions(
+        self, project: str, zone: str, name: str, permissions: list[str]
+    ) -> list[str]:
+        """``instances.testIamPermissions``: the subset of ``permissions`` the caller holds on
+        the instance (discovery document: POST .../instances/{resource}/testIamPermissions,
+        ``TestPermissionsRequest`` {"permissions": [...]} in, ``TestPermissionsResponse`` out;
+        an empty subset may come back as ``{}``)."""
+        body = self._call(
+            "POST",
+            self._url(project, zone, name, "/testIamPermissions"),
+            {},
+            {"permissions": list(permissions)},
+        )
+        held = body.get("permissions") or []
+        if not isinstance(held, list):
+            raise ComputeAPIError("malformed TestPermissionsResponse", 200)
+        return [str(p) for p in held if str(p) in permissions]
 
     def serial_port_output(
         self, project: str, zone: str, name: str, start: int, port: int = 1

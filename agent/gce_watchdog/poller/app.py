@@ -47,11 +47,14 @@ from typing import Any
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import (
     EX_CONFIG,
+    EX_FAIL,
     EX_IOERR,
+    EX_NOINPUT,
     EX_NOPERM,
     EX_OK,
     EX_TEMPFAIL,
     EX_UNAVAILABLE,
+    EX_USAGE,
     CommandError,
 )
 from gce_watchdog.lib.compute import (
@@ -71,6 +74,7 @@ from gce_watchdog.poller.fleet import (
     BudgetedSession,
     FleetPoller,
     ProjectBudget,
+    RoundReport,
     Target,
     plan_interval,
 )
@@ -442,7 +446,6 @@ def run_decisions_cmd(
 ) -> int:
     """``gce-watchdog decisions``: open the ledger (a release announces through the pollers'
     next round: its lease is 0), run :func:`gce_watchdog.poller.decisions.run_decisions`."""
-    from gce_watchdog.lib.cli import EX_USAGE
     from gce_watchdog.poller.decisions import run_decisions
     from gce_watchdog.poller.settings import ledger_backend
 
@@ -468,6 +471,116 @@ def run_decisions_cmd(
             )
         finally:
             ledger.close()
+
+
+@dataclass(frozen=True)
+class PinRequest:
+    """``gce-watchdog pin``'s options, as plain values (poller/ledger_cli.py)."""
+
+    instance: str  # PROJECT/ZONE/NAME or the numeric instance id
+    fingerprint: str
+    projects: tuple[str, ...] = ()
+    ledger: str | None = None
+    create: bool = False
+    replace: bool = False
+    api_base: str | None = None
+    token_file: str | None = None
+
+
+def _pin_failed(status: int, msg: str) -> CommandError:
+    return CommandError(status, f"gce-watchdog pin: {msg}")
+
+
+def _pin_target(req: PinRequest) -> tuple[str, str, str, str] | str:
+    """(project, zone, name, "") for PROJECT/ZONE/NAME, or the instance id; exit 64 otherwise."""
+    from gce_watchdog.lib.compute import validate_target
+
+    parts = req.instance.split("/")
+    if len(parts) == 3:
+        errs = validate_target(parts[0], parts[1], [parts[2]])
+        if errs:
+            raise _pin_failed(EX_USAGE, "; ".join(errs))
+        return parts[0], parts[1], parts[2], ""
+    if not re.fullmatch(r"[1-9][0-9]{0,19}", req.instance):
+        raise _pin_failed(EX_USAGE, "INSTANCE is PROJECT/ZONE/NAME or the numeric instance id")
+    if not req.projects:
+        raise _pin_failed(EX_USAGE, "an instance id needs --project (where to look it up)")
+    return req.instance
+
+
+def _pin_resolve(req: PinRequest, client: ComputeClient) -> tuple[str, str]:
+    """The instance's (id, project/zone/name) as the Compute API says; refuses one it cannot
+    find (69) and one it cannot tell about (75): a typo must not pin anything."""
+    from gce_watchdog.lib.compute import ComputeAPIError
+    from gce_watchdog.poller.identity import IdentityUnavailable
+
+    target = _pin_target(req)
+    if isinstance(target, str):
+        try:
+            who = ComputeIdentities(client, req.projects, hold_s=0.0).resolve(target)
+        except IdentityUnavailable as e:
+            raise _pin_failed(EX_TEMPFAIL, f"cannot tell whether {target} exists: {e}") from None
+        if who is None:
+            raise _pin_failed(
+                EX_UNAVAILABLE, f"no instance with id {target} in {', '.join(req.projects)}"
+            )
+        return who.instance_id, who.target
+    project, zone, name, _ = target
+    try:
+        st = client.get_instance(project, zone, name)
+    except AuthError as e:
+        raise _pin_failed(EX_NOPERM, str(e)) from None
+    except ComputeAPIError as e:
+        raise _pin_failed(EX_TEMPFAIL, f"cannot tell whether {req.instance} exists: {e}") from None
+    if st is None or not st.id:
+        raise _pin_failed(EX_UNAVAILABLE, f"no instance {req.instance}")
+    return st.id, f"{project}/{zone}/{name}"
+
+
+def run_pin_cmd(req: PinRequest) -> int:
+    """``gce-watchdog pin`` (docs/serial-protocol.md, "Pins"): the fingerprint checked, the
+    ledger found (never created by a typo: ``--create``), the instance found through the
+    Compute API, then one transaction that pins it, or refuses to replace another pin without
+    ``--replace``."""
+    if not re.fullmatch(r"[0-9a-f]{32}", req.fingerprint):
+        raise _pin_failed(EX_USAGE, "FINGERPRINT is 32 lowercase hex")
+    _pin_target(req)  # usage errors first, before any file or request
+    where: str | Path = req.ledger or default_ledger()
+    try:
+        backend = ledger_backend(where)
+    except ValueError as e:
+        raise _pin_failed(EX_USAGE, f"--ledger: {e}") from None
+    if backend == "sqlite" and not req.create and not Path(where).is_file():
+        raise _pin_failed(EX_NOINPUT, f"no ledger at {where} (--create makes a new one)")
+    try:
+        client = ComputeClient.create(
+            _credentials(req.token_file), req.api_base or DEFAULT_API_BASE
+        )
+    except (OSError, ValueError) as e:
+        raise _pin_failed(EX_NOPERM, f"--access-token-file: {e}") from None
+    except AuthError as e:
+        raise _pin_failed(EX_NOPERM, str(e)) from None
+    try:
+        iid, target = _pin_resolve(req, client)
+    finally:
+        client.close()
+    try:
+        with open_ledger(where) as led:
+            old = led.pins.hand_pin(iid, req.fingerprint, replace=req.replace)
+    except Exception as e:  # the ledger's own errors: unreachable, unwritable
+        raise _pin_failed(EX_IOERR, f"ledger: {_redact(e)}") from None
+    if old is not None and old.fingerprint == req.fingerprint:
+        print(f"already pinned {iid} ({target}) {req.fingerprint} ({old.source}): unchanged")
+        return EX_OK
+    if old is not None and not req.replace:
+        raise _pin_failed(
+            EX_FAIL,
+            f"{iid} ({target}) is pinned to {old.fingerprint} ({old.source}, by "
+            f"{old.pinned_by}), not {req.fingerprint}: nothing changed; --replace replaces it",
+        )
+    was = f" (replaced {old.fingerprint}, {old.source})" if old is not None else ""
+    print(f"pinned {iid} ({target}) {req.fingerprint}{was}")
+    return EX_OK
 
 
 # -- instances ----------------------------------------------------------------------------------
@@ -555,6 +668,7 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
             for t in rep.slow:
                 rc = EX_UNAVAILABLE
                 _log(f"{t}: {SLOW_POLL_NOTE}")
+            _log_untracked(rep, fleet)
             for project, zone in sorted(rep.unreachable):
                 _log(f"zone {zone} of {project} did not answer the list; its VMs are kept")
             if rep.failed:
@@ -574,6 +688,22 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
     finally:
         fleet.close()
     return rc
+
+
+def _log_untracked(rep: RoundReport, fleet: FleetPoller) -> None:
+    """The vm_untracked alarm in the journal: raised, still held (every round), cleared."""
+    raised = {t for t, _ in rep.raised}
+    for t, status in rep.raised:
+        _log(
+            f"ALARM {t} alarm=vm_untracked status={status}: it left the label selection while "
+            "running (its label was removed); polled by name until it ends"
+        )
+    for t in rep.untracked:
+        st = fleet.untracked.get(t)
+        if t not in raised and st is not None:
+            _log(f"ALARM {t} alarm=vm_untracked status={st.status}: still untracked, polled")
+    for t, why in rep.cleared:
+        _log(f"{t}: vm_untracked cleared: {why}")
 
 
 def _cursor_notes(store: CursorStore) -> None:
@@ -677,6 +807,7 @@ def _sweep(
                 rep = fleet.round(t0 + sweep_s, announce, time.monotonic, select)
                 _log(f"sweep: {rep.discovered} VMs listed, {rep.outcomes} polled")
                 _log_failed_lists(rep.failed)
+                _log_untracked(rep, fleet)
                 _cursor_notes(p.store)
             except Exception as e:  # a failed sweep is retried at the next one, loudly
                 _log(f"sweep failed: {type(e).__name__}: {e}")

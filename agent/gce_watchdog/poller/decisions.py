@@ -9,6 +9,8 @@ misses a decision nor sees one twice. ``--on-failover`` gets the same object on 
 
 ``decisions held`` lists what the fleet-wide brake holds; ``decisions release --all|ID...``
 releases it (each release is an ordinary claim, announced by the next round of any poller).
+``decisions alarms`` lists the raised alarms about whole instances (``vm_untracked``: a VM that
+left the fleet's label selection while it ran; docs/poller.md, "Untracked VMs").
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ from typing import Any, TextIO
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
 from gce_watchdog.poller.cost import CATEGORIES, BootFacts, Cost, cost_doc, job_cost, with_deletion
-from gce_watchdog.poller.ledger import DELIVERY_STATES, Decision, DecisionStore, Hold
+from gce_watchdog.poller.ledger import (
+    DELIVERY_STATES,
+    VM_UNTRACKED,
+    Decision,
+    DecisionStore,
+    Hold,
+    InstanceAlarm,
+)
 from gce_watchdog.poller.verdict import alarms_of
 
 # The view's version: a field's meaning never changes within a version. 2: the delivery state
@@ -156,8 +165,50 @@ def delivery_metrics(counts: dict[str, int]) -> str:
 
 
 def poller_metrics(ledger: DecisionStore) -> str:
-    """``GET /metrics`` of ``poll --health-port``: the delivery states, then what it cost."""
-    return delivery_metrics(ledger.delivery_counts()) + cost_metrics(all_rows(ledger))
+    """``GET /metrics`` of ``poll --health-port``: the delivery states, the raised alarms by
+    kind, then what it cost."""
+    return (
+        delivery_metrics(ledger.delivery_counts())
+        + alarm_metrics(ledger.alarms())
+        + cost_metrics(all_rows(ledger))
+    )
+
+
+ALARM_METRIC = "gce_watchdog_poller_alarms"
+ALARMS = (VM_UNTRACKED,)  # every alarm about a whole instance, each a metric label
+
+
+def alarm_metrics(alarms: Iterable[InstanceAlarm]) -> str:
+    """The raised alarms by kind as Prometheus text (``GET /metrics``; pure)."""
+    counts = dict.fromkeys(ALARMS, 0)
+    for a in alarms:
+        counts[a.alarm] = counts.get(a.alarm, 0) + 1
+    lines = [
+        f"# HELP {ALARM_METRIC} Alarms raised about whole instances and not cleared"
+        " (vm_untracked: left the fleet's label selection while running).",
+        f"# TYPE {ALARM_METRIC} gauge",
+    ]
+    lines += [f'{ALARM_METRIC}{{alarm="{k}"}} {n}' for k, n in sorted(counts.items())]
+    return "\n".join(lines) + "\n"
+
+
+def alarm_doc(a: InstanceAlarm) -> dict[str, Any]:
+    """The view of one raised alarm (``decisions alarms``; docs/poller.md)."""
+    project, _, rest = a.instance.partition("/")
+    zone, _, name = rest.partition("/")
+    return {
+        "v": VERSION,
+        "alarm": a.alarm,
+        "instance_id": a.instance_id,
+        "project": project,
+        "zone": zone,
+        "name": name,
+        "status": a.status,
+        "labels": dict(a.labels),
+        "raised_at": jsontime.from_epoch(a.raised_at),
+        "raised_by": a.raised_by,
+        "seen_at": jsontime.from_epoch(a.seen_at),
+    }
 
 
 def doc_for(ledger: DecisionStore, token: int) -> dict[str, Any] | None:
@@ -238,6 +289,9 @@ def _line(doc: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps(doc, sort_keys=True)
     parts = [f"{k}={doc[k]}" for k in ("token", "project", "zone", "name", "boot") if k in doc]
+    if "alarm" in doc:  # an alarm about a whole instance
+        parts += [f"id={doc['instance_id']}", f"ALARM {doc['alarm']}", f"status={doc['status']}"]
+        return " ".join([*parts, f"raised_at={doc['raised_at']}", f"seen_at={doc['seen_at']}"])
     parts += [f"verdict={doc['verdict']}", f"job={doc.get('job') or '-'}"]
     if doc.get("alarms"):
         parts.append(f"alarms={','.join(doc['alarms'])}")
@@ -266,6 +320,10 @@ def run_decisions(
     try:
         if what == "list":
             follow(ledger, after, emit, stop, keep_following)
+            return EX_OK
+        if what == "alarms":
+            for a in ledger.alarms():
+                emit(alarm_doc(a))
             return EX_OK
         holds = ledger.holds()
         if what == "held":

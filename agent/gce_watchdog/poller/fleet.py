@@ -6,6 +6,13 @@
 - **Gone VMs.** An instance listed in an earlier round and absent now (deleted: reaped by us or by
   someone else) is polled once more by name; the GET answers 404, the verdict is taken on what its
   cursor holds, and the ledger decides whether that is a new decision or the one already made.
+  A VM absent from the list that the GET still finds running left the label selection (someone
+  removed its label: any local process with ``compute.instances.setLabels`` can): it is
+  **untracked**, an alarm (``vm_untracked``: the ledger's ``decisions alarms``, the round's
+  report, ``/metrics``), and it is polled by name (one GET and one serial read per round) until
+  it ends (STOPPED, SUSPENDED, TERMINATED: polled once more with that status, then let go), is
+  deleted (finalized as gone) or is selected again; each of these clears the alarm. One found
+  already ended is let go as before.
   Zones the list reports unreachable keep their instances: absence there proves nothing. So do
   projects whose list failed (gave up after its retries): the round polls the others and their
   known VMs, and the next round lists them again.
@@ -45,6 +52,7 @@ from gce_watchdog.lib.compute import (
 )
 from gce_watchdog.lib.httpdate import parse_retry_after
 from gce_watchdog.poller.cloudlogging import LoggingClient
+from gce_watchdog.poller.ledger import VM_UNTRACKED
 from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.poller import (
     Poller,
@@ -73,6 +81,8 @@ BURST_S = 10.0
 _PROJECT_IN_URL = re.compile(r"/projects/([^/?]+)")
 # A serial read's worst case: connect + read timeout, then the retries (ComputeRetry).
 SLOW_POLL_NOTE = "still polling at the round's deadline; its next poll waits for this one"
+# An instance in one of these has ended: an untracked VM found so is polled once more, let go.
+ENDED_STATUSES = frozenset({"STOPPED", "SUSPENDED", "TERMINATED"})
 
 
 @dataclass(frozen=True, order=True)
@@ -275,6 +285,11 @@ class RoundReport:
     unreachable: frozenset[tuple[str, str]] = frozenset()
     pages: int = 0
     failed: dict[str, str] = field(default_factory=dict)  # project -> why its list failed
+    # untracked VMs (left the label selection while running), polled by name this round
+    untracked: list[Target] = field(default_factory=list)
+    # (target, why) the untracked alarm was raised / cleared for, this round
+    raised: list[tuple[Target, str]] = field(default_factory=list)
+    cleared: list[tuple[Target, str]] = field(default_factory=list)
 
 
 class FleetPoller:
@@ -310,6 +325,11 @@ class FleetPoller:
         self._inflight: dict[Target, cf.Future[PollOutcome | None]] = {}
         self._seeded = False
         self._unlisted: set[Target] = set()  # cursors of VMs not listed at start-up
+        # VMs that left the label selection while running (vm_untracked), with their status
+        self.untracked: dict[Target, InstanceStatus] = {}
+        self._alarm_lock = threading.Lock()
+        self._raised: list[tuple[Target, str]] = []
+        self._cleared: list[tuple[Target, str]] = []
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="poll")
 
     def close(self) -> None:
@@ -333,16 +353,61 @@ class FleetPoller:
             emit(out)
 
     def _finalize(self, t: Target) -> PollOutcome | None:
-        """A VM no longer listed: deleted (404), or its label removed (still there). Only a
-        deleted one is decided, on its cursor, through the ledger; then its cursor is dropped.
-        One whose label was removed is no longer watched: nothing is decided about it."""
-        if self.client.get_instance(t.project, t.zone, t.name) is not None:
-            return None
-        out = self._poller(t).poll(t.name, gone=True)
-        settled = out.decision is not None or not (out.verdict and out.verdict.failover)
-        if out.error is None and settled:  # decided (or nothing to decide): never again
-            self.store.drop(t.project, t.zone, t.name)
-        return out
+        """A VM no longer listed (or untracked since an earlier round): asked for by name.
+        Deleted (404): decided on its cursor, through the ledger, then its cursor dropped.
+        Still there and not ended: untracked, an alarm, polled as a listed VM is. Ended: polled
+        once more if it was untracked (the verdict sees how it ended), then let go."""
+        st = self.client.get_instance(t.project, t.zone, t.name)
+        was = self.untracked.get(t)
+        if st is None:
+            if was is not None:
+                self._clear(t, was, "deleted")
+            out = self._poller(t).poll(t.name, gone=True)
+            settled = out.decision is not None or not (out.verdict and out.verdict.failover)
+            if out.error is None and settled:  # decided (or nothing to decide): never again
+                self.store.drop(t.project, t.zone, t.name)
+            return out
+        if st.status in ENDED_STATUSES:
+            if was is None:
+                return None  # left the selection after it ended: nothing runs unwatched
+            self._clear(t, st, f"ended ({st.status})")
+            return self._poller(t).poll(t.name, st)
+        self._untrack(t, st)
+        return self._poller(t).poll(t.name, st)
+
+    def _seed_untracked(self) -> None:
+        """A restarted poller takes the raised vm_untracked alarms of its projects from the
+        ledger: those VMs are polled until they end, even if they ended while it was down."""
+        if self.ledger is None:
+            return
+        for a in self.ledger.decisions.alarms():
+            parts = a.instance.split("/")
+            if a.alarm != VM_UNTRACKED or len(parts) != 3 or parts[0] not in self.projects:
+                continue
+            t = Target(*parts)
+            labels = tuple(sorted(a.labels.items()))
+            self.untracked[t] = InstanceStatus(t.name, a.instance_id, a.status, False, "", labels)
+
+    def _untrack(self, t: Target, st: InstanceStatus) -> None:
+        """Record the VM as untracked; the ledger's alarm raised (or seen again)."""
+        with self._alarm_lock:
+            new = t not in self.untracked
+            self.untracked[t] = st
+        raised = new
+        if self.ledger is not None:
+            raised = self.ledger.decisions.raise_alarm(
+                st.id, VM_UNTRACKED, str(t), st.status, dict(st.labels), self.clock()
+            )
+        if raised:
+            with self._alarm_lock:
+                self._raised.append((t, st.status))
+
+    def _clear(self, t: Target, st: InstanceStatus, why: str) -> None:
+        with self._alarm_lock:
+            self.untracked.pop(t, None)
+            self._cleared.append((t, why))
+        if self.ledger is not None:
+            self.ledger.decisions.clear_alarm(st.id, VM_UNTRACKED, why, self.clock())
 
     def announced(self, out: PollOutcome) -> bool:
         """``Poller.announced`` for an outcome of this fleet."""
@@ -372,6 +437,7 @@ class FleetPoller:
                 t = Target(project, zone, name)
                 if project in self.projects and t not in found.instances:
                     self._unlisted.add(t)
+            self._seed_untracked()
         rep = RoundReport(discovered=len(found.instances), unreachable=found.unreachable)
         rep.pages = found.pages
         rep.failed = dict(found.failed)
@@ -384,7 +450,12 @@ class FleetPoller:
         self._unlisted = {t for t in self._unlisted if unlisted(t)}
         jobs: dict[Target, InstanceStatus | None] = dict(found.instances)
         for t in rep.gone:
-            jobs[t] = None  # poll by name: GET says 404, the ledger finalizes it once
+            jobs[t] = None  # by name: a 404 is finalized once, a running one is untracked
+        for t, was in sorted(self.untracked.items()):
+            if t in found.instances:  # selected again: watched as any listed VM
+                self._clear(t, was, "selected again")
+            elif not unlisted(t):
+                jobs[t] = None  # still untracked: asked for by name again
         for t in self.known:
             if unlisted(t) and t not in jobs:
                 jobs[t] = self.known[t]  # keep it: the list said nothing about it
@@ -409,6 +480,10 @@ class FleetPoller:
                 self._emit(fut.result(), emit, rep)
         except TimeoutError:
             pass
+        with self._alarm_lock:
+            rep.untracked = sorted(self.untracked)
+            rep.raised, self._raised = self._raised, []
+            rep.cleared, self._cleared = self._cleared, []
         rep.slow = sorted(t for t, f in self._inflight.items() if not f.done())
         # polls that finished after the deadline (or were slow in an earlier round) come out now
         for t, f in list(self._inflight.items()):

@@ -107,6 +107,23 @@ class Hold:
     held_at: float
 
 
+VM_UNTRACKED = "vm_untracked"  # left the fleet's label selection while it ran (poller/fleet.py)
+
+
+@dataclass(frozen=True)
+class InstanceAlarm:
+    """An alarm about an instance as a whole (``instance_alarms``), raised and not cleared."""
+
+    instance_id: str
+    alarm: str
+    instance: str  # project/zone/name
+    status: str  # the instance's status when last seen
+    labels: dict[str, str]
+    raised_at: float
+    raised_by: str
+    seen_at: float
+
+
 # Keys without a boot: the verdict came from no line of ours ("-"), or without an instance id
 # ("name:..."). Such a claim is an opinion about the instance, not about one boot of it.
 NO_BOOT = "-"
@@ -192,6 +209,22 @@ class DecisionStore(Protocol):
     ) -> None: ...
 
     def delivery_counts(self) -> dict[str, int]: ...
+
+    def raise_alarm(
+        self,
+        instance_id: str,
+        alarm: str,
+        instance: str,
+        status: str,
+        labels: Mapping[str, str],
+        now: float | None = None,
+    ) -> bool: ...
+
+    def clear_alarm(
+        self, instance_id: str, alarm: str, why: str, now: float | None = None
+    ) -> bool: ...
+
+    def alarms(self) -> list[InstanceAlarm]: ...
 
 
 class SqlDecisions:
@@ -527,4 +560,78 @@ class SqlDecisions:
         )
         out = dict.fromkeys(DELIVERY_STATES, 0)
         out.update((str(k), int(n)) for k, n in rows)  # type: ignore[call-overload]
+        return out
+
+    @locked
+    def raise_alarm(
+        self,
+        instance_id: str,
+        alarm: str,
+        instance: str,
+        status: str,
+        labels: Mapping[str, str],
+        now: float | None = None,
+    ) -> bool:
+        """Raise ``alarm`` about the instance, or note that it still holds (``seen_at``, its
+        status). True when this call raised it (it was not raised, or had been cleared)."""
+        at = time.time() if now is None else now
+        text = json.dumps(dict(labels), sort_keys=True)
+        try:
+            self.db.begin_write()
+            rows = self.db.exec(
+                "SELECT cleared_at FROM instance_alarms WHERE instance_id = ? AND alarm = ?",
+                (instance_id, alarm),
+            )
+            raised = not rows or rows[0][0] is not None
+            if not rows:
+                self.db.exec(
+                    "INSERT INTO instance_alarms (instance_id, alarm, instance, status, labels,"
+                    " raised_at, raised_by, seen_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (instance_id, alarm, instance, status, text, at, self.db.owner, at),
+                )
+            elif raised:
+                self.db.exec(
+                    "UPDATE instance_alarms SET instance = ?, status = ?, labels = ?,"
+                    " raised_at = ?, raised_by = ?, seen_at = ?, cleared_at = NULL,"
+                    " cleared_why = NULL WHERE instance_id = ? AND alarm = ?",
+                    (instance, status, text, at, self.db.owner, at, instance_id, alarm),
+                )
+            else:
+                self.db.exec(
+                    "UPDATE instance_alarms SET instance = ?, status = ?, labels = ?,"
+                    " seen_at = ? WHERE instance_id = ? AND alarm = ?",
+                    (instance, status, text, at, instance_id, alarm),
+                )
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
+        return raised
+
+    @locked
+    def clear_alarm(self, instance_id: str, alarm: str, why: str, now: float | None = None) -> bool:
+        """Clear a raised alarm (``why``: deleted, ended, selected again). True when it was
+        raised."""
+        at = time.time() if now is None else now
+        n = self.db.rowcount(
+            "UPDATE instance_alarms SET cleared_at = ?, cleared_why = ?"
+            " WHERE instance_id = ? AND alarm = ? AND cleared_at IS NULL",
+            (at, why, instance_id, alarm),
+        )
+        return n > 0
+
+    @locked
+    def alarms(self) -> list[InstanceAlarm]:
+        """The raised alarms, oldest first."""
+        rows = self.db.exec(
+            "SELECT instance_id, alarm, instance, status, labels, raised_at, raised_by, seen_at"
+            " FROM instance_alarms WHERE cleared_at IS NULL ORDER BY raised_at, instance_id"
+        )
+        out = []
+        for a, b, c, d, e, f, g, h in rows:
+            raised_at, seen_at = float(f), float(h)  # type: ignore[arg-type]
+            out.append(
+                InstanceAlarm(str(a), str(b), str(c), str(d), json.loads(str(e)), raised_at,
+                              str(g), seen_at)
+            )  # fmt: skip
         return out

@@ -9,8 +9,9 @@ imported inside the handlers, as in ``poller/cli.py``.
 from __future__ import annotations
 
 import argparse
+import os
 
-from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
+from gce_watchdog.lib.cli import EX_USAGE, CommandError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -19,9 +20,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the ledger's decisions for a dispatcher; what the fleet-wide brake holds",
         description="list (default): the failover decisions after --after TOKEN, in token order "
         "(gap-free, increasing), optionally following new ones; held: what the brake holds; "
-        "release --all|ID...: let held failovers through.",
+        "release --all|ID...: let held failovers through; alarms: the raised alarms about "
+        "whole instances (vm_untracked: a VM that left the fleet's label selection while "
+        "running).",
     )
-    d.add_argument("what", nargs="?", default="list", choices=("list", "held", "release"))
+    d.add_argument("what", nargs="?", default="list", choices=("list", "held", "release", "alarms"))
     d.add_argument("ids", nargs="*", metavar="ID", help="release: instance ids or P/Z/NAME")
     d.add_argument("--all", action="store_true", help="release: every held failover")
     d.add_argument("--ledger", default=None, help="as for poll (the same default file)")
@@ -33,37 +36,46 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pin = sub.add_parser(
         "pin",
         help="pin an instance's line key by hand (a fleet running before its poller)",
-        description="Record in the ledger that INSTANCE_ID's protocol v3 line key is the one "
-        "with FINGERPRINT (read on the VM as root: `gce-watchdog key --fingerprint`). Every "
-        "poller and Pub/Sub worker sharing the ledger then trusts that key only; it replaces "
-        "any pin the instance had.",
+        description="Record in the ledger that INSTANCE's protocol v3 line key is the one with "
+        "FINGERPRINT (read on the VM as root: `gce-watchdog key --fingerprint`). Every poller "
+        "and Pub/Sub worker sharing the ledger then trusts that key only. INSTANCE is "
+        "PROJECT/ZONE/NAME or the numeric instance id (then --project says where to look): the "
+        "Compute API must find it, and the ledger must exist (--create makes a new SQLite one). "
+        "A pin of another fingerprint is replaced only with --replace; both are printed.",
     )
-    pin.add_argument("instance_id", metavar="INSTANCE_ID")
+    pin.add_argument("instance", metavar="INSTANCE", help="PROJECT/ZONE/NAME or the instance id")
     pin.add_argument("fingerprint", metavar="FINGERPRINT", help="32 lowercase hex")
     pin.add_argument("--ledger", default=None, help="the ledger (as for poll)")
+    pin.add_argument(
+        "--project", action="append", default=[], help="with an instance id: the projects to "
+        "look it up in (repeatable)"
+    )  # fmt: skip
+    pin.add_argument("--create", action="store_true", help="create the SQLite ledger if absent")
+    pin.add_argument("--replace", action="store_true", help="replace a pin of another fingerprint")
+    pin.add_argument(
+        "--api-base",
+        default=os.environ.get("GCE_WATCHDOG_COMPUTE_API") or None,
+        help="Compute API base URL (as for poll)",
+    )
+    pin.add_argument("--access-token-file", default=None, help="as for poll")
     pin.set_defaults(func=cmd_pin)
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    import re
+    from gce_watchdog.poller.app import PinRequest, run_pin_cmd
 
-    from gce_watchdog.poller.app import default_ledger
-    from gce_watchdog.poller.ledgers import open_ledger
-
-    if not re.fullmatch(r"[0-9]{1,20}", args.instance_id):
-        raise CommandError(EX_USAGE, "gce-watchdog pin: INSTANCE_ID is the numeric instance id")
-    if not re.fullmatch(r"[0-9a-f]{32}", args.fingerprint):
-        raise CommandError(EX_USAGE, "gce-watchdog pin: FINGERPRINT is 32 lowercase hex")
-    try:
-        with open_ledger(args.ledger or default_ledger()) as led:
-            old = led.pins.hand_pin(args.instance_id, args.fingerprint)
-    except ValueError as e:
-        raise CommandError(EX_USAGE, f"gce-watchdog pin: --ledger: {e}") from None
-    except Exception as e:  # the ledger's own errors: unreachable, unwritable
-        raise CommandError(EX_IOERR, f"gce-watchdog pin: ledger: {e}") from None
-    was = f" (was {old.fingerprint}, {old.source})" if old is not None else ""
-    print(f"pinned {args.instance_id} {args.fingerprint}{was}")
-    return EX_OK
+    return run_pin_cmd(
+        PinRequest(
+            instance=args.instance,
+            fingerprint=args.fingerprint,
+            projects=tuple(args.project),
+            ledger=args.ledger,
+            create=args.create,
+            replace=args.replace,
+            api_base=args.api_base,
+            token_file=args.access_token_file,
+        )
+    )
 
 
 def cmd_decisions(args: argparse.Namespace) -> int:

@@ -180,6 +180,25 @@ DISPATCH_TABLES = (
 )
 
 
+# Alarms about an instance as a whole, raised by a poller and shown in the decisions view
+# (``decisions alarms``; docs/poller.md, "Untracked VMs"): ``vm_untracked``, a VM that left the
+# fleet's label selection while it still ran. One row per (instance id, alarm); a cleared one
+# keeps its row (``cleared_at``, why) until it is raised again.
+ALARMS_TABLE = """CREATE TABLE IF NOT EXISTS instance_alarms (
+    instance_id TEXT NOT NULL,
+    alarm       TEXT NOT NULL,
+    instance    TEXT NOT NULL,
+    status      TEXT NOT NULL,
+    labels      TEXT NOT NULL,
+    raised_at   DOUBLE PRECISION NOT NULL,
+    raised_by   TEXT NOT NULL,
+    seen_at     DOUBLE PRECISION NOT NULL,
+    cleared_at  DOUBLE PRECISION,
+    cleared_why TEXT,
+    PRIMARY KEY (instance_id, alarm)
+)"""
+
+
 class SqlDb:
     """A ledger's connection: what every store needs from a backend.
 
@@ -327,6 +346,7 @@ class SqliteDb(SqlDb):
                 db.execute(stmt)
             for stmt in DISPATCH_TABLES:
                 db.execute(stmt)
+            db.execute(ALARMS_TABLE)
             for stmt in ASSEMBLY_SCHEMA:
                 db.execute(stmt)
             db.execute(COST_TABLE)

@@ -26,6 +26,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 
 from gce_watchdog.poller.ledger_db import (
+    ALARMS_TABLE,
     ASSEMBLY_SCHEMA,
     COST_TABLE,
     DELIVERY_COLUMNS,
@@ -117,6 +118,10 @@ class PostgresDb(SqlDb):
                     if not self._ready("brake_holds"):
                         for stmt in DISPATCH_TABLES:
                             self._db.execute(stmt)
+            if not self._ready("instance_alarms"):  # vm_untracked (later)
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    self._db.execute(ALARMS_TABLE)  # (IF NOT EXISTS: idempotent)
             if not self._ready("pin_rekeys"):  # key rotations (later)
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))

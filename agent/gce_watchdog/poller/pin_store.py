@@ -57,7 +57,7 @@ class PinStore(Protocol):
     ) -> Pin | None: ...
 
     def hand_pin(
-        self, instance_id: str, fingerprint: str, now: float | None = None
+        self, instance_id: str, fingerprint: str, now: float | None = None, *, replace: bool = True
     ) -> Pin | None: ...
 
 
@@ -176,9 +176,15 @@ class SqlPins:
         return _pin_row(rows[0])
 
     @locked
-    def hand_pin(self, instance_id: str, fingerprint: str, now: float | None = None) -> Pin | None:
-        """An operator's pin (``gce-watchdog pin``): replaces any pin of the instance. Returns
-        the pin it replaced, or None."""
+    def hand_pin(
+        self, instance_id: str, fingerprint: str, now: float | None = None, *, replace: bool = True
+    ) -> Pin | None:
+        """An operator's pin (``gce-watchdog pin``). Returns the pin the instance had before,
+        or None. The store changes only when the instance had no pin, or ``replace`` and its pin
+        has another fingerprint: a pin of the same fingerprint is kept as it is (its public key,
+        its rotations), and without ``replace`` another pin is never overwritten (the caller
+        compares the returned pin's fingerprint to tell). One transaction: two operators racing
+        cannot both see "no pin"."""
         at = time.time() if now is None else now
         try:
             self.db.begin_write()
@@ -186,15 +192,17 @@ class SqlPins:
                 f"SELECT {_PIN_COLUMNS} FROM pins WHERE instance_id = ?",  # noqa: S608
                 (instance_id,),
             )
-            self.db.exec("DELETE FROM pins WHERE instance_id = ?", (instance_id,))
-            self.db.exec("DELETE FROM pin_rekeys WHERE instance_id = ?", (instance_id,))
-            self.db.exec(
-                "INSERT INTO pins (instance_id, fingerprint, public, source, pinned_at, pinned_by)"
-                " VALUES (?, ?, NULL, ?, ?, ?)",
-                (instance_id, fingerprint, PIN_HAND, at, self.db.owner),
-            )
+            old = _pin_row(rows[0]) if rows else None
+            if old is None or (replace and old.fingerprint != fingerprint):
+                self.db.exec("DELETE FROM pins WHERE instance_id = ?", (instance_id,))
+                self.db.exec("DELETE FROM pin_rekeys WHERE instance_id = ?", (instance_id,))
+                self.db.exec(
+                    "INSERT INTO pins (instance_id, fingerprint, public, source, pinned_at,"
+                    " pinned_by) VALUES (?, ?, NULL, ?, ?, ?)",
+                    (instance_id, fingerprint, PIN_HAND, at, self.db.owner),
+                )
             self.db.commit()
         except BaseException:
             self.db.rollback()
             raise
-        return _pin_row(rows[0]) if rows else None
+        return old

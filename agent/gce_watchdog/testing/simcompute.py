@@ -76,6 +76,11 @@ role is a set of permissions, Compute Engine docs "IAM roles and permissions"); 
 permission (``PERMISSIONS``, from the "IAM Permissions" section of each method's API reference
 page) the set lacks is a 403 ``forbidden``, "Required 'compute.instances.get' permission for
 'projects/P/zones/Z/instances/N'". A token not in ``roles`` has every permission.
+``instances.testIamPermissions`` (discovery document: POST
+``projects/{project}/zones/{zone}/instances/{resource}/testIamPermissions``, body
+``TestPermissionsRequest`` ``{"permissions": [...]}``, answer ``TestPermissionsResponse``, "A
+subset of ``TestPermissionsRequest.permissions`` that the caller is allowed") answers from the
+same ``roles``: how a VM's service account asks whether it can write its own metadata.
 Tests can make an endpoint hang (sleep past the client's timeout), refuse (403) or rate-limit
 for the next N calls: ``RATE_LIMIT`` answers as GCE does, 403 with reason ``rateLimitExceeded``
 in the error body (Compute Engine docs, "API rate limits": "a 403 error with the reason
@@ -260,6 +265,16 @@ METHODS: dict[str, Method] = {
         _I + "/simulateMaintenanceEvent",
         "instance project requestId withExtendedNotifications zone",
     ),
+    # POST .../instances/{resource}/testIamPermissions, TestPermissionsRequest
+    # {"permissions": [...]} in, TestPermissionsResponse (the subset the caller holds) out
+    # (compute.v1 discovery document, instances.testIamPermissions; the VM's metadata trust
+    # check, daemon/mdtrust.py, asks it about compute.instances.setMetadata on itself)
+    "compute.instances.testIamPermissions": _m(
+        "test_iam",
+        "POST",
+        "projects/{project}/zones/{zone}/instances/{resource}/testIamPermissions",
+        "project resource zone",
+    ),
     "compute.instances.list": _m("zone_list", "GET", _Z + "/instances", _LIST + " zone"),
     "compute.instances.insert": _m(
         "insert",
@@ -289,6 +304,9 @@ METHODS: dict[str, Method] = {
 PERMISSIONS: dict[str, str] = {mid: mid for mid in METHODS} | {
     "compute.instances.aggregatedList": "compute.instances.list",
     "compute.instances.insert": "compute.instances.create",
+    # testIamPermissions checks none: any caller may ask what it holds (its reference page,
+    # "IAM Permissions": none required); the answer is the subset its role grants
+    "compute.instances.testIamPermissions": "",
 }
 _ROUTES = [
     (
@@ -842,7 +860,7 @@ class FakeComputeAPI:
             )
             return 400, _error(400, msg, "invalid"), {}
         granted = self.roles.get(token or "")
-        if granted is not None and PERMISSIONS[mid] not in granted:
+        if granted is not None and PERMISSIONS[mid] and PERMISSIONS[mid] not in granted:
             # GCE's answer to a call the caller's role does not allow: 403, reason "forbidden",
             # "Required '<permission>' permission for '<resource>'" (Compute Engine API
             # reference, "IAM Permissions" of each method; Cloud APIs error model, 403
@@ -854,7 +872,8 @@ class FakeComputeAPI:
             )
             msg = f"Required '{PERMISSIONS[mid]}' permission for '{resource}'"
             return 403, _error(403, msg, "forbidden"), {}
-        fault = self._take_fault(m.endpoint, groups["project"], groups.get("instance") or "")
+        target = groups.get("instance") or groups.get("resource") or ""
+        fault = self._take_fault(m.endpoint, groups["project"], target)
         if fault is Fault.HANG:
             self._closing.wait(self.hang_s)
         elif fault is Fault.REFUSE:
@@ -881,6 +900,8 @@ class FakeComputeAPI:
         zone = groups["zone"]
         if m.endpoint == "insert":
             return self._insert(mid, project, zone, query, body)
+        if m.endpoint == "test_iam":
+            return self._test_iam(project, zone, groups["resource"], body, granted)
         with self._lock:
             self._advance()
             if m.endpoint == "zone_list":
@@ -912,6 +933,32 @@ class FakeComputeAPI:
             if rid:
                 self.operations[(project, zone, name, mid, str(uuid.UUID(rid)))] = op
             return 200, self._op_json(op), {}
+
+    def _test_iam(
+        self, project: str, zone: str, resource: str, body: bytes, granted: frozenset[str] | None
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        """instances.testIamPermissions: the requested permissions the caller's role grants
+        (all of them for a token without a role), on an instance that exists (by name or id).
+        An empty subset is ``{}`` (proto3 JSON leaves an empty repeated field out); a wildcard
+        is a 400 (TestPermissionsRequest.permissions: "wildcards ... are not allowed")."""
+        try:
+            doc = json.loads(body or b"{}")
+            asked = [str(p) for p in doc.get("permissions") or []]
+        except (ValueError, TypeError, AttributeError):
+            return 400, _error(400, "Invalid JSON payload received.", "invalid"), {}
+        if any("*" in p for p in asked):
+            return 400, _error(400, "Permissions with wildcards are not allowed.", "invalid"), {}
+        with self._lock:
+            found = [
+                i
+                for (p, z, n), i in self._instances.items()
+                if p == project and z == zone and resource in (n, i.id) and not i.deleted
+            ]
+        if not found:
+            what = f"projects/{project}/zones/{zone}/instances/{resource}"
+            return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
+        held = [p for p in asked if granted is None or p in granted]
+        return 200, ({"permissions": held} if held else {}), {}
 
     def _simulate_maintenance(
         self, inst: FakeInstance, mid: str, query: dict[str, str], rid: str

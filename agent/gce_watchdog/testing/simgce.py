@@ -2,9 +2,10 @@
 
 - :class:`FakeMetadataServer`: a real HTTP server speaking the metadata server's dialect: the
   ``Metadata-Flavor: Google`` request/response header, instance id/name/zone/hostname, project id,
-  attributes, the default service account and its token (the path google-auth's Compute Engine
-  credentials use), ``wait_for_change`` long polls with ETags, and fault modes (slow, hang, 503,
-  missing flavor header, refused).
+  attributes, the default service account, its scopes (``compute.readonly`` by default: it cannot
+  write the VM's metadata, so the agent obeys the metadata attributes; ``set_scopes``) and its
+  token (the path google-auth's Compute Engine credentials use), ``wait_for_change`` long
+  polls with ETags, and fault modes (slow, hang, 503, missing flavor header, refused).
 - :class:`TcpListener`: accepts and closes TCP connections (stands in for "the internet on 443").
 - :class:`FakeDNS`: a UDP DNS server (dnspython message codec) that can answer only after a delay,
   never, or with SERVFAIL.
@@ -43,6 +44,15 @@ TOKEN = "ya29.fake-token-for-tests"  # noqa: S105 - a fake token for the fake se
 MODES = ("ok", "slow", "hang", "http_503", "bad_flavor", "refuse")
 
 
+# What the fake service account has by default: no scope that can write instance metadata
+# (compute.readonly; logging and monitoring writes, what an agent VM needs besides).
+READONLY_SCOPES = (
+    "https://www.googleapis.com/auth/compute.readonly",
+    "https://www.googleapis.com/auth/logging.write",
+    "https://www.googleapis.com/auth/monitoring.write",
+)
+
+
 @dataclass
 class SimInstance:
     id: str = "4520031799277582145"
@@ -53,6 +63,11 @@ class SimInstance:
     attributes: dict[str, str] = field(default_factory=dict)
     preempted: str = "FALSE"
     maintenance_event: str = "NONE"
+    # The default service account's scopes (instance/service-accounts/default/scopes, one a
+    # line); None: the VM has no service account (its paths answer 404). By default a scope that
+    # cannot write metadata, so the agent obeys the disarm and fault attributes (daemon/
+    # mdtrust.py); a test of the metadata trust check sets cloud-platform or compute.
+    scopes: list[str] | None = field(default_factory=lambda: list(READONLY_SCOPES))
 
 
 class _Server(ThreadingHTTPServer):
@@ -171,6 +186,12 @@ class FakeMetadataServer:
                 self.info.attributes[key] = value
             self._cond.notify_all()
 
+    def set_scopes(self, scopes: list[str] | None) -> None:
+        """The default service account's scopes (None: the VM has none)."""
+        with self._cond:
+            self.info.scopes = None if scopes is None else list(scopes)
+            self._cond.notify_all()
+
     def set_preempted(self, value: bool = True) -> None:
         with self._cond:
             self.info.preempted = "TRUE" if value else "FALSE"
@@ -206,13 +227,17 @@ class FakeMetadataServer:
             "instance/maintenance-event": i.maintenance_event,
             sa + "email": f"{i.numeric_project}-compute@developer.gserviceaccount.com",
         }
+        if rel.startswith(sa.rstrip("/")) and i.scopes is None:  # no service account
+            return 404, "not found\n", "text/html"
         if rel in simple:
             return 200, simple[rel], "application/text"
+        if rel == sa + "scopes":  # one scope a line, as the metadata server lists them
+            return 200, "".join(f"{x}\n" for x in i.scopes or ()), "application/text"
         if rel in (sa, sa.rstrip("/")):
             info = {
                 "aliases": ["default"],
                 "email": simple[sa + "email"],
-                "scopes": ["https://www.googleapis.com/auth/cloud-platform"],
+                "scopes": list(i.scopes or ()),
             }
             return 200, json.dumps(info), "application/json"
         if rel == sa + "token":

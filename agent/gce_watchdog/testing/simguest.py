@@ -11,7 +11,8 @@ it, ``setup_failed cause=infra rc=6``, then ``end``; else ``start``,
 healthy tick), a ``tick rung=k/N`` line per failed tick of a fault, ``shutdown`` at ``N/N``, or
 ``fault op=expire`` and ``recovered`` when the fault's TTL ends first. A fault is taken from the
 ``gce-watchdog-fault`` metadata value only when the ``gce-watchdog-config`` drop-in enables
-``faults_from_metadata`` (else ``fault op=refused why=disabled``, as the agent does). A finite
+``faults_from_metadata`` and ``trust_metadata`` (else ``fault op=refused why=disabled`` or
+``why=untrusted``, as the agent does). A finite
 workload (``sleep N``) ends with ``exit rc=0``, ``phase done`` and ``end reason=done``. Every end
 lingers (``gce-watchdog-linger``) repeating its line, then the guest powers off
 (``guest_shutdown``: ``compute.instances.guestTerminate``, TERMINATED). A maintenance event
@@ -94,6 +95,9 @@ class _Guest:
         self.interval = float(m.group(1)) if m else DEFAULT_INTERVAL_S
         self.scale = self.interval / DEFAULT_INTERVAL_S
         self.faults_on = bool(re.search(r"faults_from_metadata\s*=\s*true", dropin))
+        # validate's VMs have a service account that can write their metadata (cloud-platform):
+        # the agent obeys the fault attribute only with trust_metadata (daemon/mdtrust.py)
+        self.trusted = bool(re.search(r"trust_metadata\s*=\s*true", dropin))
         # its own Ed25519 line key, announced for this instance id (protocol v3), as an agent does
         key = LineKey(secrets.token_bytes(32))
         self.w = Writer(boot=secrets.token_hex(4), key=key, inst=inst.id)
@@ -187,8 +191,9 @@ class _Guest:
     def fault(self, value: str) -> float | None:
         """The agent's handling of a fault request (faults/request.py; only what validate sends)."""
         req = json.loads(value)
-        if not self.faults_on:
-            self.line("fault", {"op": "refused", "req": req.get("id", "-"), "why": "disabled"})
+        if not self.faults_on or not self.trusted:
+            why = "disabled" if not self.faults_on else "untrusted"
+            self.line("fault", {"op": "refused", "req": req.get("id", "-"), "why": why})
             return None
         ttl = float(str(req["ttl"]).rstrip("s"))
         self.line("fault", {"op": "inject", "id": "sim00001", "cut": req["cut"],

@@ -23,14 +23,19 @@ DISK_GB = 10
 # against a leftover that `validate --cleanup` was never run for.
 MAX_RUN_S = 3 * 3600
 # Agent settings of the validation VMs (the gce-watchdog-config drop-in): faults through
-# metadata on (only these VMs), the default ladder.
+# metadata on (only these VMs), and obeyed although their service account (cloud-platform, below)
+# can write their metadata: nothing but the test workload runs on them (trust_metadata,
+# docs/actions.md "Who may disarm through metadata"); the default ladder.
 AGENT_INTERVAL_S = 30.0
 AGENT_THRESHOLD = 10
 
 
 def dropin(agent_interval_s: float) -> str:
     """The gce-watchdog-config drop-in of a validation VM."""
-    return f'[agent]\ninterval = "{agent_interval_s:g}s"\n[watch]\nfaults_from_metadata = true\n'
+    return (
+        f'[agent]\ninterval = "{agent_interval_s:g}s"\n'
+        "[watch]\nfaults_from_metadata = true\ntrust_metadata = true\n"
+    )
 
 
 LINGER = "75s"  # the end-of-life linger (two reads of a 30 s poller plus the read itself)
@@ -183,8 +188,8 @@ class Plan:
             "your bill may differ" + ("; Spot prices can change once a day" if self.spot else ""),
             f"  every VM deletes itself after {MAX_RUN_S // 3600} h at the latest "
             "(scheduling.maxRunDuration), and `validate --cleanup` deletes by label",
-            "  the VMs accept faults through metadata (watch.faults_from_metadata, on these VMs "
-            "only: docs/fault-injection.md)",
+            "  the VMs accept faults through metadata (watch.faults_from_metadata and "
+            "watch.trust_metadata, on these VMs only: docs/fault-injection.md)",
             f"  IAM roles: {', '.join(ROLES)}; permissions:",
         ]
         lines += [f"    {p:40} {why}" for p, why in PERMISSIONS]

@@ -219,8 +219,12 @@ def judge(s: Scenario, o: Observation) -> Judgement:
     if o.timed_out:
         check(False, "the scenario did not finish within its deadline")
     if o.fault_refused:
-        check(False, f"the agent refused the fault (why={o.fault_refused}): faults from metadata "
-                     "are not enabled on this VM (watch.faults_from_metadata)")  # fmt: skip
+        cause = (
+            "the VM's agent does not trust its metadata (watch.trust_metadata; docs/actions.md)"
+            if o.fault_refused == "untrusted"
+            else "faults from metadata are not enabled on this VM (watch.faults_from_metadata)"
+        )
+        check(False, f"the agent refused the fault (why={o.fault_refused}): {cause}")
     check(o.failovers == s.expect_failover,
           f"failovers in the ledger: {o.failovers} (expected {s.expect_failover})")  # fmt: skip
     if s.fault_ticks is not None:

@@ -386,6 +386,11 @@ class WatchSection:
     # Off by default: whoever can set metadata (every process on the VM, through its service
     # account) could otherwise cut the network and have the watchdog power the VM off.
     faults_from_metadata: bool = False
+    # Obey the disarm and fault attributes even when this VM's service account can write its
+    # own metadata (docs/actions.md, "Who may disarm through metadata"). Off: they are obeyed
+    # only when the account cannot (its scopes, testIamPermissions), checked at start and
+    # every few minutes, fail closed. Set it only where no untrusted process runs on the VM.
+    trust_metadata: bool = False
     fault_attribute: str = field(
         default="gce-watchdog-fault",
         metadata=_check(
