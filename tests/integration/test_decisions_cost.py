@@ -138,7 +138,7 @@ def test_poll_records_a_wedges_cost_and_metrics_show_it(tmp_path: Path) -> None:
 
 @pytest.mark.pure
 def test_the_apis_start_and_stop_and_accelerators_win() -> None:
-    from gce_watchdog.lib.compute import InstanceStatus, instance_cost_fields
+    from gce_watchdog.lib.compute import InstanceStatus, instance_cost_fields, last_start_of
     from gce_watchdog.poller.poller import decided_boot_facts
     from gce_watchdog.poller.timeline import Timeline
 
@@ -148,7 +148,7 @@ def test_the_apis_start_and_stop_and_accelerators_win() -> None:
         "lastStartTimestamp": "2025-11-29T19:57:14.000-08:00",  # T0 - 60 s, another offset
         "lastStopTimestamp": "2025-11-30T04:09:14Z",  # T0 + 660 s
     }
-    fields = instance_cost_fields(body)
+    fields = instance_cost_fields(body) | {"last_start": last_start_of(body)}
     assert fields == {
         "machine_type": "n1-standard-8",
         "accelerators": 2,
