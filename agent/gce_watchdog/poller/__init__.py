@@ -30,6 +30,8 @@ imports the rest only inside its handlers):
 - :mod:`gce_watchdog.poller.hooks`: ``--on-failover`` (a command per announcement) and
   ``--publish`` (a Pub/Sub message per announcement).
 - :mod:`gce_watchdog.poller.brake`: the fleet-wide brake's pure rule.
+- :mod:`gce_watchdog.poller.journal`: which outcomes ``poll`` writes (``--log changes``: only
+  what changed, and a summary line per round), pure.
 - :mod:`gce_watchdog.poller.cloudlogging`: Cloud Logging's ``entries.list`` of the serial-port log
   (``--logging-evidence``).
 - :mod:`gce_watchdog.poller.dump`: ``parse``'s reading and printing of a saved dump.
