@@ -19,6 +19,7 @@ TARGET_PROCS_RSS_MIB = 0.5  # issue 38: RSS must not grow with the number of pro
 TARGET_CPU_MS_PER_TICK = 5.0
 TARGET_FIRST_TICK_S = 0.5
 TARGET_DECODE_RATIO = 5.0
+TARGET_JOURNAL_MB_PER_DAY = 50.0  # issue 38: the poller unit's journal, 1,000 VMs at 30 s
 TARGET_HOSTILE_MS_PER_MIB = 50.0  # issue 25: every hostile 1 MiB shape
 
 
@@ -151,6 +152,10 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     add(f"slowest hostile 1 MiB shape ({worst[0] if worst else '-'})",
         f"< {TARGET_HOSTILE_MS_PER_MIB:g} ms per MiB", worst[1] if worst else None,
         None if worst is None else worst[1] < TARGET_HOSTILE_MS_PER_MIB, "ms")  # fmt: skip
+    mb = _get(res, "journal", "changes", "mb_per_day")
+    add("poller journal, 1,000 VMs at 30 s (--log changes)",
+        f"<= {TARGET_JOURNAL_MB_PER_DAY:g} MB a day", mb,
+        None if mb is None else mb <= TARGET_JOURNAL_MB_PER_DAY, "MB")  # fmt: skip
     return out
 
 
@@ -369,6 +374,28 @@ def t_decode(res: dict[str, Any]) -> str:
     return _table([f"poller decode ({d['repeats']} repeats, medians)", "value"], rows)
 
 
+def t_journal(res: dict[str, Any]) -> str:
+    j = res.get("journal")
+    if not j:
+        return "_not measured in this run_"
+    e, c = j["every"], j["changes"]
+    rows = [
+        ["fleet", f"{j['vms']} VMs polled every {j['interval_s']:g} s, {j['hours_simulated']:g} h "
+                  f"simulated ({j['rounds']} rounds, {j['vms_replaced']} VMs replaced, "
+                  f"{j['failovers']} failovers)"],
+        ["mean outcome object (--json)", f"{j['object_bytes_mean']} bytes"],
+        ["--log every (poll --json alone)",
+         f"{e['mb_per_day']:,.1f} MB a day, {e['lines_per_day']:,} lines"],
+        ["--log changes (the unit)",
+         f"**{c['mb_per_day']:,.1f} MB a day**, {c['lines_per_day']:,} lines "
+         f"(goal <= {TARGET_JOURNAL_MB_PER_DAY:g} MB)"],
+        ["of which the first round (once per start)",
+         f"{c['first_round_bytes'] / 1e6:.2f} MB"],
+        ["every / changes", f"{j['ratio']:g}x"],
+    ]  # fmt: skip
+    return _table(["poller journal", "value"], rows)
+
+
 def t_soak(res: dict[str, Any]) -> str:
     s = res.get("soak")
     if not s:
@@ -399,6 +426,7 @@ TABLES = {
     "detection": t_detection,
     "decode": t_decode,
     "soak": t_soak,
+    "journal": t_journal,
 }
 
 

@@ -22,6 +22,8 @@ Sections (all in one run; ``results["sections"]`` lists what ran and why somethi
 3. blackhole: tick wall time with both paths black-holed (bench/tickwall.py).
 4. detection: fault instant to shutdown action, every watcher watching the same fault.
 5. decode: bench/bench_decode.py (the poller's decoder vs ``grep -F -c``).
+6. journal: bench/journal.py, the poller's output for 1,000 VMs at 30 s, ``--log every`` against
+   ``--log changes``, in bytes a day (a simulated fleet, no network; issue 38).
 
 Every process and namespace is torn down on exit, also on errors and Ctrl-C; every wait is
 bounded. Needs root (namespaces, iptables); without it the network sections are skipped with the
@@ -92,12 +94,13 @@ class Plan:
     threshold: int
     decode_repeats: int
     soak_ticks: int = 20_000  # issue 16: healthy then outage, RSS growth <= 1 MiB
+    journal_hours: float = 2.0  # issue 38: simulated hours of a 1,000-VM fleet's poller output
 
 
 PLANS = {
     "full": Plan("full", 7, 100, 30.0, 100.0, 10.0, 10, 1.0, 10, 10, 15),
     "quick": Plan("quick", 3, 30, 30.0, 20.0, 5.0, 4, 1.0, 3, 10, 5),
-    "tiny": Plan("tiny", 1, 10, 2.0, 3.0, 1.0, 2, 0.3, 1, 3, 1, 2_000),
+    "tiny": Plan("tiny", 1, 10, 2.0, 3.0, 1.0, 2, 0.3, 1, 3, 1, 2_000, journal_hours=0.05),
 }
 
 
@@ -775,6 +778,14 @@ def run_decode(plan: Plan, work: Path) -> dict[str, Any]:
     return res
 
 
+def run_journal(plan: Plan) -> dict[str, Any]:
+    """bench/journal.py in this process: 1,000 simulated VMs polled every 30 s for
+    plan.journal_hours, both --log modes, bytes a day."""
+    from bench import journal
+
+    return journal.simulate(1000, 30.0, plan.journal_hours)
+
+
 SOAK_IDLE_PROCS = 300  # issue 38: a GPU VM runs many processes; the memory watch scans them all
 
 
@@ -864,6 +875,14 @@ def run(plan: Plan, with_peers: bool, log: Callable[..., None]) -> dict[str, Any
             if "skipped" in res["decode"]
             else f"ok in {time.monotonic() - t0:.1f}s"
         )
+        t0 = time.monotonic()
+        log("bench: journal ...")
+        try:
+            res["journal"] = run_journal(plan)
+            secs["journal"] = f"ok in {time.monotonic() - t0:.1f}s"
+        except Exception as e:
+            secs["journal"] = f"failed: {type(e).__name__}: {e}"
+        log(f"bench: journal: {secs['journal']}")
     res["targets"] = report.targets(res)
     res["duration_s"] = time.monotonic() - t_all
     return res

@@ -112,6 +112,28 @@ def test_deps_floor_is_its_own_target_row() -> None:
 
 
 @pytest.mark.pure
+def test_the_journal_section_runs_tiny_and_is_a_target_row() -> None:
+    """Issue 38: the poller's output in bytes a day, --log every against --log changes, through
+    the poller's own filter and formatter (bench/journal.py)."""
+    from bench import journal
+
+    res = journal.simulate(50, 30.0, 0.2)
+    assert res["rounds"] == 24 and res["outcomes"] == 50 * 24
+    e, c = res["every"], res["changes"]
+    # every: one line per VM per round and the round line, the first round counted once
+    assert e["lines_per_day"] == pytest.approx(51 * 2880, rel=0.01)
+    assert 0 < c["mb_per_day"] < e["mb_per_day"] and c["lines_per_day"] >= 2880
+    assert c["first_round_bytes"] > 50 * 500  # every VM's first sight, once
+    assert res["object_bytes_mean"] > 500  # a real outcome object, evidence and all
+    assert journal.simulate(50, 30.0, 0.2) == res  # seeded: the same figures every run
+    t = {x["target"]: x for x in report.targets({"journal": res})}
+    row = t["poller journal, 1,000 VMs at 30 s (--log changes)"]
+    assert row["measured"] == c["mb_per_day"] and row["goal"] == "<= 50 MB a day"
+    table = report.t_journal({"journal": res})
+    assert "--log changes (the unit)" in table and "MB a day" in table
+
+
+@pytest.mark.pure
 def test_peer_files_never_name_system_paths(tmp_path: Path) -> None:
     for w in peers.peer_watchers(10, 0.5):
         ln = peers.launch(w, tmp_path / w.name, PY, "192.0.2.10")
@@ -154,6 +176,9 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
         assert row["latency_s"]["n"] == 1 and row["within_bounds"] == 1, row
     soak = res["soak"]
     assert soak["ticks"] == 2000 and soak["tick_errors"] == 0 and soak["rung_at_end"] == 1000
+    journal = res["journal"]  # issue 38: both --log modes of a 1,000-VM fleet, tiny
+    assert journal["vms"] == 1000 and journal["changes"]["mb_per_day"] > 0
+    assert journal["changes"]["mb_per_day"] < journal["every"]["mb_per_day"]
     if res["peers_skipped"] is None:  # monit/watchdog installed: they were measured too
         assert {"monit-native", "watchdog-test"} <= set(det)
     assert "| target |" in doc.read_text()

@@ -9,11 +9,12 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from gce_watchdog.daemon.ladder import LadderState
+from gce_watchdog.daemon.ladder import LadderState, WouldShutdown
 from gce_watchdog.daemon.service import MIN_BUDGET_SHARE, Agent, Deps, LadderStore, probe_budget
-from gce_watchdog.daemon.tick import TickResult
+from gce_watchdog.daemon.tick import TickReport, TickResult
 from gce_watchdog.testing.simgce import SimGCE
 from gce_watchdog.testing.synth import SYNTH_KEY
 from gce_watchdog.vm import config as cfgmod
@@ -313,6 +314,41 @@ def test_a_dry_run_decision_latches_nothing_and_recovery_is_reported(tmp_path: P
     assert rec.get("from") == "10"
     stored = json.loads((tmp_path / "ladder.json").read_text())
     assert stored.get("fired") is not True
+
+
+@pytest.mark.pure
+def test_a_rehearsed_linger_runs_beside_the_ticks(tmp_path: Path) -> None:
+    """Issue 38: a dry-run decision's linger used to stop the ladder for its whole length (the
+    agent ticked again only after it). The fake chain lingers until the agent has ticked five
+    more times: a chain run on the loop's thread never sees them (its bounded wait runs out)."""
+    agent, sink, _, _ = make(tmp_path, [result("fail", "fail")] * 20, action="dry-run")
+    decided: list[int] = []
+    steps_seen: list[str | None] = []  # the rehearsal's step at each tick after the decision
+    five_more = threading.Event()
+    released_at: list[int] = []
+
+    def lingering_chain(*_a: object, progress: Any = None, **_k: object) -> None:
+        progress("linger")
+        five_more.wait(10)  # bounded: the failure mode this test catches
+        released_at.append(agent.ticks)
+
+    def count(report: TickReport) -> None:
+        if any(isinstance(a, WouldShutdown) for a in report.actions):
+            decided.append(report.n)
+        elif decided:
+            steps_seen.append(agent.rehearsing)
+            if report.n >= decided[0] + 5:
+                five_more.set()
+
+    agent.d.on_shutdown = lingering_chain
+    agent.d.tick_hooks.append(count)
+    agent.run(threading.Event(), max_ticks=20)
+    assert decided == [10]
+    assert released_at and released_at[0] >= 15, released_at  # ticks went on while it lingered
+    assert steps_seen[:5] and None not in steps_seen[:5], steps_seen
+    assert agent.rehearsing is None  # the loop's end waited for it
+    evs = events(sink)
+    assert sum(1 for e in evs if e.event == "tick") == 20 and evs[-1].event == "stop"
 
 
 # -- a stop asked for during the linger (issue 39) -----------------------------------------------

@@ -152,6 +152,60 @@ def test_poll_interval_loop_is_bounded_by_max_polls(
     assert len(api.calls_to("serial")) == 3
 
 
+def _healthy(api: FakeComputeAPI, name: str) -> None:
+    w = Writer(boot="cccc0003")
+    w.ts_ms = int(time.time() * 1000)
+    api.append_serial(name, w.line("phase", {"ph": "workload"}))
+
+
+@pytest.mark.process
+def test_log_changes_writes_first_sights_and_a_summary_per_round(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 38: the unit's journal got every instance every round (2.8 GB a day for 1,000 VMs);
+    with --log changes an unchanged verdict is written once, and each round says what it saw."""
+    _healthy(api, "vm-1")
+    _healthy(api, "vm-2")
+    argv = poll_args(api, tmp_path, "--log", "changes", "--interval", "10ms", "--max-polls", "3")
+    assert main([*argv, "vm-1", "vm-2"]) == 0
+    cap = capsys.readouterr()
+    out = [json.loads(x) for x in cap.out.splitlines()]
+    assert [(o["instance"], o["verdict"]) for o in out] == [
+        ("vm-1", "healthy"),
+        ("vm-2", "healthy"),
+    ]
+    rounds = [x for x in cap.err.splitlines() if x.startswith("gce-watchdog poll: round ")]
+    assert len(rounds) == 3, cap.err
+    assert rounds[0].endswith("; 2 outcome(s): healthy 2; 2 written, 0 unchanged"), rounds[0]
+    assert rounds[2].endswith("; 2 outcome(s): healthy 2; 0 written, 2 unchanged"), rounds[2]
+    # a change is written again: vm-2's poll fails (an error, every time), then comes back
+    api.set_instance_fault("vm-2", Fault.SERVER_ERROR)
+    argv = [*argv[:-2], "--max-polls", "2", "--api-attempts", "1"]
+    assert main([*argv, "vm-1", "vm-2"]) == 69
+    cap = capsys.readouterr()
+    out = [json.loads(x) for x in cap.out.splitlines()]
+    assert [o["instance"] for o in out] == ["vm-1", "vm-2", "vm-2"]  # a new process: first sight
+    assert out[1]["error"] and out[2]["error"]
+
+
+@pytest.mark.process
+def test_text_output_is_quiet_by_default_and_json_alone_writes_every_round(
+    api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _healthy(api, "vm-1")
+    argv = poll_args(api, tmp_path, "--interval", "10ms", "--max-polls", "3", "vm-1")
+    text = [a for a in argv if a != "--json"]
+    assert main(text) == 0
+    cap = capsys.readouterr()
+    assert len(cap.out.splitlines()) == 1 and " vm-1 id=" in cap.out
+    assert cap.err.count("1 outcome(s): healthy 1;") == 3
+    assert main([*text, "--log", "every"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    assert main(argv) == 0  # --json alone: every instance every round, as scripts expect
+    cap = capsys.readouterr()
+    assert len(cap.out.splitlines()) == 3 and "outcome(s)" not in cap.err
+
+
 @pytest.mark.process
 def test_a_typo_in_project_zone_or_name_is_a_config_error_never_a_verdict(
     api: FakeComputeAPI, tmp_path: Path, capsys: pytest.CaptureFixture[str]

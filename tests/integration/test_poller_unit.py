@@ -62,6 +62,8 @@ def test_the_poller_unit_verifies_and_is_hardened() -> None:
 def test_the_unit_and_the_image_run_the_poller_with_a_real_command_line() -> None:
     exec_start = next(x for x in UNIT.read_text().splitlines() if x.startswith("ExecStart="))
     assert exec_start.split("=", 1)[1].split()[1:3] == ["poll", "--json"]
+    # issue 38: the unit's journal gets changes only (and a summary per round); POLLER_ARGS last
+    assert exec_start.split("=", 1)[1].split()[3:] == ["--log", "changes", "$POLLER_ARGS"]
     docker = (REPO / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["gce-watchdog", "poll", "--json"]' in docker
     # The parts the central side needs come pinned by hash from the poller's lock (issue 27).

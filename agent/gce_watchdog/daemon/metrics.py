@@ -285,33 +285,26 @@ class MetricsExporter:
 
         Tick hooks run after ``on_shutdown`` returns, and a real shutdown chain never returns (the
         power goes off): without this the last file would still show the rung below threshold.
+        A dry run's rehearsal runs on a thread of its own, beside the ticks (issue 38): the
+        decision tick's hook, on the loop's thread, counts it (never this wrapper, which runs on
+        the rehearsal's thread and would race it).
         """
 
         def wrapped(reason: str, rung: int, threshold: int, **resume: Any) -> None:
             # A resumed chain (agent restarted, or a new power-off attempt) is the same decision.
-            if self.enabled and resume.get("resume_at") is None:
+            if self.enabled and resume.get("resume_at") is None and not self.dry_run:
                 try:
                     self._announced = True
                     base = self.last or Snapshot(threshold=threshold, dry_run=self.dry_run)
-                    if self.dry_run:  # rehearsed: nothing latches, nothing is powered off
-                        self.dry_runs += 1
-                        snap = replace(
-                            base,
-                            rung=rung,
-                            threshold=threshold,
-                            dry_runs=self.dry_runs,
-                            write_errors=self.errors,
-                        )
-                    else:
-                        self.shutdowns += 1
-                        snap = replace(
-                            base,
-                            rung=rung,
-                            threshold=threshold,
-                            fired=True,
-                            shutdowns=self.shutdowns,
-                            write_errors=self.errors,
-                        )
+                    self.shutdowns += 1
+                    snap = replace(
+                        base,
+                        rung=rung,
+                        threshold=threshold,
+                        fired=True,
+                        shutdowns=self.shutdowns,
+                        write_errors=self.errors,
+                    )
                     self.last = snap
                     self.write(render(snap))
                 except Exception as e:

@@ -50,6 +50,9 @@ CHAIN_RETRY_S = 60.0
 # How long the `stop` line waits for the `signal` line's thread (a sync line waits for the
 # port's drain, serial.sync_timeout, 5 s by default; systemd's stop timeout is 20 s).
 SIGNAL_LINE_WAIT_S = 2.0
+# How long the loop's end waits for dry-run rehearsals still running beside it (their linger
+# ends at once on the stop event; the dry-run steps after it are lines only).
+REHEARSAL_JOIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -217,7 +220,11 @@ class Agent:
         self.chain_running = False
         self._chain_ended: float | None = None  # monotonic time the last chain returned
         self.notes: list[tuple[str, str]] = []  # (what, text): `warn` lines after `start`
-        self.rehearsing: str | None = None  # a dry run's chain: the step it is at
+        # Dry runs' chains, each on its own thread beside the ticks (rehearse): by number, the
+        # step each is at (the latest one is `rehearsing`)
+        self._rehearsals: list[threading.Thread] = []
+        self._rehearsal_steps: dict[int, str] = {}
+        self._rehearsal_n = 0
         self._signal_line: threading.Thread | None = None
 
     @classmethod
@@ -335,15 +342,33 @@ class Agent:
             return None
         return m.step
 
+    @property
+    def rehearsing(self) -> str | None:
+        """The step the latest running rehearsal (a dry run's chain) is at; None: none runs."""
+        steps = self._rehearsal_steps.copy()  # (one C call: safe against the threads' writes)
+        return steps[max(steps)] if steps else None
+
     def rehearse(self) -> None:
         """A dry-run decision: the configured chain runs in dry-run mode (its decision line is
         ``dry_run_shutdown``, its steps ``status=dry_run``), nothing is persisted or latched, and
-        the agent goes on watching: a recovery is reported and a later outage decides again."""
+        the agent goes on watching: a recovery is reported and a later outage decides again.
 
+        The rehearsal runs on a thread of its own, beside the ticks (issue 38): its linger never
+        stops the ladder, so a long dry-run soak measures every tick. A later decision while one
+        still lingers (a recovery and a new outage within the linger) is rehearsed too, beside
+        it. The loop's end waits for them (bounded, :data:`REHEARSAL_JOIN_S`)."""
+        self._rehearsals = [t for t in self._rehearsals if t.is_alive()]
+        self._rehearsal_n += 1
+        n = self._rehearsal_n
+        self._rehearsal_steps[n] = "shutdown"  # before the thread: a stop now sees it
+        t = threading.Thread(target=self._rehearse, args=(n,), name=f"rehearsal-{n}", daemon=True)
+        self._rehearsals.append(t)
+        t.start()
+
+    def _rehearse(self, n: int) -> None:
         def progress(step: str) -> None:
-            self.rehearsing = step
+            self._rehearsal_steps[n] = step
 
-        self.rehearsing = "shutdown"
         try:
             self.d.on_shutdown(
                 "ladder",
@@ -358,7 +383,17 @@ class Agent:
         except Exception as e:
             self._report_error("chain", e, "dry-run chain failed")
         finally:
-            self.rehearsing = None
+            self._rehearsal_steps.pop(n, None)
+
+    def _join_rehearsals(self, stop: threading.Event) -> None:
+        """The loop ends: a rehearsal still lingering is stopped (``stop`` ends its linger) and
+        waited for, bounded, so that the ``stop`` line comes after its lines."""
+        alive = [t for t in self._rehearsals if t.is_alive()]
+        if not alive:
+            return
+        stop.set()  # (ended by max_ticks: the loop is over, its rehearsals end with it)
+        for t in alive:
+            t.join(REHEARSAL_JOIN_S / len(alive))
 
     def run_chain(self, resume_at: str | None) -> None:
         """Run (or resume) the chain; whatever it raises, the next attempt goes on further."""
@@ -548,6 +583,7 @@ class Agent:
             else:
                 reason = getattr(stop, "reason", "sigterm")
         finally:
+            self._join_rehearsals(stop)
             for svc in d.services:
                 with contextlib.suppress(Exception):
                     svc.stop(2.0)

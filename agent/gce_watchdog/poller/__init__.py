@@ -32,6 +32,8 @@ imports the rest only inside its handlers):
 - :mod:`gce_watchdog.poller.brake`: the fleet-wide brake's pure rule.
 - :mod:`gce_watchdog.poller.cost`: what it cost, pure: a boot's billed, useful, ladder, linger,
   zombie and GPU seconds; a job's sum across boots and instances, as unions.
+- :mod:`gce_watchdog.poller.journal`: which outcomes ``poll`` writes (``--log changes``: only
+  what changed, and a summary line per round), pure.
 - :mod:`gce_watchdog.poller.cloudlogging`: Cloud Logging's ``entries.list`` of the serial-port log
   (``--logging-evidence``).
 - :mod:`gce_watchdog.poller.dump`: ``parse``'s reading and printing of a saved dump.

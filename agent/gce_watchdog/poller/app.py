@@ -16,8 +16,10 @@ cursor store, the per-project budget and the SIGTERM/SIGINT handlers, then runs 
   the ordinary poller) the instances the stream cannot speak for: not RUNNING, silent for longer
   than the drain timeout, or never heard from (their console is not exported).
 
-Every mode prints each outcome; an announcing one is delivered (``--publish``, then
-``--on-failover``: :mod:`gce_watchdog.poller.hooks`) and only then marked announced; a failover
+Every mode prints each outcome through ``--log``'s filter (:class:`Outcomes`: every one, or
+only changes and a summary line per round, :mod:`gce_watchdog.poller.journal`); an announcing
+one is delivered (``--publish``, then ``--on-failover``: :mod:`gce_watchdog.poller.hooks`) and
+only then marked announced; a failover
 the fleet-wide brake holds (:mod:`gce_watchdog.poller.brake`, applied in the ledger's claim)
 raises an alarm instead. Under systemd (``$NOTIFY_SOCKET``) the loops notify READY, WATCHDOG on
 progress, and STOPPING; secrets come from ``$CREDENTIALS_DIRECTORY`` (:func:`service_credentials`).
@@ -80,6 +82,7 @@ from gce_watchdog.poller.fleet import (
 )
 from gce_watchdog.poller.hooks import Delivery, FailoverHook, Step, TopicPublisher
 from gce_watchdog.poller.identity import ComputeIdentities, subscription_project
+from gce_watchdog.poller.journal import LOG_EVERY, Journal, summary_text
 from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import (
     Poller,
@@ -175,6 +178,31 @@ class Pulse:
         self.notifier.notify("STOPPING=1")
 
 
+class Outcomes:
+    """Where outcomes go: each through ``--log``'s filter (:mod:`gce_watchdog.poller.journal`),
+    then printed; :meth:`summary` sums up the round. Called from several threads (the Pub/Sub
+    workers and the sweep): the filter runs under a lock, the printing outside it."""
+
+    def __init__(self, as_json: bool, log: str) -> None:
+        self.as_json = as_json
+        self.every = log == LOG_EVERY
+        self.journal = Journal(every=self.every)
+        self._lock = threading.Lock()
+
+    def __call__(self, out: PollOutcome) -> None:
+        with self._lock:
+            write = self.journal.admit(out)
+        if write:
+            _print_outcome(out, self.as_json)
+
+    def summary(self) -> str | None:
+        """The round's summary line (``--log changes``; None with ``--log every``, which
+        prints every outcome instead); the next round counts from zero."""
+        with self._lock:
+            tally = self.journal.close_round()
+        return None if self.every else summary_text(tally)
+
+
 @dataclass(frozen=True)
 class Parts:
     """What every mode's loop runs on, built by :func:`run_poll`."""
@@ -194,6 +222,8 @@ class Parts:
     # tokens whose delivery failed in this run and that no delivery of this run has delivered
     # since: while any is left, a round's status is EX_TEMPFAIL (docs/poller.md, "Delivery")
     undelivered: set[int] = field(default_factory=set)
+    # where outcomes are written, through --log (None: every one, as text or JSON per deliver)
+    outcomes: Outcomes | None = None
 
     def delivered(self, token: int) -> bool:
         """Run the deliveries of one decision (``Delivery``: its state goes to the ledger)."""
@@ -233,13 +263,20 @@ class Parts:
         if self.health is not None:
             self.health.beat()
 
+    def write(self, out: PollOutcome, as_json: bool) -> None:
+        """Write an outcome, through ``--log``'s filter when there is one."""
+        if self.outcomes is not None:
+            self.outcomes(out)
+        else:
+            _print_outcome(out, as_json)
+
     def deliver(
         self, out: PollOutcome, as_json: bool, mark: Callable[[PollOutcome], object]
     ) -> None:
         """Print an outcome; if it announces a decision, run ``--on-failover`` (when given) and
         ``mark`` the announcement done only once the command exited 0. A held failover raises
         the brake's alarm."""
-        _print_outcome(out, as_json)
+        self.write(out, as_json)
         self.beat()  # an outcome is progress
         d = out.decision
         if d is not None and d.held:
@@ -371,8 +408,9 @@ def run_poll(s: PollSettings) -> int:
             ) from None
         _log(f"health: GET /healthz on {s.health.address}:{server.port}")
     parts = Parts(
-        client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries), logs, live
-    )
+        client, store, ledger, budget, stop, errors, hook, pulse, tuple(deliveries), logs, live,
+        outcomes=Outcomes(s.json, s.log),
+    )  # fmt: skip
     if pulse is not None:
         pulse.ready(f"polling ({s.mode.value})")
     loop = {Mode.INSTANCES: _run_instances, Mode.FLEET: _run_fleet, Mode.PUBSUB: _run_pubsub}
@@ -619,11 +657,23 @@ def _run_instances(s: PollSettings, p: Parts) -> int:
         except p.ledger_errors as e:
             raise _failed(EX_IOERR, f"ledger write failed: {e}") from None
         _cursor_notes(p.store)
+        _round_summary(p, f"round {rounds}: {len(s.instances)} instance(s) in "
+                       f"{time.time() - started:.1f}s")  # fmt: skip
         rc = p.status(rc)
         if s.once or (s.max_polls and rounds >= s.max_polls):
             break
         p.wait(s.wait_s)
     return rc
+
+
+def _round_summary(p: Parts, head: str, always: bool = False) -> None:
+    """``--log changes``: the round's one summary line (``head``; the outcomes by verdict, how
+    many written). With ``--log every`` only a line that is ``always`` written is (``head``)."""
+    summary = p.outcomes.summary() if p.outcomes is not None else None
+    if summary is not None:
+        _log(f"{head}; {summary}")
+    elif always:
+        _log(head)
 
 
 # -- fleet --------------------------------------------------------------------------------------
@@ -660,10 +710,12 @@ def _run_fleet(s: PollSettings, p: Parts) -> int:
 
             rep = fleet.round(deadline, emit, time.monotonic)
             took = time.monotonic() - t0
-            _log(
+            _round_summary(
+                p,
                 f"round {rounds}: {rep.discovered} VMs in {len(s.projects)} project(s) "
                 f"({len(rep.new)} new, {len(rep.gone)} gone), {rep.outcomes} polled in "
-                f"{took:.1f}s, {rep.pages} list page(s)"
+                f"{took:.1f}s, {rep.pages} list page(s)",
+                always=True,
             )
             for t in rep.slow:
                 rc = EX_UNAVAILABLE
@@ -736,7 +788,7 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
 
     def emit(out: PollOutcome) -> None:
         with out_lock:
-            _print_outcome(out, s.json)
+            p.write(out, s.json)
 
     sub = s.pubsub
     # who a deciding instance id is: the Compute API's names, in the configured projects (the
@@ -757,10 +809,14 @@ def _run_pubsub(s: PollSettings, p: Parts) -> int:
         )
         sweeper.start()
     _log(f"pulling {sub.subscription}")
+    summed = time.monotonic()
     try:
         while not p.stop.is_set():
             worker.step(PULL_TIMEOUT_S)
             p.beat()
+            if time.monotonic() - summed >= s.interval_s:  # --log changes: a summary per interval
+                _round_summary(p, f"the last {time.monotonic() - summed:.0f}s")
+                summed = time.monotonic()
     finally:
         p.stop.set()
         if sweeper is not None:
@@ -826,17 +882,21 @@ def _redact(e: BaseException) -> str:
 
 def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time) -> None:
     """One line per instance and round, led by the UTC time it was decided (RFC 3339)."""
-    ts = jsontime.from_epoch(now(), fraction=False)
+    _write_line(format_outcome(out, as_json, now()))
+
+
+def format_outcome(out: Any, as_json: bool, at: float) -> str:
+    """An outcome's line (without its newline): a JSON object or the text form, ``at`` its
+    time (epoch seconds)."""
+    ts = jsontime.from_epoch(at, fraction=False)
     if as_json:
         import json
 
         doc = out.to_json()
         doc.setdefault("ts", ts)
-        _write_line(json.dumps(doc, sort_keys=True))
-        return
+        return json.dumps(doc, sort_keys=True)
     if out.error:
-        _write_line(f"{ts} {out.instance}: ERROR {out.error}")
-        return
+        return f"{ts} {out.instance}: ERROR {out.error}"
     v = out.verdict
     line = f"{ts} {out.instance} id={out.instance_id or '-'} status={out.status}"
     line += f" boot={v.boot or '-'}"
@@ -859,7 +919,7 @@ def _print_outcome(out: Any, as_json: bool, now: Callable[[], float] = time.time
     if alarm:
         line += f" ALARM{alarm}"
     line += f" | {v.reason}"
-    _write_line(line)
+    return line
 
 
 def _print_line(line: str) -> None:

@@ -128,7 +128,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="per-instance cursors (default $XDG_STATE_HOME/gce-watchdog/cursors)",
     )
-    p.add_argument("--json", action="store_true", help="one JSON object per instance per poll")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="outcomes as JSON objects (schemas/poll.schema.json); alone, every instance every "
+        "round (--log every), as always",
+    )
+    p.add_argument(
+        "--log",
+        choices=("changes", "every"),
+        default=None,
+        help="which outcomes are written: every instance every round, or only changes (a new "
+        "verdict or action, a decision, an alarm, an error) with a summary line per round on "
+        "stderr; default every with --json, else changes (docs/poller.md, 'The journal')",
+    )
     p.add_argument(
         "--api-base",
         default=os.environ.get("GCE_WATCHDOG_COMPUTE_API") or None,

@@ -19,6 +19,7 @@ from gce_watchdog.lib.compute import label_filter as label_filter_of
 from gce_watchdog.lib.compute import parse_label, validate_target
 from gce_watchdog.lib.durations import parse_duration
 from gce_watchdog.poller.brake import BrakeRule, parse_share
+from gce_watchdog.poller.journal import LOG_CHANGES, LOG_EVERY, LOG_MODES
 from gce_watchdog.poller.verdict import Policy
 
 # The values of the options, parsed here and nowhere else: the modules they configure import
@@ -140,6 +141,9 @@ class PollSettings:
     publish: str | None = None  # --publish projects/P/topics/T
     evidence: EvidenceSettings = EvidenceSettings()
     health: HealthSettings | None = None  # --health-port; None: no health endpoint
+    # --log: every outcome every round, or only changes and a summary per round
+    # (poller/journal.py); without --log: every with --json (as it always was), else changes
+    log: str = LOG_EVERY
 
     @property
     def mode(self) -> Mode:
@@ -235,6 +239,11 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
     if publish is not None and not TOPIC_RE.match(publish):
         errs.append(f"--publish {publish!r}: want projects/PROJECT/topics/NAME")
     evidence = _evidence(v, errs)
+    log = v.get("log")
+    if log is None:
+        log = LOG_EVERY if v["json"] else LOG_CHANGES
+    elif log not in LOG_MODES:
+        errs.append(f"--log {log!r}: want {' or '.join(LOG_MODES)}")
     if errs or policy is None:
         raise InvalidSettings(errs)
     return PollSettings(
@@ -261,6 +270,7 @@ def poll_settings(v: Mapping[str, Any]) -> PollSettings:
         publish=publish,
         evidence=evidence,
         health=health,
+        log=log,
     )
 
 
