@@ -41,12 +41,15 @@ df -k "$D/state" "$D/run" >> "$D/df"
 """
 
 
-@needs_unshare
-def test_full_then_read_only_state_dir_and_a_full_run_dir_keep_numbering(tmp_path: Path) -> None:
+def _run_in_mount_ns(
+    tmp_path: Path, boot8: str, script: str
+) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """An agent config under ``tmp_path`` (state, run, boot id ``boot8``..., the serial log),
+    then ``script`` as root in a private mount namespace (its tmpfs mounts die with it)."""
     for sub in ("state", "run"):
         (tmp_path / sub).mkdir()
     boot = tmp_path / "boot_id"
-    boot.write_text("7a7a7a7a-0000-4000-8000-000000000001\n")
+    boot.write_text(f"{boot8}-0000-4000-8000-000000000001\n")
     serial = tmp_path / "serial.log"
     serial.touch()
     (tmp_path / "config.toml").write_text(
@@ -55,11 +58,17 @@ def test_full_then_read_only_state_dir_and_a_full_run_dir_keep_numbering(tmp_pat
         f'fallback_file = "{tmp_path}/fallback.log"\n'
     )
     p = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "bash", "-c", SCRIPT, "x",
+        ["unshare", "-m", "--propagation", "private", "bash", "-c", script, "x",
          str(tmp_path), sys.executable],
         cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
+    return serial, p
+
+
+@needs_unshare
+def test_full_then_read_only_state_dir_and_a_full_run_dir_keep_numbering(tmp_path: Path) -> None:
+    serial, p = _run_in_mount_ns(tmp_path, "7a7a7a7a", SCRIPT)
     # the namespace is gone with the process: the mounts went with it
     assert not os.path.ismount(tmp_path / "state")
     df = (tmp_path / "df").read_text()
@@ -110,23 +119,7 @@ def test_a_full_then_read_only_run_dir_still_announces_at_seq_0_and_1(tmp_path: 
     """Issue 35, item 4: the boot stays pinnable (its first line is the announcement)."""
     from gce_watchdog.poller.timeline import parse_bytes
 
-    for sub in ("state", "run"):
-        (tmp_path / sub).mkdir()
-    boot = tmp_path / "boot_id"
-    boot.write_text("7b7b7b7b-0000-4000-8000-000000000001\n")
-    serial = tmp_path / "serial.log"
-    serial.touch()
-    (tmp_path / "config.toml").write_text(
-        f'[agent]\nstate_dir = "{tmp_path}/state"\nrun_dir = "{tmp_path}/run"\n'
-        f'boot_id_path = "{boot}"\n[serial]\ndevice = "{serial}"\n'
-        f'fallback_file = "{tmp_path}/fallback.log"\n'
-    )
-    p = subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "bash", "-c", RUN_SCRIPT, "x",
-         str(tmp_path), sys.executable],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert p.returncode == 0, p.stderr[-2000:]
+    serial, _ = _run_in_mount_ns(tmp_path, "7b7b7b7b", RUN_SCRIPT)
     assert " 100% " in (tmp_path / "df").read_text()
     assert (tmp_path / "rcs").read_text().split().count("rc=0") == 2
     events, stats = protocol.decode_all(serial.read_bytes())
