@@ -29,6 +29,7 @@ from gce_watchdog.poller.ledger_db import (
     ASSEMBLY_SCHEMA,
     DELIVERY_COLUMNS,
     DISPATCH_TABLES,
+    FRESHNESS_TABLE,
     PIN_REKEYS_TABLE,
     SqlDb,
     default_owner,
@@ -128,6 +129,11 @@ class PostgresDb(SqlDb):
                         self._db.execute(
                             f"ALTER TABLE decisions ADD COLUMN IF NOT EXISTS {name} {sqltype}"
                         )
+            if not self._ready("freshness"):  # each boot's freshness (later)
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._ready("freshness"):
+                        self._db.execute(FRESHNESS_TABLE)
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))

@@ -215,7 +215,11 @@ class Poller:
     ) -> None:
         self.client = client
         self.reader = SerialReader(
-            client, store, clock, pins=None if ledger is None else ledger.pins
+            client,
+            store,
+            clock,
+            pins=None if ledger is None else ledger.pins,
+            freshness=None if ledger is None else ledger.freshness,
         )
         self.project = project
         self.zone = zone

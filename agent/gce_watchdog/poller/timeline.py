@@ -90,6 +90,10 @@ class BootInfo:
     # far), were received. None: fed without a receive time.
     first_rx: float | None = None
     last_rx: float | None = None
+    # last_rx is when the newest line was first *available* to a reader (it arrived after an
+    # earlier read of this port or an earlier record in the ledger). False: a reader's first
+    # read with no record found it, and it may be hours old (docs/poller.md, "Freshness").
+    rx_known: bool = True
 
     @property
     def lost(self) -> int:
@@ -449,7 +453,8 @@ class Timeline:
         boot = self.latest_boot
         rx = self.boots[boot].last_rx if boot is not None else None
         verified = [e for e in self.events if not e.covered]  # covered lines never decide
-        v = decide(verified, instance, now, policy, received_s=rx, boot=boot)
+        known = self.boots[boot].rx_known if boot is not None else True
+        v = decide(verified, instance, now, policy, received_s=rx, boot=boot, received_known=known)
         if self.key_conflict:
             # The pinned key still decides: one printed key line must not silence the poller
             # (a wedged VM would bill on). Operators must look: either a local process forges,
