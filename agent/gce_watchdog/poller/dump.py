@@ -69,6 +69,7 @@ def show_dump(
             EX_NOINPUT, f"gce-watchdog parse: cannot read {path}: {e.strerror or e}"
         ) from None
     events += tl.finish(received)
+    events += tl.settle(received, checks=None)  # a dump: every line a flood delayed is checked
     verdict = tl.judge(InstanceState(status, spot), now, policy)
     if as_json:
         print(json.dumps(_timeline_json(tl, events, verdict, total), sort_keys=True))
