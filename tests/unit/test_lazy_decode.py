@@ -471,3 +471,22 @@ def test_lines_waiting_in_the_carry_over_hold_for_one_drain_timeout_at_most() ->
     assert tl.judge(InstanceState("RUNNING"), 1900.0, POL).kind is VerdictKind.UNKNOWN
     late = tl.judge(InstanceState("RUNNING"), 1901.0, POL)
     assert late.kind is VerdictKind.SUSPECTED_WEDGE and "waiting" in late.reason
+
+
+def test_a_flood_record_from_an_older_cursor_holds_for_one_drain_timeout_at_most() -> None:
+    """A cursor written before flood records kept their times: counted at about its last read
+    (else the record would hold the verdict for good, issue 35)."""
+    w = _w()
+    tl = Timeline(pin=SYNTH_KEY.public)
+    tl._decoder.BUDGET_LINES = 3
+    tl._decoder.MAX_CARRY = 4
+    tl.feed(w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}), 100.0)
+    tl.feed(b"".join(forged("heartbeat", w.boot, 10**9 - i, 0) for i in range(50)), 1000.0)
+    tl.settle(1000.0, checks=10**6)
+    doc = tl.to_json()
+    for f in doc["flood"].values():
+        del f["since"], f["last"]
+    old = Timeline.from_json(doc)
+    assert old.flood["aaaa0001"].since == 100.0  # the newest line's receipt
+    assert old.judge(InstanceState("RUNNING"), 1000.0, POL).kind is VerdictKind.UNKNOWN
+    assert old.judge(InstanceState("RUNNING"), 1001.0, POL).kind is VerdictKind.SUSPECTED_WEDGE

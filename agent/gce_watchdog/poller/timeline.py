@@ -189,7 +189,8 @@ class Timeline:
         if not d.carry:
             return []
         own = d.__dict__.get("BUDGET_LINES")  # an instance's own budget (tests) is kept
-        d.BUDGET_LINES = len(d.carry) if checks is None else max(1, checks)
+        # None: two checks a line (the pin's, then a retired key's) reach every waiting line
+        d.BUDGET_LINES = 2 * len(d.carry) if checks is None else max(1, checks)
         try:
             return self._add(d.decode(b"", rx), rx)  # a held partial line stays held
         finally:
@@ -647,6 +648,11 @@ class Timeline:
         t.forged_samples = [str(x) for x in obj.get("forged_samples") or []][:MAX_FORGED_SAMPLES]
         for b in obj["boots"]:
             t.boots[str(b["boot"])] = BootInfo(**b)
+        # a flood record from before its times were kept: counted at about the last read
+        rxs = [b.last_rx for b in t.boots.values() if b.last_rx is not None]
+        for f in t.flood.values():
+            if f.since is None and rxs:
+                f.since = f.last = max(rxs)
         t.seq_gaps = [SeqGap(**g) for g in obj["seq_gaps"]]
         t.byte_gaps = [ByteGap(**g) for g in obj["byte_gaps"]]
         t.lost_bytes = int(obj["lost_bytes"])
