@@ -373,3 +373,40 @@ def test_an_instance_alarm_is_raised_once_seen_again_cleared_and_raised_anew(spe
         assert b.decisions.raise_alarm("42", "vm_untracked", inst, "RUNNING", {}, 40.0)
         [al] = a.decisions.alarms()
         assert (al.raised_at, al.raised_by) == (40.0, "host-b")
+
+
+def test_freshness_first_receipt_stands_and_a_newer_seq_is_known(spec: str) -> None:
+    """docs/poller.md, "Freshness": the first receipt of a boot's newest seq is shared; a
+    reader with the same seq later gets that time; a newer seq replaces it and is known."""
+    with open_ledger(spec, owner="a") as a, open_ledger(spec, owner="b") as b:
+        first = a.freshness.note("42", "b1", 7, 100.0, known=False)
+        assert (first.seq, first.rx, first.known) == (7, 100.0, False)
+        same = b.freshness.note("42", "b1", 7, 500.0, known=False)  # a later, cursorless read
+        assert (same.seq, same.rx, same.known) == (7, 100.0, False)
+        behind = b.freshness.note("42", "b1", 5, 600.0, known=True)  # a lagging reader
+        assert (behind.seq, behind.rx) == (7, 100.0)
+        newer = b.freshness.note("42", "b1", 9, 700.0, known=False)  # came after seq 7
+        assert (newer.seq, newer.rx, newer.known) == (9, 700.0, True)
+        assert a.freshness.note("42", "b1", 9, 800.0, known=True).rx == 700.0
+        other = a.freshness.note("42", "b2", 0, 900.0, known=True)  # each boot its own record
+        assert (other.seq, other.rx, other.known) == (0, 900.0, True)
+        assert a.freshness.note("43", "b1", 7, 950.0, known=False).rx == 950.0
+
+
+def _note_racer(spec: str, barrier: Any, results: Any, rx: float) -> None:
+    with open_ledger(spec, owner=f"racer-{rx}") as led:
+        barrier.wait(timeout=WAIT_S)
+        rec = led.freshness.note("77", "b1", 3, rx, known=False)
+        results.put((rec.seq, rec.rx))
+
+
+def test_racing_first_readers_all_get_one_freshness_record(spec: str) -> None:
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(RACERS)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_note_racer, args=(spec, barrier, results, 1000.0 + i))
+        for i in range(RACERS)
+    ]
+    out = gather(procs, results, RACERS, WAIT_S)
+    assert len(out) == RACERS and len(set(out)) == 1  # one record stands, every reader sees it

@@ -82,6 +82,9 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list
         api.add_instance("vm-3", project="test-project", zone="us-central1-a")
         api.append_serial("vm-1", failover_dump())
         api.append_serial("vm-3", failover_dump())
+        # read vm-2 once before its line comes: the line is then received new, and healthy
+        # (a first read alone would not tell its age: docs/poller.md, "Freshness")
+        run(poll_args(api, tmp, "--once", "vm-2"))
         healthy = Writer(boot="bbbb0002")
         healthy.ts_ms = int(time.time() * 1000)
         api.append_serial("vm-2", healthy.line("phase", {"ph": "workload"}))

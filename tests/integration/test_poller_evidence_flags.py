@@ -84,7 +84,7 @@ def test_logging_evidence_reads_the_last_line_from_cloud_logging(
         w = Writer(ts_ms=int(time.time() * 1000))
         api.append_serial("vm-1", w.line("phase", {"ph": "workload"}))
         assert main(poll(api, tmp_path, "a")) == 0
-        assert outcome(capsys)["verdict"] == "healthy"
+        assert outcome(capsys)["verdict"] == "unknown"  # a first read: age unknown
         final = w.line("exit", {"rc": "0"}).rstrip(b"\n").decode() + "\\r\\n"
         logs.add_serial(P, api.instance("vm-1").id, final, time.time())
         api.set_status("vm-1", "TERMINATED")  # the exit line never reached the Compute API

@@ -109,7 +109,7 @@ def test_the_least_privilege_role_polls_decides_and_reaps(
     assert main(poll_args(api, tmp_path, "--once", "--reap", "vm-1", "vm-2")) == 0
     out = outputs(capsys)
     assert out["vm-1"]["verdict"] == "self_shutdown" and out["vm-1"]["reaped"]
-    assert out["vm-2"]["verdict"] == "healthy"
+    assert out["vm-2"]["verdict"] == "unknown"  # a first read: age unknown
     assert api.instance("vm-1").deleted
     assert all(c.status != 403 for c in api.calls)
 
@@ -127,7 +127,7 @@ def test_a_typo_under_the_least_privilege_role_stops_only_that_name(
     out = outputs(capsys)
     assert out["vm-9"]["verdict"] is None
     assert "instance 'vm-9' not found" in str(out["vm-9"]["error"])
-    assert out["vm-2"]["error"] is None and out["vm-2"]["verdict"] == "healthy"
+    assert out["vm-2"]["error"] is None and out["vm-2"]["verdict"] == "unknown"  # a first read
     assert api.calls_to("delete") == []
 
 
@@ -151,7 +151,7 @@ def test_the_least_privilege_fleet_role_lists_polls_and_reaps(
         assert main(argv) == 0
         out = outputs(capsys)
         assert out["vm-1"]["verdict"] == "self_shutdown" and out["vm-1"]["reaped"]
-        assert out["vm-2"]["verdict"] == "healthy"
+        assert out["vm-2"]["verdict"] == "unknown"  # a first read: its age is not known
         assert all(c.status != 403 for c in api.calls)
 
 

@@ -69,7 +69,8 @@ def ended_after_last_read(
     w = Writer(ts_ms=int(now[0] * 1000))
     api.append_serial("vm-1", w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"}))
     first = poller.poll("vm-1")
-    assert first.verdict is not None and first.verdict.kind is K.HEALTHY, first.verdict
+    # a first read: its age is not known (docs/poller.md, "Freshness")
+    assert first.verdict is not None and first.verdict.kind is K.UNKNOWN, first.verdict
     now[0] += 20
     api.guest_shutdown("vm-1")
     now[0] += 10  # TERMINATED: the final line is not served any more
@@ -96,7 +97,7 @@ def test_a_finished_job_whose_last_line_is_only_in_the_log_is_workload_ok(
     inst = api.add_instance("vm-1", project=P, zone=Z)
     early = w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"})
     api.append_serial("vm-1", early)
-    assert p.poll("vm-1").verdict.kind is K.HEALTHY  # type: ignore[union-attr]
+    assert p.poll("vm-1").verdict.kind is K.UNKNOWN  # type: ignore[union-attr]  # a first read
     final = w.line("exit", {"rc": "0"})
     for i, line in enumerate([*early.splitlines(keepends=True), final]):
         logs.add_serial(P, inst.id, log_line(line, how), T0 + i)

@@ -60,7 +60,8 @@ def test_host_maintenance_fails_over_once_and_is_reaped(
 ) -> None:
     gpu_vm(api, "gpu-1", ("maintenance", NOTICE))
     first = poll(api, tmp_path, capsys, "--reap", "gpu-1")["gpu-1"]
-    assert first["verdict"] == "healthy" and "host maintenance announced" in first["reason"]
+    # a first read: its age is not known (docs/poller.md, "Freshness"), the notice is shown
+    assert first["verdict"] == "unknown" and "host maintenance announced" in first["reason"]
     api.host_maintenance("gpu-1")  # an hour later: GCE stops it (no line of ours is read)
     out = poll(api, tmp_path, capsys, "--reap", "gpu-1")["gpu-1"]
     assert out["verdict"] == "host_maintenance" and out["action"] == "failover", out["reason"]
@@ -138,7 +139,7 @@ def test_a_gpu_fault_fails_over_and_is_reaped_while_the_agent_beats(
     assert "Xid 79" in one["reason"] and "0000:00:04.0" in one["reason"]
     assert one["reaped"] and api.instance("gpu-1").deleted
     two = out["gpu-2"]  # an application Xid and a stall: shown, never a decision
-    assert two["verdict"] == "healthy" and two["action"] == "none"
+    assert two["verdict"] == "unknown" and two["action"] == "none"  # a first read: age unknown
     assert any(" gpu_event " in e for e in two["evidence"])
     assert any(" gpu_stall " in e for e in two["evidence"])
 
@@ -204,7 +205,7 @@ def test_a_vm_back_from_maintenance_waits_one_drain_timeout_for_its_new_boot(
         client = ComputeClient.create(creds, api_base=api.base_url, retry=retry)
         policy = Policy(drain_timeout_s=600, planned_stop_wait=True)
         p = Poller(client, CursorStore(None), P, Z, ledger, policy, clock=lambda: now[0])
-        assert _kind(p) is VerdictKind.HEALTHY
+        assert _kind(p) is VerdictKind.UNKNOWN  # a first read: its age is not known
         now[0] += 60
         api.host_maintenance("gpu-1")
         now[0] += 3600  # an hour of maintenance, then GCE restarts it

@@ -309,7 +309,8 @@ def test_failover_once_then_already_decided_and_reaped_once(
     api.append_serial("vm-1", w.line("phase", {"ph": "workload"}) + b"[  9.1] eth0: link down\n")
     now = w.ts_ms / 1000
     p1 = make_poller(api, sleeps, tmp_path, now, reap=True)
-    assert p1.poll("vm-1").verdict.kind is VerdictKind.HEALTHY  # type: ignore[union-attr]
+    # a first read with no record: the line's age is not known (docs/poller.md, "Freshness")
+    assert p1.poll("vm-1").verdict.kind is VerdictKind.UNKNOWN  # type: ignore[union-attr]
     api.append_serial("vm-1", w.line("shutdown", {"reason": "ladder", "rung": "10/10"}))
     api.set_fault("delete", Fault.REFUSE, count=1)  # the first delete is refused
     o1 = p1.poll("vm-1")
@@ -389,7 +390,7 @@ def test_an_off_vm_whose_serial_port_cannot_be_read_still_gets_its_verdict(
     w = Writer()
     api.append_serial("spot-2", w.line("phase", {"ph": "workload"}))
     p = make_poller(api, sleeps, tmp_path, w.ts_ms / 1000)
-    assert p.poll("spot-2").verdict.kind is VerdictKind.HEALTHY  # type: ignore[union-attr]
+    assert p.poll("spot-2").verdict.kind is VerdictKind.UNKNOWN  # type: ignore[union-attr]
     api.preempt("spot-2")  # (issue 24: the preemption is evidence, no longer presumed)
     api.set_fault("serial", Fault.SERVER_ERROR)
     out = p.poll("spot-2")
@@ -408,10 +409,14 @@ def test_poll_parse_and_report_give_one_verdict_for_the_same_bytes_and_times(
 
     w = Writer(boot="aaaa0001", ts_ms=int((time.time() + 365 * 86400) * 1000))
     data = w.line("start", {"v": "1"}) + w.line("phase", {"ph": "workload"})
-    api.append_serial("vm-1", data)
     rx = 1_800_000_000.0
-    clock = [rx]
+    clock = [rx - 30]
     poller = Poller(make_client(api, sleeps), CursorStore(tmp_path), P, Z, clock=lambda: clock[0])
+    # the poller read the port before the lines came: it received them new, at rx (a first
+    # read alone would not tell their age: docs/poller.md, "Freshness")
+    assert poller.poll("vm-1").verdict.kind is VerdictKind.UNKNOWN  # type: ignore[union-attr]
+    api.append_serial("vm-1", data)
+    clock[0] = rx
     assert poller.poll("vm-1").verdict.kind is VerdictKind.HEALTHY  # type: ignore[union-attr]
     dump = tmp_path / "dump.log"
     dump.write_bytes(data)

@@ -7,11 +7,19 @@ from __future__ import annotations
 import inspect
 
 import pytest
-from gce_watchdog.poller import assembly_store, ledger, ledger_db, ledger_pg, ledgers, pin_store
+from gce_watchdog.poller import (
+    assembly_store,
+    freshness_store,
+    ledger,
+    ledger_db,
+    ledger_pg,
+    ledgers,
+    pin_store,
+)
 
 pytestmark = pytest.mark.pure
 
-MODULES = (ledger, pin_store, assembly_store, ledger_db, ledger_pg, ledgers)
+MODULES = (ledger, pin_store, assembly_store, freshness_store, ledger_db, ledger_pg, ledgers)
 MAX_PUBLIC = 20  # issue 34: "no ledger class with more than 20 public methods"
 CLASSES = [
     c
@@ -43,6 +51,7 @@ def test_no_ledger_class_has_more_than_20_public_methods(cls: type) -> None:
         (ledger.SqlDecisions, ledger.DecisionStore),
         (pin_store.SqlPins, pin_store.PinStore),
         (assembly_store.SqlAssembly, assembly_store.AssemblyStore),
+        (freshness_store.SqlFreshness, freshness_store.FreshnessStore),
     ],
 )
 def test_each_sql_store_has_every_member_of_its_protocol(impl: type, protocol: type) -> None:
@@ -58,4 +67,5 @@ def test_a_ledger_gives_three_stores_over_one_connection(tmp_path: object) -> No
 
     with ledgers.open_ledger(Path(str(tmp_path)) / "l.sqlite", owner="me") as led:
         assert led.decisions.db is led.pins.db is led.assembly.db is led.db
+        assert led.freshness.db is led.db
         assert led.decisions.owner == led.db.owner == "me"

@@ -837,3 +837,43 @@ def test_idle_busy_only_adds_the_alarm(
     assert v.alarms == (("idle_busy",) if busy else ())
     assert v.alarm == (p.alarm or busy)
     assert v.reason.endswith(p.reason)
+
+
+def test_a_first_read_alone_is_never_healthy_and_a_silent_vm_is_a_wedge_after_the_drain() -> None:
+    """docs/poller.md, "Freshness": the newest line came with a reader's first read and no
+    record (``received_known`` False): unknown within the drain timeout, a wedge after it."""
+    events = seq_of(*WORKLOAD)
+    pol = Policy(drain_timeout_s=900)
+    fresh = decide(events, RUN, 1000.0, pol, received_s=1000.0, received_known=True)
+    assert fresh.kind is K.HEALTHY
+    first = decide(events, RUN, 1000.0, pol, received_s=1000.0, received_known=False)
+    assert first.kind is K.UNKNOWN and "fresh=no" in first.evidence
+    assert "900s" in first.reason and not first.failover
+    late = decide(events, RUN, 1901.0, pol, received_s=1000.0, received_known=False)
+    assert late.kind is K.SUSPECTED_WEDGE and late.failover
+    done = seq_of(*WORKLOAD, ("exit", {"rc": 0}))  # a terminal line decides as before
+    assert decide(done, RUN, 1000.0, pol, received_s=1000.0, received_known=False).kind is (
+        K.WORKLOAD_OK
+    )
+
+
+@given(
+    silent=st.floats(min_value=0, max_value=5000, allow_nan=False),
+    drain=st.floats(min_value=1, max_value=3000, allow_nan=False),
+    status=st.sampled_from([None, "RUNNING"]),
+    n=st.integers(min_value=1, max_value=6),
+)
+def test_property_unknown_age_never_healthy_and_wedges_past_the_drain(
+    silent: float, drain: float, status: str | None, n: int
+) -> None:
+    events = [ev("start", 0, v="1")] + [ev("heartbeat", i, ph="workload") for i in range(1, n)]
+    pol = Policy(drain_timeout_s=drain)
+    state = InstanceState(status)
+    v = decide(events, state, 1e6 + silent, pol, received_s=1e6, received_known=False)
+    known = decide(events, state, 1e6 + silent, pol, received_s=1e6, received_known=True)
+    assert v.kind is not K.HEALTHY
+    if known.kind is K.HEALTHY:
+        assert v.kind is K.UNKNOWN and not v.failover
+    else:  # the record's age only ever holds back "healthy"
+        assert v == known
+    assert (v.kind is K.SUSPECTED_WEDGE) == ((1e6 + silent) - 1e6 > drain)

@@ -12,11 +12,13 @@ imports the rest only inside its handlers):
 - :mod:`gce_watchdog.poller.ledger`: the decisions store (``DecisionStore``) that makes a
   FAILOVER decision happen once; :mod:`gce_watchdog.poller.pin_store`: the readers' shared pins
   (``PinStore``); :mod:`gce_watchdog.poller.assembly_store`: the Pub/Sub workers' assembly state
-  (``AssemblyStore``). Each is SQL over one connection of the ledger's database.
+  (``AssemblyStore``); :mod:`gce_watchdog.poller.freshness_store`: each boot's newest line and
+  its first receipt, shared by every reader (``FreshnessStore``). Each is SQL over one
+  connection of the ledger's database.
 - :mod:`gce_watchdog.poller.ledger_db`: that connection and schema, SQLite;
   :mod:`gce_watchdog.poller.ledger_pg`: PostgreSQL, the same semantics across hosts.
 - :mod:`gce_watchdog.poller.ledgers`: ``open_ledger``, the factory picking one of the two and
-  handing out the three stores (``Ledger``).
+  handing out the stores (``Ledger``).
 - :mod:`gce_watchdog.poller.identity`: who an instance id is (project, zone, name), asked of the
   Compute API, never taken from a LogEntry.
 - :mod:`gce_watchdog.poller.poller`: one poll of one instance: read, decide, claim, reap.

@@ -69,6 +69,7 @@ def show_dump(
             EX_NOINPUT, f"gce-watchdog parse: cannot read {path}: {e.strerror or e}"
         ) from None
     events += tl.finish(received)
+    events += tl.settle(received, checks=None)  # a dump: every line a flood delayed is checked
     events = tl.accepted(events)  # a contested start's announcements are taken back
     verdict = tl.judge(InstanceState(status, spot), now, policy)
     if as_json:

@@ -1,8 +1,9 @@
-"""The ledger's database: one connection and one schema that the three stores share.
+"""The ledger's database: one connection and one schema that the stores share.
 
 The stores (:mod:`~gce_watchdog.poller.ledger` the decisions,
 :mod:`~gce_watchdog.poller.pin_store` the pins, :mod:`~gce_watchdog.poller.assembly_store` the
-Pub/Sub workers' assembly state) hold their semantics as SQL over a :class:`SqlDb`; a backend
+Pub/Sub workers' assembly state, :mod:`~gce_watchdog.poller.freshness_store` each boot's
+freshness) hold their semantics as SQL over a :class:`SqlDb`; a backend
 supplies the connection, its transactions and its dialect: :class:`SqliteDb` here, ``PostgresDb``
 in :mod:`~gce_watchdog.poller.ledger_pg`. ``open_ledger`` (:mod:`~gce_watchdog.poller.ledgers`)
 opens one and hands out the stores.
@@ -179,6 +180,18 @@ DISPATCH_TABLES = (
     )""",
 )
 
+# Freshness (poller/freshness_store.py): one row per (instance id, boot), in both backends.
+# Not pruned, like the decisions: a few dozen bytes per boot.
+FRESHNESS_TABLE = """CREATE TABLE IF NOT EXISTS freshness (
+    instance_id TEXT NOT NULL,
+    boot        TEXT NOT NULL,
+    seq         BIGINT NOT NULL,
+    rx          DOUBLE PRECISION NOT NULL,
+    known       INTEGER NOT NULL,
+    noted_by    TEXT NOT NULL,
+    PRIMARY KEY (instance_id, boot)
+)"""
+
 
 # Alarms about an instance as a whole, raised by a poller and shown in the decisions view
 # (``decisions alarms``; docs/poller.md, "Untracked VMs"): ``vm_untracked``, a VM that left the
@@ -350,6 +363,7 @@ class SqliteDb(SqlDb):
             for stmt in ASSEMBLY_SCHEMA:
                 db.execute(stmt)
             db.execute(COST_TABLE)
+            db.execute(FRESHNESS_TABLE)
             have = {str(r[1]) for r in db.execute("PRAGMA table_info(decisions)")}
             missing = [(n, t) for n, t in _ADDED_COLUMNS if n not in have]
             for name, sqltype in missing:

@@ -31,6 +31,7 @@ from gce_watchdog.poller.ledger_db import (
     COST_TABLE,
     DELIVERY_COLUMNS,
     DISPATCH_TABLES,
+    FRESHNESS_TABLE,
     PIN_REKEYS_TABLE,
     SqlDb,
     default_owner,
@@ -139,6 +140,11 @@ class PostgresDb(SqlDb):
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
                     if not self._ready("decision_costs"):
                         self._db.execute(COST_TABLE)
+            if not self._ready("freshness"):  # each boot's freshness (later)
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    if not self._ready("freshness"):
+                        self._db.execute(FRESHNESS_TABLE)
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))

@@ -1,9 +1,10 @@
-"""``open_ledger``: the ledger ``--ledger`` names, SQLite or PostgreSQL, as its three stores.
+"""``open_ledger``: the ledger ``--ledger`` names, SQLite or PostgreSQL, as its stores.
 
-A ledger is one database (a SQLite file or a PostgreSQL database) holding three stores, each one
+A ledger is one database (a SQLite file or a PostgreSQL database) holding four stores, each one
 concern behind its own protocol: the decisions (:class:`~gce_watchdog.poller.ledger.DecisionStore`),
-the pins (:class:`~gce_watchdog.poller.pin_store.PinStore`) and the Pub/Sub workers' assembly
-state (:class:`~gce_watchdog.poller.assembly_store.AssemblyStore`). They share one connection
+the pins (:class:`~gce_watchdog.poller.pin_store.PinStore`), the Pub/Sub workers' assembly
+state (:class:`~gce_watchdog.poller.assembly_store.AssemblyStore`) and each boot's freshness
+(:class:`~gce_watchdog.poller.freshness_store.FreshnessStore`). They share one connection
 (:mod:`~gce_watchdog.poller.ledger_db`), so a caller holding a :class:`Ledger` closes it once.
 
 Apart from both backends so that neither imports the other; the PostgreSQL backend is imported only
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gce_watchdog.poller.assembly_store import SqlAssembly
+from gce_watchdog.poller.freshness_store import SqlFreshness
 from gce_watchdog.poller.ledger import ANNOUNCE_LEASE_S, SqlDecisions
 from gce_watchdog.poller.ledger_db import SqlDb, SqliteDb
 from gce_watchdog.poller.pin_store import SqlPins
@@ -24,7 +26,8 @@ from gce_watchdog.poller.settings import ledger_backend
 
 
 class Ledger:
-    """One open ledger: ``decisions``, ``pins`` and ``assembly`` over one connection. A context
+    """One open ledger: ``decisions``, ``pins``, ``assembly`` and ``freshness`` over one
+    connection. A context
     manager, or call close()."""
 
     def __init__(self, db: SqlDb, announce_lease_s: float = ANNOUNCE_LEASE_S) -> None:
@@ -32,6 +35,7 @@ class Ledger:
         self.decisions = SqlDecisions(db, announce_lease_s)
         self.pins = SqlPins(db)
         self.assembly = SqlAssembly(db)
+        self.freshness = SqlFreshness(db)
 
     @property
     def errors(self) -> tuple[type[BaseException], ...]:

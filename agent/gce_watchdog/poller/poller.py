@@ -271,7 +271,11 @@ class Poller:
     ) -> None:
         self.client = client
         self.reader = SerialReader(
-            client, store, clock, pins=None if ledger is None else ledger.pins
+            client,
+            store,
+            clock,
+            pins=None if ledger is None else ledger.pins,
+            freshness=None if ledger is None else ledger.freshness,
         )
         self.project = project
         self.zone = zone
@@ -335,7 +339,10 @@ class Poller:
                 # Decide on what was read while it ran (the linger exists for exactly this).
         cur = self.reader.cursor(p, z, name)
         tl = cur.timeline
+        waiting = tl.waiting
         tl.settle(self.clock())  # lines a flood delayed are checked even if no byte follows
+        if tl.waiting != waiting:  # kept, so the next poll goes on from here (a VM that is off
+            self.reader.store.save(p, z, cur)  # serves no byte, and no read saves the cursor)
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
         instance_id = info.id if info else cur.instance_id
         try:

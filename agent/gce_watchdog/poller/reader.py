@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from gce_watchdog.lib.compute import ComputeClient
 from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.poller.freshness_store import FreshnessStore
 from gce_watchdog.poller.pin_store import PinStore
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.wire.protocol import pk_fingerprint
@@ -216,7 +217,11 @@ class SerialReader:
 
     ``pins``: the ledger. Before each read the instance's pin is taken from it (so a fresh
     cursor dir, a restart or another host uses the same key); a key this read placed (the
-    instance's first line, read from byte 0) is stored there, first one wins."""
+    instance's first line, read from byte 0) is stored there, first one wins.
+
+    ``freshness``: the ledger's record of each boot's newest line (docs/poller.md,
+    "Freshness"): after each read the current boot's newest seq is noted there, and the record
+    that stands (the first receipt of that seq by any reader) is the timeline's ``last_rx``."""
 
     def __init__(
         self,
@@ -224,11 +229,13 @@ class SerialReader:
         store: CursorStore,
         clock: Callable[[], float] = time.time,
         pins: PinStore | None = None,
+        freshness: FreshnessStore | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.clock = clock  # the reader's own clock: when bytes were received
         self.pins = pins
+        self.freshness = freshness
 
     def read(self, project: str, zone: str, name: str, instance_id: str = "") -> ReadResult:
         cur = self.store.load(project, zone, name)
@@ -242,6 +249,9 @@ class SerialReader:
             cur.timeline.set_pin(shared.public, shared.fingerprint, shared.retired)
         fetched = lost = new_events = new = 0
         reset = False
+        # A cursor that never read this port has no record: what this read finds may be old.
+        first_read = cur.reads == 0
+        before = {b: info.max_seq for b, info in cur.timeline.boots.items()}
         # At most two reads: the second only after a buffer reset (the port restarted at 0).
         for _ in range(2):
             requested = cur.offset
@@ -274,6 +284,11 @@ class SerialReader:
             cur.offset = chunk.next
             break
         tl = cur.timeline
+        for b, info in tl.boots.items():
+            if info.max_seq > before.get(b, -1):  # a newer line of this boot arrived now
+                info.rx_known = not first_read
+        if self.freshness is not None and instance_id:
+            self._share_freshness(instance_id, tl)
         if self.pins is not None and instance_id and tl.pinned_here and tl.pin is not None:
             placed = tl.rekeys[0][0] if tl.rekeys else tl.pin  # the key before any rotation
             stored = self.pins.place_pin(instance_id, placed, pk_fingerprint(placed), rx)
@@ -295,6 +310,19 @@ class SerialReader:
 
     def cursor(self, project: str, zone: str, name: str) -> Cursor:
         return self.store.load(project, zone, name)
+
+    def _share_freshness(self, instance_id: str, tl: Timeline) -> None:
+        """Note the current boot's newest line in the ledger and take the record that stands:
+        a reader that finds the same (or a newer) seq there measures silence from its first
+        receipt by any reader, never from its own first read (docs/poller.md, "Freshness")."""
+        assert self.freshness is not None
+        boot = tl.latest_boot
+        info = tl.boots.get(boot) if boot is not None else None
+        if boot is None or info is None or info.last_rx is None:
+            return
+        rec = self.freshness.note(instance_id, boot, info.max_seq, info.last_rx, info.rx_known)
+        if rec.seq >= info.max_seq:
+            info.last_rx, info.rx_known = rec.rx, rec.known
 
 
 def jitter(seconds: float, fraction: float = 0.1) -> float:

@@ -58,6 +58,12 @@ REPLAY_BOUND_MS = 24 * 3600 * 1000
 # Boots with lines the decoder's signature budget never reached, remembered for the flood alarm
 # (docs/serial-protocol.md, "Verifying what decides"); more go to one record for any boot.
 MAX_FLOOD_BOOTS = 64
+# Signature checks one settle spends on the carry-over before a verdict (~30 ms at 60 us): with
+# a block's own budget, the per-read budget (docs/poller.md, "Per-read budget").
+SETTLE_CHECKS = 512
+# A flood's lines hold a verdict at most one drain timeout from the first of them; a burst
+# after this long without one is a new flood (held again).
+FLOOD_EPISODE_GAP_S = 3600.0
 ANY_BOOT = ""  # the flood record of lines whose boot is not known (not parsed, or past the bound)
 
 
@@ -67,12 +73,17 @@ class Flood:
 
     ``min_decisive``: the lowest seq of a decisive one (-1: none); ``max_routine``: the highest
     seq of a routine one (-1: none); ``mark``: how many boots the timeline knew when the last
-    of them was counted (a boot first seen later is not affected)."""
+    of them was counted (a boot first seen later is not affected); ``since`` and ``last``: when
+    (the reader's clock) the first and the latest of this flood were received: it holds a
+    verdict for one drain timeout from ``since`` at most (a burst more than
+    FLOOD_EPISODE_GAP_S after ``last`` starts a new flood)."""
 
     count: int = 0
     min_decisive: int = -1
     max_routine: int = -1
     mark: int = 0
+    since: float | None = None
+    last: float | None = None
 
 
 @dataclass
@@ -90,6 +101,10 @@ class BootInfo:
     # far), were received. None: fed without a receive time.
     first_rx: float | None = None
     last_rx: float | None = None
+    # last_rx is when the newest line was first *available* to a reader (it arrived after an
+    # earlier read of this port or an earlier record in the ledger). False: a reader's first
+    # read with no record found it, and it may be hours old (docs/poller.md, "Freshness").
+    rx_known: bool = True
 
     @property
     def lost(self) -> int:
@@ -166,18 +181,31 @@ class Timeline:
         """End of a dump: decode the unterminated last line (a truncated line is rejected)."""
         return self._add(self._decoder.finish(rx), rx)
 
-    def settle(self, rx: float | None = None) -> list[Event]:
-        """Verify the decisive lines waiting in the carry-over (a flood's block could not reach
-        them), with empty blocks' budgets: at most ``StreamDecoder.MAX_CARRY`` checks. Called
-        before a verdict, so that a real line a flood delayed decides even when no byte follows
-        it (a VM that powered off after its shutdown line serves no more output)."""
+    def settle(self, rx: float | None = None, checks: int | None = SETTLE_CHECKS) -> list[Event]:
+        """Verify the lines waiting in the carry-over (a flood's block could not reach them) in
+        one empty block whose budget is ``checks`` signatures (None: as many as lines wait, for
+        a dump: ``parse``, ``report``). Called before a verdict, so that a real line a flood
+        delayed decides even when no byte follows it (a VM that powered off after its shutdown
+        line serves no more output); what is left waits for the next poll's settle, first in
+        line (docs/poller.md, "Per-read budget")."""
         d = self._decoder
-        new: list[Event] = []
-        for _ in range(-(-d.MAX_CARRY // max(1, d.BUDGET_LINES)) + 1):
-            if not d.carry:
-                break
-            new += self._add(d.decode(b"", rx), rx)  # a held partial line stays held
-        return new
+        if not d.carry:
+            return []
+        own = d.__dict__.get("BUDGET_LINES")  # an instance's own budget (tests) is kept
+        # None: two checks a line (the pin's, then a retired key's) reach every waiting line
+        d.BUDGET_LINES = 2 * len(d.carry) if checks is None else max(1, checks)
+        try:
+            return self._add(d.decode(b"", rx), rx)  # a held partial line stays held
+        finally:
+            if own is None:
+                del d.BUDGET_LINES
+            else:
+                d.BUDGET_LINES = own
+
+    @property
+    def waiting(self) -> int:
+        """Lines waiting in the carry-over for a signature check (a flood delayed them)."""
+        return len(self._decoder.carry)
 
     def note_byte_gap(self, requested: int, start: int) -> None:
         """The API returned ``start`` beyond ``requested``: those bytes are gone (and nothing
@@ -228,7 +256,7 @@ class Timeline:
                 self._account(ev, None, covered=True)
         self.events.extend(new)
         self.counts.add(found.stats)
-        self._note_unchecked(found.unchecked)
+        self._note_unchecked(found.unchecked, rx)
         for r in found.rejects[: max(0, MAX_REJECT_SAMPLES - len(self.reject_samples))]:
             self.reject_samples.append(r.raw[:240].decode("latin-1"))
         for f in found.forgeries[: max(0, MAX_FORGED_SAMPLES - len(self.forged_samples))]:
@@ -237,12 +265,16 @@ class Timeline:
             self.compact()
         return new
 
-    def _note_unchecked(self, unchecked: list[tuple[str, int, bool]]) -> None:
-        """Take a block's never-verified lines into the flood records."""
+    def _note_unchecked(self, unchecked: list[tuple[str, int, bool]], rx: float | None) -> None:
+        """Take a block's never-verified lines (received at ``rx``) into the flood records."""
         for boot, seq, decisive in unchecked:
             if boot not in self.flood and len(self.flood) >= MAX_FLOOD_BOOTS:
                 boot = ANY_BOOT
             f = self.flood.setdefault(boot, Flood())
+            if rx is not None:
+                if f.since is None or f.last is None or rx - f.last > FLOOD_EPISODE_GAP_S:
+                    f.since = rx  # a new flood
+                f.last = rx
             f.count += 1
             f.mark = len(self.boots)
             if decisive:
@@ -257,17 +289,28 @@ class Timeline:
 
     @property
     def flood_alarm(self) -> str:
+        """:meth:`flood_hold` at any time: what the flood left unverified, shown as an alarm."""
+        return self.flood_hold()
+
+    def flood_hold(self, now: float | None = None, drain_s: float | None = None) -> str:
         """Why the verdict cannot be trusted to act on ("" when nothing stops it): lines of ours
         may be among those the signature budget did not reach (a flood of forged lines) and
         could change it: decisive lines waiting to be verified, or never verified, of the
         current boot (below its first terminal line) or of a boot not known (from before the
         current boot was first seen), or routine lines above the current boot's newest
-        verified line (its liveness)."""
+        verified line (its liveness). With ``now`` and ``drain_s``: only lines received within
+        one drain timeout (a flood's first line, the oldest waiting line) hold it, so a flood
+        never holds a verdict at ``unknown`` longer than that (docs/poller.md, "Floods")."""
         cur = self.latest_boot
         info = self.boots.get(cur) if cur is not None else None
         parts = []
-        if self._decoder.carry:
-            parts.append(f"{len(self._decoder.carry)} lines waiting for a signature check")
+
+        def fresh(t: float | None) -> bool:
+            return now is None or drain_s is None or t is None or now - t <= drain_s
+
+        carry = self._decoder.carry
+        if carry and fresh(min((t for _, t in carry if t is not None), default=None)):
+            parts.append(f"{len(carry)} lines waiting for a signature check")
         first_terminal = -1
         if info is not None:
             terms = [
@@ -278,6 +321,8 @@ class Timeline:
             first_terminal = min(terms) if terms else -1
         stops = 0
         for boot, f in self.flood.items():
+            if not fresh(f.since):
+                continue  # counted (and shown by flood_alarm), but it holds nothing any more
             if info is not None and boot == cur:
                 before_end = f.min_decisive >= 0 and (
                     first_terminal < 0 or f.min_decisive < first_terminal
@@ -479,7 +524,8 @@ class Timeline:
         boot = self.latest_boot
         rx = self.boots[boot].last_rx if boot is not None else None
         verified = [e for e in self.events if not e.covered]  # covered lines never decide
-        v = decide(verified, instance, now, policy, received_s=rx, boot=boot)
+        known = self.boots[boot].rx_known if boot is not None else True
+        v = decide(verified, instance, now, policy, received_s=rx, boot=boot, received_known=known)
         if self.key_conflict:
             # The pinned key still decides: one printed key line must not silence the poller
             # (a wedged VM would bill on). Operators must look: either a local process forges,
@@ -510,7 +556,7 @@ class Timeline:
             )
         elif alarm:
             v = replace(v, reason=f"ALARM: {alarm}; {v.reason}")
-        flood = self.flood_alarm
+        flood = self.flood_hold(now, policy.drain_timeout_s)
         if flood and (v.failover or v.kind is VerdictKind.HEALTHY):
             # Lines the budget did not reach could change this verdict: not acted on (and not
             # called healthy) until they are verified or a later line settles it.
@@ -635,6 +681,11 @@ class Timeline:
         t.forged_samples = [str(x) for x in obj.get("forged_samples") or []][:MAX_FORGED_SAMPLES]
         for b in obj["boots"]:
             t.boots[str(b["boot"])] = BootInfo(**b)
+        # a flood record from before its times were kept: counted at about the last read
+        rxs = [b.last_rx for b in t.boots.values() if b.last_rx is not None]
+        for f in t.flood.values():
+            if f.since is None and rxs:
+                f.since = f.last = max(rxs)
         t.seq_gaps = [SeqGap(**g) for g in obj["seq_gaps"]]
         t.byte_gaps = [ByteGap(**g) for g in obj["byte_gaps"]]
         t.lost_bytes = int(obj["lost_bytes"])
@@ -666,5 +717,5 @@ def parse_bytes(
         for chunk in data:
             t.feed(chunk, rx)
     t.finish(rx)
-    t.settle(rx)
+    t.settle(rx, checks=None)  # a dump: every waiting line is checked (no later read)
     return t

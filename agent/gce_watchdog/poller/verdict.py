@@ -355,6 +355,7 @@ def decide(
     *,
     received_s: float | None = None,
     boot: str | None = None,
+    received_known: bool = True,
 ) -> Verdict:
     """Decide what the poller does about one VM.
 
@@ -363,12 +364,17 @@ def decide(
     first received the current boot's newest line) on the reader's own clock, in seconds since
     the epoch. Silence is ``now - received_s``, never measured with the guest's timestamps;
     without ``received_s`` there is no measure of silence and no wedge is suspected.
+    ``received_known`` False: that line was found by a reader's first read with no record of
+    the boot (it may be hours old): never ``healthy`` from it, ``unknown`` until a newer line
+    arrives, and a suspected wedge once the drain timeout has passed since ``received_s``.
     """
     mine = latest_boot_events(events, boot)
     boot = mine[0].boot if mine else None
     status = instance.status
     status_ev = f"status={status or 'unknown'}" + (" spot" if instance.spot else "")
     term, v = _decide(mine, instance, now, policy, received_s, boot, status_ev)
+    if v.kind is VerdictKind.HEALTHY and not received_known:
+        v = _age_unknown(v, now, policy, received_s)
     v = _stuck(mine, term, v, policy, boot, status_ev)
     gpu = tuple(e.render() for e in mine if e.event in _GPU_SHOWN)[-GPU_EVIDENCE_LINES:]
     fault = gpu_fault_event(mine)
@@ -404,6 +410,18 @@ def _released(mine: Sequence[Event], v: Verdict) -> Verdict:
     why = busy.text.split("GPUs busy: ", 1)[-1] if busy.text else "no detail"
     reason = f"ALARM: the GPUs were not released when the job ended (idle=busy: {why}); {v.reason}"
     return replace(v, reason=reason, evidence=(*evidence, ALARM_PREFIX + ALARM_IDLE_BUSY))
+
+
+def _age_unknown(v: Verdict, now: float, policy: Policy, received_s: float | None) -> Verdict:
+    """Healthy by silence alone, but the newest line came with the reader's first read and no
+    record of the boot: how old it is cannot be known (docs/poller.md, "Freshness")."""
+    left = policy.drain_timeout_s - (now - received_s) if received_s is not None else 0.0
+    reason = (
+        "the newest line was found by a first read with no record of this boot: its age is "
+        f"not known; healthy once a newer line arrives, a suspected wedge if none comes in "
+        f"{max(0.0, left):.0f}s ({v.reason})"
+    )
+    return replace(v, kind=VerdictKind.UNKNOWN, reason=reason, evidence=(*v.evidence, "fresh=no"))
 
 
 def _stands(v: Verdict, report: bool) -> bool:

@@ -442,6 +442,7 @@ def build_report(
         size += len(chunk)
         keep(tl.feed(bytes(chunk), received))
     keep(tl.finish(received))
+    keep(tl.settle(received, checks=None))  # a dump: every line a flood delayed is checked
     return from_timeline(
         tl,
         tl.accepted(kept),  # a contested start's announcements are taken back

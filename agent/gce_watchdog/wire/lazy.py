@@ -184,7 +184,10 @@ class LazyBlocks:
     BUDGET_LINES = 96
     BUDGET_BYTES = 8192
     # Decisive lines the budget did not reach, carried to the next block (checked first there).
-    MAX_CARRY = 256
+    # Room for every intact line the API's 1 MiB window can hold (~125 bytes each at the least),
+    # so a flood delays the lines behind it, never drops them (issue 35; the poller settles a
+    # bounded number per read: docs/poller.md, "Per-read budget").
+    MAX_CARRY = 16384
     MAX_BOOTS = 64  # boots with a verified line, remembered to order the checks (known first)
 
     pin: bytes | None

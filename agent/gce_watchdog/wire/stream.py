@@ -153,10 +153,12 @@ class StreamDecoder(LazyBlocks):
         return self._decode_block(data, cut)  # its whole lines, data[:cut], without a copy
 
     def finish(self, rx: float | None = None) -> Decoded:
-        """Decode the held partial line (end of a dump): a truncated last line is rejected."""
+        """Decode the held partial line (end of a dump): a truncated last line is rejected.
+        Lines waiting in the carry-over are left to the caller's settle (Timeline.settle, with
+        its own budget), unless a partial line makes a block anyway."""
         self._rx = rx
         rest, self._pending = self._pending, b""
-        if not rest and not self.carry:
+        if not rest:
             return Decoded()
         return self._decode_block(rest + b"\n" if rest else b"")
 
