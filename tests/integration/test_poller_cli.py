@@ -172,14 +172,16 @@ def test_log_changes_writes_first_sights_and_a_summary_per_round(
     assert main([*argv, "vm-1", "vm-2"]) == 0
     cap = capsys.readouterr()
     out = [json.loads(x) for x in cap.out.splitlines()]
+    # each VM's only line came with this poller's first read and nothing newer follows: unknown
+    # every round (issue 35, docs/poller.md "Freshness"), an unchanged verdict written once
     assert [(o["instance"], o["verdict"]) for o in out] == [
-        ("vm-1", "healthy"),
-        ("vm-2", "healthy"),
+        ("vm-1", "unknown"),
+        ("vm-2", "unknown"),
     ]
     rounds = [x for x in cap.err.splitlines() if x.startswith("gce-watchdog poll: round ")]
     assert len(rounds) == 3, cap.err
-    assert rounds[0].endswith("; 2 outcome(s): healthy 2; 2 written, 0 unchanged"), rounds[0]
-    assert rounds[2].endswith("; 2 outcome(s): healthy 2; 0 written, 2 unchanged"), rounds[2]
+    assert rounds[0].endswith("; 2 outcome(s): unknown 2; 2 written, 0 unchanged"), rounds[0]
+    assert rounds[2].endswith("; 2 outcome(s): unknown 2; 0 written, 2 unchanged"), rounds[2]
     # a change is written again: vm-2's poll fails (an error, every time), then comes back
     api.set_instance_fault("vm-2", Fault.SERVER_ERROR)
     argv = [*argv[:-2], "--max-polls", "2", "--api-attempts", "1"]
@@ -200,7 +202,7 @@ def test_text_output_is_quiet_by_default_and_json_alone_writes_every_round(
     assert main(text) == 0
     cap = capsys.readouterr()
     assert len(cap.out.splitlines()) == 1 and " vm-1 id=" in cap.out
-    assert cap.err.count("1 outcome(s): healthy 1;") == 3
+    assert cap.err.count("1 outcome(s): unknown 1;") == 3  # a first read alone: age unknown
     assert main([*text, "--log", "every"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 3
     assert main(argv) == 0  # --json alone: every instance every round, as scripts expect
