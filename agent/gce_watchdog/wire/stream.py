@@ -111,7 +111,10 @@ class StreamDecoder(LazyBlocks):
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
         self._now = Decoded()  # the block being decoded
         self._budget = 0
-        self._block_bytes = 0
+        self._credit = self.BUDGET_LINES
+        self._credit_acc = self._share_acc = self._share = 0
+        self._grant_rx: float | None = None
+        self._fresh = True
         self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
         self._ok_bodies: set[bytes] = set()  # and their bodies
         self._names: dict[bytes, str] = {}
@@ -169,7 +172,11 @@ class StreamDecoder(LazyBlocks):
     def _decode_block(self, body: bytes, end: int = -1) -> Decoded:
         """:meth:`_scan_block`'s events and counts, the counts added to :attr:`stats`."""
         found = self._now = Decoded()
+        self._grant(len(body) if end < 0 else end, self._rx)
+        budget = self._budget
         found.events = self._scan_block(body, end)
+        if self.lazy:
+            self._spent(budget)
         self.stats.add(found.stats)
         return found
 
@@ -188,7 +195,6 @@ class StreamDecoder(LazyBlocks):
         if end < 0:
             end = len(body)
         st.lines += len(lines) - lines.count(b"") - tail
-        self._block_bytes = end
         if body.find(MARKER_PREFIX, 0, end) < 0 and not self.carry:
             return []
         full = _MARKER_LINE_RE.findall(body, 0, end)
