@@ -157,10 +157,11 @@ class DecodeStats:
 @dataclass
 class Decoded:
     """What one block of the stream held (:meth:`StreamDecoder.decode`): its authenticated
-    events in stream order, its counts, samples of its rejected and forged lines (at most
-    ``StreamDecoder.MAX_SAMPLES`` each) and the lines the signature budget never reached and
-    the carry-over could not hold: (boot, seq, decisive), boot "" when the line was not parsed
-    (an announcement, a rotation, a line off the plain path)."""
+    events in stream order, its counts, samples of its rejected and forged lines (the
+    stream's first ``StreamDecoder.MAX_SAMPLES`` of each, in all blocks together) and the
+    lines the signature budget never reached and the carry-over could not hold: (boot, seq,
+    decisive), boot "" when the line was not parsed (an announcement, a rotation, a line off
+    the plain path)."""
 
     events: list[Event] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -177,7 +178,7 @@ class LazyBlocks:
     # Copies of a line (journald forwarding) arrive within seconds of it: the last 4096 distinct
     # lines (hours of agent output) are remembered, by arrival, whatever their seq.
     DEDUP_WINDOW = 4096
-    MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports
+    MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports (per stream, each)
     # Signatures checked per block: a fixed share plus one per BUDGET_BYTES of the block (a
     # MiB: 96 + 128 = 224 checks, ~13 ms at ~59 us each); ours need about one per 32 lines
     # (the announcements) plus the decisive lines plus one per boot.
@@ -206,6 +207,9 @@ class LazyBlocks:
     _share: int  # this block's byte share
     _grant_rx: float | None  # the receive time of the last whole refill
     _fresh: bool  # no block yet: the first one gets the whole credit
+    # Samples handed out (rejected, forged), for the whole stream: MAX_SAMPLES each in all, so
+    # a flood fed in small pieces does not build a thousand samples per piece.
+    _sampled: list[int]
     _ok: set[bytes]  # lines verified in this block (signed bytes)
     _ok_bodies: set[bytes]  # and their bodies
     _names: dict[bytes, str]  # the block's boot ids and event names, decoded once each
@@ -576,7 +580,8 @@ class LazyBlocks:
         found = self._now
         found.stats.rejected += 1
         found.stats.reject_reasons[res.reason] = found.stats.reject_reasons.get(res.reason, 0) + 1
-        if len(found.rejects) < self.MAX_SAMPLES:
+        if self._sampled[0] < self.MAX_SAMPLES:
+            self._sampled[0] += 1
             found.rejects.append(res)
 
     def _forged(self, f: Forged) -> None:
@@ -587,7 +592,8 @@ class LazyBlocks:
             return
         st.forged += 1
         st.forged_reasons[f.reason] = st.forged_reasons.get(f.reason, 0) + 1
-        if len(found.forgeries) < self.MAX_SAMPLES:
+        if self._sampled[1] < self.MAX_SAMPLES:
+            self._sampled[1] += 1
             found.forgeries.append(f)
 
     def _is_duplicate(self, ev: Event) -> bool:

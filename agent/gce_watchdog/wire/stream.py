@@ -133,6 +133,7 @@ class StreamDecoder(LazyBlocks):
         self._credit_acc = self._share_acc = self._share = 0
         self._grant_rx: float | None = None
         self._fresh = True
+        self._sampled = [0, 0]
         self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
         self._ok_bodies: set[bytes] = set()  # and their bodies
         self._names: dict[bytes, str] = {}
@@ -222,12 +223,15 @@ class StreamDecoder(LazyBlocks):
         if bare:
             st.rejected += bare
             st.reject_reasons[Reject.CHECKSUM] = st.reject_reasons.get(Reject.CHECKSUM, 0) + bare
-            room = self.MAX_SAMPLES - len(self._now.rejects)
+            room = min(bare, self.MAX_SAMPLES - self._sampled[0])
             if room > 0:
+                kept = self._now.rejects
+                had = len(kept)
                 samples = (x for x in full[: 2 * self.MAX_SAMPLES] if b" #" not in x)
-                self._now.rejects.extend(
+                kept.extend(
                     Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
                 )
+                self._sampled[0] += len(kept) - had
         return self._decode_lines(cands)
 
     def _note_unplaced(self, public: bytes) -> None:
