@@ -50,24 +50,6 @@ _MARKER_LINE_RE = re.compile(rb"GCEWD[123][^\n]*")
 _TRAILER_LINE_RE = re.compile(rb"^GCEWD[123][^\n]* #[^\n]*", re.MULTILINE)
 
 
-# Three LFs or more in a row (blank lines): where count(b"\n\n") misses overlapping pairs.
-_LF_RUN_RE = re.compile(rb"\n\n\n+")
-
-
-def count_lines(body: bytes, end: int) -> int:
-    """The non-empty lines of ``body[:end]`` (CRs already LFs; ``end`` 0 or just after an LF):
-    LFs not preceded by an LF, counted by C-level scans, no list of lines. A run of L LFs
-    holds L - 1 overlapping pairs, ``bytes.count`` finds L // 2 of them: the runs of three or
-    more (blank lines between CRLF lines; rare) are corrected one by one."""
-    if end <= 0:
-        return 0
-    empty = body.count(b"\n\n", 0, end) + (body[0] == 0x0A)
-    for m in _LF_RUN_RE.finditer(body, 0, end):
-        n = m.end() - m.start()
-        empty += n - 1 - n // 2
-    return body.count(b"\n", 0, end) - empty
-
-
 def split_lines(data: bytes) -> list[bytes]:
     """Split console bytes at LF, CRLF and a bare CR (a line ending some programs use alone)."""
     if b"\r" not in data:
@@ -209,9 +191,14 @@ class StreamDecoder(LazyBlocks):
         rejected, counted in bulk (nothing about it depends on its place in the stream). So a
         MiB of short hostile lines costs a few regex scans."""
         st = self._now.stats
+        # The non-empty lines, counted on the list of lines: C-level, and faster than counting
+        # LFs and the overlapping LF pairs with bytes.count (1.8 against 0.7 ms per MiB of a
+        # CRLF dump, docs/performance.md, issue 38)
+        lines = body.split(b"\n")
+        tail = 0 if end < 0 or end == len(body) else 1  # the partial line: one non-empty piece
         if end < 0:
             end = len(body)
-        st.lines += count_lines(body, end)
+        st.lines += len(lines) - lines.count(b"") - tail
         if body.find(MARKER_PREFIX, 0, end) < 0 and not self.carry:
             return []
         full = _MARKER_LINE_RE.findall(body, 0, end)
