@@ -9,8 +9,9 @@ Each ``*_AGENT_DIR`` is a tree's ``agent`` folder (``git archive REV agent | tar
 gives an older commit's). The inputs are written once, by this checkout: the realistic dump and
 the hostile shapes of ``bench/bench_decode.py``. Each round runs the base tree, then the new
 one, in a fresh process each; a run times ``decode_all`` (and ``parse_bytes``: the timeline)
-on every input ``R`` times in CPU time (``time.process_time``: other processes on a loaded
-machine count less than in wall time) and keeps the median and the best. Printed: per input,
+on every input ``R`` times, and a few shapes fed in 64 KiB and 4 KiB pieces (``_64k``,
+``_4k``), in CPU time (``time.process_time``: other processes on a loaded machine count less
+than in wall time) and keeps the median and the best. Printed: per input,
 the median of the rounds' medians and the best run, base -> new, and the change.
 """
 
@@ -25,7 +26,10 @@ import tempfile
 from pathlib import Path
 
 SHAPES = ["hostile_bad_sig", "hostile_bad_sig_routine", "hostile_walkdown", "hostile_cr"]
-SHAPES += ["hostile_self_signed"]
+SHAPES += ["hostile_self_signed", "hostile_max_fields", "hostile_cr_lines"]
+# Shapes also fed in 64 KiB and 4 KiB pieces under one receive time (issue 38: the budget per
+# MiB, whatever the piece size).
+PIECED = ["hostile_bad_sig", "hostile_cr", "hostile_max_fields"]
 
 # One timed run, in the tree given: {input: [median ms, best ms]}.
 _RUN = r"""
@@ -34,8 +38,14 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from gce_watchdog.poller.timeline import parse_bytes
 from gce_watchdog.testing.synth import SYNTH_KEY
-from gce_watchdog.wire.protocol import decode_all
+from gce_watchdog.wire.protocol import StreamDecoder, decode_all
 d, reps, shapes = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+pieced = sys.argv[5].split(",")
+def fed(blob, piece):
+    dec = StreamDecoder(pin=SYNTH_KEY.public)
+    for i in range(0, len(blob), piece):
+        dec.feed(blob[i : i + piece], 1.0)
+    return dec.flush(1.0)
 def timed(fn):
     fn()
     ts = []
@@ -50,6 +60,9 @@ out = {"decode_realistic": timed(lambda: decode_all(real)),
 for s in shapes:
     blob = (d / f"{s}.bin").read_bytes()
     out[s] = timed(lambda: decode_all(blob, pin=SYNTH_KEY.public))
+    if s in pieced:
+        out[s + "_64k"] = timed(lambda: fed(blob, 65536))
+        out[s + "_4k"] = timed(lambda: fed(blob, 4096))
 print(json.dumps(out))
 """
 
@@ -71,6 +84,7 @@ def write_inputs(d: Path) -> None:
 
 def one_run(tree: str, d: Path, repeats: int) -> dict[str, list[float]]:
     argv = [sys.executable, "-c", _RUN, tree, str(d), str(repeats), ",".join(SHAPES)]
+    argv.append(",".join(PIECED))
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)
     res: dict[str, list[float]] = json.loads(out.stdout)
     return res

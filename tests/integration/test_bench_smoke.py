@@ -194,16 +194,25 @@ def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "r" / "decode.json"
-    assert mod.main([str(out), "--size", "65536", "--repeats", "1"]) == 0
+    argv = [str(out), "--size", "65536", "--repeats", "1", "--process-size", "65536"]
+    assert mod.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["bytes"] == 65536 and res["grep_count"] == res["marker_lines"] > 0
-    assert res["decode_mb_s"] > 0 and res["ratio_decode_to_grep"] > 0
+    # like for like (issue 38): whole process against whole process, in process against the
+    # in-process floor; never the one against the other
+    assert res["decode_mb_s"] > 0 and res["ratio_decode_to_count"] > 0
+    assert res["process_big"]["bytes"] == 65536 and res["ratio_process_to_grep"] > 0
+    assert res["parse_empty_median_s"] > 0 and res["parse_import_ms"] > 0
+    assert "ratio_decode_to_grep" not in res
+    for shape in ("bad_sig", "max_fields", "cr", "cr_lines"):
+        for piece in ("", "_64k", "_4k"):
+            assert res[f"hostile_{shape}{piece}_ms_per_mib"] > 0
 
 
 @pytest.mark.pure
 def test_every_hostile_shape_is_a_row_and_the_slowest_a_target() -> None:
     dec = {"hostile_cr_ms_per_mib": 23.0, "hostile_walkdown_ms_per_mib": 51.0,
-           "hostile_walkdown_verified": 224, "ratio_decode_to_grep": 3.0}  # fmt: skip
+           "hostile_walkdown_verified": 224, "ratio_process_to_grep": 3.0}  # fmt: skip
     assert report.hostile_shapes(dec) == [("cr", 23.0), ("walkdown", 51.0)]
     (row,) = [x for x in report.targets({"decode": dec}) if x["target"].startswith("slowest")]
     assert row["target"] == "slowest hostile 1 MiB shape (walkdown)" and row["met"] is False
@@ -232,7 +241,7 @@ def test_only_decode_reruns_that_section_and_keeps_the_others(tmp_path: Path) ->
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["soak"] == old["soak"] and res["date"] == old["date"] and res["mode"] == "full"
-    assert "stale" not in res["decode"] and res["decode"]["ratio_decode_to_grep"] > 0
+    assert "stale" not in res["decode"] and res["decode"]["ratio_process_to_grep"] > 0
     assert (
         res["sections"]["decode"].startswith("ok") and "re-run alone" in res["sections"]["decode"]
     )

@@ -23,6 +23,11 @@ from gce_watchdog.wire.vocab import human_fields
 EX_DATAERR = 65  # sysexits: the input is too large to be a dump
 # What parse reads at most: a month of a busy console's export, far more than any real dump.
 MAX_DUMP_BYTES = 1 << 30
+# What one read takes (a file's; a pipe gives what it holds). The events are the same whatever
+# the piece size; 8 MiB reads made 810 signature checks of a realistic 64 MiB dump instead of
+# 1,822 but took as long (a 64 KiB block stays in the CPU's caches through the decoder's
+# passes): docs/performance.md, issue 38.
+READ_BYTES = 1 << 16
 # `parse --json`'s version (docs/json.md, schemas/parse.schema.json): 1 since the boots' times
 # are RFC 3339 strings (first_ts, last_ts, first_received, last_received; epoch numbers before).
 PARSE_JSON_VERSION = 1
@@ -52,7 +57,7 @@ def show_dump(
                 kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file or a pipe"
                 raise CommandError(EX_NOINPUT, f"gce-watchdog parse: {path} is {kind}")
             os.set_blocking(fd, True)
-            while chunk := os.read(fd, 1 << 16):
+            while chunk := os.read(fd, READ_BYTES):
                 total += len(chunk)
                 if total > MAX_DUMP_BYTES:
                     raise CommandError(

@@ -157,10 +157,11 @@ class DecodeStats:
 @dataclass
 class Decoded:
     """What one block of the stream held (:meth:`StreamDecoder.decode`): its authenticated
-    events in stream order, its counts, samples of its rejected and forged lines (at most
-    ``StreamDecoder.MAX_SAMPLES`` each) and the lines the signature budget never reached and
-    the carry-over could not hold: (boot, seq, decisive), boot "" when the line was not parsed
-    (an announcement, a rotation, a line off the plain path)."""
+    events in stream order, its counts, samples of its rejected and forged lines (the
+    stream's first ``StreamDecoder.MAX_SAMPLES`` of each, in all blocks together) and the
+    lines the signature budget never reached and the carry-over could not hold: (boot, seq,
+    decisive), boot "" when the line was not parsed (an announcement, a rotation, a line off
+    the plain path)."""
 
     events: list[Event] = field(default_factory=list)
     stats: DecodeStats = field(default_factory=DecodeStats)
@@ -177,12 +178,17 @@ class LazyBlocks:
     # Copies of a line (journald forwarding) arrive within seconds of it: the last 4096 distinct
     # lines (hours of agent output) are remembered, by arrival, whatever their seq.
     DEDUP_WINDOW = 4096
-    MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports
+    MAX_SAMPLES = 1000  # rejected/forged raw lines kept for reports (per stream, each)
     # Signatures checked per block: a fixed share plus one per BUDGET_BYTES of the block (a
     # MiB: 96 + 128 = 224 checks, ~13 ms at ~59 us each); ours need about one per 32 lines
     # (the announcements) plus the decisive lines plus one per boot.
     BUDGET_LINES = 96
     BUDGET_BYTES = 8192
+    # The fixed share is a credit, not a gift per call (issue 38): spent, it refills whole on a
+    # new read (a block with another receive time, or an empty block: settle's) and otherwise
+    # by one check per CREDIT_BYTES of input (BUDGET_LINES per MiB), so a MiB fed in 4 KiB
+    # pieces under one receive time gets what it gets read at once.
+    CREDIT_BYTES = (1 << 20) // 96
     # Decisive lines the budget did not reach, carried to the next block (checked first there).
     # Room for every intact line the API's 1 MiB window can hold (~125 bytes each at the least),
     # so a flood delays the lines behind it, never drops them (issue 35; the poller settles a
@@ -198,8 +204,16 @@ class LazyBlocks:
     carry: list[tuple[bytes, float | None]]
     _now: Decoded  # the block being decoded
     _rx: float | None  # its receive time
-    _block_bytes: int
     _budget: int  # signature checks left in this block
+    _credit: int  # the fixed share left (_grant)
+    _credit_acc: int  # bytes toward the next credit
+    _share_acc: int  # bytes toward the next byte share
+    _share: int  # this block's byte share
+    _grant_rx: float | None  # the receive time of the last whole refill
+    _fresh: bool  # no block yet: the first one gets the whole credit
+    # Samples handed out (rejected, forged), for the whole stream: MAX_SAMPLES each in all, so
+    # a flood fed in small pieces does not build a thousand samples per piece.
+    _sampled: list[int]
     _ok: set[bytes]  # lines verified in this block (signed bytes)
     _ok_bodies: set[bytes]  # and their bodies
     _names: dict[bytes, str]  # the block's boot ids and event names, decoded once each
@@ -230,7 +244,6 @@ class LazyBlocks:
         routine ones (they are above their boot's newest verified line: its liveness), in at
         most half of it; the rest are counted (:attr:`DecodeStats.unchecked`,
         :attr:`Decoded.unchecked`)."""
-        self._budget = self.BUDGET_LINES + self._block_bytes // self.BUDGET_BYTES
         if not self.lazy:
             self._budget = 1 << 62
         self._ok = set()
@@ -243,6 +256,27 @@ class LazyBlocks:
         self._cover(out, routine, top)
         return self._settle_all(out)
 
+    def _grant(self, nbytes: int, rx: float | None) -> None:
+        """A block's budget (:attr:`_budget`): the byte share (one check per ``BUDGET_BYTES``,
+        the remainder kept for the next block) plus the fixed share's credit, refilled whole on
+        a new read (another receive time than the last refill's, or an empty block) and else
+        by one check per ``CREDIT_BYTES``, never above ``BUDGET_LINES``."""
+        if nbytes == 0 or self._fresh or (rx is not None and rx != self._grant_rx):
+            self._credit, self._fresh = self.BUDGET_LINES, False
+            self._grant_rx = rx if rx is not None else self._grant_rx
+        else:
+            self._credit_acc += nbytes
+            more, self._credit_acc = divmod(self._credit_acc, self.CREDIT_BYTES)
+            self._credit = min(self.BUDGET_LINES, self._credit + more)
+        share, self._share_acc = divmod(self._share_acc + nbytes, self.BUDGET_BYTES)
+        self._share = share
+        self._budget = self._credit + share
+
+    def _spent(self, budget: int) -> None:
+        """After a block: the checks beyond its byte share come out of the credit."""
+        used = budget - self._budget
+        self._credit = max(0, self._credit - max(0, used - self._share))
+
     def _read_lines(
         self, lines: list[bytes]
     ) -> tuple[list[Event | _Cand | None], list[_Cand], dict[str, list[_Cand]], dict[str, int]]:
@@ -250,6 +284,11 @@ class LazyBlocks:
         nothing, or counted), the decisive candidates and the routine ones by boot, in stream
         order, and per boot the highest seq verified here."""
         carried, self.carry = self.carry, []
+        if self._budget < min(len(carried), self.BUDGET_LINES):
+            # a piece too small to reach the carry (a flood fed in small pieces): it waits,
+            # unread, for a block that can (a new read, settle's empty blocks); re-reading
+            # it every piece would cost its whole length per piece
+            carried, self.carry = [], carried
         out: list[Event | _Cand | None] = []
         top: dict[str, int] = {}  # boot -> the highest seq verified in this block
         decisive: list[_Cand] = []
@@ -545,7 +584,8 @@ class LazyBlocks:
         found = self._now
         found.stats.rejected += 1
         found.stats.reject_reasons[res.reason] = found.stats.reject_reasons.get(res.reason, 0) + 1
-        if len(found.rejects) < self.MAX_SAMPLES:
+        if self._sampled[0] < self.MAX_SAMPLES:
+            self._sampled[0] += 1
             found.rejects.append(res)
 
     def _forged(self, f: Forged) -> None:
@@ -556,7 +596,8 @@ class LazyBlocks:
             return
         st.forged += 1
         st.forged_reasons[f.reason] = st.forged_reasons.get(f.reason, 0) + 1
-        if len(found.forgeries) < self.MAX_SAMPLES:
+        if self._sampled[1] < self.MAX_SAMPLES:
+            self._sampled[1] += 1
             found.forgeries.append(f)
 
     def _is_duplicate(self, ev: Event) -> bool:

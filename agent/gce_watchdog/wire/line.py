@@ -217,8 +217,15 @@ class Neutralizer:
 
 
 def format_ts(ts_ms: int) -> str:
-    dt = datetime.fromtimestamp(ts_ms // 1000, tz=UTC)
-    return dt.strftime("%Y-%m-%dT%H:%M:%S") + f".{ts_ms % 1000:03d}Z"
+    """``YYYY-MM-DDTHH:MM:SS.mmmZ`` (UTC). The minute's text is cached (a stream's lines share
+    their minutes): the same text as ``strftime`` of the whole second gives."""
+    sec = ts_ms // 1000
+    return f"{_minute_text(sec // 60)}:{sec % 60:02d}.{ts_ms % 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=4096)
+def _minute_text(minute: int) -> str:
+    return datetime.fromtimestamp(minute * 60, tz=UTC).strftime("%Y-%m-%dT%H:%M")
 
 
 def parse_ts(s: str) -> int | None:

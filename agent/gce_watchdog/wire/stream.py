@@ -118,7 +118,11 @@ class StreamDecoder(LazyBlocks):
         self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
         self._now = Decoded()  # the block being decoded
         self._budget = 0
-        self._block_bytes = 0
+        self._credit = self.BUDGET_LINES
+        self._credit_acc = self._share_acc = self._share = 0
+        self._grant_rx: float | None = None
+        self._fresh = True
+        self._sampled = [0, 0]
         self._ok: set[bytes] = set()  # lines verified in this block (signed bytes)
         self._ok_bodies: set[bytes] = set()  # and their bodies
         self._names: dict[bytes, str] = {}
@@ -178,7 +182,11 @@ class StreamDecoder(LazyBlocks):
     def _decode_block(self, body: bytes, end: int = -1) -> Decoded:
         """:meth:`_scan_block`'s events and counts, the counts added to :attr:`stats`."""
         found = self._now = Decoded()
+        self._grant(len(body) if end < 0 else end, self._rx)
+        budget = self._budget
         found.events = self._scan_block(body, end)
+        if self.lazy:
+            self._spent(budget)
         self.stats.add(found.stats)
         return found
 
@@ -192,12 +200,14 @@ class StreamDecoder(LazyBlocks):
         rejected, counted in bulk (nothing about it depends on its place in the stream). So a
         MiB of short hostile lines costs a few regex scans."""
         st = self._now.stats
+        # The non-empty lines, counted on the list of lines: C-level, and faster than counting
+        # LFs and the overlapping LF pairs with bytes.count (1.8 against 0.7 ms per MiB of a
+        # CRLF dump, docs/performance.md, issue 38)
         lines = body.split(b"\n")
         tail = 0 if end < 0 or end == len(body) else 1  # the partial line: one non-empty piece
         if end < 0:
             end = len(body)
         st.lines += len(lines) - lines.count(b"") - tail
-        self._block_bytes = end
         if body.find(MARKER_PREFIX, 0, end) < 0 and not self.carry:
             return []
         full = _MARKER_LINE_RE.findall(body, 0, end)
@@ -209,12 +219,15 @@ class StreamDecoder(LazyBlocks):
         if bare:
             st.rejected += bare
             st.reject_reasons[Reject.CHECKSUM] = st.reject_reasons.get(Reject.CHECKSUM, 0) + bare
-            room = self.MAX_SAMPLES - len(self._now.rejects)
+            room = min(bare, self.MAX_SAMPLES - self._sampled[0])
             if room > 0:
+                kept = self._now.rejects
+                had = len(kept)
                 samples = (x for x in full[: 2 * self.MAX_SAMPLES] if b" #" not in x)
-                self._now.rejects.extend(
+                kept.extend(
                     Rejected(Reject.CHECKSUM, x) for _, x in zip(range(room), samples, strict=False)
                 )
+                self._sampled[0] += len(kept) - had
         return self._decode_lines(cands)
 
     def _note_unplaced(self, public: bytes) -> None:
