@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--announce-lease", type=float, default=300.0)
     ap.add_argument("--publish", default=None)
     ap.add_argument("--publish-faults", default=None)
+    ap.add_argument("--profile", default=None, help="write cProfile stats of the loop here")
     args = ap.parse_args(argv)
 
     from gce_watchdog.poller.hooks import Delivery, FailoverHook, TopicPublisher
@@ -114,8 +115,17 @@ def main(argv: list[str] | None = None) -> int:
             sub, args.subscription, led, emit, settle_s=args.settle, identity=ids, deliver=deliver
         )
         print(json.dumps({"ready": args.owner}), flush=True)
+        prof = None
+        if args.profile:  # the bench's --pubsub-profile: where a worker's time goes
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         while not stop.is_set():
             w.step(timeout=1.0)
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(args.profile)
     stats = asdict(w.stats)
     stats["latencies"] = list(w.stats.latencies)
     stats["ready_latencies"] = list(w.stats.ready_latencies)
