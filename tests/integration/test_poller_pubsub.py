@@ -536,6 +536,45 @@ def test_a_gpu_fault_past_a_gap_another_worker_fills_is_decided_once_the_hint_is
 
 
 @pytest.mark.pure
+def test_the_store_asks_for_a_later_look_only_where_a_boot_has_a_gap(tmp_path: Path) -> None:
+    """Issue 38: a boot whose stored lines run without a gap needs no look until its terminal
+    line comes (the store returns it then); one with a gap gets the hint at its receipt, so a
+    gap nobody fills is declared lost settle_s later. Before, every boot stored got the hint,
+    and every worker looked at every boot again settle_s after each of its lines."""
+    whole = _gpu_boot("66", "abcd0066", BEAT, BEAT)
+    holed = _gpu_boot("77", "abcd0077", BEAT, BEAT)
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        for iid in ("66", "77"):
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([whole + holed[:3] + holed[4:]]), "s", led, lambda o: None,
+                         settle_s=SETTLE_S, clock=lambda: 1000.0, identity=IDS)  # fmt: skip
+        w.step()
+        assert led.assembly.gaps_due(10_000.0) == [("77", "abcd0077")]
+        assert led.assembly.next_gap() == 1000.0
+
+
+@pytest.mark.pure
+def test_claim_many_decides_each_as_claim_would_in_one_transaction(tmp_path: Path) -> None:
+    """The worker's claims of one pull: tokens in order, an existing decision returned as
+    claim returns it (not won), all durable together."""
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        first = led.decisions.claim("66", "b1", "self_shutdown", "r", "p/z/vm-66", 1.0)
+        got = led.decisions.claim_many(
+            [("66", "b1", "self_shutdown", "r", "p/z/vm-66"),
+             ("77", "b2", "job_stuck", "r", "p/z/vm-77"),
+             ("88", "b3", "gpu_fault", "r", "p/z/vm-88")], 2.0)  # fmt: skip
+        assert [(d.instance_id, d.token, d.won) for d in got] == [
+            ("66", first.token, False),
+            ("77", first.token + 1, True),
+            ("88", first.token + 2, True),
+        ]
+        assert led.decisions.mark_announced_many([("77", "b2"), ("88", "b3"), ("77", "b2")]) == 2
+        assert led.decisions.mark_announced_many([("77", "b2")]) == 0
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w2") as again:
+        assert [d.instance_id for d in again.decisions.all()] == ["66", "77", "88"]
+
+
+@pytest.mark.pure
 def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> None:
     real = _boot_entries("66", "aaaa6666", finished=True)
     import secrets
