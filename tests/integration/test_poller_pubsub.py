@@ -535,6 +535,77 @@ def test_a_gpu_fault_past_a_gap_another_worker_fills_is_decided_once_the_hint_is
     assert [o.action for o in outs] == ["failover"]
 
 
+STUCK = ("job_stuck", {"rule": "idle", "step": "9", "quiet": "1800", "act": "end"})
+SHUTDOWN = ("shutdown", {"reason": "ladder", "rung": "10/10"})
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("evs", "want", "reported"),
+    [
+        # the agent beats on after the stuck line: no terminal line ever comes
+        ([STUCK, BEAT, BEAT], "job_stuck", None),
+        # the agent's end of life: the job killed by its signal, then the shutdown (reported
+        # only: the exit decides, a workload failure, which the stream leaves to the sweep)
+        ([STUCK, ("exit", {"rc": "143", "sig": "TERM"}), SHUTDOWN], "job_stuck", None),
+        # reported only: the ladder's later shutdown still decides
+        ([STUCK, BEAT, SHUTDOWN], "job_stuck", "self_shutdown"),
+        # the job finished first: its end decides (never run a finished job twice)
+        ([("exit", {"rc": "0", "sig": "-"}), STUCK], None, None),
+        # a GPU fault before it explains it and decides instead
+        ([GPU_FAULT, STUCK], "gpu_fault", "gpu_fault"),
+    ],
+)
+def test_a_stuck_job_decides_in_the_stream_as_in_the_polling_reader(
+    tmp_path: Path, evs: list[tuple[str, dict[str, str]]], want: str | None, reported: str | None
+) -> None:
+    """Issue 37: the worker decides job_stuck at the signed job_stuck line (the same pure rule
+    as poll), one claim; with --on-job-stuck report it decides nothing at that line."""
+    entries = _gpu_boot("66", "abcd0066", *evs)
+    outs: list[PollOutcome] = []
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([entries[:-1], entries[-1:]]), "s", led, outs.append,
+                         settle_s=SETTLE_S, identity=IDS)  # fmt: skip
+        w.step()
+        w.step()
+        assert [d.verdict for d in led.decisions.all()] == ([want] if want else []), w.stats
+        assert [o.action for o in outs] == (["failover"] if want else [])
+        if want:
+            assert led.assembly.boots() == [("66", "abcd0066", "decided")]
+            assert w.stats.decisions == 1 and w.stats.announced == 1
+        if want == "job_stuck":
+            assert "stuck" in outs[0].verdict.reason  # type: ignore[union-attr]
+    with open_ledger(str(tmp_path / "report.sqlite"), owner="w2") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        r = PubSubWorker(_Batches([entries]), "s", led, outs.append, settle_s=SETTLE_S,
+                         identity=IDS, policy=Policy(job_stuck_report=True))  # fmt: skip
+        r.step()
+        # report mode holds back only the stuck job's own failover
+        assert [d.verdict for d in led.decisions.all()] == ([reported] if reported else [])
+
+
+@pytest.mark.pure
+def test_stuck_jobs_fail_over_under_the_fleet_brake(tmp_path: Path) -> None:
+    """A job_stuck failover is a claim like any other: the fleet-wide brake lets its share
+    through (here one) and holds the rest until an operator releases them."""
+    from gce_watchdog.poller.brake import BrakeRule
+
+    entries = _gpu_boot("66", "abcd0066", STUCK, BEAT) + _gpu_boot("77", "abcd0077", STUCK)
+    outs: list[PollOutcome] = []
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        led.decisions.brake = BrakeRule(0.1, 600.0, 1)
+        led.decisions.fleet_size = lambda: 2
+        for iid in ("66", "77"):
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([entries]), "s", led, outs.append, settle_s=SETTLE_S,
+                         identity=IDS)  # fmt: skip
+        w.step()
+        assert [(d.instance_id, d.verdict) for d in led.decisions.all()] == [("66", "job_stuck")]
+        assert [(h.instance_id, h.verdict) for h in led.decisions.holds()] == [("77", "job_stuck")]
+        assert [o.instance_id for o in outs if o.action == "failover"] == ["66"]
+
+
 @pytest.mark.pure
 def test_the_store_asks_for_a_later_look_only_where_a_boot_has_a_gap(tmp_path: Path) -> None:
     """Issue 38: a boot whose stored lines run without a gap needs no look until its terminal

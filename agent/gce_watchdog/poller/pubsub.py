@@ -40,10 +40,11 @@ A decided, ended or gapped boot's lines are deleted; its row stays as a tombston
 redelivery is acked without a second look) until ``TOMBSTONE_S`` after its last line. A worker's
 memory is a bounded cache of pins plus one batch: it does not grow with the fleet's history.
 
-Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``, and
-``gpu_fault``: a GPU fault in the prefix is looked at like a terminal event, with the same pure
-rule as the polling reader, ``verdict.decide``, so a job whose ``exit rc=0`` precedes it in the
-prefix is never failed over; with ``--on-gpu-fault report`` it decides nothing here). Silence
+Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``, ``gpu_fault``
+and ``job_stuck``: a GPU fault or a signed ``job_stuck`` line in the prefix is looked at like a
+terminal event, with the same pure rule as the polling reader, ``verdict.decide``, so a job whose
+``exit rc=0`` precedes it in the prefix is never failed over; with ``--on-gpu-fault report`` or
+``--on-job-stuck report`` it decides nothing here). Silence
 and stopped instances are not visible in a stream of lines: the slow Compute API sweep
 (``FleetPoller`` over ``--label``) catches those, and polls VMs whose console is not exported.
 """
@@ -84,6 +85,7 @@ from gce_watchdog.poller.verdict import (
     decide,
     gpu_fault_event,
 )
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import (
     REKEY_EVENT,
     Event,
@@ -117,7 +119,9 @@ HOUSEKEEPING_S = 1.0
 # A decision whose instance the Compute API could not identify is looked at again after this.
 IDENTITY_RETRY_S = 30.0
 # Only these verdicts are proven by a line; the others need the instance's status or silence.
-LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT})
+LINE_VERDICTS = frozenset(
+    {VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK}
+)
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,11 @@ def _needed_by(seen: BootLines, pub: float, last: int) -> float:
         if p is not None and r.event.seq <= last:
             first[r.event.seq] = min(p, first.get(r.event.seq, p))
     return max([pub, *first.values()])
+
+
+def _stuck(ev: Event) -> bool:
+    """A signed ``job_stuck`` line: its boot is looked at when it is stored."""
+    return ev.event == vocab.JOB_STUCK
 
 
 def _stderr(msg: str) -> None:
@@ -481,6 +490,8 @@ class PubSubWorker:
             touched |= {
                 (ln.instance_id, ln.event.boot) for ln in lines if gpu_fault_event([ln.event])
             }
+        if not self.policy.job_stuck_report:
+            touched |= {(ln.instance_id, ln.event.boot) for ln in lines if _stuck(ln.event)}
         return touched, dropped
 
     def _look(self, boots: set[tuple[str, str]], now: float) -> None:
@@ -490,12 +501,16 @@ class PubSubWorker:
 
         def judge(seen: BootLines) -> BootUpdate:
             a = assemble([r for r, _ in seen.lines], seen.floor)
-            # a GPU fault decides like a terminal event, unless the policy only reports it
+            # a GPU fault or a stuck job decides like a terminal event, unless the policy only
+            # reports it
             fault = None if self.policy.gpu_fault_report else a.fault
-            if a.terminal is not None or fault is not None:
+            stuck = None if self.policy.job_stuck_report else a.stuck
+            if a.terminal is not None or fault is not None or stuck is not None:
                 v = decide(list(a.prefix), InstanceState("RUNNING"), now, self.policy)
                 if v.kind in LINE_VERDICTS and v.failover:
-                    by = fault if v.kind is VerdictKind.GPU_FAULT else a.terminal
+                    by = {VerdictKind.GPU_FAULT: fault, VerdictKind.JOB_STUCK: stuck}.get(
+                        v.kind, a.terminal
+                    )
                     assert by is not None
                     verdicts[(seen.instance_id, seen.boot)] = (v, by.seq)
                     # closed once the claim is durable; until then, a hint to look again (the
