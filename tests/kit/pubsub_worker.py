@@ -6,7 +6,9 @@
 and ``tests`` on ``PYTHONPATH``. ``--names``: who each instance id is, the Compute API's answer
 (``kit.identities.TableIdentities`` JSON). It pulls until SIGTERM (or SIGKILL, which is the
 point: a worker killed anywhere), prints each announcement as one JSON line on stdout, and on
-SIGTERM a last line ``{"stats": ...}`` with its counts and its peak RSS (``ru_maxrss``, KiB).
+SIGTERM a last line ``{"stats": ...}`` with its counts and ``ru_maxrss`` (KiB: not its own peak
+when started by a bigger process, which Linux carries over fork and exec; the bench reads the
+worker's ``VmHWM`` instead). ``--profile FILE``: cProfile stats of the pull loop, written there.
 With ``--on-failover`` it delivers each announcement through the poller's own ``FailoverHook``
 and ``Delivery`` (poller/hooks.py), as ``poll --pubsub --on-failover`` does; with ``--publish
 TOPIC`` through its ``TopicPublisher`` (then the hook, as ``poll`` orders them).
