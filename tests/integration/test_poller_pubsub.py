@@ -129,6 +129,23 @@ def test_any_order_with_duplicates_gives_the_prefix_once_in_order(
 
 
 @pytest.mark.pure
+@given(st.integers(2, 30), st.data())
+def test_a_stuck_line_counts_only_once_the_prefix_reaches_it(n: int, data: st.DataObject) -> None:
+    """Issue 37: ``Assembly.stuck`` is the first job_stuck line of the gap-free prefix, in any
+    order of arrival; one held behind a gap is not (yet) there."""
+    w = Writer(boot="aaaa0001", announce=False)
+    stuck_at = data.draw(st.integers(0, n - 1))
+    raw = [w.line(*STUCK) if i == stuck_at else w.line(*BEAT) for i in range(n)]
+    evs = [e for e in (decode_line(b, pin=SYNTH_KEY.public) for b in raw) if isinstance(e, Event)]
+    lost = data.draw(st.none() | st.integers(0, n - 1))
+    got = [e for e in evs if e.seq != lost]
+    data.draw(st.randoms(use_true_random=False)).shuffle(got)
+    a = assemble([Received(e, 0.0) for e in got])
+    want = evs[stuck_at] if lost is None or stuck_at < lost else None
+    assert a.stuck == want
+
+
+@pytest.mark.pure
 @given(st.integers(2, 40), st.data())
 def test_a_lost_line_holds_the_rest_until_the_settle_timeout(n: int, data: st.DataObject) -> None:
     evs = _events(n)
