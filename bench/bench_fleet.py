@@ -221,8 +221,35 @@ def _ledger_server() -> Any:
     return None if pgserver.unavailable() else pgserver.postgres_server()
 
 
+def vm_hwm_kib(pid: int) -> int | None:
+    """A live process's own peak RSS: ``VmHWM`` of /proc/PID/status (KiB), or None. Not
+    ``ru_maxrss``: that carries the parent's peak over fork and exec (a worker started by this
+    bench reported the bench's own)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(m.group(1)) if m else None
+
+
+def cpu_s(pid: int) -> float | None:
+    """A live process's own CPU time so far (user + system, /proc/PID/stat), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_pubsub(
-    vms: int, rate: float, workers: int, pull_max: int, jitter_s: float = 2.0, spread: float = 0.0
+    vms: int,
+    rate: float,
+    workers: int,
+    pull_max: int,
+    jitter_s: float = 2.0,
+    spread: float = 0.0,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     """``workers`` worker processes (tests/kit/pubsub_worker.py: the product's PubSubWorker
     behind the service-like subscriber, pulls of at most ``pull_max``) on one subscription of
@@ -236,6 +263,8 @@ def bench_pubsub(
     why = pubsub_emulator.unavailable()
     if why:
         return {"skipped": why}
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
     transit = int(jitter_s * rate)  # a delay in transit of up to jitter_s, in messages
     fleet = fleet_stream(random.Random(6), vms, PROJECT, spread=spread, transit=transit)  # noqa: S311
     with contextlib.ExitStack() as stack:
@@ -272,6 +301,8 @@ def bench_pubsub(
             argv = [sys.executable, "-m", "kit.pubsub_worker", "--subscription", subn,
                     "--ledger", ledger, "--max", str(pull_max), "--seed", str(i),
                     "--settle", "60", "--owner", f"w{i}", "--names", str(names)]  # fmt: skip
+            if profile is not None:
+                argv += ["--profile", str(profile / f"worker{i}.prof")]
             with open(log, "wb") as f:
                 procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env))
         ctx = mp.get_context("spawn")
@@ -299,6 +330,8 @@ def bench_pubsub(
                 publisher.join(timeout=120)
                 decisions = led.decisions.all()
                 states = {i: st for i, _, st in led.assembly.boots()}
+            hwm = [vm_hwm_kib(p.pid) for p in procs]  # before they exit
+            cpu = [cpu_s(p.pid) for p in procs]
         finally:
             for p in procs:
                 p.send_signal(signal.SIGTERM)
@@ -334,8 +367,13 @@ def bench_pubsub(
         # from the publish of the last line the decision needed (a line before the shutdown,
         # displaced after it in the stream, included): the pipeline's own share
         "ready_latency_s": _latency_summary(ready),
-        "worker_rss_mib": [round(st["maxrss_kib"] / 1024, 1) for st in stats],
+        # each worker's own peak RSS (VmHWM), read while it ran
+        "worker_rss_mib": [None if k is None else round(k / 1024, 1) for k in hwm],
         "per_worker_messages": [st["messages"] for st in stats],
+        # each worker's own CPU (user + system) over the run, and messages per CPU second:
+        # what one core handles, whatever else the machine runs
+        "worker_cpu_s": cpu,
+        "messages_per_cpu_s": round(handled / sum(c or 0 for c in cpu), 1) if any(cpu) else None,
         "loadavg_1m": {"min": min(load), "max": max(load), "samples": load},
     }
 
@@ -363,6 +401,12 @@ def main(argv: list[str] | None = None) -> int:
         help="each message displaced by up to this many of its VM's lines (the "
         "earlier model: its delay grows with the fleet)",
     )
+    ap.add_argument(
+        "--pubsub-profile",
+        type=Path,
+        default=None,
+        help="a folder: each Pub/Sub worker writes its cProfile stats there (workerN.prof)",
+    )
     ap.add_argument("--no-polling", action="store_true", help="only the Pub/Sub part")
     ap.add_argument("--tiny", action="store_true", help="smoke mode: 50 VMs, 10 on Pub/Sub")
     args = ap.parse_args(argv)
@@ -379,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     ps_sizes = [10] if args.tiny else [int(x) for x in args.pubsub_sizes.split(",") if x]
     for n in ps_sizes:
         ps = bench_pubsub(n, args.pubsub_rate, args.pubsub_workers, args.pubsub_pull_max,
-                          args.pubsub_jitter, args.pubsub_spread)  # fmt: skip
+                          args.pubsub_jitter, args.pubsub_spread, args.pubsub_profile)  # fmt: skip
         print(json.dumps(ps), flush=True)
         res["pubsub"].append(ps)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,23 @@ def test_any_order_with_duplicates_gives_the_prefix_once_in_order(
 
 
 @pytest.mark.pure
+@given(st.integers(2, 30), st.data())
+def test_a_stuck_line_counts_only_once_the_prefix_reaches_it(n: int, data: st.DataObject) -> None:
+    """Issue 37: ``Assembly.stuck`` is the first job_stuck line of the gap-free prefix, in any
+    order of arrival; one held behind a gap is not (yet) there."""
+    w = Writer(boot="aaaa0001", announce=False)
+    stuck_at = data.draw(st.integers(0, n - 1))
+    raw = [w.line(*STUCK) if i == stuck_at else w.line(*BEAT) for i in range(n)]
+    evs = [e for e in (decode_line(b, pin=SYNTH_KEY.public) for b in raw) if isinstance(e, Event)]
+    lost = data.draw(st.none() | st.integers(0, n - 1))
+    got = [e for e in evs if e.seq != lost]
+    data.draw(st.randoms(use_true_random=False)).shuffle(got)
+    a = assemble([Received(e, 0.0) for e in got])
+    want = evs[stuck_at] if lost is None or stuck_at < lost else None
+    assert a.stuck == want
+
+
+@pytest.mark.pure
 @given(st.integers(2, 40), st.data())
 def test_a_lost_line_holds_the_rest_until_the_settle_timeout(n: int, data: st.DataObject) -> None:
     evs = _events(n)
@@ -533,6 +550,116 @@ def test_a_gpu_fault_past_a_gap_another_worker_fills_is_decided_once_the_hint_is
         assert [d.verdict for d in l1.decisions.all()] == ["gpu_fault"]
         assert l1.assembly.boots() == [("77", "abcd0077", "decided")]
     assert [o.action for o in outs] == ["failover"]
+
+
+STUCK = ("job_stuck", {"rule": "idle", "step": "9", "quiet": "1800", "act": "end"})
+SHUTDOWN = ("shutdown", {"reason": "ladder", "rung": "10/10"})
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("evs", "want", "reported"),
+    [
+        # the agent beats on after the stuck line: no terminal line ever comes
+        ([STUCK, BEAT, BEAT], "job_stuck", None),
+        # the agent's end of life: the job killed by its signal, then the shutdown (reported
+        # only: the exit decides, a workload failure, which the stream leaves to the sweep)
+        ([STUCK, ("exit", {"rc": "143", "sig": "TERM"}), SHUTDOWN], "job_stuck", None),
+        # reported only: the ladder's later shutdown still decides
+        ([STUCK, BEAT, SHUTDOWN], "job_stuck", "self_shutdown"),
+        # the job finished first: its end decides (never run a finished job twice)
+        ([("exit", {"rc": "0", "sig": "-"}), STUCK], None, None),
+        # a GPU fault before it explains it and decides instead
+        ([GPU_FAULT, STUCK], "gpu_fault", "gpu_fault"),
+    ],
+)
+def test_a_stuck_job_decides_in_the_stream_as_in_the_polling_reader(
+    tmp_path: Path, evs: list[tuple[str, dict[str, str]]], want: str | None, reported: str | None
+) -> None:
+    """Issue 37: the worker decides job_stuck at the signed job_stuck line (the same pure rule
+    as poll), one claim; with --on-job-stuck report it decides nothing at that line."""
+    entries = _gpu_boot("66", "abcd0066", *evs)
+    outs: list[PollOutcome] = []
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([entries[:-1], entries[-1:]]), "s", led, outs.append,
+                         settle_s=SETTLE_S, identity=IDS)  # fmt: skip
+        w.step()
+        w.step()
+        assert [d.verdict for d in led.decisions.all()] == ([want] if want else []), w.stats
+        assert [o.action for o in outs] == (["failover"] if want else [])
+        if want:
+            assert led.assembly.boots() == [("66", "abcd0066", "decided")]
+            assert w.stats.decisions == 1 and w.stats.announced == 1
+        if want == "job_stuck":
+            assert "stuck" in outs[0].verdict.reason  # type: ignore[union-attr]
+    with open_ledger(str(tmp_path / "report.sqlite"), owner="w2") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        r = PubSubWorker(_Batches([entries]), "s", led, outs.append, settle_s=SETTLE_S,
+                         identity=IDS, policy=Policy(job_stuck_report=True))  # fmt: skip
+        r.step()
+        # report mode holds back only the stuck job's own failover
+        assert [d.verdict for d in led.decisions.all()] == ([reported] if reported else [])
+
+
+@pytest.mark.pure
+def test_stuck_jobs_fail_over_under_the_fleet_brake(tmp_path: Path) -> None:
+    """A job_stuck failover is a claim like any other: the fleet-wide brake lets its share
+    through (here one) and holds the rest until an operator releases them."""
+    from gce_watchdog.poller.brake import BrakeRule
+
+    entries = _gpu_boot("66", "abcd0066", STUCK, BEAT) + _gpu_boot("77", "abcd0077", STUCK)
+    outs: list[PollOutcome] = []
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        led.decisions.brake = BrakeRule(0.1, 600.0, 1)
+        led.decisions.fleet_size = lambda: 2
+        for iid in ("66", "77"):
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([entries]), "s", led, outs.append, settle_s=SETTLE_S,
+                         identity=IDS)  # fmt: skip
+        w.step()
+        assert [(d.instance_id, d.verdict) for d in led.decisions.all()] == [("66", "job_stuck")]
+        assert [(h.instance_id, h.verdict) for h in led.decisions.holds()] == [("77", "job_stuck")]
+        assert [o.instance_id for o in outs if o.action == "failover"] == ["66"]
+
+
+@pytest.mark.pure
+def test_the_store_asks_for_a_later_look_only_where_a_boot_has_a_gap(tmp_path: Path) -> None:
+    """Issue 38: a boot whose stored lines run without a gap needs no look until its terminal
+    line comes (the store returns it then); one with a gap gets the hint at its receipt, so a
+    gap nobody fills is declared lost settle_s later. Before, every boot stored got the hint,
+    and every worker looked at every boot again settle_s after each of its lines."""
+    whole = _gpu_boot("66", "abcd0066", BEAT, BEAT)
+    holed = _gpu_boot("77", "abcd0077", BEAT, BEAT)
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        for iid in ("66", "77"):
+            led.pins.place_pin(iid, SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([whole + holed[:3] + holed[4:]]), "s", led, lambda o: None,
+                         settle_s=SETTLE_S, clock=lambda: 1000.0, identity=IDS)  # fmt: skip
+        w.step()
+        assert led.assembly.gaps_due(10_000.0) == [("77", "abcd0077")]
+        assert led.assembly.next_gap() == 1000.0
+
+
+@pytest.mark.pure
+def test_claim_many_decides_each_as_claim_would_in_one_transaction(tmp_path: Path) -> None:
+    """The worker's claims of one pull: tokens in order, an existing decision returned as
+    claim returns it (not won), all durable together."""
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        first = led.decisions.claim("66", "b1", "self_shutdown", "r", "p/z/vm-66", 1.0)
+        got = led.decisions.claim_many(
+            [("66", "b1", "self_shutdown", "r", "p/z/vm-66"),
+             ("77", "b2", "job_stuck", "r", "p/z/vm-77"),
+             ("88", "b3", "gpu_fault", "r", "p/z/vm-88")], 2.0)  # fmt: skip
+        assert [(d.instance_id, d.token, d.won) for d in got] == [
+            ("66", first.token, False),
+            ("77", first.token + 1, True),
+            ("88", first.token + 2, True),
+        ]
+        assert led.decisions.mark_announced_many([("77", "b2"), ("88", "b3"), ("77", "b2")]) == 2
+        assert led.decisions.mark_announced_many([("77", "b2")]) == 0
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w2") as again:
+        assert [d.instance_id for d in again.decisions.all()] == ["66", "77", "88"]
 
 
 @pytest.mark.pure

@@ -6,7 +6,9 @@
 and ``tests`` on ``PYTHONPATH``. ``--names``: who each instance id is, the Compute API's answer
 (``kit.identities.TableIdentities`` JSON). It pulls until SIGTERM (or SIGKILL, which is the
 point: a worker killed anywhere), prints each announcement as one JSON line on stdout, and on
-SIGTERM a last line ``{"stats": ...}`` with its counts and its peak RSS (``ru_maxrss``, KiB).
+SIGTERM a last line ``{"stats": ...}`` with its counts and ``ru_maxrss`` (KiB: not its own peak
+when started by a bigger process, which Linux carries over fork and exec; the bench reads the
+worker's ``VmHWM`` instead). ``--profile FILE``: cProfile stats of the pull loop, written there.
 With ``--on-failover`` it delivers each announcement through the poller's own ``FailoverHook``
 and ``Delivery`` (poller/hooks.py), as ``poll --pubsub --on-failover`` does; with ``--publish
 TOPIC`` through its ``TopicPublisher`` (then the hook, as ``poll`` orders them).
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--announce-lease", type=float, default=300.0)
     ap.add_argument("--publish", default=None)
     ap.add_argument("--publish-faults", default=None)
+    ap.add_argument("--profile", default=None, help="write cProfile stats of the loop here")
     args = ap.parse_args(argv)
 
     from gce_watchdog.poller.hooks import Delivery, FailoverHook, TopicPublisher
@@ -114,8 +117,17 @@ def main(argv: list[str] | None = None) -> int:
             sub, args.subscription, led, emit, settle_s=args.settle, identity=ids, deliver=deliver
         )
         print(json.dumps({"ready": args.owner}), flush=True)
+        prof = None
+        if args.profile:  # the bench's --pubsub-profile: where a worker's time goes
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         while not stop.is_set():
             w.step(timeout=1.0)
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(args.profile)
     stats = asdict(w.stats)
     stats["latencies"] = list(w.stats.latencies)
     stats["ready_latencies"] = list(w.stats.ready_latencies)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gce_watchdog.poller.verdict import gpu_fault_event, terminal_kind
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event
 
 MAX_PREFIX = 1024
@@ -64,6 +65,12 @@ class Assembly:
         """The prefix's first GPU fault (``verdict.gpu_fault_event``: a ``gpu_fault`` line, or a
         ``memory_gpu st=lost`` no later ``st=ok`` took back), or None."""
         return gpu_fault_event(self.prefix)
+
+    @property
+    def stuck(self) -> Event | None:
+        """The prefix's first ``job_stuck`` line (the agent's signed word that the job made no
+        progress for its window), or None."""
+        return next((e for e in self.prefix if e.event == vocab.JOB_STUCK), None)
 
     def settled(self, now: float, settle_s: float) -> bool:
         """True when a gap has been waited for ``settle_s``: its missing lines are lost."""

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gce_watchdog.poller.assemble import Received
+from gce_watchdog.poller.assemble import MAX_PREFIX, Received
 from gce_watchdog.poller.ledger_db import SqlDb, locked
 from gce_watchdog.poller.verdict import terminal_kind
 from gce_watchdog.wire.protocol import Event
@@ -87,7 +87,13 @@ class AssemblyStore(Protocol):
         self, instance_id: str, boot: str, fn: Callable[[BootLines], BootUpdate]
     ) -> tuple[BootLines, BootUpdate] | None: ...
 
+    def update_many(
+        self, boots: list[tuple[str, str]], fn: Callable[[BootLines], BootUpdate]
+    ) -> dict[tuple[str, str], tuple[BootLines, BootUpdate]]: ...
+
     def set_state(self, instance_id: str, boot: str, state: str) -> None: ...
+
+    def set_states(self, boots: list[tuple[str, str]], state: str) -> None: ...
 
     def gaps_due(self, before: float) -> list[tuple[str, str]]: ...
 
@@ -137,9 +143,9 @@ class SqlAssembly:
         try:
             self.db.begin_plain()
             # rows in one order (sorted) in every worker: no two transactions wait on each other.
-            # gap_since: "look again by then" (the look sets it right); terminal: the lowest
-            # seq of a terminal line stored, so whoever stores a boot's last missing line knows
-            # to look at it.
+            # gap_since: "look again by then", set below where a look is due; terminal: the
+            # lowest seq of a terminal line stored, so whoever stores a boot's last missing line
+            # knows to look at it.
             self.db.execmany(
                 "INSERT INTO assembly_boots (instance_id, boot, state, project, zone, name,"
                 " last_line, gap_since, terminal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -151,8 +157,8 @@ class SqlAssembly:
                 " (excluded.terminal IS NOT NULL AND excluded.terminal < assembly_boots.terminal)"
                 " THEN excluded.terminal ELSE assembly_boots.terminal END",
                 [
-                    (iid, boot, OPEN, ln.project, ln.zone, ln.name, last, first, term)
-                    for (iid, boot), (ln, last, first, term) in sorted(boots.items())
+                    (iid, boot, OPEN, ln.project, ln.zone, ln.name, last, None, term)
+                    for (iid, boot), (ln, last, _first, term) in sorted(boots.items())
                 ],
             )
             states: dict[tuple[str, str], tuple[str, object]] = {}
@@ -179,6 +185,9 @@ class SqlAssembly:
                     if (ln.instance_id, ln.event.boot) in open_boots
                 ],  # decided, ended or gapped boots: their lines change nothing
             )  # fmt: skip
+            self._hint(
+                {k: boots[k][2] for k in open_boots if states[k][1] is None}
+            )  # a terminal's boot is looked at now (the caller), the others only where due
             by_iid: dict[str, list[RawLine]] = {}
             for r in sorted(raw, key=lambda x: (x.instance_id, x.text)):
                 by_iid.setdefault(r.instance_id, []).append(r)
@@ -204,6 +213,38 @@ class SqlAssembly:
         # only a boot with a terminal line stored can be decided or ended now; the others are
         # looked at when their gap hint is due (gaps_due)
         return {k for k in open_boots if states[k][1] is not None}, dropped
+
+    def _hint(self, first: dict[tuple[str, str], float]) -> None:
+        """Set the look-again hint (``gap_since``, kept where set) of those open boots whose
+        stored lines have a gap, or exceed ``MAX_PREFIX`` (compaction): at their earliest receipt
+        in this batch. A boot with neither needs no look until its terminal line is stored (the
+        store returns it then); a hint set for a gap that another worker has filled since costs
+        one look. A gap no worker fills has its lines past it stored by someone, who sees it."""
+        due: list[tuple[object, ...]] = []
+        ids = sorted({iid for iid, _ in first})
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            marks = ", ".join("?" * len(chunk))
+            for iid, boot, floor, n, above, top in self.db.exec(
+                "SELECT l.instance_id, l.boot, b.floor, COUNT(*),"  # noqa: S608
+                " SUM(CASE WHEN l.seq >= b.floor THEN 1 ELSE 0 END), MAX(l.seq)"
+                " FROM assembly_lines l JOIN assembly_boots b"
+                " ON b.instance_id = l.instance_id AND b.boot = l.boot"
+                f" WHERE l.instance_id IN ({marks}) GROUP BY l.instance_id, l.boot, b.floor",
+                tuple(chunk),
+            ):
+                key = (str(iid), str(boot))
+                if key not in first:
+                    continue
+                lo, hi = int(floor), int(top)  # type: ignore[call-overload]
+                gap = hi >= lo and int(above) < hi - lo + 1  # type: ignore[call-overload]
+                if gap or int(n) > MAX_PREFIX:  # type: ignore[call-overload]
+                    due.append((first[key], *key))
+        self.db.execmany(
+            "UPDATE assembly_boots SET gap_since = COALESCE(gap_since, ?)"
+            " WHERE instance_id = ? AND boot = ?",
+            sorted(due, key=lambda r: (str(r[1]), str(r[2]))),
+        )
 
     @locked
     def unverified(self, instance_id: str) -> list[RawLine]:
@@ -238,69 +279,115 @@ class SqlAssembly:
         """Look at one boot under its row lock: ``fn`` gets every line any worker stored and says
         what follows; its update is committed before this returns. None if the boot is not open
         (decided, ended or gapped by another worker): its stray lines are dropped."""
+        return self.update_many([(instance_id, boot)], fn).get((instance_id, boot))
+
+    @locked
+    def update_many(
+        self, boots: list[tuple[str, str]], fn: Callable[[BootLines], BootUpdate]
+    ) -> dict[tuple[str, str], tuple[BootLines, BootUpdate]]:
+        """``update`` for several boots in one transaction (a worker's pull): their rows locked
+        in one order (sorted, as the store locks them), their lines read in one query per 500
+        instances, ``fn`` called per open boot, every update committed before this returns.
+        Boots that are not open are left out (their stray lines dropped)."""
+        keys = sorted(set(boots))
+        out: dict[tuple[str, str], tuple[BootLines, BootUpdate]] = {}
+        if not keys:
+            return out
         try:
             self.db.begin_plain()
-            rows = self.db.exec(  # only a constant is joined (the backend's row-lock clause)
-                "SELECT state, project, zone, name, floor FROM assembly_boots"  # noqa: S608
-                f" WHERE instance_id = ? AND boot = ?{self.db.for_update}",
-                (instance_id, boot),
+            heads, lines = self._locked_rows(keys)
+            dead = [k for k in keys if k not in heads]  # not open: their stray lines go
+            for key in keys:
+                if key not in heads:
+                    continue
+                project, zone, name, floor = heads[key]
+                seen = BootLines(*key, project, zone, name, floor, lines.get(key, []))
+                out[key] = (seen, fn(seen))
+            self.db.execmany(
+                "UPDATE assembly_boots SET state = ?, gap_since = ?,"
+                " floor = CASE WHEN ? > floor THEN ? ELSE floor END"
+                " WHERE instance_id = ? AND boot = ?",
+                [(u.state, u.gap_since, u.floor, u.floor, *k) for k, (_, u) in out.items()],
             )
-            if not rows or rows[0][0] != OPEN:
-                self.db.exec(
-                    "DELETE FROM assembly_lines WHERE instance_id = ? AND boot = ?",
-                    (instance_id, boot),
-                )
-                self.db.commit()
-                return None
-            _, project, zone, name, floor = rows[0]
+            dead += [k for k, (_, u) in out.items() if u.state != OPEN]
+            self.db.execmany(
+                "DELETE FROM assembly_lines WHERE instance_id = ? AND boot = ?", sorted(dead)
+            )
+            self.db.execmany(
+                "DELETE FROM assembly_lines WHERE instance_id = ? AND boot = ? AND seq = ?",
+                [(*k, seq) for k, (_, u) in out.items() if u.state == OPEN for seq in u.drop],
+            )
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
+        return out
+
+    def _locked_rows(
+        self, keys: list[tuple[str, str]]
+    ) -> tuple[
+        dict[tuple[str, str], tuple[str, str, str, int]],
+        dict[tuple[str, str], list[tuple[Received, float | None]]],
+    ]:
+        """Inside a transaction: the open boots among ``keys`` (their rows locked, in sorted
+        order: the row-lock clause applies after ORDER BY) and every line stored for them."""
+        want = set(keys)
+        heads: dict[tuple[str, str], tuple[str, str, str, int]] = {}
+        lines: dict[tuple[str, str], list[tuple[Received, float | None]]] = {}
+        ids = sorted({iid for iid, _ in keys})
+        for i in range(0, len(ids), 500):
+            chunk = tuple(ids[i : i + 500])
+            marks = ", ".join("?" * len(chunk))
+            rows = self.db.exec(  # only constants are joined (marks, the row-lock clause)
+                "SELECT instance_id, boot, state, project, zone, name, floor"  # noqa: S608
+                f" FROM assembly_boots WHERE instance_id IN ({marks})"
+                f" ORDER BY instance_id, boot{self.db.for_update}",
+                chunk,
+            )
+            for iid, boot, state, project, zone, name, floor in rows:
+                key = (str(iid), str(boot))
+                if key in want and state == OPEN:
+                    heads[key] = (str(project), str(zone), str(name), int(floor))  # type: ignore[call-overload]
             got = self.db.exec(
-                "SELECT seq, event, ts_ms, fields, text, received_at, published"
-                " FROM assembly_lines WHERE instance_id = ? AND boot = ?",
-                (instance_id, boot),
+                "SELECT instance_id, boot, seq, event, ts_ms, fields, text,"  # noqa: S608
+                f" received_at, published FROM assembly_lines WHERE instance_id IN ({marks})",
+                chunk,
             )
-            lines = [
-                (
+            for iid, boot, seq, ev, ts, fields, text, at, pub in got:
+                key = (str(iid), str(boot))
+                if key not in heads:
+                    continue
+                lines.setdefault(key, []).append((
                     Received(
-                        Event(str(ev), boot, int(seq), int(ts),  # type: ignore[call-overload]
+                        Event(str(ev), key[1], int(seq), int(ts),  # type: ignore[call-overload]
                               tuple((str(k), str(v)) for k, v in json.loads(str(fields))),
                               str(text)),
                         float(at),  # type: ignore[arg-type]
                     ),
                     _opt_float(pub),
-                )
-                for seq, ev, ts, fields, text, at, pub in got
-            ]  # fmt: skip
-            seen = BootLines(
-                instance_id,
-                boot,
-                str(project),
-                str(zone),
-                str(name),
-                int(floor),  # type: ignore[call-overload]
-                lines,
-            )
-            upd = fn(seen)
-            self.db.exec(
-                "UPDATE assembly_boots SET state = ?, gap_since = ?,"
-                " floor = CASE WHEN ? > floor THEN ? ELSE floor END"
+                ))  # fmt: skip
+        return heads, lines
+
+    @locked
+    def set_states(self, boots: list[tuple[str, str]], state: str) -> None:
+        """``set_state`` for several boots in one transaction (the decisions of one pull)."""
+        keys: list[tuple[object, ...]] = sorted(set(boots))
+        if not keys:
+            return
+        try:
+            self.db.begin_plain()
+            self.db.execmany(
+                "UPDATE assembly_boots SET state = ?, gap_since = NULL"
                 " WHERE instance_id = ? AND boot = ?",
-                (upd.state, upd.gap_since, upd.floor, upd.floor, instance_id, boot),
+                [(state, *k) for k in keys],
             )
-            if upd.state != OPEN:
-                self.db.exec(
-                    "DELETE FROM assembly_lines WHERE instance_id = ? AND boot = ?",
-                    (instance_id, boot),
-                )
-            for seq in upd.drop:
-                self.db.exec(
-                    "DELETE FROM assembly_lines WHERE instance_id = ? AND boot = ? AND seq = ?",
-                    (instance_id, boot, seq),
-                )
+            self.db.execmany(
+                "DELETE FROM assembly_lines WHERE instance_id = ? AND boot = ?", [*keys]
+            )
             self.db.commit()
         except BaseException:
             self.db.rollback()
             raise
-        return seen, upd
 
     @locked
     def set_state(self, instance_id: str, boot: str, state: str) -> None:

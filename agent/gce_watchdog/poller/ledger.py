@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,6 +51,10 @@ _NCOLS = 14
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 DELIVERY_ERROR_MAX = 2048  # characters of the last error kept (a hook's output tail is 2 KiB)
 DELIVERY_STATES = (PENDING, DELIVERED, FAILED)
+
+
+# One claim of ``claim_many``: (instance id, boot, verdict, reason, instance).
+ClaimArgs = tuple[str, str, str, str, str]
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,10 @@ class DecisionStore(Protocol):
         details: Mapping[str, Any] | None = None,
     ) -> Decision: ...
 
+    def claim_many(
+        self, claims: Sequence[ClaimArgs], now: float | None = None
+    ) -> list[Decision]: ...
+
     def holds(self) -> list[Hold]: ...
 
     def release(self, hold: Hold, by: str, now: float | None = None) -> Decision: ...
@@ -195,6 +203,10 @@ class DecisionStore(Protocol):
     def hold_announcement(self, instance_id: str, boot: str, now: float | None = None) -> bool: ...
 
     def mark_announced(self, instance_id: str, boot: str, now: float | None = None) -> bool: ...
+
+    def mark_announced_many(
+        self, keys: Sequence[tuple[str, str]], now: float | None = None
+    ) -> int: ...
 
     def pending_announcements(self) -> list[Decision]: ...
 
@@ -280,59 +292,88 @@ class SqlDecisions:
         decided_at = time.time() if now is None else now
         try:
             self.db.begin_write()  # inside: a lock timeout here must not leave a transaction open
-            row = self._get(instance_id, boot)
-            if row is None:
-                row = self._settled(instance_id, boot, instance)
-            if row is not None:
-                self.db.commit()
-                return row
-            if self.brake is not None and not self._brake_passes(
-                instance_id, boot, verdict, reason, instance, details or {}, decided_at
-            ):
-                self.db.commit()
-                return Decision(
-                    instance_id, boot, 0, verdict, reason, instance, self.owner, decided_at,
-                    False, held=True,
-                )  # fmt: skip
-            (last,) = self.db.exec("SELECT last_token FROM fence WHERE id = 1")[0]
-            token = int(last) + 1  # type: ignore[call-overload]
-            self.db.exec("UPDATE fence SET last_token = ? WHERE id = 1", (token,))
-            self.db.exec(
-                "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance,"
-                " owner, decided_at, announce_owner, announce_until)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    instance_id,
-                    boot,
-                    token,
-                    verdict,
-                    reason,
-                    instance,
-                    self.owner,
-                    decided_at,
-                    self.owner,
-                    decided_at + self.announce_lease_s,
-                ),
-            )
-            d = details or {}
-            self.db.exec(
-                "INSERT INTO decision_details (token, labels, job, evidence) VALUES (?, ?, ?, ?)",
-                (
-                    token,
-                    json.dumps(dict(d.get("labels") or {}), sort_keys=True),
-                    d.get("job"),
-                    json.dumps(list(d.get("evidence") or [])),
-                ),
-            )
-            if isinstance(d.get("cost"), Mapping):
-                self.db.exec(
-                    "INSERT INTO decision_costs (token, facts) VALUES (?, ?)",
-                    (token, json.dumps(dict(d["cost"]), sort_keys=True)),
-                )
+            d = self._claim(instance_id, boot, verdict, reason, instance, decided_at, details)
             self.db.commit()
         except BaseException:
             self.db.rollback()
             raise
+        return d
+
+    @locked
+    def claim_many(self, claims: Sequence[ClaimArgs], now: float | None = None) -> list[Decision]:
+        """``claim`` for several (instance id, boot, verdict, reason, instance) in one
+        transaction (a Pub/Sub worker's pull): the claim lock taken once, every decision durable
+        at its one commit, each as ``claim`` would have decided it, in order."""
+        decided_at = time.time() if now is None else now
+        if not claims:
+            return []
+        try:
+            self.db.begin_write()
+            out = [self._claim(*c, decided_at, None) for c in claims]
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
+        return out
+
+    def _claim(
+        self,
+        instance_id: str,
+        boot: str,
+        verdict: str,
+        reason: str,
+        instance: str,
+        decided_at: float,
+        details: Mapping[str, Any] | None,
+    ) -> Decision:
+        """One claim inside the caller's ``begin_write`` transaction (committed by the caller)."""
+        row = self._get(instance_id, boot)
+        if row is None:
+            row = self._settled(instance_id, boot, instance)
+        if row is not None:
+            return row
+        if self.brake is not None and not self._brake_passes(
+            instance_id, boot, verdict, reason, instance, details or {}, decided_at
+        ):
+            return Decision(
+                instance_id, boot, 0, verdict, reason, instance, self.owner, decided_at,
+                False, held=True,
+            )  # fmt: skip
+        (last,) = self.db.exec("SELECT last_token FROM fence WHERE id = 1")[0]
+        token = int(last) + 1  # type: ignore[call-overload]
+        self.db.exec("UPDATE fence SET last_token = ? WHERE id = 1", (token,))
+        self.db.exec(
+            "INSERT INTO decisions (instance_id, boot, token, verdict, reason, instance,"
+            " owner, decided_at, announce_owner, announce_until)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                instance_id,
+                boot,
+                token,
+                verdict,
+                reason,
+                instance,
+                self.owner,
+                decided_at,
+                self.owner,
+                decided_at + self.announce_lease_s,
+            ),
+        )
+        d = details or {}
+        self.db.exec(
+            "INSERT INTO decision_details (token, labels, job, evidence) VALUES (?, ?, ?, ?)",
+            (
+                token,
+                json.dumps(dict(d.get("labels") or {}), sort_keys=True),
+                d.get("job"),
+                json.dumps(list(d.get("evidence") or [])),
+            ),
+        )
+        if isinstance(d.get("cost"), Mapping):
+            self.db.exec(
+                "INSERT INTO decision_costs (token, facts) VALUES (?, ?)",
+                (token, json.dumps(dict(d["cost"]), sort_keys=True)),
+            )
         return Decision(
             instance_id, boot, token, verdict, reason, instance, self.owner, decided_at, True
         )
@@ -500,6 +541,28 @@ class SqlDecisions:
             (at, self.owner, instance_id, boot),
         )
         return n == 1
+
+    @locked
+    def mark_announced_many(self, keys: Sequence[tuple[str, str]], now: float | None = None) -> int:
+        """``mark_announced`` for several (instance id, boot) in one transaction (the
+        announcements a Pub/Sub worker printed for one pull); how many it marked."""
+        at = time.time() if now is None else now
+        if not keys:
+            return 0
+        marked = 0
+        try:
+            self.db.begin_plain()
+            for iid, boot in sorted(set(keys)):
+                marked += self.db.rowcount(
+                    "UPDATE decisions SET announced_at = ?, announced_by = ?"
+                    " WHERE instance_id = ? AND boot = ? AND announced_at IS NULL",
+                    (at, self.owner, iid, boot),
+                )
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
+        return marked
 
     @locked
     def pending_announcements(self) -> list[Decision]:

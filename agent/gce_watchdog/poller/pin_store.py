@@ -41,6 +41,8 @@ class PinStore(Protocol):
 
     def get_pin(self, instance_id: str) -> Pin | None: ...
 
+    def get_pins(self, instance_ids: list[str]) -> dict[str, Pin]: ...
+
     def place_pin(
         self, instance_id: str, public: bytes, fingerprint: str, now: float | None = None
     ) -> Pin: ...
@@ -105,6 +107,28 @@ class SqlPins:
         )
         chain = tuple(Retired(_unb64(str(o)), str(b), int(str(q))) for o, b, q in rk)
         return replace(pin, retired=chain[-MAX_RETIRED:])
+
+    @locked
+    def get_pins(self, instance_ids: list[str]) -> dict[str, Pin]:
+        """The pins of those instances that have one: one query per 500 ids (a Pub/Sub worker's
+        batch), the rotation chain read only for a pin a rekey moved."""
+        out: dict[str, Pin] = {}
+        ids = sorted(set(instance_ids))
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            marks = ", ".join("?" * len(chunk))
+            for row in self.db.exec(
+                f"SELECT {_PIN_COLUMNS} FROM pins WHERE instance_id IN ({marks})",  # noqa: S608
+                tuple(chunk),
+            ):
+                pin = _pin_row(row)
+                out[pin.instance_id] = pin
+        for iid, pin in list(out.items()):
+            if pin.source == PIN_REKEY:
+                again = self.get_pin(iid)
+                if again is not None:
+                    out[iid] = again
+        return out
 
     @locked
     def rekey_pin(

@@ -40,10 +40,11 @@ A decided, ended or gapped boot's lines are deleted; its row stays as a tombston
 redelivery is acked without a second look) until ``TOMBSTONE_S`` after its last line. A worker's
 memory is a bounded cache of pins plus one batch: it does not grow with the fleet's history.
 
-Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``, and
-``gpu_fault``: a GPU fault in the prefix is looked at like a terminal event, with the same pure
-rule as the polling reader, ``verdict.decide``, so a job whose ``exit rc=0`` precedes it in the
-prefix is never failed over; with ``--on-gpu-fault report`` it decides nothing here). Silence
+Only verdicts that a line proves are taken here (``self_shutdown``, ``preempted``, ``gpu_fault``
+and ``job_stuck``: a GPU fault or a signed ``job_stuck`` line in the prefix is looked at like a
+terminal event, with the same pure rule as the polling reader, ``verdict.decide``, so a job whose
+``exit rc=0`` precedes it in the prefix is never failed over; with ``--on-gpu-fault report`` or
+``--on-job-stuck report`` it decides nothing here). Silence
 and stopped instances are not visible in a stream of lines: the slow Compute API sweep
 (``FleetPoller`` over ``--label``) catches those, and polls VMs whose console is not exported.
 """
@@ -84,6 +85,7 @@ from gce_watchdog.poller.verdict import (
     decide,
     gpu_fault_event,
 )
+from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import (
     REKEY_EVENT,
     Event,
@@ -117,7 +119,9 @@ HOUSEKEEPING_S = 1.0
 # A decision whose instance the Compute API could not identify is looked at again after this.
 IDENTITY_RETRY_S = 30.0
 # Only these verdicts are proven by a line; the others need the instance's status or silence.
-LINE_VERDICTS = frozenset({VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT})
+LINE_VERDICTS = frozenset(
+    {VerdictKind.SELF_SHUTDOWN, VerdictKind.PREEMPTED, VerdictKind.GPU_FAULT, VerdictKind.JOB_STUCK}
+)
 
 
 @dataclass(frozen=True)
@@ -214,6 +218,11 @@ def _needed_by(seen: BootLines, pub: float, last: int) -> float:
         if p is not None and r.event.seq <= last:
             first[r.event.seq] = min(p, first.get(r.event.seq, p))
     return max([pub, *first.values()])
+
+
+def _stuck(ev: Event) -> bool:
+    """A signed ``job_stuck`` line: its boot is looked at when it is stored."""
+    return ev.event == vocab.JOB_STUCK
 
 
 def _stderr(msg: str) -> None:
@@ -330,18 +339,15 @@ class PubSubWorker:
                 self.stats.unpinned += 1
         for iid in sorted(new_pins | set(later)):
             touched |= self._verify_raw(iid, pins.get(iid) or later[iid], now)
-        for iid, boot in sorted(touched):
-            self._look(iid, boot, now)
         if now - self._last_housekeeping >= HOUSEKEEPING_S:
             self._last_housekeeping = now
-            for iid, boot in self.assembly.gaps_due(now - self.settle_s):
-                self._look(iid, boot, now)
+            touched.update(self.assembly.gaps_due(now - self.settle_s))
             # raw lines whose pin the poll path (or an operator) has placed since
             waiting = self.assembly.raw_instances()
             for iid, key in self._pinned(waiting, {}).items():
-                for ib in sorted(self._verify_raw(iid, key, now)):
-                    self._look(*ib, now)
+                touched |= self._verify_raw(iid, key, now)
             self.assembly.prune(now - TOMBSTONE_S)
+        self._look(touched, now)  # one transaction for every boot the pull led to
         self.ack(to_ack)  # every line is stored and every decision it led to is claimed
         due, self._due = self._due, []
         for out in due:  # after the ack: a slow hook never holds a batch past its deadline
@@ -355,10 +361,8 @@ class PubSubWorker:
         """The pinned public keys of those instances that have one; hand pins without a key
         yet go to ``hand`` (id -> fingerprint)."""
         out = {i: self._pin_cache[i] for i in instance_ids if i in self._pin_cache}
-        for iid in sorted({i for i in instance_ids if i not in out}):
-            pin = self.pins.get_pin(iid)
-            if pin is None:
-                continue
+        looked = self.pins.get_pins(sorted({i for i in instance_ids if i not in out}))
+        for iid, pin in sorted(looked.items()):  # one query for the batch's uncached ones
             if pin.public is not None:
                 out[iid] = self._cache(iid, pin.public)
             else:
@@ -486,22 +490,29 @@ class PubSubWorker:
             touched |= {
                 (ln.instance_id, ln.event.boot) for ln in lines if gpu_fault_event([ln.event])
             }
+        if not self.policy.job_stuck_report:
+            touched |= {(ln.instance_id, ln.event.boot) for ln in lines if _stuck(ln.event)}
         return touched, dropped
 
-    def _look(self, iid: str, boot: str, now: float) -> None:
-        """Look at one boot's stored lines; claim, end, gap, or wait."""
-        verdicts: list[tuple[Verdict, int]] = []  # (the verdict, its deciding line's seq)
+    def _look(self, boots: set[tuple[str, str]], now: float) -> None:
+        """Look at boots' stored lines (one transaction for all); claim, end, gap, or wait."""
+        # per boot: (the verdict, its deciding line's seq)
+        verdicts: dict[tuple[str, str], tuple[Verdict, int]] = {}
 
         def judge(seen: BootLines) -> BootUpdate:
             a = assemble([r for r, _ in seen.lines], seen.floor)
-            # a GPU fault decides like a terminal event, unless the policy only reports it
+            # a GPU fault or a stuck job decides like a terminal event, unless the policy only
+            # reports it
             fault = None if self.policy.gpu_fault_report else a.fault
-            if a.terminal is not None or fault is not None:
+            stuck = None if self.policy.job_stuck_report else a.stuck
+            if a.terminal is not None or fault is not None or stuck is not None:
                 v = decide(list(a.prefix), InstanceState("RUNNING"), now, self.policy)
                 if v.kind in LINE_VERDICTS and v.failover:
-                    by = fault if v.kind is VerdictKind.GPU_FAULT else a.terminal
+                    by = {VerdictKind.GPU_FAULT: fault, VerdictKind.JOB_STUCK: stuck}.get(
+                        v.kind, a.terminal
+                    )
                     assert by is not None
-                    verdicts.append((v, by.seq))
+                    verdicts[(seen.instance_id, seen.boot)] = (v, by.seq)
                     # closed once the claim is durable; until then, a hint to look again (the
                     # instance's identity unavailable, or this worker dead before its claim)
                     return BootUpdate(OPEN, now + IDENTITY_RETRY_S - self.settle_s)
@@ -512,35 +523,48 @@ class PubSubWorker:
             drop, floor = compact(a)
             return BootUpdate(OPEN, a.held_since, tuple(drop), floor)
 
-        res = self.assembly.update(iid, boot, judge)
-        if res is None:
-            return
-        seen, upd = res
-        if upd.state == GAPPED:
-            self.stats.gapped += 1
-        elif upd.state == ENDED:
-            self.stats.ended += 1
-        if not verdicts:
-            return
-        ((verdict, by),) = verdicts
-        who = self._identify(seen, verdict)
-        if who is None:
-            return
-        decision = self.decisions.claim(
-            iid, boot, verdict.kind.value, verdict.reason, who.target, now
-        )  # durable when it returns: only now may the lines that led here be acked
-        self.assembly.set_state(iid, boot, DECIDED)
-        self.stats.decisions += decision.won
-        pub = next((p for r, p in seen.lines if r.event.seq == by), None)
-        if pub is not None and decision.won:
-            self.stats.latencies.append(self.clock() - pub)
-            self.stats.ready_latencies.append(self.clock() - _needed_by(seen, pub, by))
-        announce = decision.won or (
-            decision.announced_at is None
-            and self.decisions.take_announcement(decision.instance_id, decision.boot, now)
+        looked = self.assembly.update_many(sorted(boots), judge)
+        for _seen, upd in looked.values():
+            if upd.state == GAPPED:
+                self.stats.gapped += 1
+            elif upd.state == ENDED:
+                self.stats.ended += 1
+        who: dict[tuple[str, str], Identity] = {}
+        for key, (verdict, _by) in sorted(verdicts.items()):
+            found = self._identify(looked[key][0], verdict)
+            if found is not None:
+                who[key] = found
+        decided = sorted(who)
+        # one transaction for the pull's claims: durable when it returns, only then may the
+        # lines that led to them be acked
+        decisions = self.decisions.claim_many(
+            [
+                (*k, verdicts[k][0].kind.value, verdicts[k][0].reason, who[k].target)
+                for k in decided
+            ],
+            now,
         )
-        line = SerialLine(who.project, who.zone, iid, who.name, "")  # the API's names
-        self._announce(line, verdict, decision, announce)
+        self.assembly.set_states(decided, DECIDED)  # one transaction
+        printed: list[PollOutcome] = []
+        for key, decision in zip(decided, decisions, strict=True):
+            (seen, _), (verdict, by) = looked[key], verdicts[key]
+            self.stats.decisions += decision.won
+            pub = next((p for r, p in seen.lines if r.event.seq == by), None)
+            if pub is not None and decision.won:
+                self.stats.latencies.append(self.clock() - pub)
+                self.stats.ready_latencies.append(self.clock() - _needed_by(seen, pub, by))
+            announce = decision.won or (
+                decision.announced_at is None
+                and self.decisions.take_announcement(decision.instance_id, decision.boot, now)
+            )
+            w = who[key]
+            line = SerialLine(w.project, w.zone, seen.instance_id, w.name, "")  # the API's names
+            if (out := self._announce(line, verdict, decision, announce)) is not None:
+                printed.append(out)
+        marks = [(o.decision.instance_id, o.decision.boot) for o in printed if o.decision]
+        marked = self.decisions.mark_announced_many(marks, self.clock())  # one transaction
+        with self._lock:
+            self.stats.announced += marked
 
     def _identify(self, seen: BootLines, verdict: Verdict) -> Identity | None:
         """The instance as the Compute API names it, or None: nothing is claimed now. Not found
@@ -600,7 +624,9 @@ class PubSubWorker:
 
     def _announce(
         self, line: SerialLine, verdict: Verdict, decision: Decision, announce: bool
-    ) -> None:
+    ) -> PollOutcome | None:
+        """Print the decision if this worker announces it. Returned: an announcement printed
+        that the caller marks announced (with the others of its pull: one transaction)."""
         out = PollOutcome(
             line.instance or line.instance_id,
             decision.instance_id,
@@ -611,13 +637,14 @@ class PubSubWorker:
             project=line.project,
             zone=line.zone,
         )
-        if announce:
-            with self._lock:
-                self.emit(out)
-            if self.deliver is None:
-                self._done(out)  # the printed line is the announcement: marked at once
-            else:
-                self._due.append(out)  # delivered after the ack
+        if not announce:
+            return None
+        with self._lock:
+            self.emit(out)
+        if self.deliver is None:
+            return out  # the printed line is the announcement: marked at once
+        self._due.append(out)  # delivered after the ack
+        return None
 
     def _done(self, out: PollOutcome) -> None:
         """Deliver an announced decision (when ``deliver`` is given), then mark it announced.
