@@ -119,6 +119,14 @@ def test_gpus_not_released_are_an_alarm_in_poll_and_in_the_decisions_view(
     assert [("alarms=idle_busy" in ln) for ln in text] == [
         "name=stuck-busy" in ln for ln in text
     ] and len(text) == 2
+    # the alarms view: both boots whose GPUs stayed busy, the finished one too (no decision)
+    assert main(["decisions", "alarms", "--ledger", ledger, "--json"]) == 0
+    alarms = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    for a in alarms:
+        validate("decisions-alarms", a)
+    assert sorted((a["name"], a["alarm"]) for a in alarms) == [
+        ("done-busy", "idle_busy"), ("stuck-busy", "idle_busy")
+    ]  # fmt: skip
     # poll's text line (the journal's): ALARM and the alarm's name, as for a key alarm
     argv = [a for a in poll_args(api, tmp_path / "b", "--once", *names) if a != "--json"]
     assert main(argv) == 0

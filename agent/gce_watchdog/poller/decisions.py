@@ -32,7 +32,7 @@ from gce_watchdog.poller.ledger import (
     Hold,
     InstanceAlarm,
 )
-from gce_watchdog.poller.verdict import alarms_of
+from gce_watchdog.poller.verdict import ALARM_IDLE_BUSY, alarms_of
 
 # The view's version: a field's meaning never changes within a version. 2: the delivery state
 # (``delivery``, ``delivery_attempts``, ``delivery_error``); every field of 1 is unchanged.
@@ -175,7 +175,7 @@ def poller_metrics(ledger: DecisionStore) -> str:
 
 
 ALARM_METRIC = "gce_watchdog_poller_alarms"
-ALARMS = (VM_UNTRACKED,)  # every alarm about a whole instance, each a metric label
+ALARMS = (ALARM_IDLE_BUSY, VM_UNTRACKED)  # every alarm about a whole instance, a label each
 
 
 def alarm_metrics(alarms: Iterable[InstanceAlarm]) -> str:
@@ -185,7 +185,8 @@ def alarm_metrics(alarms: Iterable[InstanceAlarm]) -> str:
         counts[a.alarm] = counts.get(a.alarm, 0) + 1
     lines = [
         f"# HELP {ALARM_METRIC} Alarms raised about whole instances and not cleared"
-        " (vm_untracked: left the fleet's label selection while running).",
+        " (vm_untracked: left the fleet's label selection while running; idle_busy: a job's"
+        " GPUs not released at its end).",
         f"# TYPE {ALARM_METRIC} gauge",
     ]
     lines += [f'{ALARM_METRIC}{{alarm="{k}"}} {n}' for k, n in sorted(counts.items())]

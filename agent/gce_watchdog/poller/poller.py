@@ -36,6 +36,7 @@ from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import (
+    ALARM_IDLE_BUSY,
     OFF_STATES,
     PLANNED_STOPS,
     InstanceState,
@@ -305,6 +306,21 @@ class Poller:
         out = self._poll(name, known, gone)
         return dataclasses.replace(out, project=self.project, zone=self.zone)
 
+    def _idle_busy(self, name: str, instance_id: str, info: InstanceStatus | None) -> None:
+        """The job's GPUs were not released at its end (``exit idle=busy``, issue 37): an
+        ``idle_busy`` alarm about the instance in the ledger, listed by ``decisions alarms`` and
+        counted on ``/metrics`` whether or not the boot failed over (a finished job's boot has no
+        decision to carry it). Raised once; later polls that still see it note ``seen_at``."""
+        assert self.decisions is not None
+        self.decisions.raise_alarm(
+            instance_id,
+            ALARM_IDLE_BUSY,
+            self.path(name),
+            info.status if info is not None else "MISSING",
+            dict(info.labels) if info is not None else {},
+            self.clock(),
+        )
+
     def _poll(self, name: str, known: InstanceStatus | None, gone: bool) -> PollOutcome:
         p, z = self.project, self.zone
         try:
@@ -354,6 +370,8 @@ class Poller:
         decision = None
         reaped = reap_error = reap_pending = None
         announce = False
+        if ALARM_IDLE_BUSY in verdict.alarms and self.decisions is not None and instance_id:
+            self._idle_busy(name, instance_id, info)
         if verdict.failover and self.decisions is not None:
             key = instance_id or f"name:{name}"
             now = self.clock()
