@@ -251,4 +251,7 @@ def test_the_alarm_metric_counts_raised_alarms_by_kind() -> None:
         assert set(fams) == {"gce_watchdog_poller_decisions", "gce_watchdog_poller_alarms"}
         alarm = fams["gce_watchdog_poller_alarms"]
         assert alarm.type == "gauge"
-        assert {s.labels["alarm"]: s.value for s in alarm.samples} == {"vm_untracked": n}
+        assert {s.labels["alarm"]: s.value for s in alarm.samples} == {
+            "vm_untracked": n,
+            "idle_busy": 0.0,  # every kind has its series, zero when none is raised
+        }

@@ -33,7 +33,7 @@ from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
 from gce_watchdog.poller.cost import BootFacts, boot_facts, gpu_count
 from gce_watchdog.poller.ledger import NO_BOOT, Decision, DecisionStore
 from gce_watchdog.poller.ledgers import Ledger
-from gce_watchdog.poller.reader import CursorStore, ReadResult, SerialReader
+from gce_watchdog.poller.reader import Cursor, CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
 from gce_watchdog.poller.verdict import (
     ALARM_IDLE_BUSY,
@@ -306,6 +306,17 @@ class Poller:
         out = self._poll(name, known, gone)
         return dataclasses.replace(out, project=self.project, zone=self.zone)
 
+    def _settled_cursor(self, p: str, z: str, name: str) -> Cursor:
+        """The instance's cursor after its settle: lines a flood delayed are checked even if no
+        byte follows; kept when that changed something, so the next poll goes on from here (a
+        VM that is off serves no byte, and no read saves the cursor)."""
+        cur = self.reader.cursor(p, z, name)
+        waiting = cur.timeline.waiting
+        cur.timeline.settle(self.clock())
+        if cur.timeline.waiting != waiting:
+            self.reader.store.save(p, z, cur)
+        return cur
+
     def _idle_busy(self, name: str, instance_id: str, info: InstanceStatus | None) -> None:
         """The job's GPUs were not released at its end (``exit idle=busy``, issue 37): an
         ``idle_busy`` alarm about the instance in the ledger, listed by ``decisions alarms`` and
@@ -353,12 +364,8 @@ class Poller:
                 # GCE serves serial output only while the instance runs: a VM that is off (or
                 # stopping) answers with an error, which means "no new bytes", not "no verdict".
                 # Decide on what was read while it ran (the linger exists for exactly this).
-        cur = self.reader.cursor(p, z, name)
+        cur = self._settled_cursor(p, z, name)
         tl = cur.timeline
-        waiting = tl.waiting
-        tl.settle(self.clock())  # lines a flood delayed are checked even if no byte follows
-        if tl.waiting != waiting:  # kept, so the next poll goes on from here (a VM that is off
-            self.reader.store.save(p, z, cur)  # serves no byte, and no read saves the cursor)
         state = InstanceState(info.status, info.spot) if info else InstanceState("MISSING")
         instance_id = info.id if info else cur.instance_id
         try:
