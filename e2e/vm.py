@@ -67,6 +67,8 @@ FWCFG_PREFIX = "opt/gce-e2e"
 # default budget leaves room for a busy machine and for a scenario's own run time.
 DEFAULT_TIMEOUT = 300.0
 SERIAL_POLL = 0.5  # seconds between looks at the serial log while waiting (timestamps only)
+QUIET_KILL_S = 60.0  # past its budget, a guest whose console wrote nothing for this long is killed
+HARD_CAP_FACTOR = 2.0  # ... and any guest at this many times its budget
 QEMU_KILL_WAIT = 10.0
 CONSOLE_ACCEPT_WAIT = 30.0  # qemu connects to the console socket while it starts, before the guest
 CONSOLE_CLOSE_WAIT = 10.0  # for the reader to see EOF once qemu has exited
@@ -203,6 +205,10 @@ class VmSpec:
     # More fw_cfg files, NAME -> content, written 0600 (e.g. a secret: never in metadata, never on
     # the console); the guest reads /sys/firmware/qemu_fw_cfg/by_name/opt/gce-e2e/NAME/raw.
     fw_secrets: Mapping[str, str] = field(default_factory=dict)
+    # The boot's budget: past it, a guest whose console has been quiet for QUIET_KILL_S is
+    # killed (a wedged or hung guest); one that still writes goes on to power off by itself, up
+    # to HARD_CAP_FACTOR x timeout (a loaded host's TCG guest is slow, not wedged: a boot that
+    # took 450 s of 480 beside a second `make test` took over 480 the next time).
     timeout: float = DEFAULT_TIMEOUT
     # Boot the image with this run's agent baked in (Harness.baked_image): the start-up script
     # skips the download and install. For the scenarios about the agent, not its install.
@@ -617,7 +623,8 @@ def run(
                 daemon=True,  # its waits end at EOF anyway; never what keeps pytest alive
             )
             session.start()
-        deadline = t0 + spec.timeout
+        deadline, hard = t0 + spec.timeout, t0 + HARD_CAP_FACTOR * spec.timeout
+        size, wrote_at = -1, t0  # the serial log's size and when it last grew
         while True:
             try:
                 rc = proc.wait(SERIAL_POLL)
@@ -627,6 +634,8 @@ def run(
             now = time.monotonic()
             if serial_log.exists():
                 data = serial_log.read_bytes()
+                if len(data) != size:
+                    size, wrote_at = len(data), now
                 _milestones(data, seen, now - t0)
                 if watch is not None:
                     watch(data)
@@ -637,7 +646,7 @@ def run(
                     proc.wait(QEMU_KILL_WAIT)
                 rc = proc.poll()
                 break
-            if now > deadline:
+            if (now > deadline and now - wrote_at > QUIET_KILL_S) or now > hard:
                 timed_out = True
                 proc.kill()
                 with contextlib.suppress(subprocess.TimeoutExpired):
