@@ -10,7 +10,6 @@ changes nothing (the pin stays, an ``unplaced_key`` alarm).
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
@@ -34,7 +33,7 @@ from kit.agent import agent_config, agent_process, stop_agent
 from kit.events import read_events
 from kit.nobody import Nobody
 from kit.paths import REPO
-from kit.poll import P, Z, outputs, poll_args
+from kit.poll import P, Z, outputs, parse_json, poll_args
 from kit.wait import wait_for
 
 OFF = InstanceState("TERMINATED")
@@ -158,16 +157,7 @@ def test_parse_takes_back_the_announcements_of_a_start_contested_in_a_later_chun
     a chunk before the agent's start withdraws it, is not listed either."""
     noise = b"[    1.000000] kernel: a line of someone else's\r\n" * 3000  # ~150 KiB
     data = evil_announcement(0) + noise + real_run()
-    r = subprocess.run(
-        [sys.executable, "-m", "gce_watchdog", "parse", "-", "--json", "--status", "TERMINATED"],
-        input=data,
-        capture_output=True,
-        cwd=REPO,
-        timeout=60,
-        check=False,
-    )
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)
+    doc = parse_json(data, "--status", "TERMINATED")
     assert doc["events"] == [] and doc["key_id"] is None
     assert "no_pin" in doc["verdict"]["reason"] and doc["verdict"]["failover"] is False
 
@@ -209,16 +199,7 @@ def test_poll_and_parse_give_no_pin_for_an_announcement_printed_by_nobody_first(
     for argv in (["phase", "workload"], ["setup-failed", "--step", "train", "--reason", "x"]):
         assert subprocess.run([*gw, *argv, "--config", str(cfg)], cwd=REPO).returncode == 0
     data = console.read_bytes()
-    parsed = subprocess.run(
-        [*gw, "parse", "-", "--json", "--status", "TERMINATED"],
-        input=data,
-        capture_output=True,
-        cwd=REPO,
-        timeout=60,
-        check=False,
-    )
-    assert parsed.returncode == 0, parsed.stderr
-    out = json.loads(parsed.stdout)
+    out = parse_json(data, "--status", "TERMINATED")
     why = out["verdict"]["reason"]
     assert "no_pin" in why and evil_fp in why and out["key_id"] is None, why
     assert out["verdict"]["failover"] is False and out["events"] == []

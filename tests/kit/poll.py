@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gce_watchdog.testing.simcompute import FakeComputeAPI
@@ -39,3 +42,19 @@ def poll_args(api: FakeComputeAPI, tmp_path: Path, *extra: str) -> list[str]:
 def outputs(capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str, object]]:
     """The JSON lines printed since the last read, by instance name."""
     return {d["instance"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+
+
+def parse_json(data: bytes, *args: str) -> dict[str, Any]:
+    """``gce-watchdog parse - --json ARGS`` of ``data`` as a process (the real CLI), its output
+    decoded; fails the test on a non-zero exit."""
+    r = subprocess.run(
+        [sys.executable, "-m", "gce_watchdog", "parse", "-", "--json", *args],
+        input=data,
+        capture_output=True,
+        cwd=Path(__file__).resolve().parents[2],
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
