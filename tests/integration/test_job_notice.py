@@ -51,11 +51,15 @@ JOB = textwrap.dedent("""
     import json, os, pathlib, signal, sys, time
     out = pathlib.Path(sys.argv[1])
     got = []
+    def put(path, text):  # whole or not at all: the test reads these files as they appear
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     def on_usr1(signum, frame):
         got.append(json.loads(pathlib.Path(os.environ["GCE_WATCHDOG_NOTICE"]).read_text()))
-        out.with_suffix(".notices").write_text(json.dumps(got))
+        put(out.with_suffix(".notices"), json.dumps(got))
     signal.signal(signal.SIGUSR1, on_usr1)
-    out.with_suffix(".env").write_text(os.environ["GCE_WATCHDOG_NOTICE"])
+    put(out.with_suffix(".env"), os.environ["GCE_WATCHDOG_NOTICE"])
     stop = out.with_suffix(".stop")
     for _ in range(6000):  # bounded: at most 60 s
         if stop.exists():

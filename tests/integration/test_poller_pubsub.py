@@ -765,8 +765,9 @@ def test_three_workers_with_one_killed_decide_a_100_vm_fleet_exactly_once(
     assert all(st["counts"]["handed"] > 0 for st in stats)  # spread over all
     announced = [d["instance_id"] for d in docs if d.get("action") == "failover"]
     assert set(announced) == fleet.wedged
-    # at-least-once: only a worker killed between printing and marking repeats one
-    assert len(announced) - len(fleet.wedged) <= 1
+    # at-least-once: only the worker killed between printing a pull's announcements and
+    # marking them (one transaction per pull since issue 38) repeats, that pull's at most
+    assert len(announced) - len(fleet.wedged) <= max(st["max_pull"] for st in stats)
     assert len({d.owner for d in decisions}) >= 2  # decided by several workers
 
 
