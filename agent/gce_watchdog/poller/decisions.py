@@ -31,6 +31,7 @@ from gce_watchdog.poller.ledger import (
     DecisionStore,
     Hold,
     InstanceAlarm,
+    instance_parts,
 )
 from gce_watchdog.poller.verdict import ALARM_IDLE_BUSY, alarms_of
 
@@ -59,10 +60,7 @@ def decision_doc(
     """The versioned view of one decision (docs/poller.md lists every field). ``job_total``:
     what its job cost so far (``follow`` knows the earlier decisions); None: null."""
     facts = cost_facts(d, details)
-    project, _, rest = d.instance.partition("/")
-    zone, sep, name = rest.partition("/")
-    if not sep:  # recorded by an older poller: the bare name
-        project, zone, name = "", "", d.instance
+    project, zone, name = instance_parts(d.instance)
     return {
         "v": VERSION,
         "token": d.token,
@@ -195,8 +193,7 @@ def alarm_metrics(alarms: Iterable[InstanceAlarm]) -> str:
 
 def alarm_doc(a: InstanceAlarm) -> dict[str, Any]:
     """The view of one raised alarm (``decisions alarms``; docs/poller.md)."""
-    project, _, rest = a.instance.partition("/")
-    zone, _, name = rest.partition("/")
+    project, zone, name = instance_parts(a.instance)
     return {
         "v": VERSION,
         "alarm": a.alarm,
@@ -258,8 +255,7 @@ def follow(
 
 
 def hold_doc(h: Hold) -> dict[str, Any]:
-    project, _, rest = h.instance.partition("/")
-    zone, _, name = rest.partition("/")
+    project, zone, name = instance_parts(h.instance)
     return {
         "v": VERSION,
         "instance_id": h.instance_id,

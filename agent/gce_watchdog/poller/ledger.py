@@ -111,6 +111,14 @@ class Hold:
     held_at: float
 
 
+def instance_parts(path: str) -> tuple[str, str, str]:
+    """``PROJECT/ZONE/NAME`` as the ledger records an instance -> (project, zone, name); a bare
+    name (recorded by an older poller) -> ("", "", name). Pure."""
+    project, _, rest = path.partition("/")
+    zone, sep, name = rest.partition("/")
+    return (project, zone, name) if sep else ("", "", path)
+
+
 VM_UNTRACKED = "vm_untracked"  # left the fleet's label selection while it ran (poller/fleet.py)
 
 

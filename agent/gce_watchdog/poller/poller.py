@@ -31,7 +31,7 @@ from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
 from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
 from gce_watchdog.poller.cost import BootFacts, boot_facts, gpu_count
-from gce_watchdog.poller.ledger import NO_BOOT, Decision, DecisionStore
+from gce_watchdog.poller.ledger import NO_BOOT, Decision, DecisionStore, instance_parts
 from gce_watchdog.poller.ledgers import Ledger
 from gce_watchdog.poller.reader import Cursor, CursorStore, ReadResult, SerialReader
 from gce_watchdog.poller.timeline import Timeline
@@ -737,10 +737,7 @@ def lapsed_announcements(ledger: DecisionStore, now: float) -> list[PollOutcome]
     for d in ledger.pending_announcements():
         if not ledger.take_announcement(d.instance_id, d.boot, now):
             continue  # its claimer's lease is live, or another poller took it just now
-        project, _, rest = d.instance.partition("/")
-        zone, sep, name = rest.partition("/")
-        if not sep:  # recorded by an older poller: the bare name
-            project, zone, name = "", "", d.instance
+        project, zone, name = instance_parts(d.instance)
         # every recorded decision is a failover (an alarm recorded by policy too)
         verdict = Verdict(VerdictKind(d.verdict), d.reason, d.boot, policy_failover=True)
         outs.append(
