@@ -215,6 +215,103 @@ def next_seq(run, boot, last=[-1]):
         n = max(last[0] + 1, floor)
     last[0] = n
     return n
+def read_regular(p):
+    # never follows a link nor blocks on a FIFO; None: absent; OSError: unusable
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        return os.read(fd, 256)
+    finally:
+        os.close(fd)
+def boot_count(state, run, bid):
+    # agent/gce_watchdog/vm/bootcount.py: (bc, problem); before the key is created
+    cache = os.path.join(run, "bc." + bid[:8])
+    try:
+        v, _, why = (read_regular(cache) or b"").decode("ascii").strip().partition(" ")
+        if v == "-" or (v.isdigit() and v[0] != "0" and len(v) <= 12):
+            return v, (why or "settled earlier in this boot") if v == "-" else ""
+    except (OSError, ValueError):
+        pass
+    bc, why, lock = "-", "", None
+    try:
+        os.makedirs(state, 0o755, exist_ok=True)
+        lock = os.open(os.path.join(state, "boot.count.lock"),
+                       os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        if not stat.S_ISREG(os.fstat(lock).st_mode):
+            raise OSError("the lock is not a regular file")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    except OSError:
+        if lock is not None:
+            os.close(lock)
+        lock = None
+    try:
+        try:
+            raw = read_regular(os.path.join(state, "boot.count"))
+            parts = raw.decode("ascii").split() if raw is not None else None
+            if parts is not None and not (
+                raw.endswith(b"\n") and len(parts) == 2 and parts[0].isdigit()
+                and (parts[0] == "0" or parts[0][0] != "0") and int(parts[0]) <= 999999999999
+                and len(parts[1]) == 32 and not set(parts[1]) - set("0123456789abcdef")):
+                raise ValueError("garbage")
+        except (OSError, ValueError) as e:
+            why = "boot.count cannot be used (%s): the counter is lost" % e
+            parts = None
+        if why:
+            pass
+        elif parts is None and os.path.lexists(os.path.join(state, "signing.key")):
+            why = "boot.count is missing while signing.key exists: lost"
+        elif parts is not None and parts[1] == bid and int(parts[0]) >= 1:
+            bc = parts[0]
+        elif parts is not None and int(parts[0]) >= 999999999999:
+            why = "boot.count is at its maximum (999999999999)"
+        elif lock is None:
+            why = "boot.count cannot be written (no lock)"
+        else:
+            n = int(parts[0]) + 1 if parts is not None else 1
+            tmp = os.path.join(state, ".boot.count.%d.tmp" % os.getpid())
+            try:
+                try:
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                    try:
+                        data = ("%d %s\n" % (n, bid)).encode()
+                        if os.write(fd, data) != len(data):
+                            raise OSError("short write")
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.replace(tmp, os.path.join(state, "boot.count"))
+                finally:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                dfd = os.open(state, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+                bc = str(n)
+            except OSError as e:
+                why = "boot.count cannot be written (%s)" % (e.strerror or e)
+    finally:
+        if lock is not None:
+            os.close(lock)
+    try:
+        os.makedirs(run, 0o755, exist_ok=True)
+        tmp = os.path.join(run, ".bc.%s.%d.tmp" % (bid[:8], os.getpid()))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, (("%s %s" % (bc, why))[:200].strip() + "\n").encode("ascii", "replace"))
+        finally:
+            os.close(fd)
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return bc, why
 def b64(b):
     return base64.urlsafe_b64encode(b).decode().rstrip("=")
 def sign(body, key):
@@ -256,6 +353,8 @@ def main(argv):
         raw = "0" * 32
     boot = (raw + "0" * 8)[:8]
     state, run = os.environ["GCEWD_STATE_DIR"], os.environ["GCEWD_RUN_DIR"]
+    raw = (raw + "0" * 32)[:32]  # vm/state.py read_boot_id: exactly 32 hex
+    bc, bc_why = boot_count(state, run, raw)  # before the key: see vm/bootcount.py
     key, eph = key_of(state, run)
     if key is None:
         sys.stderr.write("emit: no line key, the line is not written (not root?)\n")
@@ -263,36 +362,11 @@ def main(argv):
     ms = int(time.time() * 1000)
     ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + ".%03dZ" % (ms % 1000)
     lines = []
-    seq = next_seq(run, boot)
-    # the announcement: seq 0 and 1 of a boot and every multiple of 32 (protocol
-    # needs_announcement); never copied to stderr
-    while seq <= 1 or seq % 32 == 0:
-        pk = b64(ed25519(key, b"")[1])
-        ann = ["GCEWD3", boot, str(seq), ts, "key", "pk=" + pk, "inst=" + instance_id(state)]
-        lines.append(sign(" ".join(ann + (["eph=1"] if eph else [])), key))
-        seq = next_seq(run, boot)
-    head = " ".join(["GCEWD3", boot, str(seq), ts, event])
-    # Fields alone too long for 280 bytes (a long host and file name): shorten the longest value,
-    # as a reader would reject the whole line otherwise. Every pass makes the line shorter.
-    # The trailer " #" + signature (86) + crc (8 hex) is 96 bytes.
-    while fields:
-        over = len(" ".join([head] + fields)) + 96 - 280
-        if over <= 0:
-            break
-        i = max(range(len(fields)), key=lambda j: len(fields[j]))
-        k, _, v = fields[i].partition("=")
-        if len(v) > 1:
-            fields[i] = k + "=" + v[: max(1, len(v) - over)]
-        else:
-            del fields[i]
-    body = " ".join([head] + fields)
-    room = 280 - len(body) - len(" | ") - 96
-    if len(text) > room:
-        text = text[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
-    if text:
-        body += " | " + text
-    line = sign(body, key)
-    lines.append(line)
+    line = write_one(lines, key, eph, boot, raw, ts, state, run, bc, event, fields, text)
+    if bc_why:  # once per process: the counter is gone (vm/console.py Emitter)
+        why = "bc=-: boots of this VM are ordered by position only (%s)" % bc_why
+        why = re.sub(r"[^\x20-\x22\x24-\x7e]", "_", why)[:100].strip()
+        write_one(lines, key, eph, boot, raw, ts, state, run, bc, "warn", ["what=bootcount"], why)
     if phase is not None:
         try:
             tmp = os.path.join(state, ".phase.%d.tmp" % os.getpid())
@@ -331,6 +405,44 @@ def main(argv):
         except OSError as e:
             sys.stderr.write("emit: %s: %s\n" % (path, e))
     sys.stderr.write(line + "\n")
+def write_one(lines, key, eph, boot, raw, ts, state, run, bc, event, fields, text):
+    seq = next_seq(run, boot)
+    # the announcement: seq 0 and 1 of a boot and every multiple of 32 (protocol
+    # needs_announcement), with the boot counter and, where the whole of it fits, the full
+    # boot id (wire/keys.py announce_event); never copied to stderr
+    while seq <= 1 or seq % 32 == 0:
+        pk = b64(ed25519(key, b"")[1])
+        ann = ["GCEWD3", boot, str(seq), ts, "key", "pk=" + pk, "inst=" + instance_id(state)]
+        ann += (["eph=1"] if eph else []) + ["bc=" + bc]
+        if len(" ".join(ann + ["bid=" + raw])) + 96 <= 280:
+            ann.append("bid=" + raw)
+        lines.append(sign(" ".join(ann), key))
+        seq = next_seq(run, boot)
+    head = " ".join(["GCEWD3", boot, str(seq), ts, event])
+    fields = list(fields)
+    tail = " bc=" + bc  # every line's last field, never shortened (wire/line.py make_event)
+    # Fields alone too long for 280 bytes (a long host and file name): shorten the longest value,
+    # as a reader would reject the whole line otherwise. Every pass makes the line shorter.
+    # The trailer " #" + signature (86) + crc (8 hex) is 96 bytes.
+    while fields:
+        over = len(" ".join([head] + fields) + tail) + 96 - 280
+        if over <= 0:
+            break
+        i = max(range(len(fields)), key=lambda j: len(fields[j]))
+        k, _, v = fields[i].partition("=")
+        if len(v) > 1:
+            fields[i] = k + "=" + v[: max(1, len(v) - over)]
+        else:
+            del fields[i]
+    body = " ".join([head] + fields) + tail
+    room = 280 - len(body) - len(" | ") - 96
+    if len(text) > room:
+        text = text[: max(0, room - 3)].rstrip() + "..." if room > 3 else ""
+    if text:
+        body += " | " + text
+    line = sign(body, key)
+    lines.append(line)
+    return line
 main(sys.argv[1:])
 PY
 

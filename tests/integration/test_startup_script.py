@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 from gce_watchdog.poller.timeline import parse_bytes
 from gce_watchdog.testing.simgce import FakeMetadataServer, StaticFileServer
-from gce_watchdog.vm.console import Emitter, MemorySink
+from gce_watchdog.vm.bootcount import BootCount
+from gce_watchdog.vm.console import Emitter, MemorySink, boot_count
 from gce_watchdog.vm.state import (
     SeqAllocator,
     load_line_key,
@@ -366,30 +367,75 @@ def test_a_real_curl_refused_on_loopback_is_infra(vm: Vm) -> None:
 
 
 def test_script_emitter_decodes_and_shares_the_seq_file_with_the_agent(vm: Vm) -> None:
-    boot = short_boot(read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"]))
+    full = read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"])
+    boot = short_boot(full)
     sink = MemorySink()
-    # the agent first: it creates the key and announces it as the boot's seq 0 and 1
+    # the agent first: it counts the boot (the first: 1), creates the key and announces it as
+    # the boot's seq 0 and 1
+    count = boot_count(str(vm.state), str(vm.run_dir), full)
+    assert count == BootCount("1")
     ks = load_line_key(vm.state, vm.run_dir)
     assert ks.path == vm.state / "signing.key" and not ks.ephemeral and not ks.problems
     assert (ks.path.stat().st_mode & 0o777) == 0o600
     key = protocol.LineKey(ks.seed)
-    agent = Emitter(sink, SeqAllocator(vm.run_dir, boot), boot, key=key)
+    agent = Emitter(sink, SeqAllocator(vm.run_dir, boot), boot, key=key, count=count, boot_id=full)
     agent.emit("heartbeat", {"rung": "0/10"})
+    (vm.run_dir / f"bc.{boot}").unlink()  # the script reads boot.count itself: the same 1
     p = vm.run("emit", "fetch", "out=retry", "att=1", "host=pypi.org", "--", "DNS not ready")
     assert p.returncode == 0, p.stderr
     agent.emit("heartbeat", {"rung": "0/10"})
     assert (vm.run_dir / f"seq.{boot}").read_text() == f"{5:020d}\n"
     (ev,) = vm.events()  # the script signed with the agent's key: it authenticates
     assert (ev.event, ev.boot, ev.seq) == ("fetch", boot, 3)
-    assert ev.fields == (("out", "retry"), ("att", "1"), ("host", "pypi.org"))
+    assert ev.fields == (("out", "retry"), ("att", "1"), ("host", "pypi.org"), ("bc", "1"))
     assert ev.text == "DNS not ready"
     got = [protocol.decode_line(ln, pin=key.public) for ln in sink.lines]
     assert [type(r).__name__ for r in got] == ["KeyAnnounce", "KeyAnnounce", "Event", "Event"]
     seqs = [r.event.seq if isinstance(r, protocol.KeyAnnounce) else r.seq for r in got]  # type: ignore[union-attr]
     assert seqs == [0, 1, 2, 4]
-    # the script's Ed25519 (pure Python, RFC 8032) and libsodium's give the same bytes
+    # the script's Ed25519 (pure Python, RFC 8032) and libsodium's give the same bytes: an
+    # event line, and its announcement as the agent writes it at that seq
     script_lines = vm.serial.read_bytes().splitlines()
     assert protocol.encode(ev, key).encode() in script_lines
+    assert (vm.state / "boot.count").read_text() == f"1 {full}\n"
+
+
+def test_script_announcement_is_the_agents_byte_for_byte(vm: Vm) -> None:
+    """The script's announcements (bc, bid) and lines are the library's bytes for the same
+    seq, timestamp and key, and a second boot counts 2 on every line of it."""
+    for n, boot_id in ((1, BOOT_ID), (2, "6a1e2d3c-0000-4000-8000-0123456789ab")):
+        Path(vm.env["GCEWD_BOOT_ID_PATH"]).write_text(boot_id + "\n")
+        full = read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"])
+        vm.serial.write_bytes(b"")
+        assert vm.run("emit", "phase", "ph=bootstrap").returncode == 0
+        key = protocol.LineKey((vm.state / "signing.key").read_bytes())
+        lines = vm.serial.read_bytes().splitlines()
+        assert len(lines) == 3
+        for seq, raw in enumerate(lines[:2]):
+            ts = protocol.parse_ts(raw.decode().split()[3])
+            assert ts is not None
+            want = protocol.key_line(short_boot(full), seq, ts, key, "-", str(n), full)
+            assert raw == want.encode()
+            assert f" bc={n} bid={full} ".encode() in raw
+        (ev,) = vm.events()
+        assert ev.get("bc") == str(n)
+        want_ev = protocol.make_event(
+            "phase", ev.boot, 2, ev.ts_ms, {"ph": "bootstrap"}, "", (("bc", str(n)),)
+        )
+        assert lines[2] == protocol.encode(want_ev, key).encode()
+
+
+def test_script_emitter_with_a_lost_counter_writes_bc_dash_and_warns(vm: Vm) -> None:
+    vm.state.mkdir(parents=True)
+    (vm.state / "signing.key").write_bytes(b"k" * 32)
+    (vm.state / "signing.key").chmod(0o600)
+    for ph in ("bootstrap", "workload"):
+        assert vm.run("emit", "phase", f"ph={ph}").returncode == 0
+    evs = vm.events()
+    assert [e.event for e in evs] == ["phase", "warn", "phase", "warn"]
+    assert {e.get("bc") for e in evs} == {"-"}
+    assert evs[1].get("what") == "bootcount" and "position only" in evs[1].text
+    assert not (vm.state / "boot.count").exists()  # never restarted at 1
 
 
 def test_script_emitter_creates_the_key_and_announces_it_first(vm: Vm) -> None:
@@ -751,8 +797,9 @@ def test_script_emitter_keeps_a_line_with_long_fields_within_the_limit(vm: Vm) -
     raw = vm.serial.read_bytes()
     assert all(len(ln) <= protocol.MAX_LINE for ln in raw.splitlines())
     (ev,) = vm.events()
-    assert [k for k, _ in ev.fields] == ["out", "att", "host", "dst", "rc", "dur", "supp"]
+    assert [k for k, _ in ev.fields] == ["out", "att", "host", "dst", "rc", "dur", "supp", "bc"]
     assert ev.get("out") == "gave_up" and ev.get("rc") == "75"
+    assert ev.get("bc") == "1"  # the boot counter is never the value shortened
 
 
 def test_credentials_in_urls_and_step_arguments_stay_off_the_console(

@@ -147,14 +147,15 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
     """``key --rotate``: a new key, announced on the console signed with the old one, then the
     switch (vm.state.rotate_line_key). Refused without a durable key or an instance id (the
     rekey line binds the new key to the instance id: readers refuse one that names none)."""
-    from gce_watchdog.vm.console import SerialPort, cached_instance_id
-    from gce_watchdog.vm.runtime import boot_of
+    from gce_watchdog.vm.console import SerialPort, boot_count, cached_instance_id
     from gce_watchdog.vm.state import (
         KeyUnavailable,
         RotateRefused,
         SeqAllocator,
         inspect_line_key,
+        read_boot_id,
         rotate_line_key,
+        short_boot,
     )
     from gce_watchdog.wire import protocol
 
@@ -171,7 +172,12 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
         inspect_line_key(state_dir, run_dir)
     except KeyUnavailable as e:
         raise CommandError(EX_NOPERM, f"{prog}: {e} (run as root)") from None
-    boot = boot_of(cfg)
+    full = read_boot_id(cfg.agent.boot_id_path)
+    boot = short_boot(full)
+    count = boot_count(state_dir, run_dir, full)  # every line carries the boot counter
+    bc = count.value
+    if count.problem:
+        print(f"{prog}: no boot counter (bc=-): {count.problem}", file=sys.stderr)
     s = cfg.serial
     try:
         port = SerialPort(s.device, s.fallback_file, s.queue_size, s.sync_timeout).open()
@@ -190,9 +196,10 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
         ts_ms = int(time.time() * 1000)
         n = take()
         while protocol.needs_announcement(n):  # the old key's announcement takes its seqs
-            port.submit(protocol.key_line(boot, n, ts_ms, old, inst))
+            port.submit(protocol.key_line(boot, n, ts_ms, old, inst, bc, full))
             n = take()
-        ok = port.write_line(protocol.rekey_line(boot, n, ts_ms, old, new.public, inst), True)
+        rekey = protocol.rekey_line(boot, n, ts_ms, old, new.public, inst, bc)
+        ok = port.write_line(rekey, True)
         written.append(n)
         return ok and port.dropped == 0
 
@@ -211,7 +218,8 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
 
     new = protocol.LineKey(new_seed)
     # the new key, announced as usual (readers that moved their pin see it at once)
-    port.write_line(protocol.key_line(boot, seq.next(), int(time.time() * 1000), new, inst), True)
+    ann = protocol.key_line(boot, seq.next(), int(time.time() * 1000), new, inst, bc, full)
+    port.write_line(ann, True)
     port.close()
     print(f"{prog}: rekey line at seq {written[-1]} of boot {boot}", file=sys.stderr)
     print(new.fingerprint)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from gce_watchdog.vm.bootcount import WARN_TEXT, BootCount, BootCounter
 from gce_watchdog.vm.state import (
     KEY_FILE,
     KeyUnavailable,
@@ -50,6 +51,7 @@ from gce_watchdog.vm.state import (
 from gce_watchdog.wire import protocol
 
 Waiter = Callable[[], bool]
+_HEX = frozenset("0123456789abcdef")
 
 # A hung-up tty: every other open file description gets the kernel's hung_up_tty_fops, whose
 # write and ioctl (so tcdrain) fail with EIO while a fresh open works (linux drivers/tty/tty_io.c
@@ -468,6 +470,11 @@ class Emitter:
     process as ``warn what=key`` after the first line. Without a key (not root) nothing can be
     signed: lines are counted in ``unsigned`` and not written, since an unsigned line would only
     be counted as forged by every reader.
+
+    ``count``: the boot counter (:mod:`vm.bootcount`), carried by every line as ``bc`` (last
+    field, never shortened) and, with the full boot id ``bid``, by the announcement; when it
+    is ``-`` its reason is written once per process as ``warn what=bootcount``. None: no
+    ``bc`` field (test sinks, writers from before the counter).
     """
 
     def __init__(
@@ -482,6 +489,8 @@ class Emitter:
         inst: str = "-",
         key_problems: Iterable[str] = (),
         follow: KeyFollower | None = None,
+        count: BootCount | None = None,
+        boot_id: str | None = None,
     ) -> None:
         self.sink = sink
         self.follow = follow  # the durable key file, followed across a rotation
@@ -492,6 +501,14 @@ class Emitter:
         self.key = key
         self.inst = inst  # the instance id the announcement binds the key to ("-": unknown)
         self.key_problems = list(key_problems)
+        self.bc = count.value if count is not None else None
+        # the full boot id, for the announcement (anything but 32 hex is not written)
+        hexid = boot_id is not None and len(boot_id) == 32 and not set(boot_id) - _HEX
+        self.bid = boot_id if hexid else None
+        self._bc_problem = count.problem if count is not None and count.value == "-" else ""
+        self._fixed: tuple[tuple[str, str], ...] = (
+            ((protocol.BC_FIELD, self.bc),) if self.bc is not None else ()
+        )
         self.unsigned = 0
         self._order = threading.Lock()
         self.written: list[protocol.Event] = []  # last few events, for `check` and tests
@@ -530,7 +547,7 @@ class Emitter:
             if self.key is None:
                 # Nothing can be signed: no seq is taken either (seq 0 must stay for the writer
                 # that can announce the key).
-                ev = protocol.make_event(event, self.boot, 0, ts_ms, fields, text)
+                ev = protocol.make_event(event, self.boot, 0, ts_ms, fields, text, self._fixed)
                 self.unsigned += 1
                 waiter: Waiter = lambda: False  # noqa: E731
             else:
@@ -540,25 +557,32 @@ class Emitter:
                 fresh = self.follow.changed() if self.follow is not None else None
                 if fresh is not None and fresh.public != self.key.public:
                     self.key = fresh
-                    line = protocol.key_line(self.boot, n, ts_ms, self.key, self.inst)
+                    line = self._announcement(n, ts_ms)
                     self.sink.submit(line, sync=sync)  # the new key, announced at once
                     n = self.seq.next()
                 while protocol.needs_announcement(n):
                     # The announcement; never mirrored to the journal.
-                    line = protocol.key_line(self.boot, n, ts_ms, self.key, self.inst)
+                    line = self._announcement(n, ts_ms)
                     self.sink.submit(line, sync=sync)
                     n = self.seq.next()
-                ev = protocol.make_event(event, self.boot, n, ts_ms, fields, text)
+                ev = protocol.make_event(event, self.boot, n, ts_ms, fields, text, self._fixed)
                 waiter = self.sink.submit(protocol.encode(ev, self.key), sync=sync)
         ok = waiter()
         if self.key_problems and event != "warn":
             problems, self.key_problems = self.key_problems, []
             self._emit("warn", {"what": "key"}, "; ".join(problems), sync)
+        if self._bc_problem and event != "warn":
+            why, self._bc_problem = self._bc_problem, ""
+            self._emit("warn", {"what": "bootcount"}, WARN_TEXT.format(why=why), sync)
         self.written.append(ev)
         del self.written[: -self._keep]
         if self.log is not None:
             self.log(event, _mirrored(ev, ok, fields, text))
         return ev, ok
+
+    def _announcement(self, n: int, ts_ms: int) -> str:
+        assert self.key is not None
+        return protocol.key_line(self.boot, n, ts_ms, self.key, self.inst, self.bc, self.bid)
 
 
 # What the journal gets of a text or a value: all of it (the serial line's text is cut at
@@ -586,9 +610,14 @@ def open_emitter(
     queue_size: int = 256,
     sync_timeout: float = 5.0,
     log: LogMirror | None = None,
+    boot_id: str | None = None,
 ) -> tuple[Emitter, SerialPort]:
-    """Wire a real port and emitter (for `main()`-style callers); caller closes the port."""
+    """Wire a real port and emitter (for `main()`-style callers); caller closes the port.
+    ``boot_id``: the full kernel boot id (32 hex) the boot counter and the announcement's
+    ``bid`` use (None: ``boot`` padded, for callers that know only the short form)."""
     port = SerialPort(device, fallback, queue_size, sync_timeout).open()
+    full = ((boot_id or boot) + "0" * 32)[:32]
+    count = boot_count(state_dir, run_dir, full)  # before the key: a first boot has none
     key, problems = key_or_none(state_dir, run_dir)
     inst = cached_instance_id(state_dir)
     emitter = Emitter(
@@ -600,8 +629,17 @@ def open_emitter(
         inst=inst,
         key_problems=problems,
         follow=follower(state_dir, key),
+        count=count,
+        boot_id=full,
     )
     return emitter, port
+
+
+def boot_count(state_dir: str, run_dir: str, boot_id: str) -> BootCount:
+    """This boot's counter (:class:`vm.bootcount.BootCounter`). Resolve it **before** the line
+    key is loaded: on the instance's first boot the key is created by the first line, and a
+    key that exists without ``boot.count`` means the counter was lost."""
+    return BootCounter(state_dir, run_dir, boot_id).get()
 
 
 def follower(state_dir: str, key: protocol.LineKey | None) -> KeyFollower | None:

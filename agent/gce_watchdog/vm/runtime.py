@@ -14,6 +14,7 @@ from gce_watchdog.vm.console import (
     DiscardSink,
     Emitter,
     SerialPort,
+    boot_count,
     key_or_none,
     open_emitter,
 )
@@ -37,15 +38,17 @@ def boot_of(cfg: cfgmod.Config) -> str:
 def make_emitter(cfg: cfgmod.Config, log: Any = None) -> tuple[Emitter, SerialPort]:
     """A real serial port (device, else the fallback file) and an emitter numbering lines."""
     s = cfg.serial
+    full = read_boot_id(cfg.agent.boot_id_path)
     return open_emitter(
         s.device,
         s.fallback_file,
         cfg.agent.state_dir,
         cfg.agent.run_dir,
-        boot_of(cfg),
+        short_boot(full),
         queue_size=s.queue_size,
         sync_timeout=s.sync_timeout,
         log=log,
+        boot_id=full,
     )
 
 
@@ -101,10 +104,20 @@ def open_console(
                 f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}; lines are not written",
                 file=sys.stderr,
             )
-        boot = boot_of(cfg)
+        full = read_boot_id(cfg.agent.boot_id_path)
+        boot = short_boot(full)
+        count = boot_count(cfg.agent.state_dir, cfg.agent.run_dir, full)  # before the key
         key, problems = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
         seq = SeqAllocator(cfg.agent.run_dir, boot)
-        return CommandConsole(
-            Emitter(DiscardSink(), seq, boot, log=log, key=key, key_problems=problems), None
+        emitter = Emitter(
+            DiscardSink(),
+            seq,
+            boot,
+            log=log,
+            key=key,
+            key_problems=problems,
+            count=count,
+            boot_id=full,
         )
+        return CommandConsole(emitter, None)
     return CommandConsole(emitter, port)

@@ -26,12 +26,15 @@ _T = TypeVar("_T")
 
 
 def read_boot_id(path: str = BOOT_ID_PATH) -> str:
-    """The kernel boot id without dashes (32 hex); 'unknown' style fallback is all zeros."""
+    """The kernel boot id without dashes (32 hex); 'unknown' style fallback is all zeros. A
+    hex id of another length (not the kernel's) is padded with zeros or cut to 32: the boot
+    counter and the announcement's ``bid`` carry exactly 32."""
     try:
         raw = Path(path).read_text().strip().replace("-", "").lower()
     except OSError:
         return "0" * 32
-    return raw if raw and all(c in "0123456789abcdef" for c in raw) else "0" * 32
+    ok = raw and all(c in "0123456789abcdef" for c in raw)
+    return (raw + "0" * 32)[:32] if ok else "0" * 32
 
 
 def short_boot(boot_id: str) -> str:

@@ -382,6 +382,7 @@ def make_event(
     ts_ms: int,
     fields: Mapping[str, object] | Iterable[tuple[str, object]] = (),
     text: str = "",
+    fixed: tuple[tuple[str, str], ...] = (),
 ) -> Event:
     """Build an event, sanitizing values and text.
 
@@ -390,10 +391,14 @@ def make_event(
     the longest values are cut short until it fits. Values often come from files or exception
     names the writer does not control, and a shortened value beats a lost line (or a writer
     killed by the raise). Bad names and keys still raise: those are bugs.
+
+    ``fixed``: fields the writer adds to every line (the boot counter ``bc``), already in the
+    value alphabet: put after the others and never shortened (a cut counter would be another
+    counter).
     """
     items = fields.items() if isinstance(fields, Mapping) else fields
     clean = [(k, sanitize_value(v)) for k, v in items]
-    ev = Event(event, boot, seq, ts_ms, tuple(clean), sanitize_text(text))
+    ev = Event(event, boot, seq, ts_ms, (*clean, *fixed), sanitize_text(text))
     over = line_length(ev) - MAX_LINE
     if over > 0 and ev.text:
         bare = Event(event, boot, seq, ts_ms, ev.fields, "")
@@ -409,7 +414,7 @@ def make_event(
             if i < 0 or len(clean[i][1]) <= 1:
                 break
             clean[i] = (clean[i][0], clean[i][1][:-1])
-        ev = Event(event, boot, seq, ts_ms, tuple(clean), "")
+        ev = Event(event, boot, seq, ts_ms, (*clean, *fixed), "")
         if line_length(ev) > MAX_LINE:  # far too many fields: a bug in the caller, raise
             raise ProtocolError(f"line is {line_length(ev)} bytes, limit {MAX_LINE}")
     return ev

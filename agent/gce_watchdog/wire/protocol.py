@@ -14,6 +14,8 @@ from gce_watchdog.wire.console import (
     decode_line,
 )
 from gce_watchdog.wire.keys import (
+    BC_FIELD,
+    BID_FIELD,
     MAX_RETIRED,
     Retired,
     Retirees,
@@ -24,6 +26,7 @@ from gce_watchdog.wire.keys import (
     rekey_event,
     rekey_line,
     shown_rekey,
+    valid_bc,
 )
 from gce_watchdog.wire.lazy import Decoded, DecodeStats
 from gce_watchdog.wire.legacy import (
@@ -88,6 +91,8 @@ from gce_watchdog.wire.stream import (
 
 __all__ = [
     "ANNOUNCE_EVERY",
+    "BC_FIELD",
+    "BID_FIELD",
     "KEY_BYTES",
     "KEY_EVENT",
     "LEGACY_MARKER",
@@ -153,5 +158,6 @@ __all__ = [
     "shown_rekey",
     "split_lines",
     "unb64",
+    "valid_bc",
     "verify",
 ]
