@@ -147,7 +147,7 @@ class BootCounter:
     def _locked_plan(self) -> Plan:
         """The rule applied under the lock, and its write done before it returns. Raises
         OSError when the lock cannot be taken where a write is needed."""
-        lock = self._lock()
+        lock, lock_error = self._lock()
         try:
             stored = self._read_stored()
             key = os.path.lexists(self.state / KEY_FILE)
@@ -155,7 +155,7 @@ class BootCounter:
             if not p.write or p.value is None:
                 return p
             if lock is None:
-                return unwritable("no lock")
+                return unwritable(f"{LOCK_FILE}: {lock_error}")
             try:
                 self._persist(Stored(p.value, self.boot_id))
             except OSError as e:
@@ -165,23 +165,23 @@ class BootCounter:
             if lock is not None:
                 os.close(lock)  # releases the flock
 
-    def _lock(self) -> int | None:
-        """The flock on ``boot.count.lock``; None when it cannot be opened (a read-only or full
-        state dir: the stored value can still be read, nothing can be written)."""
+    def _lock(self) -> tuple[int | None, str]:
+        """The flock on ``boot.count.lock``; (None, why) when it cannot be taken (a read-only
+        or full state dir: the stored value can still be read, nothing can be written)."""
         try:
             self.state.mkdir(mode=0o755, parents=True, exist_ok=True)
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
             fd = os.open(self.state / LOCK_FILE, flags, 0o600)
-        except OSError:
-            return None
+        except OSError as e:
+            return None, e.strerror or str(e)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "the lock is not a regular file")
+                raise OSError(errno.EINVAL, "not a regular file")
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
+        except OSError as e:
             os.close(fd)
-            return None
-        return fd
+            return None, e.strerror or str(e)
+        return fd, ""
 
     def _persist(self, s: Stored) -> None:
         """tmp + fsync + rename + dir fsync: durable before any line uses the value."""
