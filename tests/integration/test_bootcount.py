@@ -167,6 +167,32 @@ def test_a_lost_counter_is_dash_for_good_and_the_cache_keeps_the_boot_consistent
     assert BootCounter(state, tmp_path / "r3", "c" * 32).get() == BootCount("2")
 
 
+@pytest.mark.pure
+def test_without_a_trusted_state_dir_the_boot_takes_its_cached_value_or_dash(
+    tmp_path: Path,
+) -> None:
+    """The agent's private state dir (an untrusted one not used) is not the instance's: counting
+    there would start at 1 again, so it is never counted in."""
+    state, run = _dirs(tmp_path)
+    bc = BootCounter(None, run, A).get()
+    assert bc.value == "-" and "no trusted state dir" in bc.problem
+    assert BootCounter(state, run, A).get().value == "-"  # the boot's writers agree
+    assert not (state / COUNT_FILE).exists()
+    assert BootCounter(state, tmp_path / "r2", B).get() == BootCount("1")
+    assert BootCounter(None, tmp_path / "r2", B).get() == BootCount("1")  # cached for boot B
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the run dir's trust is checked as root only")
+@pytest.mark.pure
+def test_a_cache_in_a_run_dir_others_can_write_is_ignored(tmp_path: Path) -> None:
+    state, run = _dirs(tmp_path)
+    run.mkdir()
+    run.chmod(0o777)
+    (run / f"bc.{A[:8]}").write_text("999\n")  # planted by anyone
+    assert BootCounter(state, run, A).get() == BootCount("1")
+    assert (run / f"bc.{A[:8]}").read_text() == "999\n"  # neither read nor written
+
+
 def _lines(serial: Path, state: Path) -> list[protocol.Event]:
     """Every line in ``serial`` (announcements included) as a pinned reader decodes it."""
     key = protocol.LineKey((state / KEY_FILE).read_bytes())

@@ -45,10 +45,10 @@ def test_result_writes_a_signed_line_with_its_detail(tmp_path: Path) -> None:
                  "--config", cfg]) == 0  # fmt: skip
     (ev,) = _events(tmp_path)
     assert ev.event == "result"
-    assert ev.fields_dict == {"status": "ok", "detail": "step:1000,loss:0.31"}
+    assert ev.fields_dict == {"status": "ok", "detail": "step:1000,loss:0.31", "bc": "1"}
     assert ev.text == "job result: ok step=1000 loss=0.31"
     assert main_rc(["result", "fail", "--config", cfg]) == 0
-    assert _events(tmp_path)[-1].fields_dict == {"status": "fail"}
+    assert _events(tmp_path)[-1].fields_dict == {"status": "fail", "bc": "1"}
 
 
 @pytest.mark.pure
@@ -95,7 +95,7 @@ def test_a_job_that_reports_gets_result_reported(tmp_path: Path) -> None:
     evs = _events(tmp_path)
     names = [e.event for e in evs]
     assert names == ["phase", "result", "exit"]
-    assert evs[1].fields_dict == {"status": "ok", "detail": "step:7"}
+    assert evs[1].fields_dict == {"status": "ok", "detail": "step:7", "bc": "1"}
     ex = evs[2]
     assert (ex.get("rc"), ex.get("result")) == ("0", "reported")
     assert not list((tmp_path / "run").glob("result.*")), "the run's record is consumed"

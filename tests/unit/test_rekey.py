@@ -88,11 +88,52 @@ def _judge(tl: Timeline) -> VerdictKind:
 def test_the_rekey_line_fits_the_line_budget_at_its_longest() -> None:
     inst = "1" * 20  # GCE instance ids are uint64: at most 20 digits
     seq = 10**20 - 1  # the seq record's width (and far above any CLOCK_BOOTTIME fallback)
-    line = rekey_line("ffffffff", seq, 253402300799999, OLD, NEW.public, inst)
-    assert len(line) <= protocol.MAX_LINE
-    assert protocol.line_length(protocol.rekey_event("ffffffff", seq, 0, NEW.public, inst)) <= (
+    bc = "9" * 12  # the boot counter at its longest
+    line = rekey_line("ffffffff", seq, 253402300799999, OLD, NEW.public, inst, bc)
+    assert len(line) == 252 <= protocol.MAX_LINE  # docs/serial-protocol.md, "Key rotation"
+    assert protocol.line_length(protocol.rekey_event("ffffffff", seq, 0, NEW.public, inst, bc)) <= (
         protocol.MAX_LINE
     )
+    got = decode_line(line, pin=OLD.public)
+    assert isinstance(got, Event) and parse_rekey(got) == (NEW.public, inst)
+    assert got.get("bc") == bc
+
+
+BID = "f" * 32
+
+
+def test_the_announcement_at_seq_0_and_1_always_carries_bc_and_the_whole_boot_id() -> None:
+    """Issue 35.1: the worst case (a 20-digit instance id, eph=1, a 12-digit counter) at the
+    seqs readers pin from: 274 bytes, bid included; a repeated copy with an 8-digit seq or more
+    leaves bid out (never shortened) and keeps every other field whole."""
+    eph = LineKey(bytes([4]) * 32, ephemeral=True)
+    inst, bc, ts = "1" * 20, "9" * 12, 253402300799999
+    for seq in (0, 1):
+        line = key_line("ffffffff", seq, ts, eph, inst, bc, BID)
+        assert len(line) == 274
+        ann = decode_line(line)
+        assert isinstance(ann, protocol.KeyAnnounce) and ann.valid() and ann.key == eph.public
+        assert ann.event.get("bc") == bc and ann.event.get("bid") == BID
+    assert "bid=" in key_line("ffffffff", 10**7 - 1, ts, eph, inst, bc, BID)
+    for seq in (10**7, 10**20 - 1):
+        line = key_line("ffffffff", seq, ts, eph, inst, bc, BID)
+        assert "bid=" not in line and f" bc={bc} " in line and len(line) <= protocol.MAX_LINE
+    short = key_line("ffffffff", 0, ts, OLD, "-", "1", BID)
+    assert short.split(" #")[0].endswith(f" bc=1 bid={BID}")
+
+
+def test_announcements_and_rekeys_with_a_bad_bc_or_bid_are_not_read_as_such() -> None:
+    for bad in ("0", "01", "1000000000000", "x"):
+        with pytest.raises(protocol.ProtocolError):
+            key_line("ffffffff", 0, 0, OLD, "-", bad)
+        ev = Event("key", "ffffffff", 0, 0, (("pk", protocol.b64(OLD.public)), ("inst", "-"),
+                                             ("bc", bad)))  # fmt: skip
+        assert not isinstance(decode_line(encode(ev, OLD)), protocol.KeyAnnounce)
+        rk = Event(REKEY_EVENT, BOOT, 5, 0, (("pk", protocol.b64(NEW.public)), ("inst", INST),
+                                             ("bc", bad)))  # fmt: skip
+        assert parse_rekey(rk) is None
+    with pytest.raises(protocol.ProtocolError):
+        key_line("ffffffff", 0, 0, OLD, "-", "1", "F" * 32)
 
 
 def test_a_rekey_line_must_name_the_instance() -> None:

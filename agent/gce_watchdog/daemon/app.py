@@ -116,7 +116,10 @@ def run(config_path: str | None, max_ticks: int | None) -> int:
             )
     if held:
         raise CommandError(EX_TEMPFAIL, f"gce-watchdog: {held}; refusing to run a second ladder")
-    console = open_console(cfg, log=logs.mirror(log), journal=log)
+    # a private state dir is not the instance's: the boot is not counted there (bc=-)
+    console = open_console(
+        cfg, log=logs.mirror(log), journal=log, count_state=private_state is None
+    )
     if console.port is not None and console.port.open_error:
         log.warning("serial_fallback", error=console.port.open_error, target=console.port.target)
     emitter = console.emitter

@@ -34,6 +34,7 @@ from gce_watchdog.vm.bootrule import (
     unwritable,
     wire_value,
 )
+from gce_watchdog.vm.state import untrusted_dir
 
 __all__ = ["COUNT_FILE", "LOCK_FILE", "WARN_TEXT", "BootCount", "BootCounter"]
 
@@ -78,14 +79,22 @@ class BootCounter:
     cache ``<run_dir>/bc.<8 hex>`` (tmpfs) is read first and written after a value is settled,
     ``-`` included, so every writer of a boot carries the same ``bc`` even when the state dir
     changes under it (space freed, ``boot.count`` restored): those take effect at the next boot.
+    The cache is neither read nor written in a run dir the agent does not trust (another owner,
+    writable by group or others, a symlink: a planted value would speak for the boot).
+
+    ``state_dir`` None: the writer has no trusted state dir (the agent's untrusted-state
+    fallback keeps its state in a private directory for one run: counting there would start at
+    1 again). The boot's cached value is used when there is one, else ``-``.
     """
 
-    def __init__(self, state_dir: str | Path, run_dir: str | Path, boot_id: str) -> None:
-        self.state = Path(state_dir)
+    def __init__(self, state_dir: str | Path | None, run_dir: str | Path, boot_id: str) -> None:
+        self.state = Path(state_dir) if state_dir is not None else None
         self.run = Path(run_dir)
         self.boot_id = (boot_id + "0" * 32)[:32]  # vm.state.read_boot_id's form
         self.cache = self.run / f"bc.{boot_id[:8]}"
         self._answer: BootCount | None = None
+        # a run dir someone else could write (vm.state.untrusted_dir): its cache is not used
+        self._cache_ok = untrusted_dir(self.run) is None
 
     def get(self) -> BootCount:
         if self._answer is None:
@@ -96,17 +105,25 @@ class BootCounter:
         cached = self._read_cache()
         if cached is not None:
             return cached
-        try:
-            p = self._locked_plan()
-        except OSError as e:
-            p = unwritable(e.strerror or str(e))
+        if self.state is None:
+            p = Plan(None, False, "no trusted state dir (docs/agent.md)")
+        else:
+            p = self._plan_in(self.state)
         answer = BootCount(wire_value(p.value), p.problem)
         self._write_cache(answer)
         return answer
 
-    def _read_cache(self) -> BootCount | None:
+    def _plan_in(self, state: Path) -> Plan:
         try:
-            data = _read_regular(self.cache, 64)
+            return self._locked_plan(state)
+        except OSError as e:
+            return unwritable(e.strerror or str(e))
+
+    def _read_cache(self) -> BootCount | None:
+        if not self._cache_ok:
+            return None
+        try:
+            data = _read_regular(self.cache, 256)
         except OSError:
             return None
         if data is None:
@@ -121,6 +138,8 @@ class BootCounter:
         return None  # damaged: decided again (the state file answers the same for this boot)
 
     def _write_cache(self, answer: BootCount) -> None:
+        if not self._cache_ok:
+            return
         data = f"{answer.value} {answer.problem}"[:200].strip() + "\n"
         with contextlib.suppress(OSError):
             self.run.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -137,27 +156,27 @@ class BootCounter:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
 
-    def _read_stored(self) -> Stored | Unusable | None:
+    def _read_stored(self, state: Path) -> Stored | Unusable | None:
         try:
-            data = _read_regular(self.state / COUNT_FILE)
+            data = _read_regular(state / COUNT_FILE)
         except OSError as e:
             return Unusable(_why(e))
         return None if data is None else parse(data)
 
-    def _locked_plan(self) -> Plan:
-        """The rule applied under the lock, and its write done before it returns. Raises
-        OSError when the lock cannot be taken where a write is needed."""
-        lock, lock_error = self._lock()
+    def _locked_plan(self, state: Path) -> Plan:
+        """The rule applied under the lock, and its write done before it returns (``-`` when
+        the lock cannot be taken where a write is needed)."""
+        lock, lock_error = self._lock(state)
         try:
-            stored = self._read_stored()
-            key = os.path.lexists(self.state / KEY_FILE)
+            stored = self._read_stored(state)
+            key = os.path.lexists(state / KEY_FILE)
             p = plan(stored, key, self.boot_id)
             if not p.write or p.value is None:
                 return p
             if lock is None:
                 return unwritable(f"{LOCK_FILE}: {lock_error}")
             try:
-                self._persist(Stored(p.value, self.boot_id))
+                self._persist(state, Stored(p.value, self.boot_id))
             except OSError as e:
                 return unwritable(e.strerror or str(e))
             return p
@@ -165,13 +184,13 @@ class BootCounter:
             if lock is not None:
                 os.close(lock)  # releases the flock
 
-    def _lock(self) -> tuple[int | None, str]:
+    def _lock(self, state: Path) -> tuple[int | None, str]:
         """The flock on ``boot.count.lock``; (None, why) when it cannot be taken (a read-only
         or full state dir: the stored value can still be read, nothing can be written)."""
         try:
-            self.state.mkdir(mode=0o755, parents=True, exist_ok=True)
+            state.mkdir(mode=0o755, parents=True, exist_ok=True)
             flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-            fd = os.open(self.state / LOCK_FILE, flags, 0o600)
+            fd = os.open(state / LOCK_FILE, flags, 0o600)
         except OSError as e:
             return None, e.strerror or str(e)
         try:
@@ -183,10 +202,10 @@ class BootCounter:
             return None, e.strerror or str(e)
         return fd, ""
 
-    def _persist(self, s: Stored) -> None:
+    def _persist(self, state: Path, s: Stored) -> None:
         """tmp + fsync + rename + dir fsync: durable before any line uses the value."""
-        path = self.state / COUNT_FILE
-        tmp = self.state / f".{COUNT_FILE}.{os.getpid()}.tmp"
+        path = state / COUNT_FILE
+        tmp = state / f".{COUNT_FILE}.{os.getpid()}.tmp"
         data = render(s)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
@@ -201,7 +220,7 @@ class BootCounter:
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        dfd = os.open(self.state, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        dfd = os.open(state, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dfd)
         finally:

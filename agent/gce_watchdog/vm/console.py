@@ -611,13 +611,17 @@ def open_emitter(
     sync_timeout: float = 5.0,
     log: LogMirror | None = None,
     boot_id: str | None = None,
+    count_state: bool = True,
 ) -> tuple[Emitter, SerialPort]:
     """Wire a real port and emitter (for `main()`-style callers); caller closes the port.
     ``boot_id``: the full kernel boot id (32 hex) the boot counter and the announcement's
-    ``bid`` use (None: ``boot`` padded, for callers that know only the short form)."""
+    ``bid`` use (None: ``boot`` padded, for callers that know only the short form).
+    ``count_state`` False: ``state_dir`` is not the instance's (the agent's private one for an
+    untrusted state dir): the boot is not counted there (:func:`boot_count`)."""
     port = SerialPort(device, fallback, queue_size, sync_timeout).open()
     full = ((boot_id or boot) + "0" * 32)[:32]
-    count = boot_count(state_dir, run_dir, full)  # before the key: a first boot has none
+    # before the key: a first boot has none
+    count = boot_count(state_dir if count_state else None, run_dir, full)
     key, problems = key_or_none(state_dir, run_dir)
     inst = cached_instance_id(state_dir)
     emitter = Emitter(
@@ -635,10 +639,11 @@ def open_emitter(
     return emitter, port
 
 
-def boot_count(state_dir: str, run_dir: str, boot_id: str) -> BootCount:
+def boot_count(state_dir: str | None, run_dir: str, boot_id: str) -> BootCount:
     """This boot's counter (:class:`vm.bootcount.BootCounter`). Resolve it **before** the line
     key is loaded: on the instance's first boot the key is created by the first line, and a
-    key that exists without ``boot.count`` means the counter was lost."""
+    key that exists without ``boot.count`` means the counter was lost. ``state_dir`` None: no
+    trusted state dir (the boot's cached value, else ``-``)."""
     return BootCounter(state_dir, run_dir, boot_id).get()
 
 

@@ -35,8 +35,11 @@ def boot_of(cfg: cfgmod.Config) -> str:
     return short_boot(read_boot_id(cfg.agent.boot_id_path))
 
 
-def make_emitter(cfg: cfgmod.Config, log: Any = None) -> tuple[Emitter, SerialPort]:
-    """A real serial port (device, else the fallback file) and an emitter numbering lines."""
+def make_emitter(
+    cfg: cfgmod.Config, log: Any = None, count_state: bool = True
+) -> tuple[Emitter, SerialPort]:
+    """A real serial port (device, else the fallback file) and an emitter numbering lines.
+    ``count_state`` False: the config's state dir is not the instance's (see open_emitter)."""
     s = cfg.serial
     full = read_boot_id(cfg.agent.boot_id_path)
     return open_emitter(
@@ -49,6 +52,7 @@ def make_emitter(cfg: cfgmod.Config, log: Any = None) -> tuple[Emitter, SerialPo
         sync_timeout=s.sync_timeout,
         log=log,
         boot_id=full,
+        count_state=count_state,
     )
 
 
@@ -85,14 +89,19 @@ class CommandConsole:
 
 
 def open_console(
-    cfg: cfgmod.Config, log: Any = None, prog: str = "gce-watchdog", journal: Any = None
+    cfg: cfgmod.Config,
+    log: Any = None,
+    prog: str = "gce-watchdog",
+    journal: Any = None,
+    count_state: bool = True,
 ) -> CommandConsole:
     """The console for a command or the agent (see :class:`CommandConsole`); the caller closes
     it. The one fallback: when neither the device nor the fallback file opens, lines are counted
     as dropped (:class:`DiscardSink`) and still mirrored to ``log``; the reason goes to
-    ``journal`` (the agent's logger) when given, else to stderr."""
+    ``journal`` (the agent's logger) when given, else to stderr. ``count_state`` False: the
+    boot counter is not kept in the config's state dir (the agent's private one)."""
     try:
-        emitter, port = make_emitter(cfg, log=log)
+        emitter, port = make_emitter(cfg, log=log, count_state=count_state)
     except OSError as e:
         s = cfg.serial
         if journal is not None:
@@ -106,7 +115,8 @@ def open_console(
             )
         full = read_boot_id(cfg.agent.boot_id_path)
         boot = short_boot(full)
-        count = boot_count(cfg.agent.state_dir, cfg.agent.run_dir, full)  # before the key
+        counted = cfg.agent.state_dir if count_state else None
+        count = boot_count(counted, cfg.agent.run_dir, full)  # before the key
         key, problems = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
         seq = SeqAllocator(cfg.agent.run_dir, boot)
         emitter = Emitter(
