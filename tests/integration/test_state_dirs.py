@@ -159,8 +159,11 @@ def test_an_untrusted_state_dir_is_not_used_and_a_planted_disarm_does_nothing(
     assert r.returncode == 0, r.stderr
     assert f"state dir {state}" in r.stderr and "not used" in r.stderr
     evs = _events(tmp_path)
-    warn = next(e for e in evs if e.event == "warn")
-    assert warn.get("what") == "state_dir"
+    warns = [e.get("what") for e in evs if e.event == "warn"]
+    assert "state_dir" in warns
+    # the private state dir is not the instance's: the boot is not counted there (issue 35.1)
+    assert "bootcount" in warns and {e.get("bc") for e in evs} == {"-"}
+    assert not (real / "boot.count").exists()
     names = [e.event for e in evs]
     # the planted disarm: ignored (a dry run decides with its own event)
     assert "dry_run_shutdown" in names and "would_shutdown" not in names
