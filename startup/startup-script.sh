@@ -75,7 +75,8 @@ log() { printf '%s gce-watchdog-startup: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" 
 # Same wire format (v3, Ed25519-signed) as agent/gce_watchdog/wire/protocol.py, same key file and seq
 # file (<run>/seq.<boot>, fixed width, under flock) as
 # agent/gce_watchdog/vm/state.py's SeqAllocator, same port semantics as agent/gce_watchdog/vm/console.py (one write, then tcdrain
-# on a tty or fsync on a file; the fallback file when the device cannot be opened).
+# on a tty or fsync on a file; the fallback file when the device cannot be opened), same boot
+# counter (<state>/boot.count under its flock, agent/gce_watchdog/vm/bootcount.py: bc on every line).
 read -r -d '' EMITTER_PY <<'PY' || true
 import base64, fcntl, hashlib, json, os, re, secrets, stat, sys, termios, time, zlib
 P25519, L25519 = 2**255 - 19, 2**252 + 27742317777372353535851937790883648493
@@ -364,7 +365,7 @@ def main(argv):
     lines = []
     line = write_one(lines, key, eph, boot, raw, ts, state, run, bc, event, fields, text)
     if bc_why:  # once per process: the counter is gone (vm/console.py Emitter)
-        why = "bc=-: boots of this VM are ordered by position only (%s)" % bc_why
+        why = "no boot counter, bc=-: boots of this VM are ordered by position only (%s)" % bc_why
         why = re.sub(r"[^\x20-\x22\x24-\x7e]", "_", why)[:100].strip()
         write_one(lines, key, eph, boot, raw, ts, state, run, bc, "warn", ["what=bootcount"], why)
     if phase is not None:
