@@ -290,3 +290,27 @@ def test_every_line_of_an_agent_run_carries_the_boots_counter(tmp_path: Path) ->
             assert [e.seq for e in keys][:2] == [0, 1] and {e.get("bid") for e in keys} == {bid}
             assert not any(e.event == "warn" and e.get("what") == "bootcount" for e in evs)
     assert (tmp_path / "state" / COUNT_FILE).read_text() == f"2 {B}\n"
+
+
+@pytest.mark.pure
+def test_with_no_usable_state_or_run_dir_the_boot_still_announces_at_seq_0_and_1(
+    tmp_path: Path,
+) -> None:
+    """Issue 35.4 kept: nothing can be written (the state dir's parent is a file, a FIFO where
+    the run dir goes): seq 0 and 1 are still the announcement, with bc=- and the warn."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    run = tmp_path / "run"
+    os.mkfifo(run)
+    serial = tmp_path / "ttyS0"
+    serial.touch()
+    em, port = open_emitter(str(serial), None, str(blocker / "state"), str(run), A[:8], boot_id=A)
+    em.emit("start")
+    em.emit("heartbeat")
+    port.close()
+    evs, stats = protocol.decode_all(serial.read_bytes())  # pinned from its first line
+    assert stats.forged == 0 and stats.rejected == 0
+    keys = [e for e in evs if e.event == protocol.KEY_EVENT]
+    assert [e.seq for e in keys] == [0, 1] and {e.get("eph") for e in keys} == {"1"}
+    assert {e.get("bc") for e in evs} == {"-"} and {e.get("bid") for e in keys} == {A}
+    assert [e.get("what") for e in evs if e.event == "warn"] == ["key", "bootcount"]
