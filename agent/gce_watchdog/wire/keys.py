@@ -7,6 +7,7 @@ key; this module builds them and reads them back. docs/serial-protocol.md specif
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 from gce_watchdog.wire.line import (
@@ -62,10 +63,13 @@ def rekey_line(boot: str, seq: int, ts_ms: int, old: LineKey, new_public: bytes,
 
 def parse_rekey(ev: Event) -> tuple[bytes, str] | None:
     """(new public key, instance id) of a ``rekey`` event as decoded (its raw ``pk``), or None
-    when its fields are not exactly ``pk`` and ``inst`` (an instance id, never ``-``)."""
+    when its fields are not exactly ``pk`` and ``inst`` (an instance id, never ``-``), with
+    an optional ``bc`` (the boot counter)."""
     d = ev.fields_dict
     pk, inst = d.get("pk", ""), d.get("inst", "")
-    if ev.event != REKEY_EVENT or set(d) != {"pk", "inst"} or not _PK_RE.match(pk):
+    if ev.event != REKEY_EVENT or set(d) - {"bc"} != {"pk", "inst"} or not _PK_RE.match(pk):
+        return None
+    if not _boot_fields_ok(d):
         return None
     if not inst or inst == "-":
         return None
@@ -82,6 +86,9 @@ def shown_rekey(ev: Event, old: bytes | None = None) -> Event:
     shown = [("kid", pk_fingerprint(new)), ("inst", inst)]
     if old is not None:
         shown.append(("old", pk_fingerprint(old)))
+    bc = ev.get("bc")
+    if bc is not None:
+        shown.append(("bc", bc))
     return Event(REKEY_EVENT, ev.boot, ev.seq, ev.ts_ms, tuple(shown), ev.text)
 
 
@@ -137,6 +144,24 @@ def _signer_of(
     return best
 
 
+# The boot counter (``bc``) and, on announcements, the full kernel boot id (``bid``): optional
+# signed fields every line of a writer with the counter carries (docs/serial-protocol.md,
+# "Boot order"); a reader keeps them on the shown key and rekey lines.
+BOOT_FIELDS = ("bc", "bid")
+_ANNOUNCE_FIELDS = frozenset({"pk", "inst", "eph", *BOOT_FIELDS})
+_BC_RE = re.compile(r"-|[1-9][0-9]{0,11}")
+_BID_RE = re.compile(r"[0-9a-f]{1,32}")
+
+
+def _boot_fields_ok(d: dict[str, str]) -> bool:
+    """``bc`` (a counter or ``-``) and ``bid`` (hex, up to 32: writers may shorten it), if
+    present, are well formed."""
+    bc, bid = d.get("bc"), d.get("bid")
+    return (bc is None or bool(_BC_RE.fullmatch(bc))) and (
+        bid is None or bool(_BID_RE.fullmatch(bid))
+    )
+
+
 def needs_announcement(seq: int) -> bool:
     """Whether a writer about to use ``seq`` writes the announcement there first: seq 0 and 1
     (two copies at the start of every boot) and every multiple of ANNOUNCE_EVERY."""
@@ -152,10 +177,13 @@ def _v3_announce(ev: Event, body: bytes, sig: bytes) -> KeyAnnounce | None:
     """A v3 ``key`` line's announcement, or None when it is not one (wrong fields)."""
     d = ev.fields_dict
     pk, inst, eph = d.get("pk", ""), d.get("inst", ""), d.get("eph")
-    if not _PK_RE.match(pk) or not inst or set(d) - {"pk", "inst", "eph"} or eph not in (None, "1"):
+    if not _PK_RE.match(pk) or not inst or set(d) - _ANNOUNCE_FIELDS or eph not in (None, "1"):
+        return None
+    if not _boot_fields_ok(d):
         return None
     public = unb64(pk)
     shown = [("kid", pk_fingerprint(public)), ("inst", inst)] + ([("eph", "1")] if eph else [])
+    shown += [(k, d[k]) for k in BOOT_FIELDS if k in d]  # the boot counter and boot id, signed
     return KeyAnnounce(
         Event(KEY_EVENT, ev.boot, ev.seq, ev.ts_ms, tuple(shown)),
         public,
