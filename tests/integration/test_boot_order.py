@@ -12,14 +12,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from gce_watchdog.cli import main
 from gce_watchdog.testing.simcompute import FakeComputeAPI
-from gce_watchdog.testing.synth import Writer, shown_announcement
-from gce_watchdog.wire.protocol import announce_event, encode, needs_announcement
+from kit.bootcount import BcWriter
 from kit.poll import P, Z, outputs, parse_json, poll_args
 
 pytestmark = pytest.mark.process
@@ -27,26 +25,6 @@ pytestmark = pytest.mark.process
 HOUR_MS = 3600 * 1000
 DRAIN = 1.5  # the drain timeout, scaled down only through its setting
 MAX_POLLS = 40  # every loop is bounded
-
-
-@dataclass
-class BcWriter(Writer):
-    """A writer of this version: ``bc`` (and ``bid`` on announcements) on every line."""
-
-    bc: str = "1"
-
-    def line(self, *args: object, **kwargs: object) -> bytes:
-        head = b""
-        while self.announce and needs_announcement(self.seq):
-            ann = announce_event(self.boot, self.seq, self.ts_ms, self.key, self.inst)
-            ann = replace(ann, fields=(*ann.fields, ("bc", self.bc), ("bid", self.boot * 4)))
-            head += encode(ann, self.key).encode() + b"\n"
-            self.written.append(shown_announcement(ann))
-            self.seq += 1
-        name = str(args[0])
-        fields = dict(args[1]) if len(args) > 1 else {}  # type: ignore[call-overload]
-        ev = self.event(name, {**fields, "bc": self.bc})
-        return head + encode(ev, self.key).encode() + b"\n"
 
 
 def _iso(t: float) -> str:
