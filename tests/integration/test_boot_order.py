@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from gce_watchdog.cli import main
+from gce_watchdog.poller.boots import Record
+from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 from kit.bootcount import BcWriter
 from kit.poll import P, Z, outputs, parse_json, poll_args
@@ -186,3 +188,29 @@ def test_a_boot_at_or_below_the_ledgers_highest_is_regressed_and_changes_nothing
         assert main(["decisions", "alarms", "--ledger", led, "--json"]) == 0
         alarms = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
         assert [a["alarm"] for a in alarms] == ["boot_regressed"], alarms
+
+
+# -- the ledger's record ---------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "ledger.sqlite")
+    return str(request.getfixturevalue("pg_database"))
+
+
+def test_the_ledgers_boot_record_only_rises_and_older_ledgers_get_it(ledger_url: str) -> None:
+    with open_ledger(ledger_url, owner="r1") as led:
+        f = led.freshness
+        assert f.boot_record("1") is None
+        assert f.raise_boot("1", Record(3, "bbbb0003", 5.0)) == Record(3, "bbbb0003", 5.0)
+        # lower or equal: the record stands (the first boot stored keeps an equal counter)
+        assert f.raise_boot("1", Record(2, "bbbb0002", 6.0)) == Record(3, "bbbb0003", 5.0)
+        assert f.raise_boot("1", Record(3, "cccc0003", 7.0)) == Record(3, "bbbb0003", 5.0)
+        assert f.raise_boot("1", Record(4, "dddd0004", 8.0)) == Record(4, "dddd0004", 8.0)
+        assert f.boot_record("2") is None and f.boot_record("1") == Record(4, "dddd0004", 8.0)
+        led.db.exec("DROP TABLE boot_counters")  # a ledger from before the record
+    with open_ledger(ledger_url, owner="r2") as led:  # opening it adds the table
+        assert led.freshness.boot_record("1") is None
+        assert led.freshness.raise_boot("1", Record(1, "aaaa0001")).counter == 1
