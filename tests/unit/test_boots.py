@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from gce_watchdog.poller.boots import (
     REPLAY_BOUND_MS,
@@ -12,7 +14,9 @@ from gce_watchdog.poller.boots import (
     parse_counter,
     seen_of,
 )
-from gce_watchdog.wire.protocol import make_event
+from gce_watchdog.poller.timeline import parse_bytes
+from gce_watchdog.testing.synth import SYNTH_KEY
+from gce_watchdog.wire.protocol import announce_event, encode, make_event
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -184,3 +188,26 @@ def test_the_record_only_rises(seen: int, record: int) -> None:
     o = order([Seen("new", seen, 0)], Record(record, "old"))
     assert (o.raise_to is not None) == (seen > record)
     assert o.current == ("new" if seen > record else "old")
+
+
+# -- the wire: announcements carry bc and bid ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bc", "bid", "placed"),
+    [("2", "ab" * 16, True), ("-", "ab" * 16, True), ("2", "abcd", True), ("02", "ab" * 16, False),
+     ("2", "XY" * 16, False)],
+)  # fmt: skip
+def test_an_announcement_with_the_boot_counter_is_placed_and_shows_it(
+    bc: str, bid: str, placed: bool
+) -> None:
+    ann = announce_event("bbbb0002", 0, 1_000, SYNTH_KEY)
+    ann = replace(ann, fields=(*ann.fields, ("bc", bc), ("bid", bid)))
+    line = make_event("phase", "bbbb0002", 1, 2_000, {"ph": "workload", "bc": bc})
+    data = (encode(ann, SYNTH_KEY) + "\n" + encode(line, SYNTH_KEY) + "\n").encode()
+    tl = parse_bytes(data)
+    assert (tl.pin is not None) == placed
+    if placed:
+        shown = tl.events[0]
+        assert shown.get("bc") == bc and shown.get("bid") == bid and shown.get("kid")
+        assert tl.boots["bbbb0002"].counter == parse_counter(bc)
