@@ -211,3 +211,33 @@ def test_an_announcement_with_the_boot_counter_is_placed_and_shows_it(
         shown = tl.events[0]
         assert shown.get("bc") == bc and shown.get("bid") == bid and shown.get("kid")
         assert tl.boots["bbbb0002"].counter == parse_counter(bc)
+
+
+@given(
+    st.lists(st.integers(1, 3), min_size=1, max_size=4),
+    st.booleans(),
+    st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), max_size=6),
+)
+def test_decoded_replays_of_earlier_boots_never_change_the_current_boot(
+    gaps: list[int], rolled: bool, replays: list[tuple[int, int]]
+) -> None:
+    """The same property on real lines, decoded (the decoder, the timeline, the order): boots
+    with rising counters, their lines replayed anywhere after the newest boot's first line."""
+    counters = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    boots: list[list[bytes]] = []
+    for i, c in enumerate(counters):
+        boot = f"{c:08x}"
+        ann = announce_event(boot, 0, 1_000 * i, SYNTH_KEY)
+        ann = replace(ann, fields=(*ann.fields, ("bc", str(c))))
+        ev = make_event("phase", boot, 1, 1_000 * i + 1, {"ph": "workload", "bc": str(c)})
+        boots.append([(encode(x, SYNTH_KEY) + "\n").encode() for x in (ann, ev)])
+    newest = f"{counters[-1]:08x}"
+    window = boots[-1] if rolled else [ln for b in boots for ln in b]
+    lines = list(window)
+    first = lines.index(boots[-1][0])
+    for pos, which in replays:
+        if len(boots) > 1:
+            copy = boots[which % (len(boots) - 1)][pos % 2]
+            lines.insert(first + 1 + pos % (len(lines) - first), copy)
+    tl = parse_bytes(b"".join(lines))
+    assert tl.latest_boot == newest
