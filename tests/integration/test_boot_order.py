@@ -21,6 +21,7 @@ from gce_watchdog.poller.ledgers import open_ledger
 from gce_watchdog.testing.simcompute import FakeComputeAPI
 from kit.bootcount import BcWriter
 from kit.poll import P, Z, outputs, parse_json, poll_args
+from kit.schemas import validate
 
 pytestmark = pytest.mark.process
 
@@ -50,7 +51,10 @@ def _last(lines: bytes) -> bytes:
 
 
 def _parse(data: bytes, *args: str) -> dict[str, object]:
-    v = parse_json(data, *args)["verdict"]
+    doc = parse_json(data, *args)
+    validate("parse", doc)  # each boot's counter is in the schema
+    assert all(b["counter"] in (1, 2) for b in doc["boots"]), doc["boots"]
+    v = doc["verdict"]
     assert isinstance(v, dict)
     return v
 
@@ -184,10 +188,12 @@ def test_a_boot_at_or_below_the_ledgers_highest_is_regressed_and_changes_nothing
         assert after["boot"] == before["boot"] == "bbbb0002", after
         assert after["verdict"] == before["verdict"] and after["action"] == before["action"]
         assert after["alarms"] == ["boot_regressed"], after
+        validate("poll", after)
         led = str(tmp_path / "ledger.sqlite")
         assert main(["decisions", "alarms", "--ledger", led, "--json"]) == 0
         alarms = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
         assert [a["alarm"] for a in alarms] == ["boot_regressed"], alarms
+        validate("decisions-alarms", alarms[0])
 
 
 # -- the ledger's record ---------------------------------------------------------------------------
