@@ -10,7 +10,8 @@ misses a decision nor sees one twice. ``--on-failover`` gets the same object on 
 ``decisions held`` lists what the fleet-wide brake holds; ``decisions release --all|ID...``
 releases it (each release is an ordinary claim, announced by the next round of any poller).
 ``decisions alarms`` lists the raised alarms about whole instances (``vm_untracked``: a VM that
-left the fleet's label selection while it ran; docs/poller.md, "Untracked VMs").
+left the fleet's label selection while it ran; docs/poller.md, "Untracked VMs";
+``boot_regressed``: a boot counter at or below the instance's highest, "Boot order").
 """
 
 from __future__ import annotations
