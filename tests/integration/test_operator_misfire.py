@@ -254,4 +254,5 @@ def test_the_alarm_metric_counts_raised_alarms_by_kind() -> None:
         assert {s.labels["alarm"]: s.value for s in alarm.samples} == {
             "vm_untracked": n,
             "idle_busy": 0.0,  # every kind has its series, zero when none is raised
+            "boot_regressed": 0.0,
         }

@@ -382,10 +382,16 @@ def test_earlier_boots_never_change_the_verdict(
     latest: list[Event], earlier: list[Event], status: str | None, dt: float
 ) -> None:
     boot = latest[-1].boot
-    latest = [e for e in latest if e.boot == boot]
+    # the latest boot counts 2 (``bc``), the earlier one 1: the counter orders them, whatever the
+    # stream order (poller/boots.py); lines without a counter are ordered by stream position
+    latest = [replace(e, fields=(*e.fields, ("bc", "2"))) for e in latest if e.boot == boot]
     start = min(e.ts_ms for e in latest)
     # an earlier boot: every line of it older than the latest boot's first line
-    other = [replace(e, ts_ms=start - 1 - e.seq) for e in earlier if e.boot != boot]
+    other = [
+        replace(e, ts_ms=start - 1 - e.seq, fields=(*e.fields, ("bc", "1")))
+        for e in earlier
+        if e.boot != boot
+    ]
     state = InstanceState(status)
     now = T0 / 1000 + dt
     rx = T0 / 1000

@@ -5,6 +5,8 @@ imports the rest only inside its handlers):
 
 - :mod:`gce_watchdog.poller.verdict`: the pure decision function
   :func:`~gce_watchdog.poller.verdict.decide` (events, instance state, now, policy in; verdict out).
+- :mod:`gce_watchdog.poller.boots`: the pure boot order (the highest boot counter is current,
+  a replayed or reused counter is ``boot_regressed``), one rule for every reader.
 - :mod:`gce_watchdog.poller.timeline`: decoded events per boot, sequence gaps, lost bytes, rejects.
 - :mod:`gce_watchdog.poller.assemble`: the pure reassembly of Pub/Sub lines (gap-free prefix).
 - :mod:`gce_watchdog.poller.reader`: the incremental, resumable serial reader and its cursor store

@@ -10,7 +10,8 @@ misses a decision nor sees one twice. ``--on-failover`` gets the same object on 
 ``decisions held`` lists what the fleet-wide brake holds; ``decisions release --all|ID...``
 releases it (each release is an ordinary claim, announced by the next round of any poller).
 ``decisions alarms`` lists the raised alarms about whole instances (``vm_untracked``: a VM that
-left the fleet's label selection while it ran; docs/poller.md, "Untracked VMs").
+left the fleet's label selection while it ran; docs/poller.md, "Untracked VMs";
+``boot_regressed``: a boot counter at or below the instance's highest, "Boot order").
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, TextIO
 
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.cli import EX_IOERR, EX_OK, EX_USAGE, CommandError
+from gce_watchdog.poller.boots import ALARM_BOOT_REGRESSED
 from gce_watchdog.poller.cost import CATEGORIES, BootFacts, Cost, cost_doc, job_cost, with_deletion
 from gce_watchdog.poller.ledger import (
     DELIVERY_STATES,
@@ -173,7 +175,8 @@ def poller_metrics(ledger: DecisionStore) -> str:
 
 
 ALARM_METRIC = "gce_watchdog_poller_alarms"
-ALARMS = (ALARM_IDLE_BUSY, VM_UNTRACKED)  # every alarm about a whole instance, a label each
+# every alarm about a whole instance, a label each
+ALARMS = (ALARM_BOOT_REGRESSED, ALARM_IDLE_BUSY, VM_UNTRACKED)
 
 
 def alarm_metrics(alarms: Iterable[InstanceAlarm]) -> str:
@@ -184,7 +187,8 @@ def alarm_metrics(alarms: Iterable[InstanceAlarm]) -> str:
     lines = [
         f"# HELP {ALARM_METRIC} Alarms raised about whole instances and not cleared"
         " (vm_untracked: left the fleet's label selection while running; idle_busy: a job's"
-        " GPUs not released at its end).",
+        " GPUs not released at its end; boot_regressed: a boot counter at or below the"
+        " instance's highest, a replay or a lost counter).",
         f"# TYPE {ALARM_METRIC} gauge",
     ]
     lines += [f'{ALARM_METRIC}{{alarm="{k}"}} {n}' for k, n in sorted(counts.items())]

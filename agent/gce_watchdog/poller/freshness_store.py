@@ -1,6 +1,8 @@
 """The freshness store: per (instance id, boot), the newest verified seq any reader received
 and when it was first received, on that reader's clock (docs/poller.md, "Freshness"), in the
-ledger's database beside the decisions, shared by every poller on every host.
+ledger's database beside the decisions, shared by every poller on every host; and per
+instance the highest boot counter any reader saw (``boot_record``, ``raise_boot``: the boot
+order's record, poller/boots.py, docs/poller.md "Boot order").
 
 Silence is measured from this record, not from when *this* reader first read the line: a
 poller that starts with no cursors (the Cloud Run job form) reads every VM's retained output
@@ -12,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from gce_watchdog.poller.boots import Record
 from gce_watchdog.poller.ledger_db import SqlDb, locked
 
 
@@ -32,6 +35,10 @@ class FreshnessStore(Protocol):
     """Where readers share each boot's freshness (``note``: one call per read)."""
 
     def note(self, instance_id: str, boot: str, seq: int, rx: float, known: bool) -> Fresh: ...
+
+    def boot_record(self, instance_id: str) -> Record | None: ...
+
+    def raise_boot(self, instance_id: str, record: Record) -> Record: ...
 
 
 class SqlFreshness:
@@ -72,6 +79,54 @@ class SqlFreshness:
             self.db.rollback()
             raise
         return _fresh(rows[0])
+
+    @locked
+    def boot_record(self, instance_id: str) -> Record | None:
+        """The instance's highest boot counter on record, its boot and when it began (None: no
+        reader saw a counter of it yet)."""
+        rows = self.db.exec(
+            "SELECT counter, boot, began FROM boot_counters WHERE instance_id = ?", (instance_id,)
+        )
+        return _record(rows[0]) if rows else None
+
+    @locked
+    def raise_boot(self, instance_id: str, record: Record) -> Record:
+        """Store ``record`` if its counter is above the one on record (it only rises; equal
+        counters keep the first boot stored); returns the record that stands afterwards."""
+        q = "SELECT counter, boot, began FROM boot_counters WHERE instance_id = ?"
+        try:
+            self.db.begin_plain()
+            rows = self.db.exec(q + self.db.for_update, (instance_id,))
+            if not rows:
+                self.db.exec(
+                    "INSERT INTO boot_counters (instance_id, counter, boot, began, noted_by)"
+                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (instance_id) DO NOTHING",
+                    (instance_id, record.counter, record.boot, record.began, self.db.owner),
+                )
+            elif int(str(rows[0][0])) < record.counter:
+                self.db.exec(
+                    "UPDATE boot_counters SET counter = ?, boot = ?, began = ?, noted_by = ?"
+                    " WHERE instance_id = ? AND counter < ?",
+                    (
+                        record.counter,
+                        record.boot,
+                        record.began,
+                        self.db.owner,
+                        instance_id,
+                        record.counter,
+                    ),
+                )
+            rows = self.db.exec(q, (instance_id,))
+            self.db.commit()
+        except BaseException:
+            self.db.rollback()
+            raise
+        return _record(rows[0])
+
+
+def _record(row: tuple[object, ...]) -> Record:
+    counter, boot, began = row
+    return Record(int(str(counter)), str(boot), float(str(began)))
 
 
 def _fresh(row: tuple[object, ...]) -> Fresh:

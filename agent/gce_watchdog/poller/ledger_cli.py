@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(gap-free, increasing), optionally following new ones; held: what the brake holds; "
         "release --all|ID...: let held failovers through; alarms: the raised alarms about "
         "whole instances (vm_untracked: a VM that left the fleet's label selection while "
-        "running).",
+        "running; idle_busy: a job's GPUs not released at its end; boot_regressed: a boot "
+        "counter at or below the instance's highest, a replay or a lost counter).",
     )
     d.add_argument("what", nargs="?", default="list", choices=("list", "held", "release", "alarms"))
     d.add_argument("ids", nargs="*", metavar="ID", help="release: instance ids or P/Z/NAME")

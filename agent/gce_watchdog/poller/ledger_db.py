@@ -192,6 +192,17 @@ FRESHNESS_TABLE = """CREATE TABLE IF NOT EXISTS freshness (
     PRIMARY KEY (instance_id, boot)
 )"""
 
+# The boot counter record (poller/boots.py, docs/poller.md "Boot order"): per instance the
+# highest boot counter any reader saw, its boot, and when (a reader's clock) its first line was
+# first received. It only ever rises (``raise_boot``), in both backends.
+BOOT_COUNTERS_TABLE = """CREATE TABLE IF NOT EXISTS boot_counters (
+    instance_id TEXT NOT NULL PRIMARY KEY,
+    counter     BIGINT NOT NULL,
+    boot        TEXT NOT NULL,
+    began       DOUBLE PRECISION NOT NULL,
+    noted_by    TEXT NOT NULL
+)"""
+
 
 # Alarms about an instance as a whole, raised by a poller and shown in the decisions view
 # (``decisions alarms``; docs/poller.md, "Untracked VMs"): ``vm_untracked``, a VM that left the
@@ -364,6 +375,7 @@ class SqliteDb(SqlDb):
                 db.execute(stmt)
             db.execute(COST_TABLE)
             db.execute(FRESHNESS_TABLE)
+            db.execute(BOOT_COUNTERS_TABLE)  # (IF NOT EXISTS: an older ledger gets it here)
             have = {str(r[1]) for r in db.execute("PRAGMA table_info(decisions)")}
             missing = [(n, t) for n, t in _ADDED_COLUMNS if n not in have]
             for name, sqltype in missing:

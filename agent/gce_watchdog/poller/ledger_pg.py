@@ -28,6 +28,7 @@ from psycopg.pq import TransactionStatus
 from gce_watchdog.poller.ledger_db import (
     ALARMS_TABLE,
     ASSEMBLY_SCHEMA,
+    BOOT_COUNTERS_TABLE,
     COST_TABLE,
     DELIVERY_COLUMNS,
     DISPATCH_TABLES,
@@ -145,6 +146,10 @@ class PostgresDb(SqlDb):
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
                     if not self._ready("freshness"):
                         self._db.execute(FRESHNESS_TABLE)
+            if not self._ready("boot_counters"):  # the boot counter record (later)
+                with self._db.transaction():
+                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))
+                    self._db.execute(BOOT_COUNTERS_TABLE)  # (IF NOT EXISTS: idempotent)
             if not self._ready("assembly_boots_ended"):  # the Pub/Sub workers' shared state
                 with self._db.transaction():
                     self._db.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK_KEY,))

@@ -29,6 +29,7 @@ from typing import Any
 
 from gce_watchdog.lib import jsontime
 from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
+from gce_watchdog.poller.boots import ALARM_BOOT_REGRESSED
 from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
 from gce_watchdog.poller.cost import BootFacts, boot_facts, gpu_count
 from gce_watchdog.poller.ledger import NO_BOOT, Decision, DecisionStore, instance_parts
@@ -317,15 +318,20 @@ class Poller:
             self.reader.store.save(p, z, cur)
         return cur
 
-    def _idle_busy(self, name: str, instance_id: str, info: InstanceStatus | None) -> None:
-        """The job's GPUs were not released at its end (``exit idle=busy``, issue 37): an
-        ``idle_busy`` alarm about the instance in the ledger, listed by ``decisions alarms`` and
-        counted on ``/metrics`` whether or not the boot failed over (a finished job's boot has no
-        decision to carry it). Raised once; later polls that still see it note ``seen_at``."""
+    def _instance_alarm(
+        self, name: str, instance_id: str, info: InstanceStatus | None, alarm: str
+    ) -> None:
+        """An alarm beside the verdict about the instance in the ledger, listed by ``decisions
+        alarms`` and counted on ``/metrics`` whether or not the boot failed over:
+        ``idle_busy``, the job's GPUs were not released at its end (``exit idle=busy``, issue
+        37: a finished job's boot has no decision to carry it); ``boot_regressed``, a boot at or
+        below the instance's highest boot counter, not seen before it (a replay or a lost
+        counter: poller/boots.py). Raised once; later polls that still see it note
+        ``seen_at``."""
         assert self.decisions is not None
         self.decisions.raise_alarm(
             instance_id,
-            ALARM_IDLE_BUSY,
+            alarm,
             self.path(name),
             info.status if info is not None else "MISSING",
             dict(info.labels) if info is not None else {},
@@ -377,8 +383,9 @@ class Poller:
         decision = None
         reaped = reap_error = reap_pending = None
         announce = False
-        if ALARM_IDLE_BUSY in verdict.alarms and self.decisions is not None and instance_id:
-            self._idle_busy(name, instance_id, info)
+        for alarm in (ALARM_IDLE_BUSY, ALARM_BOOT_REGRESSED):
+            if alarm in verdict.alarms and self.decisions is not None and instance_id:
+                self._instance_alarm(name, instance_id, info, alarm)
         if verdict.failover and self.decisions is not None:
             key = instance_id or f"name:{name}"
             now = self.clock()

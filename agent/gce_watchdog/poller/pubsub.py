@@ -72,6 +72,8 @@ from gce_watchdog.poller.assembly_store import (
     RawLine,
     StoredLine,
 )
+from gce_watchdog.poller.boots import ALARM_BOOT_REGRESSED, Record, Seen, counter_of, parse_counter
+from gce_watchdog.poller.boots import order as boot_order
 from gce_watchdog.poller.identity import Identities, Identity, IdentityUnavailable
 from gce_watchdog.poller.ledger import Decision, DecisionStore
 from gce_watchdog.poller.ledgers import Ledger
@@ -253,6 +255,7 @@ class PubSubWorker:
     ) -> None:
         self.subscriber = subscriber
         self.subscription = subscription
+        self.ledger = ledger
         self.decisions: DecisionStore = ledger.decisions
         self.assembly: AssemblyStore = ledger.assembly
         self.emit = emit
@@ -274,6 +277,8 @@ class PubSubWorker:
             collections.OrderedDict()
         )
         self._relooked: dict[str, float] = {}
+        # the highest boot counter on record per instance, as last seen (bounded like the pins)
+        self._counters: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.unpinned: set[str] = set()  # instance ids seen without a pin (at most PIN_CACHE)
         self._last_sweep = 0.0
         self._last_housekeeping = 0.0
@@ -486,6 +491,7 @@ class PubSubWorker:
         when the look's hint comes due (``assembly.gaps_due``: ``settle_s`` after the held
         line's receipt), then decided."""
         touched, dropped = self.assembly.store(lines, raw)
+        self._raise_counters(lines)
         if not self.policy.gpu_fault_report:
             touched |= {
                 (ln.instance_id, ln.event.boot) for ln in lines if gpu_fault_event([ln.event])
@@ -498,8 +504,12 @@ class PubSubWorker:
         """Look at boots' stored lines (one transaction for all); claim, end, gap, or wait."""
         # per boot: (the verdict, its deciding line's seq)
         verdicts: dict[tuple[str, str], tuple[Verdict, int]] = {}
+        counters: dict[tuple[str, str], int] = {}  # the boot counter (bc) of each boot looked at
 
         def judge(seen: BootLines) -> BootUpdate:
+            c = counter_of(r.event.get("bc") for r, _ in seen.lines)
+            if c is not None:
+                counters[(seen.instance_id, seen.boot)] = c
             a = assemble([r for r, _ in seen.lines], seen.floor)
             # a GPU fault or a stuck job decides like a terminal event, unless the policy only
             # reports it
@@ -524,6 +534,8 @@ class PubSubWorker:
             return BootUpdate(OPEN, a.held_since, tuple(drop), floor)
 
         looked = self.assembly.update_many(sorted(boots), judge)
+        for key in self._regressed(counters, verdicts, looked, now):
+            del verdicts[key]  # a replay or a lost counter never decides
         for _seen, upd in looked.values():
             if upd.state == GAPPED:
                 self.stats.gapped += 1
@@ -565,6 +577,57 @@ class PubSubWorker:
         marked = self.decisions.mark_announced_many(marks, self.clock())  # one transaction
         with self._lock:
             self.stats.announced += marked
+
+    def _raise_counters(self, lines: list[StoredLine]) -> None:
+        """Raise the ledger's record of each instance's highest boot counter by the verified
+        lines just stored (poller/boots.py): only where a counter is above the one this worker
+        last saw stand (a bounded cache: a new boot costs one transaction, a line none)."""
+        top: dict[tuple[str, str], int] = {}
+        for ln in lines:
+            c = parse_counter(ln.event.get("bc"))
+            key = (ln.instance_id, ln.event.boot)
+            if c is not None and c > top.get(key, 0):
+                top[key] = c
+        for (iid, boot), c in sorted(top.items(), key=lambda kv: kv[1]):
+            if c > self._counters.get(iid, 0):
+                rec = self.ledger.freshness.raise_boot(iid, Record(c, boot, self.clock()))
+                self._counters[iid] = rec.counter
+                self._counters.move_to_end(iid)
+                while len(self._counters) > PIN_CACHE:
+                    self._counters.popitem(last=False)
+
+    def _regressed(
+        self,
+        counters: dict[tuple[str, str], int],
+        verdicts: dict[tuple[str, str], tuple[Verdict, int]],
+        looked: dict[tuple[str, str], tuple[BootLines, BootUpdate]],
+        now: float,
+    ) -> list[tuple[str, str]]:
+        """The boot order (poller/boots.py) where a message's boot is judged: a boot that would
+        decide with a counter at or below the ledger's record of the instance's highest,
+        not the record's own boot, is a replay or a lost counter: it never decides, its row is
+        ended, and ``boot_regressed`` is raised (the journal, the ledger's alarms). A boot
+        without a counter (an older agent) is judged as before. The worker's own liveness
+        rules (gaps, settle) are unchanged."""
+        store = self.ledger.freshness  # raised as the lines were stored (_raise_counters)
+        out = []
+        for key in sorted(verdicts):
+            iid, boot = key
+            seen = boot_order([Seen(boot, counters.get(key), 0)], store.boot_record(iid))
+            if boot not in seen.regressed:
+                continue
+            out.append(key)
+            lines = looked[key][0]
+            path = f"{lines.project}/{lines.zone}/{lines.name or '-'}"  # as its LogEntry says
+            self.log(
+                f"ALARM alarm={ALARM_BOOT_REGRESSED} instance id {iid} boot {boot}: its boot "
+                f"counter {counters.get(key)} is at or below the instance's highest (a replay or "
+                f"a lost counter): its {verdicts[key][0].kind.value} never decides"
+            )
+            self.decisions.raise_alarm(iid, ALARM_BOOT_REGRESSED, path, "-", {}, now)
+        if out:
+            self.assembly.set_states(out, ENDED)
+        return out
 
     def _identify(self, seen: BootLines, verdict: Verdict) -> Identity | None:
         """The instance as the Compute API names it, or None: nothing is claimed now. Not found

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from gce_watchdog.lib.compute import ComputeClient
 from gce_watchdog.lib.files import atomic_write
+from gce_watchdog.poller.boots import Record
 from gce_watchdog.poller.freshness_store import FreshnessStore
 from gce_watchdog.poller.pin_store import PinStore
 from gce_watchdog.poller.timeline import Timeline
@@ -288,6 +289,7 @@ class SerialReader:
             if info.max_seq > before.get(b, -1):  # a newer line of this boot arrived now
                 info.rx_known = not first_read
         if self.freshness is not None and instance_id:
+            self._share_boot_order(instance_id, tl, rx)
             self._share_freshness(instance_id, tl)
         if self.pins is not None and instance_id and tl.pinned_here and tl.pin is not None:
             placed = tl.rekeys[0][0] if tl.rekeys else tl.pin  # the key before any rotation
@@ -310,6 +312,20 @@ class SerialReader:
 
     def cursor(self, project: str, zone: str, name: str) -> Cursor:
         return self.store.load(project, zone, name)
+
+    def _share_boot_order(self, instance_id: str, tl: Timeline, rx: float) -> None:
+        """Take the ledger's record of the instance's highest boot counter, and raise it when
+        this read found a higher one: a boot once superseded never becomes current again, in
+        any reader, on any host (poller/boots.py; docs/poller.md, "Boot order")."""
+        assert self.freshness is not None
+        tl.note_boot_record(self.freshness.boot_record(instance_id))
+        top = tl.boot_order.raise_to
+        if top is not None and top.counter is not None:
+            info = tl.boots.get(top.boot)
+            began = info.first_rx if info is not None and info.first_rx is not None else rx
+            tl.note_boot_record(
+                self.freshness.raise_boot(instance_id, Record(top.counter, top.boot, began))
+            )
 
     def _share_freshness(self, instance_id: str, tl: Timeline) -> None:
         """Note the current boot's newest line in the ledger and take the record that stands:

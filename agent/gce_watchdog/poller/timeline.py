@@ -20,6 +20,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from gce_watchdog.poller.boots import (
+    ALARM_BOOT_REGRESSED,
+    Order,
+    Record,
+    Seen,
+    parse_counter,
+)
+from gce_watchdog.poller.boots import order as order_boots
 from gce_watchdog.poller.verdict import (
     InstanceState,
     Policy,
@@ -52,9 +60,6 @@ KEEP_RECENT = 64  # routine events (tick/heartbeat) kept: the latest show rung a
 MAX_GAPS = 1000  # gap records kept for the report; totals are always exact
 MAX_REJECT_SAMPLES = 20  # rejected raw lines kept for the report
 MAX_FORGED_SAMPLES = 20  # forged raw lines kept for the report
-# A guest clock set back further than this between two boots is taken for a replay of an older
-# boot (docs/serial-protocol.md, decoding rule 8); an hour behind (the issue's case) is a boot.
-REPLAY_BOUND_MS = 24 * 3600 * 1000
 # Boots with lines the decoder's signature budget never reached, remembered for the flood alarm
 # (docs/serial-protocol.md, "Verifying what decides"); more go to one record for any boot.
 MAX_FLOOD_BOOTS = 64
@@ -105,6 +110,8 @@ class BootInfo:
     # earlier read of this port or an earlier record in the ledger). False: a reader's first
     # read with no record found it, and it may be hours old (docs/poller.md, "Freshness").
     rx_known: bool = True
+    # The boot counter of its verified lines (``bc``; None: ``bc=-`` or an older agent's lines)
+    counter: int | None = None
 
     @property
     def lost(self) -> int:
@@ -169,6 +176,8 @@ class Timeline:
         # fingerprints of keys placed here and withdrawn (a contested start): their
         # announcements were taken back (:meth:`accepted` for a caller's own list of events)
         self.withdrawn: set[str] = set()
+        # the ledger's record of the instance's highest boot counter (poller/boots.py)
+        self.boot_record: Record | None = None
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -344,9 +353,20 @@ class Timeline:
             if covered:  # never: a covered line does not create a boot
                 return
             self.boots[ev.boot] = BootInfo(
-                ev.boot, ev.seq, ev.seq, 1, ev.ts_ms, ev.ts_ms, len(self.boots), rx, rx
+                ev.boot,
+                ev.seq,
+                ev.seq,
+                1,
+                ev.ts_ms,
+                ev.ts_ms,
+                len(self.boots),
+                rx,
+                rx,
+                counter=parse_counter(ev.get("bc")),
             )
             return
+        if b.counter is None and not covered:
+            b.counter = parse_counter(ev.get("bc"))
         if ev.seq > b.max_seq + 1 and len(self.seq_gaps) < MAX_GAPS:
             self.seq_gaps.append(SeqGap(ev.boot, b.max_seq, ev.seq))
         if ev.seq > b.max_seq and rx is not None:
@@ -503,29 +523,51 @@ class Timeline:
         return fingerprint(self.key) if self.key is not None else None
 
     @property
+    def boot_order(self) -> Order:
+        """The one boot order (poller/boots.py) on the boots read here and the ledger's record:
+        the current boot, the regressed ones (replays, lost counters: ``boot_regressed``)."""
+        seen = [Seen(b.boot, b.counter, b.order, b.first_ts_ms) for b in self.boots.values()]
+        return order_boots(seen, self.boot_record)
+
+    @property
     def latest_boot(self) -> str | None:
-        """The current incarnation: the boot whose first authenticated line appears latest in
-        the stream (the port's byte order), never by the guest's clock, so a new boot whose
-        clock is behind is still current. A boot seen before keeps its place (a replayed line
-        of it cannot make it current again). The one use of the signed time: a boot first seen
-        later whose first line is more than REPLAY_BOUND_MS *older* than the current boot's
-        first line is a replay of an older boot (a reader that never saw it), not a reboot."""
-        cur: BootInfo | None = None
-        for b in sorted(self.boots.values(), key=lambda b: b.order):
-            if cur is None or b.first_ts_ms >= cur.first_ts_ms - REPLAY_BOUND_MS:
-                cur = b
-        return cur.boot if cur is not None else None
+        """The current incarnation (:attr:`boot_order`): the highest boot counter, never the
+        guest's clock; without counters, the boot whose first authenticated line appears latest
+        in the stream (docs/serial-protocol.md, "Boot order"). None when no boot read here is
+        current (the ledger's highest boot is not in this read: what is here is regressed)."""
+        cur = self.boot_order.current
+        return cur if cur in self.boots else None
+
+    @property
+    def regressed(self) -> tuple[str, ...]:
+        """Boots whose counter is at or below the highest and that were not seen before it: a
+        replay or a lost counter. They never decide (alarm ``boot_regressed``)."""
+        return self.boot_order.regressed
+
+    def note_boot_record(self, record: Record | None) -> None:
+        """The ledger's record for the instance (it only rises: a lower one is ignored)."""
+        if record is None:
+            return
+        if self.boot_record is None or record.counter > self.boot_record.counter:
+            self.boot_record = record
 
     def judge(self, instance: InstanceState, now: float, policy: Policy) -> Verdict:
         """The verdict: the one function ``poll``, ``parse`` and ``report`` use.
 
         ``now`` is on the reader's clock, like the receive times given to :meth:`feed`.
         """
-        boot = self.latest_boot
+        order = self.boot_order
+        boot = order.current if order.current in self.boots else None
         rx = self.boots[boot].last_rx if boot is not None else None
-        verified = [e for e in self.events if not e.covered]  # covered lines never decide
+        gone = set(order.regressed)
+        if boot is None:  # the ledger's highest boot is not in this read: nothing here decides
+            gone |= set(self.boots)
+        # covered lines never decide, nor do a regressed boot's (a replay, a lost counter)
+        verified = [e for e in self.events if not e.covered and e.boot not in gone]
         known = self.boots[boot].rx_known if boot is not None else True
         v = decide(verified, instance, now, policy, received_s=rx, boot=boot, received_known=known)
+        if order.regressed:
+            v = boot_regressed(v, order.regressed)
         if self.key_conflict:
             # The pinned key still decides: one printed key line must not silence the poller
             # (a wedged VM would bill on). Operators must look: either a local process forges,
@@ -631,6 +673,9 @@ class Timeline:
             "duplicates": self.duplicates,
             "reject_reasons": self.reject_reasons,
             "reject_samples": self.reject_samples,
+            "boot_record": None
+            if self.boot_record is None
+            else [self.boot_record.counter, self.boot_record.boot, self.boot_record.began],
         }
 
     @classmethod
@@ -694,7 +739,27 @@ class Timeline:
         c.duplicates = int(obj["duplicates"])
         c.reject_reasons = {str(k): int(v) for k, v in obj["reject_reasons"].items()}
         t.reject_samples = [str(s) for s in obj["reject_samples"]][:MAX_REJECT_SAMPLES]
+        rec = obj.get("boot_record")
+        if rec:
+            t.boot_record = Record(int(rec[0]), str(rec[1]), float(rec[2]))
         return t
+
+
+def boot_regressed(v: Verdict, regressed: tuple[str, ...]) -> Verdict:
+    """``v`` with the ``boot_regressed`` alarm beside it (it changes neither the verdict nor its
+    failover: the regressed boots' lines were not among its evidence)."""
+    note = f"alarm={ALARM_BOOT_REGRESSED}"
+    if note in v.evidence:
+        return v
+    what = ",".join(regressed)
+    return replace(
+        v,
+        reason=(
+            f"ALARM: boot_regressed (boot {what}: a boot counter at or below the highest, not "
+            f"seen before it: a replay or a lost counter, ignored); {v.reason}"
+        ),
+        evidence=(*v.evidence, note),
+    )
 
 
 def parse_bytes(

@@ -5,9 +5,10 @@ rules below are in the same order. In short:
 
 1. Only authenticated events reach this module (``wire.protocol``: a line whose signature does
    not verify under the pinned key is forged and never decides), and only the current boot's
-   count: the caller's ``boot`` (``Timeline.latest_boot``, by stream order), else the boot whose
-   earliest line carries the latest signed time (an earlier boot's shutdown says nothing about
-   the VM that is running now, and a line replayed from it cannot make it current again).
+   count: the caller's ``boot`` (``Timeline.latest_boot``), else :func:`current_boot`, both by
+   the one rule of ``poller/boots.py`` (the highest boot counter; an earlier boot's shutdown
+   says nothing about the VM that is running now, and a line replayed from it cannot make it
+   current again).
 2. The first terminal event of that boot (by ``seq``) decides: ``setup_failed``, ``shutdown``,
    ``preempted``, ``exit`` (rc 0 or not) and ``phase ph=done``. First, because what follows a
    terminal event is its consequence (a ladder shutdown kills the workload, which then logs a
@@ -48,6 +49,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from gce_watchdog.poller import boots
 from gce_watchdog.wire import vocab
 from gce_watchdog.wire.protocol import Event
 
@@ -237,19 +239,10 @@ def alarms_of(evidence: Sequence[str]) -> tuple[str, ...]:
 
 
 def current_boot(events: Sequence[Event]) -> str | None:
-    """The boot running now: the one whose earliest line carries the latest (signed) time.
-
-    Not "the boot of the most recent line": a line replayed from an earlier boot arrives last
-    but keeps its own boot's time, which the replayer cannot change without the key. Ties go to
-    the boot seen first later in the stream.
-    """
-    first: dict[str, tuple[int, int]] = {}
-    for i, e in enumerate(events):
-        t, pos = first.get(e.boot, (e.ts_ms, i))
-        first[e.boot] = (min(t, e.ts_ms), pos)
-    if not first:
-        return None
-    return max(first, key=lambda b: first[b])
+    """The boot running now among ``events`` (stream order): the one rule of
+    :func:`gce_watchdog.poller.boots.order` (the highest boot counter; without counters, the
+    stream order), on the boots as these events show them (no ledger record)."""
+    return boots.order(boots.seen_of(events)).current
 
 
 def latest_boot_events(events: Sequence[Event], boot: str | None = None) -> list[Event]:

@@ -1,0 +1,102 @@
+"""Boot order on the Pub/Sub path (issue 35, items 1 and 7): a message of a boot below the
+instance's highest boot counter never decides; the worker keeps its own liveness rules. The
+worker's ledger part on its own (a subscriber that hands out given batches, no emulator)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gce_watchdog.poller.boots import Record
+from gce_watchdog.poller.ledgers import open_ledger
+from gce_watchdog.poller.poller import PollOutcome
+from gce_watchdog.poller.pubsub import PubSubWorker
+from gce_watchdog.testing.synth import SYNTH_KEY
+from kit.bootcount import BcWriter
+from kit.identities import TableIdentities
+from kit.pubsub_service import exported_entry, exported_text
+
+pytestmark = pytest.mark.pure
+
+PROJECT = "test-project"
+IDS = TableIdentities.of(["66"], PROJECT)
+SETTLE_S = 3600.0
+
+
+class _Msg:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.publish_time = data, None
+
+
+class _Rm:
+    def __init__(self, data: bytes, n: int) -> None:
+        self.message, self.ack_id = _Msg(data), f"ack-{n}"
+
+
+class _Batches:
+    """A subscriber whose pulls hand out the given batches, one a pull."""
+
+    def __init__(self, batches: list[list[bytes]]) -> None:
+        self.batches = [[_Rm(d, i * 1000 + j) for j, d in enumerate(b)] for i, b in
+                        enumerate(batches)]  # fmt: skip
+        self.acked: list[str] = []
+
+    def pull(self, request: dict[str, Any], timeout: float | None = None) -> Any:
+        class R:
+            received_messages = self.batches.pop(0) if self.batches else []
+
+        return R()
+
+    def acknowledge(self, request: dict[str, Any]) -> None:
+        self.acked += request["ack_ids"]
+
+
+def _entries(w: BcWriter, *events: tuple[str, dict[str, str]]) -> list[bytes]:
+    lines = [ln for name, f in events for ln in w.line(name, f).decode().splitlines()]
+    return [exported_entry(PROJECT, "66", "vm-66", exported_text(x, "vm-66", False)) for x in lines]
+
+
+def _previous_boot_replayed() -> tuple[list[bytes], list[bytes]]:
+    """The current boot (bc=2), alive; the previous boot's (bc=1) lines with its ladder
+    shutdown, replayed after them (a boot no worker decided)."""
+    a = BcWriter(boot="aaaa0001", bc="1")
+    b = BcWriter(boot="bbbb0002", bc="2", ts_ms=a.ts_ms + 3_600_000)
+    old = _entries(a, ("start", {"v": "1"}), ("phase", {"ph": "workload"}),
+                   ("shutdown", {"reason": "ladder", "rung": "10/10"}))  # fmt: skip
+    new = _entries(b, ("start", {"v": "1"}), ("phase", {"ph": "workload"}))
+    return old, new
+
+
+@pytest.mark.parametrize("record_from", ["worker", "poller"])
+def test_a_replayed_older_boot_never_fails_a_healthy_vm_over(
+    tmp_path: Path, record_from: str
+) -> None:
+    old, new = _previous_boot_replayed()
+    outs: list[PollOutcome] = []
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        if record_from == "poller":  # the polling reader raised the record, no worker saw b
+            led.freshness.raise_boot("66", Record(2, "bbbb0002", 1.0))
+            batches = [old]
+        else:
+            batches = [new, old]
+        w = PubSubWorker(_Batches(batches), "s", led, outs.append, settle_s=SETTLE_S, identity=IDS)
+        for _ in batches:
+            w.step()
+        assert led.decisions.all() == [] and not outs
+        assert [a.alarm for a in led.decisions.alarms()] == ["boot_regressed"]
+        assert ("66", "aaaa0001", "ended") in led.assembly.boots()
+        rec = led.freshness.boot_record("66")
+        assert rec is not None and (rec.counter, rec.boot) == (2, "bbbb0002")
+
+
+def test_without_a_higher_boot_on_record_the_older_boot_decides_as_before(tmp_path: Path) -> None:
+    old, _ = _previous_boot_replayed()
+    outs: list[PollOutcome] = []
+    with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        w = PubSubWorker(_Batches([old]), "s", led, outs.append, settle_s=SETTLE_S, identity=IDS)
+        w.step()
+        assert [d.verdict for d in led.decisions.all()] == ["self_shutdown"]
+        assert led.decisions.alarms() == []
