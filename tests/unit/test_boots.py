@@ -195,7 +195,7 @@ def test_the_record_only_rises(seen: int, record: int) -> None:
 
 @pytest.mark.parametrize(
     ("bc", "bid", "placed"),
-    [("2", "ab" * 16, True), ("-", "ab" * 16, True), ("2", "abcd", True), ("02", "ab" * 16, False),
+    [("2", "ab" * 16, True), ("-", "ab" * 16, True), ("2", "abcd", False), ("02", "ab" * 16, False),
      ("2", "XY" * 16, False)],
 )  # fmt: skip
 def test_an_announcement_with_the_boot_counter_is_placed_and_shows_it(
