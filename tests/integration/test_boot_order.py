@@ -220,3 +220,29 @@ def test_the_ledgers_boot_record_only_rises_and_older_ledgers_get_it(ledger_url:
     with open_ledger(ledger_url, owner="r2") as led:  # opening it adds the table
         assert led.freshness.boot_record("1") is None
         assert led.freshness.raise_boot("1", Record(1, "aaaa0001")).counter == 1
+
+
+# -- the writer and the reader together ---------------------------------------------------------
+
+
+def test_the_real_writers_counter_orders_the_boots_for_parse(tmp_path: Path) -> None:
+    """The agent's own Emitter writes two boots (bc 1, then 2, from ``boot.count``); the first
+    boot's bytes printed again after the second's never make it current for ``parse``, and
+    each boot's counter is the one its writer put on every line."""
+    from gce_watchdog.vm.console import open_emitter
+
+    state, run, serial = tmp_path / "state", tmp_path / "run", tmp_path / "ttyS0"
+    serial.touch()
+    for bid in ("a" * 32, "b" * 32):
+        em, port = open_emitter(str(serial), None, str(state), str(run), bid[:8], boot_id=bid)
+        em.emit("phase", {"ph": "workload"})
+        em.emit("heartbeat", {"ph": "workload"})
+        port.close()
+    data = serial.read_bytes()
+    cut = data.index(b"GCEWD3 bbbbbbbb")
+    # the window rolled past the first boot, which is then printed again: by position alone
+    # (lines without bc) it would be the newest boot
+    doc = parse_json(data[cut:] + data[:cut])
+    assert {b["boot"]: b["counter"] for b in doc["boots"]} == {"aaaaaaaa": 1, "bbbbbbbb": 2}
+    v = doc["verdict"]
+    assert v["boot"] == "bbbbbbbb" and not v["failover"], v
