@@ -333,7 +333,11 @@ class LazyBlocks:
             decisive.sort(key=_SORT_KEY)
         else:
             decisive.sort(key=lambda c: (c.late, c.boot not in known, c.boot, c.seq))
+        ok_bodies, unchecked = self._ok_bodies, _Cand.UNCHECKED
         for c in decisive:
+            if self._budget <= 0 and c.body not in ok_bodies:  # _resolve's first test, inline:
+                c.state = unchecked  # a flood's lines past the budget cost no call each
+                continue
             self._resolve(c)
             if c.state == _Cand.OK:
                 top[c.boot] = max(top.get(c.boot, -1), c.seq)
@@ -363,6 +367,8 @@ class LazyBlocks:
             if c.state == _Cand.NEW and c.seq <= top.get(c.boot, -1)
         }
         claims: dict[tuple[str, int], set[int]] = {}
+        if keys and not self._dup_claims(out, routine, keys):
+            keys = set()  # every key claimed once: no content to compare (the common case)
         if keys:
             for item in out:
                 if isinstance(item, _Cand):
@@ -381,10 +387,28 @@ class LazyBlocks:
                 if c.seq > high:
                     c.state = _Cand.UNCHECKED
                     continue
-                if c.seq == high or len(claims[(boot, c.seq)]) > 1:
+                if c.seq == high or (keys and len(claims[(boot, c.seq)]) > 1):
                     self._resolve(c)  # a copy of a verified line (free) or a conflict
                 if c.state == _Cand.NEW:
                     c.state = _Cand.COVERED if c.seq < high else _Cand.UNCHECKED
+
+    @staticmethod
+    def _dup_claims(
+        out: list[Event | _Cand | None],
+        routine: dict[str, list[_Cand]],
+        keys: set[tuple[str, int]],
+    ) -> bool:
+        """Whether a (boot, seq) of ``keys`` may be claimed twice in the block: two routine
+        candidates of a boot with one seq, or a decisive line or an event with one of them. A
+        cheap test on seqs (no content hashed) that lets :meth:`_cover` skip the claims."""
+        if any(len({c.seq for c in g}) != len(g) for g in routine.values()):
+            return True
+        others = {
+            (x.boot, x.seq)
+            for x in out
+            if x is not None and (type(x) is not _Cand or x.kind not in ROUTINE_EVENTS)
+        }
+        return not others.isdisjoint(keys)
 
     def _settle_all(self, out: list[Event | _Cand | None]) -> list[Event]:
         """Phase C: the block's events in stream order, copies dropped (:meth:`_is_duplicate`;
@@ -392,13 +416,18 @@ class LazyBlocks:
         events: list[Event] = []
         st, last_boot = self._now.stats, ""
         covered, unchecked = _Cand.COVERED, _Cand.UNCHECKED
+        # _defer's bound for every line (a routine one's is half): checked inline
+        carry, room = self.carry, self.MAX_CARRY // 2
         for item in out:
             if item is None:
                 continue
             if isinstance(item, _Cand):
                 state = item.state
                 if state == unchecked:  # the budget did not reach it (a flood's many lines)
-                    self._defer(item.ln, item.rx, item.boot, item.seq, item.kind)
+                    if len(carry) < room:  # _defer's room for a decisive line, inline
+                        carry.append((item.ln, item.rx))
+                    else:
+                        self._defer(item.ln, item.rx, item.boot, item.seq, item.kind)
                     continue
                 got = self._covered(item) if state == covered else self._settle(item)
                 if got is None:
