@@ -28,8 +28,8 @@ from pathlib import Path
 SHAPES = ["hostile_bad_sig", "hostile_bad_sig_routine", "hostile_walkdown", "hostile_cr"]
 SHAPES += ["hostile_self_signed", "hostile_max_fields", "hostile_cr_lines"]
 # Shapes also fed in 64 KiB and 4 KiB pieces under one receive time (issue 38: the budget per
-# MiB, whatever the piece size).
-PIECED = ["hostile_bad_sig", "hostile_cr", "hostile_max_fields"]
+# MiB, whatever the piece size): every one of them (``--pieced`` narrows it).
+PIECED = list(SHAPES)
 
 # One timed run, in the tree given: {input: [median ms, best ms]}.
 _RUN = r"""
@@ -82,9 +82,8 @@ def write_inputs(d: Path) -> None:
         (d / f"{name}.bin").write_bytes(blob)
 
 
-def one_run(tree: str, d: Path, repeats: int) -> dict[str, list[float]]:
-    argv = [sys.executable, "-c", _RUN, tree, str(d), str(repeats), ",".join(SHAPES)]
-    argv.append(",".join(PIECED))
+def one_run(tree: str, d: Path, repeats: int, pieced: str) -> dict[str, list[float]]:
+    argv = [sys.executable, "-c", _RUN, tree, str(d), str(repeats), ",".join(SHAPES), pieced]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)
     res: dict[str, list[float]] = json.loads(out.stdout)
     return res
@@ -96,13 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("new", help="the new tree's agent folder")
     ap.add_argument("--rounds", type=int, default=6, help="base/new pairs (default 6)")
     ap.add_argument("--repeats", type=int, default=9, help="timed calls per run (default 9)")
+    ap.add_argument(
+        "--pieced", default=",".join(PIECED), help="shapes also fed in pieces (default: all)"
+    )
     a = ap.parse_args(argv)
     runs: dict[str, list[dict[str, list[float]]]] = {"base": [], "new": []}
     with tempfile.TemporaryDirectory() as tmp:
         write_inputs(Path(tmp))
         for _ in range(a.rounds):
-            runs["base"].append(one_run(a.base, Path(tmp), a.repeats))
-            runs["new"].append(one_run(a.new, Path(tmp), a.repeats))
+            runs["base"].append(one_run(a.base, Path(tmp), a.repeats, a.pieced))
+            runs["new"].append(one_run(a.new, Path(tmp), a.repeats, a.pieced))
     for key in runs["base"][0]:
         b_med = statistics.median(r[key][0] for r in runs["base"])
         n_med = statistics.median(r[key][0] for r in runs["new"])
