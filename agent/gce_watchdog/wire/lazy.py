@@ -30,12 +30,9 @@ from gce_watchdog.wire.line import (
     Forgery,
     Reject,
     Rejected,
-    _fields_of,
-    _minute_s,
     _new_event,
     _parse_body,
     _parse_parts,
-    _text_ok,
     verify,
 )
 
@@ -45,37 +42,6 @@ _PLAIN_V3 = re.compile(
     rb"GCEWD3 ([0-9a-f]{8}) (0|[1-9][0-9]{0,18}) [^ #]+ ([a-z][a-z0-9_]{0,23})(?: [^#]*)?"
     rb" #([A-Za-z0-9_-]{86})([0-9a-f]{8})\Z"
 )
-
-# The same line parsed whole in one match, as _BODY_RE parses its body (issue 38: one regex per
-# line of ours instead of two; its classes leave no room for backtracking, so it is faster than
-# _PLAIN_V3 alone). A match implies _PLAIN_V3's with the same groups; an ASCII line that fails
-# it goes _PLAIN_V3's way, as before (a syntax reject, or a line off the plain path).
-_V = rb"[A-Za-z0-9._:/@,+%~()<>\[\]-]"
-_PLAIN_BODY = re.compile(
-    rb"GCEWD3 ([0-9a-f]{8}) (0|[1-9][0-9]{0,18}) ([0-9]{4}-[0-9][0-9]-[0-9][0-9]T[0-9][0-9]:"
-    rb"[0-9][0-9]):([0-9][0-9])\.([0-9]{3})Z ([a-z][a-z0-9_]{0,23})"
-    rb"((?: [a-z][a-z0-9_]{0,23}=" + _V + rb"{1,64})*)(?: \| ([^#]*))?"
-    rb" #([A-Za-z0-9_-]{86})([0-9a-f]{8})\Z"
-)
-
-
-def _match_parts(
-    m: re.Match[bytes], boot: str, kind: str
-) -> tuple[str, str, int, int, tuple[tuple[str, str], ...], str] | None:
-    """:func:`wire.line._parse_parts` of a line :data:`_PLAIN_BODY` matched (an ASCII line), from
-    the match's groups: the same answer, without a second regex."""
-    _, seq_s, minute, sec, ms, _, kvs, text_b = m.groups()[:8]
-    base = _minute_s(minute.decode())
-    sec_i = int(sec)
-    if base is None or sec_i > 59:
-        return None
-    fields = _fields_of(kvs.decode()) if kvs else ()
-    if fields is None:
-        return None
-    text = "" if text_b is None else text_b.decode()
-    if text and not _text_ok(text):
-        return None
-    return kind, boot, int(seq_s), (base + sec_i) * 1000 + int(ms), fields, text
 
 
 class _Unchecked(Exception):
@@ -91,10 +57,9 @@ class _Cand:
 
     NEW, OK, FORGED, FULL, COVERED, UNCHECKED, SYNTAX = range(7)
     __slots__ = (
-        "_ev", "body", "boot", "carried", "kind", "late", "ln", "m", "pin", "rx", "seq", "sig",
-        "simple", "state",
+        "_ev", "body", "boot", "carried", "kind", "late", "ln", "pin", "rx", "seq", "sig", "simple",
+        "state",
     )  # fmt: skip
-    m: re.Match[bytes] | None  # the line's _PLAIN_BODY match, when it has one (parsed from it)
 
     def __init__(
         self,
@@ -115,16 +80,11 @@ class _Cand:
         self.simple, self.carried, self.rx = simple, carried, rx
         self.late = not carried  # carried-over lines are checked first (the sort key)
         self.state = _Cand.NEW
-        self.m = None
 
     @property
     def ev(self) -> Event | None:
         """The parsed line (None: it does not parse, a syntax reject like decode_line's)."""
         if self._ev is None:
-            if self.m is not None:
-                p = _match_parts(self.m, self.boot, self.kind)
-                self._ev = None if p is None else _new_event(*p)
-                return self._ev
             try:
                 self._ev = _parse_body(self.body.decode("ascii"))
             except UnicodeDecodeError:
@@ -138,9 +98,6 @@ class _Cand:
         e = self._ev
         if e is not None:
             return _new_event(e.event, e.boot, e.seq, e.ts_ms, e.fields, e.text, True, rx)
-        if self.m is not None:
-            p = _match_parts(self.m, self.boot, self.kind)
-            return None if p is None else _new_event(*p, True, rx)
         try:
             p = _parse_parts(self.body.decode("ascii"))
         except UnicodeDecodeError:
@@ -593,38 +550,25 @@ class LazyBlocks:
             return None
         chain = self.retired
         n = len(ln)
-        plain = not chain and n <= MAX_LINE
-        g: tuple[bytes, ...] | None = None
-        if plain and (m := _PLAIN_BODY.match(ln)) is not None and ln.isascii():
-            boot, seq, _, _, _, kind_b, _, _, sig, crc = m.groups()
-            g = boot, seq, kind_b, sig, crc
-        elif plain and (m2 := _PLAIN_V3.match(ln)) is not None:
-            m, g = None, m2.groups()
-        if g is not None:
-            boot, seq, kind_b, sig, crc = g
+        if not chain and n <= MAX_LINE and (m := _PLAIN_V3.match(ln)) is not None:
+            boot, seq, kind_b, sig, crc = m.groups()
             if kind_b == b"rekey" or ln.count(MARKER_PREFIX) != 1:
                 return None
             # anchored at the end: crc = ln[n-8:], sig = ln[n-94:n-8], body = ln[:n-96]
             if (zlib.crc32(ln[: n - 8]) & 0xFFFFFFFF) != int(crc, 16):
                 self._reject(Rejected(Reject.CHECKSUM, ln))  # decode_line's answer
                 return True
-            names = self._names
-            boot_s = names.get(boot) or _name(names, boot)
-            kind = names.get(kind_b) or _name(names, kind_b)
             if kind_b != b"key":
-                cand = _Cand(
-                    ln, boot_s, int(seq), kind, None, ln[: n - 96], sig, pin, True, carried, rx
-                )
-                cand.m = m
-                return cand
-            if m is not None:  # another key's announcement: unplaced, never checked
-                p = _match_parts(m, boot_s, kind)
-                ev = None if p is None else _new_event(*p)
-            else:
-                try:
-                    ev = _parse_body(ln[: n - 96].decode("ascii"))
-                except UnicodeDecodeError:
-                    return None
+                names = self._names
+                return _Cand(
+                    ln, names.get(boot) or _name(names, boot), int(seq),
+                    names.get(kind_b) or _name(names, kind_b), None, ln[: n - 96], sig, pin, True,
+                    carried, rx,
+                )  # fmt: skip
+            try:  # another key's announcement: unplaced, never checked
+                ev = _parse_body(ln[: n - 96].decode("ascii"))
+            except UnicodeDecodeError:
+                return None
             if ev is None or ev.get("pk") == _pk_text(pin):
                 return None
             self._unplaced_line(Forged(Forgery.UNPLACED, ln, ev))
