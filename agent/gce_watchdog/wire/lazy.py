@@ -217,7 +217,9 @@ class LazyBlocks:
     _ok: set[bytes]  # lines verified in this block (signed bytes)
     _ok_bodies: set[bytes]  # and their bodies
     _names: dict[bytes, str]  # the block's boot ids and event names, decoded once each
-    _seen: OrderedDict[tuple[str, int], set[int]]
+    # (boot, seq) -> the content's hash, or the hashes (a set) once a conflict added one: a set
+    # per line was a container per line for the garbage collector to walk (issue 38)
+    _seen: OrderedDict[tuple[str, int], int | set[int]]
     _boots: OrderedDict[str, None]
 
     def _full(self, ln: bytes) -> Event | None:
@@ -468,7 +470,7 @@ class LazyBlocks:
         k = (c.boot, c.seq)
         seen = self._seen.get(k)
         digest = _digest(ev)
-        if seen is not None and digest not in seen:
+        if seen is not None and not (seen == digest if isinstance(seen, int) else digest in seen):
             c.state = _Cand.NEW
             self._resolve(c)
             return self._settle(c)
@@ -643,15 +645,18 @@ class LazyBlocks:
         if seen is None:
             self._remember(k, digest)
             return False
-        if digest in seen:
+        if seen == digest if isinstance(seen, int) else digest in seen:
             return True
         self._now.stats.conflicts += 1
-        seen.add(digest)
+        if isinstance(seen, set):
+            seen.add(digest)
+        else:
+            self._seen[k] = {seen, digest}
         self._seen.move_to_end(k)
         return False
 
     def _remember(self, k: tuple[str, int], digest: int) -> None:
         """A (boot, seq) first seen, with its content, in the bounded window."""
-        self._seen[k] = {digest}
+        self._seen[k] = digest
         while len(self._seen) > self.DEDUP_WINDOW:
             self._seen.popitem(last=False)
