@@ -144,14 +144,22 @@ class DecodeStats:
     forged_reasons: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: DecodeStats) -> None:
-        """Add ``other``'s counts (a block's) to these."""
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, dict):
-                for k, v in theirs.items():
-                    mine[k] = mine.get(k, 0) + v
-            else:
-                setattr(self, f.name, mine + theirs)
+        """Add ``other``'s counts (a block's) to these: twice per block read (the decoder's
+        and the timeline's sums), so without :func:`dataclasses.fields` each time (it was 4 %
+        of a 64 MiB ``parse`` read in 64 KiB blocks)."""
+        mine, theirs = self.__dict__, other.__dict__
+        for name in _COUNTS:
+            mine[name] += theirs[name]
+        for name in _REASONS:
+            if add := theirs[name]:
+                into = mine[name]
+                for k, v in add.items():
+                    into[k] = into.get(k, 0) + v
+
+
+# DecodeStats' fields: the counts and the counts by reason (add() sums them, in this order)
+_COUNTS = tuple(f.name for f in fields(DecodeStats) if f.type == "int")
+_REASONS = tuple(f.name for f in fields(DecodeStats) if f.name not in _COUNTS)
 
 
 @dataclass
