@@ -91,18 +91,17 @@ class _Cand:
                 return None
         return self._ev
 
-    def covered_event(self) -> Event | None:
-        """The line as a covered event (flagged; its receive time when it was carried over),
-        built from the parse in one step; None when it does not parse."""
-        rx = self.rx if self.carried else None
+    def parts(self) -> tuple[str, str, int, int, tuple[tuple[str, str], ...], str] | None:
+        """The line's (event, boot, seq, ts_ms, fields, text), from the parse when it was made;
+        None when it does not parse (a covered line's event is built from them in one step,
+        once it is known not to be a copy: :meth:`LazyBlocks._covered`)."""
         e = self._ev
         if e is not None:
-            return _new_event(e.event, e.boot, e.seq, e.ts_ms, e.fields, e.text, True, rx)
+            return e.event, e.boot, e.seq, e.ts_ms, e.fields, e.text
         try:
-            p = _parse_parts(self.body.decode("ascii"))
+            return _parse_parts(self.body.decode("ascii"))
         except UnicodeDecodeError:
             return None
-        return None if p is None else _new_event(*p, True, rx)
 
 
 # Phase B's sort keys, C-level (LazyBlocks._verify): carried first, then by boot and seq.
@@ -471,24 +470,28 @@ class LazyBlocks:
         """A covered candidate's event (flagged), or None: a syntax reject, or a copy of a line
         seen (counted). One whose (boot, seq) was seen with other content is a conflict:
         verified within the budget, or dropped (:meth:`_settle`)."""
-        ev = c.covered_event()
-        if ev is None:
+        p = c.parts()
+        if p is None:
             self._reject(Rejected(Reject.SYNTAX, c.ln))  # intact but not a line
             return None
         k = (c.boot, c.seq)
-        seen = self._seen.get(k)
-        digest = _digest(ev)
+        window = self._seen
+        seen = window.get(k)
+        digest = hash((p[0], p[3], p[4], p[5]))  # _digest of its event, before it is built
         if seen is not None and not (seen == digest if isinstance(seen, int) else digest in seen):
             c.state = _Cand.NEW
             self._resolve(c)
             return self._settle(c)
-        self._now.stats.covered += 1
-        if seen is not None:  # a copy of a line seen (journald's)
-            self._now.stats.duplicates += 1
+        st = self._now.stats
+        st.covered += 1
+        if seen is not None:  # a copy of a line seen (journald's): no event built
+            st.duplicates += 1
             return None
-        self._remember(k, digest)
-        self._now.stats.events += 1
-        return ev
+        window[k] = digest  # _remember's, inline (one per covered line)
+        if len(window) > self.DEDUP_WINDOW:
+            window.popitem(last=False)
+        st.events += 1
+        return _new_event(*p, True, c.rx if c.carried else None)
 
     def _settle(self, c: _Cand) -> Event | None:
         """A candidate's outcome after phase B (a covered one's is :meth:`_covered`'s): its
