@@ -127,6 +127,11 @@ def test_the_budget_is_per_mib_whatever_the_piece_size(piece: int) -> None:
         d.feed(data, 5.0)
     bound = d.BUDGET_LINES + len(data) // d.CREDIT_BYTES + len(data) // d.BUDGET_BYTES + 1
     assert 0 < d.stats.verified <= bound
+    # within the read's first MiB, pieces get no more than the bytes read at once (issue 38:
+    # the credit's refill by bytes started at once, 96 checks more per MiB in pieces)
+    once = StreamDecoder(pin=SYNTH_KEY.public)
+    once.feed(data, 5.0)
+    assert d.stats.verified <= once.stats.verified
 
 
 def test_a_new_read_gets_the_whole_fixed_share_again() -> None:

@@ -114,8 +114,9 @@ class StreamDecoder(LazyBlocks):
         self.start_open = False
         self.withdrawn: list[str] = []  # fingerprints of pins withdrawn so (the caller's news)
         self._pending = b""
-        # (boot, seq) -> hashes of the contents seen with it, in arrival order, bounded.
-        self._seen: OrderedDict[tuple[str, int], set[int]] = OrderedDict()
+        # (boot, seq) -> the hash of the content seen with it (a set of them after a conflict),
+        # in arrival order, bounded.
+        self._seen: OrderedDict[tuple[str, int], int | set[int]] = OrderedDict()
         self._now = Decoded()  # the block being decoded
         self._budget = 0
         self._credit = self.BUDGET_LINES
