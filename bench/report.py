@@ -514,10 +514,15 @@ TABLES = {
 }
 
 
-def replace_tables(doc: str, res: dict[str, Any]) -> tuple[str, int]:
-    """doc with every known ``<!-- bench:NAME -->...<!-- /bench:NAME -->`` block regenerated."""
+def replace_tables(
+    doc: str, res: dict[str, Any], only: frozenset[str] | None = None
+) -> tuple[str, int]:
+    """doc with every known ``<!-- bench:NAME -->...<!-- /bench:NAME -->`` block regenerated
+    (``only``: just those tables)."""
     n = 0
     for name, fn in TABLES.items():
+        if only is not None and name not in only:
+            continue
         pat = re.compile(rf"(<!-- bench:{name} -->\n).*?(<!-- /bench:{name} -->)", flags=re.DOTALL)
         if pat.search(doc):
             body = fn(res)
@@ -530,11 +535,12 @@ def replace_tables(doc: str, res: dict[str, Any]) -> tuple[str, int]:
     return doc, n
 
 
-def update_doc(path: Path, res: dict[str, Any]) -> int:
-    """Regenerate the tables in the file at path; returns how many were replaced."""
+def update_doc(path: Path, res: dict[str, Any], only: frozenset[str] | None = None) -> int:
+    """Regenerate the tables (``only``: just those) in the file at path; returns how many were
+    replaced."""
     if not path.exists():
         return 0
-    text, n = replace_tables(path.read_text(), res)
+    text, n = replace_tables(path.read_text(), res, only)
     path.write_text(text)
     return n
 

@@ -425,7 +425,7 @@ class Tally:
     lat_before: dict[str, list[float]]
     early: dict[str, int]
     missed: dict[str, int]
-    ticks: dict[str, list[list[float]]]
+    ticks: dict[str, list[str]]
     inject_ms: list[float]
     loadavg: list[float]
 
@@ -779,7 +779,7 @@ class Bench:
                 "missed": t.missed[w.name],
             }
             if w.name in t.ticks:  # the agent's tick lines after the fault, per run (s after it)
-                rows[w.name]["tick_lines_s"] = t.ticks[w.name]
+                rows[w.name]["tick_lines_s"] = t.ticks[w.name]  # up to its decision
         return {
             "runs": runs,
             "threshold": self.plan.threshold,
@@ -812,10 +812,12 @@ class Bench:
         longest = max(w.threshold * (w.interval + 2 * w.timeout) + w.interval for w in started)
         deadline = time.monotonic() + longest + 5
         pending = dict(started)
+        decided: dict[str, float] = {}
         while pending and time.monotonic() < deadline:
             for w, (_, ln) in list(pending.items()):
                 at = fired_at(w, ln.fired)
                 if at is not None:
+                    decided[w.name] = at
                     if at < t_before:
                         t.early[w.name] += 1
                     else:
@@ -826,11 +828,12 @@ class Bench:
         for w in pending:
             t.missed[w.name] += 1
         for w, (_, ln) in started.items():
-            if w.name in t.ticks:
-                t.ticks[w.name].append([
-                    round(e.ts_ms / 1000 - t_inj, 3) for e in events(ln.fired)
-                    if e.event == vocab.TICK and e.ts_ms / 1000 >= t_before
-                ])  # fmt: skip
+            if w.name in t.ticks:  # up to the decision: where each failing tick's line landed
+                end = decided.get(w.name, t_inj + longest + 5)
+                t.ticks[w.name].append(" ".join(
+                    f"{e.ts_ms / 1000 - t_inj:.3f}" for e in events(ln.fired)
+                    if e.event == vocab.TICK and t_before <= e.ts_ms / 1000 <= end
+                ))  # fmt: skip
 
     def _start(self, ws: list[Watcher], base: Path, eg_ip: str, hb_every: int = 10
                ) -> dict[Watcher, tuple[subprocess.Popen[Any], peers.Launch]]:  # fmt: skip
@@ -1121,7 +1124,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"bench: results -> {out} ({res.get('duration_s', 0):.0f}s)")
     if not a.no_doc:
         doc = Path(a.doc)
-        n = report.update_doc(doc, res)
+        # --only-detection: the detection tables alone; every other table stays as the run that
+        # made it left it (the results file may predate some of them)
+        only = DETECTION_SECTIONS if a.only_detection else None
+        n = report.update_doc(doc, res, only)
         log(f"bench: {n} table(s) regenerated in {doc}")
     print(report.summary(res))
     failed = [s for s, v in res["sections"].items() if v.startswith("failed")]
