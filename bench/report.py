@@ -383,7 +383,10 @@ def t_detection_loaded(res: dict[str, Any]) -> str:
         for name, r in d["watchers"].items()
         if r["kind"] == "agent" and r.get("past_bound_ms") is not None
     ]
-    tail = "latest decision against its policy bound (negative: inside): " + ", ".join(past)
+    tail = (
+        "latest decision against its policy bound, with no slack and from the moment the rules "
+        "were handed to iptables-restore (negative: inside): " + ", ".join(past)
+    )
     return f"{head}\n\n{t_detection(res, 'detection_loaded')}\n\n{tail}"
 
 
