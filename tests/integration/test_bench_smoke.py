@@ -7,6 +7,7 @@ shape (docs/performance.md holds the real figures, from ``make bench``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,40 @@ def test_the_journal_section_runs_tiny_and_is_a_target_row() -> None:
     assert "--log changes (the unit)" in table and "MB a day" in table
 
 
+def _loaded_row(name: str, timeout: float, values: list[float], within: int) -> dict[str, object]:
+    lo, hi = analysis.policy_bounds(1.0, 10, timeout)
+    return {"name": name, "kind": "agent", "interval": 1.0, "threshold": 10, "timeout": timeout,
+            "expresses_and": True, "bounds_s": [lo, hi], "latency_s": analysis.summarize(values),
+            "values_s": values, "within_bounds": within, "missed": 0, "fired_before_fault": 0,
+            "past_bound_ms": max(values) * 1000 - hi * 1000}  # fmt: skip
+
+
+@pytest.mark.pure
+def test_loaded_detection_is_a_table_and_a_target_row_per_ratio() -> None:
+    """Issue 38 item 7: every loaded run inside the window at timeout/interval 0.5, 0.9, 0.99;
+    one run outside is a miss of that ratio's row only."""
+    ws = {
+        "agent-1s": _loaded_row("agent-1s", 0.5, [9.9] * 6, 6),
+        "agent-1s-t0.9": _loaded_row("agent-1s-t0.9", 0.9, [10.2] * 6, 6),
+        "agent-1s-t0.99": _loaded_row("agent-1s-t0.99", 0.99, [10.5] * 5 + [11.1], 5),
+    }
+    res = {"detection_loaded": {
+        "runs": 6, "watchers": ws, "loadavg_1m": analysis.summarize([6.0, 7.5]),
+        "load": {"busy_procs": 4, "cores": 2, "how": "4 x busy loop"}}}  # fmt: skip
+    rows = {
+        t["target"]: t for t in report.targets(res) if t["target"].startswith("detection under")
+    }
+    assert len(rows) == 3
+    met = {k.split(", ")[1].split(" ")[0]: v["met"] for k, v in rows.items()}
+    assert met == {"agent-1s": True, "agent-1s-t0.9": True, "agent-1s-t0.99": False}
+    assert any("(4 busy processes)" in k and "0.99" in k for k in rows)
+    table = report.t_detection_loaded(res)
+    assert (
+        "4 x busy loop on 2 cores" in table and "5/6" in table and "agent-1s-t0.99 110 ms" in table
+    )
+    assert report.t_detection_loaded({}) == "_not measured in this run_"
+
+
 @pytest.mark.pure
 def test_peer_files_never_name_system_paths(tmp_path: Path) -> None:
     for w in peers.peer_watchers(10, 0.5):
@@ -171,6 +206,10 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
     assert res["blackhole"]["tick_wall_s"]["n"] == 2
     det = res["detection"]["watchers"]
     assert det["agent-0.5s"]["latency_s"]["n"] == 1
+    loaded = res["detection_loaded"]  # issue 38 item 7: the same watchers, the machine loaded
+    assert loaded["load"]["busy_procs"] == 2 * (os.cpu_count() or 1)
+    assert loaded["watchers"]["agent-1s-t0.99"]["latency_s"]["n"] == 1
+    assert loaded["loadavg_1m"]["n"] == 1
     for ratio in ("t0.9", "t0.99"):  # issue 16: timeouts close to the interval, within bounds
         row = det[f"agent-1s-{ratio}"]
         assert row["latency_s"]["n"] == 1 and row["within_bounds"] == 1, row

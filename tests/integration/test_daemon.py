@@ -351,6 +351,35 @@ def test_a_rehearsed_linger_runs_beside_the_ticks(tmp_path: Path) -> None:
     assert sum(1 for e in evs if e.event == "tick") == 20 and evs[-1].event == "stop"
 
 
+@pytest.mark.pure
+def test_a_rehearsal_writes_its_decision_line_before_the_loop_goes_on(tmp_path: Path) -> None:
+    """Issue 38 item 7: the rehearsal's decision line (``dry_run_shutdown``) came 30-40 ms after
+    the deciding tick on a loaded machine, its thread competing with the loop's: the loop now
+    waits (bounded) until the line is written. The fake chain takes 50 ms before its line (a
+    loaded machine's scheduling), then lingers until released."""
+    agent, _, _, _ = make(tmp_path, [result("fail", "fail")] * 12, action="dry-run")
+    order: list[str] = []
+    release = threading.Event()
+
+    def slow_chain(*_a: object, progress: Any = None, **_k: object) -> None:
+        progress("shutdown")
+        threading.Event().wait(0.05)
+        order.append("decision line")
+        progress("linger")
+        release.wait(10)  # bounded
+
+    def hook(report: TickReport) -> None:
+        if any(isinstance(a, WouldShutdown) for a in report.actions):
+            order.append("decision tick's report")
+            release.set()
+
+    agent.d.on_shutdown = slow_chain
+    agent.d.tick_hooks.append(hook)
+    agent.run(threading.Event(), max_ticks=12)
+    assert order == ["decision line", "decision tick's report"]
+    assert agent.rehearsing is None
+
+
 # -- a stop asked for during the linger (issue 39) -----------------------------------------------
 
 

@@ -53,6 +53,11 @@ SIGNAL_LINE_WAIT_S = 2.0
 # How long the loop's end waits for dry-run rehearsals still running beside it (their linger
 # ends at once on the stop event; the dry-run steps after it are lines only).
 REHEARSAL_JOIN_S = 5.0
+# How long the loop waits, at most, for a dry-run rehearsal it just started to write its decision
+# line (`dry_run_shutdown`) before it goes on (issue 38: beside the loop, the line came 30-40 ms
+# after the deciding tick on a loaded machine). A sync line waits for the port's drain; a console
+# that hangs must not stop the ladder for long.
+REHEARSAL_ANNOUNCE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -361,13 +366,22 @@ class Agent:
         self._rehearsal_n += 1
         n = self._rehearsal_n
         self._rehearsal_steps[n] = "shutdown"  # before the thread: a stop now sees it
-        t = threading.Thread(target=self._rehearse, args=(n,), name=f"rehearsal-{n}", daemon=True)
+        announced = threading.Event()
+        t = threading.Thread(
+            target=self._rehearse, args=(n, announced), name=f"rehearsal-{n}", daemon=True
+        )
         self._rehearsals.append(t)
         t.start()
+        # The decision line right after the deciding tick: the loop yields (blocked, the GIL
+        # released) until the rehearsal has written it, i.e. moved past its "shutdown" step or
+        # ended; bounded (REHEARSAL_ANNOUNCE_S). Then the linger goes on beside the ticks.
+        announced.wait(REHEARSAL_ANNOUNCE_S)
 
-    def _rehearse(self, n: int) -> None:
+    def _rehearse(self, n: int, announced: threading.Event) -> None:
         def progress(step: str) -> None:
             self._rehearsal_steps[n] = step
+            if step != "shutdown":  # the chain's first step (its decision line) is done
+                announced.set()
 
         try:
             self.d.on_shutdown(
@@ -384,6 +398,7 @@ class Agent:
             self._report_error("chain", e, "dry-run chain failed")
         finally:
             self._rehearsal_steps.pop(n, None)
+            announced.set()
 
     def _join_rehearsals(self, stop: threading.Event) -> None:
         """The loop ends: a rehearsal still lingering is stopped (``stop`` ends its linger) and
