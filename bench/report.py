@@ -139,6 +139,10 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     add(f"RSS at the end of the soak, {_get(sk, 'idle_procs')} idle processes beside it ({where})",
         f"<= {TARGET_RSS_MIB:g} MiB", end,
         None if end is None else end <= TARGET_RSS_MIB, "MiB")  # fmt: skip
+    deb = _get(sk, "deb_tree", "rss_end_mib")
+    add(f"RSS at the end of the soak, {_get(sk, 'idle_procs')} idle processes beside it (the .deb's"
+        " tree; `make deb` first)", f"<= {TARGET_RSS_MIB:g} MiB", deb,
+        None if deb is None else deb <= TARGET_RSS_MIB, "MiB")  # fmt: skip
     d = None if end is None or base is None else round(end - base, 3)
     add("soak's end RSS: with the idle processes minus without",
         f"<= {TARGET_PROCS_RSS_MIB:g} MiB (no growth with their number)", d,
@@ -497,6 +501,10 @@ def t_soak(res: dict[str, Any]) -> str:
         ["growth (end - warm-up)", f"**{s['growth_mib']:.3f} MiB** (goal <= 1 MiB)"],
         ["serial lines, tick errors", f"{s['serial_lines']}, {s['tick_errors']}"],
     ]  # fmt: skip
+    d = s.get("deb_tree")
+    rows.append(["the .deb's tree (its own venv, unpacked), RSS at the end",
+                 f"{d['rss_end_mib']:.2f} MiB ({d['package']}, growth {d['growth_mib']:.3f} MiB)"
+                 if d else "not measured (no build/deb: `make deb` first)"])  # fmt: skip
     return _table(["memory soak", "value"], rows)
 
 

@@ -925,8 +925,8 @@ def run_soak(plan: Plan) -> dict[str, Any]:
     not depend on their number."""
     py = deploy_py() or PY
 
-    def one(procs: int) -> dict[str, Any]:
-        argv = [py, "-m", "bench.soak", "--ticks", str(plan.soak_ticks), "--procs", str(procs)]
+    def one(procs: int, python: str = py) -> dict[str, Any]:
+        argv = [python, "-m", "bench.soak", "--ticks", str(plan.soak_ticks), "--procs", str(procs)]
         r = subprocess.run(
             argv, cwd=REPO, capture_output=True, text=True, timeout=3600, check=False
         )
@@ -938,7 +938,23 @@ def run_soak(plan: Plan) -> dict[str, Any]:
     out = one(SOAK_IDLE_PROCS)
     out["without_idle"] = one(0)
     out["as_shipped"] = py != PY
+    deb = deb_package()
+    if deb is not None:  # the same soak under the .deb's own venv, unpacked as dpkg would
+        with tempfile.TemporaryDirectory(prefix="gcewd-bench-deb-") as root:
+            subprocess.run(["dpkg-deb", "-x", str(deb), root], check=True, timeout=300)
+            out["deb_tree"] = one(SOAK_IDLE_PROCS, f"{root}{DEB_VENV}/bin/python")
+            out["deb_tree"]["package"] = deb.name
     return out
+
+
+DEB_VENV = "/opt/gce-watchdog"  # the .deb's self-contained venv (docs/packaging.md)
+
+
+def deb_package() -> Path | None:
+    """The bookworm .deb ``make deb`` left in build/deb (the agent as the .deb installs it), or
+    None: the bench does not build it (about 14 minutes)."""
+    debs = sorted((REPO / "build" / "deb").glob("gce-watchdog_*~deb12u*_amd64.deb"))
+    return debs[-1] if debs else None
 
 
 NET_SECTIONS = ("startup", "overhead", "blackhole", "detection", "detection_loaded")

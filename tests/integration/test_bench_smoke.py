@@ -286,3 +286,19 @@ def test_only_decode_reruns_that_section_and_keeps_the_others(tmp_path: Path) ->
     )
     assert res["decode"]["date"] != old["date"] and "--only-decode" in res["decode"]["mode"]
     assert "measured alone" in doc.read_text()
+
+
+@pytest.mark.pure
+def test_the_debs_tree_is_a_target_row_and_says_when_it_was_not_measured() -> None:
+    """Issue 38 item 1: the soak under the .deb's own venv is its own row; with no .deb built
+    the row says so (None), never the wheel's figure."""
+    name = (
+        "RSS at the end of the soak, None idle processes beside it"
+        " (the .deb's tree; `make deb` first)"
+    )
+    t = {x["target"]: x for x in report.targets({"soak": {"rss_end_mib": 29.0}})}
+    assert t[name]["measured"] is None and t[name]["met"] is None
+    soak = {"idle_procs": 300, "rss_end_mib": 29.0, "deb_tree": {"rss_end_mib": 33.5}}
+    t = {x["target"]: x for x in report.targets({"soak": soak})}
+    row = t[name.replace("None", "300")]
+    assert row["measured"] == 33.5 and row["met"] is False
