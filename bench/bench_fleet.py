@@ -370,6 +370,8 @@ def bench_pubsub(
         # each worker's own peak RSS (VmHWM), read while it ran
         "worker_rss_mib": [None if k is None else round(k / 1024, 1) for k in hwm],
         "per_worker_messages": [st["messages"] for st in stats],
+        # signature checks the workers' caches of verified lines answered (copies, duplicates)
+        "verified_again": sum(st.get("verified_again", 0) for st in stats),
         # each worker's own CPU (user + system) over the run, and messages per CPU second:
         # what one core handles, whatever else the machine runs
         "worker_cpu_s": cpu,

@@ -683,6 +683,73 @@ def test_a_forged_line_under_another_key_is_never_evidence(tmp_path: Path) -> No
         assert led.assembly.boots() == [("66", "aaaa6666", "ended")]
 
 
+@pytest.mark.pure
+def test_a_copy_of_a_verified_line_is_not_verified_again_and_a_forged_copy_still_fails(
+    tmp_path: Path,
+) -> None:
+    """Issue 38: journald's copy of a line (another prefix, the same signed bytes) and a
+    duplicate are answered by the worker's cache of verified signatures; a line with the same
+    boot and seq under another key is checked, and forged, all the same."""
+    import secrets
+
+    from gce_watchdog.wire import protocol
+
+    evs = (("start", {"v": "1"}), ("shutdown", {"reason": "ladder", "rung": "10/10"}))
+    texts = lines_of(Writer(boot="aaaa6666"), *evs)
+    signed = [t for t in texts if " key pk=" not in t]  # start, shutdown (not the key lines)
+    bare = [log_entry("66", "vm-66", t) for t in texts]
+    copies = [exported_entry(PROJECT, "66", "vm-66", exported_text(t, "vm-66", True))
+              for t in signed]  # fmt: skip
+    other = Writer(boot="aaaa6666", key=protocol.LineKey(secrets.token_bytes(32)))
+    fake = [log_entry("66", "vm-66", t) for t in lines_of(other, *evs) if " key pk=" not in t]
+    dup = log_entry("66", "vm-66", signed[0])
+    with open_ledger(tmp_path / "l.sqlite") as led:
+        led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
+        outs: list[PollOutcome] = []
+        wk = PubSubWorker(_Batches([bare[:-1] + copies + fake + bare[-1:] + [dup]]), "s",
+                          led, outs.append, settle_s=SETTLE_S, identity=IDS)  # fmt: skip
+        wk.step()
+        # start and shutdown verified once each; their journald copies and start's duplicate
+        # from the cache; the other key's lines verified, and forged
+        assert len(signed) == 2 and len(fake) == 2
+        assert wk.stats.verified_again == len(copies) + 1
+        assert wk.stats.forged == len(fake)
+        assert [(d.instance_id, d.verdict) for d in led.decisions.all()] == [
+            ("66", "self_shutdown")
+        ]
+
+
+@pytest.mark.process
+def test_a_pull_of_many_boots_with_copies_is_stored_once_per_line_in_both_backends(
+    ledger_url: str,
+) -> None:
+    """The store writes a pull's boots and lines as multi-row statements (PostgreSQL: chunks of
+    ``VALUES_ROWS``): more boots than one chunk, every line twice in the batch, one terminal
+    line; each line is stored once (the first copy), the terminal's boot is returned."""
+    from gce_watchdog.poller.assembly_store import OPEN, BootUpdate, StoredLine
+    from gce_watchdog.poller.ledger_pg import VALUES_ROWS
+
+    n = VALUES_ROWS + 20
+    lines = [
+        StoredLine(f"{i}", PROJECT, "z", f"vm-{i}", Event(ev, f"b{i:04d}", seq, 1000, (), ev),
+                   10.0 + k, 100.0 + k)
+        for k in (0, 1) for i in range(n)
+        for seq, ev in ((1, "start"), (2, "shutdown" if i == 7 else "heartbeat"))
+    ]  # fmt: skip
+    with open_ledger(ledger_url, owner="w1") as led:
+        touched, dropped = led.assembly.store(lines, [])
+        assert (touched, dropped) == ({("7", "b0007")}, 0)
+        looked = led.assembly.update_many(
+            [("7", "b0007"), (f"{n - 1}", f"b{n - 1:04d}")], lambda b: BootUpdate(OPEN, None)
+        )
+        for seen, _ in looked.values():  # the first copy of each seq: received at 10.0
+            assert [(r.event.seq, r.received_at, p) for r, p in seen.lines] == [
+                (1, 10.0, 100.0),
+                (2, 10.0, 100.0),
+            ]
+        assert len(led.assembly.boots(OPEN)) == n
+
+
 # -- many workers (issue 26 "Done when") --------------------------------------------------------
 
 

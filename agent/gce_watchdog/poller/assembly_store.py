@@ -146,7 +146,7 @@ class SqlAssembly:
             # gap_since: "look again by then", set below where a look is due; terminal: the
             # lowest seq of a terminal line stored, so whoever stores a boot's last missing line
             # knows to look at it.
-            self.db.execmany(
+            self.db.execvalues(  # one row per boot: a multi-row upsert may touch each once
                 "INSERT INTO assembly_boots (instance_id, boot, state, project, zone, name,"
                 " last_line, gap_since, terminal) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT (instance_id, boot) DO UPDATE SET"
@@ -161,19 +161,24 @@ class SqlAssembly:
                     for (iid, boot), (ln, last, _first, term) in sorted(boots.items())
                 ],
             )
-            states: dict[tuple[str, str], tuple[str, object]] = {}
+            # per boot: (state, lowest terminal seq stored, floor)
+            states: dict[tuple[str, str], tuple[str, object, int]] = {}
             ids = sorted({iid for iid, _ in boots})
             for i in range(0, len(ids), 500):
                 chunk = ids[i : i + 500]
                 marks = ", ".join("?" * len(chunk))
-                for iid, boot, state, stored_term in self.db.exec(
-                    "SELECT instance_id, boot, state, terminal FROM assembly_boots"  # noqa: S608
-                    f" WHERE instance_id IN ({marks})",
+                for iid, boot, state, stored_term, floor in self.db.exec(
+                    "SELECT instance_id, boot, state, terminal, floor"  # noqa: S608
+                    f" FROM assembly_boots WHERE instance_id IN ({marks})",
                     tuple(chunk),
                 ):
-                    states[(str(iid), str(boot))] = (str(state), stored_term)
+                    states[(str(iid), str(boot))] = (str(state), stored_term, int(floor))  # type: ignore[call-overload]
             open_boots = {k for k in boots if states[k][0] == OPEN}
-            self.db.execmany(
+            firsts: dict[tuple[str, str, int], StoredLine] = {}
+            for ln in order:  # a seq's first copy in the batch: the one a row per line kept
+                if (ln.instance_id, ln.event.boot) in open_boots:
+                    firsts.setdefault((ln.instance_id, ln.event.boot, ln.event.seq), ln)
+            self.db.execvalues(
                 "INSERT INTO assembly_lines (instance_id, boot, seq, event, ts_ms, fields,"
                 " text, received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT (instance_id, boot, seq) DO NOTHING",
@@ -181,12 +186,11 @@ class SqlAssembly:
                     (ln.instance_id, ln.event.boot, ln.event.seq, ln.event.event,
                      ln.event.ts_ms, json.dumps(ln.event.fields), ln.event.text,
                      ln.received_at, ln.published)
-                    for ln in order
-                    if (ln.instance_id, ln.event.boot) in open_boots
+                    for ln in firsts.values()
                 ],  # decided, ended or gapped boots: their lines change nothing
             )  # fmt: skip
             self._hint(
-                {k: boots[k][2] for k in open_boots if states[k][1] is None}
+                {k: (boots[k][2], states[k][2]) for k in open_boots if states[k][1] is None}
             )  # a terminal's boot is looked at now (the caller), the others only where due
             by_iid: dict[str, list[RawLine]] = {}
             for r in sorted(raw, key=lambda x: (x.instance_id, x.text)):
@@ -199,7 +203,7 @@ class SqlAssembly:
                 room = max(0, UNVERIFIED_MAX - int(n))  # type: ignore[call-overload]
                 keep += rs[:room]
                 dropped += len(rs) - len(rs[:room])
-            self.db.execmany(
+            self.db.execvalues(
                 "INSERT INTO assembly_unverified (instance_id, line, project, zone, name,"
                 " received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT (instance_id, line) DO NOTHING",
@@ -214,32 +218,41 @@ class SqlAssembly:
         # looked at when their gap hint is due (gaps_due)
         return {k for k in open_boots if states[k][1] is not None}, dropped
 
-    def _hint(self, first: dict[tuple[str, str], float]) -> None:
+    def _hint(self, first: dict[tuple[str, str], tuple[float, int]]) -> None:
         """Set the look-again hint (``gap_since``, kept where set) of those open boots whose
         stored lines have a gap, or exceed ``MAX_PREFIX`` (compaction): at their earliest receipt
-        in this batch. A boot with neither needs no look until its terminal line is stored (the
-        store returns it then); a hint set for a gap that another worker has filled since costs
-        one look. A gap no worker fills has its lines past it stored by someone, who sees it."""
+        in this batch (``first``: per boot, that receipt and the boot's floor). A boot with
+        neither needs no look until its terminal line is stored (the store returns it then); a
+        hint set for a gap that another worker has filled since costs one look. A gap no worker
+        fills has its lines past it stored by someone, who sees it.
+
+        The seqs are read by instance (the lines' primary key) and counted here: a join with
+        ``assembly_boots`` made PostgreSQL hash the whole table on every pull (docs/poller.md)."""
         due: list[tuple[object, ...]] = []
+        # per boot: (lines, lines at or above the floor, highest seq)
+        counts: dict[tuple[str, str], list[int]] = {}
         ids = sorted({iid for iid, _ in first})
         for i in range(0, len(ids), 500):
             chunk = ids[i : i + 500]
             marks = ", ".join("?" * len(chunk))
-            for iid, boot, floor, n, above, top in self.db.exec(
-                "SELECT l.instance_id, l.boot, b.floor, COUNT(*),"  # noqa: S608
-                " SUM(CASE WHEN l.seq >= b.floor THEN 1 ELSE 0 END), MAX(l.seq)"
-                " FROM assembly_lines l JOIN assembly_boots b"
-                " ON b.instance_id = l.instance_id AND b.boot = l.boot"
-                f" WHERE l.instance_id IN ({marks}) GROUP BY l.instance_id, l.boot, b.floor",
+            for iid, boot, seq in self.db.exec(
+                "SELECT instance_id, boot, seq FROM assembly_lines"  # noqa: S608
+                f" WHERE instance_id IN ({marks})",
                 tuple(chunk),
             ):
                 key = (str(iid), str(boot))
                 if key not in first:
                     continue
-                lo, hi = int(floor), int(top)  # type: ignore[call-overload]
-                gap = hi >= lo and int(above) < hi - lo + 1  # type: ignore[call-overload]
-                if gap or int(n) > MAX_PREFIX:  # type: ignore[call-overload]
-                    due.append((first[key], *key))
+                n = int(seq)  # type: ignore[call-overload]
+                c = counts.setdefault(key, [0, 0, n])
+                c[0] += 1
+                c[1] += n >= first[key][1]
+                c[2] = max(c[2], n)
+        for key, (n, above, hi) in counts.items():
+            at, lo = first[key]
+            gap = hi >= lo and above < hi - lo + 1
+            if gap or n > MAX_PREFIX:
+                due.append((at, *key))
         self.db.execmany(
             "UPDATE assembly_boots SET gap_since = COALESCE(gap_since, ?)"
             " WHERE instance_id = ? AND boot = ?",

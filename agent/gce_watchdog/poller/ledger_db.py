@@ -256,6 +256,13 @@ class SqlDb:
         for r in rows:
             self.exec(sql, r)
 
+    def execvalues(self, sql: str, rows: list[tuple[object, ...]]) -> None:
+        """An ``INSERT ... VALUES (?, ...) [ON CONFLICT ...]`` for every row, in order: as
+        ``execmany`` here (SQLite runs in process: a statement costs no round trip); PostgreSQL
+        sends one statement per chunk of rows (a multi-row ``VALUES``). No two rows may be
+        the same row of the table where the statement updates on conflict."""
+        self.execmany(sql, rows)
+
     def rowcount(self, sql: str, params: tuple[object, ...]) -> int:
         """Run one statement; the number of rows it changed."""
         raise NotImplementedError
