@@ -16,41 +16,13 @@ from gce_watchdog.poller.poller import PollOutcome
 from gce_watchdog.poller.pubsub import PubSubWorker
 from gce_watchdog.testing.synth import SYNTH_KEY
 from kit.bootcount import BcWriter
-from kit.identities import TableIdentities
+from kit.identities import Batches, TableIdentities
 from kit.pubsub_emulator import publish_all, topic_and_subscription
 from kit.pubsub_service import ServiceLikeSubscriber, exported_entry, exported_text
 
 PROJECT = "test-project"
 IDS = TableIdentities.of(["66"], PROJECT)
 SETTLE_S = 3600.0
-
-
-class _Msg:
-    def __init__(self, data: bytes) -> None:
-        self.data, self.publish_time = data, None
-
-
-class _Rm:
-    def __init__(self, data: bytes, n: int) -> None:
-        self.message, self.ack_id = _Msg(data), f"ack-{n}"
-
-
-class _Batches:
-    """A subscriber whose pulls hand out the given batches, one a pull."""
-
-    def __init__(self, batches: list[list[bytes]]) -> None:
-        self.batches = [[_Rm(d, i * 1000 + j) for j, d in enumerate(b)] for i, b in
-                        enumerate(batches)]  # fmt: skip
-        self.acked: list[str] = []
-
-    def pull(self, request: dict[str, Any], timeout: float | None = None) -> Any:
-        class R:
-            received_messages = self.batches.pop(0) if self.batches else []
-
-        return R()
-
-    def acknowledge(self, request: dict[str, Any]) -> None:
-        self.acked += request["ack_ids"]
 
 
 def _entries(w: BcWriter, *events: tuple[str, dict[str, str]]) -> list[bytes]:
@@ -83,7 +55,7 @@ def test_a_replayed_older_boot_never_fails_a_healthy_vm_over(
             batches = [old]
         else:
             batches = [new, old]
-        w = PubSubWorker(_Batches(batches), "s", led, outs.append, settle_s=SETTLE_S, identity=IDS)
+        w = PubSubWorker(Batches(batches), "s", led, outs.append, settle_s=SETTLE_S, identity=IDS)
         for _ in batches:
             w.step()
         assert led.decisions.all() == [] and not outs
@@ -99,7 +71,7 @@ def test_without_a_higher_boot_on_record_the_older_boot_decides_as_before(tmp_pa
     outs: list[PollOutcome] = []
     with open_ledger(str(tmp_path / "ledger.sqlite"), owner="w1") as led:
         led.pins.place_pin("66", SYNTH_KEY.public, SYNTH_KEY.fingerprint)
-        w = PubSubWorker(_Batches([old]), "s", led, outs.append, settle_s=SETTLE_S, identity=IDS)
+        w = PubSubWorker(Batches([old]), "s", led, outs.append, settle_s=SETTLE_S, identity=IDS)
         w.step()
         assert [d.verdict for d in led.decisions.all()] == ["self_shutdown"]
         assert led.decisions.alarms() == []
