@@ -194,6 +194,33 @@ def test_a_dns_failure_in_bootstrap_and_host_maintenance_fail_over_once_each(
     assert "setup_failed step=bootstrap:md0" in infra_log and "cause=infra" in infra_log
 
 
+def test_the_saved_console_is_what_the_poller_read_even_when_the_vm_stops_right_after(
+    api: FakeComputeAPI, guest: SimGuest, tmp_path: Path
+) -> None:
+    """The flaky run of the test above, made certain: the VM powers off right after the read
+    that brought its `setup_failed` line (the API serves no console once it is not RUNNING).
+    `validate` once kept its own copy from reads of its own before each poll, so such a VM
+    left `serial-NAME.log` empty (or the poller never saw the line); the copy is now the bytes
+    the poller's reads brought, so the verdict, the evidence and the saved console agree."""
+    name = "gcewd-vstop1-setup-failed-infra"
+
+    def stop_after_the_line(inst: FakeInstance, contents: str) -> None:
+        if inst.name == name and "setup_failed" in contents and inst.status == "RUNNING":
+            api.guest_shutdown(name)  # no linger: nothing more can be read
+
+    api.on_serial.append(stop_after_the_line)
+    out = tmp_path / "out"
+    rc = main(argv(api, tmp_path, "--yes", "--run-id", "vstop1", "--out", str(out),
+                   "--scenario", "setup-failed-infra", *FAST))  # fmt: skip
+    doc = json.loads((out / "validate.json").read_text())
+    (infra,) = doc["scenarios"]
+    assert rc == 0, (infra["evidence"], infra["notes"])
+    assert infra["failovers"] == 1 and infra["verdict"] == "setup_failed_infra", infra
+    log = (out / infra["files"]["serial"]).read_text()
+    assert "setup_failed step=bootstrap:md0" in log and "cause=infra" in log, log
+    assert api.instance(name).deleted and alive(api) == []
+
+
 def test_a_vm_that_does_not_enable_faults_fails_its_scenario(
     api: FakeComputeAPI, guest: SimGuest, tmp_path: Path
 ) -> None:

@@ -28,7 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from gce_watchdog.lib import jsontime
-from gce_watchdog.lib.compute import AuthError, ComputeAPIError, ComputeClient, InstanceStatus
+from gce_watchdog.lib.compute import (
+    AuthError,
+    ComputeAPIError,
+    ComputeClient,
+    InstanceStatus,
+    SerialChunk,
+)
 from gce_watchdog.poller.boots import ALARM_BOOT_REGRESSED
 from gce_watchdog.poller.cloudlogging import LoggingClient, LoggingError
 from gce_watchdog.poller.cost import BootFacts, boot_facts, gpu_count
@@ -270,6 +276,7 @@ class Poller:
         clock: Callable[[], float] = time.time,
         peers: Sequence[Path] = (),
         logging: LoggingClient | None = None,
+        on_read: Callable[[str, SerialChunk], None] | None = None,
     ) -> None:
         self.client = client
         self.reader = SerialReader(
@@ -278,6 +285,7 @@ class Poller:
             clock,
             pins=None if ledger is None else ledger.pins,
             freshness=None if ledger is None else ledger.freshness,
+            on_read=on_read,
         )
         self.project = project
         self.zone = zone

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gce_watchdog.lib.compute import ComputeClient
+from gce_watchdog.lib.compute import ComputeClient, SerialChunk
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.poller.boots import Record
 from gce_watchdog.poller.freshness_store import FreshnessStore
@@ -222,7 +222,10 @@ class SerialReader:
 
     ``freshness``: the ledger's record of each boot's newest line (docs/poller.md,
     "Freshness"): after each read the current boot's newest seq is noted there, and the record
-    that stands (the first receipt of that seq by any reader) is the timeline's ``last_rx``."""
+    that stands (the first receipt of that seq by any reader) is the timeline's ``last_rx``.
+
+    ``on_read``: called with the instance's name and each chunk the API answered, as it came
+    (``validate`` keeps the console its poller judged from these, never from reads of its own)."""
 
     def __init__(
         self,
@@ -231,12 +234,14 @@ class SerialReader:
         clock: Callable[[], float] = time.time,
         pins: PinStore | None = None,
         freshness: FreshnessStore | None = None,
+        on_read: Callable[[str, SerialChunk], None] | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.clock = clock  # the reader's own clock: when bytes were received
         self.pins = pins
         self.freshness = freshness
+        self.on_read = on_read
 
     def read(self, project: str, zone: str, name: str, instance_id: str = "") -> ReadResult:
         cur = self.store.load(project, zone, name)
@@ -258,6 +263,8 @@ class SerialReader:
             requested = cur.offset
             chunk = self.client.serial_port_output(project, zone, name, requested)
             rx = self.clock()
+            if self.on_read is not None:
+                self.on_read(name, chunk)
             fetched += len(chunk.contents)
             cur.reads += 1
             if chunk.next < requested:

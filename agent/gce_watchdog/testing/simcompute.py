@@ -483,6 +483,9 @@ class FakeComputeAPI:
         # Called (outside the lock, on the request's thread) with each instance that
         # instances.insert created: tests start a simulated guest there, e2e a qemu VM.
         self.on_insert: list[Callable[[FakeInstance], None]] = []
+        # Called (outside the lock, before the answer is sent) with the instance and the
+        # ``contents`` of each serialPort read answered 200: a test acts between two reads.
+        self.on_serial: list[Callable[[FakeInstance, str], None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -923,16 +926,20 @@ class FakeComputeAPI:
                 return 404, _error(404, f"The resource '{what}' was not found", "notFound"), {}
             if m.endpoint == "get":
                 return 200, _instance_json(inst), {}
-            if m.endpoint == "serial":
-                return self._serial(inst, query)
             if m.endpoint == "simulate_maintenance":
                 return self._simulate_maintenance(inst, mid, query, rid)
-            op = self._mutate(inst, m.endpoint, body)
-            if isinstance(op, tuple):
-                return op
-            if rid:
-                self.operations[(project, zone, name, mid, str(uuid.UUID(rid)))] = op
-            return 200, self._op_json(op), {}
+            if m.endpoint != "serial":
+                op = self._mutate(inst, m.endpoint, body)
+                if isinstance(op, tuple):
+                    return op
+                if rid:
+                    self.operations[(project, zone, name, mid, str(uuid.UUID(rid)))] = op
+                return 200, self._op_json(op), {}
+            answer = self._serial(inst, query)
+        if answer[0] == 200:
+            for see in list(self.on_serial):
+                see(inst, str(answer[1]["contents"]))  # without the lock: hooks call back
+        return answer
 
     def _test_iam(
         self, project: str, zone: str, resource: str, body: bytes, granted: frozenset[str] | None

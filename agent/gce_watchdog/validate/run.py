@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from gce_watchdog.lib.compute import ComputeAPIError
+from gce_watchdog.lib.compute import ComputeAPIError, SerialChunk
 from gce_watchdog.lib.files import atomic_write
 from gce_watchdog.poller.ledgers import Ledger, open_ledger
 from gce_watchdog.poller.poller import Poller
@@ -63,8 +63,8 @@ class Timing:
 class VMState:
     plan: VMPlan
     obs: Observation
-    serial: bytearray = field(default_factory=bytearray)
-    offset: int = 0  # validate's own reads (the console log in the report folder)
+    serial: bytearray = field(default_factory=bytearray)  # serial-NAME.log: the poller's reads
+    offset: int = 0  # the port offset `serial` ends at
     seen_events: int = 0  # lines of the poller's timeline already folded in
     events: list[Event] = field(default_factory=list)
     inserted_at: float | None = None
@@ -155,7 +155,7 @@ class Run:
                 try:
                     poller = Poller(
                         self.api.client, CursorStore(work / "cursors"), p.project, p.zone,
-                        ledger, Policy(), reap=True,
+                        ledger, Policy(), reap=True, on_read=self._keep_serial,
                     )  # fmt: skip
                     self._create()
                     self._drive(poller, ledger)
@@ -198,7 +198,6 @@ class Run:
     def _step(self, vm: VMState, poller: Poller, ledger: Ledger) -> None:
         p, o, s = self.plan, vm.obs, SCENARIOS[vm.plan.scenario]
         now = self.clock()
-        self._read_serial(vm)
         out = poller.poll(vm.plan.name)
         self._observe(vm, poller, now)
         if out.verdict is not None:
@@ -260,16 +259,22 @@ class Run:
             return off and (o.reaped_by_poller or not s.expect_reaped)
         return False
 
-    def _read_serial(self, vm: VMState) -> None:
-        p = self.plan
-        try:
-            chunk = self.api.client.serial_port_output(p.project, p.zone, vm.plan.name, vm.offset)
-        except ComputeAPIError:
-            return  # not RUNNING (the API serves no output then), or gone
+    def _keep_serial(self, name: str, chunk: SerialChunk) -> None:
+        """Each read the poller made (its ``on_read``): the console it judged is the one saved.
+        A read of its own before each poll once missed a VM that stopped between the two (the
+        API serves no console once a VM is not RUNNING) and saved an empty log."""
+        vm = next((v for v in self.vms if v.plan.name == name), None)
+        if vm is None:
+            return
+        if chunk.next < vm.offset:  # the port restarted at 0; the poller reads it again
+            vm.obs.notes.append("console log: the port restarted")
+            vm.offset = 0
         if chunk.start > vm.offset:
             vm.obs.notes.append(f"console log: {chunk.start - vm.offset} bytes lost")
+        elif chunk.next <= vm.offset:
+            return  # read again (a fresh cursor): already kept
+        vm.serial += chunk.contents[max(0, vm.offset - chunk.start) :]
         vm.offset = chunk.next
-        vm.serial += chunk.contents
 
     def _observe(self, vm: VMState, poller: Poller, now: float) -> None:
         """Fold in the lines the poller read in its last poll: the evidence is what the poller
