@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+from kit import sigterm
 from kit.netns import Topology, iptables_unavailable, netns_unavailable
 from kit.nobody import Nobody
 
@@ -27,6 +28,13 @@ settings.register_profile("dev", max_examples=100, **_NOT_TIMING)
 settings.register_profile("ci", max_examples=200, derandomize=True, print_blob=True, **_NOT_TIMING)
 _DEFAULT_PROFILE = "ci" if os.environ.get("CI") else "dev"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or _DEFAULT_PROFILE)
+
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # `timeout`'s SIGTERM stops the run with every fixture torn down (kit/sigterm.py)
+    sigterm.install()
+
 
 # -- tiers (docs/development.md) ------------------------------------------------------------------
 # Every test carries exactly one tier marker, which says what it is: `make test-fast` runs the
