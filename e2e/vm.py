@@ -19,6 +19,7 @@ Use from tests (``tests/e2e``) or by hand: ``python -m e2e.vm --help`` (docs/e2e
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -171,12 +172,36 @@ class Image:
         )
 
 
-def build_wheelhouse(image: Image, out: Path = WWW_DIR) -> Path:
+# The Python packaging/requirements.lock pins wheels for (build-wheelhouse.sh refuses another).
+LOCK_PYTHON = "3.11"
+
+
+def prepare() -> tuple[Image, Path, float]:
+    """The image and the wheelhouse, built side by side (the debootstrap and the .deb's build
+    tree take minutes each, and neither needs the other): (image, www, wheelhouse seconds).
+    The wheelhouse is for the lock's Python; a guest with another one is refused once the
+    image says which it has."""
+
+    def timed() -> tuple[Path, float]:
+        t0 = time.monotonic()
+        return build_wheelhouse(LOCK_PYTHON), time.monotonic() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        www = pool.submit(timed)
+        image = Image.ensure()
+        out, took = www.result()
+    if image.python != LOCK_PYTHON:
+        raise E2EError(f"the guest has Python {image.python}; the lock is for {LOCK_PYTHON}")
+    return image, out, took
+
+
+def build_wheelhouse(python: str, out: Path = WWW_DIR) -> Path:
     """out/wheelhouse.tar (WHEEL_URL: the agent's wheel from this tree, requirements.lock and the
-    dependencies it pins by hash) and out/gce-watchdog.deb (DEB_URL, packaging/build-deb.sh), each
-    with a .sha256 beside it; returns out, the file server's root."""
+    dependencies it pins by hash, for the guest's ``python``) and out/gce-watchdog.deb (DEB_URL,
+    packaging/build-deb.sh), each with a .sha256 beside it; returns out, the file server's
+    root."""
     r = subprocess.run(
-        ["bash", str(REPO / "e2e" / "build-wheelhouse.sh"), str(out), image.python],
+        ["bash", str(REPO / "e2e" / "build-wheelhouse.sh"), str(out), python],
         capture_output=True,
         text=True,
         timeout=600,  # a cold dependency download; warm runs take seconds
@@ -784,8 +809,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if why:
         print(f"e2e unavailable: {why}", file=sys.stderr)
         return 2
-    image = Image.ensure()
-    www = build_wheelhouse(image)
+    image, www, _ = prepare()
     print(
         f"image: {image.disk} (python {image.python}, {image.build_s:.1f}s); "
         f"wheelhouse: {www / 'wheelhouse.tar'} (served as {WHEEL_URL})"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,10 +41,8 @@ def e2e() -> Iterator[vm.Harness]:
     why = vm.unavailable()
     if why:
         pytest.skip(f"e2e: {why}")
-    image = vm.Image.ensure()
-    t0 = time.monotonic()
-    www = vm.build_wheelhouse(image)
-    env = vm.Harness(image, www, time.monotonic() - t0)
+    image, www, wheelhouse_s = vm.prepare()
+    env = vm.Harness(image, www, wheelhouse_s)
     yield env
     # Merged into the file of earlier runs, so `-k one` updates one scenario's numbers.
     path = vm.BUILD / "timings.json"
