@@ -37,7 +37,6 @@ from gce_watchdog.wire.protocol import Event
 # Rule 5 only (lines without a counter): a guest clock set back further than this between two
 # boots is taken for a replay of an older boot (docs/serial-protocol.md, decoding rule 8).
 REPLAY_BOUND_MS = 24 * 3600 * 1000
-MAX_COUNTER = 999_999_999_999
 _COUNTER_RE = re.compile(r"[1-9][0-9]{0,11}")
 ALARM_BOOT_REGRESSED = "boot_regressed"
 

@@ -31,10 +31,6 @@ def load_config_or_exit(path: str | None) -> cfgmod.Config:
         raise SystemExit(EX_CONFIG) from None
 
 
-def boot_of(cfg: cfgmod.Config) -> str:
-    return short_boot(read_boot_id(cfg.agent.boot_id_path))
-
-
 def make_emitter(
     cfg: cfgmod.Config, log: Any = None, count_state: bool = True
 ) -> tuple[Emitter, SerialPort]:
