@@ -23,7 +23,6 @@ from gce_watchdog.vm.bootrule import (
     COUNT_FILE,
     KEY_FILE,
     LOCK_FILE,
-    MAX_COUNT,
     NONE,
     Plan,
     Stored,
@@ -35,6 +34,7 @@ from gce_watchdog.vm.bootrule import (
     wire_value,
 )
 from gce_watchdog.vm.state import untrusted_dir
+from gce_watchdog.wire.protocol import bc_counter
 
 __all__ = ["COUNT_FILE", "LOCK_FILE", "WARN_TEXT", "BootCount", "BootCounter"]
 
@@ -133,7 +133,7 @@ class BootCounter:
         why = parts[1].strip() if len(parts) > 1 else ""
         if v == NONE:
             return BootCount(NONE, why or "settled earlier in this boot")
-        if v.isdigit() and v.isascii() and v[0] != "0" and int(v) <= MAX_COUNT:
+        if bc_counter(v) is not None:
             return BootCount(v)
         return None  # damaged: decided again (the state file answers the same for this boot)
 

@@ -51,7 +51,6 @@ from gce_watchdog.vm.state import (
 from gce_watchdog.wire import protocol
 
 Waiter = Callable[[], bool]
-_HEX = frozenset("0123456789abcdef")
 
 # A hung-up tty: every other open file description gets the kernel's hung_up_tty_fops, whose
 # write and ioctl (so tcdrain) fail with EIO while a fresh open works (linux drivers/tty/tty_io.c
@@ -503,8 +502,7 @@ class Emitter:
         self.key_problems = list(key_problems)
         self.bc = count.value if count is not None else None
         # the full boot id, for the announcement (anything but 32 hex is not written)
-        hexid = boot_id is not None and len(boot_id) == 32 and not set(boot_id) - _HEX
-        self.bid = boot_id if hexid else None
+        self.bid = boot_id if boot_id is not None and protocol.valid_bid(boot_id) else None
         self._bc_problem = count.problem if count is not None and count.value == "-" else ""
         self._fixed: tuple[tuple[str, str], ...] = (
             ((protocol.BC_FIELD, self.bc),) if self.bc is not None else ()
