@@ -59,11 +59,17 @@ def _read_regular(path: Path, limit: int = 256) -> bytes | None:
     except FileNotFoundError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
+        _regular(fd)
         return os.read(fd, limit)
     finally:
         os.close(fd)
+
+
+def _regular(fd: int) -> None:
+    """Raises OSError (EINVAL) unless ``fd`` is a regular file (opened O_NOFOLLOW|O_NONBLOCK:
+    a FIFO or a device planted there is neither read nor locked)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file")
 
 
 def _why(e: OSError) -> str:
@@ -194,8 +200,7 @@ class BootCounter:
         except OSError as e:
             return None, e.strerror or str(e)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
+            _regular(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
             os.close(fd)
