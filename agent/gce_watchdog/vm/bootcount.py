@@ -6,7 +6,8 @@ The first writer of a boot (the stored boot id is another one) increments it und
 (``<state_dir>/boot.count.lock``) and makes the new value durable (tmp + fsync + rename + dir
 fsync) **before** any line uses it, so a value is never handed to two boots. Later writers of the
 boot read it back (or the per-boot cache ``<run_dir>/bc.<8 hex boot>``, tmpfs).
-:class:`BootCounter` (paths injected) answers a :class:`BootCount` once per process.
+:class:`BootCounter` (paths injected) answers a :class:`BootCount` once per counter; a process
+makes one (vm.console.boot_count, when its console is opened).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _why(e: OSError) -> str:
 class BootCounter:
     """The counter of the current boot (the edge: the state dir, the run dir, the boot id).
 
-    :meth:`get` answers once per process (the same :class:`BootCount` afterwards). The per-boot
+    :meth:`get` resolves once per counter (the same :class:`BootCount` afterwards). The per-boot
     cache ``<run_dir>/bc.<8 hex>`` (tmpfs) is read first and written after a value is settled,
     ``-`` included, so every writer of a boot carries the same ``bc`` even when the state dir
     changes under it (space freed, ``boot.count`` restored): those take effect at the next boot.
