@@ -128,18 +128,7 @@ class SqlAssembly:
         caller looks at those again) and the count of raw lines dropped past UNVERIFIED_MAX.
         """
         order = sorted(lines, key=lambda x: (x.instance_id, x.event.boot, x.event.seq))
-        # per boot: (identity, latest receipt, earliest receipt, lowest terminal seq)
-        boots: dict[tuple[str, str], tuple[StoredLine, float, float, int | None]] = {}
-        for ln in order:
-            key = (ln.instance_id, ln.event.boot)
-            term = ln.event.seq if terminal_kind(ln.event) is not None else None
-            prev = boots.get(key)
-            if prev is None:
-                boots[key] = (ln, ln.received_at, ln.received_at, term)
-            else:
-                t = prev[3] if term is None or (prev[3] is not None and prev[3] < term) else term
-                boots[key] = (ln, max(prev[1], ln.received_at), min(prev[2], ln.received_at), t)
-        dropped = 0
+        boots = _per_boot(order)
         try:
             self.db.begin_plain()
             # rows in one order (sorted) in every worker: no two transactions wait on each other.
@@ -192,24 +181,7 @@ class SqlAssembly:
             self._hint(
                 {k: (boots[k][2], states[k][2]) for k in open_boots if states[k][1] is None}
             )  # a terminal's boot is looked at now (the caller), the others only where due
-            by_iid: dict[str, list[RawLine]] = {}
-            for r in sorted(raw, key=lambda x: (x.instance_id, x.text)):
-                by_iid.setdefault(r.instance_id, []).append(r)
-            keep: list[RawLine] = []
-            for iid, rs in by_iid.items():
-                ((n,),) = self.db.exec(
-                    "SELECT COUNT(*) FROM assembly_unverified WHERE instance_id = ?", (iid,)
-                )
-                room = max(0, UNVERIFIED_MAX - int(n))  # type: ignore[call-overload]
-                keep += rs[:room]
-                dropped += len(rs) - len(rs[:room])
-            self.db.execvalues(
-                "INSERT INTO assembly_unverified (instance_id, line, project, zone, name,"
-                " received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?)"
-                " ON CONFLICT (instance_id, line) DO NOTHING",
-                [(r.instance_id, r.text, r.project, r.zone, r.name, r.received_at, r.published)
-                 for r in keep],
-            )  # fmt: skip
+            dropped = self._store_unverified(raw)
             self.db.commit()
         except BaseException:
             self.db.rollback()
@@ -217,6 +189,30 @@ class SqlAssembly:
         # only a boot with a terminal line stored can be decided or ended now; the others are
         # looked at when their gap hint is due (gaps_due)
         return {k for k in open_boots if states[k][1] is not None}, dropped
+
+    def _store_unverified(self, raw: list[RawLine]) -> int:
+        """Store the raw lines no key verified yet, up to UNVERIFIED_MAX per instance (in the
+        caller's transaction); the count of those dropped past it."""
+        dropped = 0
+        by_iid: dict[str, list[RawLine]] = {}
+        for r in sorted(raw, key=lambda x: (x.instance_id, x.text)):
+            by_iid.setdefault(r.instance_id, []).append(r)
+        keep: list[RawLine] = []
+        for iid, rs in by_iid.items():
+            ((n,),) = self.db.exec(
+                "SELECT COUNT(*) FROM assembly_unverified WHERE instance_id = ?", (iid,)
+            )
+            room = max(0, UNVERIFIED_MAX - int(n))  # type: ignore[call-overload]
+            keep += rs[:room]
+            dropped += len(rs) - len(rs[:room])
+        self.db.execvalues(
+            "INSERT INTO assembly_unverified (instance_id, line, project, zone, name,"
+            " received_at, published) VALUES (?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (instance_id, line) DO NOTHING",
+            [(r.instance_id, r.text, r.project, r.zone, r.name, r.received_at, r.published)
+             for r in keep],
+        )  # fmt: skip
+        return dropped
 
     def _hint(self, first: dict[tuple[str, str], tuple[float, int]]) -> None:
         """Set the look-again hint (``gap_since``, kept where set) of those open boots whose
@@ -481,3 +477,21 @@ class SqlAssembly:
 
 def _opt_float(v: object) -> float | None:
     return None if v is None else float(v)  # type: ignore[arg-type]
+
+
+def _per_boot(
+    order: list[StoredLine],
+) -> dict[tuple[str, str], tuple[StoredLine, float, float, int | None]]:
+    """Per boot of ``order`` (sorted by instance, boot, seq): (its last line, for the identity;
+    the latest receipt, the earliest receipt, the lowest terminal seq)."""
+    boots: dict[tuple[str, str], tuple[StoredLine, float, float, int | None]] = {}
+    for ln in order:
+        key = (ln.instance_id, ln.event.boot)
+        term = ln.event.seq if terminal_kind(ln.event) is not None else None
+        prev = boots.get(key)
+        if prev is None:
+            boots[key] = (ln, ln.received_at, ln.received_at, term)
+        else:
+            t = prev[3] if term is None or (prev[3] is not None and prev[3] < term) else term
+            boots[key] = (ln, max(prev[1], ln.received_at), min(prev[2], ln.received_at), t)
+    return boots

@@ -28,26 +28,18 @@ the guest's clock orders nothing else.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gce_watchdog.wire.protocol import Event
+from gce_watchdog.wire.protocol import Event, bc_counter
 
 # Rule 5 only (lines without a counter): a guest clock set back further than this between two
 # boots is taken for a replay of an older boot (docs/serial-protocol.md, decoding rule 8).
 REPLAY_BOUND_MS = 24 * 3600 * 1000
-MAX_COUNTER = 999_999_999_999
-_COUNTER_RE = re.compile(r"[1-9][0-9]{0,11}")
 ALARM_BOOT_REGRESSED = "boot_regressed"
 
-
-def parse_counter(value: str | None) -> int | None:
-    """A line's ``bc`` value as a counter: ``1``..``999999999999``, no leading zeros; None for
-    ``-``, an absent field or anything else (never trusted as a number)."""
-    if value is None or not _COUNTER_RE.fullmatch(value):
-        return None
-    return int(value)
+# A line's ``bc`` value as a counter (None: ``-``, absent or malformed): the wire's one check
+parse_counter = bc_counter
 
 
 @dataclass(frozen=True)

@@ -58,27 +58,22 @@ class SqlFreshness:
         rows = self.db.exec(q, (instance_id, boot))
         if rows and int(str(rows[0][0])) >= seq:
             return _fresh(rows[0])
-        try:
-            self.db.begin_plain()
-            rows = self.db.exec(q + self.db.for_update, (instance_id, boot))
-            if not rows:
-                self.db.exec(
-                    "INSERT INTO freshness (instance_id, boot, seq, rx, known, noted_by)"
-                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (instance_id, boot) DO NOTHING",
-                    (instance_id, boot, seq, rx, int(known), self.db.owner),
-                )
-            elif int(str(rows[0][0])) < seq:
-                self.db.exec(
-                    "UPDATE freshness SET seq = ?, rx = ?, known = 1, noted_by = ?"
-                    " WHERE instance_id = ? AND boot = ? AND seq < ?",
-                    (seq, rx, self.db.owner, instance_id, boot, seq),
-                )
-            rows = self.db.exec(q, (instance_id, boot))
-            self.db.commit()
-        except BaseException:
-            self.db.rollback()
-            raise
-        return _fresh(rows[0])
+        row = self._rise(
+            q,
+            (instance_id, boot),
+            seq,
+            (
+                "INSERT INTO freshness (instance_id, boot, seq, rx, known, noted_by)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (instance_id, boot) DO NOTHING",
+                (instance_id, boot, seq, rx, int(known), self.db.owner),
+            ),
+            (
+                "UPDATE freshness SET seq = ?, rx = ?, known = 1, noted_by = ?"
+                " WHERE instance_id = ? AND boot = ? AND seq < ?",
+                (seq, rx, self.db.owner, instance_id, boot, seq),
+            ),
+        )
+        return _fresh(row)
 
     @locked
     def boot_record(self, instance_id: str) -> Record | None:
@@ -94,34 +89,48 @@ class SqlFreshness:
         """Store ``record`` if its counter is above the one on record (it only rises; equal
         counters keep the first boot stored); returns the record that stands afterwards."""
         q = "SELECT counter, boot, began FROM boot_counters WHERE instance_id = ?"
+        c, owner = record.counter, self.db.owner
+        row = self._rise(
+            q,
+            (instance_id,),
+            c,
+            (
+                "INSERT INTO boot_counters (instance_id, counter, boot, began, noted_by)"
+                " VALUES (?, ?, ?, ?, ?) ON CONFLICT (instance_id) DO NOTHING",
+                (instance_id, c, record.boot, record.began, owner),
+            ),
+            (
+                "UPDATE boot_counters SET counter = ?, boot = ?, began = ?, noted_by = ?"
+                " WHERE instance_id = ? AND counter < ?",
+                (c, record.boot, record.began, owner, instance_id, c),
+            ),
+        )
+        return _record(row)
+
+    def _rise(
+        self,
+        q: str,
+        key: tuple[object, ...],
+        value: int,
+        insert: tuple[str, tuple[object, ...]],
+        update: tuple[str, tuple[object, ...]],
+    ) -> tuple[object, ...]:
+        """A record that only rises, in one transaction: the row ``q`` selects by ``key``
+        (first column: the number compared) locked; ``insert`` when there is none, ``update``
+        when it holds less than ``value``; the row that stands afterwards."""
         try:
             self.db.begin_plain()
-            rows = self.db.exec(q + self.db.for_update, (instance_id,))
+            rows = self.db.exec(q + self.db.for_update, key)
             if not rows:
-                self.db.exec(
-                    "INSERT INTO boot_counters (instance_id, counter, boot, began, noted_by)"
-                    " VALUES (?, ?, ?, ?, ?) ON CONFLICT (instance_id) DO NOTHING",
-                    (instance_id, record.counter, record.boot, record.began, self.db.owner),
-                )
-            elif int(str(rows[0][0])) < record.counter:
-                self.db.exec(
-                    "UPDATE boot_counters SET counter = ?, boot = ?, began = ?, noted_by = ?"
-                    " WHERE instance_id = ? AND counter < ?",
-                    (
-                        record.counter,
-                        record.boot,
-                        record.began,
-                        self.db.owner,
-                        instance_id,
-                        record.counter,
-                    ),
-                )
-            rows = self.db.exec(q, (instance_id,))
+                self.db.exec(*insert)
+            elif int(str(rows[0][0])) < value:
+                self.db.exec(*update)
+            rows = self.db.exec(q, key)
             self.db.commit()
         except BaseException:
             self.db.rollback()
             raise
-        return _record(rows[0])
+        return rows[0]
 
 
 def _record(row: tuple[object, ...]) -> Record:

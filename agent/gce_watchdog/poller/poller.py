@@ -395,32 +395,9 @@ class Poller:
             if alarm in verdict.alarms and self.decisions is not None and instance_id:
                 self._instance_alarm(name, instance_id, info, alarm)
         if verdict.failover and self.decisions is not None:
-            key = instance_id or f"name:{name}"
-            now = self.clock()
-            decision = self.decisions.claim(
-                key,
-                verdict.boot or NO_BOOT,
-                verdict.kind.value,
-                verdict.reason,
-                self.path(name),
-                now,
-                decision_details(
-                    info, verdict, decided_boot_facts(key, tl, info, verdict.boot, now)
-                ),
+            decision, announce, (reaped, reap_error, reap_pending) = self._claim(
+                name, instance_id, info, verdict, tl
             )
-            # The ledger decides, not the cursor: an existing decision (even one for another key
-            # of the same instance) is what this poll reports. Its announcement is ours if we
-            # won it, or if its claimer died before announcing and the lease lapsed.
-            announce = decision.won or (
-                decision.announced_at is None
-                and self.decisions.take_announcement(decision.instance_id, decision.boot, now)
-            )
-            if decision.held:
-                pass  # the brake holds it: nothing is announced nor reaped until released
-            elif self.reap and decision.reaped_at is None:
-                reaped, reap_error, reap_pending = self._reap(name, info, decision)
-            elif decision.reaped_at is not None:
-                reaped = decision.reap_result
         elif self.reap and verdict.kind in END_VERDICTS and instance_id:
             boot = verdict.boot or NO_BOOT
             ours = info is None and (instance_id, boot) in self._reaping  # our delete, done?
@@ -445,6 +422,44 @@ class Poller:
             key_alarm=tl.key_alarm,
             announce=announce,
         )
+
+    def _claim(
+        self,
+        name: str,
+        instance_id: str,
+        info: InstanceStatus | None,
+        verdict: Verdict,
+        tl: Timeline,
+    ) -> tuple[Decision, bool, tuple[str | None, str | None, str | None]]:
+        """A failover verdict claimed in the ledger: (the decision that stands, whether its
+        announcement is this poll's, its reap as (reaped, reap_error, reap_pending))."""
+        assert self.decisions is not None
+        key = instance_id or f"name:{name}"
+        now = self.clock()
+        decision = self.decisions.claim(
+            key,
+            verdict.boot or NO_BOOT,
+            verdict.kind.value,
+            verdict.reason,
+            self.path(name),
+            now,
+            decision_details(info, verdict, decided_boot_facts(key, tl, info, verdict.boot, now)),
+        )
+        # The ledger decides, not the cursor: an existing decision (even one for another key
+        # of the same instance) is what this poll reports. Its announcement is ours if we
+        # won it, or if its claimer died before announcing and the lease lapsed.
+        announce = decision.won or (
+            decision.announced_at is None
+            and self.decisions.take_announcement(decision.instance_id, decision.boot, now)
+        )
+        reap: tuple[str | None, str | None, str | None] = (None, None, None)
+        if decision.held:
+            pass  # the brake holds it: nothing is announced nor reaped until released
+        elif self.reap and decision.reaped_at is None:
+            reap = self._reap(name, info, decision)
+        elif decision.reaped_at is not None:
+            reap = (decision.reap_result, None, None)
+        return decision, announce, reap
 
     def _judge(
         self,

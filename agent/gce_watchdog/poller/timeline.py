@@ -535,8 +535,11 @@ class Timeline:
         guest's clock; without counters, the boot whose first authenticated line appears latest
         in the stream (docs/serial-protocol.md, "Boot order"). None when no boot read here is
         current (the ledger's highest boot is not in this read: what is here is regressed)."""
-        cur = self.boot_order.current
-        return cur if cur in self.boots else None
+        return self._current(self.boot_order)
+
+    def _current(self, order: Order) -> str | None:
+        """``order``'s current boot when it is one read here, else None."""
+        return order.current if order.current in self.boots else None
 
     @property
     def regressed(self) -> tuple[str, ...]:
@@ -557,7 +560,7 @@ class Timeline:
         ``now`` is on the reader's clock, like the receive times given to :meth:`feed`.
         """
         order = self.boot_order
-        boot = order.current if order.current in self.boots else None
+        boot = self._current(order)
         rx = self.boots[boot].last_rx if boot is not None else None
         gone = set(order.regressed)
         if boot is None:  # the ledger's highest boot is not in this read: nothing here decides

@@ -875,26 +875,9 @@ class FakeComputeAPI:
             )
             msg = f"Required '{PERMISSIONS[mid]}' permission for '{resource}'"
             return 403, _error(403, msg, "forbidden"), {}
-        target = groups.get("instance") or groups.get("resource") or ""
-        fault = self._take_fault(m.endpoint, groups["project"], target)
-        if fault is Fault.HANG:
-            self._closing.wait(self.hang_s)
-        elif fault is Fault.REFUSE:
-            return 403, _error(403, "Required permission denied.", "forbidden"), {}
-        elif fault in (Fault.RATE_LIMIT, Fault.TOO_MANY_REQUESTS):
-            code = 403 if fault is Fault.RATE_LIMIT else 429
-            return (
-                code,
-                _error(
-                    code,
-                    "Rate Limit Exceeded",
-                    "rateLimitExceeded",
-                    domain="usageLimits",
-                ),
-                {"Retry-After": self.retry_after} if self.retry_after is not None else {},
-            )
-        elif fault is Fault.SERVER_ERROR:
-            return 503, _error(503, "Backend Error", "backendError"), {}
+        faulted = self._faulted(m, groups)
+        if faulted is not None:
+            return faulted
         if m.endpoint == "scope":
             return self._scope(groups.get("project", ""), groups.get("zone"))
         project = groups["project"]
@@ -940,6 +923,33 @@ class FakeComputeAPI:
             for see in list(self.on_serial):
                 see(inst, str(answer[1]["contents"]))  # without the lock: hooks call back
         return answer
+
+    def _faulted(
+        self, m: Method, groups: dict[str, str]
+    ) -> tuple[int, dict[str, Any], dict[str, str]] | None:
+        """The answer of the fault queued for this call (:meth:`_take_fault`), or None: no
+        fault, or a hang that has waited its time (the call then goes on)."""
+        target = groups.get("instance") or groups.get("resource") or ""
+        fault = self._take_fault(m.endpoint, groups["project"], target)
+        if fault is Fault.HANG:
+            self._closing.wait(self.hang_s)
+        elif fault is Fault.REFUSE:
+            return 403, _error(403, "Required permission denied.", "forbidden"), {}
+        elif fault in (Fault.RATE_LIMIT, Fault.TOO_MANY_REQUESTS):
+            code = 403 if fault is Fault.RATE_LIMIT else 429
+            return (
+                code,
+                _error(
+                    code,
+                    "Rate Limit Exceeded",
+                    "rateLimitExceeded",
+                    domain="usageLimits",
+                ),
+                {"Retry-After": self.retry_after} if self.retry_after is not None else {},
+            )
+        elif fault is Fault.SERVER_ERROR:
+            return 503, _error(503, "Backend Error", "backendError"), {}
+        return None
 
     def _test_iam(
         self, project: str, zone: str, resource: str, body: bytes, granted: frozenset[str] | None

@@ -6,7 +6,8 @@ The first writer of a boot (the stored boot id is another one) increments it und
 (``<state_dir>/boot.count.lock``) and makes the new value durable (tmp + fsync + rename + dir
 fsync) **before** any line uses it, so a value is never handed to two boots. Later writers of the
 boot read it back (or the per-boot cache ``<run_dir>/bc.<8 hex boot>``, tmpfs).
-:class:`BootCounter` (paths injected) answers a :class:`BootCount` once per process.
+:class:`BootCounter` (paths injected) answers a :class:`BootCount` once per counter; a process
+makes one (vm.console.boot_count, when its console is opened).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from gce_watchdog.vm.bootrule import (
     COUNT_FILE,
     KEY_FILE,
     LOCK_FILE,
-    MAX_COUNT,
     NONE,
     Plan,
     Stored,
@@ -35,6 +35,7 @@ from gce_watchdog.vm.bootrule import (
     wire_value,
 )
 from gce_watchdog.vm.state import untrusted_dir
+from gce_watchdog.wire.protocol import bc_counter
 
 __all__ = ["COUNT_FILE", "LOCK_FILE", "WARN_TEXT", "BootCount", "BootCounter"]
 
@@ -59,11 +60,17 @@ def _read_regular(path: Path, limit: int = 256) -> bytes | None:
     except FileNotFoundError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
+        _regular(fd)
         return os.read(fd, limit)
     finally:
         os.close(fd)
+
+
+def _regular(fd: int) -> None:
+    """Raises OSError (EINVAL) unless ``fd`` is a regular file (opened O_NOFOLLOW|O_NONBLOCK:
+    a FIFO or a device planted there is neither read nor locked)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file")
 
 
 def _why(e: OSError) -> str:
@@ -75,7 +82,7 @@ def _why(e: OSError) -> str:
 class BootCounter:
     """The counter of the current boot (the edge: the state dir, the run dir, the boot id).
 
-    :meth:`get` answers once per process (the same :class:`BootCount` afterwards). The per-boot
+    :meth:`get` resolves once per counter (the same :class:`BootCount` afterwards). The per-boot
     cache ``<run_dir>/bc.<8 hex>`` (tmpfs) is read first and written after a value is settled,
     ``-`` included, so every writer of a boot carries the same ``bc`` even when the state dir
     changes under it (space freed, ``boot.count`` restored): those take effect at the next boot.
@@ -133,7 +140,7 @@ class BootCounter:
         why = parts[1].strip() if len(parts) > 1 else ""
         if v == NONE:
             return BootCount(NONE, why or "settled earlier in this boot")
-        if v.isdigit() and v.isascii() and v[0] != "0" and int(v) <= MAX_COUNT:
+        if bc_counter(v) is not None:
             return BootCount(v)
         return None  # damaged: decided again (the state file answers the same for this boot)
 
@@ -194,8 +201,7 @@ class BootCounter:
         except OSError as e:
             return None, e.strerror or str(e)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
+            _regular(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as e:
             os.close(fd)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gce_watchdog.wire.protocol import valid_bid
+
 COUNT_FILE = "boot.count"
 LOCK_FILE = "boot.count.lock"
 KEY_FILE = "signing.key"  # vm.state.KEY_FILE (not imported: the rule needs only its presence)
 MAX_COUNT = 999_999_999_999  # the wire's bound: 1..12 digits
 NONE = "-"  # the wire's "no counter"
-_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def parse(data: bytes) -> Stored | Unusable:
     n, bid = parts
     if not n.isdigit() or not n.isascii() or (len(n) > 1 and n[0] == "0") or int(n) > MAX_COUNT:
         return Unusable(f"holds a bad counter {n[:16]!r}")
-    if len(bid) != 32 or not set(bid) <= _HEX:
+    if not valid_bid(bid):
         return Unusable("holds a bad boot id")
     return Stored(int(n), bid)
 

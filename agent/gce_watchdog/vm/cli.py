@@ -143,19 +143,30 @@ def cmd_key(args: argparse.Namespace) -> int:
     return 1 if ks.ephemeral else EX_OK
 
 
+def _boot_and_counter(cfg: cfgmod.Config, prog: str) -> tuple[str, str, str]:
+    """(full boot id, short boot id, ``bc``) for the rotation's lines: every line carries the
+    boot counter; when it is ``-`` the reason goes to stderr."""
+    from gce_watchdog.vm.console import boot_count
+    from gce_watchdog.vm.state import read_boot_id, short_boot
+
+    full = read_boot_id(cfg.agent.boot_id_path)
+    count = boot_count(cfg.agent.state_dir, cfg.agent.run_dir, full)
+    if count.problem:
+        print(f"{prog}: no boot counter (bc=-): {count.problem}", file=sys.stderr)
+    return full, short_boot(full), count.value
+
+
 def cmd_key_rotate(cfg: cfgmod.Config) -> int:
     """``key --rotate``: a new key, announced on the console signed with the old one, then the
     switch (vm.state.rotate_line_key). Refused without a durable key or an instance id (the
     rekey line binds the new key to the instance id: readers refuse one that names none)."""
-    from gce_watchdog.vm.console import SerialPort, boot_count, cached_instance_id
+    from gce_watchdog.vm.console import SerialPort, cached_instance_id
     from gce_watchdog.vm.state import (
         KeyUnavailable,
         RotateRefused,
         SeqAllocator,
         inspect_line_key,
-        read_boot_id,
         rotate_line_key,
-        short_boot,
     )
     from gce_watchdog.wire import protocol
 
@@ -172,12 +183,7 @@ def cmd_key_rotate(cfg: cfgmod.Config) -> int:
         inspect_line_key(state_dir, run_dir)
     except KeyUnavailable as e:
         raise CommandError(EX_NOPERM, f"{prog}: {e} (run as root)") from None
-    full = read_boot_id(cfg.agent.boot_id_path)
-    boot = short_boot(full)
-    count = boot_count(state_dir, run_dir, full)  # every line carries the boot counter
-    bc = count.value
-    if count.problem:
-        print(f"{prog}: no boot counter (bc=-): {count.problem}", file=sys.stderr)
+    full, boot, bc = _boot_and_counter(cfg, prog)
     s = cfg.serial
     try:
         port = SerialPort(s.device, s.fallback_file, s.queue_size, s.sync_timeout).open()

@@ -51,7 +51,6 @@ from gce_watchdog.vm.state import (
 from gce_watchdog.wire import protocol
 
 Waiter = Callable[[], bool]
-_HEX = frozenset("0123456789abcdef")
 
 # A hung-up tty: every other open file description gets the kernel's hung_up_tty_fops, whose
 # write and ioctl (so tcdrain) fail with EIO while a fresh open works (linux drivers/tty/tty_io.c
@@ -503,8 +502,7 @@ class Emitter:
         self.key_problems = list(key_problems)
         self.bc = count.value if count is not None else None
         # the full boot id, for the announcement (anything but 32 hex is not written)
-        hexid = boot_id is not None and len(boot_id) == 32 and not set(boot_id) - _HEX
-        self.bid = boot_id if hexid else None
+        self.bid = boot_id if boot_id is not None and protocol.valid_bid(boot_id) else None
         self._bc_problem = count.problem if count is not None and count.value == "-" else ""
         self._fixed: tuple[tuple[str, str], ...] = (
             ((protocol.BC_FIELD, self.bc),) if self.bc is not None else ()
@@ -620,9 +618,7 @@ def open_emitter(
     untrusted state dir): the boot is not counted there (:func:`boot_count`)."""
     port = SerialPort(device, fallback, queue_size, sync_timeout).open()
     full = ((boot_id or boot) + "0" * 32)[:32]
-    # before the key: a first boot has none
-    count = boot_count(state_dir if count_state else None, run_dir, full)
-    key, problems = key_or_none(state_dir, run_dir)
+    count, key, problems = count_then_key(state_dir, run_dir, full, count_state)
     inst = cached_instance_id(state_dir)
     emitter = Emitter(
         port,
@@ -645,6 +641,17 @@ def boot_count(state_dir: str | None, run_dir: str, boot_id: str) -> BootCount:
     key that exists without ``boot.count`` means the counter was lost. ``state_dir`` None: no
     trusted state dir (the boot's cached value, else ``-``)."""
     return BootCounter(state_dir, run_dir, boot_id).get()
+
+
+def count_then_key(
+    state_dir: str, run_dir: str, boot_id: str, count_state: bool = True
+) -> tuple[BootCount, protocol.LineKey | None, list[str]]:
+    """This boot's counter (:func:`boot_count`; ``count_state`` False: not kept in
+    ``state_dir``, which is not the instance's), then the line key and its problems
+    (:func:`key_or_none`): in that order, the one place every emitter's are resolved."""
+    count = boot_count(state_dir if count_state else None, run_dir, boot_id)
+    key, problems = key_or_none(state_dir, run_dir)
+    return count, key, problems
 
 
 def follower(state_dir: str, key: protocol.LineKey | None) -> KeyFollower | None:

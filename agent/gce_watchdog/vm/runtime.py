@@ -14,8 +14,7 @@ from gce_watchdog.vm.console import (
     DiscardSink,
     Emitter,
     SerialPort,
-    boot_count,
-    key_or_none,
+    count_then_key,
     open_emitter,
 )
 from gce_watchdog.vm.state import SeqAllocator, read_boot_id, short_boot
@@ -31,17 +30,14 @@ def load_config_or_exit(path: str | None) -> cfgmod.Config:
         raise SystemExit(EX_CONFIG) from None
 
 
-def boot_of(cfg: cfgmod.Config) -> str:
-    return short_boot(read_boot_id(cfg.agent.boot_id_path))
-
-
 def make_emitter(
-    cfg: cfgmod.Config, log: Any = None, count_state: bool = True
+    cfg: cfgmod.Config, log: Any = None, count_state: bool = True, boot_id: str | None = None
 ) -> tuple[Emitter, SerialPort]:
     """A real serial port (device, else the fallback file) and an emitter numbering lines.
-    ``count_state`` False: the config's state dir is not the instance's (see open_emitter)."""
+    ``count_state`` False: the config's state dir is not the instance's (see open_emitter).
+    ``boot_id``: the full boot id when the caller has read it (None: read here)."""
     s = cfg.serial
-    full = read_boot_id(cfg.agent.boot_id_path)
+    full = boot_id if boot_id is not None else read_boot_id(cfg.agent.boot_id_path)
     return open_emitter(
         s.device,
         s.fallback_file,
@@ -100,8 +96,9 @@ def open_console(
     as dropped (:class:`DiscardSink`) and still mirrored to ``log``; the reason goes to
     ``journal`` (the agent's logger) when given, else to stderr. ``count_state`` False: the
     boot counter is not kept in the config's state dir (the agent's private one)."""
+    full = read_boot_id(cfg.agent.boot_id_path)  # once, for the port's emitter or the fallback
     try:
-        emitter, port = make_emitter(cfg, log=log, count_state=count_state)
+        emitter, port = make_emitter(cfg, log=log, count_state=count_state, boot_id=full)
     except OSError as e:
         s = cfg.serial
         if journal is not None:
@@ -113,11 +110,10 @@ def open_console(
                 f"{prog}: cannot open {s.device} or {s.fallback_file}: {e}; lines are not written",
                 file=sys.stderr,
             )
-        full = read_boot_id(cfg.agent.boot_id_path)
         boot = short_boot(full)
-        counted = cfg.agent.state_dir if count_state else None
-        count = boot_count(counted, cfg.agent.run_dir, full)  # before the key
-        key, problems = key_or_none(cfg.agent.state_dir, cfg.agent.run_dir)
+        count, key, problems = count_then_key(
+            cfg.agent.state_dir, cfg.agent.run_dir, full, count_state
+        )
         seq = SeqAllocator(cfg.agent.run_dir, boot)
         emitter = Emitter(
             DiscardSink(),

@@ -34,13 +34,28 @@ from gce_watchdog.wire.line import (
 # leading zeros, or ``-`` (the writer has no counter); ``bid``: the full kernel boot id.
 BC_FIELD = "bc"
 BID_FIELD = "bid"
-_BC_RE = re.compile(r"(?:-|[1-9][0-9]{0,11})\Z")
+_COUNTER_RE = re.compile(r"[1-9][0-9]{0,11}\Z")
 _BID_RE = re.compile(r"[0-9a-f]{32}\Z")
+
+
+def bc_counter(value: str | None) -> int | None:
+    """A ``bc`` value as a counter: ``1``..``999999999999``, no leading zeros; None for ``-``,
+    an absent field or anything else (never trusted as a number). The one check of a counter's
+    form: the writer's (:func:`valid_bc`, the boot counter's cache) and every reader's."""
+    if value is None or not _COUNTER_RE.match(value):
+        return None
+    return int(value)
 
 
 def valid_bc(value: str) -> bool:
     """Whether ``value`` is a ``bc`` field's value: a counter or ``-``."""
-    return bool(_BC_RE.match(value))
+    return value == "-" or bc_counter(value) is not None
+
+
+def valid_bid(value: str) -> bool:
+    """Whether ``value`` is a ``bid`` field's value: a full kernel boot id, 32 lowercase hex
+    digits (the announcement's, and the boot counter's file)."""
+    return bool(_BID_RE.match(value))
 
 
 def _bc_fields(bc: str | None) -> tuple[tuple[str, str], ...]:
@@ -72,7 +87,7 @@ def announce_event(
     fields += _bc_fields(bc)
     ev = Event(KEY_EVENT, boot, seq, ts_ms, fields)
     if bid is not None:
-        if not _BID_RE.match(bid):
+        if not valid_bid(bid):
             raise ProtocolError(f"bad boot id {bid!r}: want 32 lowercase hex digits")
         with_bid = Event(KEY_EVENT, boot, seq, ts_ms, (*fields, (BID_FIELD, bid)))
         if line_length(with_bid) <= MAX_LINE:
@@ -225,7 +240,7 @@ def _v3_announce(ev: Event, body: bytes, sig: bytes) -> KeyAnnounce | None:
     if not _PK_RE.match(pk) or not inst or set(d) - _ANNOUNCE_FIELDS or eph not in (None, "1"):
         return None
     bc, bid = d.get(BC_FIELD), d.get(BID_FIELD)
-    if (bc is not None and not valid_bc(bc)) or (bid is not None and not _BID_RE.match(bid)):
+    if (bc is not None and not valid_bc(bc)) or (bid is not None and not valid_bid(bid)):
         return None
     public = unb64(pk)
     shown = [("kid", pk_fingerprint(public)), ("inst", inst)] + ([("eph", "1")] if eph else [])

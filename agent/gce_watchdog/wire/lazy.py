@@ -439,7 +439,7 @@ class LazyBlocks:
             if isinstance(item, _Cand):
                 state = item.state
                 if state == unchecked:  # the budget did not reach it (a flood's many lines)
-                    if len(carry) < room:  # _defer's room for a decisive line, inline
+                    if len(carry) < room:  # room for any line (a routine one's bound), inline
                         carry.append((item.ln, item.rx))
                     else:
                         self._defer(item.ln, item.rx, item.boot, item.seq, item.kind)

@@ -20,6 +20,7 @@ from gce_watchdog.wire.keys import (
     Retired,
     Retirees,
     announce_event,
+    bc_counter,
     key_line,
     needs_announcement,
     parse_rekey,
@@ -27,6 +28,7 @@ from gce_watchdog.wire.keys import (
     rekey_line,
     shown_rekey,
     valid_bc,
+    valid_bid,
 )
 from gce_watchdog.wire.lazy import Decoded, DecodeStats
 from gce_watchdog.wire.legacy import (
@@ -134,6 +136,7 @@ __all__ = [
     "StreamDecoder",
     "announce_event",
     "b64",
+    "bc_counter",
     "decode_all",
     "decode_line",
     "encode",
@@ -159,5 +162,6 @@ __all__ = [
     "split_lines",
     "unb64",
     "valid_bc",
+    "valid_bid",
     "verify",
 ]
