@@ -206,8 +206,12 @@ e2e: $(STAMP) apt-test
 	  e2e/guest/usr/local/sbin/e2e-poller-unit
 	@# its own cache: make test runs its other mypy calls at the same time
 	MYPYPATH=tests $(VENV)/bin/mypy --strict --cache-dir build/.mypy-e2e e2e
-	@t0=$$(date +%s); e2e/build-image.sh build/e2e/image && echo "e2e: image ready in $$(( $$(date +%s) - t0 ))s"
-	GCEWD_E2E=1 $(VENV)/bin/pytest -q -p no:cacheprovider -rA tests/e2e $(E2E_ARGS)
+	@# the image and the wheelhouse with the .deb, side by side (e2e/vm.py prepare), in a step of
+	@# their own; the tests' fixture reuses them through the token
+	@tok=$$$$-$$(date +%s%N); t0=$$(date +%s); \
+	GCEWD_E2E_PREPARED=$$tok $(VENV)/bin/python -m e2e.vm image && \
+	echo "e2e: image and wheelhouse ready in $$(( $$(date +%s) - t0 ))s" && \
+	GCEWD_E2E=1 GCEWD_E2E_PREPARED=$$tok $(VENV)/bin/pytest -q -p no:cacheprovider -rA tests/e2e $(E2E_ARGS)
 
 # make test's hook: the VM scenarios run when this machine can boot them (root, apt-get for qemu,
 # /dev/net/tun); otherwise one line says why. GCEWD_E2E=0 skips them explicitly.
