@@ -143,6 +143,47 @@ def test_close_while_stuck_kills_the_child(nvml: Path) -> None:
         os.kill(pid, 0)  # killed and reaped
 
 
+def test_a_child_gone_before_the_next_request_is_said_exited_with_its_status(nvml: Path) -> None:
+    """The flaky run of the test below, made certain: the child that cannot start NVML has
+    ended (and is reaped) before the next request is written, so the write finds its input
+    closed. What is said is its exit and status, as when the write lands first: a closed input
+    is the child ending, not a reason of its own."""
+    nvml.write_text(json.dumps({"init_error": 9, "gpus": []}))
+    probe = GpuProbe(timeout=5.0, respawn_after=300.0)
+    try:
+        assert _answer(probe, 0.0).sample is not None
+        child = probe._child
+        assert child is not None
+        child.wait(timeout=EVENT_WAIT_S)  # gone: the next write meets a closed pipe
+        ended = _answer(probe, 1.0)
+        assert ended.ended.startswith("probe child exited rc="), ended
+    finally:
+        probe.close()
+
+
+CLOSES_INPUT = (
+    "import os, sys, time\n"
+    "sys.stdin.readline()\n"
+    "os.close(0)\n"  # its input closed before it answers: closed when the answer is read
+    "print('{\"ok\": 1}', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def test_a_child_that_closes_its_input_and_lives_on_is_ended_after_the_timeout() -> None:
+    probe = GpuProbe(timeout=5.0, respawn_after=300.0, argv=[sys.executable, "-c", CLOSES_INPUT])
+    try:
+        assert _answer(probe, 0.0).sample == {"ok": 1}
+        pid = probe.child_pid
+        assert pid is not None
+        assert probe.poll(1.0) == ProbeResult()  # the write fails; it may be ending
+        assert probe.poll(5.9) == ProbeResult()  # within the timeout: no verdict yet
+        assert probe.poll(6.1) == ProbeResult(ended="probe child closed its input")
+        assert probe.child_pid is None
+    finally:
+        probe.close()
+
+
 def test_no_nvml_ends_the_child_and_waits_before_the_next(nvml: Path) -> None:
     nvml.write_text(json.dumps({"init_error": 9, "gpus": []}))  # NVML_ERROR_DRIVER_NOT_LOADED
     probe = GpuProbe(timeout=5.0, respawn_after=300.0)

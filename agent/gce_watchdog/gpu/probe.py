@@ -65,6 +65,7 @@ class GpuProbe:
         self._child: subprocess.Popen[bytes] | None = None
         self._since: float | None = None  # when the outstanding request was sent
         self._stall_said = False
+        self._input_closed = False
         self._buf = b""
         self._respawn_at = float("-inf")
         self.respawn_after = respawn_after
@@ -82,8 +83,11 @@ class GpuProbe:
             self.children_started += 1
         child = self._child
         if self._since is None:
-            if not self._send(child):
-                return self._ended(now, "probe child closed its input")
+            # A write that fails finds the child's input closed: almost always a child that is
+            # ending (one that cannot start NVML answers, then exits) and not yet reaped. Its
+            # exit, with its status, is what is said; a child that lives on with its input
+            # closed is ended after the timeout.
+            self._input_closed = not self._send(child)
             self._since = now
         line = self._read_line(child)
         if line is not None:
@@ -99,6 +103,10 @@ class GpuProbe:
         if child.poll() is not None:
             return self._ended(now, f"probe child exited rc={child.returncode}")
         waited = now - self._since
+        if self._input_closed:
+            if waited > self.timeout:
+                return self._ended(now, "probe child closed its input")
+            return ProbeResult()
         if waited > self.timeout and not self._stall_said:
             self._stall_said = True
             return ProbeResult(stalled_for=waited)
@@ -160,6 +168,7 @@ class GpuProbe:
         self._child = None
         self._since = None
         self._stall_said = False
+        self._input_closed = False
         self._buf = b""
 
 
