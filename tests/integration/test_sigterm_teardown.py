@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from kit.paths import REPO
+from kit.procs import running, terminate, wait_alive
 
 pytestmark = pytest.mark.process
 
@@ -42,22 +41,11 @@ def _run(tmp_path: Path, install: bool) -> tuple[int, bool, str]:
         CONFTEST.format(install=code, done=str(done), started=str(started))
     )
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)],
-        cwd=suite, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not started.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)  # waiting for an event (the file), bounded
-        assert started.exists(), "the inner test never started"
-        p.send_signal(signal.SIGTERM)
-        out, _ = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-    return p.returncode, done.exists(), out
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite)]
+    with running(argv, env, cwd=suite) as p:
+        wait_alive(p, started.exists, 60, "the inner test never started")
+        out, err = terminate(p)
+    return p.returncode, done.exists(), (out + err).decode()
 
 
 def test_sigterm_runs_the_fixtures_teardown(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -33,10 +34,15 @@ def gather(procs: list[Any], results: Any, n: int, wait_s: float) -> list[Any]:
 
 
 @contextmanager
-def running(argv: list[str], env: Mapping[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    """``argv`` started with its stdout and stderr piped; killed and reaped on exit from the
-    context if it is still running (a failed assertion, a deadline), never left behind."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+def running(
+    argv: list[str], env: Mapping[str, str], cwd: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``argv`` started (in ``cwd``) with its stdout and stderr piped; killed and reaped on exit
+    from the context if it is still running (a failed assertion, a deadline), never left
+    behind."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd
+    )
     try:
         yield proc
     finally:
