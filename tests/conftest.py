@@ -30,7 +30,6 @@ _DEFAULT_PROFILE = "ci" if os.environ.get("CI") else "dev"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or _DEFAULT_PROFILE)
 
 
-
 def pytest_configure(config: pytest.Config) -> None:
     # `timeout`'s SIGTERM stops the run with every fixture torn down (kit/sigterm.py)
     sigterm.install()
