@@ -188,11 +188,14 @@ install:
 	$(PREFIX)/bin/gce-watchdog install $(INSTALL_FLAGS)
 
 # VM end-to-end scenarios (docs/e2e.md): a Debian guest under qemu (TCG) with a simulated GCE,
-# one boot per scenario, one after another. Installs qemu/debootstrap as root when missing; the
-# guest image is cached under build/e2e (first build ~2 min, then seconds). E2E_ARGS: pytest
-# arguments, e.g. E2E_ARGS='-k wedge'. E2E_KVM=1 uses /dev/kvm instead of TCG.
-APT_E2E := qemu-system-x86 debootstrap e2fsprogs
+# one boot per scenario, in E2E_SHARDS pytest processes at once (e2e/shards.py: the tests split
+# by their measured cost; each shard's output in build/e2e/shard-I.log, printed when it ends).
+# Installs qemu/debootstrap as root when missing; the guest image is cached under build/e2e
+# (first build ~2 min, then seconds). E2E_ARGS: pytest arguments, e.g. E2E_ARGS='-k wedge'.
+# E2E_SHARDS=1: one guest at a time. E2E_KVM=1 uses /dev/kvm instead of TCG.
+APT_E2E := qemu-system-x86 debootstrap e2fsprogs util-linux
 E2E_ARGS ?=
+E2E_SHARDS ?= 2
 e2e: $(STAMP) apt-test
 	@missing=""; for p in $(APT_E2E); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -211,7 +214,8 @@ e2e: $(STAMP) apt-test
 	@tok=$$$$-$$(date +%s%N); t0=$$(date +%s); \
 	GCEWD_E2E_PREPARED=$$tok $(VENV)/bin/python -m e2e.vm image && \
 	echo "e2e: image and wheelhouse ready in $$(( $$(date +%s) - t0 ))s" && \
-	GCEWD_E2E=1 GCEWD_E2E_PREPARED=$$tok $(VENV)/bin/pytest -q -p no:cacheprovider -rA tests/e2e $(E2E_ARGS)
+	GCEWD_E2E=1 GCEWD_E2E_PREPARED=$$tok $(VENV)/bin/python -m e2e.shards $(E2E_SHARDS) \
+	  -q -p no:cacheprovider -rA tests/e2e $(E2E_ARGS)
 
 # make test's hook: the VM scenarios run when this machine can boot them (root, apt-get for qemu,
 # /dev/net/tun); otherwise one line says why. GCEWD_E2E=0 skips them explicitly.

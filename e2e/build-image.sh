@@ -24,6 +24,10 @@ elif [ -n "${2:-}" ]; then
 fi
 cache="$(dirname "$out")/cache"  # shared with the wheelhouse cache
 mkdir -p "$out" "$cache"
+# One build per OUTDIR at a time: the shards of one run (e2e/shards.py) may ask for the baked
+# image together; the second waits here, then finds the key and reuses what the first built.
+exec 9>"$out/.build.lock"
+flock 9
 
 t0=$(date +%s)
 tarball="$("$here/build-rootfs.sh" "$cache")"
