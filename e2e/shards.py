@@ -85,35 +85,47 @@ def assign(nodeids: Iterable[str], n: int) -> list[list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m e2e.shards N PYTEST_ARGS...``: N pytest processes, one shard each."""
+    """``python -m e2e.shards [--logs DIR] N PYTEST_ARGS...``: N pytest processes, one shard
+    each; their output in DIR/shard-I.log (default build/e2e)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    logs = Path(__file__).resolve().parents[1] / "build" / "e2e"
+    if len(args) >= 2 and args[0] == "--logs":
+        logs, args = Path(args[1]), args[2:]
     if not args or not args[0].isdigit() or int(args[0]) < 1:
-        print("usage: python -m e2e.shards N [pytest arguments]", file=sys.stderr)
+        print("usage: python -m e2e.shards [--logs DIR] N [pytest arguments]", file=sys.stderr)
         return 64
     n, rest = int(args[0]), args[1:]
-    logs = Path(__file__).resolve().parents[1] / "build" / "e2e"
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[tuple[int, subprocess.Popen[bytes], Path]] = []
     got: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        # A SIGTERM is passed on once; a terminal's Ctrl-C reaches the shards by itself (one
+        # process group), and a second interrupt would cut their teardown short.
+        if signum == signal.SIGTERM and signal.SIGTERM not in got:
+            for _, p, _ in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
         got.append(signum)
-        for _, p, _ in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
 
     t0 = time.monotonic()
     # Prepared once here (or by `python -m e2e.vm image` with the same token, as make e2e
     # does): the shards' fixtures then reuse it instead of building the wheelhouse N times.
     token = os.environ.get(vm.PREPARED_ENV) or f"shards-{os.getpid()}-{time.time_ns()}"
     os.environ[vm.PREPARED_ENV] = token
-    if vm.unavailable() is None:  # else each shard's fixture skips, saying why
+    # Only for the VM tests (GCEWD_E2E=1, as make e2e sets); where they cannot run, each
+    # shard's fixture skips, saying why.
+    if os.environ.get("GCEWD_E2E") == "1" and vm.unavailable() is None:
         try:
             vm.prepare()
         except vm.E2EError as e:
             print(f"e2e shards: {e}", file=sys.stderr)
             return 1
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    # A SIGINT ignored (a background job of a shell) stays ignored, here and in the shards.
+    mine = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        mine.append(signal.SIGINT)
+    old = {s: signal.signal(s, forward) for s in mine}
     try:
         for i in range(1, n + 1):
             log = logs / f"shard-{i}.log"
