@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from gce_watchdog.wire.line import MARKER_BYTES
+
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "tests") not in sys.path:
     sys.path.insert(0, str(REPO / "tests"))
@@ -113,7 +115,8 @@ MILESTONES: Mapping[str, bytes] = {
     "systemd": b"systemd[1]: ",
     "startup_runner": b"gce-startup: ",
     "startup_script": b"gce-startup: running startup-script",
-    "first_gcewd": b"GCEWD2 ",
+    # the wire format's own marker (wire/line.py), so a protocol bump cannot leave this behind
+    "first_gcewd": MARKER_BYTES + b" ",
 }
 
 

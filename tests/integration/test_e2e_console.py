@@ -185,3 +185,14 @@ def test_the_log_gets_every_byte_once_in_order(tmp_path: Path) -> None:
     guest.close()
     assert (tmp_path / "serial.log").read_bytes() == payload
     assert con.data() == payload
+
+
+@pytest.mark.pure
+def test_first_agent_line_milestone_is_the_wire_formats_marker() -> None:
+    # the report's first_gcewd time is the first line the agent signs; a stale marker
+    # (GCEWD2 after the v3 bump) left it out of every report without failing anything
+    needle = vm.MILESTONES["first_gcewd"]
+    assert AGENT_LINE.startswith(needle)
+    seen: dict[str, float] = {}
+    vm._milestones(b"noise\r\n" + AGENT_LINE, seen, 12.5)
+    assert seen.get("first_gcewd") == 12.5
