@@ -21,7 +21,7 @@ from gce_watchdog.vm import config as cfgmod
 from gce_watchdog.vm.console import Emitter, MemorySink
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire import protocol
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from kit.fakes import FakeClock, FakeNotifier, result
 from kit.prom import parse_prom
@@ -163,6 +163,8 @@ def test_a_stall_in_the_wait_is_written_too(tmp_path: Path) -> None:
     thr=st.integers(1, 30),
     ratios=st.lists(st.floats(0.0, 1.9), min_size=1, max_size=40),
 )
+# found by a dev-profile run: the third tick ends exactly one whole slot late, in floats
+@example(interval=0.1, thr=10, ratios=[0.0, 1.5, 1.5, 0.0])
 def test_no_slot_is_ever_skipped_by_an_overrun(
     tmp_path_factory: pytest.TempPathFactory, interval: float, thr: int, ratios: list[float]
 ) -> None:
@@ -177,11 +179,17 @@ def test_no_slot_is_ever_skipped_by_an_overrun(
     agent.run(threading.Event(), max_ticks=n)
     starts = prober.starts
     assert len(starts) == n
-    slot = starts[0]
+    # The model keeps the grid as the loop does, t0 + k * interval from the grid's last start:
+    # a slot summed up one interval at a time rounds differently, and a tick that ends exactly
+    # one whole slot late (0.1 + 0.15 + 0.15 == 0.4) then fell on the other side of the restart.
+    t0, k = starts[0], 0
     for i in range(1, n):
         end = starts[i - 1] + durations[min(i - 1, len(durations) - 1)]
-        slot = slot + interval if end < slot + 2 * interval else end
-        assert starts[i] == pytest.approx(max(slot, end), rel=1e-9, abs=1e-6), (
+        k += 1
+        due = t0 + k * interval
+        if end >= due + interval:  # missed a whole slot: the grid restarts at the tick's end
+            t0, k, due = end, 0, end
+        assert starts[i] == pytest.approx(max(due, end), rel=1e-9, abs=1e-6), (
             i,
             starts,
             durations,
