@@ -247,7 +247,11 @@ def test_a_vm_that_does_not_enable_faults_fails_its_scenario(
 def spawn(api: FakeComputeAPI, tmp: Path, run: str) -> subprocess.Popen[bytes]:
     args = argv(api, tmp, "--yes", "--run-id", run, "--out", str(tmp / "out"),
                 "--scenario", "wedge", "--scenario", "done", *FAST)  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO / "agent"))
+    # validate's own scratch folder (its ledger and cursors, tempfile.mkdtemp) under the test's:
+    # a SIGKILLed run cannot remove it, and it must not be left in the machine's /tmp
+    scratch = tmp / "scratch"
+    scratch.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "agent"), TMPDIR=str(scratch))
     # SIGINT at its default, as in a terminal: the Ctrl-C test must not inherit the SIG_IGN
     # of a `make test &` (kit/procs.py, sigint_default)
     return subprocess.Popen(sigint_default([sys.executable, "-m", "gce_watchdog", *args]),
@@ -287,6 +291,8 @@ def test_sigkill_at_any_step_leaves_only_what_cleanup_removes(
     finally:
         proc.wait(10)
     assert proc.returncode == -signal.SIGKILL
+    # what SIGKILL left on this machine is in the test's folder, nowhere else
+    assert [p.name.split("-")[2] for p in (tmp_path / "scratch").iterdir()] == [run]
     # Everything the killed run created carries its label, so --cleanup finds it.
     assert all(i.labels.get(LABEL) == run for i in inserted(api))
     assert main(argv(api, tmp_path, "--cleanup", run)) == 0
