@@ -139,9 +139,14 @@ def vm(tmp_path: Path) -> Iterator[Vm]:
         f'force_cmd = ["{recorder}", "force"]\n'
     )
     mds = FakeMetadataServer().start()
+    # the script's mktemp scratch under the test's folder: a failed bootstrap step ends the
+    # script before its `rm -rf`, and that must not pile up in the machine's /tmp
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(tmp_path),
+        "TMPDIR": str(scratch),
         "GCEWD_ROOT": str(root),
         "GCEWD_SERIAL": str(root / "serial.log"),
         "GCEWD_SERIAL_FALLBACK": str(root / "fallback.log"),
@@ -207,6 +212,7 @@ def test_success_path_bootstrap_workload_done(vm: Vm) -> None:
     assert {e.boot for e in evs} == {short_boot(read_boot_id(vm.env["GCEWD_BOOT_ID_PATH"]))}
     assert read_phase(vm.state) == "done"
     assert vm.actions == []  # no failure action on success
+    assert list(Path(vm.env["TMPDIR"]).iterdir()) == []  # its scratch removed after a success
 
     # Safe to run again (the next boot, or an operator by hand): same outcome, numbering goes on.
     p = vm.run()
