@@ -10,8 +10,9 @@ by side take far less than two after each other.
 the least loaded shard (LPT), so every shard gets the same list for the same tests. The shard
 a pytest process runs is ``GCEWD_E2E_SHARD=I/N`` (``tests/e2e/conftest.py`` deselects the
 rest). :func:`main` starts the N processes, keeps each one's output in ``build/e2e/shard-I.log``,
-prints it whole once that shard ends, and fails when any shard failed. A SIGTERM or SIGINT to
-it is passed on to every shard (their pytest tears down what it started: tests/kit/sigterm.py).
+prints it whole once that shard ends, and fails when any shard failed. A SIGTERM to it is
+passed on to every shard once (their pytest tears down what it started: tests/kit/sigterm.py);
+a terminal's Ctrl-C reaches the shards by itself (one process group).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from kit.paths import REPO
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from gce_watchdog.lib.files import atomic_write
+
 from e2e import shards, vm
 
 
@@ -50,12 +52,10 @@ def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
         raise pytest.UsageError(str(e)) from None
     here = Path(__file__).parent
     ours = [it.nodeid for it in items if it.path.is_relative_to(here)]
-    keep = set(shards.assign(ours, n)[i - 1])
-    dropped = [it for it in items if it.path.is_relative_to(here) and it.nodeid not in keep]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        gone = {it.nodeid for it in dropped}
-        items[:] = [it for it in items if it.nodeid not in gone]
+    others = set(ours) - set(shards.assign(ours, n)[i - 1])
+    if others:
+        config.hook.pytest_deselected(items=[it for it in items if it.nodeid in others])
+        items[:] = [it for it in items if it.nodeid not in others]
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +77,4 @@ def e2e() -> Iterator[vm.Harness]:
         except (OSError, ValueError):
             merged = {}
         merged.update(env.timings)
-        tmp = path.with_name(f"timings.json.{os.getpid()}")
-        tmp.write_text(json.dumps(merged, indent=2) + "\n")
-        tmp.replace(path)
+        atomic_write(path, (json.dumps(merged, indent=2) + "\n").encode())
