@@ -17,7 +17,6 @@ pytestmark = pytest.mark.process
 
 CONFTEST = """
 import os
-import threading
 import pytest
 from kit import sigterm
 sigterm.install()
@@ -56,6 +55,11 @@ def _argv(tmp_path: Path, suite: Path, n: int = 2) -> list[str]:
             "-q", "-p", "no:cacheprovider", str(suite)]  # fmt: skip
 
 
+def _named(out: Path, prefix: str) -> list[str]:
+    """The marker files the shards wrote (``ran-I-of-N``, ``torn-down-I-of-N``), sorted."""
+    return sorted(f.name for f in out.iterdir() if f.name.startswith(prefix))
+
+
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("GCEWD_E2E", "GCEWD_E2E_SHARD")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
@@ -68,10 +72,7 @@ def test_each_shard_runs_with_its_own_number_and_its_output_is_printed(tmp_path:
         stdout, stderr = p.communicate(timeout=120)
     text = stdout.decode()
     assert p.returncode == 0, text + stderr.decode()
-    assert sorted(f.name for f in out.iterdir() if f.name.startswith("ran-")) == [
-        "ran-1-of-2",
-        "ran-2-of-2",
-    ]
+    assert _named(out, "ran-") == ["ran-1-of-2", "ran-2-of-2"]
     for i in (1, 2):
         assert f"===== e2e shard {i}/2: rc=0" in text
         assert (tmp_path / "logs" / f"shard-{i}.log").read_text() in text
@@ -108,19 +109,15 @@ def test_an_empty_shard_beside_one_that_ran_is_not_a_failure(tmp_path: Path) -> 
     text = stdout.decode()
     assert "e2e shard 2/2: rc=5" in text, text
     assert p.returncode == 0, text
-    assert [f.name for f in out.iterdir() if f.name.startswith("ran-")] == ["ran-1-of-2"]
+    assert _named(out, "ran-") == ["ran-1-of-2"]
 
 
 def test_a_sigterm_reaches_every_shard_and_their_teardown_runs(tmp_path: Path) -> None:
     suite, out = _suite(tmp_path, body="threading.Event().wait(120)  # until the SIGTERM")
     with running(_argv(tmp_path, suite), _env(), cwd=REPO) as p:
-        both = lambda: len([f for f in out.iterdir() if f.name.startswith("ran-")]) == 2  # noqa: E731
-        wait_alive(p, both, 60, "the shards' tests never started")
+        wait_alive(p, lambda: len(_named(out, "ran-")) == 2, 60, "the shards' tests never started")
         stdout, _ = terminate(p, timeout_s=120)
     text = stdout.decode()
     assert p.returncode == 1, text
-    assert sorted(f.name for f in out.iterdir() if f.name.startswith("torn-down-")) == [
-        "torn-down-1-of-2",
-        "torn-down-2-of-2",
-    ], text
+    assert _named(out, "torn-down-") == ["torn-down-1-of-2", "torn-down-2-of-2"], text
     assert "rc=2" in text  # pytest's "interrupted", in both shards
