@@ -6,7 +6,8 @@
   the queue, in order, and go out when the port moves again. Lines that cannot be queued, or whose
   write failed for good, are counted in ``dropped``.
 - The writer survives a hangup: on EIO, EBADF, ENXIO or ENODEV it reopens the device and writes
-  the line again, at most :data:`REOPEN_ATTEMPTS` times per line, counted in ``reopens``.
+  the line again, after each pause of :data:`REOPEN_PAUSES` (about 2.75 s in all per line), each
+  try counted in ``reopens``.
 - :class:`Emitter` numbers, timestamps and encodes events (through :mod:`wire.protocol`) and
   mirrors each line to the structured log (stdout/journald).
 
@@ -57,14 +58,39 @@ Waiter = Callable[[], bool]
 # hung_up_tty_write, hung_up_tty_ioctl; vhangup(2)). EBADF: our descriptor is gone. ENXIO, ENODEV:
 # the device went away (a reopen may find it back).
 REOPEN_ERRNOS = frozenset({errno.EIO, errno.EBADF, errno.ENXIO, errno.ENODEV})
-# Reopens per line before it is given up (and counted as dropped). The console is hung up at every
-# getty start (serial-getty@.service: TTYVHangup=yes; agetty itself only with --hangup), at every
-# serial-console login (util-linux login(1) vhangup()s its tty) and logout (the session leader's
-# exit hangs up a controlling tty that is not a pty: linux drivers/tty/tty_jobctrl.c
-# disassociate_ctty), then the getty restarts (Restart=always). A logout and the next getty's
-# start can fall between two writes: 2 in a row, 3 leave room.
-REOPEN_ATTEMPTS = 3
-REOPEN_PAUSE = 0.05  # seconds before the n-th reopen: n * REOPEN_PAUSE (lets the getty settle)
+# How long a line keeps being written again after hangups before it is given up (and counted as
+# dropped): the pauses before each reopen, doubling from 50 ms up to 0.5 s, 2.75 s in all. The
+# console is hung up at every getty start (serial-getty@.service: TTYVHangup=yes; agetty itself
+# only with --hangup), at every serial-console login (util-linux login(1) vhangup()s its tty) and
+# logout (the session leader's exit hangs up a controlling tty that is not a pty: linux
+# drivers/tty/tty_jobctrl.c disassociate_ctty), and systemd hangs it up again when the getty
+# exits and when it restarts (Restart=always; systemd commit 6ea832a2 "hangup/reset/deallocate
+# VTs in gettys": before and after the getty runs). So a logout is a burst of hangups, and one
+# line can meet several of them. A count of tries is no bound on a loaded machine, where the
+# burst spreads out (a loaded TCG guest: getty stopped and started 0.21 s apart, after the
+# logout's own hangup), so the budget is time: longer than a loaded getty restart, short enough
+# that a device gone for good costs each line a few seconds of the writer thread, never the
+# tick loop (sync waits end after STALL_GRACE without progress).
+REOPEN_PAUSE = 0.05  # seconds before the first reopen of a line
+REOPEN_PAUSE_MAX = 0.5  # the pause doubles after each try up to this
+REOPEN_WINDOW = 3.0  # the pauses of one line add up to at most this
+
+
+def reopen_pauses(
+    first: float = REOPEN_PAUSE, cap: float = REOPEN_PAUSE_MAX, window: float = REOPEN_WINDOW
+) -> tuple[float, ...]:
+    """The pause before each reopen of one line: doubling from ``first`` up to ``cap``, as many
+    as fit in ``window`` (pure; at least one, at most ``window / first``)."""
+    pauses: list[float] = []
+    pause, total = first, 0.0
+    while total + pause <= window:
+        pauses.append(pause)
+        total += pause
+        pause = min(pause * 2, cap)
+    return tuple(pauses) or (window,)
+
+
+REOPEN_PAUSES = reopen_pauses()
 # A sync wait ends once the port made no progress (no byte taken) for this long.
 STALL_GRACE = 1.0
 # Sync lines are accepted this far beyond queue_size: a full queue of old heartbeats must not
@@ -335,12 +361,13 @@ class SerialPort:
             if code not in REOPEN_ERRNOS:
                 return False
             while True:
-                if attempt >= REOPEN_ATTEMPTS:
+                if attempt >= len(REOPEN_PAUSES):
                     return False
+                pause = REOPEN_PAUSES[attempt]
                 attempt += 1
                 with self._cond:
                     self._reopens += 1
-                if self._abandon.wait(attempt * REOPEN_PAUSE):
+                if self._abandon.wait(pause):
                     raise _Abandoned
                 if self._reopen():
                     break
