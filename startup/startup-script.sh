@@ -988,10 +988,16 @@ run_steps() { # DIR LABEL: every argv file in DIR, in order, as a bootstrap step
 	done
 }
 
+# The bootstrap's scratch folder: removed by the EXIT trap as well, since a failed step ends the
+# script (fail -> exit) before run_bootstrap's own rm -rf.
+BOOT_TMP=""
+remove_scratch() { [[ -z $BOOT_TMP ]] || rm -rf -- "$BOOT_TMP"; }
+
 run_bootstrap() {
 	STEP=bootstrap
 	local tmp f n=0
 	tmp=$(mktemp -d)
+	BOOT_TMP=$tmp
 	export PATH="$PREFIX/bin:$PATH" GCEWD_STATE_DIR="$STATE_DIR" GCEWD_CONFIG="$CONFIG"
 	# 1. files baked into the image: executables in BOOTSTRAP_DIR, in name order (run-parts
 	#    rules: no dotfiles, no editor backups or package manager leftovers).
@@ -1017,6 +1023,7 @@ run_bootstrap() {
 	fi
 	run_steps "$tmp/md" "md"
 	rm -rf "$tmp"
+	BOOT_TMP=""
 	STEP=bootstrap
 	((n > 0)) || log "no bootstrap steps"
 }
@@ -1028,6 +1035,7 @@ main() {
 		return 0
 	fi
 	trap 'on_error $? $LINENO "$BASH_COMMAND"' ERR
+	trap remove_scratch EXIT
 	mkdir -p "$STATE_DIR"
 	# One start-up at a time (the runner, and an operator re-running it by hand).
 	exec 9>>"$STATE_DIR/startup.lock"

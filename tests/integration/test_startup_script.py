@@ -241,6 +241,7 @@ def test_failing_bootstrap_step_is_setup_failed_with_that_step(vm: Vm) -> None:
     assert read_phase(vm.state) == "setup_failed"
     # the default failure action (poweroff), after the line, through the agent's chain
     assert vm.actions == AGENT_END
+    assert list(Path(vm.env["TMPDIR"]).iterdir()) == []  # its scratch removed after a failure too
 
 
 def test_failure_action_from_metadata_and_env(vm: Vm) -> None:
