@@ -173,8 +173,10 @@ deb: $(STAMP) cli-docs
 	@command -v lintian >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends lintian; } || \
 	  echo "deb: lintian missing and not root: not checked"
-	! command -v lintian >/dev/null || lintian --fail-on error build/deb/gce-watchdog_*_amd64.deb \
-	  build/deb/gce-watchdog-poller_*_amd64.deb
+	@# lintian leaves an MLDBM file in $$TMPDIR after each run: a folder of its own, removed
+	! command -v lintian >/dev/null || { t=$$(mktemp -d) && rc=0 && TMPDIR=$$t lintian --fail-on error \
+	  build/deb/gce-watchdog_*_amd64.deb build/deb/gce-watchdog-poller_*_amd64.deb || rc=$$?; \
+	  rm -rf "$$t"; exit $$rc; }
 
 # Installs the agent from this checkout into the venv the start-up script uses ($(PREFIX)), then
 # lays down the systemd unit and a default config, enables and starts it (idempotent; run as root).

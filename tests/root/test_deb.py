@@ -193,11 +193,14 @@ def test_venv_names_no_build_path_and_runs_here(debs: tuple[Path, Path], tmp_pat
     assert p.returncode == 0 and p.stdout.startswith("gce-watchdog "), p.stderr
 
 
-def test_lintian_reports_no_errors(debs: tuple[Path, Path]) -> None:
+def test_lintian_reports_no_errors(debs: tuple[Path, Path], tmp_path: Path) -> None:
     if shutil.which("lintian") is None:
         pytest.skip("lintian missing (make apt-test installs it)")
+    # lintian leaves an MLDBM file (mldbm-elf-XXXXXXXX) in $TMPDIR after every run: its own,
+    # under the test's folder, not the machine's /tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     p = subprocess.run(["lintian", "--fail-on", "error", str(debs[0]), str(poller_of(debs[0]))],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+                       capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert p.returncode == 0, p.stdout + p.stderr
     assert not [ln for ln in p.stdout.splitlines() if ln.startswith("E:")]
 
