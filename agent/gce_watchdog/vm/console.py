@@ -80,7 +80,7 @@ def reopen_pauses(
     first: float = REOPEN_PAUSE, cap: float = REOPEN_PAUSE_MAX, window: float = REOPEN_WINDOW
 ) -> tuple[float, ...]:
     """The pause before each reopen of one line: doubling from ``first`` up to ``cap``, as many
-    as fit in ``window`` (pure; at least one, at most ``window / first``)."""
+    as fit in ``window`` (pure; at least one; at most ``window / min(first, cap)`` + 1)."""
     pauses: list[float] = []
     pause, total = first, 0.0
     while total + pause <= window:
