@@ -24,6 +24,7 @@ import sys
 import termios
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -147,10 +148,25 @@ def test_lines_written_after_a_vhangup_all_arrive(tmp_path: Path) -> None:
     assert port.dropped == 0
 
 
-def test_a_device_that_cannot_be_reopened_costs_a_bounded_number_of_tries(tmp_path: Path) -> None:
-    # The device path is a link (as /dev/ttyS0 may be); after the hangup it points nowhere, as if
-    # the device went away. Each line gets one reopen per pause of REOPEN_PAUSES, then is counted
-    # as lost, and the sync caller hears it at once.
+@dataclass
+class GoneDevice:
+    """A console whose device path (a link, as /dev/ttyS0 may be) was pointed nowhere and then
+    hung up, after one line went out: the writer's next line finds no device to reopen."""
+
+    rd: PtyReader
+    port: SerialPort
+    em: Emitter
+    link: Path
+    path: str
+
+    def back(self) -> None:
+        """The device is back: the link points at the pty again."""
+        self.link.unlink()
+        self.link.symlink_to(self.path)
+
+
+@contextlib.contextmanager
+def gone_device(tmp_path: Path) -> Iterator[GoneDevice]:
     with pty() as (master, _slave, path), PtyReader(master) as rd:
         link = tmp_path / "ttyS0"
         link.symlink_to(path)
@@ -161,16 +177,24 @@ def test_a_device_that_cannot_be_reopened_costs_a_bounded_number_of_tries(tmp_pa
             link.unlink()
             link.symlink_to(tmp_path / "gone")
             vhangup_from_another_session(path)
-            assert not em.write("heartbeat", {"i": 1})
-            assert port.reopens == len(REOPEN_PAUSES) and port.dropped == 1
-            link.unlink()
-            link.symlink_to(path)  # the device is back: the next line reopens it
-            assert em.write("heartbeat", {"i": 2})
-            assert port.reopens == len(REOPEN_PAUSES) + 1 and port.dropped == 1
-            assert rd.wait_for(lambda b: b.count(b"\n") >= 4)
+            yield GoneDevice(rd, port, em, link, path)
         finally:
             port.close()
-    evs, _ = decode_all(bytes(rd.data))
+
+
+def test_a_device_that_cannot_be_reopened_costs_a_bounded_number_of_tries(tmp_path: Path) -> None:
+    # The device path is a link (as /dev/ttyS0 may be); after the hangup it points nowhere, as if
+    # the device went away. Each line gets one reopen per pause of REOPEN_PAUSES, then is counted
+    # as lost, and the sync caller hears it at once.
+    with gone_device(tmp_path) as dev:
+        port, em = dev.port, dev.em
+        assert not em.write("heartbeat", {"i": 1})
+        assert port.reopens == len(REOPEN_PAUSES) and port.dropped == 1
+        dev.back()  # the next line reopens it
+        assert em.write("heartbeat", {"i": 2})
+        assert port.reopens == len(REOPEN_PAUSES) + 1 and port.dropped == 1
+        assert dev.rd.wait_for(lambda b: b.count(b"\n") >= 4)
+    evs, _ = decode_all(bytes(dev.rd.data))
     assert [e.seq for e in evs] == [0, 1, 2, 4]  # two announcements; the lost line is a gap
 
 
@@ -182,38 +206,27 @@ def test_a_line_outlives_a_getty_restart_longer_than_a_few_tries(tmp_path: Path)
     # is past that old budget but inside the new window: the line must still arrive, not be
     # counted as dropped. The test waits for the writer's tries (an event), not for seconds.
     assert len(REOPEN_PAUSES) > 5 and sum(REOPEN_PAUSES[:5]) > 0.3
-    with pty() as (master, _slave, path), PtyReader(master) as rd:
-        link = tmp_path / "ttyS0"
-        link.symlink_to(path)
-        port = SerialPort(str(link), sync_timeout=30.0, stall_grace=30.0).open()
-        try:
-            em = _emitter(port, tmp_path)
-            assert em.write("heartbeat", {"i": 0})
-            link.unlink()
-            link.symlink_to(tmp_path / "gone")
-            vhangup_from_another_session(path)
-            written: list[bool] = []
-            writer = threading.Thread(
-                target=lambda: written.append(em.write("heartbeat", {"i": 1})), daemon=True
-            )
-            writer.start()
-            pause = threading.Event()
-            for _ in range(6000):  # bounded: at most 60 s of 10 ms looks
-                if port.reopens >= 5 or port.dropped or not writer.is_alive():
-                    break
-                pause.wait(0.01)
-            assert port.dropped == 0, "the line was given up before the device came back"
-            assert port.reopens >= 5 and writer.is_alive()
-            link.unlink()
-            link.symlink_to(path)  # the getty settled: the next reopen works
-            writer.join(30)
-            assert written == [True]
-            # the try under way when the link came back (or the next one) found the device
-            assert port.dropped == 0 and 5 <= port.reopens < len(REOPEN_PAUSES)
-            assert rd.wait_for(lambda b: b.count(b"\n") >= 4)
-        finally:
-            port.close()
-    evs, stats = decode_all(bytes(rd.data))
+    with gone_device(tmp_path) as dev:
+        port, em = dev.port, dev.em
+        written: list[bool] = []
+        writer = threading.Thread(
+            target=lambda: written.append(em.write("heartbeat", {"i": 1})), daemon=True
+        )
+        writer.start()
+        pause = threading.Event()
+        for _ in range(6000):  # bounded: at most 60 s of 10 ms looks
+            if port.reopens >= 5 or port.dropped or not writer.is_alive():
+                break
+            pause.wait(0.01)
+        assert port.dropped == 0, "the line was given up before the device came back"
+        assert port.reopens >= 5 and writer.is_alive()
+        dev.back()  # the getty settled: the next reopen works
+        writer.join(30)
+        assert written == [True]
+        # the try under way when the link came back (or the next one) found the device
+        assert port.dropped == 0 and 5 <= port.reopens < len(REOPEN_PAUSES)
+        assert dev.rd.wait_for(lambda b: b.count(b"\n") >= 4)
+    evs, stats = decode_all(bytes(dev.rd.data))
     assert [e.seq for e in evs] == [0, 1, 2, 3] and stats.rejected == 0
 
 
