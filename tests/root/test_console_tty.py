@@ -35,6 +35,7 @@ from gce_watchdog.vm.console import REOPEN_PAUSES, Emitter, SerialPort
 from gce_watchdog.vm.state import SeqAllocator
 from gce_watchdog.wire.protocol import decode_all
 from kit.fakes import FakeClock, FakeNotifier, ScriptedProber, result
+from kit.wait import wait_for
 
 pytestmark = [
     pytest.mark.netns,
@@ -213,11 +214,7 @@ def test_a_line_outlives_a_getty_restart_longer_than_a_few_tries(tmp_path: Path)
             target=lambda: written.append(em.write("heartbeat", {"i": 1})), daemon=True
         )
         writer.start()
-        pause = threading.Event()
-        for _ in range(6000):  # bounded: at most 60 s of 10 ms looks
-            if port.reopens >= 5 or port.dropped or not writer.is_alive():
-                break
-            pause.wait(0.01)
+        wait_for(lambda: port.reopens >= 5 or port.dropped or not writer.is_alive(), 60, 0.01)
         assert port.dropped == 0, "the line was given up before the device came back"
         assert port.reopens >= 5 and writer.is_alive()
         dev.back()  # the getty settled: the next reopen works
