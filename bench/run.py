@@ -24,6 +24,9 @@ Sections (all in one run; ``results["sections"]`` lists what ran and why somethi
 5. decode: bench/bench_decode.py (the poller's decoder vs ``grep -F -c``).
 6. journal: bench/journal.py, the poller's output for 1,000 VMs at 30 s, ``--log every`` against
    ``--log changes``, in bytes a day (a simulated fleet, no network; issue 38).
+7. fleet: bench/bench_fleet.py in its own process (the central side: polling 1,000 and 5,000
+   VMs, and the Pub/Sub path, 3 workers at twice the stream of 5,000 VMs, on the emulator and
+   PostgreSQL), so that its figures are targets of the same run (issue 38 item 4).
 
 Every process and namespace is torn down on exit, also on errors and Ctrl-C; every wait is
 bounded. Needs root (namespaces, iptables); without it the network sections are skipped with the
@@ -41,6 +44,7 @@ import os
 import platform
 import queue
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -57,7 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "agent"))
 sys.path.insert(0, str(REPO / "tests"))
 
-from bench import analysis, peers, report  # noqa: E402
+from bench import analysis, exit_on_sigterm, peers, report  # noqa: E402
 from bench.peers import Watcher  # noqa: E402
 
 PY = (
@@ -99,12 +103,20 @@ class Plan:
     journal_hours: float = 2.0  # issue 38: simulated hours of a 1,000-VM fleet's poller output
     # issue 38 item 7: the detection section again with the machine loaded (busy processes)
     loaded_runs: int = 6
+    # issue 38 item 4: bench/bench_fleet.py's arguments (None: the section is skipped; the tiny
+    # mode's smoke of it is tests/integration/test_bench_fleet_smoke.py)
+    fleet_args: tuple[str, ...] | None = ()
 
 
+QUICK = ("--sizes", "1000", "--pubsub-sizes", "5000")  # the quick mode's fleet: ~4 minutes
 PLANS = {
     "full": Plan("full", 7, 100, 30.0, 100.0, 10.0, 10, 1.0, 10, 10, 15),
-    "quick": Plan("quick", 3, 30, 30.0, 20.0, 5.0, 4, 1.0, 3, 10, 5, loaded_runs=3),
-    "tiny": Plan("tiny", 1, 10, 2.0, 3.0, 1.0, 2, 0.3, 1, 3, 1, 2_000, 1 << 20, 0.05, 1),
+    "quick": Plan(
+        "quick", 3, 30, 30.0, 20.0, 5.0, 4, 1.0, 3, 10, 5, loaded_runs=3, fleet_args=QUICK
+    ),
+    "tiny": Plan(
+        "tiny", 1, 10, 2.0, 3.0, 1.0, 2, 0.3, 1, 3, 1, 2_000, 1 << 20, 0.05, 1, fleet_args=None
+    ),
 }
 
 
@@ -168,6 +180,27 @@ def target_pid(w: Watcher, popen_pid: int) -> int:
         return None
 
     return int(wait_for(child, 5.0, "watchdog started under unshare"))
+
+
+def run_child(
+    argv: list[str], timeout: float, grace: float = 30.0, **kw: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, text=True, timeout=timeout, **kw)``, but a child cut short (its
+    timeout, or SIGTERM or Ctrl-C here) gets SIGTERM and ``grace`` seconds to tear down what it
+    started (a soak's idle processes, the fleet's emulator and database) before SIGKILL, which
+    subprocess.run sends at once."""
+    with subprocess.Popen(argv, text=True, **kw) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except BaseException:
+            p.terminate()
+            try:
+                p.communicate(timeout=grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+            raise
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
 def stop_procs(procs: list[subprocess.Popen[Any]], grace: float = 3.0) -> None:
@@ -899,11 +932,32 @@ def run_decode(plan: Plan, work: Path) -> dict[str, Any]:
     out = work / "decode.json"
     argv = [PY, str(script), str(out), "--repeats", str(plan.decode_repeats)]
     argv += ["--process-size", str(plan.decode_process_bytes)]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    r = run_child(argv, 900, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if r.returncode == 2 or not out.exists():
         return {"skipped": (r.stderr or r.stdout).strip() or f"rc={r.returncode}"}
     res: dict[str, Any] = json.loads(out.read_text())
     res["rc"] = r.returncode
+    return res
+
+
+FLEET_TIMEOUT_S = 3600  # polling 1,000 and 5,000 VMs and two Pub/Sub streams: ~10 min here
+
+
+def run_fleet(plan: Plan, work: Path, extra: list[str], log: Callable[..., None]) -> dict[str, Any]:
+    """bench/bench_fleet.py in its own process (it starts the fake Compute API, the Pub/Sub
+    emulator and PostgreSQL itself), with the plan's arguments and then ``extra``: its results,
+    its exit status (``rc``: 1 when a decision was not exactly once) and its argv. Its progress
+    lines go to this run's log."""
+    out = work / "fleet.json"
+    argv = [PY, "-m", "bench.bench_fleet", str(out), *(plan.fleet_args or ()), *extra]
+    r = run_child(argv, FLEET_TIMEOUT_S, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in r.stdout.splitlines()[-20:]:
+        log(f"bench: fleet: {line[:300]}")
+    if not out.exists():
+        raise RuntimeError(f"bench_fleet wrote no results (rc {r.returncode}): {r.stdout[-400:]}")
+    res: dict[str, Any] = json.loads(out.read_text())
+    res["rc"] = r.returncode
+    res["args"] = argv[4:]
     return res
 
 
@@ -927,9 +981,7 @@ def run_soak(plan: Plan) -> dict[str, Any]:
 
     def one(procs: int, python: str = py) -> dict[str, Any]:
         argv = [python, "-m", "bench.soak", "--ticks", str(plan.soak_ticks), "--procs", str(procs)]
-        r = subprocess.run(
-            argv, cwd=REPO, capture_output=True, text=True, timeout=3600, check=False
-        )
+        r = run_child(argv, 3600, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         if r.returncode != 0:
             raise RuntimeError(f"soak failed (rc {r.returncode}): {r.stderr[-400:]}")
         res: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
@@ -974,9 +1026,11 @@ def run(
     log: Callable[..., None],
     only: frozenset[str] | None = None,
     load: int | None = None,
+    fleet: list[str] | None = None,
 ) -> dict[str, Any]:
     """Every section (``only``: just those of NET_SECTIONS, nothing else); ``load``: busy
-    processes of the loaded detection (default LOAD_PER_CORE per core)."""
+    processes of the loaded detection (default LOAD_PER_CORE per core); ``fleet``: more
+    arguments of bench_fleet (None: the fleet section is skipped)."""
     from kit.netns import EGRESS_IP, Topology, iptables_unavailable, netns_unavailable
 
     t_all = time.monotonic()
@@ -1054,6 +1108,24 @@ def run(
         except Exception as e:
             secs["journal"] = f"failed: {type(e).__name__}: {e}"
         log(f"bench: journal: {secs['journal']}")
+        if plan.fleet_args is None or fleet is None:
+            why_not = "--no-fleet" if fleet is None else f"{plan.mode} mode"
+            secs["fleet"] = f"skipped: {why_not} (make bench runs it)"
+        else:
+            t0 = time.monotonic()
+            log("bench: fleet ...")
+            try:
+                res["fleet"] = run_fleet(plan, work, fleet, log)
+                rc = res["fleet"]["rc"]
+                secs["fleet"] = (
+                    f"failed: bench_fleet exited {rc} (a decision not exactly once; its "
+                    "results are kept)"
+                    if rc
+                    else f"ok in {time.monotonic() - t0:.1f}s"
+                )
+            except Exception as e:
+                secs["fleet"] = f"failed: {type(e).__name__}: {e}"
+            log(f"bench: fleet: {secs['fleet']}")
     res["targets"] = report.targets(res)
     res["duration_s"] = time.monotonic() - t_all
     return res
@@ -1123,6 +1195,14 @@ def main(argv: list[str] | None = None) -> int:
         "the results file's other sections (make bench-peers)",
     )
     ap.add_argument(
+        "--fleet-args",
+        default="",
+        metavar="ARGS",
+        help="more arguments of bench/bench_fleet.py, e.g. '--sizes 1000' (split like a shell's "
+        "words, never run by one)",
+    )
+    ap.add_argument("--no-fleet", action="store_true", help="skip the fleet section")
+    ap.add_argument(
         "--load",
         type=int,
         default=None,
@@ -1131,6 +1211,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
     plan = PLANS["tiny" if a.tiny else "quick" if a.quick else "full"]
+    exit_on_sigterm()
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -1140,7 +1221,8 @@ def main(argv: list[str] | None = None) -> int:
     elif a.only_detection:
         res = rerun_detection(plan, Path(a.out), not a.no_peers, a.load, log)
     else:
-        res = run(plan, not a.no_peers, log, load=a.load)
+        fleet = None if a.no_fleet else shlex.split(a.fleet_args)
+        res = run(plan, not a.no_peers, log, load=a.load, fleet=fleet)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import exit_on_sigterm
+
 WARMUP_TICKS = 1000
 MIB = 1024 * 1024
 
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ticks", type=int, default=20_000)
     ap.add_argument("--procs", type=int, default=0, help="idle processes beside the agent")
     args = ap.parse_args(argv)
+    exit_on_sigterm()
     shm = Path("/dev/shm")
     with tempfile.TemporaryDirectory(
         prefix="gcewd-soak-", dir=str(shm) if shm.is_dir() else None

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from kit.netns import PY, iptables_unavailable, netns_unavailable
+from kit.netns import PY, delete_ns, iptables_unavailable, netns_unavailable, ns_pids
 from kit.paths import REPO
+from kit.wait import wait_for
 
 sys.path.insert(0, str(REPO))
 
@@ -197,6 +199,8 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert all(v.startswith(("ok", "skipped")) for v in res["sections"].values()), res["sections"]
+    # the fleet section is make bench's (test_bench_fleet_smoke runs it tiny): said, not run
+    assert res["sections"]["fleet"].startswith("skipped: tiny mode") and "fleet" not in res
     assert res["startup"]["spawn_to_first_tick_ms"]["n"] == 1
     assert res["overhead"]["default"]["fast"]["ticks"] >= 10
     imports = {r["import"]: r for r in res["startup"]["rss_by_import_mib"]}
@@ -221,6 +225,53 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
     if res["peers_skipped"] is None:  # monit/watchdog installed: they were measured too
         assert {"monit-native", "watchdog-test"} <= set(det)
     assert "| target |" in doc.read_text()
+
+
+def _netns_of(pid: int) -> list[str]:
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [x.split()[0] for x in r.stdout.splitlines() if x.startswith(f"gw-{pid}-")]
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie does not: nothing of it is left but its exit status)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+def test_a_terminated_bench_tears_down_what_it_started(tmp_path: Path) -> None:
+    """A bench stopped by SIGTERM mid-run (a CI job's timeout, ``kill``, ``timeout(1)``)
+    leaves nothing behind, as after Ctrl-C: its namespaces, the simulated GCE and every
+    process it started in them are gone when it exits (they were left running: the default
+    SIGTERM ran no teardown)."""
+    why = netns_unavailable() or iptables_unavailable()
+    if why:
+        pytest.skip(f"netns: {why}")
+    argv = [PY, "-m", "bench.run", "--tiny", "--no-doc", "--no-fleet", "--out", str(tmp_path / "r")]
+    with (tmp_path / "log").open("w") as log:
+        p = subprocess.Popen(argv, cwd=str(REPO), stdout=log, stderr=log)
+    started: list[int] = []
+    try:
+
+        def running() -> bool:  # the run's namespaces, with its processes in them
+            started[:] = [pid for ns in _netns_of(p.pid) for pid in ns_pids(ns)]
+            return len(started) >= 2 or p.poll() is not None
+
+        assert wait_for(running, 120, 0.05) and p.poll() is None, (tmp_path / "log").read_text()
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(120)
+        assert rc != 0 and not _netns_of(p.pid), (tmp_path / "log").read_text()[-2000:]
+        assert [pid for pid in started if _alive(pid)] == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        for ns in _netns_of(p.pid):  # the test's own teardown when the bench's failed
+            delete_ns(ns)
 
 
 @pytest.mark.process
@@ -302,3 +353,54 @@ def test_the_debs_tree_is_a_target_row_and_says_when_it_was_not_measured() -> No
     t = {x["target"]: x for x in report.targets({"soak": soak})}
     row = t[name.replace("None", "300")]
     assert row["measured"] == 33.5 and row["met"] is False
+
+
+def _fleet(p99: float = 3.0, rate: float = 1200.0, handled: int = 100, once: bool = True) -> dict:
+    poll = {"vms": 5000, "workers": 32, "round_cold_s": 33.0, "round_steady_s": 14.4,
+            "cpu_ms_per_vm_steady": 2.5, "api_calls_per_round": {"serial": 5000, "list": 10},
+            "decision_latency_s": {"p50": 11.0, "p99": 14.0, "max": 14.5}, "decisions": 500,
+            "wedged": 500, "exactly_once": True}  # fmt: skip
+    ps = {"vms": 5000, "workers": 3, "ledger": "postgresql", "published": 100,
+          "messages_handled": handled, "publish_rate_per_s": rate, "messages_per_s": 1250.0,
+          "elapsed_s": 60.0, "decision_latency_s": {"p50": 1.0, "p99": p99, "max": p99 + 0.1},
+          "ready_latency_s": {"p50": 0.1, "p99": 0.2, "max": 0.3}, "decisions": 3000,
+          "wedged": 3000, "exactly_once": once, "finished_ended": True,
+          "healthy_undecided": True, "worker_rss_mib": [86.9, 87.0, 87.1],
+          "worker_cpu_s": [9.0, 9.5, 9.1], "messages_per_cpu_s": 2700.0,
+          "loadavg_1m": {"min": 1.0, "max": 2.5, "samples": [1.0, 2.5]}}  # fmt: skip
+    small = dict(ps, vms=1000, decision_latency_s={"p50": 9.0, "p99": 99.0, "max": 99.0})
+    return {"polling": [dict(poll, vms=1000), poll], "pubsub": [small, ps], "args": ["--x"]}
+
+
+P99 = ("Pub/Sub 5,000 VMs, 3 workers, {} messages/s published: decision latency p99 (publish to"
+       " claim)")  # fmt: skip
+ONCE = ("Pub/Sub 5,000 VMs: every wedged VM decided exactly once, no finished or healthy VM, the"
+        " whole stream handled")  # fmt: skip
+
+
+@pytest.mark.pure
+def test_the_fleet_section_is_target_rows_of_its_largest_fleets() -> None:
+    """Issue 38 item 4: the fleet's figures are targets of the same run, each of the largest
+    fleet measured; a p99 over 5 s, a rate under 1,200/s, a decision not exactly once or a
+    stream not handled whole is a miss; without the section the rows say "not measured"."""
+    t = {x["target"]: x for x in report.targets({"fleet": _fleet()})}
+    assert t[P99.format("1,200")]["measured"] == 3.0 and t[P99.format("1,200")]["met"] is True
+    assert t[ONCE]["met"] is True and t[ONCE]["measured"] == "3000 of 3000"
+    assert t["polling 5,000 VMs: steady round (every VM read once)"]["met"] is True
+    cpu = t["polling 5,000 VMs: poller CPU per VM a round (its process start included)"]
+    assert cpu["measured"] == 2.5 and cpu["met"] is False
+    assert t["polling 5,000 VMs: every wedged VM decided exactly once"]["met"] is True
+    t = {x["target"]: x for x in report.targets({"fleet": _fleet(p99=5.2)})}
+    assert t[P99.format("1,200")]["met"] is False
+    t = {x["target"]: x for x in report.targets({"fleet": _fleet(rate=600.0, p99=0.1)})}
+    assert t[P99.format("600")]["met"] is False  # fast, but at half the target's rate
+    for bad in (_fleet(handled=99), _fleet(once=False)):
+        assert {x["target"]: x for x in report.targets({"fleet": bad})}[ONCE]["met"] is False
+    t = {x["target"]: x for x in report.targets({})}
+    assert t[P99.format("1,200")]["met"] is None and t[ONCE]["measured"] is None
+    assert report.t_fleet({}) == "_not measured in this run_"
+    table = report.t_fleet({"fleet": _fleet()})
+    assert "polling, 5,000 VMs" in table and "Pub/Sub, 1,000 VMs" in table
+    assert "**3.00**" in table and "86.9, 87.0, 87.1 MiB" in table and "--x" in table
+    skipped = report.t_fleet({"fleet": {"polling": [], "pubsub": [{"skipped": "no java"}]}})
+    assert "skipped: no java" in skipped
