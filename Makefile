@@ -129,7 +129,7 @@ bench-deps: $(STAMP) apt-test
 	    esac; done; [ $$rc = 0 ]; \
 	  else echo "not root: cannot install$$missing (the peers are skipped)"; fi; \
 	fi
-# The whole benchmark, every section (about 14 minutes on 2 cores), the docs' tables regenerated.
+# The whole benchmark, every section (about 17 minutes on 2 cores), the docs' tables regenerated.
 bench: bench-deps
 	@# The agent as shipped: a venv from the system's python3 (what the start-up script uses on a
 	@# Debian VM) with the start-up script's install: the dependencies pinned by hash in
