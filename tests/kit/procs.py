@@ -40,9 +40,7 @@ def running(
     """``argv`` started (in ``cwd``) with its stdout and stderr piped; killed and reaped on exit
     from the context if it is still running (a failed assertion, a deadline), never left
     behind."""
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd
-    )
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd)
     try:
         yield proc
     finally:
