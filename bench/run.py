@@ -28,9 +28,10 @@ Sections (all in one run; ``results["sections"]`` lists what ran and why somethi
    VMs, and the Pub/Sub path, 3 workers at twice the stream of 5,000 VMs, on the emulator and
    PostgreSQL), so that its figures are targets of the same run (issue 38 item 4).
 
-Every process and namespace is torn down on exit, also on errors and Ctrl-C; every wait is
-bounded. Needs root (namespaces, iptables); without it the network sections are skipped with the
-reason and the decode section still runs.
+Every process and namespace is torn down on exit, also on errors, Ctrl-C and SIGTERM (which
+unwinds like Ctrl-C; a section's own process gets SIGTERM and a grace first: ``run_child``);
+every wait is bounded. Needs root (namespaces, iptables); without it the network sections are
+skipped with the reason and the decode section still runs.
 """
 
 from __future__ import annotations
