@@ -14,7 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit.netns import PY, delete_ns, iptables_unavailable, netns_unavailable, ns_pids
+from kit.netns import (
+    PY,
+    delete_ns,
+    harness_namespaces,
+    iptables_unavailable,
+    netns_unavailable,
+    ns_pids,
+)
 from kit.paths import REPO
 from kit.wait import wait_for
 
@@ -228,8 +235,7 @@ def test_tiny_bench_runs_every_section(tmp_path: Path) -> None:
 
 
 def _netns_of(pid: int) -> list[str]:
-    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
-    return [x.split()[0] for x in r.stdout.splitlines() if x.startswith(f"gw-{pid}-")]
+    return [name for name, maker in harness_namespaces() if maker == pid]
 
 
 def _alive(pid: int) -> bool:

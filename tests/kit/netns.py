@@ -144,14 +144,22 @@ def delete_ns(ns: str) -> None:
     shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
+def harness_namespaces() -> list[tuple[str, int]]:
+    """The namespaces harness runs made (``gw-<pid>-...``), each with its maker's pid."""
+    r = _ip("netns", "list", check=False)
+    found: list[tuple[str, int]] = []
+    for line in r.stdout.splitlines():
+        m = _NAME_RE.match(line.split()[0] if line.split() else "")
+        if m:
+            found.append((m.group(0), int(m.group(1))))
+    return found
+
+
 def sweep_stale() -> list[str]:
     """Delete namespaces left by harness runs whose process is gone; returns their names."""
-    r = _ip("netns", "list", check=False)
     gone: list[str] = []
-    for line in r.stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        m = _NAME_RE.match(name)
-        if m and not Path(f"/proc/{m.group(1)}").exists():
+    for name, pid in harness_namespaces():
+        if not Path(f"/proc/{pid}").exists():
             delete_ns(name)
             gone.append(name)
     return gone
