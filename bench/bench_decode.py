@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gce_watchdog.poller.timeline import parse_bytes
 from gce_watchdog.testing.synth import SYNTH_KEY, Writer, corpus_dir, realistic_dump
+from gce_watchdog.wire.lazy import _PLAIN_V3
 from gce_watchdog.wire.protocol import (
     MARKER,
     MAX_LINE,
@@ -70,6 +72,7 @@ from gce_watchdog.wire.protocol import (
     make_event,
     verify,
 )
+from gce_watchdog.wire.stream import _MARKER_LINE_RE
 
 from bench.analysis import import_breakdown, parse_importtime
 
@@ -278,6 +281,56 @@ def _process_pair(path: Path, grep: str, repeats: int) -> dict[str, object]:
     }
 
 
+# The least any Python ``parse --json`` does (issue 38, item 2: is the goal reachable in
+# Python?): start the interpreter, read the file, find each line with the marker (C-level) and
+# write one JSON object per line, its text only, to stdout. No checksum, no parse, no signature,
+# no timeline, no verdict: a lower bound for a Python decoder that prints every event, whatever
+# its design. Run as ``python -c FLOOR_PROCESS FILE``.
+FLOOR_PROCESS = """\
+import json, re, sys
+with open(sys.argv[1], "rb") as f:
+    data = f.read()
+lines = re.findall(rb"GCEWD3[^\\n]*", data)
+json.dump([{"line": x.decode("ascii", "replace")} for x in lines], sys.stdout)
+"""
+
+
+def _floor_process(path: Path, repeats: int) -> dict[str, object]:
+    """:data:`FLOOR_PROCESS` on ``path`` as a whole process (stdout to /dev/null), wall and
+    CPU medians, as :func:`_process_pair` times ``parse``."""
+    argv = [sys.executable, "-c", FLOOR_PROCESS, str(path)]
+    t, c = _median_process(
+        lambda: subprocess.run(argv, stdout=subprocess.DEVNULL, check=True), repeats
+    )
+    return {"floor_median_s": t, "floor_cpu_median_s": c}
+
+
+def _with_floor(pair: dict[str, object], floor: dict[str, object]) -> dict[str, object]:
+    """A :func:`_process_pair` result with :func:`_floor_process`'s times and their ratios to
+    grep's (wall, and CPU)."""
+    ratios = {
+        "ratio_floor_to_grep": float(floor["floor_median_s"]) / float(pair["grep_median_s"]),  # type: ignore[arg-type]
+        "ratio_floor_to_grep_cpu": float(floor["floor_cpu_median_s"])  # type: ignore[arg-type]
+        / max(float(pair["grep_cpu_median_s"]), 1e-6),  # type: ignore[arg-type]
+    }
+    return {**pair, **floor, **ratios}
+
+
+def floor_in_process(data: bytes) -> list[tuple[bytes, ...]]:
+    """The least a Python decoder does in process for the lines it decodes (issue 38, item 2):
+    the lines with the marker found by one C-level scan (the decoder's own ``_MARKER_LINE_RE``),
+    then for each one CRC and one regex match of its head and trailer (``_PLAIN_V3``: boot,
+    seq, event, signature, CRC), its groups kept. No line counting, no field parse, no event,
+    no deduplication, no signature check: a lower bound, not a decoder."""
+    out = []
+    match, crc32 = _PLAIN_V3.match, zlib.crc32
+    for ln in _MARKER_LINE_RE.findall(data):
+        m = match(ln)
+        if m is not None and crc32(ln[:-8]) == int(m.group(5), 16):
+            out.append(m.groups())
+    return out
+
+
 def _startup(grep: str, repeats: int, tmp: Path) -> dict[str, object]:
     """What a whole process pays before any byte: the interpreter alone, ``parse --json`` of an
     empty file (start-up and the parse path's imports), grep of it; and ``-X importtime``'s
@@ -330,11 +383,13 @@ def run(size: int, every: int, repeats: int, process_size: int) -> dict[str, obj
         big = Path(tmp) / "big.log"
         big.write_bytes(realistic_dump(process_size, every=every, directory=d)[0])
         process["big"] = _process_pair(big, grep, preps)
+        process["big"] = _with_floor(process["big"], _floor_process(big, preps))
         big.unlink()
         startup = _startup(grep, preps, Path(tmp))
     marker = MARKER.encode()
     t_count, _ = _median_time(lambda: data.count(marker), repeats, cpu=True)
     t_decode, decode_times = _median_time(lambda: decode_all(data), repeats, cpu=True)
+    t_floor, _ = _median_time(lambda: floor_in_process(data), repeats, cpu=True)
 
     def full() -> object:
         d = StreamDecoder()
@@ -375,6 +430,13 @@ def run(size: int, every: int, repeats: int, process_size: int) -> dict[str, obj
         "decode_full_median_s": t_full,
         "count_median_s": t_count,
         "ratio_decode_to_count": t_decode / t_count,
+        # issue 38, item 2: the floors of any Python decoder, against the same references
+        "floor_median_s": t_floor,
+        "floor_lines": len(floor_in_process(data)),
+        "ratio_floor_to_count": t_floor / t_count,
+        "verify_ms_in_decode": stats.verified * t_verify / n * 1000,
+        "ratio_verify_to_count": stats.verified * t_verify / n / t_count,
+        "ratio_floor_process_to_grep": process["big"]["ratio_floor_to_grep"],
         "ratio_full_to_count": t_full / t_count,
         "timeline_median_s": t_timeline,
         "timeline_mb_s": mb / t_timeline,
@@ -428,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         f" In process: decode_all {res['decode_median_s'] * 1000:.2f} ms vs bytes.count"
         f" {res['count_median_s'] * 1000:.2f} ms = {res['ratio_decode_to_count']:.1f}x (goal <="
         f" 3x; every line verified {res['ratio_full_to_count']:.1f}x, {res['decode_verified']}"
-        f" checks); verify {res['verify_us_per_line']:.0f} us per line. Hostile ms per MiB"
+        f" checks); verify {res['verify_us_per_line']:.0f} us per line. Floors of any Python"
+        f" decoder: whole process {res['ratio_floor_process_to_grep']:.1f}x grep, in process"
+        f" {res['ratio_floor_to_count']:.1f}x bytes.count (+ the signature checks"
+        f" {res['ratio_verify_to_count']:.1f}x). Hostile ms per MiB"
         " (goal <= 50; at once / 64 KiB / 4 KiB pieces): "
         + ", ".join(
             f"{k[len('hostile_') :]} "

@@ -466,6 +466,34 @@ def _shape_label(shape: str) -> str:
     return HOSTILE_LABELS.get(shape, shape)
 
 
+def _floor_rows(d: dict[str, Any]) -> list[list[str]]:
+    """The floors of any Python decoder (issue 38, item 2: is the goal reachable in Python?),
+    against the same references as the decoder's own rows; none from a run before them."""
+    big = d["process_big"]
+    if "floor_median_s" not in d or "floor_median_s" not in big:
+        return []
+    return [
+        [
+            "floor, whole process: the least any Python `parse --json` does (read, find each"
+            " line of ours, one JSON object of its text each) / `grep -F -c`",
+            f"{big['floor_median_s'] * 1000:.0f} ms / {big['grep_median_s'] * 1000:.1f} ms ="
+            f" {big['ratio_floor_to_grep']:.1f}x",
+        ],
+        [
+            "floor, in process: the marker scan, a CRC and one regex match per line of ours"
+            " / `bytes.count`",
+            f"{d['floor_median_s'] * 1000:.2f} ms / {d['count_median_s'] * 1000:.2f} ms ="
+            f" {d['ratio_floor_to_count']:.1f}x",
+        ],
+        [
+            f"the signature checks `decode_all` makes ({d['decode_verified']} x verify)"
+            " / `bytes.count`",
+            f"{d['verify_ms_in_decode']:.2f} ms / {d['count_median_s'] * 1000:.2f} ms ="
+            f" {d['ratio_verify_to_count']:.1f}x",
+        ],
+    ]
+
+
 def t_decode(res: dict[str, Any]) -> str:
     d = res.get("decode")
     if not d or "skipped" in d:
@@ -493,6 +521,7 @@ def t_decode(res: dict[str, Any]) -> str:
             f"{d['decode_median_s'] * 1000:.2f} ms / {d['count_median_s'] * 1000:.2f} ms ="
             f" {d['ratio_decode_to_count']:.1f}x (goal <= {TARGET_DECODE_COUNT_RATIO:g}x)",
         ],
+        *_floor_rows(d),
         ["`decode_all` (in process)", f"{d['decode_mb_s']:.1f} MB/s"],
         ["timeline (decode + per-VM timeline)", f"{d['timeline_mb_s']:.1f} MB/s"],
         *(

@@ -300,6 +300,11 @@ def test_bench_decode_script_writes_json(tmp_path: Path) -> None:
     assert res["process_big"]["bytes"] == 65536 and res["ratio_process_to_grep"] > 0
     assert res["parse_empty_median_s"] > 0 and res["parse_import_ms"] > 0
     assert "ratio_decode_to_grep" not in res
+    # the floors of any Python decoder (issue 38, item 2), against the same references: the
+    # in-process one finds every intact line of ours, the whole-process one prints them
+    assert res["floor_lines"] == res["events"] - res["rejected"] > 0
+    assert res["ratio_floor_to_count"] > 0 and res["verify_ms_in_decode"] > 0
+    assert res["process_big"]["floor_cpu_median_s"] > 0 and res["ratio_floor_process_to_grep"] > 0
     for shape in ("bad_sig", "max_fields", "cr", "cr_lines"):
         for piece in ("", "_64k", "_4k"):
             assert res[f"hostile_{shape}{piece}_ms_per_mib"] > 0
@@ -410,3 +415,20 @@ def test_the_fleet_section_is_target_rows_of_its_largest_fleets() -> None:
     assert "**3.00**" in table and "86.9, 87.0, 87.1 MiB" in table and "--x" in table
     skipped = report.t_fleet({"fleet": {"polling": [], "pubsub": [{"skipped": "no java"}]}})
     assert "skipped: no java" in skipped
+
+
+@pytest.mark.pure
+def test_the_decode_table_shows_the_python_floors_beside_the_goals() -> None:
+    """Issue 38, item 2: the floors of any Python decoder are rows of the decode table, against
+    the same references; a run from before them shows none (no row made up)."""
+    big = {"floor_median_s": 0.166, "grep_median_s": 0.0218, "ratio_floor_to_grep": 7.6}
+    dec = {"process_big": big, "floor_median_s": 0.00068, "count_median_s": 0.00046,
+           "ratio_floor_to_count": 1.5, "decode_verified": 15, "verify_ms_in_decode": 0.59,
+           "ratio_verify_to_count": 1.3}  # fmt: skip
+    rows = report._floor_rows(dec)
+    assert [r[1] for r in rows] == [
+        "166 ms / 21.8 ms = 7.6x", "0.68 ms / 0.46 ms = 1.5x", "0.59 ms / 0.46 ms = 1.3x"
+    ]  # fmt: skip
+    assert "15 x verify" in rows[2][0]
+    del big["floor_median_s"]
+    assert report._floor_rows(dec) == []
