@@ -166,6 +166,20 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     add("`decode_all` vs `bytes.count` of the marker (in process)",
         f"<= {TARGET_DECODE_COUNT_RATIO:g}x the time", cr,
         None if cr is None else cr <= TARGET_DECODE_COUNT_RATIO, "x")  # fmt: skip
+    fp = _get(res, "decode", "ratio_floor_process_to_grep")
+    if fp is not None:  # issue 38, item 2: is the goal reachable by a Python decoder at all?
+        add("floor: the least any Python `parse --json` does (read, find each line of ours, one"
+            " JSON object each) vs `grep -F -c`, whole processes",
+            f"<= {TARGET_DECODE_RATIO:g}x for the target to be reachable", fp,
+            fp <= TARGET_DECODE_RATIO, "x")  # fmt: skip
+    fc = _get(res, "decode", "ratio_floor_to_count")
+    fv = _get(res, "decode", "ratio_verify_to_count")
+    if fc is not None and fv is not None:
+        fin = round(fc + fv, 2)
+        add("floor: the marker scan, a CRC and a regex match per line of ours, and the"
+            " signature checks `decode_all` makes vs `bytes.count` (in process)",
+            f"<= {TARGET_DECODE_COUNT_RATIO:g}x for the target to be reachable", fin,
+            fin <= TARGET_DECODE_COUNT_RATIO, "x")  # fmt: skip
     shapes = hostile_shapes(res.get("decode") or {})
     worst = max(shapes, key=lambda kv: kv[1], default=None)
     add(f"slowest hostile 1 MiB shape ({worst[0] if worst else '-'})",

@@ -430,5 +430,14 @@ def test_the_decode_table_shows_the_python_floors_beside_the_goals() -> None:
         "166 ms / 21.8 ms = 7.6x", "0.68 ms / 0.46 ms = 1.5x", "0.59 ms / 0.46 ms = 1.3x"
     ]  # fmt: skip
     assert "15 x verify" in rows[2][0]
+    # and target rows saying whether each goal is reachable at all (the deps' floor's pattern)
+    dec["ratio_floor_process_to_grep"] = 7.6
+    got = {x["target"].split(" vs ")[0]: x for x in report.targets({"decode": dec})}
+    whole = got["floor: the least any Python `parse --json` does (read, find each line of ours,"
+                " one JSON object each)"]  # fmt: skip
+    assert whole["measured"] == 7.6 and whole["met"] is False
+    inproc = got["floor: the marker scan, a CRC and a regex match per line of ours, and the"
+                 " signature checks `decode_all` makes"]  # fmt: skip
+    assert inproc["measured"] == 2.8 and inproc["met"] is True
     del big["floor_median_s"]
     assert report._floor_rows(dec) == []
