@@ -21,19 +21,32 @@ APT_TEST := iptables iproute2 systemd procps shellcheck nginx openssl postgresql
 
 .PHONY: demo test test-fast lint venv apt-test install install-cli bench bench-deps bench-peers \
   e2e e2e-if-possible clean \
-  cli-docs deb
+  cli-docs deb dev-lock
 
 $(VENV)/bin/python:
 	@$(PY) -m venv --help >/dev/null 2>&1 && $(PY) -c 'import ensurepip' 2>/dev/null || \
 	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq python3-venv; }
 	$(PY) -m venv $(VENV)
 
-$(STAMP): pyproject.toml $(VENV)/bin/python
+# The dev toolchain under packaging/constraints-dev.txt (exact versions: a clean clone tests with
+# what this tree last passed with; `make dev-lock` moves them to PyPI's newest).
+DEV_CONSTRAINTS := packaging/constraints-dev.txt
+$(STAMP): pyproject.toml $(DEV_CONSTRAINTS) $(VENV)/bin/python
 	$(VPY) -m pip install -q --upgrade pip >/dev/null
-	$(VPY) -m pip install -q -e '.[dev,report]'
+	$(VPY) -m pip install -q -e '.[dev,report]' -c $(DEV_CONSTRAINTS)
 	touch $@
 
 venv: $(STAMP)
+
+# The newest versions of the dev toolchain into DEV_CONSTRAINTS (needs PyPI): a fresh venv,
+# `.[dev,report]` unconstrained, pip freeze under the file's own header. Run make test after.
+dev-lock: $(VENV)/bin/python
+	rm -rf build/dev-lock && $(PY) -m venv build/dev-lock
+	build/dev-lock/bin/python -m pip install -q --upgrade pip >/dev/null
+	build/dev-lock/bin/python -m pip install -q -e '.[dev,report]'
+	{ sed -n '/^#/p' $(DEV_CONSTRAINTS); build/dev-lock/bin/python -m pip freeze --exclude-editable; } \
+	  > $(DEV_CONSTRAINTS).new && mv $(DEV_CONSTRAINTS).new $(DEV_CONSTRAINTS)
+	rm -rf build/dev-lock
 
 # `gce-watchdog` on PATH for this checkout, so the README's commands work as typed: as root a
 # link CLI_LINK -> .venv/bin/gce-watchdog (/usr/local/bin is on root's and sudo's PATH on Debian);
