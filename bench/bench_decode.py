@@ -28,10 +28,17 @@ Both sides read the same bytes in the same run:
   each, and at most ``BUDGET_LINES`` + 1 per ``BUDGET_BYTES`` signature checks per block; the
   JSON gives the checks made per shape (``*_verified``);
 - grep: ``grep -F -c GCEWD3 FILE`` as a subprocess (process start included: that is what a
-  shell pipeline pays too), the file in the page cache after a warm-up run.
+  shell pipeline pays too), the file in the page cache after a warm-up run;
+- the floors of any Python decoder (issue 38, item 2): :data:`FLOOR_PROCESS`, a whole Python
+  process that only reads the big dump and prints each line of ours as JSON, against grep; and
+  :func:`floor_in_process` (the marker scan, a CRC and a regex match per line of ours) with
+  the signature checks ``decode_all`` makes, against ``bytes.count``. A goal below its floor is
+  out of reach of a decoder written in Python.
 
 Each is timed ``R`` times (after one warm-up); the median is reported. MB/s means 10^6 bytes
-per second. ``ratio`` = decode median time / grep median time (goal: <= 5).
+per second. The ratios pair like with like (issue 38): ``ratio_process_to_grep`` is the whole
+``parse --json`` process's median time over grep's (goal <= 5), ``ratio_decode_to_count`` is
+``decode_all``'s CPU time over ``bytes.count``'s in process (goal <= 3).
 Exit status 0 on success, 1 when the decoder disagrees with grep on the marker count, 2 when
 the corpus or grep is missing.
 """
