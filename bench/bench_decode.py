@@ -259,11 +259,12 @@ def _process_env(tmp: Path) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(AGENT), "PYTHONPYCACHEPREFIX": str(tmp / "pycache")}
 
 
-def _process_pair(path: Path, grep: str, repeats: int) -> dict[str, object]:
+def _process_pair(path: Path, grep: str, repeats: int, floor: bool = False) -> dict[str, object]:
     """Whole process against whole process on one file: ``gce-watchdog parse --json FILE``
     (interpreter start-up, imports, reading, decoding, the timeline, the JSON printed to
     /dev/null) and ``grep -F -c GCEWD3 FILE`` (its own start-up), each the median of
-    ``repeats`` after a warm-up (the file in the page cache)."""
+    ``repeats`` after a warm-up (the file in the page cache); with ``floor``, also
+    :data:`FLOOR_PROCESS` on the same file, timed alike, and its ratios to grep."""
     env = _process_env(path.parent)
     parse = [sys.executable, "-m", "gce_watchdog", "parse", "--json", str(path)]
     grep_argv = [grep, "-F", "-c", MARKER, str(path)]
@@ -276,7 +277,20 @@ def _process_pair(path: Path, grep: str, repeats: int) -> dict[str, object]:
         lambda: subprocess.run(grep_argv, capture_output=True, check=False), repeats
     )
     mib = path.stat().st_size / (1 << 20)
+    floors: dict[str, object] = {}
+    if floor:
+        argv = [sys.executable, "-c", FLOOR_PROCESS, str(path)]
+        t_floor, c_floor = _median_process(
+            lambda: subprocess.run(argv, stdout=subprocess.DEVNULL, check=True), repeats
+        )
+        floors = {
+            "floor_median_s": t_floor,
+            "floor_cpu_median_s": c_floor,
+            "ratio_floor_to_grep": t_floor / t_grep,
+            "ratio_floor_to_grep_cpu": c_floor / max(c_grep, 1e-6),
+        }
     return {
+        **floors,
         "bytes": path.stat().st_size,
         "parse_median_s": t_parse,
         "grep_median_s": t_grep,
@@ -292,7 +306,7 @@ def _process_pair(path: Path, grep: str, repeats: int) -> dict[str, object]:
 # Python?): start the interpreter, read the file, find each line with the marker (C-level) and
 # write one JSON object per line, its text only, to stdout. No checksum, no parse, no signature,
 # no timeline, no verdict: a lower bound for a Python decoder that prints every event, whatever
-# its design. Run as ``python -c FLOOR_PROCESS FILE``.
+# its design. Run as ``python -c FLOOR_PROCESS FILE`` (:func:`_process_pair`).
 FLOOR_PROCESS = """\
 import json, re, sys
 with open(sys.argv[1], "rb") as f:
@@ -300,27 +314,6 @@ with open(sys.argv[1], "rb") as f:
 lines = re.findall(rb"GCEWD3[^\\n]*", data)
 json.dump([{"line": x.decode("ascii", "replace")} for x in lines], sys.stdout)
 """
-
-
-def _floor_process(path: Path, repeats: int) -> dict[str, object]:
-    """:data:`FLOOR_PROCESS` on ``path`` as a whole process (stdout to /dev/null), wall and
-    CPU medians, as :func:`_process_pair` times ``parse``."""
-    argv = [sys.executable, "-c", FLOOR_PROCESS, str(path)]
-    t, c = _median_process(
-        lambda: subprocess.run(argv, stdout=subprocess.DEVNULL, check=True), repeats
-    )
-    return {"floor_median_s": t, "floor_cpu_median_s": c}
-
-
-def _with_floor(pair: dict[str, object], floor: dict[str, object]) -> dict[str, object]:
-    """A :func:`_process_pair` result with :func:`_floor_process`'s times and their ratios to
-    grep's (wall, and CPU)."""
-    ratios = {
-        "ratio_floor_to_grep": float(floor["floor_median_s"]) / float(pair["grep_median_s"]),  # type: ignore[arg-type]
-        "ratio_floor_to_grep_cpu": float(floor["floor_cpu_median_s"])  # type: ignore[arg-type]
-        / max(float(pair["grep_cpu_median_s"]), 1e-6),  # type: ignore[arg-type]
-    }
-    return {**pair, **floor, **ratios}
 
 
 def floor_in_process(data: bytes) -> list[tuple[bytes, ...]]:
@@ -389,8 +382,7 @@ def run(size: int, every: int, repeats: int, process_size: int) -> dict[str, obj
         process = {"small": _process_pair(path, grep, preps)}
         big = Path(tmp) / "big.log"
         big.write_bytes(realistic_dump(process_size, every=every, directory=d)[0])
-        process["big"] = _process_pair(big, grep, preps)
-        process["big"] = _with_floor(process["big"], _floor_process(big, preps))
+        process["big"] = _process_pair(big, grep, preps, floor=True)
         big.unlink()
         startup = _startup(grep, preps, Path(tmp))
     marker = MARKER.encode()

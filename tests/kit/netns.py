@@ -149,7 +149,7 @@ def harness_namespaces() -> list[tuple[str, int]]:
     r = _ip("netns", "list", check=False)
     found: list[tuple[str, int]] = []
     for line in r.stdout.splitlines():
-        m = _NAME_RE.match(line.split()[0] if line.split() else "")
+        m = _NAME_RE.match((line.split() or [""])[0])
         if m:
             found.append((m.group(0), int(m.group(1))))
     return found

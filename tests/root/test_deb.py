@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from kit.locks import canonical, hash_pinned
 from kit.paths import REPO
 
 BUILD = REPO / "packaging" / "build-deb.sh"
@@ -227,30 +228,13 @@ def test_lock_pins_every_runtime_dependency_by_hash() -> None:
     import re
 
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    lock = (REPO / "packaging" / "requirements.lock").read_text().splitlines()
-    pins = {}
-    for line in lock:
-        if line and not line.startswith("#"):
-            # One hash per wheel: a compiled dependency has one for each Python of the lock.
-            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)((?: --hash=sha256:[0-9a-f]{64})+)", line)
-            assert m, f"not a hash-pinned line: {line}"
-            pins[m[1].lower().replace("_", "-")] = m[2]
-    assert "# python: 3.11 3.12 3.13" in lock
+    path = REPO / "packaging" / "requirements.lock"
+    # One hash per wheel: a compiled dependency has one for each Python of the lock.
+    pins = hash_pinned(path)
+    assert "# python: 3.11 3.12 3.13" in path.read_text().splitlines()
     for dep in meta["dependencies"] + meta["optional-dependencies"]["gpu"]:
-        name = re.split(r"[\[<>=!~; ]", dep, maxsplit=1)[0].lower().replace("_", "-")
+        name = canonical(re.split(r"[\[<>=!~; ]", dep, maxsplit=1)[0])
         assert name in pins, f"{name} ({dep}) is not in requirements.lock: run packaging/lock.sh"
-
-
-def _pins(lock: Path) -> dict[str, str]:
-    import re
-
-    pins = {}
-    for line in lock.read_text().splitlines():
-        if line and not line.startswith("#"):
-            m = re.fullmatch(r"([A-Za-z0-9._-]+)==(\S+)((?: --hash=sha256:[0-9a-f]{64})+)", line)
-            assert m, f"{lock.name}: not a hash-pinned line: {line}"
-            pins[m[1].lower().replace("_", "-")] = m[2]
-    return pins
 
 
 def test_the_poller_packages_lock_adds_to_the_agents() -> None:
@@ -258,8 +242,8 @@ def test_the_poller_packages_lock_adds_to_the_agents() -> None:
     for the .debs' three Pythons, none of requirements.lock's distributions again."""
     text = (REPO / "packaging/requirements-deb-poller.lock").read_text()
     assert "# python: 3.11 3.12 3.13" in text
-    extra = _pins(REPO / "packaging/requirements-deb-poller.lock")
-    agent = _pins(REPO / "packaging/requirements.lock")
+    extra = hash_pinned(REPO / "packaging/requirements-deb-poller.lock")
+    agent = hash_pinned(REPO / "packaging/requirements.lock")
     assert {"psycopg", "psycopg-binary", "google-cloud-pubsub", "grpcio"} <= set(extra)
     assert not set(extra) & set(agent)
     assert "matplotlib" not in extra
@@ -268,13 +252,13 @@ def test_the_poller_packages_lock_adds_to_the_agents() -> None:
 def test_poller_lock_pins_the_operator_side_and_the_agent_the_same() -> None:
     """report --png (matplotlib), the PostgreSQL ledger (psycopg), Pub/Sub: pinned for the
     container, every dependency the agent shares at the agent's lock's version."""
-    poller = _pins(REPO / "packaging/requirements-poller.lock")
-    agent = _pins(REPO / "packaging/requirements.lock")
+    poller = hash_pinned(REPO / "packaging/requirements-poller.lock")
+    agent = hash_pinned(REPO / "packaging/requirements.lock")
     for name in ("matplotlib", "psycopg", "psycopg-binary", "google-cloud-pubsub", "grpcio"):
         assert name in poller, name
     shared = {k: v for k, v in agent.items() if k != "nvidia-ml-py"}
     assert {k: poller.get(k) for k in shared} == shared, "run packaging/lock.sh"
-    assert set(_pins(REPO / "packaging/requirements-build.lock")) >= {"setuptools", "wheel"}
+    assert set(hash_pinned(REPO / "packaging/requirements-build.lock")) >= {"setuptools", "wheel"}
 
 
 def test_dockerfile_installs_only_hash_pinned_wheels() -> None:

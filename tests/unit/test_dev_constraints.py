@@ -15,6 +15,7 @@ import tomllib
 from importlib import metadata
 
 import pytest
+from kit.locks import canonical, hash_pinned
 from kit.paths import REPO
 
 pytestmark = pytest.mark.pure
@@ -25,22 +26,17 @@ _PIN = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!_-]+)")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def _norm(name: str) -> str:
-    """A distribution name as PEP 503 compares them."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _pins(text: str, *, hashed: bool = False) -> dict[str, str]:
-    """name -> version of each ``name==version`` line (comments and blanks skipped; in a hashed
-    lock, the ``--hash=...`` options after it); a line of another shape is an error."""
+def _pins(text: str) -> dict[str, str]:
+    """name -> version of each ``name==version`` line (comments and blanks skipped); a line of
+    another shape is an error."""
     out: dict[str, str] = {}
     for raw in text.splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        m = _PIN.fullmatch(line.split()[0] if hashed else line)
+        m = _PIN.fullmatch(line)
         assert m is not None, f"not an exact pin: {raw!r}"
-        name = _norm(m.group(1))
+        name = canonical(m.group(1))
         assert name not in out, f"pinned twice: {name}"
         out[name] = m.group(2)
     return out
@@ -56,7 +52,7 @@ def _named() -> set[str]:
     for r in reqs:
         m = _NAME.match(r)
         assert m is not None, r
-        names.add(_norm(m.group(0)))
+        names.add(canonical(m.group(0)))
     return names
 
 
@@ -68,7 +64,7 @@ def test_every_named_dependency_has_an_exact_pin() -> None:
 
 def test_run_time_pins_equal_the_lock_users_install() -> None:
     pins = _pins(CONSTRAINTS.read_text())
-    lock = _pins(LOCK.read_text(), hashed=True)
+    lock = hash_pinned(LOCK)
     assert lock, "no pins read from requirements.lock"
     drift = {n: (pins.get(n), v) for n, v in lock.items() if pins.get(n) != v}
     assert not drift, f"constraints-dev vs requirements.lock (dev, lock): {drift}"
