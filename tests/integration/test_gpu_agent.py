@@ -5,7 +5,6 @@ the agent stops at SIGTERM with the probe child stuck."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -15,6 +14,7 @@ import pytest
 from gce_watchdog.testing.simgce import SimGCE
 from kit.agent import agent_config, agent_process, stop_agent
 from kit.events import read_events
+from kit.nvml_state import write as write_state
 from kit.wait import wait_for
 
 pytestmark = pytest.mark.process
@@ -26,9 +26,7 @@ GPU = {"used": 1 << 30, "total": 24 << 30, "remap": [0, 0, 0, 0], "ecc_uncorrect
 
 def _state(path: Path, *, block: bool = False, **per_gpu: dict[str, object]) -> None:
     gpus = [{**GPU, "bus": f"00000000:00:0{4 + i}.0", **per_gpu.get(f"g{i}", {})} for i in range(2)]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"block": block, "gpus": gpus}))
-    os.replace(tmp, path)  # the child reads it whole, never half-written
+    write_state(path, {"block": block, "gpus": gpus})  # the child reads it whole, never half
 
 
 def _kmsg(path: Path, facility: int, seq: int, message: str) -> None:

@@ -5,7 +5,6 @@ no GPU library in the agent's own process."""
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import subprocess
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 from gce_watchdog.gpu.probe import GpuProbe, ProbeResult
+from kit.nvml_state import write as write_state
 
 pytestmark = pytest.mark.process
 
@@ -37,7 +37,7 @@ EVENT_WAIT_S = 30.0  # a bound on waiting for the child's answer (an event), nev
 @pytest.fixture
 def nvml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     state = tmp_path / "nvml.json"
-    state.write_text(json.dumps({"gpus": [GPU, {**GPU, "bus": "00000000:00:05.0"}]}))
+    write_state(state, {"gpus": [GPU, {**GPU, "bus": "00000000:00:05.0"}]})
     # The child inherits the environment: this is how the real agent's child finds the fake.
     monkeypatch.setenv("GCEWD_FAKE_NVML", str(state))
     monkeypatch.setenv(
@@ -103,7 +103,7 @@ def test_the_agents_process_never_imports_a_gpu_library(nvml: Path) -> None:
 
 
 def test_a_lost_gpu_is_marked_lost(nvml: Path) -> None:
-    nvml.write_text(json.dumps({"gpus": [GPU, {**GPU, "lost": True}]}))
+    write_state(nvml, {"gpus": [GPU, {**GPU, "lost": True}]})
     assert [g["lost"] for g in _one_sample()["gpus"]] == [False, True]
 
 
@@ -111,7 +111,7 @@ def test_a_hung_call_is_one_stall_and_no_second_child(nvml: Path) -> None:
     probe = GpuProbe(timeout=5.0)
     try:
         assert _answer(probe, 0.0).sample is not None
-        nvml.write_text(json.dumps({"block": True, "gpus": [GPU]}))
+        write_state(nvml, {"block": True, "gpus": [GPU]})
         Path(str(nvml) + ".calls").unlink()
         assert probe.poll(10.0) == ProbeResult()  # request sent at t=10
         _wait_for_call(nvml, "nvmlDeviceGetCount")  # the child is inside NVML, blocked
@@ -121,7 +121,7 @@ def test_a_hung_call_is_one_stall_and_no_second_child(nvml: Path) -> None:
         for t in (16.0, 100.0, 1000.0):
             assert probe.poll(t) == ProbeResult()  # said once; no second child while it lives
         assert probe.children_started == 1
-        nvml.write_text(json.dumps({"block": False, "gpus": [GPU]}))
+        write_state(nvml, {"block": False, "gpus": [GPU]})
         r = _answer(probe, 1001.0)
         assert r.sample is not None and r.sample["count"] == 1
         assert probe.children_started == 1
@@ -130,7 +130,7 @@ def test_a_hung_call_is_one_stall_and_no_second_child(nvml: Path) -> None:
 
 
 def test_close_while_stuck_kills_the_child(nvml: Path) -> None:
-    nvml.write_text(json.dumps({"block": True, "gpus": [GPU]}))
+    write_state(nvml, {"block": True, "gpus": [GPU]})
     probe = GpuProbe(timeout=1.0)
     probe.poll(0.0)
     _wait_for_call(nvml, "nvmlDeviceGetCount")
@@ -148,7 +148,7 @@ def test_a_child_gone_before_the_next_request_is_said_exited_with_its_status(nvm
     ended (and is reaped) before the next request is written, so the write finds its input
     closed. What is said is its exit and status, as when the write lands first: a closed input
     is the child ending, not a reason of its own."""
-    nvml.write_text(json.dumps({"init_error": 9, "gpus": []}))
+    write_state(nvml, {"init_error": 9, "gpus": []})
     probe = GpuProbe(timeout=5.0, respawn_after=300.0)
     try:
         assert _answer(probe, 0.0).sample is not None
@@ -185,7 +185,7 @@ def test_a_child_that_closes_its_input_and_lives_on_is_ended_after_the_timeout()
 
 
 def test_no_nvml_ends_the_child_and_waits_before_the_next(nvml: Path) -> None:
-    nvml.write_text(json.dumps({"init_error": 9, "gpus": []}))  # NVML_ERROR_DRIVER_NOT_LOADED
+    write_state(nvml, {"init_error": 9, "gpus": []})  # NVML_ERROR_DRIVER_NOT_LOADED
     probe = GpuProbe(timeout=5.0, respawn_after=300.0)
     try:
         r = _answer(probe, 0.0)
